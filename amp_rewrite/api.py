@@ -1,0 +1,214 @@
+"""The one place that knows the pipeline order:
+load → classify → paint → islands → place casts (folding existing casts) → verify → emit → report.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from .decisions import Decision, DecisionLog, Precision
+from .errors import OutputError, UsageError
+from .ir import Model, verify
+from .passes.base import Context, Options, node_label, run_passes
+from .passes.classify import classify
+from .passes.islands import attach_cast_counts, find_islands
+from .passes.paint import paint
+from .passes.place_casts import place_casts
+
+if TYPE_CHECKING:
+    import onnx
+
+    from .report import Report
+    from .rulebook import RuleBook
+
+TARGETS = ("fp16", "bf16")
+
+
+@dataclass
+class RewriteResult:
+    """What a rewrite produced: the model (ONNX ModelProto, onnx-ir Model or GraphModule), the
+    decision log, whether anything changed, and the files written."""
+
+    model: Any
+    log: DecisionLog
+    modified: bool
+    outputs: list[Path] = field(default_factory=list)
+    source: str | None = None
+
+    @property
+    def report(self) -> "Report":
+        from .report import Report
+
+        return Report.from_log(self.log, source=self.source, output=str(self.outputs[-1]) if self.outputs else None)
+
+
+def make_context(*, frontend: str, target: str = "fp16", rules: Iterable[str | os.PathLike] | "RuleBook" = (),
+                 keep_io_types: bool = True, training: bool = False, fp32_nodes: Sequence[str] = (),
+                 fp16_nodes: Sequence[str] = (), fp32_ops: Sequence[str] = (), fp16_ops: Sequence[str] = (),
+                 placement: str = "greedy", loss: str | None = None, verify_each: bool = False) -> Context:
+    from .rulebook import RuleBook, load_rules
+
+    if target not in TARGETS:
+        raise UsageError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}")
+    if placement not in ("greedy", "optimal"):
+        raise UsageError(f"unknown placement {placement!r}: choose greedy or optimal")
+    if isinstance(rules, RuleBook):
+        book = rules
+    else:
+        book = load_rules([str(r) for r in rules], frontend=frontend, target=target, fp32_ops=fp32_ops,
+                          low_ops=fp16_ops, fp32_nodes=fp32_nodes, low_nodes=fp16_nodes)
+    options = Options(target=target, keep_io_types=keep_io_types, training=training, placement=placement,
+                      loss=loss, verify_each=verify_each)
+    return Context(rules=book, options=options, log=DecisionLog(target=target))
+
+
+def run_pipeline(model: Model, ctx: Context) -> bool:
+    """Run the passes on the IR; returns whether anything changed. Verifies the IR at the end."""
+    passes = [classify, paint, find_islands]
+    if ctx.options.placement == "optimal":
+        from .passes.optimal import optimise_placement
+
+        passes.append(optimise_placement)
+    passes.append(place_casts)
+    results = run_passes(model, ctx, passes)
+    attach_cast_counts(ctx.log)
+    _record_decisions(model, ctx)
+    verify(model.graph)
+    return any(r.modified for r in results)
+
+
+def _record_decisions(model: Model, ctx: Context) -> None:
+    for node in model.graph.walk():
+        meta = node.meta
+        if meta.get("amp.inserted") or meta.get("amp.category") is None:
+            continue
+        precision = meta.get("amp.precision", Precision.NONE)
+        ctx.log.decide(Decision(
+            node=node_label(node), op=node.qualified_op, category=meta["amp.category"], precision=precision,
+            reason=meta.get("amp.reason", ""), source=meta.get("amp.source", ""), step=meta.get("amp.step", "classify"),
+            via=meta.get("amp.via"), island=meta.get("amp.island")))
+
+
+# -- ONNX ------------------------------------------------------------------------------------------------
+def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, overwrite: bool = False,
+                 external_data: bool | None = None, **options: Any) -> RewriteResult:
+    """Rewrite an ONNX file. ``dst`` defaults to ``<stem>.fp16.onnx`` (or ``.bf16``) next to ``src``.
+
+    The input is never modified; the output is written atomically (external data, if any, to a
+    fresh ``<dst>.data``). Options are those of :func:`make_context`."""
+    from .emitters.onnx_emitter import save_onnx
+    from .frontends.onnx_loader import load_onnx
+
+    src_path = Path(src)
+    target = options.get("target", "fp16")
+    dst_path = Path(dst) if dst is not None else src_path.with_name(f"{src_path.stem}.{target}.onnx")
+    _check_output(src_path, dst_path, overwrite)
+    ctx = make_context(frontend="onnx", **options)
+    model = load_onnx(src_path)
+    modified = run_pipeline(model, ctx)
+    source_files = _input_files(model, src_path)
+    use_external = external_data if external_data is not None else _needs_external(model, src_path)
+    if not modified:
+        written = _copy_unchanged(src_path, dst_path, model, use_external, source_files)
+        return RewriteResult(model.origin.model, ctx.log, False, written, source=str(src_path))
+    from .emitters.onnx_emitter import emit_onnx
+
+    ir_model = emit_onnx(model, ctx.log)
+    written = save_onnx(ir_model, dst_path, external=use_external, source_files=source_files)
+    return RewriteResult(ir_model, ctx.log, True, written, source=str(src_path))
+
+
+def rewrite_onnx_model(proto: "onnx.ModelProto", **options: Any) -> RewriteResult:
+    """Rewrite an in-memory ModelProto; the argument is not modified."""
+    from .emitters.onnx_emitter import emit_onnx, to_proto
+    from .frontends.onnx_loader import load_onnx
+
+    ctx = make_context(frontend="onnx", **options)
+    model = load_onnx(proto)
+    modified = run_pipeline(model, ctx)
+    if not modified:
+        out = type(proto)()
+        out.CopyFrom(proto)
+        return RewriteResult(out, ctx.log, False)
+    return RewriteResult(to_proto(emit_onnx(model, ctx.log)), ctx.log, True)
+
+
+def rewrite(obj: Any, *, report: bool = False, **options: Any) -> Any:
+    """Rewrite an ``onnx.ModelProto`` (returns a ModelProto) or a torch ``nn.Module`` /
+    ``fx.GraphModule`` (returns a GraphModule). ``report=True`` returns ``(model, Report)``."""
+    result = _dispatch(obj, **options)
+    return (result.model, result.report) if report else result.model
+
+
+def _dispatch(obj: Any, **options: Any) -> RewriteResult:
+    kind = type(obj).__module__
+    if kind.startswith("onnx") and type(obj).__name__ == "ModelProto":
+        return rewrite_onnx_model(obj, **options)
+    if isinstance(obj, (str, os.PathLike)):
+        raise UsageError("rewrite() takes a model object; for files use rewrite_onnx(src, dst)")
+    if _is_torch_module(obj):
+        from .fx_api import rewrite_torch
+
+        return rewrite_torch(obj, **options)
+    raise UsageError(f"rewrite() does not know how to rewrite a {type(obj).__name__}: pass an onnx.ModelProto, "
+                     f"a torch.nn.Module or a torch.fx.GraphModule")
+
+
+def _is_torch_module(obj: Any) -> bool:
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)
+
+
+# -- file handling -------------------------------------------------------------------------------------
+def _check_output(src: Path, dst: Path, overwrite: bool) -> None:
+    if not dst.parent.exists():
+        raise OutputError(f"{dst.parent}: output folder does not exist")
+    if src.exists() and dst.exists() and dst.resolve() == src.resolve():
+        raise OutputError(f"{dst}: the output would replace the input; choose another -o (the input is never modified)")
+    if dst.exists() and not overwrite:
+        raise OutputError(f"{dst}: already exists; pass --overwrite to replace it")
+    if dst.exists() and dst.is_dir():
+        raise OutputError(f"{dst}: is a directory")
+    if not os.access(dst.parent, os.W_OK):
+        raise OutputError(f"{dst.parent}: not writable")
+
+
+def _input_files(model: Model, src: Path) -> set[Path]:
+    import onnx_ir as ir
+
+    files = {src.resolve()}
+    for graph in model.origin.model.graphs():
+        for value in graph.initializers.values():
+            if isinstance(value.const_value, ir.ExternalTensor):
+                files.add((Path(value.const_value.base_dir) / value.const_value.location).resolve())
+    return files
+
+
+def _needs_external(model: Model, src: Path) -> bool:
+    """External data when the input used it, or when the output could pass protobuf's 2 GB limit."""
+    return len(_input_files(model, src)) > 1 or src.stat().st_size > (1 << 31) - (64 << 20)
+
+
+def _copy_unchanged(src: Path, dst: Path, model: Model, external: bool, source_files: set[Path]) -> list[Path]:
+    """Nothing to change: write the model as it is (byte-identical when it has no external data)."""
+    import shutil
+    import tempfile
+
+    if not external:
+        fd, tmp = tempfile.mkstemp(prefix=".amp-rewrite-", dir=dst.parent)
+        os.close(fd)
+        try:
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+        except OSError as exc:
+            Path(tmp).unlink(missing_ok=True)
+            raise OutputError(f"{dst}: writing failed ({exc.strerror or exc})") from exc
+        return [dst]
+    from .emitters.onnx_emitter import save_onnx
+
+    return save_onnx(model.origin.model, dst, external=True, source_files=source_files)

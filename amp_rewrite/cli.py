@@ -1,0 +1,83 @@
+"""Command line: argument parsing, messages and exit codes. No graph logic lives here.
+
+Every failure is one line on stderr (``amp-rewrite: error: ...``) and a documented exit code;
+``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .errors import AmpRewriteError
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+INTERNAL_ERROR = 70
+
+
+@app.command()
+def _command(
+    model: Path = typer.Argument(..., help="FP32 ONNX model to rewrite (never modified)."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output",
+                                          help="Output path (default: <model>.fp16.onnx next to the input)."),
+    target: str = typer.Option("fp16", "--target", help="Low-precision type: fp16 or bf16."),
+    rules: List[Path] = typer.Option([], "--rules", help="Rule file layered on the built-in set (repeatable)."),
+    keep_io_types: bool = typer.Option(True, "--keep-io-types/--no-keep-io-types",
+                                       help="Keep float graph inputs/outputs FP32 (default) or make them low precision."),
+    fp32_nodes: List[str] = typer.Option([], "--fp32-nodes", help="Node name, glob or re:regex kept FP32 (repeatable)."),
+    fp16_nodes: List[str] = typer.Option([], "--fp16-nodes", help="Node name, glob or re:regex made low precision."),
+    fp32_ops: List[str] = typer.Option([], "--fp32-ops", help="Op type kept FP32 (repeatable)."),
+    fp16_ops: List[str] = typer.Option([], "--fp16-ops", help="Op type made low precision (repeatable)."),
+    placement: str = typer.Option("greedy", "--placement", help="Cast placement: greedy or optimal (min-cut)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
+    report: Optional[Path] = typer.Option(None, "--report", help="Write the report (.json, .html or .md)."),
+    explain: Optional[str] = typer.Option(None, "--explain", help="Explain one node's precision; writes no model."),
+    check: bool = typer.Option(False, "--check", help="Run FP32 and rewritten models and compare outputs."),
+    tolerance: float = typer.Option(1e-2, "--tolerance", help="Relative error allowed by --check."),
+    inputs: Optional[Path] = typer.Option(None, "--inputs", help="Inputs for --check (.npz)."),
+    auto_fp32: bool = typer.Option(False, "--auto-fp32", help="Pin the fewest nodes FP32 needed to pass --check."),
+    training: bool = typer.Option(False, "--training", help="Training graph: FP32 master weights, loss scaling."),
+    loss: Optional[str] = typer.Option(None, "--loss", help="Training: name of the loss output."),
+    grads: Optional[str] = typer.Option(None, "--grads", help="Training: glob of gradient outputs to unscale."),
+    quiet: bool = typer.Option(False, "-q", "--quiet", help="Print nothing but errors."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks and verify the IR after every pass."),
+) -> None:
+    """Rewrite an FP32 ONNX model to mixed precision: heavy math in FP16/BF16, fragile parts in FP32."""
+    from . import commands
+
+    commands.run(commands.CliArgs(**{k: v for k, v in locals().items() if k != "commands"}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        app(args=argv, prog_name="amp-rewrite", standalone_mode=False)
+    except AmpRewriteError as exc:
+        if debug:
+            raise
+        print(f"amp-rewrite: error: {exc.message}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("amp-rewrite: interrupted; no output was written", file=sys.stderr)
+        return 130
+    except SystemExit as exc:
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 1
+    except Exception as exc:  # click's usage errors and anything unforeseen
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show(file=sys.stderr)
+            return exc.exit_code
+        if isinstance(exc, click.exceptions.Abort):
+            return 1
+        if debug:
+            raise
+        print(f"amp-rewrite: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback and "
+              f"please report it)", file=sys.stderr)
+        return INTERNAL_ERROR
+    return 0

@@ -1,0 +1,104 @@
+"""What the CLI does with its arguments: calls the API and prints. Kept apart from cli.py so the
+argument parser stays declarative."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from .errors import UsageError
+
+
+@dataclass
+class CliArgs:
+    model: Path
+    output: Optional[Path] = None
+    target: str = "fp16"
+    rules: list[Path] = field(default_factory=list)
+    keep_io_types: bool = True
+    fp32_nodes: list[str] = field(default_factory=list)
+    fp16_nodes: list[str] = field(default_factory=list)
+    fp32_ops: list[str] = field(default_factory=list)
+    fp16_ops: list[str] = field(default_factory=list)
+    placement: str = "greedy"
+    overwrite: bool = False
+    report: Optional[Path] = None
+    explain: Optional[str] = None
+    check: bool = False
+    tolerance: float = 1e-2
+    inputs: Optional[Path] = None
+    auto_fp32: bool = False
+    training: bool = False
+    loss: Optional[str] = None
+    grads: Optional[str] = None
+    quiet: bool = False
+    debug: bool = False
+
+    def options(self) -> dict:
+        return dict(target=self.target, rules=[str(r) for r in self.rules], keep_io_types=self.keep_io_types,
+                    fp32_nodes=self.fp32_nodes, fp16_nodes=self.fp16_nodes, fp32_ops=self.fp32_ops,
+                    fp16_ops=self.fp16_ops, placement=self.placement, verify_each=self.debug)
+
+
+def say(args: CliArgs, text: str) -> None:
+    if not args.quiet:
+        print(text)
+
+
+def run(args: CliArgs) -> None:
+    _validate(args)
+    if args.explain is not None:
+        from .explain import explain_node
+
+        say(args, explain_node(args.model, args.explain, **args.options()))
+        return
+    if args.training:
+        from .training_onnx import rewrite_training_cli
+
+        result = rewrite_training_cli(args)
+    elif args.auto_fp32:
+        from .check import auto_fp32_cli
+
+        result = auto_fp32_cli(args)
+    else:
+        from .api import rewrite_onnx
+
+        result = rewrite_onnx(args.model, args.output, overwrite=args.overwrite, **args.options())
+    report = result.report
+    if not result.modified:
+        report.log.notes.append("nothing to rewrite: no FP32 op that the rules put in low precision; "
+                                "the output is a copy of the input")
+    if args.check and not args.auto_fp32:
+        from .check import check_cli
+
+        check_cli(args, result, report)
+    if args.report is not None:
+        from .report import write_report
+
+        write_report(report, args.report)
+    say(args, report.summary_text())
+    if not result.modified:
+        say(args, "nothing to rewrite: the model has no FP32 op that the rules put in low precision")
+    if args.report is not None:
+        say(args, f"report: {args.report}")
+
+
+def _validate(args: CliArgs) -> None:
+    if args.target not in ("fp16", "bf16"):
+        raise UsageError(f"--target {args.target!r}: choose fp16 or bf16")
+    if args.placement not in ("greedy", "optimal"):
+        raise UsageError(f"--placement {args.placement!r}: choose greedy or optimal")
+    if args.report is not None and args.report.suffix.lower() not in (".json", ".html", ".md"):
+        raise UsageError(f"--report {args.report}: the format comes from the extension: .json, .html or .md")
+    if (args.loss or args.grads) and not args.training:
+        raise UsageError("--loss and --grads need --training")
+    if args.training and not args.loss:
+        raise UsageError("--training needs --loss NAME (the graph output holding the loss)")
+    if args.inputs is not None and not args.inputs.exists():
+        raise UsageError(f"--inputs {args.inputs}: no such file")
+    if args.tolerance <= 0:
+        raise UsageError("--tolerance must be positive")
+    if args.training and args.target == "bf16":
+        print("amp-rewrite: note: bf16 needs no loss scaling; loss-scale nodes are still added", file=sys.stderr)

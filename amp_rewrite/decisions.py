@@ -1,0 +1,105 @@
+"""Shared vocabulary of the passes: rule categories, precisions, and decision records.
+
+A decision is a value with a reason, never a silent boolean: the report answers "why is this
+node fp32?" from these records alone.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Category(str, enum.Enum):
+    ALLOW = "allow"
+    INFER = "infer"
+    CLEAR = "clear"
+    DENY = "deny"
+    UNLISTED = "unlisted"  # no rule names the op: treated as deny and reported
+
+
+class Precision(str, enum.Enum):
+    LOW = "low"  # the target type: fp16 or bf16
+    FP32 = "fp32"
+    NONE = "none"  # no FP32 float tensor in its painted type group: nothing to decide
+
+
+@dataclass
+class Decision:
+    """Why one node ended in its precision. ``via`` names the node the paint came from."""
+
+    node: str
+    op: str
+    category: Category
+    precision: Precision
+    reason: str
+    source: str  # the rule entry ("rules/onnx-cuda-fp16.toml: deny.ReduceMean") or the step
+    step: str = "classify"  # classify | allow | deny-spread | between-allow | clear-spread | safety | override
+    via: str | None = None
+    island: int | None = None
+
+
+@dataclass
+class CastRecord:
+    """One inserted (or retargeted) Cast."""
+
+    name: str
+    tensor: str
+    src: str  # dtype short name
+    dst: str
+    producer: str | None
+    consumers: list[str]
+    shape: tuple | None
+    numel: int | None
+    scope: str
+    reason: str
+    kind: str = "inserted"  # inserted | retargeted | removed
+
+    @property
+    def bytes_per_run(self) -> int | None:
+        if self.numel is None:
+            return None
+        size = {"fp32": 4, "fp16": 2, "bf16": 2, "fp64": 8}
+        return int(self.numel * (size.get(self.src, 4) + size.get(self.dst, 4)))
+
+
+@dataclass
+class Island:
+    """A connected FP32 region that painting forced (a deny seed plus what deny paint pulled in)."""
+
+    id: int
+    scope: str
+    members: list[str]
+    seeds: list[str]
+    pattern: str | None
+    casts_in: int = 0
+    casts_out: int = 0
+
+
+@dataclass
+class WeightStats:
+    converted: int = 0
+    converted_elements: int = 0
+    clamped: int = 0
+    flushed_to_zero: int = 0
+    sentinels: list[dict] = field(default_factory=list)
+    duplicated: int = 0
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+
+@dataclass
+class DecisionLog:
+    """Everything the pipeline decided, in one place; the report is built from it."""
+
+    target: str = "fp16"
+    decisions: dict[str, Decision] = field(default_factory=dict)
+    casts: list[CastRecord] = field(default_factory=list)
+    islands: list[Island] = field(default_factory=list)
+    unlisted_ops: dict[str, int] = field(default_factory=dict)
+    weights: WeightStats = field(default_factory=WeightStats)
+    notes: list[str] = field(default_factory=list)
+    io_changed: list[str] = field(default_factory=list)
+
+    def decide(self, decision: Decision) -> None:
+        self.decisions[decision.node] = decision

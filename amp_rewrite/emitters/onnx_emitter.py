@@ -1,0 +1,240 @@
+"""Neutral IR → ONNX, by patching the onnx-ir model the loader read.
+
+Only what changed is touched: value dtypes and names, converted initializers and Constant
+tensors, retargeted Cast attributes, rewired inputs, the new Cast nodes, removed no-op casts and
+graph outputs. Everything else (names, metadata, doc strings, functions, external-data layout) is
+left as the loader found it. Inserted and painted nodes get ``amp_rewrite.*`` metadata_props so
+the report can be rebuilt from the output model alone.
+
+Weights are converted with clamping at the target type's true limits (±65504 for FP16); large
+tensors are converted lazily at save time, one at a time, so a model is never fully materialised.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from ..decisions import DecisionLog, Precision
+from ..errors import OutputError
+from ..ir import DType, Graph, Model, Node, Value
+from ..frontends.onnx_loader import OnnxSource
+
+LAZY_BYTES = 16 << 20  # tensors above this are converted while saving, not in memory up front
+SENTINEL = 1e8  # |x| at or above this (or inf) is a sentinel (masks), reported
+TAG = "amp_rewrite."
+
+
+def emit_onnx(model: Model, log: DecisionLog) -> ir.Model:
+    """Apply the IR's changes to the onnx-ir model and return it."""
+    source: OnnxSource = model.origin
+    _Patcher(log).patch(model.graph)
+    for node in model.meta.get("amp.removed_nodes", []):
+        origin = node.origin
+        if origin is not None and origin.graph is not None:
+            origin.graph.remove(origin, safe=True)
+    from onnx_ir.passes.common import TopologicalSortPass
+
+    TopologicalSortPass()(source.model)
+    source.model.metadata_props[TAG + "log"] = "v1"
+    return source.model
+
+
+def to_proto(model: ir.Model) -> onnx.ModelProto:
+    return ir.serde.serialize_model(model)
+
+
+class _Patcher:
+    def __init__(self, log: DecisionLog) -> None:
+        self.log = log
+        self.values: dict[int, ir.Value] = {}
+
+    def ir_value(self, value: Value) -> ir.Value:
+        if value.origin is not None:
+            return value.origin
+        if id(value) not in self.values:
+            shape = ir.Shape(list(value.shape)) if value.shape is not None else None
+            self.values[id(value)] = ir.Value(name=value.name, type=ir.TensorType(ir.DataType(int(value.dtype))),
+                                              shape=shape)
+        return self.values[id(value)]
+
+    def patch(self, graph: Graph) -> None:
+        origin: ir.Graph = graph.origin
+        for value in list(graph.inputs) + list(graph.initializers.values()):
+            self._retype(value)
+        for value in graph.initializers.values():
+            if value.origin is None and "amp.copy_of" in value.meta:
+                self._add_copy(origin, value)
+            elif value.meta.get("amp.convert") and value.origin is not None:
+                value.origin.const_value = self._convert(value.origin.const_value, value.name, value.dtype)
+        previous: ir.Node | None = None
+        for node in graph.nodes:
+            if node.origin is None:
+                new = self._new_node(node)
+                if previous is None:
+                    if len(origin) == 0:
+                        origin.append(new)
+                    else:
+                        origin.insert_before(origin.node(0), new)
+                else:
+                    origin.insert_after(previous, new)
+                previous = new
+                continue
+            self._patch_node(node)
+            previous = node.origin
+            for sub in node.all_subgraphs():
+                self.patch(sub)
+        for i, value in enumerate(graph.outputs):
+            target = self.ir_value(value)
+            if origin.outputs[i] is not target:
+                origin.outputs[i] = target
+
+    def _retype(self, value: Value) -> None:
+        o = value.origin
+        if o is None:
+            return
+        if o.name != value.name:
+            o.name = value.name
+        if value.dtype is not None and (o.dtype is None or int(o.dtype) != int(value.dtype)) and "amp.was" in value.meta:
+            o.dtype = ir.DataType(int(value.dtype))
+
+    def _patch_node(self, node: Node) -> None:
+        n: ir.Node = node.origin
+        for out in node.outputs:
+            self._retype(out)
+        for i, value in enumerate(node.inputs):
+            target = self.ir_value(value) if value is not None else None
+            if n.inputs[i] is not target:
+                n.replace_input_with(i, target)
+        if node.meta.get("amp.retargeted"):
+            n.attributes["to"] = ir.AttrInt64("to", int(node.attrs["to"]))
+        if node.op_type == "Constant" and node.domain == "" and node.outputs[0].meta.get("amp.convert"):
+            attr = n.attributes["value"]
+            n.attributes["value"] = ir.AttrTensor("value", self._convert(attr.as_tensor(), node.outputs[0].name,
+                                                                          node.outputs[0].dtype))
+        if node.op_type == "ConstantOfShape" and node.outputs[0].meta.get("amp.was") is not None:
+            self._retype_constant_of_shape(n, node.outputs[0].dtype)
+        if node.meta.get("amp.participates"):
+            self._tag(n, node)
+
+    def _retype_constant_of_shape(self, n: ir.Node, dtype: DType) -> None:
+        """Its output type comes from the ``value`` attribute (default: float32 zero)."""
+        attr = n.attributes.get("value")
+        data = attr.as_tensor().numpy() if attr is not None else np.zeros((1,), np.float32)
+        n.attributes["value"] = ir.AttrTensor("value", ir.tensor(data.astype(_np_dtype(dtype))))
+
+    def _tag(self, n: ir.Node, node: Node) -> None:
+        meta = node.meta
+        props = {
+            "precision": meta["amp.precision"].value if isinstance(meta.get("amp.precision"), Precision) else "",
+            "category": getattr(meta.get("amp.category"), "value", "") or "",
+            "reason": meta.get("amp.reason", ""),
+            "source": meta.get("amp.source", ""),
+            "step": meta.get("amp.step", ""),
+            "via": meta.get("amp.via") or "",
+        }
+        if meta.get("amp.island") is not None:
+            props["island"] = str(meta["amp.island"])
+        for key, value in props.items():
+            n.metadata_props[TAG + key] = str(value)
+
+    def _new_node(self, node: Node) -> ir.Node:
+        inputs = [self.ir_value(v) if v is not None else None for v in node.inputs]
+        outputs = [self.ir_value(v) for v in node.outputs]
+        attrs = [ir.AttrInt64("to", int(node.attrs["to"]))] if node.op_type == "Cast" else []
+        new = ir.Node("", node.op_type, inputs, attrs, outputs=outputs, name=node.name)
+        new.metadata_props[TAG + "inserted"] = "cast"
+        new.metadata_props[TAG + "reason"] = node.meta.get("amp.reason", "")
+        node.origin = new
+        return new
+
+    def _add_copy(self, origin: ir.Graph, value: Value) -> None:
+        source: Value = value.meta["amp.copy_of"]
+        tensor = self._convert(source.origin.const_value, value.name, value.dtype)
+        new = ir.Value(name=value.name, type=ir.TensorType(ir.DataType(int(value.dtype))),
+                       shape=ir.Shape(list(tensor.shape.dims)), const_value=tensor)
+        origin.register_initializer(new)
+        value.origin = new
+
+    # -- weights -----------------------------------------------------------------------------------
+    def _convert(self, tensor, name: str, dtype: DType):
+        nbytes = int(np.prod(tensor.shape.numpy(), dtype=np.int64)) * 4 if tensor.shape is not None else 0
+        target = _np_dtype(dtype)
+        stats = self.log.weights
+
+        def convert() -> ir.Tensor:
+            data = tensor.numpy()
+            converted, clamped, flushed, sentinel = convert_array(data, target)
+            stats.clamped += clamped
+            stats.flushed_to_zero += flushed
+            if sentinel:
+                stats.sentinels.append({"tensor": name, **sentinel})
+            return ir.Tensor(converted, name=tensor.name)
+
+        if nbytes > LAZY_BYTES:
+            return ir.LazyTensor(convert, dtype=ir.DataType(int(dtype)), shape=tensor.shape, name=tensor.name)
+        return convert()
+
+
+def convert_array(data: np.ndarray, target) -> tuple[np.ndarray, int, int, dict | None]:
+    """FP32 → target with clamping at the true limits. Returns (array, clamped, flushed, sentinel)."""
+    data = np.asarray(data, dtype=np.float32)
+    limit = float(ml_dtypes.finfo(target).max)
+    finite = np.isfinite(data)
+    big = np.abs(data) >= SENTINEL
+    sentinel = None
+    if big.any() or (~finite & ~np.isnan(data)).any():
+        hits = data[big | (~finite & ~np.isnan(data))]
+        sentinel = {"count": int(hits.size), "min": float(hits.min()), "max": float(hits.max())}
+    over = finite & (np.abs(data) > limit)
+    clamped = int(over.sum())
+    if clamped:
+        data = np.where(over, np.sign(data) * limit, data)
+    converted = data.astype(target)
+    flushed = int(np.count_nonzero((data != 0) & (converted.astype(np.float32) == 0)))
+    return converted, clamped, flushed, sentinel
+
+
+def _np_dtype(dtype: DType):
+    return {DType.FLOAT16: np.float16, DType.BFLOAT16: ml_dtypes.bfloat16, DType.FLOAT: np.float32}[dtype]
+
+
+# -- saving ----------------------------------------------------------------------------------------------
+def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[Path]) -> list[Path]:
+    """Write atomically: into a temp folder beside ``dst``, then rename into place.
+
+    External data, when used, goes to a fresh ``<dst name>.data`` next to the output; it must not
+    be a file the input reads from."""
+    dst = Path(dst)
+    data_name = dst.name + ".data"
+    if external and (dst.parent / data_name).resolve() in source_files:
+        raise OutputError(f"{dst.parent / data_name}: would overwrite the input's external data; choose another -o")
+    try:
+        tmpdir = tempfile.mkdtemp(prefix=".amp-rewrite-", dir=dst.parent)
+    except OSError as exc:
+        raise OutputError(f"{dst.parent}: cannot write here ({exc.strerror or exc})") from exc
+    tmp = Path(tmpdir)
+    written = []
+    try:
+        if external:
+            ir.save(model, tmp / dst.name, external_data=data_name, size_threshold_bytes=1024)
+        else:
+            ir.save(model, tmp / dst.name)
+        if external and (tmp / data_name).exists():
+            os.replace(tmp / data_name, dst.parent / data_name)
+            written.append(dst.parent / data_name)
+        os.replace(tmp / dst.name, dst)
+        written.append(dst)
+    except OSError as exc:
+        raise OutputError(f"{dst}: writing failed ({exc.strerror or exc}); nothing was left behind") from exc
+    finally:
+        for leftover in tmp.iterdir():
+            leftover.unlink()
+        tmp.rmdir()
+    return written

@@ -1,0 +1,63 @@
+"""Error taxonomy. Every error a user can cause is an AmpRewriteError with an exit code and a
+one-line message that says what to do; the CLI prints ``message`` and exits with ``exit_code``."""
+
+from __future__ import annotations
+
+
+class AmpRewriteError(Exception):
+    """Base class. ``exit_code`` is what the CLI returns (see README, "Exit codes")."""
+
+    exit_code = 1
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class UsageError(AmpRewriteError):
+    """Bad command-line arguments or option values."""
+
+    exit_code = 2
+
+
+class ModelLoadError(AmpRewriteError):
+    """The input is not a readable ONNX model (missing, not ONNX, truncated, missing external data)."""
+
+    exit_code = 3
+
+
+class RuleFileError(AmpRewriteError):
+    """A rule file is invalid; the message names the file, the key and the closest valid value."""
+
+    exit_code = 4
+
+    def __init__(self, path: str, key: str, problem: str, suggestion: str | None = None) -> None:
+        hint = f" (did you mean {suggestion!r}?)" if suggestion else ""
+        super().__init__(f"{path}: {key}: {problem}{hint}")
+        self.path = path
+        self.key = key
+        self.suggestion = suggestion
+
+
+class UnsupportedModelError(AmpRewriteError):
+    """A valid model this tool cannot rewrite (IR version or opset out of range, cycles, ...)."""
+
+    exit_code = 5
+
+
+class OutputError(AmpRewriteError):
+    """The output cannot be written (exists without --overwrite, equals the input, unwritable)."""
+
+    exit_code = 6
+
+
+class VerificationError(AmpRewriteError):
+    """An internal invariant failed after a pass: a bug in amp-rewrite, never the user's fault."""
+
+    exit_code = 7
+
+
+class CheckFailedError(AmpRewriteError):
+    """--check found the rewritten model outside tolerance."""
+
+    exit_code = 8

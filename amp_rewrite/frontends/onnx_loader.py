@@ -1,0 +1,298 @@
+"""ONNX → neutral IR, with onnx-ir underneath.
+
+onnx-ir is lenient by design (it memory-maps external data and loads what it can), so this module
+adds the guard rails: a clear error for files that are missing, not ONNX, truncated, or whose
+external data is missing or short; IR versions and opsets outside what we support; dangling
+input names. Every IR object keeps a handle (``origin``) to its onnx-ir object so the emitter can
+patch the model instead of rebuilding it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+from google.protobuf.message import DecodeError
+
+from ..errors import ModelLoadError, UnsupportedModelError
+from ..ir import DType, Graph, Model, Node, Value
+
+MIN_OPSET = 7
+CONTROL_FLOW_OPS = {"If", "Loop", "Scan", "SequenceMap"}
+# Ops whose float input may be any type and never needs a cast (they read metadata only).
+_TYPE_AGNOSTIC_INPUTS = {"Shape", "Size"}
+
+
+@dataclass
+class OnnxSource:
+    """What the emitter needs to write the model back: the onnx-ir model and where it came from."""
+
+    model: ir.Model
+    path: Path | None
+
+
+def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool = True) -> Model:
+    """Load a path or ModelProto into the neutral IR (never modifies the input)."""
+    if isinstance(source, onnx.ModelProto):
+        ir_model = _from_proto(source)
+        path = None
+    else:
+        path = Path(source)
+        ir_model = _read_path(path)
+    _check_supported(ir_model, path)
+    if infer_shapes:
+        _infer_types(ir_model)
+    model = Model(graph=Graph(), frontend="onnx", opsets=_opsets(ir_model), origin=OnnxSource(ir_model, path))
+    model.graph = _Builder(model.opsets).build_graph(ir_model.graph, outer={})
+    model.meta["ir_version"] = ir_model.ir_version
+    model.meta["functions"] = {(f.domain, f.name) for f in ir_model.functions.values()}
+    return model
+
+
+# -- reading ------------------------------------------------------------------------------------------
+def _from_proto(proto: onnx.ModelProto) -> ir.Model:
+    try:
+        return ir.serde.deserialize_model(proto)
+    except Exception as exc:  # onnx-ir raises many kinds on malformed protos
+        raise ModelLoadError(f"the ModelProto could not be read: {exc}") from exc
+
+
+def _read_path(path: Path) -> ir.Model:
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file")
+    if path.is_dir():
+        raise ModelLoadError(f"{path}: is a directory, expected an .onnx file")
+    if not os.access(path, os.R_OK):
+        raise ModelLoadError(f"{path}: not readable (check permissions)")
+    if path.stat().st_size == 0:
+        raise ModelLoadError(f"{path}: the file is empty")
+    try:
+        # load_external_data=False: external tensors are referenced, never read into memory here.
+        proto = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError, OSError) as exc:
+        raise ModelLoadError(f"{path}: not a valid ONNX model (truncated or not ONNX): {_first_line(exc)}") from exc
+    if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
+        raise ModelLoadError(f"{path}: not a valid ONNX model (no graph); is this an ONNX file?")
+    model = _from_proto(proto)
+    _attach_base_dir(model, path.parent)
+    _check_external_data(model, path)
+    return model
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _attach_base_dir(model: ir.Model, base_dir: Path) -> None:
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor):
+                tensor.base_dir = str(base_dir)
+
+
+def _check_external_data(model: ir.Model, path: Path) -> None:
+    """Fail early, naming the file, when external data is missing or shorter than declared."""
+    sizes: dict[str, int] = {}
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if not isinstance(tensor, ir.ExternalTensor):
+                continue
+            location = Path(tensor.base_dir) / tensor.location
+            if tensor.location.startswith("/") or ".." in Path(tensor.location).parts:
+                raise ModelLoadError(f"{path}: external data location {tensor.location!r} escapes the model folder")
+            key = str(location)
+            if key not in sizes:
+                if not location.exists():
+                    raise ModelLoadError(
+                        f"{path}: external data file {tensor.location!r} for tensor {value.name!r} is missing "
+                        f"(expected next to the model in {location.parent})")
+                sizes[key] = location.stat().st_size
+            need = (tensor.offset or 0) + (tensor.length if tensor.length is not None else tensor.nbytes)
+            if need > sizes[key]:
+                raise ModelLoadError(
+                    f"{path}: external data file {tensor.location!r} is too short for tensor {value.name!r} "
+                    f"(needs {need} bytes, has {sizes[key]}); the file is truncated")
+
+
+def _check_supported(model: ir.Model, path: Path | None) -> None:
+    where = f"{path}: " if path else ""
+    if model.ir_version is not None and model.ir_version > onnx.IR_VERSION:
+        raise UnsupportedModelError(
+            f"{where}IR version {model.ir_version} is newer than this onnx ({onnx.__version__}) supports "
+            f"(max {onnx.IR_VERSION}); upgrade onnx")
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
+    if opset is None:
+        if any(n.domain in ("", "ai.onnx") for n in model.graph.all_nodes()):
+            raise UnsupportedModelError(f"{where}the model uses ai.onnx ops but imports no ai.onnx opset")
+        return
+    newest = onnx.defs.onnx_opset_version()
+    if opset < MIN_OPSET or opset > newest:
+        raise UnsupportedModelError(
+            f"{where}ai.onnx opset {opset} is outside the supported range {MIN_OPSET}..{newest}; "
+            f"convert it first (onnx.version_converter.convert_version)")
+
+
+def _infer_types(model: ir.Model) -> None:
+    """Fill dtypes of intermediate values. Failure is not fatal: unknown dtypes are left alone."""
+    from onnx_ir.passes.common import ShapeInferencePass
+
+    import logging
+
+    logging.getLogger("onnx_ir.passes.common.shape_inference").setLevel(logging.ERROR)
+    ShapeInferencePass(strict_mode=False, data_prop=False)(model)
+
+
+def _opsets(model: ir.Model) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for domain, version in model.opset_imports.items():
+        out["" if domain == "ai.onnx" else domain] = version
+    return out
+
+
+# -- building the neutral IR ---------------------------------------------------------------------------
+class _Builder:
+    def __init__(self, opsets: dict[str, int]) -> None:
+        self.opsets = opsets
+        self._schema_cache: dict[tuple[str, str, int], Any] = {}
+
+    def build_graph(self, g: ir.Graph, outer: dict[int, Value], parent: Node | None = None) -> Graph:
+        graph = Graph(g.name or "", origin=g)
+        graph.parent = parent
+        graph.opsets = self.opsets
+        scope: dict[int, Value] = dict(outer)
+        for v in g.inputs:
+            scope[id(v)] = graph.add_input(self._value(v))
+        for name, v in g.initializers.items():
+            if id(v) in scope:  # initializer listed as a graph input (IR < 4): an overridable input
+                scope[id(v)].is_initializer = True
+                graph.initializers[name] = scope[id(v)]
+                _fill_const(scope[id(v)], v)
+                continue
+            val = graph.add_initializer(self._value(v))
+            _fill_const(val, v)
+            scope[id(v)] = val
+        for n in g:
+            graph.append(self._node(n, scope))
+        for v in g.outputs:
+            if id(v) not in scope:
+                raise ModelLoadError(f"graph {g.name!r}: output {v.name!r} is not produced by any node or input")
+            graph.outputs.append(scope[id(v)])
+        return graph
+
+    def _value(self, v: ir.Value) -> Value:
+        shape = None
+        if v.shape is not None:
+            shape = tuple(d if isinstance(d, int) else (str(d) if d is not None and str(d) else None) for d in v.shape.dims)
+        dtype = DType(int(v.dtype)) if v.dtype is not None and int(v.dtype) in DType._value2member_map_ else None
+        return Value(v.name or "", dtype, shape, origin=v)
+
+    def _node(self, n: ir.Node, scope: dict[int, Value]) -> Node:
+        inputs: list[Value | None] = []
+        for i, v in enumerate(n.inputs):
+            if v is None:
+                inputs.append(None)
+                continue
+            if id(v) not in scope:
+                raise ModelLoadError(
+                    f"node {n.name or n.op_type!r} ({n.op_type}) reads {v.name!r} (input {i}), which nothing "
+                    f"produces before it: a dangling input, or the graph is not topologically sorted")
+            inputs.append(scope[id(v)])
+        outputs = [self._value(v) for v in n.outputs]
+        node = Node(n.op_type, inputs, name=n.name or "", domain=n.domain, outputs=outputs, origin=n)
+        node.opset = self.opsets.get(node.domain)
+        node.attrs = _interesting_attrs(n)
+        for v, out in zip(n.outputs, outputs):
+            scope[id(v)] = out
+            if n.op_type == "Constant" and node.domain == "":
+                _fill_const_from_attr(out, n)
+        for attr_name, attr in n.attributes.items():
+            if attr.type == ir.AttributeType.GRAPH:
+                node.subgraphs[attr_name] = [self.build_graph(attr.as_graph(), scope, node)]
+            elif attr.type == ir.AttributeType.GRAPHS:
+                node.subgraphs[attr_name] = [self.build_graph(sg, scope, node) for sg in attr.as_graphs()]
+        node.input_groups, node.output_groups = self._groups(n, len(inputs), len(outputs))
+        node.meta["input_names"] = self._last_input_names
+        return node
+
+    def _groups(self, n: ir.Node, n_in: int, n_out: int) -> tuple[list[str | None], list[str | None]]:
+        """Per slot: the type-constraint name (a group painted together) or None (a fixed type)."""
+        schema = self._schema(n.op_type, n.domain or "", self.opsets.get("" if n.domain == "ai.onnx" else n.domain or ""))
+        if schema is None:
+            # No schema (custom domain, model-local function): one group; such ops are unlisted → FP32.
+            self._last_input_names = []
+            return ["?"] * n_in, ["?"] * n_out
+        type_vars = {tc.type_param_str for tc in schema.type_constraints}
+        self._last_input_names = [f.name for f in schema.inputs]
+        ins = _expand(schema.inputs, n_in, type_vars)
+        outs = _expand(schema.outputs, n_out, type_vars)
+        if n.op_type in _TYPE_AGNOSTIC_INPUTS:
+            ins = [None] * n_in
+        return ins, outs
+
+    def _schema(self, op: str, domain: str, opset: int | None):
+        if opset is None:
+            return None
+        key = (op, domain, opset)
+        if key not in self._schema_cache:
+            try:
+                self._schema_cache[key] = onnx.defs.get_schema(op, opset, domain)
+            except onnx.defs.SchemaError:
+                self._schema_cache[key] = None
+        return self._schema_cache[key]
+
+
+def _expand(formals, count: int, type_vars: set[str]) -> list[str | None]:
+    out: list[str | None] = []
+    for i in range(count):
+        if not formals:
+            out.append(None)
+            continue
+        formal = formals[min(i, len(formals) - 1)]
+        if i >= len(formals) and formal.option != onnx.defs.OpSchema.FormalParameterOption.Variadic:
+            out.append(None)
+            continue
+        out.append(formal.type_str if formal.type_str in type_vars else None)
+    return out
+
+
+def _interesting_attrs(n: ir.Node) -> dict[str, Any]:
+    """Only the attributes the passes read: float-type-carrying ones."""
+    attrs: dict[str, Any] = {}
+    for key in ("to", "dtype"):
+        a = n.attributes.get(key)
+        if a is not None and a.type == ir.AttributeType.INT:
+            attrs[key] = a.as_int()
+    if n.op_type == "ConstantOfShape":
+        a = n.attributes.get("value")
+        attrs["value_dtype"] = int(a.as_tensor().dtype) if a is not None else int(ir.DataType.FLOAT)
+    return attrs
+
+
+def _fill_const(val: Value, v: ir.Value) -> None:
+    tensor = v.const_value
+    if tensor is None:
+        return
+    size = 1
+    for d in tensor.shape.dims:
+        size *= int(d) if isinstance(d, int) else 1
+    val.const_numel = size
+
+
+def _fill_const_from_attr(out: Value, n: ir.Node) -> None:
+    attr = n.attributes.get("value")
+    if attr is None or attr.type != ir.AttributeType.TENSOR:
+        return
+    tensor = attr.as_tensor()
+    size = 1
+    for d in tensor.shape.dims:
+        size *= int(d)
+    out.const_numel = size
+    if out.dtype is None:
+        out.dtype = DType(int(tensor.dtype))

@@ -1,0 +1,127 @@
+"""Pass contract and what every pass shares: options, the decision log, and slot helpers.
+
+A pass is ``call(model, ctx) -> PassResult``; ``modified`` is honest, so a second run of the
+whole pipeline on its own output can be checked to report ``modified=False``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from ..decisions import Category, DecisionLog, Precision
+from ..ir import DType, Graph, Model, Node, Value, verify
+
+if TYPE_CHECKING:
+    from ..rulebook import RuleBook
+
+
+@dataclass
+class Options:
+    target: str = "fp16"  # fp16 | bf16
+    keep_io_types: bool = True
+    training: bool = False
+    placement: str = "greedy"  # greedy | optimal
+    provider: str | None = None  # kernel table to check against (defaults to the rule set's)
+    loss: str | None = None  # training: name of the loss value
+    verify_each: bool = False
+
+
+@dataclass
+class Context:
+    rules: "RuleBook"
+    options: Options
+    log: DecisionLog = field(default_factory=DecisionLog)
+
+    @property
+    def low(self) -> DType:
+        return DType.BFLOAT16 if self.options.target == "bf16" else DType.FLOAT16
+
+
+@dataclass
+class PassResult:
+    name: str
+    modified: bool
+
+
+Pass = Callable[[Model, Context], PassResult]
+
+
+def run_passes(model: Model, ctx: Context, passes: Iterable[Pass]) -> list[PassResult]:
+    results = []
+    for p in passes:
+        results.append(p(model, ctx))
+        if ctx.options.verify_each:
+            verify(model.graph)
+    return results
+
+
+# -- slots: which inputs/outputs of a node are painted together ------------------------------------
+def painted_group(node: Node) -> str | None:
+    """The type-constraint group painting decides for this node: the group of the first FP32
+    output, else of the first FP32 input. Other float groups (LayerNorm's U, BatchNorm-15's
+    statistics, Resize's roi/scales) keep their types."""
+    for group, value in zip(node.output_groups, node.outputs):
+        if group is not None and value.dtype == DType.FLOAT:
+            return group
+    for group, value in zip(node.input_groups, node.inputs):
+        if group is not None and value is not None and value.dtype == DType.FLOAT:
+            return group
+    return None
+
+
+def group_inputs(node: Node) -> list[int]:
+    group = node.meta.get("amp.group")
+    if group is None:
+        return []
+    pinned = node.meta.get("amp.pinned", ())
+    return [i for i, (g, v) in enumerate(zip(node.input_groups, node.inputs))
+            if g == group and v is not None and i not in pinned]
+
+
+def group_outputs(node: Node) -> list[int]:
+    group = node.meta.get("amp.group")
+    if group is None:
+        return []
+    return [i for i, g in enumerate(node.output_groups) if g == group]
+
+
+def precision(node: Node) -> Precision:
+    return node.meta.get("amp.precision", Precision.NONE)
+
+
+def category(node: Node) -> Category | None:
+    return node.meta.get("amp.category")
+
+
+def participates(node: Node) -> bool:
+    return bool(node.meta.get("amp.participates"))
+
+
+def node_label(node: Node) -> str:
+    """A stable identifier for reports: the node name, else op and first output name."""
+    if node.name:
+        return node.name
+    first = node.outputs[0].name if node.outputs else ""
+    return f"{node.op_type}:{first}"
+
+
+def scope_label(graph: Graph) -> str:
+    parts = []
+    g: Graph | None = graph
+    while g is not None and g.parent is not None:
+        parts.append(f"{node_label(g.parent)}.{g.name or 'body'}")
+        g = g.parent.graph
+    return "/".join(reversed(parts)) or "main"
+
+
+def is_float32(value: Value | None) -> bool:
+    return value is not None and value.dtype == DType.FLOAT
+
+
+ANY_FLOAT_CONSUMERS = {"Cast", "Shape", "Size"}
+
+
+def accepts_any_float(node: Node) -> bool:
+    """Cast reads any type, Shape and Size read only metadata: none of them ever needs a cast."""
+    return node.domain == "" and node.op_type in ANY_FLOAT_CONSUMERS

@@ -1,0 +1,116 @@
+"""Classify: give every node a rule category and decide whether painting may touch it.
+
+Cases handled:
+- node rules (name, glob, regex; --fp32-nodes / --fp16-nodes) win over op rules;
+- op rules by (domain, op, opset); no rule → UNLISTED, treated as deny and reported;
+- an op the provider has no low-precision kernel for at this opset leaves the low set, whatever
+  the rule file says (a safety net under the rule-file test);
+- an input pinned FP32 that shares the painted type group keeps the node FP32;
+- control flow (If/Loop/Scan), Cast, Constant and nodes whose group has an unknown dtype do not
+  take part in painting: their types stay as they are.
+"""
+
+from __future__ import annotations
+
+from ..decisions import Category, Precision
+from ..ir import DType, Model, Node
+from .base import Context, PassResult, is_float32, painted_group
+
+_CONTROL = "control flow: its boundary types are kept and each body is rewritten as a scope of its own"
+_SOURCES = {"Cast", "Constant"}  # handled by cast folding and weight conversion, not painting
+
+
+def classify(model: Model, ctx: Context) -> PassResult:
+    for node in model.graph.walk():
+        _classify_node(node, ctx)
+    return PassResult("classify", modified=False)
+
+
+def _classify_node(node: Node, ctx: Context) -> None:
+    meta = node.meta
+    group = painted_group(node)
+    meta["amp.group"] = group
+    meta["amp.participates"] = False
+    meta["amp.precision"] = Precision.NONE
+    if group is None:
+        meta["amp.category"], meta["amp.reason"], meta["amp.source"] = None, "no FP32 float tensor to paint", "classify"
+        return
+    category, reason, source, entry = _lookup(node, ctx)
+    meta["amp.category"], meta["amp.reason"], meta["amp.source"] = category, reason, source
+    meta["amp.pinned"] = _pinned_inputs(node, entry)
+    if node.all_subgraphs():
+        _fix_fp32(node, Category.DENY, _CONTROL, "classify")
+        return
+    if node.domain == "" and node.op_type in _SOURCES:
+        meta["amp.precision"] = Precision.FP32
+        return
+    unknown = [v.name for i, v in enumerate(node.inputs) if v is not None and i < len(node.input_groups)
+               and node.input_groups[i] == group and v.dtype is None]
+    if unknown:
+        _fix_fp32(node, category, f"dtype of {unknown[0]!r} is unknown, so the node keeps its types", "classify")
+        return
+    shared = [i for i in meta["amp.pinned"] if i < len(node.input_groups) and node.input_groups[i] == group
+              and group != "?" and is_float32(node.inputs[i])]
+    if shared and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
+        name = _input_name(node, shared[0])
+        meta["amp.category"] = Category.DENY
+        meta["amp.reason"] = f"input {name} is pinned FP32 by the rules and shares type {group} with the rest"
+    if category == Category.UNLISTED:
+        ctx.log.unlisted_ops[node.qualified_op] = ctx.log.unlisted_ops.get(node.qualified_op, 0) + 1
+    meta["amp.participates"] = True
+
+
+def _fix_fp32(node: Node, category: Category, reason: str, source: str) -> None:
+    node.meta.update({"amp.category": category, "amp.reason": reason, "amp.source": source,
+                      "amp.precision": Precision.FP32, "amp.participates": False})
+
+
+def _lookup(node: Node, ctx: Context):
+    rules = ctx.rules
+    node_rule = rules.node_rule(node.name) if node.name else None
+    if node_rule is not None:
+        if node_rule.precision == Precision.FP32:
+            return Category.DENY, f"node rule {node_rule.pattern!r} keeps it FP32", node_rule.source, None
+        return Category.ALLOW, f"node rule {node_rule.pattern!r} makes it low precision", node_rule.source, None
+    entry = rules.lookup(node.op_type, node.domain, node.opset)
+    if entry is None:
+        return (Category.UNLISTED, f"no rule names {node.qualified_op}: kept FP32; classify it in a rule file",
+                "unlisted", None)
+    category, reason, source = entry.category, entry.reason, entry.source
+    if category != Category.DENY:
+        missing = _missing_kernel(node, ctx)
+        if missing:
+            return Category.DENY, missing, "kernel table", entry
+    return category, reason, source, entry
+
+
+def _missing_kernel(node: Node, ctx: Context) -> str | None:
+    provider = ctx.options.provider or ctx.rules.provider
+    if ctx.rules.frontend != "onnx" or not provider or node.opset is None:
+        return None
+    from .. import kernels
+
+    low = "bfloat16" if ctx.low == DType.BFLOAT16 else "float16"
+    if not kernels.has_kernel(provider, node.op_type, node.opset, "float", node.domain):
+        return None  # unknown to the provider's table (custom op, function): the rules decide
+    if kernels.has_kernel(provider, node.op_type, node.opset, low, node.domain):
+        return None
+    return f"{provider} has no {low} kernel for {node.qualified_op} at opset {node.opset}"
+
+
+def _pinned_inputs(node: Node, entry) -> tuple[int, ...]:
+    if entry is None or not entry.fp32_inputs:
+        return ()
+    names = node.meta.get("input_names", [])
+    out = []
+    for item in entry.fp32_inputs:
+        if isinstance(item, int):
+            out.append(item)
+        elif item in names:
+            out.append(names.index(item))
+    return tuple(i for i in out if i < len(node.inputs))
+
+
+def _input_name(node: Node, index: int) -> str:
+    names = node.meta.get("input_names", [])
+    return repr(names[index]) if index < len(names) else f"#{index}"

@@ -1,0 +1,95 @@
+"""FP32 islands: the connected regions that deny paint forced to FP32, named and counted.
+
+An island is a connected component (networkx) of FP32 nodes linked by painted type-group edges,
+in a scope that has low-precision nodes, holding at least one deny op or deny-painted node (the
+FP32 infer/clear neighbours it reads from belong to it: they are where the cast enters). Each gets the ops that seeded it and a
+recognised pattern name (LayerNorm, RMSNorm, softmax, loss, ...) so the report can say
+"LayerNorm pattern, 9 nodes, 1 cast in, 1 out".
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import networkx as nx
+
+from ..decisions import DecisionLog, Island, Precision
+from ..ir import Model, Node
+from .base import Context, PassResult, group_inputs, group_outputs, node_label, precision, scope_label
+
+
+def find_islands(model: Model, ctx: Context) -> PassResult:
+    next_id = len(ctx.log.islands)
+    for scope in model.graph.scopes():
+        if not any(precision(n) == Precision.LOW for n in scope.nodes):
+            continue
+        members = [n for n in scope.nodes if n.meta.get("amp.participates") and precision(n) == Precision.FP32]
+        ug = nx.Graph()
+        ug.add_nodes_from(id(n) for n in members)
+        by_id = {id(n): n for n in members}
+        for node in members:
+            for k in group_inputs(node):
+                producer = node.inputs[k].producer
+                if producer is not None and id(producer) in by_id and node.inputs[k].producer_index in group_outputs(producer):
+                    ug.add_edge(id(producer), id(node))
+        order = {id(n): i for i, n in enumerate(scope.nodes)}
+        components = sorted((sorted(c, key=order.get) for c in nx.connected_components(ug)), key=lambda c: order[c[0]])
+        for component in components:
+            nodes = [by_id[i] for i in component]
+            if not any(n.meta.get("amp.deny_painted") for n in nodes):
+                continue  # FP32 only because it is not between low ops: not forced, so not an island
+            island = Island(
+                id=next_id,
+                scope=scope_label(scope),
+                members=[node_label(n) for n in nodes],
+                seeds=[node_label(n) for n in nodes if n.meta.get("amp.step") != "deny-spread"],
+                pattern=recognise_pattern(nodes),
+            )
+            for n in nodes:
+                n.meta["amp.island"] = next_id
+            ctx.log.islands.append(island)
+            next_id += 1
+    return PassResult("islands", modified=False)
+
+
+def recognise_pattern(nodes: list[Node]) -> str | None:
+    ops = Counter(n.op_type for n in nodes)
+    names = set(ops)
+    if names & {"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"} or (
+            "LogSoftmax" in names and len(nodes) > 1):
+        return "loss"
+    if "ReduceMean" in names and ("Pow" in names or "Mul" in names) and ("Sqrt" in names or "Reciprocal" in names):
+        return "LayerNorm" if "Sub" in names else "RMSNorm"
+    if names & {"LayerNormalization", "GroupNormalization", "InstanceNormalization", "BatchNormalization"}:
+        return "normalisation"
+    if ("Exp" in names and (names & {"ReduceSum", "Div"})) or names & {"Softmax", "LogSoftmax"}:
+        return "softmax"
+    if names & {"ReduceSum", "ReduceMean", "ReduceProd", "ReduceSumSquare", "ReduceL2", "ReduceLogSumExp", "CumSum"}:
+        return "reduction"
+    if names & {"Exp", "Log", "Pow"}:
+        return "exponential"
+    return None
+
+
+def attach_cast_counts(log: DecisionLog) -> None:
+    """Count, per island, the casts that enter it and leave it (after cast placement)."""
+    member_of: dict[str, int] = {}
+    for island in log.islands:
+        island.casts_in = island.casts_out = 0
+        for m in island.members:
+            member_of[m] = island.id
+    by_id = {i.id: i for i in log.islands}
+    for cast in log.casts:
+        if cast.kind != "inserted":
+            continue
+        if cast.producer in member_of:
+            by_id[member_of[cast.producer]].casts_out += 1
+        entered = {member_of[c] for c in cast.consumers if c in member_of}
+        for island_id in entered:
+            by_id[island_id].casts_in += 1
+
+
+def describe(island: Island) -> str:
+    kind = f"{island.pattern} pattern" if island.pattern else "FP32 region"
+    return (f"{kind}, {len(island.members)} node{'s' if len(island.members) != 1 else ''}, "
+            f"{island.casts_in} cast{'s' if island.casts_in != 1 else ''} in, {island.casts_out} out")

@@ -1,0 +1,195 @@
+"""Paint: decide each participating node's precision, scope by scope.
+
+Order (PRECISION.md, after TensorFlow's grappler auto_mixed_precision):
+1. allow ops are low precision; a scope with no allow op is left as it is;
+2. deny spreads forward through clear and infer ops along paths that end at a deny or infer op
+   (``deny → (clear|infer)* → (deny|infer)``): a decomposed LayerNorm becomes one FP32 island;
+3. infer and clear ops sandwiched between allow ops (downstream of one, upstream of another)
+   join the low region;
+4. allow spreads through clear ops, both directions;
+5. (classify already removed ops with no low kernel at their opset);
+6. safety: a non-allow node painted low that both reads an FP32 tensor and feeds an FP32
+   consumer would make an FP32→low→FP32 round trip (values > 65504 become inf in FP16), so it
+   goes back to FP32, repeated to a fixed point.
+
+Painting is per type-constraint group (``base.group_inputs/outputs``); a subgraph is a scope of
+its own whose boundary (inputs, outputs, outer-scope values) keeps FP32.
+"""
+
+from __future__ import annotations
+
+from ..decisions import Category, Precision
+from ..ir import DType, Graph, Model, Node, Value
+from .base import Context, PassResult, accepts_any_float, category, group_inputs, group_outputs, node_label, participates
+
+_LOW_OK = (Category.CLEAR, Category.INFER)
+
+
+def paint(model: Model, ctx: Context) -> PassResult:
+    for scope in model.graph.scopes():
+        _ScopePainter(scope, ctx).run()
+    return PassResult("paint", modified=False)
+
+
+class _ScopePainter:
+    def __init__(self, scope: Graph, ctx: Context) -> None:
+        self.scope = scope
+        self.ctx = ctx
+        self.nodes = [n for n in scope.nodes if participates(n)]
+        self.index = {id(n): i for i, n in enumerate(self.nodes)}
+        self.cat = [category(n) for n in self.nodes]
+        self.preds: list[set[int]] = [set() for _ in self.nodes]
+        self.succs: list[set[int]] = [set() for _ in self.nodes]
+        self.fp32_source = [False] * len(self.nodes)  # reads an FP32 tensor painting cannot change
+        self.fp32_sink = [False] * len(self.nodes)  # feeds a consumer that needs FP32
+        self.step: dict[int, str] = {}
+        self.via: dict[int, int] = {}
+        self._wire()
+
+    # -- graph view --------------------------------------------------------------------------------
+    def _wire(self) -> None:
+        is_main = self.scope.parent is None
+        keep_io = self.ctx.options.keep_io_types or not is_main
+        for i, node in enumerate(self.nodes):
+            for k in group_inputs(node):
+                value = node.inputs[k]
+                j = self._group_producer(value)
+                if j is not None:
+                    self.preds[i].add(j)
+                    self.succs[j].add(i)
+                elif not self._flexible_source(value, keep_io):
+                    self.fp32_source[i] = True
+            for k in group_outputs(node):
+                if self._has_fixed_use(node.outputs[k], keep_io):
+                    self.fp32_sink[i] = True
+
+    def _group_producer(self, value: Value) -> int | None:
+        producer = value.producer
+        if producer is None or id(producer) not in self.index:
+            return None
+        return self.index[id(producer)] if value.producer_index in group_outputs(producer) else None
+
+    def _flexible_source(self, value: Value, keep_io: bool) -> bool:
+        if value.is_constant:
+            return True  # converted offline to whatever its consumers need
+        if value.is_graph_input and value.graph is self.scope and not keep_io:
+            return True
+        return value.dtype != DType.FLOAT
+
+    def _has_fixed_use(self, value: Value, keep_io: bool) -> bool:
+        if value.is_graph_output and keep_io:
+            return True
+        for consumer, k in value.uses():
+            if consumer.graph is not self.scope:
+                return True  # read inside a nested body, whose boundary is FP32
+            if accepts_any_float(consumer):
+                continue
+            if id(consumer) not in self.index or k not in group_inputs(consumer):
+                return True
+        return False
+
+    # -- the steps ---------------------------------------------------------------------------------
+    def run(self) -> None:
+        allow = {i for i, c in enumerate(self.cat) if c == Category.ALLOW}
+        if not allow:
+            self._finish(set(), set(), none_allowed=True)
+            return
+        for i in allow:
+            self.step[i] = "allow"
+        deny = {i for i, c in enumerate(self.cat) if c in (Category.DENY, Category.UNLISTED)}
+        self._spread_deny(deny, allow)
+        self._add_between_allow(allow, deny)
+        self._spread_allow_through_clear(allow, deny)
+        self._remove_round_trips(allow)
+        self._finish(allow, deny, none_allowed=False)
+
+    def _dfs(self, roots, neighbours, enter, visit) -> None:
+        for root in roots:
+            stack = [root]
+            while stack:
+                current = stack.pop()
+                for nxt in sorted(neighbours(current)):
+                    if enter(nxt):
+                        visit(nxt, current)
+                        stack.append(nxt)
+
+    def _spread_deny(self, deny: set[int], allow: set[int]) -> None:
+        upstream: set[int] = set()
+        roots = [i for i, c in enumerate(self.cat) if c in (Category.DENY, Category.UNLISTED, Category.INFER)]
+        upstream.update(roots)
+        self._dfs(roots, lambda i: self.preds[i],
+                  lambda j: j not in upstream and self.cat[j] == Category.CLEAR,
+                  lambda j, _: upstream.add(j))
+
+        def visit(j: int, came_from: int) -> None:
+            deny.add(j)
+            self.step[j] = "deny-spread"
+            self.via[j] = came_from
+
+        self._dfs(sorted(deny), lambda i: self.succs[i],
+                  lambda j: j not in deny and j not in allow and j in upstream, visit)
+
+    def _add_between_allow(self, allow: set[int], deny: set[int]) -> None:
+        downstream: set[int] = set()
+        self._dfs(sorted(allow), lambda i: self.succs[i],
+                  lambda j: j not in downstream and j not in allow and j not in deny and self.cat[j] in _LOW_OK,
+                  lambda j, _: downstream.add(j))
+
+        def visit(j: int, came_from: int) -> None:
+            allow.add(j)
+            self.step[j] = "between-allow"
+            self.via[j] = came_from
+
+        self._dfs(sorted(allow), lambda i: self.preds[i], lambda j: j not in allow and j in downstream, visit)
+
+    def _spread_allow_through_clear(self, allow: set[int], deny: set[int]) -> None:
+        def visit(j: int, came_from: int) -> None:
+            allow.add(j)
+            self.step[j] = "clear-spread"
+            self.via[j] = came_from
+
+        self._dfs(sorted(allow), lambda i: self.preds[i] | self.succs[i],
+                  lambda j: j not in allow and j not in deny and self.cat[j] == Category.CLEAR, visit)
+
+    def _remove_round_trips(self, allow: set[int]) -> None:
+        changed = True
+        while changed:
+            changed = False
+            for i in sorted(allow):
+                if self.cat[i] == Category.ALLOW:
+                    continue
+                reads_fp32 = self.fp32_source[i] or any(p not in allow for p in self.preds[i])
+                feeds_fp32 = self.fp32_sink[i] or any(s not in allow for s in self.succs[i])
+                if reads_fp32 and feeds_fp32:
+                    allow.discard(i)
+                    self.step[i] = "safety"
+                    self.via.pop(i, None)
+                    changed = True
+
+    # -- recording ---------------------------------------------------------------------------------
+    def _finish(self, allow: set[int], deny: set[int], *, none_allowed: bool) -> None:
+        low_name = self.ctx.low.short
+        for i, node in enumerate(self.nodes):
+            meta = node.meta
+            low = i in allow
+            meta["amp.precision"] = Precision.LOW if low else Precision.FP32
+            step = self.step.get(i, "classify")
+            meta["amp.step"] = step
+            via = self.via.get(i)
+            meta["amp.via"] = node_label(self.nodes[via]) if via is not None else None
+            meta["amp.deny_painted"] = i in deny
+            if none_allowed:
+                meta["amp.reason"] = f"no allow op in this scope, so nothing changes ({meta['amp.reason']})"
+            elif step == "deny-spread":
+                meta["amp.reason"] = (f"FP32 paint from {meta['amp.via']}: it lies on a path from a deny op to a "
+                                      f"deny or infer op")
+            elif step == "between-allow":
+                meta["amp.reason"] = f"between {low_name} ops (upstream of {meta['amp.via']}), so it joins them"
+            elif step == "clear-spread":
+                meta["amp.reason"] = f"moves data next to {low_name} op {meta['amp.via']}, so it follows it"
+            elif step == "safety":
+                meta["amp.reason"] = (f"kept FP32: in {low_name} it would sit between an FP32 producer and an "
+                                      f"FP32 consumer (an FP32→{low_name}→FP32 round trip overflows above 65504)")
+            elif not low and self.cat[i] in _LOW_OK:
+                meta["amp.reason"] = (f"{self.cat[i].value} op not between {low_name} ops: stays FP32 "
+                                      f"({meta['amp.reason']})")

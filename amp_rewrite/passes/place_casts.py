@@ -1,0 +1,296 @@
+"""Place casts: turn node precisions into value dtypes and the fewest Cast nodes.
+
+Cases handled:
+- outputs of low nodes (their painted group) take the low type;
+- every use needing another type than its value has gets one Cast per (value, type, scope),
+  shared by all such consumers, placed right after the producer (or at the top of the scope that
+  needs it, for graph inputs, initializers and outer-scope values: casts live in the scope that
+  needs them);
+- graph outputs keep their FP32 type and name (keep_io_types): the low value is renamed and the
+  Cast takes the original name; with keep_io_types off, float graph inputs and outputs go low;
+- initializers and Constant outputs whose consumers all need the low type are converted offline
+  (the emitter clamps at the type's true limits); shared by both precisions: the FP32 original
+  stays and the low consumers get a converted copy (inference) or a Cast at use (training, so
+  master weights stay FP32);
+- existing casts: a use reading ``Cast(u, to=FLOAT)`` that needs the low type reads ``u`` (or a
+  Cast of ``u``) instead of chaining two casts; a ``Cast(to=FLOAT)`` whose consumers are all low
+  is retargeted; a Cast whose input already has its target type is removed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..decisions import CastRecord, Precision
+from ..ir import DType, Graph, Model, Node, Value
+from .base import (Context, PassResult, accepts_any_float, group_inputs, group_outputs, node_label,
+                   participates, precision, scope_label)
+
+
+class Namer:
+    """Unique, deterministic names: the base name, then base_1, base_2, ..."""
+
+    def __init__(self, model: Model) -> None:
+        self.taken: set[str] = set()
+        for scope in model.graph.scopes():
+            for v in list(scope.inputs) + list(scope.initializers.values()):
+                self.taken.add(v.name)
+            for n in scope.nodes:
+                self.taken.add(n.name)
+                self.taken.update(o.name for o in n.outputs)
+
+    def __call__(self, base: str) -> str:
+        name, i = base, 0
+        while name in self.taken:
+            i += 1
+            name = f"{base}_{i}"
+        self.taken.add(name)
+        return name
+
+
+@dataclass
+class _Use:
+    node: Node | None  # None: the graph output slot
+    index: int
+    need: DType
+
+
+def place_casts(model: Model, ctx: Context) -> PassResult:
+    placer = _Placer(model, ctx)
+    placer.run()
+    return PassResult("place_casts", modified=placer.modified)
+
+
+class _Placer:
+    def __init__(self, model: Model, ctx: Context) -> None:
+        self.model = model
+        self.ctx = ctx
+        self.low = ctx.low
+        self.name = Namer(model)
+        self.modified = False
+
+    # -- driver ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        scopes = list(self.model.graph.scopes())
+        if not any(precision(n) == Precision.LOW for s in scopes for n in s.nodes):
+            return  # nothing painted low anywhere: the model is left exactly as it is
+        self._retype_low_outputs(scopes)
+        self._retype_io()
+        for scope in scopes:
+            for value in self._float_values(scope):
+                self._settle(value)
+        self._remove_identity_casts(scopes)
+        for scope in scopes:
+            scope.sort()
+        self._weight_bytes(scopes)
+
+    def _retype_low_outputs(self, scopes: list[Graph]) -> None:
+        for scope in scopes:
+            for node in scope.nodes:
+                if not participates(node) or precision(node) != Precision.LOW:
+                    continue
+                for k in group_outputs(node):
+                    out = node.outputs[k]
+                    if out.dtype == DType.FLOAT:
+                        out.meta["amp.was"] = DType.FLOAT
+                        out.dtype = self.low
+                        self.modified = True
+
+    def _retype_io(self) -> None:
+        if self.ctx.options.keep_io_types:
+            return
+        for value in self.model.graph.inputs:
+            if value.dtype == DType.FLOAT and not value.is_initializer:
+                value.meta["amp.was"] = DType.FLOAT
+                value.dtype = self.low
+                self.ctx.log.io_changed.append(value.name)
+                self.modified = True
+
+    def _float_values(self, scope: Graph) -> list[Value]:
+        values = list(scope.inputs) + [v for v in scope.initializers.values() if not v.is_graph_input]
+        values += [o for n in scope.nodes for o in n.outputs]
+        return [v for v in values if v.meta.get("amp.was", v.dtype) == DType.FLOAT]
+
+    # -- what each use needs -----------------------------------------------------------------------
+    def _need(self, consumer: Node, index: int, value: Value) -> DType | None:
+        if accepts_any_float(consumer):
+            return None
+        if participates(consumer) and index in group_inputs(consumer):
+            return self.low if precision(consumer) == Precision.LOW else DType.FLOAT
+        return value.meta.get("amp.was", value.dtype)
+
+    def _uses(self, value: Value) -> list[_Use]:
+        uses = []
+        for consumer, k in value.uses():
+            need = self._need(consumer, k, value)
+            if need is not None:
+                uses.append(_Use(consumer, k, need))
+        if value.is_graph_output:
+            main = value.graph is self.model.graph
+            need = self.low if (main and not self.ctx.options.keep_io_types) else DType.FLOAT
+            uses.append(_Use(None, -1, need))
+        return uses
+
+    # -- one value -----------------------------------------------------------------------------------
+    def _settle(self, value: Value) -> None:
+        uses = self._uses(value)
+        if not uses:
+            return
+        if value.is_constant and not value.is_graph_input:
+            self._settle_constant(value, uses)
+            return
+        if self._try_fold_existing_cast(value, uses):
+            return
+        self._insert_casts(value, uses)
+
+    def _settle_constant(self, value: Value, uses: list[_Use]) -> None:
+        needs = {u.need for u in uses}
+        if needs == {DType.FLOAT}:
+            return
+        training_param = self.ctx.options.training and value.is_initializer
+        if needs == {self.low} and not training_param and not value.is_graph_output:
+            value.meta["amp.was"] = DType.FLOAT
+            value.meta["amp.convert"] = True
+            value.dtype = self.low
+            self.modified = True
+            return
+        low_uses = [u for u in uses if u.need == self.low]
+        if value.is_initializer and not training_param:
+            copy = self._low_copy(value)
+            for use in low_uses:
+                use.node.set_input(use.index, copy)
+            self.ctx.log.weights.duplicated += 1
+            self.modified = True
+            return
+        self._insert_casts(value, uses)
+
+    def _low_copy(self, value: Value) -> Value:
+        scope = value.graph
+        copy = Value(self.name(f"{value.name}/amp_{self.low.short}"), self.low, value.shape)
+        copy.const_numel = value.const_numel
+        copy.meta.update({"amp.was": DType.FLOAT, "amp.convert": True, "amp.copy_of": value})
+        scope.add_initializer(copy)
+        return copy
+
+    def _try_fold_existing_cast(self, value: Value, uses: list[_Use]) -> bool:
+        """``value = Cast(u, to=FLOAT)`` and someone needs the low type: don't chain a second cast."""
+        cast = value.producer
+        if cast is None or cast.op_type != "Cast" or cast.domain != "" or not cast.inputs or cast.inputs[0] is None:
+            return False
+        source = cast.inputs[0]
+        low_uses = [u for u in uses if u.need == self.low and u.node is not None]
+        if not low_uses:
+            return False
+        if len(low_uses) == len(uses) and source.dtype != self.low:
+            cast.attrs["to"] = int(self.low)
+            value.meta["amp.was"] = DType.FLOAT
+            value.dtype = self.low
+            cast.meta["amp.retargeted"] = True
+            self._record(cast.name or value.name, value, DType.FLOAT, self.low, low_uses, value.graph,
+                         "existing Cast(to=FLOAT) feeds only low-precision consumers: retargeted", "retargeted")
+            self.modified = True
+            return True
+        if source.dtype == self.low:
+            for use in low_uses:
+                use.node.set_input(use.index, source)
+            self.modified = True
+        else:
+            self._insert_casts(source, [_Use(u.node, u.index, self.low) for u in low_uses], replaces=value)
+        rest = [u for u in uses if u.need != self.low or u.node is None]
+        self._insert_casts(value, rest)
+        return True
+
+    # -- inserting -------------------------------------------------------------------------------------
+    def _insert_casts(self, value: Value, uses: list[_Use], *, replaces: Value | None = None) -> None:
+        produced = value.dtype
+        groups: dict[tuple[DType, int], list[_Use]] = {}
+        scopes: dict[int, Graph] = {}
+        for use in uses:
+            if use.need == produced:
+                continue
+            scope = use.node.graph if use.node is not None else value.graph
+            scopes[id(scope)] = scope
+            groups.setdefault((use.need, id(scope)), []).append(use)
+        for (need, scope_id), members in sorted(groups.items(), key=lambda kv: (int(kv[0][0]), kv[0][1])):
+            self._insert_one(value, need, scopes[scope_id], members, replaces)
+
+    def _insert_one(self, value: Value, need: DType, scope: Graph, uses: list[_Use], replaces: Value | None) -> None:
+        to_output = any(u.node is None for u in uses)
+        tensor = (replaces or value).name
+        if to_output:
+            out_name = value.name
+            value.name = self.name(f"{value.name}/amp_{value.dtype.short}")
+        else:
+            out_name = self.name(f"{tensor}/amp_{need.short}")
+        out = Value(out_name, need, value.shape)
+        cast = Node("Cast", [value], name=self.name(f"amp_cast/{tensor}/to_{need.short}"), attrs={"to": int(need)},
+                    outputs=[out])
+        cast.input_groups, cast.output_groups = ["T1"], ["T2"]
+        cast.opset = scope.opsets.get("")
+        cast.meta.update({"amp.inserted": True, "amp.precision": Precision.NONE, "amp.participates": False,
+                          "input_names": ["input"]})
+        anchor = value.producer if value.producer is not None and value.producer.graph is scope else None
+        scope.insert_after(anchor, cast)
+        for use in uses:
+            if use.node is None:
+                scope.outputs = [out if v is value else v for v in scope.outputs]
+            else:
+                use.node.set_input(use.index, out)
+        reason = self._cast_reason(value, need, uses)
+        self._record(cast.name, replaces or value, value.dtype, need, uses, scope, reason, "inserted")
+        cast.meta["amp.reason"] = reason
+        self.modified = True
+
+    def _cast_reason(self, value: Value, need: DType, uses: list[_Use]) -> str:
+        if any(u.node is None for u in uses):
+            return "graph outputs keep their type (keep_io_types)" if need == DType.FLOAT else \
+                "--no-keep-io-types: graph outputs take the low type"
+        first = uses[0].node
+        label = node_label(first)
+        if need == DType.FLOAT:
+            island = first.meta.get("amp.island")
+            where = f" (FP32 island {island})" if island is not None else ""
+            return f"{label}{where} computes in FP32: {first.meta.get('amp.reason', '')}"
+        return f"{label} computes in {need.short}: {first.meta.get('amp.reason', '')}"
+
+    def _record(self, name: str, value: Value, src: DType, dst: DType, uses: list[_Use], scope: Graph,
+                reason: str, kind: str) -> None:
+        consumers = sorted({node_label(u.node) if u.node is not None else "<graph output>" for u in uses})
+        producer = value.producer
+        self.ctx.log.casts.append(CastRecord(
+            name=name, tensor=value.name, src=src.short, dst=dst.short,
+            producer=node_label(producer) if producer is not None else None, consumers=consumers,
+            shape=value.shape, numel=value.numel, scope=scope_label(scope), reason=reason, kind=kind))
+
+    # -- cleanup --------------------------------------------------------------------------------------
+    def _remove_identity_casts(self, scopes: list[Graph]) -> None:
+        """A Cast whose input already has its target type (its producer went low) does nothing."""
+        for scope in scopes:
+            for node in list(scope.nodes):
+                if node.op_type != "Cast" or node.domain != "" or node.meta.get("amp.inserted"):
+                    continue
+                src, out = node.inputs[0], node.outputs[0]
+                if src is None or src.dtype is None or int(src.dtype) != node.attrs.get("to") or out.is_graph_output:
+                    continue
+                if src.meta.get("amp.was") is None:
+                    continue  # a no-op cast the user wrote: not ours to remove
+                out.replace_all_uses_with(src, include_outputs=False)
+                self._record(node.name or out.name, out, src.dtype, src.dtype, [], scope,
+                             "existing Cast became a no-op after painting: removed", "removed")
+                scope.remove(node)
+                node.meta["amp.removed"] = True
+                self.model.meta.setdefault("amp.removed_nodes", []).append(node)
+                self.modified = True
+
+    def _weight_bytes(self, scopes: list[Graph]) -> None:
+        w = self.ctx.log.weights
+        for scope in scopes:
+            for value in scope.initializers.values():
+                if value.const_numel is None or value.dtype is None:
+                    continue
+                if "amp.copy_of" not in value.meta:
+                    w.bytes_before += int(value.const_numel * value.meta.get("amp.was", value.dtype).itemsize)
+                w.bytes_after += int(value.const_numel * value.dtype.itemsize)
+                if value.meta.get("amp.convert"):
+                    w.converted += 1
+                    w.converted_elements += value.const_numel

@@ -1,0 +1,709 @@
+"""Rule files: which ops compute in low precision, which stay FP32, and why.
+
+A rule set sorts op types into the four categories of the precision contract (allow, infer, clear,
+deny; see shared/design/PRECISION.md) and names nodes that must stay FP32 or become low precision.
+Rule sets are TOML files (schema: rules/README.md). The built-in ones live in ``rules/`` and are
+installed as the ``amp_rewrite.rules`` package; a user file layers on top of the built-in default
+for its (frontend, target) unless it asks to stand alone.
+
+Why validation is strict: a rule file is configuration that silently changes numerics. A typo in
+an op name would otherwise leave the op unlisted (treated as deny) and nobody would notice, so
+every mistake is an error that names the file, the key and the closest valid spelling.
+
+Stdlib only (tomllib, difflib): this module must not import onnx, onnxruntime or torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import functools
+import re
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from importlib.abc import Traversable
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping, Sequence
+
+from amp_rewrite import kernels
+from amp_rewrite.decisions import Category, Precision
+from amp_rewrite.errors import RuleFileError, UsageError
+
+LISTS: Mapping[str, Category] = MappingProxyType(
+    {
+        "allow": Category.ALLOW,
+        "infer": Category.INFER,
+        "clear": Category.CLEAR,
+        "deny": Category.DENY,
+    }
+)
+TOP_LEVEL_KEYS = ("ruleset", *LISTS, "nodes")
+RULESET_KEYS = ("name", "frontend", "target", "provider", "description", "extends", "replace")
+ENTRY_KEYS = ("reason", "since", "until", "fp32_inputs", "accumulates_fp32")
+NODE_KEYS = ("fp32", "low")
+FRONTENDS = ("onnx", "torch")
+TARGETS = ("fp16", "bf16")
+
+_DEFAULT_RULESETS: Mapping[tuple[str, str], str] = MappingProxyType(
+    {
+        ("onnx", "fp16"): "onnx-cuda-fp16",
+        ("onnx", "bf16"): "onnx-cuda-bf16",
+        ("torch", "fp16"): "torch-fp16",
+        ("torch", "bf16"): "torch-bf16",
+    }
+)
+
+# Standard ai.onnx ops that onnxruntime implements by expanding their function body (or, for
+# Constant, by folding into an initializer), so the kernel table has no row for them. They are
+# still real op names a model can contain. Taken from the onnx 1.23 schemas.
+_ONNX_OPS_WITHOUT_KERNEL_ROWS = frozenset(
+    {
+        "Bernoulli",
+        "CastLike",
+        "CausalConvWithState",
+        "CenterCropPad",
+        "Constant",
+        "GroupNormalization",
+        "ImageDecoder",
+        "LinearAttention",
+        "Mish",
+        "NegativeLogLikelihoodLoss",
+        "SequenceMap",
+        "SoftmaxCrossEntropyLoss",
+        "SwiGLU",
+        "Swish",
+    }
+)
+
+_GLOB_CHARS = frozenset("*?[")
+_REGEX_PREFIX = "re:"
+_CLI_FP32_OPS = "--fp32-ops"
+_CLI_LOW_OPS = "--fp16-ops"
+_CLI_FP32_NODES = "--fp32-nodes"
+_CLI_LOW_NODES = "--fp16-nodes"
+
+
+# --------------------------------------------------------------------------------------------
+# Public records
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RuleEntry:
+    """One op's category over an inclusive opset range, with the reason a report shows."""
+
+    op: str
+    domain: str
+    category: Category
+    reason: str
+    source: str
+    since: int | None = None
+    until: int | None = None
+    fp32_inputs: tuple[int | str, ...] = ()
+    accumulates_fp32: bool = False
+
+    def covers(self, opset: int) -> bool:
+        """Whether the entry applies at ``opset`` (open ends cover everything on that side)."""
+        if self.since is not None and opset < self.since:
+            return False
+        return self.until is None or opset <= self.until
+
+    def overlaps(self, other: RuleEntry) -> bool:
+        low = max(self.since or 0, other.since or 0)
+        high = min(_upper(self.until), _upper(other.until))
+        return low <= high
+
+
+@dataclass(frozen=True)
+class NodeRule:
+    """A node-name pattern forcing a precision: exact name, glob, or ``re:<regex>``."""
+
+    pattern: str
+    precision: Precision
+    source: str
+
+    def matches(self, name: str) -> bool:
+        if self.pattern.startswith(_REGEX_PREFIX):
+            return _compiled(self.pattern[len(_REGEX_PREFIX) :]).fullmatch(name) is not None
+        if _GLOB_CHARS.intersection(self.pattern):
+            return fnmatch.fnmatchcase(name, self.pattern)
+        return name == self.pattern
+
+
+@dataclass(frozen=True, eq=False)
+class RuleBook:
+    """The composed rule set a pipeline runs with. Immutable: build a new one to change it."""
+
+    name: str
+    frontend: str
+    target: str
+    provider: str | None
+    files: tuple[str, ...]
+    _table: Mapping[tuple[str, str], tuple[RuleEntry, ...]] = field(repr=False)
+    _node_rules: tuple[NodeRule, ...] = field(repr=False)  # highest layer first
+
+    def lookup(self, op: str, domain: str = "", opset: int | None = None) -> RuleEntry | None:
+        """The entry for ``op`` whose opset range covers ``opset``.
+
+        Without an opset, the open-ended (newest) entry is preferred: it describes the op as
+        current models use it.
+        """
+        candidates = self._table.get((_canonical_domain(domain), op), ())
+        if opset is None:
+            return max(candidates, key=_newest_first_key, default=None)
+        return next((entry for entry in candidates if entry.covers(opset)), None)
+
+    def category_of(self, op: str, domain: str = "", opset: int | None = None) -> Category:
+        entry = self.lookup(op, domain, opset)
+        return Category.UNLISTED if entry is None else entry.category
+
+    def node_rule(self, name: str) -> NodeRule | None:
+        """The rule forcing node ``name``; FP32 rules win because keeping FP32 is the safe side."""
+        matching = [rule for rule in self._node_rules if rule.matches(name)]
+        fp32 = [rule for rule in matching if rule.precision is Precision.FP32]
+        return (fp32 or matching or [None])[0]
+
+    def entries(self) -> list[RuleEntry]:
+        ordered = sorted(self._table.items(), key=lambda item: item[0])
+        return [entry for _, group in ordered for entry in group]
+
+    def node_rules(self) -> list[NodeRule]:
+        return list(self._node_rules)
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+
+
+def builtin_names() -> list[str]:
+    """Names of the rule sets shipped with the package (the ``*.toml`` files in ``rules/``)."""
+    return sorted(item.name[: -len(".toml")] for item in _builtin_dir().iterdir() if _is_toml(item))
+
+
+def default_ruleset(frontend: str, target: str) -> str:
+    """The built-in rule set a (frontend, target) pair starts from."""
+    _check_choice("frontend", frontend, FRONTENDS)
+    _check_choice("target", target, TARGETS)
+    return _DEFAULT_RULESETS[(frontend, target)]
+
+
+def load_rules(
+    files: Iterable[str | Path] = (),
+    *,
+    frontend: str = "onnx",
+    target: str = "fp16",
+    fp32_ops: Iterable[str] = (),
+    low_ops: Iterable[str] = (),
+    fp32_nodes: Iterable[str] = (),
+    low_nodes: Iterable[str] = (),
+) -> RuleBook:
+    """Compose the built-in default for (frontend, target), the user files, and CLI overrides.
+
+    Files apply in order, each with its own ``extends`` chain underneath it; a file (or a file in
+    its chain) with ``replace = true`` discards everything below it. Command-line op overrides
+    are the top layer, so they win over every file.
+    """
+    stack = [_builtin_layer(default_ruleset(frontend, target))]
+    for file in files:
+        chain = _file_chain(Path(file), frontend, target, seen=())
+        if any(layer.replace for layer in chain):
+            stack = chain
+            continue
+        present = {layer.identity for layer in stack}
+        stack.extend(layer for layer in chain if layer.identity not in present)
+    cli = _cli_layer(frontend, list(fp32_ops), list(low_ops), list(fp32_nodes), list(low_nodes))
+    return _compose(stack, cli, frontend, target)
+
+
+# --------------------------------------------------------------------------------------------
+# Layers: one parsed file each
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Layer:
+    name: str
+    identity: str  # resolved path or "builtin:<name>": the same file is never layered twice
+    path: str | None
+    frontend: str | None
+    target: str | None
+    provider: str | None
+    extends: str | None
+    replace: bool
+    entries: Mapping[tuple[str, str], tuple[RuleEntry, ...]]
+    nodes: tuple[NodeRule, ...]
+
+    def op_names(self) -> set[str]:
+        return {op for (_, op) in self.entries}
+
+
+def _compose(stack: list[_Layer], cli: _Layer | None, frontend: str, target: str) -> RuleBook:
+    """Upper layers replace every entry of an op from lower layers, whatever list it was in."""
+    layers = stack + ([cli] if cli else [])
+    table: dict[tuple[str, str], tuple[RuleEntry, ...]] = {}
+    for layer in layers:
+        table.update(layer.entries)
+    node_rules = tuple(rule for layer in reversed(layers) for rule in layer.nodes)
+    provider = next((layer.provider for layer in reversed(stack) if layer.provider), None)
+    return RuleBook(
+        name="+".join(layer.name for layer in stack),
+        frontend=frontend,
+        target=target,
+        provider=provider if frontend == "onnx" else None,
+        files=tuple(layer.path for layer in stack if layer.path),
+        _table=MappingProxyType(table),
+        _node_rules=node_rules,
+    )
+
+
+def _file_chain(path: Path, frontend: str, target: str, seen: tuple[str, ...]) -> list[_Layer]:
+    """The layers a user file brings: its ``extends`` chain (lowest first), then the file."""
+    shown = str(path)
+    identity = str(path.resolve())
+    if identity in seen:
+        raise RuleFileError(shown, "ruleset.extends", "extends cycle: this file extends itself")
+    layer = _parse_layer(_read_toml(path), shown, path.stem, identity, shown)
+    _check_matches_request(layer, frontend, target)
+    below = _extended_layers(layer, path, frontend, target, seen + (identity,))
+    known_extra = set().union(*(lower.op_names() for lower in below))
+    _check_op_names(layer, frontend, known_extra)
+    return below + [layer]
+
+
+def _extended_layers(
+    layer: _Layer, path: Path, frontend: str, target: str, seen: tuple[str, ...]
+) -> list[_Layer]:
+    if layer.extends is None:
+        return []
+    if layer.extends in builtin_names():
+        base = _builtin_layer(layer.extends)
+        _check_matches_request(base, frontend, target, via=f"{layer.path}: ruleset.extends")
+        return [base]
+    target_path = path.parent / layer.extends
+    if not target_path.is_file():
+        raise RuleFileError(
+            str(layer.path),
+            "ruleset.extends",
+            f"no built-in rule set or file named {layer.extends!r} (looked for {target_path})",
+            _closest(layer.extends, builtin_names()),
+        )
+    return _file_chain(target_path, frontend, target, seen)
+
+
+def _check_matches_request(layer: _Layer, frontend: str, target: str, via: str = "") -> None:
+    """A file written for bf16 silently applied to an fp16 rewrite would mislead: refuse it."""
+    where = layer.path or layer.name
+    for key, wanted, have in (("frontend", frontend, layer.frontend), ("target", target, layer.target)):
+        if have is not None and have != wanted:
+            context = f" (reached through {via})" if via else ""
+            raise RuleFileError(
+                str(where),
+                f"ruleset.{key}",
+                f"this rule set is for {key} {have!r} but the rewrite asks for {wanted!r}{context}",
+            )
+
+
+@functools.lru_cache(maxsize=None)
+def _builtin_layer(name: str) -> _Layer:
+    """A shipped rule set, parsed and validated once per process."""
+    if name not in builtin_names():
+        raise UsageError(f"no built-in rule set {name!r} (have: {', '.join(builtin_names())})")
+    item = _builtin_dir().joinpath(f"{name}.toml")
+    shown = str(item)
+    layer = _parse_layer(_parse_text(item.read_text("utf-8"), shown), shown, name, f"builtin:{name}", shown)
+    _check_builtin_header(layer, name, shown)
+    if layer.frontend == "onnx":  # the torch built-ins *are* the torch vocabulary
+        _check_op_names(layer, "onnx", set())
+    return layer
+
+
+def _check_builtin_header(layer: _Layer, name: str, shown: str) -> None:
+    """Built-ins are the reference a user file extends: their header must be complete."""
+    if layer.name != name:
+        raise RuleFileError(shown, "ruleset.name", f"must be {name!r}, the file's base name")
+    if layer.frontend is None or layer.target is None:
+        raise RuleFileError(shown, "ruleset", "built-in rule sets must set frontend and target")
+    if layer.extends is not None and layer.extends not in builtin_names():
+        raise RuleFileError(shown, "ruleset.extends", "built-ins may only extend built-ins")
+
+
+def _builtin_dir() -> Traversable:
+    """The shipped rule files: the ``amp_rewrite.rules`` package once installed, else the
+    ``rules/`` folder of a source checkout (pyproject maps that folder onto the package)."""
+    try:
+        return resources.files("amp_rewrite.rules")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / "rules"
+
+
+def _is_toml(item: Traversable) -> bool:
+    return item.is_file() and item.name.endswith(".toml")
+
+
+# --------------------------------------------------------------------------------------------
+# Reading and parsing one file
+# --------------------------------------------------------------------------------------------
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    shown = str(path)
+    if not path.is_file():
+        problem = "is a directory, not a rule file" if path.is_dir() else "file not found"
+        raise RuleFileError(shown, "(file)", problem)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RuleFileError(shown, "(file)", f"cannot read it: {exc}") from exc
+    return _parse_text(text, shown)
+
+
+def _parse_text(text: str, shown: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        line = re.search(r"at line (\d+)", str(exc))
+        key = f"line {line.group(1)}" if line else "(syntax)"
+        raise RuleFileError(shown, key, f"TOML syntax error: {exc}") from exc
+
+
+def _parse_layer(data: dict[str, Any], shown: str, stem: str, identity: str, path: str) -> _Layer:
+    """Structure and value types of one file; op names are checked later, against its chain."""
+    for key in data:
+        if key not in TOP_LEVEL_KEYS:
+            raise RuleFileError(shown, key, "unknown table", _closest(key, TOP_LEVEL_KEYS))
+    header = _parse_ruleset(_table_at(data, "ruleset", shown), shown)
+    base_name = Path(shown).name
+    entries: list[RuleEntry] = []
+    for list_name, category in LISTS.items():
+        table = _table_at(data, list_name, shown)
+        entries += _parse_list(list_name, category, table, shown, base_name)
+    grouped = _group_checked(entries, shown)
+    nodes = _parse_nodes(_table_at(data, "nodes", shown), shown, base_name)
+    return _Layer(
+        name=header.get("name", stem),
+        identity=identity,
+        path=path,
+        frontend=header.get("frontend"),
+        target=header.get("target"),
+        provider=header.get("provider"),
+        extends=header.get("extends"),
+        replace=header.get("replace", False),
+        entries=MappingProxyType(grouped),
+        nodes=nodes,
+    )
+
+
+def _table_at(data: dict[str, Any], key: str, shown: str) -> dict[str, Any]:
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise RuleFileError(shown, key, f"must be a table ([{key}]), got {_type_name(value)}")
+    return value
+
+
+def _parse_ruleset(table: dict[str, Any], shown: str) -> dict[str, Any]:
+    for key in table:
+        if key not in RULESET_KEYS:
+            raise RuleFileError(shown, f"ruleset.{key}", "unknown key", _closest(key, RULESET_KEYS))
+    header: dict[str, Any] = {}
+    for key in ("name", "provider", "description", "extends"):
+        if key in table:
+            header[key] = _non_empty_str(table[key], shown, f"ruleset.{key}")
+    for key, choices in (("frontend", FRONTENDS), ("target", TARGETS)):
+        if key in table:
+            value = _non_empty_str(table[key], shown, f"ruleset.{key}")
+            if value not in choices:
+                problem = f"must be one of {', '.join(choices)}, got {value!r}"
+                raise RuleFileError(shown, f"ruleset.{key}", problem, _closest(value, choices))
+            header[key] = value
+    if "replace" in table:
+        header["replace"] = _bool(table["replace"], shown, "ruleset.replace")
+    if header.get("provider") and header.get("frontend") == "torch":
+        raise RuleFileError(shown, "ruleset.provider", "only ONNX rule sets name an execution provider")
+    return header
+
+
+def _parse_list(
+    list_name: str, category: Category, table: dict[str, Any], shown: str, base_name: str
+) -> list[RuleEntry]:
+    entries: list[RuleEntry] = []
+    for op_key, value in table.items():
+        key = f"{list_name}.{op_key}"
+        domain, op = _split_op_key(op_key, shown, key)
+        source = f"{base_name}: {key}"
+        for index, spec in enumerate(_entry_specs(value, shown, key)):
+            spec_key = key if not isinstance(value, list) else f"{key}[{index}]"
+            entries.append(_parse_entry(spec, op, domain, category, source, shown, spec_key))
+    return entries
+
+
+def _entry_specs(value: Any, shown: str, key: str) -> list[dict[str, Any]]:
+    """Normalise the three spellings: ``Op = "reason"``, ``[list.Op]``, ``[[list.Op]]``."""
+    if isinstance(value, str):
+        return [{"reason": value}]
+    if isinstance(value, dict):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+        return value
+    problem = f"expected a reason string or a table, got {_type_name(value)}"
+    raise RuleFileError(shown, key, problem)
+
+
+def _parse_entry(
+    spec: dict[str, Any], op: str, domain: str, category: Category, source: str, shown: str, key: str
+) -> RuleEntry:
+    for name in spec:
+        if name not in ENTRY_KEYS:
+            raise RuleFileError(shown, f"{key}.{name}", "unknown key", _closest(name, ENTRY_KEYS))
+    if "reason" not in spec:
+        raise RuleFileError(shown, f"{key}.reason", "missing: every entry needs a reason")
+    reason = _non_empty_str(spec["reason"], shown, f"{key}.reason")
+    since = _opset(spec.get("since"), shown, f"{key}.since")
+    until = _opset(spec.get("until"), shown, f"{key}.until")
+    if since is not None and until is not None and since > until:
+        raise RuleFileError(shown, key, f"since ({since}) is greater than until ({until})")
+    return RuleEntry(
+        op=op,
+        domain=domain,
+        category=category,
+        reason=reason,
+        source=source,
+        since=since,
+        until=until,
+        fp32_inputs=_fp32_inputs(spec.get("fp32_inputs", []), shown, f"{key}.fp32_inputs"),
+        accumulates_fp32=_bool(spec.get("accumulates_fp32", False), shown, f"{key}.accumulates_fp32"),
+    )
+
+
+def _split_op_key(op_key: str, shown: str, key: str) -> tuple[str, str]:
+    """``"com.microsoft:Attention"`` -> (domain, op); a bare name is in the default domain."""
+    domain, _, op = op_key.rpartition(":")
+    if not op or ":" in domain or (op_key.count(":") and not domain):
+        raise RuleFileError(shown, key, "malformed op name: write Op or \"domain:Op\"")
+    return _canonical_domain(domain), op
+
+
+def _group_checked(entries: list[RuleEntry], shown: str) -> dict[tuple[str, str], tuple[RuleEntry, ...]]:
+    """Group by (domain, op), refusing overlapping opset ranges: the category must be unique."""
+    grouped: dict[tuple[str, str], list[RuleEntry]] = {}
+    for entry in entries:
+        group = grouped.setdefault((entry.domain, entry.op), [])
+        clash = next((other for other in group if other.overlaps(entry)), None)
+        if clash is not None:
+            raise RuleFileError(shown, _entry_key(entry), _overlap_problem(entry, clash))
+        group.append(entry)
+    return {key: tuple(sorted(group, key=lambda e: e.since or 0)) for key, group in grouped.items()}
+
+
+def _overlap_problem(entry: RuleEntry, clash: RuleEntry) -> str:
+    where = f"[{clash.category.value}]"
+    return (
+        f"{entry.op} is also in {where} with an overlapping opset range "
+        f"({_range_text(clash)} vs {_range_text(entry)}); give each entry a since/until range "
+        "that does not overlap the other"
+    )
+
+
+def _parse_nodes(table: dict[str, Any], shown: str, base_name: str) -> tuple[NodeRule, ...]:
+    rules: list[NodeRule] = []
+    for key, value in table.items():
+        if key not in NODE_KEYS:
+            suggestion = "low" if key in TARGETS else _closest(key, NODE_KEYS)
+            raise RuleFileError(shown, f"nodes.{key}", "unknown key", suggestion)
+        precision = Precision.FP32 if key == "fp32" else Precision.LOW
+        for pattern in _pattern_list(value, shown, f"nodes.{key}"):
+            rules.append(NodeRule(pattern, precision, f"{base_name}: nodes.{key}"))
+    return tuple(rules)
+
+
+def _pattern_list(value: Any, shown: str, key: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+        raise RuleFileError(shown, key, "must be a list of non-empty node name patterns")
+    for pattern in value:
+        problem = _pattern_problem(pattern)
+        if problem:
+            raise RuleFileError(shown, key, problem)
+    return value
+
+
+def _pattern_problem(pattern: str) -> str | None:
+    if not pattern.startswith(_REGEX_PREFIX):
+        return None
+    try:
+        _compiled(pattern[len(_REGEX_PREFIX) :])
+    except re.error as exc:
+        return f"invalid regular expression {pattern!r}: {exc}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Op-name validation
+# --------------------------------------------------------------------------------------------
+
+
+def _check_op_names(layer: _Layer, frontend: str, known_extra: set[str]) -> None:
+    """Unknown op names are typos until proven otherwise; custom domains are the user's own."""
+    known = _known_ops(frontend) | known_extra
+    for (domain, op), group in layer.entries.items():
+        if domain or op in known:
+            continue
+        what = "ONNX op" if frontend == "onnx" else "torch op (not named in the built-in torch rule sets)"
+        raise RuleFileError(str(layer.path), _entry_key(group[0]), f"unknown {what}", _closest(op, known))
+
+
+def _known_ops(frontend: str) -> frozenset[str]:
+    if frontend == "onnx":
+        return _known_onnx_ops()
+    return _known_torch_ops()
+
+
+@functools.lru_cache(maxsize=1)
+def _known_onnx_ops() -> frozenset[str]:
+    return frozenset(kernels.known_ops("")) | _ONNX_OPS_WITHOUT_KERNEL_ROWS
+
+
+@functools.lru_cache(maxsize=1)
+def _known_torch_ops() -> frozenset[str]:
+    """Torch has no op registry we may import here: the built-in torch sets are the vocabulary."""
+    names: set[str] = set()
+    for name in builtin_names():
+        layer = _builtin_layer(name)
+        if layer.frontend == "torch":
+            names |= layer.op_names()
+    return frozenset(names)
+
+
+# --------------------------------------------------------------------------------------------
+# Command-line overrides
+# --------------------------------------------------------------------------------------------
+
+
+def _cli_layer(
+    frontend: str, fp32_ops: list[str], low_ops: list[str], fp32_nodes: list[str], low_nodes: list[str]
+) -> _Layer | None:
+    if not (fp32_ops or low_ops or fp32_nodes or low_nodes):
+        return None
+    both = sorted(set(fp32_ops) & set(low_ops))
+    if both:
+        raise UsageError(f"{', '.join(both)} named in both {_CLI_FP32_OPS} and {_CLI_LOW_OPS}")
+    entries: dict[tuple[str, str], tuple[RuleEntry, ...]] = {}
+    for flag, category, names in (
+        (_CLI_FP32_OPS, Category.DENY, fp32_ops),
+        (_CLI_LOW_OPS, Category.ALLOW, low_ops),
+    ):
+        for name in names:
+            entry = _cli_entry(frontend, flag, category, name)
+            entries[(entry.domain, entry.op)] = (entry,)
+    nodes = _cli_node_rules(fp32_nodes, Precision.FP32, _CLI_FP32_NODES)
+    nodes += _cli_node_rules(low_nodes, Precision.LOW, _CLI_LOW_NODES)
+    return _Layer("command-line", "cli", None, None, None, None, None, False, MappingProxyType(entries), nodes)
+
+
+def _cli_entry(frontend: str, flag: str, category: Category, name: str) -> RuleEntry:
+    domain, _, op = name.rpartition(":")
+    domain = _canonical_domain(domain)
+    known = _known_ops(frontend)
+    if not op or (not domain and op not in known):
+        suggestion = _closest(op, known)
+        hint = f" (did you mean {suggestion!r}?)" if suggestion else ""
+        raise UsageError(f"{flag}: unknown {frontend} op {name!r}{hint}")
+    return RuleEntry(op, domain, category, f"command line: {flag}", flag)
+
+
+def _cli_node_rules(patterns: list[str], precision: Precision, flag: str) -> tuple[NodeRule, ...]:
+    for pattern in patterns:
+        problem = "empty node pattern" if not pattern else _pattern_problem(pattern)
+        if problem:
+            raise UsageError(f"{flag}: {problem}")
+    return tuple(NodeRule(pattern, precision, flag) for pattern in patterns)
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _canonical_domain(domain: str | None) -> str:
+    """Rules store the default ONNX domain as ``""``, the way ONNX models spell it."""
+    return "" if domain in (None, "", kernels.ONNX_DOMAIN) else domain
+
+
+def _entry_key(entry: RuleEntry) -> str:
+    return entry.source.split(": ", 1)[-1]
+
+
+def _upper(until: int | None) -> float:
+    return float("inf") if until is None else until
+
+
+def _newest_first_key(entry: RuleEntry) -> tuple[float, int]:
+    return (_upper(entry.until), entry.since or 0)
+
+
+def _range_text(entry: RuleEntry) -> str:
+    low = "" if entry.since is None else str(entry.since)
+    high = "" if entry.until is None else str(entry.until)
+    return f"opsets {low or '*'}..{high or '*'}"
+
+
+def _closest(word: str, choices: Iterable[str]) -> str | None:
+    matches = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    if matches:
+        return matches[0]
+    folded = {choice.lower(): choice for choice in choices}
+    return folded.get(word.lower())
+
+
+def _check_choice(what: str, value: str, choices: Sequence[str]) -> None:
+    if value in choices:
+        return
+    suggestion = _closest(value, choices)
+    hint = f" (did you mean {suggestion!r}?)" if suggestion else ""
+    raise UsageError(f"unknown {what} {value!r}: expected one of {', '.join(choices)}{hint}")
+
+
+def _non_empty_str(value: Any, shown: str, key: str) -> str:
+    if not isinstance(value, str):
+        raise RuleFileError(shown, key, f"must be a string, got {_type_name(value)}")
+    if not value.strip():
+        raise RuleFileError(shown, key, "must not be empty")
+    return value.strip()
+
+
+def _bool(value: Any, shown: str, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise RuleFileError(shown, key, f"must be true or false, got {_type_name(value)}")
+    return value
+
+
+def _opset(value: Any, shown: str, key: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RuleFileError(shown, key, f"must be an integer opset version, got {_type_name(value)}")
+    if value < 1:
+        raise RuleFileError(shown, key, f"must be an opset version >= 1, got {value}")
+    return value
+
+
+def _fp32_inputs(value: Any, shown: str, key: str) -> tuple[int | str, ...]:
+    if not isinstance(value, list):
+        raise RuleFileError(shown, key, f"must be a list of input names or indices, got {_type_name(value)}")
+    for item in value:
+        is_index = isinstance(item, int) and not isinstance(item, bool) and item >= 0
+        is_name = isinstance(item, str) and bool(item)
+        if not (is_index or is_name):
+            raise RuleFileError(shown, key, f"{item!r} is neither an input name nor an index >= 0")
+    return tuple(value)
+
+
+def _type_name(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array", dict: "a table"}
+    return names.get(type(value), type(value).__name__)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(regex: str) -> re.Pattern[str]:
+    return re.compile(regex)
