@@ -1,0 +1,1 @@
+"""emitters of the amp-rewrite pipeline."""

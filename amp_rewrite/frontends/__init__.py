@@ -1,0 +1,1 @@
+"""frontends of the amp-rewrite pipeline."""
