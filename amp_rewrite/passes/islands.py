@@ -13,9 +13,12 @@ from collections import Counter
 
 import networkx as nx
 
-from ..decisions import DecisionLog, Island, Precision
+from ..decisions import Category, DecisionLog, Island, Precision
 from ..ir import Model, Node
 from .base import Context, PassResult, group_inputs, group_outputs, node_label, precision, scope_label
+
+
+_DENY = (Category.DENY, Category.UNLISTED)
 
 
 def find_islands(model: Model, ctx: Context) -> PassResult:
@@ -42,7 +45,8 @@ def find_islands(model: Model, ctx: Context) -> PassResult:
                 id=next_id,
                 scope=scope_label(scope),
                 members=[node_label(n) for n in nodes],
-                seeds=[node_label(n) for n in nodes if n.meta.get("amp.step") != "deny-spread"],
+                seeds=[node_label(n) for n in nodes
+                       if n.meta.get("amp.category") in _DENY and n.meta.get("amp.step") != "deny-spread"],
                 pattern=recognise_pattern(nodes),
             )
             for n in nodes:

@@ -1,0 +1,277 @@
+"""The twelve pitfalls of today's converters (PRECISION.md), one test each (pitfall 8, models over
+2 GB, is in test_external_data.py; pitfall 11, intermediate overflow, in the --check tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from util import BF16, FP16, FP32, full_check, make_model, nodes_by_type, rel_err, rewrite, run, value_types
+
+
+# 1. "Type parameter (T) bound to different types": a low MatMul and an FP32 reduction meet in one Add.
+def test_mixed_inputs_of_one_op_get_one_type():
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {
+          a = MatMul(x, w)
+          r = ReduceSum<keepdims=1>(x, axes)
+          s = Add(a, r)
+          y = MatMul(s, w2)
+        }""", {"w": (8, 8), "w2": (8, 8), "axes": np.array([1], np.int64)})
+    out = rewrite(m).model
+    full_check(out)
+    types = value_types(out)
+    add = nodes_by_type(out, "Add")[0]
+    assert len({types[i] for i in add.input}) == 1
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    assert rel_err(run(m, {"x": x})["y"], run(out, {"x": x})["y"]) < 1e-2
+
+
+# 2. Existing Cast(to=FLOAT), ConstantOfShape without value, dtype attributes stay consistent.
+def test_existing_cast_to_float_is_retargeted_not_chained():
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (int64[4,8] ids) => (float[4,8] y) {
+          f = Cast<to=1>(ids)
+          y = MatMul(f, w)
+        }""", {"w": (8, 8)})
+    out = rewrite(m).model
+    full_check(out)
+    casts = nodes_by_type(out, "Cast")
+    retargeted = [c for c in casts if c.input[0] == "ids"]
+    assert len(retargeted) == 1 and retargeted[0].attribute[0].i == FP16
+    # no FP32 -> FP16 cast chained after it
+    assert not any(c.input[0] == retargeted[0].output[0] and c.attribute[0].i == FP16 for c in casts)
+
+
+def test_constant_of_shape_without_value_follows_its_consumers():
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {
+          a = MatMul(x, w)
+          z = ConstantOfShape(shape)
+          s = Add(a, z)
+          y = MatMul(s, w)
+        }""", {"w": (8, 8), "shape": np.array([4, 8], np.int64)})
+    out = rewrite(m).model
+    full_check(out)
+    cos = nodes_by_type(out, "ConstantOfShape")[0]
+    types = value_types(out)
+    assert types[cos.output[0]] == FP16
+    assert types[nodes_by_type(out, "Add")[0].output[0]] == FP16
+    x = np.ones((4, 8), np.float32)
+    run(out, {"x": x})
+
+
+# 3. An initializer shared by an FP32 consumer and an FP16 consumer.
+def test_shared_initializer_never_mismatches():
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[8,8] x) => (float[8,8] y, float[1,8] t) {
+          y = MatMul(x, w)
+          t = ReduceSum<keepdims=1>(w, axes)
+        }""", {"w": (8, 8), "axes": np.array([0], np.int64)})
+    out = rewrite(m).model
+    full_check(out)
+    types = value_types(out)
+    mm = nodes_by_type(out, "MatMul")[0]
+    rs = nodes_by_type(out, "ReduceSum")[0]
+    assert types[mm.input[1]] == FP16 and types[rs.input[0]] == FP32
+    x = np.random.default_rng(1).standard_normal((8, 8)).astype(np.float32)
+    ref, got = run(m, {"x": x}), run(out, {"x": x})
+    np.testing.assert_allclose(ref["t"], got["t"], rtol=1e-6)  # the FP32 consumer saw exact weights
+
+
+# 4. Resize roi/scales (float control inputs) stay FP32.
+def test_resize_scales_stay_fp32():
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1,2,4,4] x) => (float[1,2,8,8] y) {
+          c = Conv<pads=[1,1,1,1]>(x, w)
+          r = Resize<mode="nearest">(c, roi, scales)
+          y = Conv<pads=[1,1,1,1]>(r, w)
+        }""", {"w": (2, 2, 3, 3), "roi": np.zeros(0, np.float32), "scales": np.array([1, 1, 2, 2], np.float32)})
+    out = rewrite(m).model
+    full_check(out)
+    types = value_types(out)
+    resize = nodes_by_type(out, "Resize")[0]
+    assert types[resize.input[0]] == FP16
+    assert types[resize.input[2]] == FP32  # scales
+    assert not any(c.input[0] in ("scales", "roi") for c in nodes_by_type(out, "Cast"))
+    run(out, {"x": np.ones((1, 2, 4, 4), np.float32)})
+
+
+# 5. No FP32 -> FP16 -> FP32 round trips, including when every node is blocked.
+def test_all_blocked_model_is_left_unchanged():
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,1] y) {
+          e = Exp(x)
+          y = ReduceSum<keepdims=1>(e, axes)
+        }""", {"axes": np.array([1], np.int64)})
+    result = rewrite(m)
+    assert not result.modified
+    assert result.model.SerializeToString() == m.SerializeToString()
+
+
+def test_large_values_between_fp32_ops_never_pass_through_fp16():
+    # x (1e5, above FP16's 65504) goes through a Reshape to an FP32 ReduceSum and to a MatMul.
+    # Painting the Reshape low would round-trip x through FP16 and turn the sum into inf.
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y, float[4,1] s) {
+          r = Reshape(x, shape)
+          s = ReduceSum<keepdims=1>(r, axes)
+          y = MatMul(r, w)
+        }""", {"w": (8, 8), "shape": np.array([4, 8], np.int64), "axes": np.array([1], np.int64)})
+    out = rewrite(m).model
+    full_check(out)
+    x = np.full((4, 8), 1e5, np.float32)
+    got = run(out, {"x": x})
+    assert np.isfinite(got["s"]).all()
+    np.testing.assert_allclose(got["s"], run(m, {"x": x})["s"], rtol=1e-6)
+
+
+# 6. Inserted casts: unique names even against colliding user names; topologically sorted.
+def test_inserted_names_unique_and_sorted():
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {
+          a = MatMul(x, w)
+          "x/amp_fp16" = Identity(a)
+          y = MatMul("x/amp_fp16", w)
+        }""", {"w": (8, 8)})
+    out = rewrite(m).model
+    full_check(out)  # the checker rejects duplicate value names and unsorted graphs
+    names = [o for n in out.graph.node for o in n.output]
+    assert len(names) == len(set(names))
+    node_names = [n.name for n in out.graph.node if n.name]
+    assert len(node_names) == len(set(node_names))
+    run(out, {"x": np.ones((4, 8), np.float32)})
+
+
+# 7. A blocked op inside an If body gets its cast inside the body, not in the outer graph.
+def test_casts_live_in_the_subgraph_that_needs_them():
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x, bool c) => (float[4,8] y) {
+          h = MatMul(x, w)
+          y = If(c) <
+            then_branch = t () => (float[4,8] o) {
+              p = MatMul(h, w)
+              e = Exp(p)
+              o = MatMul(e, w)
+            },
+            else_branch = f () => (float[4,8] o2) {
+              o2 = Identity(h)
+            }>
+        }""", {"w": (8, 8)})
+    out = rewrite(m).model
+    full_check(out)
+    then = next(a.g for a in nodes_by_type(out, "If")[0].attribute if a.name == "then_branch")
+    body_casts = [n for n in then.node if n.op_type == "Cast"]
+    assert body_casts, "the body's Exp needs FP32 and its MatMuls FP16: casts belong in the body"
+    outer_exp_casts = [n for n in out.graph.node if n.op_type == "Cast" and "e" in n.input]
+    assert not outer_exp_casts
+    x = np.random.default_rng(2).standard_normal((4, 8)).astype(np.float32) * 0.1
+    for c in (True, False):
+        feeds = {"x": x, "c": np.array(c)}
+        assert rel_err(run(m, feeds)["y"], run(out, feeds)["y"]) < 1e-2
+
+
+# 9. Constants clamp at the true FP16 limit (65504), not at 1e4; the counts are reported.
+def test_constants_clamp_at_true_fp16_limits():
+    w = np.zeros((8, 8), np.float32)
+    w[0, 0], w[1, 1], w[2, 2], w[3, 3] = 30000.0, 1e6, -1e6, 1e-9
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) { y = MatMul(x, w) }""", {"w": w})
+    result = rewrite(m)
+    out = result.model
+    full_check(out)
+    conv = onnx.numpy_helper.to_array(next(t for t in out.graph.initializer if t.name == "w"))
+    assert conv.dtype == np.float16
+    assert conv[0, 0] == 30000 and conv[1, 1] == 65504 and conv[2, 2] == -65504 and conv[3, 3] == 0
+    stats = result.log.weights
+    assert stats.clamped == 2 and stats.flushed_to_zero == 1
+    assert result.report.summary()["weights"]["clamped"] == 2
+
+
+# 10. Ops with no FP16 kernel on the provider stay FP32 even when a rule file says otherwise.
+def test_op_without_fp16_kernel_stays_fp32(tmp_path):
+    rules = tmp_path / "r.toml"
+    rules.write_text('[allow]\nGridSample = "user wants it low"\n')
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1,2,4,4] x, float[1,4,4,2] grid) => (float[1,2,4,4] y) {
+          c = Conv<pads=[1,1,1,1]>(x, w)
+          s = GridSample(c, grid)
+          y = Conv<pads=[1,1,1,1]>(s, w)
+        }""", {"w": (2, 2, 3, 3)})
+    result = rewrite(m, rules=[str(rules)])
+    out = result.model
+    full_check(out)
+    types = value_types(out)
+    assert types[nodes_by_type(out, "GridSample")[0].output[0]] == FP32
+    decision = next(d for d in result.log.decisions.values() if d.op == "GridSample")
+    assert "no float16 kernel" in decision.reason
+
+
+# 12. A decomposed LayerNorm (Pow/ReduceMean) overflows in FP16; here it is one FP32 island.
+LN13 = """
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[2,4,8] x) => (float[2,4,8] y) {
+      q = MatMul(x, wq)
+      r = Add(q, x)
+      m = ReduceMean<axes=[-1]>(r)
+      d = Sub(r, m)
+      p = Pow(d, two)
+      v = ReduceMean<axes=[-1]>(p)
+      ve = Add(v, eps)
+      sd = Sqrt(ve)
+      n = Div(d, sd)
+      ng = Mul(n, g)
+      ln = Add(ng, b)
+      y = MatMul(ln, wo)
+    }"""
+
+
+def _ln_model():
+    return make_model(LN13, {"wq": (8, 8), "wo": (8, 8), "g": np.ones(8, np.float32),
+                             "b": np.zeros(8, np.float32), "two": np.array(2.0, np.float32),
+                             "eps": np.array(1e-5, np.float32)})
+
+
+def test_decomposed_layernorm_is_one_fp32_island():
+    result = rewrite(_ln_model())
+    out = result.model
+    full_check(out)
+    assert len(result.log.islands) == 1
+    island = result.log.islands[0]
+    assert island.pattern == "LayerNorm"
+    assert {"ReduceMean:m", "Pow:p", "Sqrt:sd", "Div:n"} <= set(island.members)
+    assert island.casts_in == 1 and island.casts_out == 1
+    types = value_types(out)
+    for name in ("m", "d", "p", "v", "sd", "n", "ln"):
+        assert types[name] == FP32, name
+    assert all(types[mm.output[0]] == FP16 or mm.output[0].endswith("amp_fp16")
+               for mm in nodes_by_type(out, "MatMul"))
+
+
+def test_decomposed_layernorm_does_not_overflow():
+    m = _ln_model()
+    out = rewrite(m).model
+    # deviations of ~300 square to ~90000: inf in FP16, fine in the FP32 island
+    x = (np.random.default_rng(3).standard_normal((2, 4, 8)) * 300).astype(np.float32)
+    ref, got = run(m, {"x": x})["y"], run(out, {"x": x})["y"]
+    assert np.isfinite(got).all()
+    assert rel_err(ref, got) < 1e-2
+
+
+def test_bf16_target_uses_bf16_casts_only():
+    out = rewrite(_ln_model(), target="bf16").model
+    full_check(out)
+    assert all(c.attribute[0].i in (FP32, BF16) for c in nodes_by_type(out, "Cast"))
+    assert BF16 in value_types(out).values()
