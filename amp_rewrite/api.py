@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from .decisions import Decision, DecisionLog, Precision
+from .decisions import ALIGNMENT_OPS, Decision, DecisionLog, Precision
 from .errors import OutputError, UsageError
 from .ir import Model, verify
 from .passes.base import Context, Options, node_label, run_passes
@@ -19,8 +19,6 @@ from .passes.paint import paint
 from .passes.place_casts import place_casts
 
 if TYPE_CHECKING:
-    import onnx
-
     from .report import Report
     from .rulebook import RuleBook
 
@@ -90,6 +88,9 @@ def _record_decisions(model: Model, ctx: Context) -> None:
             node=node_label(node), op=node.qualified_op, category=meta["amp.category"], precision=precision,
             reason=meta.get("amp.reason", ""), source=meta.get("amp.source", ""), step=meta.get("amp.step", "classify"),
             via=meta.get("amp.via"), island=meta.get("amp.island")))
+        if node.domain == "" and node.op_type in ALIGNMENT_OPS:
+            ctx.log.operand_shapes[node_label(node)] = [
+                list(v.shape) if v is not None and v.shape is not None else None for v in node.inputs[:2]]
 
 
 # -- ONNX ------------------------------------------------------------------------------------------------
@@ -121,7 +122,7 @@ def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *
     return RewriteResult(ir_model, ctx.log, True, written, source=str(src_path))
 
 
-def rewrite_onnx_model(proto: "onnx.ModelProto", **options: Any) -> RewriteResult:
+def rewrite_onnx_model(proto: Any, **options: Any) -> RewriteResult:
     """Rewrite an in-memory ModelProto; the argument is not modified."""
     from .emitters.onnx_emitter import emit_onnx, to_proto
     from .frontends.onnx_loader import load_onnx
@@ -179,14 +180,9 @@ def _check_output(src: Path, dst: Path, overwrite: bool) -> None:
 
 
 def _input_files(model: Model, src: Path) -> set[Path]:
-    import onnx_ir as ir
+    from .frontends.onnx_loader import input_files
 
-    files = {src.resolve()}
-    for graph in model.origin.model.graphs():
-        for value in graph.initializers.values():
-            if isinstance(value.const_value, ir.ExternalTensor):
-                files.add((Path(value.const_value.base_dir) / value.const_value.location).resolve())
-    return files
+    return input_files(model, src)
 
 
 def _needs_external(model: Model, src: Path) -> bool:

@@ -296,3 +296,13 @@ def _fill_const_from_attr(out: Value, n: ir.Node) -> None:
     out.const_numel = size
     if out.dtype is None:
         out.dtype = DType(int(tensor.dtype))
+
+
+def input_files(model: Model, src: Path) -> set[Path]:
+    """Every file the loaded model reads: the .onnx and its external-data files (never overwritten)."""
+    files = {Path(src).resolve()}
+    for graph in model.origin.model.graphs():
+        for value in graph.initializers.values():
+            if isinstance(value.const_value, ir.ExternalTensor):
+                files.add((Path(value.const_value.base_dir) / value.const_value.location).resolve())
+    return files

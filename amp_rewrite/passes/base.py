@@ -99,7 +99,10 @@ def participates(node: Node) -> bool:
 
 
 def node_label(node: Node) -> str:
-    """A stable identifier for reports: the node name, else op and first output name."""
+    """A stable identifier for reports: the node name, else op and first output name (as it was
+    before the rewrite renamed anything: classify fixes it in ``amp.label``)."""
+    if "amp.label" in node.meta:
+        return node.meta["amp.label"]
     if node.name:
         return node.name
     first = node.outputs[0].name if node.outputs else ""

