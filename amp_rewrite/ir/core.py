@@ -121,8 +121,9 @@ class Value:
     @property
     def is_constant(self) -> bool:
         """An initializer or the output of a Constant node: convertible offline."""
-        if self.is_graph_input:
-            return False  # an initializer listed as a graph input can be overridden at run time
+        # An initializer listed as a graph input (IR < 4 lists them all) counts as a weight: it is
+        # converted offline and its declared input type follows; a runtime Cast of every weight
+        # would cost more than it saves.
         return self.is_initializer or (self.producer is not None and self.producer.op_type == "Constant"
                                        and self.producer.domain in ("", "ai.onnx"))
 

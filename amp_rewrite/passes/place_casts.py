@@ -108,6 +108,7 @@ class _Placer:
 
     def _float_values(self, scope: Graph) -> list[Value]:
         values = list(scope.inputs) + [v for v in scope.initializers.values() if not v.is_graph_input]
+        # (initializers listed as inputs are already in scope.inputs)
         values += [o for n in scope.nodes for o in n.outputs]
         return [v for v in values if v.meta.get("amp.was", v.dtype) == DType.FLOAT]
 
@@ -136,7 +137,7 @@ class _Placer:
         uses = self._uses(value)
         if not uses:
             return
-        if value.is_constant and not value.is_graph_input:
+        if value.is_constant:
             self._settle_constant(value, uses)
             return
         if self._try_fold_existing_cast(value, uses):
