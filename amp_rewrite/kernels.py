@@ -59,6 +59,11 @@ def providers() -> list[str]:
     return sorted(_table()["providers"])
 
 
+def knows_provider(provider: str) -> bool:
+    """Whether the table describes ``provider``; the queries raise KeyError for any other."""
+    return canonical_provider(provider) in _table()["providers"]
+
+
 @functools.lru_cache(maxsize=None)
 def _rows_by_op(provider: str) -> dict[tuple[str, str], tuple[Row, ...]]:
     """Rows of one provider indexed by (domain, op): lookups are in hot loops of the tests."""

@@ -22,7 +22,7 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
-from importlib.abc import Traversable
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
@@ -77,6 +77,10 @@ _ONNX_OPS_WITHOUT_KERNEL_ROWS = frozenset(
     }
 )
 
+_UNKNOWN_OP = {
+    "onnx": "unknown ONNX op",
+    "torch": 'unknown torch op (the built-in torch sets do not name it; write custom ops as "lib:op")',
+}
 _GLOB_CHARS = frozenset("*?[")
 _REGEX_PREFIX = "re:"
 _CLI_FP32_OPS = "--fp32-ops"
@@ -162,8 +166,10 @@ class RuleBook:
     def node_rule(self, name: str) -> NodeRule | None:
         """The rule forcing node ``name``; FP32 rules win because keeping FP32 is the safe side."""
         matching = [rule for rule in self._node_rules if rule.matches(name)]
-        fp32 = [rule for rule in matching if rule.precision is Precision.FP32]
-        return (fp32 or matching or [None])[0]
+        for rule in matching:
+            if rule.precision is Precision.FP32:
+                return rule
+        return matching[0] if matching else None
 
     def entries(self) -> list[RuleEntry]:
         ordered = sorted(self._table.items(), key=lambda item: item[0])
@@ -206,6 +212,8 @@ def load_rules(
     its chain) with ``replace = true`` discards everything below it. Command-line op overrides
     are the top layer, so they win over every file.
     """
+    if isinstance(files, (str, Path)):  # one path, not an iterable of characters
+        files = [files]
     stack = [_builtin_layer(default_ruleset(frontend, target))]
     for file in files:
         chain = _file_chain(Path(file), frontend, target, seen=())
@@ -313,7 +321,8 @@ def _builtin_layer(name: str) -> _Layer:
         raise UsageError(f"no built-in rule set {name!r} (have: {', '.join(builtin_names())})")
     item = _builtin_dir().joinpath(f"{name}.toml")
     shown = str(item)
-    layer = _parse_layer(_parse_text(item.read_text("utf-8"), shown), shown, name, f"builtin:{name}", shown)
+    data = _parse_text(item.read_text("utf-8"), shown)
+    layer = _parse_layer(data, shown, name, f"builtin:{name}", shown)
     _check_builtin_header(layer, name, shown)
     if layer.frontend == "onnx":  # the torch built-ins *are* the torch vocabulary
         _check_op_names(layer, "onnx", set())
@@ -326,8 +335,8 @@ def _check_builtin_header(layer: _Layer, name: str, shown: str) -> None:
         raise RuleFileError(shown, "ruleset.name", f"must be {name!r}, the file's base name")
     if layer.frontend is None or layer.target is None:
         raise RuleFileError(shown, "ruleset", "built-in rule sets must set frontend and target")
-    if layer.extends is not None and layer.extends not in builtin_names():
-        raise RuleFileError(shown, "ruleset.extends", "built-ins may only extend built-ins")
+    if layer.extends is not None or layer.replace:
+        raise RuleFileError(shown, "ruleset", "built-in rule sets stand alone: no extends or replace")
 
 
 def _builtin_dir() -> Traversable:
@@ -420,9 +429,22 @@ def _parse_ruleset(table: dict[str, Any], shown: str) -> dict[str, Any]:
             header[key] = value
     if "replace" in table:
         header["replace"] = _bool(table["replace"], shown, "ruleset.replace")
-    if header.get("provider") and header.get("frontend") == "torch":
-        raise RuleFileError(shown, "ruleset.provider", "only ONNX rule sets name an execution provider")
+    if "provider" in header:
+        _check_provider(header["provider"], header.get("frontend"), shown)
     return header
+
+
+def _check_provider(provider: str, frontend: str | None, shown: str) -> None:
+    """The provider selects the kernel table the painter checks against: it must have one."""
+    if frontend == "torch":
+        raise RuleFileError(shown, "ruleset.provider", "only ONNX rule sets name an execution provider")
+    known = kernels.providers()
+    if provider not in known:
+        problem = (
+            f"no kernel table for {provider!r} (have: {', '.join(known)}); "
+            "leave provider out to skip the kernel checks"
+        )
+        raise RuleFileError(shown, "ruleset.provider", problem, _closest(provider, known))
 
 
 def _parse_list(
@@ -432,9 +454,9 @@ def _parse_list(
     for op_key, value in table.items():
         key = f"{list_name}.{op_key}"
         domain, op = _split_op_key(op_key, shown, key)
-        source = f"{base_name}: {key}"
         for index, spec in enumerate(_entry_specs(value, shown, key)):
             spec_key = key if not isinstance(value, list) else f"{key}[{index}]"
+            source = f"{base_name}: {spec_key}"
             entries.append(_parse_entry(spec, op, domain, category, source, shown, spec_key))
     return entries
 
@@ -549,8 +571,8 @@ def _check_op_names(layer: _Layer, frontend: str, known_extra: set[str]) -> None
     for (domain, op), group in layer.entries.items():
         if domain or op in known:
             continue
-        what = "ONNX op" if frontend == "onnx" else "torch op (not named in the built-in torch rule sets)"
-        raise RuleFileError(str(layer.path), _entry_key(group[0]), f"unknown {what}", _closest(op, known))
+        suggestion = _closest(op, known)
+        raise RuleFileError(str(layer.path), _entry_key(group[0]), _UNKNOWN_OP[frontend], suggestion)
 
 
 def _known_ops(frontend: str) -> frozenset[str]:
@@ -598,7 +620,18 @@ def _cli_layer(
             entries[(entry.domain, entry.op)] = (entry,)
     nodes = _cli_node_rules(fp32_nodes, Precision.FP32, _CLI_FP32_NODES)
     nodes += _cli_node_rules(low_nodes, Precision.LOW, _CLI_LOW_NODES)
-    return _Layer("command-line", "cli", None, None, None, None, None, False, MappingProxyType(entries), nodes)
+    return _Layer(
+        name="command-line",
+        identity="cli",
+        path=None,
+        frontend=None,
+        target=None,
+        provider=None,
+        extends=None,
+        replace=False,
+        entries=MappingProxyType(entries),
+        nodes=nodes,
+    )
 
 
 def _cli_entry(frontend: str, flag: str, category: Category, name: str) -> RuleEntry:
@@ -690,7 +723,8 @@ def _opset(value: Any, shown: str, key: str) -> int | None:
 
 def _fp32_inputs(value: Any, shown: str, key: str) -> tuple[int | str, ...]:
     if not isinstance(value, list):
-        raise RuleFileError(shown, key, f"must be a list of input names or indices, got {_type_name(value)}")
+        problem = f"must be a list of input names or indices, got {_type_name(value)}"
+        raise RuleFileError(shown, key, problem)
     for item in value:
         is_index = isinstance(item, int) and not isinstance(item, bool) and item >= 0
         is_name = isinstance(item, str) and bool(item)
@@ -700,7 +734,14 @@ def _fp32_inputs(value: Any, shown: str, key: str) -> tuple[int | str, ...]:
 
 
 def _type_name(value: Any) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array", dict: "a table"}
+    names = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a float",
+        str: "a string",
+        list: "an array",
+        dict: "a table",
+    }
     return names.get(type(value), type(value).__name__)
 
 

@@ -68,7 +68,7 @@ def _fix_fp32(node: Node, category: Category, reason: str, source: str) -> None:
 
 def _lookup(node: Node, ctx: Context):
     rules = ctx.rules
-    node_rule = rules.node_rule(node.name) if node.name else None
+    node_rule = rules.node_rule(node.name or node_label(node))  # unnamed nodes match by label "Op:output"
     if node_rule is not None:
         if node_rule.precision == Precision.FP32:
             return Category.DENY, f"node rule {node_rule.pattern!r} keeps it FP32", node_rule.source, None
@@ -91,6 +91,8 @@ def _missing_kernel(node: Node, ctx: Context) -> str | None:
         return None
     from .. import kernels
 
+    if not kernels.knows_provider(provider):
+        return None  # a provider outside the bundled table (e.g. TensorRT): the rules decide
     low = "bfloat16" if ctx.low == DType.BFLOAT16 else "float16"
     if not kernels.has_kernel(provider, node.op_type, node.opset, "float", node.domain):
         return None  # unknown to the provider's table (custom op, function): the rules decide

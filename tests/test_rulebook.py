@@ -1,0 +1,528 @@
+"""Rule files: built-in sets, layering, node patterns, and validation errors that name file, key
+and the closest valid spelling."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from amp_rewrite.decisions import Category, Precision
+from amp_rewrite.errors import RuleFileError, UsageError
+from amp_rewrite.rulebook import (
+    NodeRule,
+    RuleBook,
+    RuleEntry,
+    builtin_names,
+    default_ruleset,
+    load_rules,
+)
+
+RULES_DIR = Path(__file__).resolve().parent.parent / "rules"
+PAIRS = [("onnx", "fp16"), ("onnx", "bf16"), ("torch", "fp16"), ("torch", "bf16")]
+
+
+def write(tmp_path: Path, text: str, name: str = "my_rules.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Built-in sets
+# --------------------------------------------------------------------------------------------
+
+
+def test_builtin_names_and_defaults():
+    assert builtin_names() == ["onnx-cuda-bf16", "onnx-cuda-fp16", "torch-bf16", "torch-fp16"]
+    assert default_ruleset("onnx", "fp16") == "onnx-cuda-fp16"
+    assert default_ruleset("onnx", "bf16") == "onnx-cuda-bf16"
+    assert default_ruleset("torch", "fp16") == "torch-fp16"
+    assert default_ruleset("torch", "bf16") == "torch-bf16"
+
+
+@pytest.mark.parametrize("frontend,target", [("onx", "fp16"), ("onnx", "fp8")])
+def test_default_ruleset_rejects_unknown_choices(frontend, target):
+    with pytest.raises(UsageError):
+        default_ruleset(frontend, target)
+
+
+@pytest.mark.parametrize("frontend,target", PAIRS)
+def test_builtin_sets_load(frontend, target):
+    book = load_rules(frontend=frontend, target=target)
+    assert isinstance(book, RuleBook)
+    assert book.name == default_ruleset(frontend, target)
+    assert (book.frontend, book.target) == (frontend, target)
+    assert book.files == (str(RULES_DIR / f"{book.name}.toml"),)
+    assert book.provider == ("CUDAExecutionProvider" if frontend == "onnx" else None)
+    categories = {entry.category for entry in book.entries()}
+    assert categories == {Category.ALLOW, Category.INFER, Category.CLEAR, Category.DENY}
+
+
+@pytest.mark.parametrize("frontend,target", PAIRS)
+def test_every_builtin_entry_has_a_specific_reason(frontend, target):
+    book = load_rules(frontend=frontend, target=target)
+    for entry in book.entries():
+        assert entry.reason.strip(), entry
+        assert len(entry.reason) >= 15, f"reason too vague: {entry}"
+        assert entry.source.startswith(f"{book.name}.toml: {entry.category.value}."), entry.source
+
+
+def test_onnx_sets_name_the_same_ops():
+    """bf16 may split an op into more opset ranges, but never forgets an op the fp16 set has."""
+    ops = {t: {(e.domain, e.op) for e in load_rules(target=t).entries()} for t in ("fp16", "bf16")}
+    assert ops["fp16"] == ops["bf16"]
+
+
+def test_torch_sets_name_the_same_ops():
+    ops = {t: {e.op for e in load_rules(frontend="torch", target=t).entries()} for t in ("fp16", "bf16")}
+    assert ops["fp16"] == ops["bf16"]
+
+
+def test_cumsum_depends_on_opset():
+    book = load_rules()
+    at13, at14 = book.lookup("CumSum", opset=13), book.lookup("CumSum", opset=14)
+    assert at13.category is Category.DENY and at13.until == 13
+    assert "kernel" in at13.reason
+    assert at14.category is Category.DENY and at14.since == 14
+    assert "running sum" in at14.reason
+    assert book.lookup("CumSum") == at14  # no opset: the open-ended, newest entry
+
+
+def test_clip_is_denied_only_where_cuda_lacks_fp16():
+    book = load_rules()
+    assert book.category_of("Clip", opset=11) is Category.DENY
+    assert book.category_of("Clip", opset=12) is Category.INFER
+    assert book.category_of("Clip", opset=21) is Category.INFER
+
+
+def test_resize_pins_roi_and_scales():
+    entry = load_rules().lookup("Resize", opset=19)
+    assert entry.category is Category.CLEAR
+    assert entry.fp32_inputs == ("roi", "scales")
+
+
+def test_contentious_fp16_categories():
+    book = load_rules()
+    assert book.category_of("MatMul", opset=17) is Category.ALLOW
+    assert book.lookup("Softmax", opset=17).accumulates_fp32
+    assert book.category_of("Softmax", opset=17) is Category.INFER
+    assert book.category_of("LogSoftmax", opset=17) is Category.DENY
+    assert book.lookup("LayerNormalization", opset=17).accumulates_fp32
+    assert book.category_of("ReduceMean", opset=17) is Category.DENY
+    assert book.category_of("GroupNormalization", opset=21) is Category.DENY
+    assert book.category_of("LSTM", opset=17) is Category.INFER
+    assert book.category_of("TopK", opset=17) is Category.CLEAR
+
+
+def test_domains():
+    book = load_rules()
+    assert book.category_of("Attention", "com.microsoft") is Category.ALLOW
+    assert book.lookup("SkipLayerNormalization", "com.microsoft").accumulates_fp32
+    assert book.lookup("MatMul", "ai.onnx") == book.lookup("MatMul", "")
+    assert book.category_of("MatMul", "com.example") is Category.UNLISTED
+    assert book.category_of("NoSuchOp") is Category.UNLISTED
+
+
+def test_bf16_moves_range_only_denials_to_infer():
+    fp16, bf16 = load_rules(target="fp16"), load_rules(target="bf16")
+    assert fp16.category_of("Exp", opset=17) is Category.DENY
+    assert bf16.category_of("Exp", opset=17) is Category.INFER
+    assert bf16.category_of("Exp", opset=12) is Category.DENY  # no bf16 kernel before 13
+    assert bf16.category_of("ReduceSum", opset=17) is Category.DENY
+    torch16, torch_bf = load_rules(frontend="torch"), load_rules(frontend="torch", target="bf16")
+    assert torch16.category_of("exp") is Category.DENY
+    assert torch_bf.category_of("exp") is Category.INFER
+    for op in ("sum", "mean", "softmax", "cumsum", "layer_norm", "cross_entropy"):
+        assert torch_bf.category_of(op) is Category.DENY, op
+
+
+def test_torch_follows_autocast_lists():
+    book = load_rules(frontend="torch")
+    for op in ("linear", "matmul", "conv2d", "baddbmm", "scaled_dot_product_attention", "lstm_cell"):
+        assert book.category_of(op) is Category.ALLOW, op
+    for op in ("exp", "log", "pow", "softmax", "log_softmax", "layer_norm", "cumsum", "sum", "mse_loss"):
+        assert book.category_of(op) is Category.DENY, op
+    for op in ("add", "mul", "relu", "gelu", "where", "batch_norm"):
+        assert book.category_of(op) is Category.INFER, op
+    for op in ("view", "reshape", "permute", "cat", "getitem", "max_pool2d"):
+        assert book.category_of(op) is Category.CLEAR, op
+
+
+def test_rulebook_is_frozen():
+    book = load_rules()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        book.name = "other"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        book._table["MatMul"] = ()  # type: ignore[index]
+
+
+# --------------------------------------------------------------------------------------------
+# Layering
+# --------------------------------------------------------------------------------------------
+
+
+def test_user_file_moves_softmax_from_infer_to_deny(tmp_path):
+    path = write(tmp_path, '[deny]\nSoftmax = "our logits reach 1e5"\n')
+    book = load_rules([path])
+    entry = book.lookup("Softmax", opset=17)
+    assert entry.category is Category.DENY
+    assert entry.reason == "our logits reach 1e5"
+    assert entry.source == "my_rules.toml: deny.Softmax"
+    # the user entry replaced every built-in range of Softmax, not only the newest one
+    assert book.category_of("Softmax", opset=11) is Category.DENY
+    assert book.name == "onnx-cuda-fp16+my_rules"
+    assert book.files == (str(RULES_DIR / "onnx-cuda-fp16.toml"), str(path))
+    # everything else still comes from the built-in default
+    assert book.category_of("MatMul", opset=17) is Category.ALLOW
+
+
+def test_user_ranges_replace_builtin_ranges(tmp_path):
+    path = write(tmp_path, '[clear.CumSum]\nreason = "we trust it"\nsince = 14\n')
+    book = load_rules([path])
+    assert book.category_of("CumSum", opset=14) is Category.CLEAR
+    assert book.lookup("CumSum", opset=13) is None  # the built-in range below 14 is gone too
+    assert book.category_of("CumSum", opset=13) is Category.UNLISTED
+
+
+def test_later_files_win(tmp_path):
+    first = write(tmp_path, '[deny]\nGelu = "first"\n', "first.toml")
+    second = write(tmp_path, '[allow]\nGelu = "second"\n', "second.toml")
+    book = load_rules([first, second])
+    assert book.lookup("Gelu", opset=20).reason == "second"
+    assert book.name == "onnx-cuda-fp16+first+second"
+
+
+def test_replace_gives_a_standalone_set(tmp_path):
+    path = write(
+        tmp_path,
+        '[ruleset]\nname = "tiny"\nreplace = true\n[allow]\nMatMul = "only this"\n'
+        '[nodes]\nfp32 = ["head"]\n',
+    )
+    book = load_rules([path])
+    assert book.name == "tiny"
+    assert book.files == (str(path),)
+    assert [e.op for e in book.entries()] == ["MatMul"]
+    assert book.category_of("Add", opset=17) is Category.UNLISTED
+    assert book.provider is None
+
+
+def test_extends_chain_of_files(tmp_path):
+    write(tmp_path, '[ruleset]\nreplace = true\n[deny]\nAdd = "base says deny"\n', "base.toml")
+    middle = tmp_path / "sub"
+    middle.mkdir()
+    write(middle, '[ruleset]\nextends = "../base.toml"\n[infer]\nMul = "middle"\n', "middle.toml")
+    top = write(tmp_path, '[ruleset]\nextends = "sub/middle.toml"\n[allow]\nMatMul = "top"\n', "top.toml")
+    book = load_rules([top])
+    assert book.name == "base+middle+top"
+    assert book.category_of("Add") is Category.DENY
+    assert book.category_of("Mul") is Category.INFER
+    assert book.category_of("MatMul") is Category.ALLOW
+    assert book.category_of("Sub") is Category.UNLISTED  # base replaced the built-in default
+
+
+def test_extends_a_builtin_is_not_layered_twice(tmp_path):
+    path = write(tmp_path, '[ruleset]\nextends = "onnx-cuda-fp16"\n[deny]\nGelu = "mine"\n')
+    book = load_rules([path])
+    assert book.name == "onnx-cuda-fp16+my_rules"
+    assert book.category_of("Gelu", opset=20) is Category.DENY
+
+
+def test_provider_comes_from_the_top_layer_that_sets_it(tmp_path):
+    path = write(tmp_path, '[ruleset]\nprovider = "CPUExecutionProvider"\n')
+    assert load_rules([path]).provider == "CPUExecutionProvider"
+
+
+def test_provider_without_a_kernel_table_is_refused(tmp_path):
+    path = write(tmp_path, '[ruleset]\nprovider = "CUDAExecutionProvidr"\n')
+    with pytest.raises(RuleFileError) as caught:
+        load_rules([path])
+    assert caught.value.suggestion == "CUDAExecutionProvider"
+    assert "ruleset.provider" in str(caught.value)
+
+
+def test_a_single_path_is_accepted(tmp_path):
+    path = write(tmp_path, '[deny]\nGelu = "one file, not a list"\n')
+    assert load_rules(str(path)).category_of("Gelu", opset=20) is Category.DENY
+
+
+def test_torch_user_file_and_custom_domain(tmp_path):
+    path = write(
+        tmp_path,
+        '[ruleset]\nfrontend = "torch"\n[deny]\nlinear = "keep the head exact"\n'
+        '[allow]\n"mylib:fused_rope" = "our own fused kernel"\n',
+    )
+    book = load_rules([path], frontend="torch")
+    assert book.category_of("linear") is Category.DENY
+    assert book.category_of("fused_rope", "mylib") is Category.ALLOW
+
+
+# --------------------------------------------------------------------------------------------
+# Node patterns
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "pattern,name,expected",
+    [
+        ("exact_node", "exact_node", True),
+        ("exact_node", "exact_node_2", False),
+        ("/decoder/*", "/decoder/layer.0/MatMul", True),
+        ("/decoder/*", "/encoder/layer.0/MatMul", False),
+        ("layer.?/add", "layer.3/add", True),
+        ("Layer*", "layer1", False),  # globs are case-sensitive
+        ("re:.*lm_head.*", "model/lm_head/MatMul", True),
+        ("re:lm_head", "model/lm_head", False),  # fullmatch, not search
+        ("re:layer\\.[0-3]\\..*", "layer.2.mlp", True),
+        ("re:layer\\.[0-3]\\..*", "layer.4.mlp", False),
+    ],
+)
+def test_node_rule_matching(pattern, name, expected):
+    assert NodeRule(pattern, Precision.FP32, "test").matches(name) is expected
+
+
+def test_fp32_node_rules_win_over_low(tmp_path):
+    path = write(tmp_path, '[nodes]\nlow = ["/decoder/*"]\nfp32 = ["re:.*/softmax.*"]\n')
+    book = load_rules([path])
+    assert book.node_rule("/decoder/attn/softmax_1").precision is Precision.FP32
+    assert book.node_rule("/decoder/attn/matmul").precision is Precision.LOW
+    assert book.node_rule("/encoder/attn/matmul") is None
+    assert book.node_rule("/decoder/attn/matmul").source == "my_rules.toml: nodes.low"
+
+
+def test_node_rules_accumulate_across_layers_and_cli(tmp_path):
+    first = write(tmp_path, '[nodes]\nfp32 = ["a"]\n', "first.toml")
+    second = write(tmp_path, '[nodes]\nlow = ["b"]\n', "second.toml")
+    book = load_rules([first, second], fp32_nodes=["c*"], low_nodes=["a"])
+    assert book.node_rule("a").precision is Precision.FP32  # fp32 wins over the CLI's low
+    assert book.node_rule("b").precision is Precision.LOW
+    rule = book.node_rule("c1")
+    assert (rule.precision, rule.source) == (Precision.FP32, "--fp32-nodes")
+
+
+# --------------------------------------------------------------------------------------------
+# Command-line overrides
+# --------------------------------------------------------------------------------------------
+
+
+def test_cli_ops_override_every_file(tmp_path):
+    path = write(tmp_path, '[allow]\nGelu = "file"\n')
+    book = load_rules([path], fp32_ops=["Gelu", "com.microsoft:FastGelu"], low_ops=["Softmax"])
+    gelu = book.lookup("Gelu", opset=20)
+    assert gelu.category is Category.DENY
+    assert (gelu.reason, gelu.source) == ("command line: --fp32-ops", "--fp32-ops")
+    assert book.category_of("FastGelu", "com.microsoft") is Category.DENY
+    assert book.category_of("Softmax", opset=13) is Category.ALLOW
+    assert book.lookup("Softmax").reason == "command line: --fp16-ops"
+
+
+def test_cli_unknown_op_suggests_the_closest():
+    with pytest.raises(UsageError, match="ReduceMean"):
+        load_rules(fp32_ops=["ReduceMaen"])
+
+
+def test_cli_op_in_both_lists_is_an_error():
+    with pytest.raises(UsageError, match="Softmax"):
+        load_rules(fp32_ops=["Softmax"], low_ops=["Softmax"])
+
+
+def test_cli_bad_regex_is_an_error():
+    with pytest.raises(UsageError, match="--fp32-nodes"):
+        load_rules(fp32_nodes=["re:(unclosed"])
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+BAD_FILES = [
+    ("unknown table", '[alow]\nMatMul = "x"\n', "alow", "allow"),
+    ("unknown ONNX op", '[deny]\nReduceMaen = "x"\n', "deny.ReduceMaen", "ReduceMean"),
+    ("unknown entry key", '[deny.CumSum]\nreson = "x"\n', "deny.CumSum.reson", "reason"),
+    ("unknown ruleset key", '[ruleset]\nextnds = "onnx-cuda-fp16"\n', "ruleset.extnds", "extends"),
+    ("unknown nodes key", '[nodes]\nfp23 = ["a"]\n', "nodes.fp23", "fp32"),
+    ("unknown frontend", '[ruleset]\nfrontend = "onxx"\n', "ruleset.frontend", "onnx"),
+    ("unknown target", '[ruleset]\ntarget = "fp61"\n', "ruleset.target", "fp16"),
+    ("missing builtin", '[ruleset]\nextends = "onnx-cuda-fp61"\n', "ruleset.extends", "onnx-cuda-fp16"),
+    (
+        "array entry key",
+        '[[deny.Range]]\nreason = "a"\nuntil = 3\n[[deny.Range]]\nreasn = "b"\n',
+        "deny.Range[1].reasn",
+        "reason",
+    ),
+]
+
+
+@pytest.mark.parametrize("what,text,key,suggestion", BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_errors_name_file_key_and_suggestion(tmp_path, what, text, key, suggestion):
+    path = write(tmp_path, text)
+    with pytest.raises(RuleFileError) as caught:
+        load_rules([path])
+    message = str(caught.value)
+    assert str(path) in message
+    assert key in message
+    assert caught.value.suggestion == suggestion
+    assert repr(suggestion) in message
+    assert caught.value.exit_code == 4
+
+
+BAD_VALUES = [
+    ("missing reason", "[deny.Exp]\nsince = 3\n", "deny.Exp.reason", "missing"),
+    ("empty reason", '[deny]\nExp = "   "\n', "deny.Exp.reason", "empty"),
+    ("since after until", '[deny.Exp]\nreason = "x"\nsince = 14\nuntil = 13\n', "deny.Exp", "greater than"),
+    ("string opset", '[deny.Exp]\nreason = "x"\nsince = "13"\n', "deny.Exp.since", "integer"),
+    ("bool opset", '[deny.Exp]\nreason = "x"\nuntil = true\n', "deny.Exp.until", "integer"),
+    ("zero opset", '[deny.Exp]\nreason = "x"\nsince = 0\n', "deny.Exp.since", ">= 1"),
+    ("fp32_inputs not a list", '[clear.Resize]\nreason = "x"\nfp32_inputs = "roi"\n', "clear.Resize.fp32_inputs", "list"),
+    ("negative input index", '[clear.Resize]\nreason = "x"\nfp32_inputs = [-1]\n', "clear.Resize.fp32_inputs", "-1"),
+    (
+        "accumulates not bool",
+        '[infer.Softmax]\nreason = "x"\naccumulates_fp32 = "yes"\n',
+        "infer.Softmax.accumulates_fp32",
+        "true or false",
+    ),
+    ("entry not a string", "[deny]\nExp = 3\n", "deny.Exp", "reason string or a table"),
+    ("list not a table", 'deny = "Exp"\n', "deny", "table"),
+    ("replace not bool", "[ruleset]\nreplace = 1\n", "ruleset.replace", "true or false"),
+    ("nodes not a list", '[nodes]\nfp32 = "a"\n', "nodes.fp32", "list"),
+    ("bad regex", '[nodes]\nfp32 = ["re:(unclosed"]\n', "nodes.fp32", "regular expression"),
+    ("malformed op key", '[deny]\n"a::b" = "x"\n', "deny.a::b", "malformed"),
+    ("target mismatch", '[ruleset]\ntarget = "bf16"\n', "ruleset.target", "asks for 'fp16'"),
+    ("torch provider", '[ruleset]\nfrontend = "torch"\nprovider = "CUDA"\n', "ruleset.provider", "ONNX"),
+]
+
+
+@pytest.mark.parametrize("what,text,key,problem", BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
+def test_bad_values(tmp_path, what, text, key, problem):
+    path = write(tmp_path, text)
+    frontend = "torch" if "torch" in what else "onnx"
+    with pytest.raises(RuleFileError) as caught:
+        load_rules([path], frontend=frontend)
+    message = str(caught.value)
+    assert str(path) in message
+    assert f": {key}: " in message
+    assert problem in message
+
+
+def test_overlapping_ranges_in_one_file(tmp_path):
+    path = write(tmp_path, '[infer]\nSoftmax = "a"\n[deny.Softmax]\nreason = "b"\nsince = 13\n')
+    with pytest.raises(RuleFileError) as caught:
+        load_rules([path])
+    message = str(caught.value)
+    assert str(path) in message and "Softmax" in message and "overlapping" in message
+    assert "[infer]" in message
+
+
+def test_same_op_twice_via_domain_alias(tmp_path):
+    path = write(tmp_path, '[deny]\nExp = "a"\n"ai.onnx:Exp" = "b"\n')
+    with pytest.raises(RuleFileError, match="overlapping"):
+        load_rules([path])
+
+
+def test_disjoint_ranges_in_two_lists_are_fine(tmp_path):
+    path = write(
+        tmp_path,
+        '[deny.CumSum]\nreason = "no kernel"\nuntil = 13\n[clear.CumSum]\nreason = "fine"\nsince = 14\n',
+    )
+    book = load_rules([path])
+    assert book.category_of("CumSum", opset=13) is Category.DENY
+    assert book.category_of("CumSum", opset=14) is Category.CLEAR
+
+
+def test_toml_syntax_error_names_the_line(tmp_path):
+    path = write(tmp_path, '[deny]\nExp = "ok"\nLog = \n')
+    with pytest.raises(RuleFileError) as caught:
+        load_rules([path])
+    message = str(caught.value)
+    assert str(path) in message
+    assert "line 3" in message and "syntax" in message
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.toml"
+    with pytest.raises(RuleFileError) as caught:
+        load_rules([path])
+    assert str(path) in str(caught.value) and "not found" in str(caught.value)
+
+
+def test_directory_instead_of_file(tmp_path):
+    with pytest.raises(RuleFileError, match="directory"):
+        load_rules([tmp_path])
+
+
+def test_extends_missing_file(tmp_path):
+    path = write(tmp_path, '[ruleset]\nextends = "missing.toml"\n')
+    with pytest.raises(RuleFileError) as caught:
+        load_rules([path])
+    assert "ruleset.extends" in str(caught.value) and "missing.toml" in str(caught.value)
+
+
+def test_extends_cycle(tmp_path):
+    write(tmp_path, '[ruleset]\nextends = "b.toml"\n', "a.toml")
+    write(tmp_path, '[ruleset]\nextends = "a.toml"\n', "b.toml")
+    with pytest.raises(RuleFileError, match="cycle"):
+        load_rules([tmp_path / "a.toml"])
+
+
+def test_extending_a_builtin_for_another_target(tmp_path):
+    path = write(tmp_path, '[ruleset]\nextends = "onnx-cuda-bf16"\n')
+    with pytest.raises(RuleFileError, match="bf16"):
+        load_rules([path], target="fp16")
+
+
+def test_unknown_torch_op_suggests_the_closest(tmp_path):
+    path = write(tmp_path, '[ruleset]\nfrontend = "torch"\n[deny]\nlienar = "x"\n')
+    with pytest.raises(RuleFileError) as caught:
+        load_rules([path], frontend="torch")
+    assert caught.value.suggestion == "linear"
+    assert "deny.lienar" in str(caught.value)
+
+
+def test_custom_domains_are_not_validated(tmp_path):
+    path = write(tmp_path, '[allow]\n"com.example:MyGemm" = "our own GEMM kernel"\n')
+    assert load_rules([path]).category_of("MyGemm", "com.example") is Category.ALLOW
+
+
+def test_onnx_function_ops_without_kernels_are_known(tmp_path):
+    path = write(tmp_path, '[infer]\nSoftmaxCrossEntropyLoss = "testing"\n')
+    assert load_rules([path]).category_of("SoftmaxCrossEntropyLoss") is Category.INFER
+
+
+# --------------------------------------------------------------------------------------------
+# Documentation and dependencies
+# --------------------------------------------------------------------------------------------
+
+
+def _readme_toml_blocks() -> list[str]:
+    text = (RULES_DIR / "README.md").read_text(encoding="utf-8")
+    return re.findall(r"```toml\n(.*?)```", text, flags=re.S)
+
+
+def test_readme_examples_are_valid_rule_files(tmp_path):
+    blocks = _readme_toml_blocks()
+    assert len(blocks) >= 3
+    for index, block in enumerate(blocks):
+        path = write(tmp_path, block, f"example{index}.toml")
+        assert load_rules([path]).entries(), f"README example {index} did not load"
+
+
+@pytest.mark.parametrize("module", ["rulebook.py", "kernels.py"])
+def test_no_heavy_imports(module):
+    """Rules are configuration: reading them must not need onnx, onnxruntime or torch."""
+    source = (Path(__file__).resolve().parent.parent / "amp_rewrite" / module).read_text(encoding="utf-8")
+    imported: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            imported.add(node.module.split(".")[0])
+    assert not imported & {"onnx", "onnxruntime", "onnx_ir", "torch", "numpy"}, imported
+
+
+def test_rule_entry_covers():
+    entry = RuleEntry("CumSum", "", Category.DENY, "r", "s", since=11, until=13)
+    assert [entry.covers(o) for o in (10, 11, 13, 14)] == [False, True, True, False]
+    assert RuleEntry("X", "", Category.DENY, "r", "s").covers(1)

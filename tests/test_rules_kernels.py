@@ -1,0 +1,222 @@
+"""The kernel table query module, and the built-in ONNX rule sets checked against it.
+
+The hard requirement: a built-in ONNX rule set never puts an op in low precision at an opset where
+onnxruntime's CUDA provider has a float kernel for it but no kernel in the target type. Otherwise
+the rewritten model fails to load, or the node silently falls back to another provider.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from amp_rewrite import kernels
+from amp_rewrite.decisions import Category
+from amp_rewrite.rulebook import RuleEntry, load_rules
+
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+OPSETS = range(7, 27)
+CUSTOM_DOMAIN_OPSETS = (1,)  # com.microsoft has a single opset version
+LOW = (Category.ALLOW, Category.INFER, Category.CLEAR)
+TARGET_DTYPE = {"fp16": "float16", "bf16": "bfloat16"}
+SHARED_QUERY = Path("/work/shared/data/ort_kernels_query.py")
+
+
+# --------------------------------------------------------------------------------------------
+# kernels.py
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "op,opset,dtype,expected",
+    [
+        ("Softmax", 13, "bfloat16", True),
+        ("Softmax", 12, "bfloat16", False),
+        ("CumSum", 13, "float16", False),
+        ("CumSum", 14, "float16", True),
+        ("CumSum", 14, "bfloat16", False),
+        ("GridSample", 20, "float", True),
+        ("GridSample", 20, "float16", False),
+        ("Range", 21, "float16", False),
+        ("EyeLike", 17, "float16", False),
+        ("TopK", 23, "bfloat16", False),
+        ("TopK", 24, "bfloat16", True),
+        ("RoiAlign", 15, "float16", False),
+        ("RoiAlign", 16, "float16", True),
+        ("Resize", 19, "float16", True),
+        ("Resize", 19, "bfloat16", False),
+        ("NonMaxSuppression", 11, "float", True),  # untyped kernel: types come from the schema
+        ("Celu", 17, "float", False),  # CPU-only op
+    ],
+)
+def test_has_kernel_cuda(op, opset, dtype, expected):
+    assert kernels.has_kernel(CUDA, op, opset, dtype) is expected
+
+
+def test_domain_and_provider_spellings():
+    assert kernels.has_kernel("cuda", "Softmax", 13, "float16")
+    assert kernels.has_kernel(CUDA, "Softmax", 13, "float16", domain="ai.onnx")
+    assert kernels.has_kernel(CUDA, "Attention", 1, "float16", domain="com.microsoft")
+    assert not kernels.has_kernel(CUDA, "Attention", 1, "float16", domain="")  # ai.onnx Attention is 23+
+    assert not kernels.has_kernel(CUDA, "NoSuchOp", 13, "float")
+    with pytest.raises(KeyError, match="unknown execution provider"):
+        kernels.has_kernel("TPUExecutionProvider", "Softmax", 13, "float")
+    assert kernels.knows_provider("cuda") and kernels.knows_provider(CPU)
+    assert not kernels.knows_provider("TPUExecutionProvider")
+
+
+def test_overlapping_rows_are_unioned():
+    """CUDA ThresholdedRelu has two rows (1+ and 10+) covering opset 10: both count."""
+    rows = kernels.kernel_rows(CUDA, "ThresholdedRelu", 10)
+    assert len(rows) >= 2
+    union = {t for row in rows for types in row["type_constraints"].values() for t in types}
+    assert kernels.kernel_types(CUDA, "ThresholdedRelu", 10) == frozenset(union)
+
+
+def test_op_has_float_kernel_and_gap():
+    assert kernels.op_has_float_kernel(CUDA, "GridSample", 20)
+    assert kernels.low_precision_gap(CUDA, "GridSample", 20, "float16")
+    assert not kernels.low_precision_gap(CUDA, "MatMul", 17, "float16")
+    assert not kernels.op_has_float_kernel(CUDA, "Celu", 17)  # no CUDA kernel at all
+    assert kernels.op_has_float_kernel(CPU, "Celu", 17)
+
+
+def test_known_ops():
+    onnx_ops = kernels.known_ops()
+    assert {"MatMul", "Softmax", "ReduceMean", "Celu", "LayerNormalization"} <= onnx_ops
+    assert "MatMull" not in onnx_ops
+    assert kernels.known_ops("ai.onnx") == onnx_ops
+    assert {"Attention", "SkipLayerNormalization"} <= kernels.known_ops("com.microsoft")
+    onnx_ops.add("Mutated")  # callers get a copy
+    assert "Mutated" not in kernels.known_ops()
+
+
+def test_schema_allows_tells_spec_limits_from_gaps():
+    assert kernels.schema_allows("CumSum", 13, "float16") is False  # spec limit
+    assert kernels.schema_allows("CumSum", 14, "float16") is True
+    assert kernels.schema_allows("EyeLike", 17, "float16") is True  # an EP gap
+    assert kernels.schema_allows("NoSuchOp", 17, "float16") is None
+
+
+@pytest.mark.skipif(not SHARED_QUERY.is_file(), reason="shared query script not available")
+def test_agrees_with_the_shared_query_script():
+    spec = importlib.util.spec_from_file_location("ort_kernels_query", SHARED_QUERY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for provider in (CUDA, CPU):
+        for op in sorted(kernels.known_ops()):
+            for opset in (7, 11, 13, 17, 18, 21, 24):
+                for dtype in ("float", "float16", "bfloat16"):
+                    ours = kernels.has_kernel(provider, op, opset, dtype)
+                    theirs = module.has_kernel(provider, op, opset, dtype, "ai.onnx")
+                    assert ours == theirs, (provider, op, opset, dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# The ONNX rule sets against the CUDA kernel table
+# --------------------------------------------------------------------------------------------
+
+
+def _opsets(entry: RuleEntry) -> list[int]:
+    candidates = CUSTOM_DOMAIN_OPSETS if entry.domain else OPSETS
+    return [opset for opset in candidates if entry.covers(opset)]
+
+
+def _low_entries(target: str) -> list[RuleEntry]:
+    return [entry for entry in load_rules(target=target).entries() if entry.category in LOW]
+
+
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_low_entries_have_cuda_kernels_in_the_target_type(target):
+    dtype = TARGET_DTYPE[target]
+    violations = [
+        f"{entry.source} at opset {opset}"
+        for entry in _low_entries(target)
+        for opset in _opsets(entry)
+        if kernels.low_precision_gap(CUDA, entry.op, opset, dtype, entry.domain)
+    ]
+    assert not violations, f"low precision without a CUDA {dtype} kernel: {violations}"
+
+
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_low_entries_survive_the_cpu_fallback(target):
+    """Where CUDA has no kernel at all, onnxruntime places the node on CPU: that kernel must take
+    the target type too (CPU Resize, OneHot before 11, ... are float-only)."""
+    dtype = TARGET_DTYPE[target]
+    violations = [
+        f"{entry.source} at opset {opset}"
+        for entry in _low_entries(target)
+        for opset in _opsets(entry)
+        if not kernels.kernel_rows(CUDA, entry.op, opset, entry.domain)
+        and kernels.low_precision_gap(CPU, entry.op, opset, dtype, entry.domain)
+    ]
+    assert not violations, f"low precision on a float-only CPU fallback: {violations}"
+
+
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_kernel_check_can_fail(target):
+    """The check above is not vacuous: the gaps it guards against exist in the table."""
+    dtype = TARGET_DTYPE[target]
+    assert kernels.low_precision_gap(CUDA, "GridSample", 20, dtype)
+    fake = RuleEntry("GridSample", "", Category.INFER, "test", "test")
+    assert any(kernels.low_precision_gap(CUDA, fake.op, o, dtype) for o in _opsets(fake))
+
+
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_ranges_are_split_where_the_table_requires(target):
+    book = load_rules(target=target)
+    if target == "fp16":
+        assert book.category_of("CumSum", opset=13) is Category.DENY
+        assert book.category_of("Clip", opset=11) is Category.DENY
+        assert book.category_of("Clip", opset=12) is Category.INFER
+        assert book.category_of("RoiAlign", opset=16) is Category.DENY  # coordinates, kernel or not
+    else:
+        assert book.category_of("MatMul", opset=12) is Category.DENY
+        assert book.category_of("MatMul", opset=13) is Category.ALLOW
+        assert book.category_of("Conv", opset=21) is Category.DENY
+        assert book.category_of("Conv", opset=22) is Category.ALLOW
+        assert book.category_of("TopK", opset=23) is Category.DENY
+        assert book.category_of("TopK", opset=24) is Category.CLEAR
+        assert book.category_of("Resize", opset=19) is Category.DENY
+        assert "no bfloat16" in book.lookup("Resize", opset=19).reason
+
+
+@pytest.mark.parametrize("op", ["GridSample", "EyeLike", "Range"])
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_float_only_ops_are_never_low(op, target):
+    book = load_rules(target=target)
+    for opset in OPSETS:
+        assert book.category_of(op, opset=opset) is Category.DENY, (op, opset)
+    # and no other spelling of them is low in any built-in set
+    for frontend in ("onnx", "torch"):
+        for entry in load_rules(frontend=frontend, target=target).entries():
+            if entry.op.lower() in {"gridsample", "grid_sampler", "eyelike", "range", "arange"}:
+                assert entry.category is Category.DENY, entry
+
+
+def test_ops_float_only_at_every_opset_are_deny():
+    """Any ai.onnx op whose CUDA kernels never take fp16 is deny wherever the fp16 set names it."""
+    book = load_rules()
+    for entry in book.entries():
+        if entry.domain or entry.category not in LOW:
+            continue
+        opsets = [o for o in _opsets(entry) if kernels.op_has_float_kernel(CUDA, entry.op, o)]
+        assert not opsets or any(kernels.has_kernel(CUDA, entry.op, o, "float16") for o in opsets), entry
+
+
+def test_fp32_ops_on_the_command_line_make_matmul_deny():
+    book = load_rules(fp32_ops=["MatMul"])
+    for opset in (7, 13, 17, 21):
+        entry = book.lookup("MatMul", opset=opset)
+        assert entry.category is Category.DENY
+        assert entry.reason == "command line: --fp32-ops"
+    assert load_rules().category_of("MatMul", opset=17) is Category.ALLOW  # the default is untouched
+
+
+def test_low_ops_on_the_command_line_make_an_op_allow():
+    book = load_rules(low_ops=["ReduceMean"])
+    assert book.category_of("ReduceMean", opset=18) is Category.ALLOW
+    assert book.lookup("ReduceMean").source == "--fp16-ops"
