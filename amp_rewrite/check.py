@@ -1,0 +1,1143 @@
+"""``--check`` and ``--auto-fp32``: run the FP32 and the rewritten model on the same inputs, compare
+their outputs, find intermediate low-precision values that overflowed, and pin the fewest nodes
+FP32 needed to pass.
+
+An edge module: it imports onnxruntime, numpy and onnx (tests/test_core.py lists it).
+
+Inputs
+    From ``--inputs file.npz`` (keys = graph input names of the FP32 model), else generated from
+    the FP32 model's declared inputs, seeded (``seed=0``):
+
+    - float inputs: N(0, 1) (images, features); a float input named like ``*mask*``: 0/1;
+    - integer inputs named like ``*mask*``: 1 everywhere but the last position of the last axis
+      (one padded token) when that axis is longer than 2; bool masks the same with True/False;
+    - ``*token_type*`` / ``*segment*``: zeros; ``*position*``: 0, 1, 2, ... along the last axis;
+    - other integer inputs (``input_ids``, ``tokens``, ...): uniform in ``[0, vocab)``, ``vocab``
+      being the first axis of the embedding table a Gather reads with them (looking through
+      Cast/Reshape/Unsqueeze/...), else ``[0, 100)``;
+    - symbolic or unknown dims: 1 for batch-like names (``batch*``, ``N``, ``B``; also any unnamed
+      first axis), 8 for sequence-like names (``*seq*``, ``*len*``, ``*token*``, ``*time*``,
+      ``*past*``), 64 for ``height``/``width``/``H``/``W``, else 1 on the first axis and 8
+      elsewhere. A dim name gets the same value in every input.
+
+Running
+    In-process onnxruntime, on ``CUDAExecutionProvider`` when onnxruntime has it, else on the CPU
+    provider at graph optimisation level EXTENDED (the CPU-only level-ALL layout optimisers can
+    crash on valid FP16 graphs). Every ``InferenceSession.run`` is one *evaluation*.
+
+Comparison (per graph output)
+    max abs error and max relative error ``max|a-b| / max|a|`` over the elements finite in both,
+    cosine similarity, and NaN/Inf counts in each model. An output fails when its relative error
+    exceeds ``tolerance`` or the rewritten model has a NaN/Inf where the FP32 one is finite.
+    Integer and bool outputs are compared by the fraction of differing elements.
+
+Overflow localisation (PRECISION.md pitfall 11)
+    Every FP16/BF16 value of the rewritten model's *main graph* (If/Loop/Scan bodies are not
+    looked into) is exposed as an extra output of a copy of the model, through a Cast to FP32,
+    and compared with the FP32 model's value of the same name (the rewrite keeps names; its
+    low-precision copies are named ``<name>/amp_fp16``). Nodes whose low-precision output has
+    NaN/Inf where the FP32 value is finite are *overflowing*; the first of them in topological
+    order whose inputs did not already overflow are the *roots*. An overflow fails the check
+    even when the outputs look fine (a softmax turns -inf logits into plausible zeros; other
+    inputs make them +inf and NaN). Values above half the type's limit (|x| > 32752 in FP16)
+    are listed as warnings.
+
+Auto FP32
+    Rewrite, check (with localisation), and while it fails: pin the root overflowing nodes FP32
+    (for an overflowing Cast, its low-precision consumers) and rewrite again; when no overflow
+    explains the failure, bisect over the low-precision nodes in topological order (the shortest
+    prefix that passes, then the shortest suffix of that prefix). At most ``2*ceil(log2(N+1))+5``
+    candidate runs for N low-precision nodes, plus one FP32 reference run and one run of the
+    final written model.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from .api import RewriteResult
+from .errors import AmpRewriteError, CheckFailedError, UsageError
+
+if TYPE_CHECKING:
+    from .commands import CliArgs
+    from .report import Report
+
+SEED = 0
+BATCH_DIM = 1
+SEQUENCE_DIM = 8
+SPATIAL_DIM = 64
+DEFAULT_VOCAB = 100
+NEAR_LIMIT = 0.5  # warn when |x| > NEAR_LIMIT * the type's largest finite value
+LIMITS = {"fp16": 65504.0, "bf16": 3.3895313892515355e38}
+_LOW_TYPES = {onnx.TensorProto.FLOAT16: "fp16", onnx.TensorProto.BFLOAT16: "bf16"}
+_RENAMED = re.compile(r"/amp_(?:fp16|bf16)(?:_\d+)?$")  # the rewrite's low-precision copies
+_PASS_THROUGH = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand", "Transpose"}
+_MAX_LISTED = 10  # overflowing / near-limit values kept in the result
+SENTINEL = 1e8  # |x| at or above this in FP32 is a mask sentinel (-1e9, finfo.min): its ±inf is expected
+
+
+class CheckRunError(CheckFailedError):
+    """onnxruntime could not load or run the rewritten model (the FP32 one ran)."""
+
+
+# ===================================================================================================
+# models and inputs
+# ===================================================================================================
+def _as_proto(model: Any, *, load_data: bool = True) -> onnx.ModelProto:
+    if isinstance(model, onnx.ModelProto):
+        return model
+    if isinstance(model, (str, Path)):
+        try:
+            return onnx.load(str(model), load_external_data=load_data)
+        except Exception as exc:  # noqa: BLE001 (protobuf raises many kinds)
+            from .errors import ModelLoadError
+
+            raise ModelLoadError(f"{model}: cannot read the model for --check: {exc}") from exc
+    if type(model).__module__.startswith("onnx_ir"):
+        import onnx_ir as ir
+
+        return ir.serde.serialize_model(model)
+    raise TypeError(f"expected a path, an onnx.ModelProto or an onnx_ir.Model, got {type(model).__name__}")
+
+
+def graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    """The inputs a caller feeds: graph inputs that are not initializers (IR < 4 lists both)."""
+    inits = {t.name for t in model.graph.initializer}
+    return [v for v in model.graph.input if v.name not in inits]
+
+
+def _np_dtype(elem_type: int) -> np.dtype:
+    if elem_type == onnx.TensorProto.BFLOAT16:
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+
+
+def _dim_value(name: str | None, axis: int) -> int:
+    low = (name or "").lower()
+    if not low:
+        return BATCH_DIM if axis == 0 else SEQUENCE_DIM
+    if "batch" in low or low in ("n", "b", "bs", "batch_size"):
+        return BATCH_DIM
+    if any(k in low for k in ("seq", "len", "token", "time", "past", "step", "total")):
+        return SEQUENCE_DIM
+    if low in ("height", "width", "h", "w", "img_h", "img_w"):
+        return SPATIAL_DIM
+    return BATCH_DIM if axis == 0 else SEQUENCE_DIM
+
+
+def _shape_of(vi: onnx.ValueInfoProto, named: dict[str, int]) -> tuple[int, ...]:
+    tt = vi.type.tensor_type
+    if not tt.HasField("shape"):
+        return (BATCH_DIM, SEQUENCE_DIM)  # rank unknown: a guess, stated in the inputs description
+    shape = []
+    for axis, d in enumerate(tt.shape.dim):
+        if d.HasField("dim_value") and d.dim_value > 0:
+            shape.append(d.dim_value)
+        elif d.HasField("dim_param") and d.dim_param:
+            shape.append(named.setdefault(d.dim_param, _dim_value(d.dim_param, axis)))
+        else:
+            shape.append(_dim_value(None, axis))
+    return tuple(shape)
+
+
+def _vocab_for(model: onnx.ModelProto, name: str) -> int | None:
+    """The number of rows of the embedding table a Gather reads with ``name`` as indices."""
+    g = model.graph
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    tables = {t.name: list(t.dims) for t in g.initializer}
+    for n in g.node:
+        if n.op_type == "Constant" and n.output:
+            for a in n.attribute:
+                if a.name == "value" and a.HasField("t"):
+                    tables[n.output[0]] = list(a.t.dims)
+    seen, todo = set(), [name]
+    while todo:
+        v = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        for n in consumers.get(v, []):
+            if n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == v and n.input[0] in tables:
+                axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
+                dims = tables[n.input[0]]
+                if dims and -len(dims) <= axis < len(dims):
+                    return int(dims[axis])
+            elif n.op_type in _PASS_THROUGH and n.input and n.input[0] == v:
+                todo.extend(n.output)
+    return None
+
+
+def make_inputs(model: Any, *, seed: int = SEED) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+    """Generated inputs for ``model`` (see the module docstring for the rules) and, per input, a
+    description of how it was made."""
+    proto = _as_proto(model, load_data=False)
+    rng = np.random.default_rng(seed)
+    named: dict[str, int] = {}
+    feeds: dict[str, np.ndarray] = {}
+    described = []
+    for vi in graph_inputs(proto):
+        if not vi.type.HasField("tensor_type"):
+            raise UsageError(f"input {vi.name!r} is not a tensor: --check cannot make a value for it; pass --inputs")
+        elem = vi.type.tensor_type.elem_type
+        if elem == onnx.TensorProto.STRING:
+            raise UsageError(f"input {vi.name!r} is a string tensor: --check cannot make a value for it; "
+                             f"pass --inputs file.npz")
+        dtype = _np_dtype(elem)
+        shape = _shape_of(vi, named)
+        low = vi.name.lower()
+        if "mask" in low:
+            arr = np.ones(shape, np.int64)
+            if shape and shape[-1] > 2:
+                arr[..., -1] = 0
+            how = "mask: ones, last position 0" if shape and shape[-1] > 2 else "mask: ones"
+            arr = arr.astype(dtype) if dtype != np.bool_ else arr.astype(bool)
+        elif _kind(dtype) == "float":
+            arr = rng.standard_normal(shape).astype(np.float32).astype(dtype)
+            how = "N(0, 1)"
+        elif dtype == np.bool_:
+            arr = np.ones(shape, bool)
+            how = "True"
+        elif "token_type" in low or "segment" in low:
+            arr = np.zeros(shape, dtype)
+            how = "zeros"
+        elif "position" in low and shape:
+            arr = np.broadcast_to(np.arange(shape[-1] if shape else 1), shape).astype(dtype).copy()
+            how = "0, 1, 2, ... along the last axis"
+        elif dtype.kind in "iu":
+            vocab = _vocab_for(proto, vi.name)
+            high = min(vocab or DEFAULT_VOCAB, int(np.iinfo(dtype).max) + 1)
+            arr = rng.integers(0, high, size=shape).astype(dtype)
+            how = f"ids in [0, {high})" + ("" if vocab else " (no embedding table found: default)")
+        else:
+            raise UsageError(f"input {vi.name!r} has type {dtype}: --check cannot make a value for it; pass --inputs")
+        feeds[vi.name] = arr
+        described.append({"name": vi.name, "dtype": str(arr.dtype), "shape": list(arr.shape), "values": how})
+    return feeds, described
+
+
+def load_inputs(path: str | Path, model: Any) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+    """Inputs from an ``.npz`` file whose keys are the model's input names; checked against the
+    declared inputs (names, element kind, fixed dims) so mistakes are a clear UsageError."""
+    import difflib
+    import zipfile
+
+    proto = _as_proto(model, load_data=False)
+    declared = {vi.name: vi for vi in graph_inputs(proto)}
+    optional = {t.name for t in proto.graph.initializer} & {v.name for v in proto.graph.input}
+    where = f"--inputs {path}"
+    try:
+        with np.load(str(path), allow_pickle=False) as data:
+            arrays = {k: np.asarray(data[k]) for k in data.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise UsageError(f"{where}: not a readable .npz file ({exc})") from exc
+    unknown = [k for k in arrays if k not in declared and k not in optional]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(declared), n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UsageError(f"{where}: {unknown[0]!r} is not an input of the model{hint}; its inputs: "
+                         f"{', '.join(declared) or 'none'}")
+    missing = [k for k in declared if k not in arrays]
+    if missing:
+        raise UsageError(f"{where}: no array for input {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if
+                         len(missing) > 1 else "") + f"; the file has: {', '.join(arrays) or 'nothing'}")
+    feeds: dict[str, np.ndarray] = {}
+    described = []
+    for name, arr in arrays.items():
+        vi = declared.get(name)
+        if vi is not None and vi.type.HasField("tensor_type"):
+            want = _np_dtype(vi.type.tensor_type.elem_type)
+            if _kind(arr.dtype) != _kind(want):
+                raise UsageError(f"{where}: {name!r} is {arr.dtype}, the model wants {want}")
+            arr = arr.astype(want) if arr.dtype != want else arr
+            tt = vi.type.tensor_type
+            if tt.HasField("shape"):
+                dims = list(tt.shape.dim)
+                bad = len(dims) != arr.ndim or any(d.HasField("dim_value") and d.dim_value > 0 and d.dim_value != s
+                                                   for d, s in zip(dims, arr.shape))
+                if bad:
+                    want_shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
+                    raise UsageError(f"{where}: {name!r} has shape {list(arr.shape)}, the model wants {want_shape}")
+        feeds[name] = arr
+        described.append({"name": name, "dtype": str(arr.dtype), "shape": list(arr.shape), "values": f"from {path}"})
+    return feeds, described
+
+
+def _kind(dtype: np.dtype) -> str:
+    if dtype.kind == "f" or dtype.name == "bfloat16":
+        return "float"
+    if dtype.kind in "iu":
+        return "int"
+    return dtype.kind
+
+
+# ===================================================================================================
+# running
+# ===================================================================================================
+class Runner:
+    """Creates onnxruntime sessions and counts evaluations (``InferenceSession.run`` calls)."""
+
+    def __init__(self, providers: Sequence[str] | None = None) -> None:
+        import onnxruntime as ort
+
+        self.ort = ort
+        if providers is None:
+            providers = (["CUDAExecutionProvider", "CPUExecutionProvider"] if cuda_usable()
+                         else ["CPUExecutionProvider"])
+        self.providers = list(providers)
+        self.provider = self.providers[0]  # the one sessions really got (set by run)
+        self.evaluations = 0
+
+    def run(self, model: Any, feeds: Mapping[str, np.ndarray], *, what: str, fp32: bool = False) -> dict[str, Any]:
+        """Run ``model`` (path or ModelProto) once; all outputs by name. Raises RuntimeError with
+        onnxruntime's message on failure (callers turn it into the right AmpRewriteError).
+        ``fp32``: the FP32 reference; on CUDA its GEMMs are kept off TF32 (``use_tf32=0``)."""
+        import tempfile
+
+        ort = self.ort
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        if "CUDAExecutionProvider" not in self.providers:
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        with tempfile.TemporaryDirectory(prefix="amp-check-") as tmp:
+            try:
+                source = _session_source(model, tmp)
+                sess = self._session(source, opts, fp32)
+                self.provider = sess.get_providers()[0]
+                names = [o.name for o in sess.get_outputs()]
+                feed = _adapt_feeds(sess, feeds)
+                self.evaluations += 1
+                values = sess.run(names, feed)
+            except Exception as exc:  # noqa: BLE001 (onnxruntime raises its own pybind types)
+                raise RuntimeError(f"{what}: {_one_line(str(exc))}") from exc
+        return dict(zip(names, values))
+
+
+    def _session(self, source: Any, opts: Any, fp32: bool) -> Any:
+        ort = self.ort
+        if fp32 and self.providers[0] == "CUDAExecutionProvider":
+            try:
+                return ort.InferenceSession(source, opts, providers=[("CUDAExecutionProvider", {"use_tf32": "0"}),
+                                                                     *self.providers[1:]])
+            except Exception:  # noqa: BLE001 (an onnxruntime without the option: run as is)
+                pass
+        return ort.InferenceSession(source, opts, providers=self.providers)
+
+
+def cuda_usable() -> bool:
+    """Whether onnxruntime lists the CUDA provider *and* its library loads (onnxruntime-gpu lists
+    it even where CUDA/cuDNN are missing, then logs errors and falls back to the CPU)."""
+    import ctypes
+    import os
+
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return False
+    lib = Path(ort.__file__).parent / "capi" / ("onnxruntime_providers_cuda.dll" if os.name == "nt"
+                                                else "libonnxruntime_providers_cuda.so")
+    try:
+        ctypes.CDLL(str(lib))
+    except OSError:
+        return False
+    return True
+
+
+def _session_source(model: Any, tmp: str) -> Any:
+    if isinstance(model, (str, Path)):
+        return str(model)
+    proto = _as_proto(model)
+    try:
+        if proto.ByteSize() < (1 << 31) - (1 << 24):
+            return proto.SerializeToString()
+    except Exception:  # noqa: BLE001 (ByteSize itself can fail on huge protos)
+        pass
+    path = str(Path(tmp) / "model.onnx")
+    onnx.save_model(proto, path, save_as_external_data=True, all_tensors_to_one_file=True, location="model.onnx.data")
+    return path
+
+
+def _adapt_feeds(sess: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Only the inputs the session declares, float ones cast to its declared type (a rewrite
+    with ``keep_io_types=False`` takes FP16 inputs)."""
+    types = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+    out = {}
+    for i in sess.get_inputs():
+        if i.name not in feeds:
+            continue
+        arr = np.asarray(feeds[i.name])
+        want = types.get(i.type)
+        if want is not None and arr.dtype != want and _kind(arr.dtype) == "float":
+            arr = arr.astype(want)
+        out[i.name] = arr
+    return out
+
+
+def _one_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if len(lines) == 1 else (lines[0] if lines else text)
+
+
+# ===================================================================================================
+# exposing intermediates
+# ===================================================================================================
+def _tags(node: onnx.NodeProto) -> dict[str, str]:
+    return {p.key[len("amp_rewrite."):]: p.value for p in node.metadata_props if p.key.startswith("amp_rewrite.")}
+
+
+def node_label(node: onnx.NodeProto) -> str:
+    """The node's label as the rewrite's decision log and ``fp32_nodes`` know it."""
+    return _tags(node).get("label") or node.name or f"{node.op_type}:{node.output[0] if node.output else ''}"
+
+
+def _value_types(graph: onnx.GraphProto) -> dict[str, int]:
+    types = {v.name: v.type.tensor_type.elem_type for v in list(graph.input) + list(graph.output) + list(graph.value_info)
+             if v.type.HasField("tensor_type")}
+    types.update({t.name: t.data_type for t in graph.initializer})
+    for n in graph.node:
+        if n.op_type == "Cast" and n.domain in ("", "ai.onnx") and n.output:
+            to = next((a.i for a in n.attribute if a.name == "to"), None)
+            if to is not None:
+                types[n.output[0]] = to
+    return types
+
+
+def _reference_copy(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of the FP32 model with every main-graph node output also a graph output."""
+    model = onnx.ModelProto()
+    model.CopyFrom(proto)
+    g = model.graph
+    have = {o.name for o in g.output}
+    for n in g.node:
+        for out in n.output:
+            if out and out not in have:
+                have.add(out)
+                g.output.add().name = out  # no type: onnxruntime infers it
+    return model
+
+
+def _exposed_copy(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """A copy of the rewritten model with every main-graph FP16/BF16 node output also a graph
+    output. Returns the copy and extra output → value name.
+
+    FP16 values are exposed as they are: on the CPU provider onnxruntime computes FP16 ops in FP32
+    between inserted casts and drops FP16 → FP32 round trips, so a Cast to FP32 here would read the
+    unrounded FP32 value and hide the overflow; a graph output of type FP16 is rounded (and
+    overflows) as on a GPU. BF16 values go through a Cast to FP32 (numpy has no bfloat16)."""
+    model = onnx.ModelProto()
+    model.CopyFrom(proto)
+    g = model.graph
+    types = _value_types(g)
+    exposed: dict[str, str] = {}
+    have = {o.name for o in g.output}
+    taken = {o for n in g.node for o in n.output} | {v.name for v in g.input} | {t.name for t in g.initializer}
+    casts = []
+    for i, n in enumerate(list(g.node)):
+        for out in n.output:
+            elem = types.get(out)
+            if not out or elem not in _LOW_TYPES:
+                continue
+            if elem == onnx.TensorProto.FLOAT16:
+                if out not in have:
+                    g.output.append(onnx.helper.make_tensor_value_info(out, elem, None))
+                    have.add(out)
+                exposed[out] = out
+                continue
+            name = f"amp_check/{i}/{out}"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            casts.append(onnx.helper.make_node("Cast", [out], [name], name=name, to=onnx.TensorProto.FLOAT))
+            g.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+            exposed[name] = out
+    g.node.extend(casts)
+    return model, exposed
+
+
+def _fp32_name(low_name: str) -> str:
+    return _RENAMED.sub("", low_name)
+
+
+# ===================================================================================================
+# comparison
+# ===================================================================================================
+@dataclass
+class OutputStats:
+    name: str
+    max_abs: float
+    max_rel: float
+    cosine: float | None
+    nan_fp32: int
+    inf_fp32: int
+    nan_low: int
+    inf_low: int
+    new_nonfinite: int  # NaN/Inf in the rewritten model where the FP32 one is finite
+    passed: bool
+    compared: str = "values"  # "values" or "mismatch fraction" (integer / bool outputs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"output": self.name, "max_abs": _jnum(self.max_abs), "max_rel": _jnum(self.max_rel),
+                "cosine": _jnum(self.cosine), "nan_fp32": self.nan_fp32, "inf_fp32": self.inf_fp32,
+                "nan_low": self.nan_low, "inf_low": self.inf_low, "new_nonfinite": self.new_nonfinite,
+                "compared": self.compared, "passed": self.passed}
+
+
+@dataclass
+class Overflow:
+    node: str  # label (the name fp32_nodes matches), or the inserted Cast's name
+    op: str
+    value: str  # the low-precision value
+    fp32_value: str
+    nan: int
+    pos_inf: int
+    neg_inf: int
+    fp32_max_abs: float
+    root: bool  # none of its inputs had overflowed already
+    inserted: bool = False  # an inserted Cast (FP32 -> low): the value was too large for the type
+    consumers: list[tuple[str, str]] = field(default_factory=list)  # Casts: (label, op) of low nodes reading it
+
+    def describe(self, low: str) -> str:
+        parts = []
+        if self.pos_inf:
+            parts.append(f"{self.pos_inf} values +inf")
+        if self.neg_inf:
+            parts.append(f"{self.neg_inf} values -inf")
+        if self.nan:
+            parts.append(f"{self.nan} values NaN")
+        what = ", ".join(parts)
+        cast = " (inserted Cast to " + low + (f" feeding {', '.join(c for c, _ in self.consumers[:3])}" if self.consumers else "") \
+            + ")" if self.inserted else ""
+        return f"{self.node} ({self.op}){cast} — {what} in {low}; FP32 max |x| {self.fp32_max_abs:.3g}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"node": self.node, "op": self.op, "value": self.value, "nan": self.nan, "pos_inf": self.pos_inf,
+                "neg_inf": self.neg_inf, "fp32_max_abs": _jnum(self.fp32_max_abs), "root": self.root,
+                "inserted_cast": self.inserted}
+
+
+@dataclass
+class CheckResult:
+    passed: bool
+    tolerance: float
+    target: str
+    provider: str
+    outputs: list[OutputStats]
+    overflow: list[Overflow] = field(default_factory=list)  # in topological order; roots flagged
+    overflow_total: int = 0
+    near_limit: list[dict[str, Any]] = field(default_factory=list)
+    inputs: list[dict[str, Any]] = field(default_factory=list)
+    evaluations: int = 0
+    localised: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def roots(self) -> list[Overflow]:
+        return [o for o in self.overflow if o.root]
+
+    @property
+    def worst(self) -> OutputStats | None:
+        failing = [o for o in self.outputs if not o.passed] or self.outputs
+        return max(failing, key=lambda o: (o.new_nonfinite > 0, _sortable(o.max_rel)), default=None)
+
+    def failure_message(self) -> str:
+        parts = []
+        bad = [o for o in self.outputs if not o.passed]
+        if bad:
+            w = self.worst
+            why = (f"{w.new_nonfinite} NaN/Inf values the FP32 model does not have" if w.new_nonfinite else
+                   f"max relative error {_fmt(w.max_rel)} > tolerance {self.tolerance:g}")
+            parts.append(f"output {w.name!r}: {why}" + (f" ({len(bad) - 1} more outputs fail)" if len(bad) > 1 else ""))
+        else:
+            parts.append("the outputs are within tolerance but intermediate values overflowed")
+        if self.roots:
+            parts.append(f"first overflowing node: {self.roots[0].describe(self.target)}")
+        return "check failed: " + "; ".join(parts)
+
+    def table(self) -> str:
+        lines = [f"check: {self.provider}, tolerance {self.tolerance:g} (max |a-b| / max |a|), {self.evaluations} "
+                 f"model evaluations"]
+        for d in self.inputs:
+            lines.append(f"  input {d['name']}: {d['dtype']}{d['shape']} {d['values']}")
+        low = self.target
+        head = ["output", "max abs err", "max rel err", "cosine", "NaN/Inf fp32", f"NaN/Inf {low}", "ok"]
+        rows = [[o.name, _fmt(o.max_abs), _fmt(o.max_rel) + ("*" if o.compared != "values" else ""),
+                 "-" if o.cosine is None else f"{o.cosine:.6f}", f"{o.nan_fp32}/{o.inf_fp32}",
+                 f"{o.nan_low}/{o.inf_low}", "yes" if o.passed else "NO"] for o in self.outputs]
+        widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
+        for r in [head] + rows:
+            lines.append("  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+        if any(o.compared != "values" for o in self.outputs):
+            lines.append("  * integer/bool output: fraction of elements that differ")
+        if self.overflow:
+            roots = self.roots
+            lines.append(f"first overflowing node: {roots[0].describe(low)}" if roots else
+                         f"overflowing node: {self.overflow[0].describe(low)}")
+            for o in roots[1:5]:
+                lines.append(f"  also: {o.describe(low)}")
+            later = self.overflow_total - len(roots[:5])
+            if later > 0:
+                lines.append(f"  ({later} more {low} values downstream carry NaN/Inf)")
+        elif self.localised:
+            lines.append(f"no {low} intermediate value overflowed (main graph)")
+        for w in self.near_limit[:5]:
+            lines.append(f"warning: {w['node']} ({w['op']}): max |x| {w['max_abs']:.4g} is within 2x of the {low} "
+                         f"limit")
+        for note in self.notes:
+            lines.append(f"note: {note}")
+        lines.append("check " + ("passed" if self.passed else "FAILED"))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "tolerance": self.tolerance, "target": self.target, "provider": self.provider,
+                "evaluations": self.evaluations, "inputs": [dict(d, shape=str(d["shape"])) for d in self.inputs],
+                "outputs": [o.to_dict() for o in self.outputs],
+                "first_overflow": self.roots[0].node if self.roots else None,
+                "overflow": [o.to_dict() for o in self.overflow],
+                "overflow_total": self.overflow_total,
+                "near_limit": [{k: _jnum(v) if isinstance(v, float) else v for k, v in w.items()}
+                               for w in self.near_limit],
+                "scope": "main graph (If/Loop/Scan bodies are not looked into)",
+                "notes": list(self.notes)}
+
+
+def _jnum(x: float | None) -> Any:
+    """JSON has no inf/NaN: such numbers become strings."""
+    if x is None:
+        return None
+    x = float(x)
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return x
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if math.isnan(x) or math.isinf(x):
+        return str(x)
+    return f"{x:.3g}"
+
+
+def _sortable(x: float) -> float:
+    return float("inf") if math.isnan(x) else x
+
+
+def compare_output(name: str, ref: Any, got: Any, tolerance: float) -> OutputStats:
+    a = np.asarray(ref)
+    b = np.asarray(got)
+    if a.dtype.kind not in "fc" and a.dtype.name != "bfloat16":
+        same_shape = a.shape == b.shape
+        frac = float(np.mean(a != b)) if same_shape and a.size else (0.0 if same_shape else 1.0)
+        diff = float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max()) if same_shape and a.size else 0.0
+        return OutputStats(name, diff, frac, None, 0, 0, 0, 0, 0, frac <= tolerance, "mismatch fraction")
+    a = a.astype(np.float64)
+    b = b.astype(np.float64)
+    stats = dict(nan_fp32=int(np.isnan(a).sum()), inf_fp32=int(np.isinf(a).sum()),
+                 nan_low=int(np.isnan(b).sum()), inf_low=int(np.isinf(b).sum()))
+    if a.shape != b.shape:
+        return OutputStats(name, float("inf"), float("inf"), None, **stats, new_nonfinite=0, passed=False,
+                           compared=f"shape {list(a.shape)} vs {list(b.shape)}")
+    fa, fb = np.isfinite(a), np.isfinite(b)
+    new = int((fa & ~fb).sum())
+    both = fa & fb
+    if both.any():
+        diff = np.abs(a[both] - b[both])
+        max_abs = float(diff.max())
+        scale = float(np.abs(a[both]).max())
+        max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
+        na, nb = float(np.linalg.norm(a[both])), float(np.linalg.norm(b[both]))
+        cosine = float(np.dot(a[both], b[both]) / (na * nb)) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
+    else:
+        max_abs, max_rel, cosine = 0.0, 0.0, None
+    if new:
+        max_rel = max(max_rel, float("inf"))
+    # the same non-finite pattern is not an error (an FP32 -inf stays -inf)
+    mismatched = int((~fa & ~fb & ~((a == b) | (np.isnan(a) & np.isnan(b)))).sum())
+    passed = new == 0 and mismatched == 0 and max_rel <= tolerance
+    return OutputStats(name, max_abs, max_rel, cosine, **stats, new_nonfinite=new, passed=passed)
+
+
+def _localise(low_proto: onnx.ModelProto, low_values: Mapping[str, np.ndarray], exposed: Mapping[str, str],
+              ref: Mapping[str, np.ndarray], target: str
+              ) -> tuple[list[Overflow], int, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Overflowing low-precision values in topological order, values near the limit, and values
+    where mask sentinels saturated to ±inf (not counted as overflow)."""
+    limit = LIMITS[target]
+    by_value = {v: k for k, v in exposed.items()}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in low_proto.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    bad_values: set[str] = set()
+    found: list[Overflow] = []
+    total = 0
+    near: list[dict[str, Any]] = []
+    sentinels: list[dict[str, Any]] = []
+    for n in low_proto.graph.node:
+        for out in n.output:
+            key = by_value.get(out)
+            if key is None or key not in low_values:
+                continue
+            got = np.asarray(low_values[key], np.float64)
+            ref_name = _fp32_name(out)
+            want = ref.get(ref_name)
+            if want is None or np.asarray(want).shape != got.shape or np.asarray(want).dtype.kind != "f":
+                continue
+            want = np.asarray(want, np.float64)
+            new = np.isfinite(want) & ~np.isfinite(got)
+            # mask sentinels (-1e9, finfo(float32).min) saturating to -inf of the same sign: expected
+            with np.errstate(invalid="ignore"):
+                saturated = new & np.isinf(got) & (np.abs(want) >= SENTINEL) & (np.sign(got) == np.sign(want))
+            if saturated.any():
+                sentinels.append({"node": n.name if _tags(n).get("inserted") else node_label(n), "op": n.op_type,
+                                  "value": out, "count": int(saturated.sum())})
+                new = new & ~saturated
+            finite_ref = want[np.isfinite(want) & (np.abs(want) < SENTINEL)]
+            ref_max = float(np.abs(finite_ref).max()) if finite_ref.size else 0.0
+            if new.any():
+                total += 1
+                bad_values.add(out)
+                root = not any(i in bad_values for i in n.input)
+                tags = _tags(n)
+                inserted = tags.get("inserted") == "cast" or n.op_type == "Cast"
+                users = [(node_label(c), c.op_type) for c in consumers.get(out, []) if _tags(c).get("precision") == "low"]
+                if len(found) < _MAX_LISTED or root:
+                    found.append(Overflow(
+                        node=n.name if tags.get("inserted") else node_label(n), op=n.op_type, value=out,
+                        fp32_value=ref_name, nan=int((new & np.isnan(got)).sum()),
+                        pos_inf=int((new & np.isposinf(got)).sum()), neg_inf=int((new & np.isneginf(got)).sum()),
+                        fp32_max_abs=ref_max, root=root, inserted=inserted, consumers=users))
+                continue
+            finite = got[np.isfinite(got) & np.isfinite(want) & (np.abs(want) < SENTINEL)]
+            peak = float(np.abs(finite).max()) if finite.size else 0.0
+            if peak > NEAR_LIMIT * limit and len(near) < _MAX_LISTED:
+                near.append({"node": node_label(n), "op": n.op_type, "value": out, "max_abs": peak})
+    return found, total, near, sentinels
+
+
+# ===================================================================================================
+# the check
+# ===================================================================================================
+@dataclass
+class Reference:
+    """The FP32 model's outputs and main-graph intermediate values on ``feeds`` (one evaluation)."""
+
+    outputs: list[str]
+    values: dict[str, np.ndarray]
+    feeds: dict[str, np.ndarray]
+    inputs: list[dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
+
+
+def reference(fp32: Any, feeds: Mapping[str, np.ndarray], runner: Runner,
+              inputs: list[dict[str, Any]] | None = None, *, user_inputs: bool = False) -> Reference:
+    proto = _as_proto(fp32)
+    notes = []
+    try:
+        values = runner.run(_reference_copy(proto), feeds, what="running the FP32 model", fp32=True)
+    except RuntimeError:
+        try:  # exposing the intermediates was the problem? then compare the outputs only
+            values = runner.run(proto, feeds, what="running the FP32 model", fp32=True)
+        except RuntimeError as exc:
+            hint = "check the arrays in --inputs" if user_inputs else "pass real inputs with --inputs file.npz"
+            raise UsageError(f"onnxruntime cannot run the FP32 model on the {'given' if user_inputs else 'generated'} "
+                             f"inputs ({exc}); {hint}") from exc
+        notes.append("onnxruntime could not run the FP32 model with its intermediate values exposed: "
+                     "overflow is not localised")
+    values = {k: np.asarray(v) for k, v in values.items() if isinstance(v, np.ndarray)}
+    values.update({k: np.asarray(v) for k, v in feeds.items()})
+    return Reference([o.name for o in proto.graph.output], values, dict(feeds), inputs or [], notes)
+
+
+def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, np.ndarray] | str | Path | None = None,
+                 tolerance: float = 1e-2, target: str | None = None, localise: bool = True,
+                 plain_run: bool = True, runner: Runner | None = None, ref: Reference | None = None) -> CheckResult:
+    """Run the FP32 model and the rewritten one on the same inputs and compare them.
+
+    ``fp32``/``low``: paths, ModelProtos or onnx-ir Models. ``inputs``: arrays by name, an .npz
+    path, or None to generate them. ``localise``: also run a copy of the rewritten model with its
+    low-precision intermediates exposed and report overflows (one more evaluation).
+    ``plain_run=False`` takes the outputs from that copy instead of running the model as it is.
+    """
+    runner = runner or Runner()
+    if ref is None:
+        if inputs is None:
+            feeds, described = make_inputs(fp32)
+        elif isinstance(inputs, (str, Path)):
+            feeds, described = load_inputs(inputs, fp32)
+        else:
+            feeds = {k: np.asarray(v) for k, v in inputs.items()}
+            described = [{"name": k, "dtype": str(v.dtype), "shape": list(v.shape), "values": "given"}
+                         for k, v in feeds.items()]
+        ref = reference(fp32, feeds, runner, described, user_inputs=inputs is not None)
+    low_proto = _as_proto(low)
+    target = target or _target_of(low_proto)
+    outputs: dict[str, Any] = {}
+    if plain_run or not localise:
+        outputs = _run_low(runner, low if isinstance(low, (str, Path)) else low_proto, ref.feeds)
+    overflow, total, near, sentinels = [], 0, [], []
+    notes = list(ref.notes)
+    if localise:
+        copy, exposed = _exposed_copy(low_proto)
+        try:
+            values = runner.run(copy, ref.feeds, what="running the rewritten model with its intermediates exposed")
+        except RuntimeError:
+            values = None
+            localise = False
+            notes.append("onnxruntime could not run the rewritten model with its intermediate values exposed: "
+                         "overflow is not localised")
+            if not outputs:
+                outputs = _run_low(runner, low_proto, ref.feeds)
+        if values is not None:
+            if not outputs:
+                outputs = {k: v for k, v in values.items() if k in set(ref.outputs)}
+            overflow, total, near, sentinels = _localise(low_proto, values, exposed, ref.values, target)
+    stats = []
+    if sentinels:
+        first = sentinels[0]
+        notes.append(f"{sum(s['count'] for s in sentinels)} mask-like sentinel values (|x| >= {SENTINEL:.0e} in FP32, "
+                     f"e.g. finfo(float32).min) became ±inf in {target} at {len(sentinels)} value(s), first at "
+                     f"{first['node']} ({first['op']}): expected for masks added before a softmax (a fully masked "
+                     f"row would give NaN), not counted as overflow")
+    for name in ref.outputs:
+        if name not in outputs:
+            notes.append(f"output {name!r} is missing from the rewritten model")
+            stats.append(OutputStats(name, float("inf"), float("inf"), None, 0, 0, 0, 0, 0, False, "missing"))
+            continue
+        if name not in ref.values:
+            continue  # non-tensor output (sequence/optional): not compared
+        stats.append(compare_output(name, ref.values[name], outputs[name], tolerance))
+    passed = all(o.passed for o in stats) and total == 0
+    return CheckResult(passed=passed, tolerance=tolerance, target=target, provider=runner.provider, outputs=stats,
+                       overflow=overflow, overflow_total=total, near_limit=near, inputs=ref.inputs,
+                       evaluations=runner.evaluations, localised=localise, notes=notes)
+
+
+def _run_low(runner: Runner, model: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    try:
+        return runner.run(model, feeds, what="running the rewritten model")
+    except RuntimeError as exc:
+        raise CheckRunError(f"check failed: onnxruntime cannot run the rewritten model ({exc})") from exc
+
+
+def _target_of(proto: onnx.ModelProto) -> str:
+    import json
+
+    meta = {p.key: p.value for p in proto.metadata_props}
+    try:
+        return json.loads(meta.get("amp_rewrite.report", "{}")).get("target", "fp16")
+    except ValueError:
+        return "fp16"
+
+
+# ===================================================================================================
+# auto fp32
+# ===================================================================================================
+def _exact(label: str) -> str:
+    """An fp32_nodes pattern matching exactly ``label`` (labels may hold glob characters)."""
+    if label.startswith("re:") or set("*?[").intersection(label):
+        return "re:" + re.escape(label)
+    return label
+
+
+def _low_nodes(proto: onnx.ModelProto) -> list[tuple[str, str]]:
+    """(label, op) of the main graph's low-precision nodes, in topological order."""
+    return [(node_label(n), n.op_type) for n in proto.graph.node if _tags(n).get("precision") == "low"]
+
+
+@dataclass
+class AutoResult:
+    result: RewriteResult  # the final rewrite (in memory)
+    check: CheckResult  # its check
+    pinned: list[dict[str, Any]]
+    evaluations: int
+    candidates: int
+    budget: int
+    history: list[dict[str, Any]]
+    ref: Reference = field(repr=False, default=None)  # type: ignore[assignment]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.check.passed, "pinned": self.pinned, "evaluations": self.evaluations,
+                "candidates": self.candidates, "budget": self.budget, "history": self.history}
+
+
+def auto_fp32(model: Any, *, inputs: Mapping[str, np.ndarray] | str | Path | None = None, tolerance: float = 1e-2,
+              runner: Runner | None = None, max_candidates: int | None = None, **options: Any) -> AutoResult:
+    """Rewrite ``model`` (path or ModelProto) and pin the fewest nodes FP32 needed to pass the check.
+
+    Returns the final in-memory rewrite with its check (outputs taken from the exposed copy: one
+    evaluation per candidate) and what was pinned and why."""
+    from . import progress
+    from .api import rewrite_onnx_model
+
+    runner = runner or Runner()
+    fp32 = _as_proto(model)
+    if inputs is None:
+        feeds, described = make_inputs(fp32)
+    elif isinstance(inputs, (str, Path)):
+        feeds, described = load_inputs(inputs, fp32)
+    else:
+        feeds = {k: np.asarray(v) for k, v in inputs.items()}
+        described = [{"name": k, "dtype": str(v.dtype), "shape": list(v.shape), "values": "given"}
+                     for k, v in feeds.items()]
+    ref = reference(fp32, feeds, runner, described, user_inputs=inputs is not None)
+    base = list(options.pop("fp32_nodes", ()) or ())
+    pinned: list[dict[str, Any]] = []
+    history: list[dict[str, Any]] = []
+    cache: dict[tuple[str, ...], tuple[RewriteResult, CheckResult]] = {}
+    state = {"candidates": 0}
+
+    def attempt(labels: Sequence[str], why: str) -> tuple[RewriteResult, CheckResult]:
+        key = tuple(sorted(set(labels)))
+        if key in cache:
+            return cache[key]
+        res = rewrite_onnx_model(fp32, fp32_nodes=base + [_exact(lb) for lb in key], **options)
+        state["candidates"] += 1
+        cr = check_models(fp32, res.model, tolerance=tolerance, plain_run=False, runner=runner, ref=ref,
+                          target=options.get("target"))
+        history.append({"candidate": state["candidates"], "pinned": len(key), "why": why, "passed": cr.passed,
+                        "overflowing_values": cr.overflow_total,
+                        "worst_rel_err": _jnum(cr.worst.max_rel) if cr.worst else None})
+        cache[key] = (res, cr)
+        return res, cr
+
+    labels: list[str] = []
+    res, cr = attempt(labels, "initial rewrite")
+    n_low = len(_low_nodes(res.model))
+    budget = max_candidates if max_candidates is not None else 2 * math.ceil(math.log2(n_low + 1)) + 5
+    with progress.stages([f"candidate {i + 2}" for i in range(budget)], desc="auto-fp32") as stage:
+        while not cr.passed and state["candidates"] < budget:
+            stage(f"candidate {state['candidates'] + 1}")
+            new = _pin_targets(cr, labels)
+            if new:
+                for label, op, reason in new:
+                    labels.append(label)
+                    pinned.append({"node": label, "op": op, "reason": reason, "candidate": state["candidates"] + 1})
+                res, cr = attempt(labels, f"pin overflowing {', '.join(lb for lb, _, _ in new[:3])}")
+                continue
+            res, cr = _bisect(res, cr, labels, pinned, attempt, budget, state)
+            break
+    result = AutoResult(res, cr, pinned, runner.evaluations, state["candidates"], budget, history, ref)
+    if not cr.passed:
+        cr.notes.append(f"--auto-fp32 stopped after {state['candidates']} candidates (budget {budget}) without "
+                        f"passing")
+    return result
+
+
+def _pin_targets(cr: CheckResult, labels: Sequence[str]) -> list[tuple[str, str, str]]:
+    """(label, op, reason) of the nodes to pin for the root overflows not already pinned."""
+    out: list[tuple[str, str, str]] = []
+    seen = set(labels)
+    for o in cr.roots:
+        why = f"overflow: {o.describe(cr.target)}"
+        if o.inserted or o.op == "Cast":
+            targets = list(o.consumers)
+        else:
+            targets = [(o.node, o.op)]
+        for label, op in targets:
+            if label not in seen:
+                seen.add(label)
+                out.append((label, op, why))
+    return out
+
+
+def _bisect(res: RewriteResult, cr: CheckResult, labels: list[str], pinned: list[dict[str, Any]], attempt: Any,
+            budget: int, state: dict[str, int]) -> tuple[RewriteResult, CheckResult]:
+    """No overflow explains the failure: find a short run of low-precision nodes (in topological
+    order) whose pinning passes: the shortest passing prefix, then the shortest suffix of it."""
+    nodes = [(lb, op) for lb, op in _low_nodes(res.model) if lb not in labels]
+    if not nodes:
+        return res, cr
+    w = cr.worst
+    why = (f"accuracy: output {w.name!r} " + (f"relative error {_fmt(w.max_rel)} > {cr.tolerance:g}"
+                                               if not w.new_nonfinite else "has NaN/Inf") if w else "accuracy")
+    best: tuple[int, int] | None = None
+    results: dict[tuple[int, int], tuple[RewriteResult, CheckResult]] = {}
+
+    def ok(lo: int, hi: int) -> bool:
+        if state["candidates"] >= budget:
+            raise _OutOfBudget
+        r = attempt(labels + [lb for lb, _ in nodes[lo:hi]], f"bisect: pin low-precision nodes {lo}..{hi - 1}")
+        results[(lo, hi)] = r
+        return r[1].passed
+
+    try:
+        lo, hi = 0, len(nodes)  # prefix length: lo fails, hi assumed to pass (everything pinned)
+        if not ok(0, hi):  # even pinning every one of them fails: keep the pins so far, report failure
+            return res, cr
+        best = (0, hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if ok(0, mid):
+                hi = mid
+                best = (0, hi)
+            else:
+                lo = mid
+        start_ok, start_bad = 0, hi  # window start: 0 passes, hi (empty window) fails
+        while start_bad - start_ok > 1:
+            mid = (start_ok + start_bad) // 2
+            if ok(mid, hi):
+                start_ok = mid
+                best = (mid, hi)
+            else:
+                start_bad = mid
+    except _OutOfBudget:
+        pass
+    if best is None:
+        return res, cr
+    lo, hi = best
+    chosen = nodes[lo:hi]
+    for label, op in chosen:
+        labels.append(label)
+        pinned.append({"node": label, "op": op, "reason": f"{why}; bisection over {len(nodes)} low-precision nodes "
+                       f"chose {len(chosen)} (topological positions {lo}..{hi - 1})",
+                       "candidate": state["candidates"]})
+    return results[best]
+
+
+class _OutOfBudget(Exception):
+    pass
+
+
+# ===================================================================================================
+# CLI
+# ===================================================================================================
+def _cli_inputs(args: "CliArgs") -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+    if args.inputs is not None:
+        return load_inputs(args.inputs, args.model)
+    return make_inputs(args.model)
+
+
+def _say(args: "CliArgs", text: str) -> None:
+    if not args.quiet:
+        print(text)
+
+
+def _fail(args: "CliArgs", report: "Report", outputs: Iterable[Path], message: str,
+          exc_type: type[AmpRewriteError] = CheckFailedError) -> None:
+    """Write the report (it records the failure), remove the rewritten model (a failed command
+    leaves nothing in the output folder: docs/exit-codes.md) and raise."""
+    if args.report is not None:
+        from .report import write_report
+
+        write_report(report, args.report)
+    removed = _remove(outputs)
+    raise exc_type(message + ("; the rewritten model was not kept" if removed else ""))
+
+
+def _remove(paths: Iterable[Path]) -> bool:
+    removed = False
+    for path in paths:
+        try:
+            Path(path).unlink()
+            removed = True
+        except OSError:
+            pass
+    return removed
+
+
+def check_cli(args: "CliArgs", result: RewriteResult, report: "Report") -> CheckResult:
+    """``--check``: compare the written model with the input, print the table, store the result in
+    ``report.extra["check"]``; CheckFailedError when it fails."""
+    runner = Runner()
+    outputs = [p for p in result.outputs if p.exists()]
+    try:
+        feeds, described = _cli_inputs(args)
+        ref = reference(args.model, feeds, runner, described, user_inputs=args.inputs is not None)
+    except AmpRewriteError:
+        _remove(outputs)  # the command failed: leave nothing in the output folder
+        raise
+    low = result.outputs[-1] if result.outputs else result.model
+    options = args.options()
+    try:
+        cr = check_models(args.model, low, tolerance=args.tolerance, runner=runner, ref=ref,
+                          target=options.get("target"))
+    except CheckRunError as exc:
+        report.extra["check"] = {"passed": False, "tolerance": args.tolerance, "provider": runner.provider,
+                                 "evaluations": runner.evaluations, "notes": [exc.message]}
+        _fail(args, report, outputs, exc.message)
+    report.extra["check"] = cr.to_dict()
+    _say(args, cr.table())
+    if not cr.passed:
+        hint = ("; try --auto-fp32" + (f" or --fp32-nodes {_exact(cr.roots[0].node)!r}"
+                                      if cr.roots and not cr.roots[0].inserted else "")) if not args.auto_fp32 else ""
+        _fail(args, report, outputs, cr.failure_message() + hint)
+    return cr
+
+
+@dataclass
+class CheckedRewriteResult(RewriteResult):
+    """A RewriteResult whose report carries ``extra`` (the check and auto-fp32 sections)."""
+
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def report(self) -> "Report":
+        report = RewriteResult.report.fget(self)  # type: ignore[attr-defined]
+        report.extra.update(self.extra)
+        return report
+
+
+def auto_fp32_cli(args: "CliArgs") -> RewriteResult:
+    """``--auto-fp32``: find the pins, write the final rewrite, check the written model (printed
+    and stored in the report with the pins)."""
+    from .api import _check_output, rewrite_onnx
+
+    options = args.options()
+    target = options.get("target", "fp16")
+    dst = args.output if args.output is not None else args.model.with_name(f"{args.model.stem}.{target}.onnx")
+    _check_output(args.model, dst, args.overwrite)  # fail before running anything
+    runner = Runner()
+    feeds, described = _cli_inputs(args)
+    auto = auto_fp32(args.model, inputs=feeds, tolerance=args.tolerance, runner=runner, **options)
+    labels = [p["node"] for p in auto.pinned]
+    final_options = dict(options, fp32_nodes=list(options.get("fp32_nodes", [])) + [_exact(lb) for lb in labels])
+    result = rewrite_onnx(args.model, dst, overwrite=args.overwrite, **final_options)
+    try:
+        cr = check_models(args.model, result.outputs[-1] if result.outputs else result.model,
+                          tolerance=args.tolerance, runner=runner, ref=auto.ref, localise=False, target=target)
+    except CheckRunError as exc:
+        report = result.report
+        report.extra["check"] = {"passed": False, "tolerance": args.tolerance, "provider": runner.provider,
+                                 "evaluations": runner.evaluations, "notes": [exc.message]}
+        _fail(args, report, [p for p in result.outputs if p.exists()], exc.message)
+    cr.overflow, cr.overflow_total, cr.near_limit = auto.check.overflow, auto.check.overflow_total, auto.check.near_limit
+    cr.passed = cr.passed and auto.check.passed
+    cr.inputs = described
+    cr.notes = auto.check.notes + ["overflow localisation: from the last candidate's run with its intermediates "
+                                   "exposed (the same rewrite as the written model)"]
+    info = auto.to_dict()
+    info["evaluations"] = runner.evaluations
+    info["passed"] = cr.passed
+    checked = CheckedRewriteResult(result.model, result.log, result.modified, result.outputs, result.source,
+                                   extra={"check": cr.to_dict(), "auto_fp32": info})
+    _say(args, _auto_text(auto, info))
+    _say(args, cr.table())
+    if not cr.passed:
+        _fail(args, checked.report, [p for p in result.outputs if p.exists()],
+              f"--auto-fp32 did not pass the check after {info['candidates']} candidates "
+              f"({info['evaluations']} model evaluations): " + cr.failure_message().removeprefix("check failed: "))
+    return checked
+
+
+def _auto_text(auto: AutoResult, info: dict[str, Any]) -> str:
+    lines = [f"auto-fp32: {len(auto.pinned)} node(s) pinned FP32 after {info['candidates']} candidate rewrites, "
+             f"{info['evaluations']} model evaluations (budget {auto.budget} candidates)"]
+    for p in auto.pinned[:20]:
+        lines.append(f"  pinned {p['node']} ({p['op']}): {p['reason']}")
+    if len(auto.pinned) > 20:
+        lines.append(f"  ... {len(auto.pinned) - 20} more (see --report)")
+    return "\n".join(lines)

@@ -1,0 +1,297 @@
+"""--check and --auto-fp32 (issue 3, parts 5 and 6), and PRECISION.md pitfall 11: an intermediate
+FP16 overflow that the outputs do not show.
+
+The CLI tests run ``python -m amp_rewrite`` in a subprocess; the API tests call amp_rewrite.check
+in-process (onnxruntime in-process, CPU provider here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from util import ROOT, make_model, rewrite
+
+from amp_rewrite import check as ck
+
+# -- models ---------------------------------------------------------------------------------------------
+def overflow_model(sign: float = -1.0, *, named: bool = True) -> onnx.ModelProto:
+    """logits = (x*x) @ w, y = softmax(logits). Three columns of w are sign*1e4, so with N(0, 1)
+    inputs those logits are sign*~1.6e5: finite in FP32, ±inf in FP16. With sign=-1 the softmax
+    output is the same either way (exp(-inf) = exp(-1.6e5) = 0): the overflow is invisible at the
+    output (pitfall 11); with sign=+1 a GPU gives NaN."""
+    w = np.random.default_rng(1).standard_normal((16, 8)).astype(np.float32) * 0.1
+    w[:, :3] = sign * 1e4
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[N,16] x) => (float[N,8] y) {
+          sq = Mul(x, x)
+          logits = MatMul(sq, w)
+          y = Softmax(logits)
+        }""", {"w": w})
+    if named:
+        for n in m.graph.node:
+            n.name = f"/lm_head/{n.op_type}"
+    return m
+
+
+def benign_model() -> onnx.ModelProto:
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[N,16] x) => (float[N,8] y) {
+          h = MatMul(x, w1)
+          r = Relu(h)
+          y = MatMul(r, w2)
+        }""", {"w1": (16, 16), "w2": (16, 8)})
+    for n in m.graph.node:
+        n.name = f"/mlp/{n.output[0]}"
+    return m
+
+
+def cancel_model() -> onnx.ModelProto:
+    """y = h@w1 - h@w2 with w1 ≈ w2 ≈ 60: each product is ~1000 (FP16 spacing 0.5), their
+    difference ~1: an accuracy failure without any overflow, found only by bisection."""
+    rng = np.random.default_rng(2)
+    inits, body, prev = {}, [], "x"
+    for i in range(3):
+        inits[f"a{i}"] = (rng.standard_normal((16, 16)) / 4).astype(np.float32)
+        body += [f"m{i} = MatMul({prev}, a{i})", f"r{i} = Relu(m{i})"]
+        prev = f"r{i}"
+    w1 = (rng.standard_normal((16, 8)) * 0.1 + 60).astype(np.float32)
+    inits["w1"] = w1
+    inits["w2"] = (w1 + rng.standard_normal((16, 8)).astype(np.float32) * 0.02).astype(np.float32)
+    body += [f"p = MatMul({prev}, w1)", f"q = MatMul({prev}, w2)", "y = Sub(p, q)"]
+    m = make_model('<ir_version: 8, opset_import: ["" : 17]>\ng (float[N,16] x) => (float[N,8] y) {\n'
+                   + "\n".join(body) + "\n}", inits)
+    for n in m.graph.node:
+        n.name = f"/net/{n.output[0]}"
+    return m
+
+
+def masked_attention_model() -> onnx.ModelProto:
+    """scores + (1 - mask) * finfo(float32).min between two MatMuls: the additive mask is an FP32
+    runtime value cast to FP16, where its -3.4e38 becomes -inf. Expected, not an overflow."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[N,8,16] x, float[N,1,8] mask) => (float[N,8,16] y) {
+          q = MatMul(x, wq)
+          k = MatMul(x, wk)
+          kt = Transpose<perm = [0, 2, 1]>(k)
+          s = MatMul(q, kt)
+          inv = Sub(one, mask)
+          bias = Mul(inv, big)
+          sb = Add(s, bias)
+          p = Softmax(sb)
+          y = MatMul(p, x)
+        }""", {"wq": (16, 16), "wk": (16, 16), "one": np.array(1.0, np.float32),
+               "big": np.array(np.finfo(np.float32).min, np.float32)})
+    return m
+
+
+def save(model: onnx.ModelProto, path: Path) -> Path:
+    onnx.save(model, str(path))
+    return path
+
+
+def run_cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["AMP_REWRITE_NO_PROGRESS"] = "1"
+    return subprocess.run([sys.executable, "-m", "amp_rewrite", *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+# -- CLI ------------------------------------------------------------------------------------------------
+def test_check_names_the_overflowing_matmul_and_exits_8(tmp_path):
+    save(overflow_model(), tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "--check", "--report", "r.json"], tmp_path)
+    assert proc.returncode == 8, proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("amp-rewrite: error: check failed")
+    assert "/lm_head/MatMul (MatMul)" in err[0] and "-inf in fp16" in err[0]
+    assert "first overflowing node: /lm_head/MatMul (MatMul)" in proc.stdout
+    assert "max rel err" in proc.stdout and "check FAILED" in proc.stdout
+    assert not (tmp_path / "m.fp16.onnx").exists()  # a failed command leaves no model behind
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["check"]["passed"] is False
+    assert report["check"]["first_overflow"] == "/lm_head/MatMul"
+    assert report["check"]["outputs"][0]["passed"] is True  # the output looked fine: pitfall 11
+    from amp_rewrite.report import validate
+
+    validate(report)
+
+
+def test_auto_fp32_pins_the_matmul_and_the_written_model_passes(tmp_path):
+    src = save(overflow_model(), tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "--auto-fp32", "-o", "out.onnx", "--report", "r.json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "pinned /lm_head/MatMul (MatMul): overflow" in proc.stdout
+    assert "check passed" in proc.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    auto = report["auto_fp32"]
+    assert [p["node"] for p in auto["pinned"]] == ["/lm_head/MatMul"]
+    assert "overflow" in auto["pinned"][0]["reason"]
+    assert auto["passed"] is True and auto["evaluations"] <= 5  # FP32 + 2 candidates + the written model
+    assert report["check"]["passed"] is True
+    from amp_rewrite.report import validate
+
+    validate(report)
+    out = tmp_path / "out.onnx"
+    assert out.exists()
+    again = ck.check_models(src, out)
+    assert again.passed and not again.overflow
+
+
+def test_check_on_a_benign_model_passes_and_prints_the_table(tmp_path):
+    save(benign_model(), tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "--check", "--report", "r.md"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(ln for ln in lines if "max abs err" in ln)
+    for col in ("output", "max rel err", "cosine", "NaN/Inf fp32", "NaN/Inf fp16"):
+        assert col in header
+    row = next(ln for ln in lines if ln.split() and ln.split()[0] == "y")
+    assert row.split()[-1] == "yes"
+    assert "input x: float32[1, 16] N(0, 1)" in proc.stdout  # symbolic batch N -> 1
+    assert "check passed" in proc.stdout
+    assert (tmp_path / "m.fp16.onnx").exists()
+    assert "## Accuracy check" in (tmp_path / "r.md").read_text()
+
+
+def test_check_uses_the_inputs_file(tmp_path):
+    save(overflow_model(), tmp_path / "m.onnx")
+    np.savez(tmp_path / "small.npz", x=np.full((3, 16), 0.01, np.float32))  # logits ~ -16: no overflow
+    proc = run_cli(["m.onnx", "--check", "--inputs", "small.npz"], tmp_path)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "input x: float32[3, 16] from small.npz" in proc.stdout
+
+
+@pytest.mark.parametrize("arrays, needle", [
+    ({"xx": np.zeros((1, 16), np.float32)}, "'xx' is not an input of the model (did you mean 'x'?)"),
+    ({}, "no array for input 'x'"),
+    ({"x": np.zeros((1, 15), np.float32)}, "'x' has shape [1, 15], the model wants ['N', 16]"),
+    ({"x": np.zeros((1, 16), np.int64)}, "'x' is int64, the model wants float32"),
+])
+def test_bad_inputs_file_is_a_usage_error(tmp_path, arrays, needle):
+    save(overflow_model(), tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", **arrays)
+    proc = run_cli(["m.onnx", "--check", "--inputs", "in.npz"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "m.fp16.onnx").exists()
+
+
+def test_check_fails_on_accuracy_without_overflow(tmp_path):
+    """No overflow anywhere, the output is simply outside the tolerance: exit 8 naming the output."""
+    save(cancel_model(), tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "--check"], tmp_path)
+    assert proc.returncode == 8
+    assert "output 'y': max relative error" in proc.stderr and "overflowing node" not in proc.stderr
+
+
+# -- API: pitfall 11 and the search ---------------------------------------------------------------------
+def test_pitfall_11_intermediate_overflow_invisible_at_the_outputs():
+    m = overflow_model(-1.0)
+    low = rewrite(m).model
+    result = ck.check_models(m, low)
+    (y,) = result.outputs
+    assert y.passed and y.max_rel < 1e-3 and y.new_nonfinite == 0  # the output looks fine ...
+    assert not result.passed  # ... but the check fails:
+    root = result.roots[0]
+    assert (root.node, root.op, root.value) == ("/lm_head/MatMul", "MatMul", "logits")
+    assert root.neg_inf == 3 and root.fp32_max_abs > 65504
+    assert "first overflowing node: /lm_head/MatMul (MatMul) — 3 values -inf in fp16" in result.table()
+    assert result.evaluations == 3  # FP32 (with intermediates), rewritten, rewritten with intermediates
+
+
+def test_auto_fp32_pins_unnamed_nodes_by_label():
+    m = overflow_model(+1.0, named=False)
+    auto = ck.auto_fp32(m)
+    assert auto.check.passed
+    assert [p["node"] for p in auto.pinned] == ["MatMul:logits"]
+    assert auto.result.log.decisions["MatMul:logits"].precision.value == "fp32"
+
+
+def test_auto_fp32_bisects_an_accuracy_failure_within_budget():
+    m = cancel_model()
+    first = ck.check_models(m, rewrite(m).model)
+    assert not first.passed and not first.overflow
+    auto = ck.auto_fp32(m)
+    assert auto.check.passed
+    assert sorted(p["node"] for p in auto.pinned) == ["/net/p", "/net/q"]
+    assert all("bisection" in p["reason"] for p in auto.pinned)
+    n_low = len(ck._low_nodes(rewrite(m).model))
+    assert auto.candidates <= auto.budget == 2 * int(np.ceil(np.log2(n_low + 1))) + 5
+    assert auto.evaluations == auto.candidates + 1  # + the FP32 reference run
+
+
+def test_mask_sentinels_saturating_to_inf_are_not_overflow():
+    m = masked_attention_model()
+    low = rewrite(m).model
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 8, 16)).astype(np.float32),
+             "mask": np.array([[[1, 1, 1, 1, 1, 1, 0, 0]]], np.float32)}
+    result = ck.check_models(m, low, inputs=feeds)
+    assert result.passed, result.table()
+    assert not result.overflow
+    assert any("sentinel" in n for n in result.notes)
+
+
+def test_generated_inputs_follow_names_and_embedding_tables():
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (int64[batch, sequence] input_ids, int64[batch, sequence] attention_mask,
+           int64[batch, sequence] token_type_ids, float[batch, 3, height, width] pixels) => (float[batch, sequence, 4] y) {
+          e = Gather(emb, input_ids)
+          t = Gather(tt, token_type_ids)
+          y = Add(e, t)
+        }""", {"emb": (50, 4), "tt": (2, 4)})
+    feeds, described = ck.make_inputs(m)
+    ids, mask, tt, px = feeds["input_ids"], feeds["attention_mask"], feeds["token_type_ids"], feeds["pixels"]
+    assert ids.shape == mask.shape == tt.shape == (1, 8) and ids.dtype == np.int64
+    assert ids.min() >= 0 and ids.max() < 50
+    assert mask.tolist() == [[1, 1, 1, 1, 1, 1, 1, 0]] and not tt.any()
+    assert px.shape == (1, 3, 64, 64) and px.dtype == np.float32
+    assert described[0]["values"] == "ids in [0, 50)"
+
+
+def test_integer_outputs_compare_by_mismatch_fraction():
+    s = ck.compare_output("argmax", np.array([1, 2, 3, 4]), np.array([1, 2, 3, 5]), 0.3)
+    assert s.passed and s.max_rel == 0.25 and s.compared == "mismatch fraction"
+    f = ck.compare_output("y", np.array([1.0, 2.0], np.float32), np.array([1.0, np.nan], np.float16), 0.1)
+    assert not f.passed and f.new_nonfinite == 1 and f.nan_low == 1
+    same = ck.compare_output("y", np.array([-np.inf, 1.0], np.float32), np.array([-np.inf, 1.0], np.float16), 0.1)
+    assert same.passed  # the same non-finite value in both is not an error
+
+
+def test_runner_falls_back_to_cpu_when_cuda_cannot_load():
+    runner = ck.Runner()
+    m = benign_model()
+    runner.run(m, {"x": np.zeros((1, 16), np.float32)}, what="test")
+    assert runner.provider in ("CPUExecutionProvider", "CUDAExecutionProvider")
+    assert runner.evaluations == 1
+    if not ck.cuda_usable():
+        assert runner.provider == "CPUExecutionProvider"
+
+
+def test_fp32_model_failing_on_generated_inputs_asks_for_inputs(tmp_path):
+    """Generated inputs are a guess (M -> 8 here); when the model rejects them, say so: exit 2."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[N,M] x) => (float[4,4] y) {
+          r = Reshape(x, shape)
+          y = MatMul(r, w)
+        }""", {"shape": np.array([4, 4], np.int64), "w": (4, 4)})
+    save(m, tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "--check"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot run the FP32 model on the generated inputs" in proc.stderr
+    assert "--inputs file.npz" in proc.stderr
+    assert not (tmp_path / "m.fp16.onnx").exists()
+    np.savez(tmp_path / "in.npz", x=np.ones((2, 8), np.float32))
+    assert run_cli(["m.onnx", "--check", "--inputs", "in.npz"], tmp_path).returncode == 0
