@@ -373,8 +373,13 @@ def _adapt_feeds(sess: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, np.nda
     with ``keep_io_types=False`` takes FP16 inputs)."""
     types = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
     out = {}
+    # A training rewrite (amp_rewrite.training_onnx) adds loss_scale/growth_tracker: check at scale 1.
+    training = "amp_rewrite.training" in sess.get_modelmeta().custom_metadata_map
+    defaults = {"loss_scale": np.array(1.0, np.float32), "growth_tracker": np.array(0, np.int64)} if training else {}
     for i in sess.get_inputs():
         if i.name not in feeds:
+            if i.name in defaults:
+                out[i.name] = defaults[i.name]
             continue
         arr = np.asarray(feeds[i.name])
         want = types.get(i.type)

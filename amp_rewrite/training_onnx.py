@@ -1,0 +1,479 @@
+"""Training rewrite for ONNX: ``amp-rewrite --training --loss NAME [--grads PATTERN] model.onnx``.
+
+What it does (PRECISION.md, "Training"):
+
+1. the normal pipeline with ``training=True``: initializers stay FP32 and are cast at use (master
+   weights; float graph inputs, e.g. parameters fed as inputs, stay FP32 too, keep_io_types is
+   forced on), and the loss island is pinned FP32: every node feeding the loss with no allow op
+   between it and the loss (the same rule the torch side applies);
+2. loss scaling, with standard ONNX ops, on the emitted model:
+
+   - input ``loss_scale`` (FP32 scalar), output ``scaled_loss = loss * loss_scale`` (FP32);
+   - with ``grads`` (gradient outputs, e.g. a forward+gradient graph from
+     ``tools/make_training_graph.py``): the backward pass is seeded with ``loss_grad * loss_scale``
+     (the graph must have a seed input: ``loss_grad=`` names it, else the model's
+     ``amp_rewrite.training_graph`` metadata, else an FP32 scalar input called ``<loss>_grad``,
+     ``<loss>.grad``, ``grad_<loss>`` or ``loss_grad``), so every gradient is computed scaled;
+     each gradient output keeps its name and now carries the **unscaled** FP32 gradient
+     (``scaled × (1/loss_scale)``); the scaled one is renamed ``<name>/amp_scaled``;
+   - input ``growth_tracker`` (int64 scalar), outputs ``all_finite`` (bool scalar: every unscaled
+     gradient is free of inf/NaN), ``next_loss_scale`` (FP32 scalar) and ``next_growth_tracker``
+     (int64 scalar), the dynamic loss-scale update of :class:`amp_rewrite.LossScaler` /
+     ``torch.amp.GradScaler``:
+
+       finite:   tracker + 1 == growth_interval ? (min(scale * growth_factor, max_scale), 0)
+                                                : (scale, tracker + 1)
+       overflow: (max(scale * backoff_factor, min_scale), 0)   -- and the caller skips the step
+
+     ``dynamic=False`` (static scaling) passes scale and tracker through unchanged.
+
+The training loop feeds ``loss_scale``/``growth_tracker`` (start: 2**16 and 0), applies the
+gradient outputs only when ``all_finite`` is true, and feeds ``next_loss_scale``/
+``next_growth_tracker`` back in. The finiteness check sums each unscaled gradient (one reduction
+per gradient) and tests the total for inf/NaN: a finite gradient whose sum exceeds FP32's range
+(|sum| > 3.4e38) also counts as an overflow.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from .api import RewriteResult, make_context, run_pipeline
+from .errors import UsageError
+
+# Same defaults as amp_rewrite.training.LossScaler (tests check they agree).
+INIT_SCALE = 2.0 ** 16
+GROWTH_FACTOR = 2.0
+BACKOFF_FACTOR = 0.5
+GROWTH_INTERVAL = 2000
+MIN_SCALE = 1.0
+MAX_SCALE = 2.0 ** 24
+
+LOSS_SCALE = "loss_scale"
+GROWTH_TRACKER = "growth_tracker"
+SCALED_LOSS = "scaled_loss"
+ALL_FINITE = "all_finite"
+NEXT_LOSS_SCALE = "next_loss_scale"
+NEXT_GROWTH_TRACKER = "next_growth_tracker"
+SCALED_SUFFIX = "/amp_scaled"
+GRAPH_INFO_KEY = "amp_rewrite.training_graph"  # written by tools/make_training_graph.py
+TRAINING_KEY = "amp_rewrite.training"  # what this rewrite added, as JSON
+TAG = "amp_rewrite."
+_TAIL_REASON = "training: feeds the loss with no allow op in between (loss island stays FP32)"
+
+
+@dataclass(frozen=True)
+class ScaleConfig:
+    """The dynamic loss-scale update computed in the graph (same meaning as LossScaler's)."""
+
+    growth_factor: float = GROWTH_FACTOR
+    backoff_factor: float = BACKOFF_FACTOR
+    growth_interval: int = GROWTH_INTERVAL
+    min_scale: float = MIN_SCALE
+    max_scale: float = MAX_SCALE
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.growth_factor > 1.0:
+            raise UsageError(f"growth_factor={self.growth_factor}: must be > 1")
+        if not 0.0 < self.backoff_factor < 1.0:
+            raise UsageError(f"backoff_factor={self.backoff_factor}: must be in (0, 1)")
+        if int(self.growth_interval) < 1:
+            raise UsageError(f"growth_interval={self.growth_interval}: must be >= 1")
+        if not 0.0 < self.min_scale <= self.max_scale < float("inf"):
+            raise UsageError(f"min_scale={self.min_scale}, max_scale={self.max_scale}: need 0 < min <= max < inf")
+
+
+_SCALE_KEYS = ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale", "dynamic")
+
+
+# -- entry points ------------------------------------------------------------------------------------------
+def rewrite_training_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, loss: str,
+                          grads: str | Sequence[str] | None = None, loss_grad: str | None = None,
+                          overwrite: bool = False, external_data: bool | None = None,
+                          **options: Any) -> RewriteResult:
+    """Training rewrite of an ONNX file (see the module docstring). ``dst`` defaults to
+    ``<stem>.<target>.train.onnx``. ``grads``: glob pattern(s) over graph output names (comma-
+    separated, or a list; ``re:`` for a regex). Scale options: growth_factor, backoff_factor,
+    growth_interval, min_scale, max_scale, dynamic; other options are those of make_context."""
+    from .api import _check_output, _input_files, _needs_external
+    from .emitters.onnx_emitter import save_onnx
+    from .frontends.onnx_loader import load_onnx
+
+    src_path = Path(src)
+    target = options.get("target", "fp16")
+    dst_path = Path(dst) if dst is not None else src_path.with_name(f"{src_path.stem}.{target}.train.onnx")
+    _check_output(src_path, dst_path, overwrite)
+    model = load_onnx(src_path)
+    ir_model, log, plan = _rewrite(model, loss=loss, grads=grads, loss_grad=loss_grad, options=options)
+    source_files = _input_files(model, src_path)
+    use_external = external_data if external_data is not None else _needs_external(model, src_path)
+    written = save_onnx(ir_model, dst_path, external=use_external, source_files=source_files)
+    return RewriteResult(ir_model, log, True, written, source=str(src_path))
+
+
+def rewrite_training_onnx_model(proto: Any, *, loss: str, grads: str | Sequence[str] | None = None,
+                                loss_grad: str | None = None, **options: Any) -> RewriteResult:
+    """In-memory variant: an ``onnx.ModelProto`` in, a new ``onnx.ModelProto`` out (``.model``)."""
+    from .emitters.onnx_emitter import to_proto
+    from .frontends.onnx_loader import load_onnx
+
+    model = load_onnx(proto)
+    ir_model, log, _ = _rewrite(model, loss=loss, grads=grads, loss_grad=loss_grad, options=options)
+    return RewriteResult(to_proto(ir_model), log, True)
+
+
+def rewrite_training_cli(args: Any) -> RewriteResult:
+    """What ``amp-rewrite --training`` runs (commands.run)."""
+    return rewrite_training_onnx(args.model, args.output, overwrite=args.overwrite, loss=args.loss,
+                                 grads=args.grads, **args.options())
+
+
+# -- the rewrite -----------------------------------------------------------------------------------------------
+@dataclass
+class _Plan:
+    loss: str
+    grads: list[str]
+    seed: str | None
+    tail: list[str]
+    config: ScaleConfig
+
+
+def _rewrite(model: Any, *, loss: str, grads: Any, loss_grad: str | None, options: dict) -> tuple[Any, Any, _Plan]:
+    from .emitters.onnx_emitter import emit_onnx
+
+    options = dict(options)
+    options.pop("training", None)
+    options.pop("loss", None)
+    config = ScaleConfig(**{k: options.pop(k) for k in _SCALE_KEYS if k in options})
+    if options.get("keep_io_types") is False:
+        raise UsageError("--training keeps graph inputs and outputs FP32 (parameters fed as inputs are the FP32 "
+                         "master weights; the loss and gradients must come out FP32): drop --no-keep-io-types")
+    options["keep_io_types"] = True
+    ir_model = model.origin.model
+    plan = _make_plan(model, ir_model, loss, grads, loss_grad, config, _rule_book(options))
+    pins = ["re:" + re.escape(name) for name in plan.tail]
+    options["fp32_nodes"] = list(options.get("fp32_nodes", ()) or ()) + pins
+    ctx = make_context(frontend="onnx", training=True, loss=loss, **options)
+    ctx.log.notes.extend(_notes(plan))
+    from .rulebook import RuleBook
+
+    if isinstance(options.get("rules"), RuleBook) and plan.tail:
+        ctx.log.notes.append("training: rules were given as a RuleBook, which takes no node pins: the loss island "
+                             "is painted by the rules alone")
+    run_pipeline(model, ctx)
+    tail = set(plan.tail)
+    for node in model.graph.nodes:
+        if node.name in tail and node.meta.get("amp.category") is not None:
+            node.meta["amp.reason"] = _TAIL_REASON
+            node.meta["amp.source"] = "training"
+    for label, decision in list(ctx.log.decisions.items()):
+        if label in tail:
+            from dataclasses import replace
+
+            ctx.log.decisions[label] = replace(decision, reason=_TAIL_REASON, source="training")
+    ir_model = emit_onnx(model, ctx.log)
+    _LossScaleBuilder(ir_model, plan).build()
+    return ir_model, ctx.log, plan
+
+
+def _make_plan(model: Any, ir_model: Any, loss: str, grads: Any, loss_grad: str | None,
+               config: ScaleConfig, rules: Any) -> _Plan:
+    graph = model.graph
+    outputs = {v.name: v for v in graph.outputs}
+    if loss not in outputs:
+        raise UsageError(f"--loss {loss!r}: no graph output has that name (outputs: {', '.join(outputs) or 'none'})")
+    loss_value = outputs[loss]
+    if loss_value.dtype is not None and int(loss_value.dtype) != 1:
+        raise UsageError(f"--loss {loss!r}: the loss must be FP32, it is {loss_value.dtype.name}")
+    grad_names = _match_grads(grads, [v.name for v in graph.outputs], loss)
+    seed = None
+    if grad_names:
+        seed = _find_seed(graph, ir_model, loss, loss_grad)
+    for name in (LOSS_SCALE, SCALED_LOSS) + ((GROWTH_TRACKER, ALL_FINITE, NEXT_LOSS_SCALE, NEXT_GROWTH_TRACKER)
+                                             if grad_names else ()):
+        if _name_taken(ir_model.graph, name):
+            raise UsageError(f"the model already has a value named {name!r}: it looks rewritten for training already")
+    tail = _loss_tail(model, loss_value, graph, rules)
+    return _Plan(loss=loss, grads=grad_names, seed=seed, tail=tail, config=config)
+
+
+def _match_grads(grads: Any, outputs: list[str], loss: str) -> list[str]:
+    if not grads:
+        return []
+    patterns = [p.strip() for p in (grads.split(",") if isinstance(grads, str) else grads) if p.strip()]
+    matched: list[str] = []
+    for name in outputs:
+        if name == loss:
+            continue
+        for p in patterns:
+            hit = re.fullmatch(p[3:], name) if p.startswith("re:") else fnmatch.fnmatchcase(name, p)
+            if hit:
+                matched.append(name)
+                break
+    if not matched:
+        raise UsageError(f"--grads {','.join(patterns)!r} matches no graph output other than the loss "
+                         f"(outputs: {', '.join(outputs)})")
+    return matched
+
+
+def _find_seed(graph: Any, ir_model: Any, loss: str, explicit: str | None) -> str:
+    inputs = {v.name: v for v in graph.inputs}
+    if explicit is not None:
+        if explicit not in inputs:
+            raise UsageError(f"loss_grad={explicit!r}: no graph input has that name")
+        return explicit
+    info = ir_model.metadata_props.get(GRAPH_INFO_KEY)
+    if info:
+        name = json.loads(info).get("loss_grad")
+        if name in inputs:
+            return name
+    for name in (f"{loss}_grad", f"{loss}.grad", f"grad_{loss}", "loss_grad"):
+        value = inputs.get(name)
+        if value is not None and value.dtype is not None and int(value.dtype) == 1 and \
+                (value.shape is None or all(d == 1 for d in value.shape)):
+            return name
+    raise UsageError(
+        "--grads: the graph has no input seeding the backward pass (the gradient of the loss, usually a "
+        f"constant 1 folded into the graph), so its gradients cannot be loss-scaled; export it with "
+        f"tools/make_training_graph.py, or give the seed input a name like '{loss}_grad'")
+
+
+def _name_taken(graph: Any, name: str) -> bool:
+    if any(v.name == name for v in graph.inputs) or any(v.name == name for v in graph.outputs):
+        return True
+    if name in graph.initializers:
+        return True
+    return any(o.name == name for n in graph for o in n.outputs)
+
+
+def _rule_book(options: dict) -> Any:
+    """The rules the pipeline will use (op overrides included), to find the allow ops."""
+    from .rulebook import RuleBook, load_rules
+
+    rules = options.get("rules", ())
+    if isinstance(rules, RuleBook):
+        return rules
+    return load_rules([str(r) for r in rules], frontend="onnx", target=options.get("target", "fp16"),
+                      fp32_ops=options.get("fp32_ops", ()), low_ops=options.get("fp16_ops", ()))
+
+
+def _loss_tail(model: Any, loss: Any, graph: Any, book: Any) -> list[str]:
+    """Nodes feeding the loss with no allow op between them and the loss (unnamed ones get a name)."""
+    from .decisions import Category
+
+    if loss.producer is None:
+        return []
+    ancestors: dict[int, Any] = {}
+    stack = [loss.producer]
+    while stack:
+        node = stack.pop()
+        if id(node) in ancestors or node.graph is not graph:
+            continue
+        ancestors[id(node)] = node
+        stack.extend(v.producer for v in node.inputs if v is not None and v.producer is not None)
+    allow = {i for i, n in ancestors.items() if book.category_of(n.op_type, n.domain) == Category.ALLOW}
+    feeds_allow: set[int] = set()
+    for node in reversed(graph.nodes):
+        if id(node) not in ancestors:
+            continue
+        for out in node.outputs:
+            if any(id(c) in ancestors and (id(c) in allow or id(c) in feeds_allow) for c in out.consumers()):
+                feeds_allow.add(id(node))
+    taken = {n.name for n in graph.nodes}
+    tail = []
+    for node in graph.nodes:  # graph order: deterministic
+        i = id(node)
+        if i not in ancestors or i in allow or i in feeds_allow or node.op_type in ("Cast", "Constant"):
+            continue
+        if not node.name:
+            base, k = f"amp_loss/{node.op_type}", 0
+            name = base
+            while name in taken:
+                k += 1
+                name = f"{base}_{k}"
+            taken.add(name)
+            node.name = name
+            if node.origin is not None:
+                node.origin.name = name
+        tail.append(node.name)
+    return tail
+
+
+def _notes(plan: _Plan) -> list[str]:
+    notes = [f"training: loss {plan.loss!r} kept FP32 with {len(plan.tail)} node(s) of its island pinned FP32; "
+             f"input {LOSS_SCALE!r} and output {SCALED_LOSS!r} added"]
+    if plan.grads:
+        c = plan.config
+        mode = (f"dynamic (x{c.growth_factor} after {c.growth_interval} finite steps, x{c.backoff_factor} on "
+                f"overflow, within [{c.min_scale:g}, {c.max_scale:g}])" if c.dynamic else "static")
+        notes.append(f"training: backward seed {plan.seed!r} multiplied by {LOSS_SCALE!r}; {len(plan.grads)} "
+                     f"gradient output(s) unscaled in FP32 under their own names; outputs {ALL_FINITE!r}, "
+                     f"{NEXT_LOSS_SCALE!r}, {NEXT_GROWTH_TRACKER!r} added; loss scale {mode}")
+    return notes
+
+
+class _LossScaleBuilder:
+    """Adds the loss-scale, unscale, finiteness and next-scale nodes to the emitted onnx-ir model."""
+
+    def __init__(self, model: Any, plan: _Plan) -> None:
+        import onnx_ir as ir
+
+        self.ir = ir
+        self.model = model
+        self.graph = model.graph
+        self.plan = plan
+        self.taken = {v.name for v in self.graph.inputs} | set(self.graph.initializers)
+        self.taken |= {n.name for n in self.graph} | {o.name for n in self.graph for o in n.outputs}
+        self.opset = model.opset_imports.get("", 0)
+        self.new_nodes: list[Any] = []
+
+    def name(self, base: str) -> str:
+        name, k = base, 0
+        while name in self.taken:
+            k += 1
+            name = f"{base}_{k}"
+        self.taken.add(name)
+        return name
+
+    def node(self, op: str, inputs: list, reason: str, *, out: str | None = None, **attrs: Any) -> Any:
+        ir = self.ir
+        out_name = out if out is not None else self.name(f"amp_train/{op.lower()}")
+        if out is not None:
+            self.taken.add(out)
+        value = ir.Value(name=out_name)
+        node = ir.Node("", op, inputs, attributes=[_attr(ir, k, v) for k, v in attrs.items()], outputs=[value],
+                       name=self.name(f"amp_train/{op}"))
+        node.metadata_props[TAG + "inserted"] = "training"
+        node.metadata_props[TAG + "reason"] = reason
+        self.graph.append(node)
+        self.new_nodes.append(node)
+        return value
+
+    def const(self, value: Any, dtype: str, base: str) -> Any:
+        import numpy as np
+
+        ir = self.ir
+        tensor = ir.tensor(np.array(value, dtype=dtype), name=self.name(f"amp_train/{base}"))
+        v = ir.Value(name=tensor.name, type=ir.TensorType(tensor.dtype), shape=ir.Shape([]), const_value=tensor)
+        self.graph.register_initializer(v)
+        return v
+
+    def scalar_input(self, name: str, dtype: Any) -> Any:
+        ir = self.ir
+        v = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape([]))
+        self.graph.inputs.append(v)
+        self.taken.add(name)
+        return v
+
+    def typed(self, value: Any, dtype: Any) -> Any:
+        value.type = self.ir.TensorType(dtype)
+        value.shape = self.ir.Shape([])
+        return value
+
+    def build(self) -> None:
+        ir = self.ir
+        if self.opset < 10:
+            raise UsageError(f"--training needs opset >= 10 (IsInf); the model imports opset {self.opset}")
+        FLOAT, INT64, BOOL = ir.DataType.FLOAT, ir.DataType.INT64, ir.DataType.BOOL
+        plan, graph = self.plan, self.graph
+        outputs = {v.name: (i, v) for i, v in enumerate(graph.outputs)}
+        scale = self.scalar_input(LOSS_SCALE, FLOAT)
+        loss_value = outputs[plan.loss][1]
+        scaled = self.node("Mul", [loss_value, scale], "training: scaled_loss = loss (FP32) x loss_scale",
+                           out=SCALED_LOSS)
+        self.typed(scaled, FLOAT)
+        graph.outputs.append(scaled)
+        added = {"loss": plan.loss, "loss_scale": LOSS_SCALE, "scaled_loss": SCALED_LOSS}
+        if plan.grads:
+            tracker = self.scalar_input(GROWTH_TRACKER, INT64)
+            self._scale_seed(scale)
+            inv = self.node("Reciprocal", [scale], "training: 1 / loss_scale, to unscale the gradients in FP32")
+            sums = []
+            for name in plan.grads:
+                index, value = outputs[name]
+                if value.producer() is None:
+                    raise UsageError(f"gradient output {name!r} is a graph input or initializer, not computed by "
+                                     f"the graph: nothing to unscale")
+                value.name = self.name(name + SCALED_SUFFIX)
+                unscaled = self.node("Mul", [value, inv], "training: gradient unscaled in FP32 (x 1/loss_scale)",
+                                     out=name)
+                unscaled.type, unscaled.shape = ir.TensorType(FLOAT), value.shape
+                graph.outputs[index] = unscaled
+                sums.append(self.node("ReduceSum", [unscaled], "training: inf/NaN check (sum of the gradient)",
+                                      keepdims=0))
+            total = sums[0] if len(sums) == 1 else self.node("Sum", sums, "training: inf/NaN check (all gradients)")
+            bad = self.node("Or", [self.node("IsInf", [total], "training: inf/NaN check"),
+                                   self.node("IsNaN", [total], "training: inf/NaN check")], "training: inf/NaN check")
+            finite = self.typed(self.node("Not", [bad], "training: every unscaled gradient is finite",
+                                          out=ALL_FINITE), BOOL)
+            next_scale, next_tracker = self._update(scale, tracker, finite)
+            for v in (finite, next_scale, next_tracker):
+                graph.outputs.append(v)
+            added.update({"growth_tracker": GROWTH_TRACKER, "loss_grad": plan.seed, "grads": plan.grads,
+                          "scaled_grads": [n + SCALED_SUFFIX for n in plan.grads], "all_finite": ALL_FINITE,
+                          "next_loss_scale": NEXT_LOSS_SCALE, "next_growth_tracker": NEXT_GROWTH_TRACKER,
+                          "config": asdict(plan.config)})
+        self.model.metadata_props[TRAINING_KEY] = json.dumps(added)
+
+    def _scale_seed(self, scale: Any) -> None:
+        seed = next(v for v in self.graph.inputs if v.name == self.plan.seed)
+        uses = list(seed.uses())
+        scaled = self.node("Mul", [seed, scale], "training: the backward pass starts from loss_grad x loss_scale, "
+                                                 "so every gradient is computed scaled")
+        scaled.type, scaled.shape = seed.type, seed.shape
+        for user, index in uses:
+            user.replace_input_with(index, scaled)
+        # The new Mul was appended last; it must run before the seed's consumers.
+        from onnx_ir.passes.common import TopologicalSortPass
+
+        TopologicalSortPass()(self.model)
+
+    def _update(self, scale: Any, tracker: Any, finite: Any) -> tuple[Any, Any]:
+        ir = self.ir
+        FLOAT, INT64 = ir.DataType.FLOAT, ir.DataType.INT64
+        c = self.plan.config
+        why = "training: dynamic loss scale update (LossScaler / torch.amp.GradScaler semantics)"
+        if not c.dynamic:
+            s = self.node("Identity", [scale], "training: static loss scale", out=NEXT_LOSS_SCALE)
+            t = self.node("Identity", [tracker], "training: static loss scale", out=NEXT_GROWTH_TRACKER)
+            return self.typed(s, FLOAT), self.typed(t, INT64)
+        one = self.const(1, "int64", "one")
+        zero = self.const(0, "int64", "zero")
+        t1 = self.node("Add", [tracker, one], why)
+        grow = self.node("Not", [self.node("Less", [t1, self.const(int(c.growth_interval), "int64", "growth_interval")],
+                                           why)], why)
+        grown = self.node("Min", [self.node("Mul", [scale, self.const(c.growth_factor, "float32", "growth_factor")],
+                                            why), self.const(c.max_scale, "float32", "max_scale")], why)
+        scale_ok = self.node("Where", [grow, grown, scale], why)
+        tracker_ok = self.node("Where", [grow, zero, t1], why)
+        backed = self.node("Max", [self.node("Mul", [scale, self.const(c.backoff_factor, "float32", "backoff_factor")],
+                                             why), self.const(c.min_scale, "float32", "min_scale")], why)
+        s = self.node("Where", [finite, scale_ok, backed], why, out=NEXT_LOSS_SCALE)
+        t = self.node("Where", [finite, tracker_ok, zero], why, out=NEXT_GROWTH_TRACKER)
+        return self.typed(s, FLOAT), self.typed(t, INT64)
+
+
+def _attr(ir: Any, key: str, value: Any) -> Any:
+    if isinstance(value, bool) or isinstance(value, int):
+        return ir.AttrInt64(key, int(value))
+    if isinstance(value, float):
+        return ir.AttrFloat32(key, value)
+    raise TypeError(f"attribute {key}: {type(value).__name__}")
+
+
+def training_info(model: Any) -> dict | None:
+    """What a training rewrite added (names of the new inputs/outputs, the scale config), read from
+    an ``onnx.ModelProto`` or an onnx-ir model; None when the model was not rewritten for training."""
+    props = model.metadata_props
+    if isinstance(props, dict) or hasattr(props, "get"):
+        raw = props.get(TRAINING_KEY)
+    else:
+        raw = next((p.value for p in props if p.key == TRAINING_KEY), None)
+    return json.loads(raw) if raw else None

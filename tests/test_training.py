@@ -1,0 +1,565 @@
+"""LossScaler (amp_rewrite.training) and mixed-precision training through amp_rewrite.rewrite(training=True).
+
+Issue 5. Shapes are tiny (FP16 matmul on CPU is slow) and torch runs on one thread (the CI box
+has two busy cores; more threads only oversubscribe them).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import amp_rewrite  # noqa: E402
+from amp_rewrite.training import LossScaler  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class ScaledLinear(torch.nn.Module):
+    """What rewrite(training=True) produces, by hand: the loss times its own amp_loss_scale buffer."""
+
+    def __init__(self, n_in: int = 4) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(n_in, 1)
+        self.register_buffer("amp_loss_scale", torch.ones(()))
+        self.amp_training = True
+
+    def forward(self, x, y):
+        return F.mse_loss(self.lin(x), y) * self.amp_loss_scale
+
+
+class Plain(torch.nn.Module):
+    def __init__(self, n_in: int = 4) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(n_in, 1)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.lin(x), y)
+
+
+def _data(n=16, n_in=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, n_in, generator=g), torch.randn(n, 1, generator=g)
+
+
+def _grads(module):
+    return [p.grad.clone() for p in module.parameters()]
+
+
+def _params(module):
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def _inject_inf(module):
+    next(module.parameters()).grad.view(-1)[0] = math.inf
+
+
+# -- the scaler on its own ---------------------------------------------------------------------------------
+def test_defaults_agree_with_the_onnx_side():
+    from amp_rewrite import training, training_onnx
+
+    for key in ("INIT_SCALE", "GROWTH_FACTOR", "BACKOFF_FACTOR", "GROWTH_INTERVAL", "MIN_SCALE", "MAX_SCALE"):
+        assert getattr(training, key) == getattr(training_onnx, key), key
+    s = LossScaler()
+    assert (s.get_scale(), s.growth_factor, s.backoff_factor, s.growth_interval) == (2.0 ** 16, 2.0, 0.5, 2000)
+    assert amp_rewrite.LossScaler is LossScaler
+
+
+def test_package_import_stays_torch_free():
+    code = ("import sys, amp_rewrite, amp_rewrite.training_onnx; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_backward_finds_the_module_and_grads_are_the_fp32_grads():
+    x, y = _data()
+    model = ScaledLinear()
+    ref = copy.deepcopy(model)
+    ref(x, y).backward()
+    scaler = LossScaler()  # not attached: backward finds the module from the loss's autograd graph
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    loss = model(x, y)  # buffer still 1.0 on this first step
+    scaler.backward(loss)
+    for g in _grads(model):
+        assert g.abs().max() > 100  # they carry 2**16
+    scaler.unscale_(opt)
+    for got, want in zip(_grads(model), _grads(ref)):
+        torch.testing.assert_close(got, want)
+    scaler.step(opt)
+    assert float(model.amp_loss_scale) == 2.0 ** 16  # synced for the next forward
+    opt.zero_grad()
+    scaler.backward(model(x, y))  # now the graph applies the scale itself
+    scaler.unscale_(opt)
+    for got, want in zip(_grads(model), _grads(ref)):
+        torch.testing.assert_close(got, want)
+
+
+def test_plain_loss_backward_with_an_attached_module():
+    x, y = _data()
+    model = ScaledLinear()
+    ref = copy.deepcopy(model)
+    ref(x, y).backward()
+    scaler = LossScaler(model, init_scale=1024.0)
+    assert float(model.amp_loss_scale) == 1024.0
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model(x, y).backward()  # scaled inside the graph
+    scaler.unscale_(opt)
+    for got, want in zip(_grads(model), _grads(ref)):
+        torch.testing.assert_close(got, want)
+    scaler.step(opt)
+    assert scaler.history[-1]["skipped"] is False
+
+
+def test_plain_module_is_scaled_by_the_scaler():
+    x, y = _data()
+    model = Plain()
+    ref = copy.deepcopy(model)
+    ref(x, y).backward()
+    scaler = LossScaler(init_scale=256.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler.scale(model(x, y)).backward()
+    assert torch.allclose(_grads(model)[0], 256.0 * _grads(ref)[0])
+    scaler.step(opt)
+    for got, want in zip(_grads(model), _grads(ref)):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="amp_loss_scale"):
+        LossScaler(model)
+
+
+def test_injected_overflow_skips_the_step_and_backs_off():
+    x, y = _data()
+    model = ScaledLinear()
+    scaler = LossScaler(model, init_scale=1024.0, growth_interval=100)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.backward(model(x, y))
+    scaler.step(opt)
+    opt.zero_grad()
+    assert scaler.growth_tracker == 1
+    before = _params(model)
+    scaler.backward(model(x, y))
+    _inject_inf(model)
+    assert scaler.step(opt) is None
+    for p, q in zip(_params(model), before):
+        assert torch.equal(p, q)  # the step was skipped
+    assert scaler.get_scale() == 512.0 and scaler.growth_tracker == 0
+    assert float(model.amp_loss_scale) == 512.0
+    assert scaler.skipped_steps == [1]
+    opt.zero_grad()
+    nan_step_before = _params(model)
+    scaler.backward(model(x, y))
+    next(model.parameters()).grad.view(-1)[1] = math.nan
+    scaler.step(opt)
+    assert all(torch.equal(p, q) for p, q in zip(_params(model), nan_step_before))
+    assert scaler.get_scale() == 256.0
+
+
+def _drive(scaler, flags, *, module=None):
+    """One step per flag (True: overflow); returns the scale after each update."""
+    x, y = _data()
+    model = module or ScaledLinear()
+    scaler.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scales = []
+    for overflow in flags:
+        opt.zero_grad()
+        scaler.backward(model(x, y))
+        if overflow:
+            _inject_inf(model)
+        scaler.step(opt)
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def test_growth_after_interval_floor_and_ceiling():
+    scaler = LossScaler(init_scale=4.0, growth_interval=3, min_scale=1.0, max_scale=16.0)
+    scales = _drive(scaler, [False] * 3 + [False] * 3 + [False] * 3 + [True] * 6 + [False] * 3)
+    #              3 finite: x2     x2 (16)      ceiling holds   halvings to the floor   growth again
+    assert scales == [4, 4, 8, 8, 8, 16, 16, 16, 16, 8, 4, 2, 1, 1, 1, 1, 1, 2]
+    assert scaler.summary()["floor_hits"] == 2
+    assert scaler.summary()["skipped"] == 6
+
+
+def test_static_and_disabled():
+    static = LossScaler(init_scale=128.0, dynamic=False)
+    assert _drive(static, [False, True, False, False]) == [128.0] * 4
+    assert static.skipped_steps == [1]  # static scaling still skips overflowing steps
+    x, y = _data()
+    model = ScaledLinear()
+    off = LossScaler(model, enabled=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = _params(model)
+    off.backward(model(x, y))
+    off.step(opt)
+    assert off.get_scale() == 1.0 and float(model.amp_loss_scale) == 1.0
+    assert not torch.equal(_params(model)[0], before[0])
+
+
+def test_unscale_before_clipping():
+    x, y = _data()
+    model = ScaledLinear()
+    ref = copy.deepcopy(model)
+    ref(x, y).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref_opt.step()
+    scaler = LossScaler(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler.backward(model(x, y))
+    scaler.unscale_(opt)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    assert 0.1 < float(norm) < 100  # the true norm, not the scaled one
+    with pytest.raises(RuntimeError, match="already"):
+        scaler.unscale_(opt)
+    scaler.step(opt)  # does not unscale a second time
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_gradient_accumulation():
+    x, y = _data(n=32)
+    model = ScaledLinear()
+    ref = copy.deepcopy(model)
+    for half in (slice(0, 16), slice(16, 32)):
+        (ref(x[half], y[half]) / 2).backward()
+    scaler = LossScaler(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for half in (slice(0, 16), slice(16, 32)):
+        scaler.backward(model(x[half], y[half]) / 2)
+    scaler.unscale_(opt)
+    for got, want in zip(_grads(model), _grads(ref)):
+        torch.testing.assert_close(got, want)
+    scaler.step(opt)
+    assert scaler.steps == 1
+
+
+def test_several_optimizers():
+    x, y = _data()
+    model = ScaledLinear()
+    scaler = LossScaler(model, init_scale=64.0, growth_interval=1, auto_update=False)
+    opt_w = torch.optim.SGD([model.lin.weight], lr=0.1)
+    opt_b = torch.optim.Adam([model.lin.bias], lr=0.1)
+    before = _params(model)
+    scaler.backward(model(x, y))
+    model.lin.bias.grad.fill_(math.inf)  # only the second optimizer's gradients overflow
+    scaler.step(opt_w)
+    scaler.step(opt_b)
+    scaler.update()
+    assert not torch.equal(model.lin.weight, before[0])  # as GradScaler: each optimizer decides its own step
+    assert torch.equal(model.lin.bias, before[1])
+    assert scaler.get_scale() == 32.0  # any overflow backs off
+    scaler.update()  # nothing pending: a no-op
+    assert scaler.get_scale() == 32.0 and scaler.steps == 1
+
+
+def test_checkpoint_restore_resumes_the_same_scale(tmp_path):
+    flags = [False, False, True, False, False, False, True, False]
+    a = LossScaler(init_scale=2.0 ** 10, growth_interval=2)
+    _drive(a, flags[:5])
+    path = tmp_path / "scaler.pt"
+    torch.save(a.state_dict(), path)
+    rest_a = _drive(a, flags[5:])
+    b = LossScaler()
+    model = ScaledLinear()
+    b.attach(model)
+    b.load_state_dict(torch.load(path))
+    assert b.get_scale() == _reference(flags[:5], 2.0 ** 10, 2)[-1] == 2048.0
+    assert b.growth_tracker == a.history[4]["growth_tracker"]
+    assert float(model.amp_loss_scale) == b.get_scale()  # the buffer follows the restored scale
+    assert b.steps == 5 and b.skipped_steps == [2]
+    assert _drive(b, flags[5:], module=model) == rest_a
+
+
+def test_loads_a_gradscaler_state_dict():
+    gs = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=7)
+    gs._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    s = LossScaler()
+    s.load_state_dict(gs.state_dict())
+    assert s.get_scale() == 512.0 and s.growth_interval == 7 and s.growth_tracker == 0
+
+
+# -- against torch.amp.GradScaler -----------------------------------------------------------------------------
+def _reference(flags, init, interval, growth=2.0, backoff=0.5, floor=0.0, ceiling=math.inf):
+    """The documented update rule, in plain Python."""
+    scale, tracker, out = init, 0, []
+    for overflow in flags:
+        if overflow:
+            scale, tracker = max(scale * backoff, floor), 0
+        else:
+            tracker += 1
+            if tracker == interval:
+                scale, tracker = min(scale * growth, ceiling), 0
+        out.append(scale)
+    return out
+
+
+def _gradscaler_trajectory(flags, init, interval):
+    x, y = _data()
+    model = Plain()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gs = torch.amp.GradScaler("cpu", init_scale=init, growth_interval=interval)
+    out = []
+    for overflow in flags:
+        opt.zero_grad()
+        gs.scale(model(x, y)).backward()
+        if overflow:
+            _inject_inf(model)
+        gs.step(opt)
+        gs.update()
+        out.append(gs.get_scale())
+    return out
+
+
+FLAGS = [False] * 4 + [True] + [False] * 7 + [True, True] + [False] * 9 + [True] + [False] * 3
+
+
+def test_scale_trajectory_matches_gradscaler():
+    torch_scales = _gradscaler_trajectory(FLAGS, 2.0 ** 12, 3)
+    ours = _drive(LossScaler(init_scale=2.0 ** 12, growth_interval=3), FLAGS)
+    assert ours == torch_scales
+    assert ours == _reference(FLAGS, 2.0 ** 12, 3)
+
+
+def test_scale_trajectory_differs_from_gradscaler_only_at_the_floor():
+    flags = [True] * 6 + [False] * 4 + [True] + [False] * 2
+    torch_scales = _gradscaler_trajectory(flags, 4.0, 2)
+    ours = _drive(LossScaler(init_scale=4.0, growth_interval=2, min_scale=1.0), flags)
+    # GradScaler: 2, 1, 0.5, 0.25, ... ; ours stops at the floor 1.0 and grows from there.
+    assert torch_scales[:2] == ours[:2] == [2.0, 1.0]
+    assert torch_scales[2:6] == [0.5, 0.25, 0.125, 0.0625]
+    assert ours == _reference(flags, 4.0, 2, floor=1.0) == [2, 1, 1, 1, 1, 1, 1, 2, 2, 4, 2, 2, 4]
+    # with the floor out of the way the two agree step for step
+    assert _drive(LossScaler(init_scale=4.0, growth_interval=2, min_scale=2.0 ** -20), flags) == torch_scales
+
+
+# -- DDP --------------------------------------------------------------------------------------------------------
+_DDP_WORKER = textwrap.dedent("""
+    import json, math, os, sys
+    import torch, torch.distributed as dist
+    import torch.nn.functional as F
+    sys.path.insert(0, {root!r})
+    from amp_rewrite.training import LossScaler
+
+    class ScaledLinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+            self.register_buffer("amp_loss_scale", torch.ones(()))
+            self.amp_training = True
+        def forward(self, x, y):
+            return F.mse_loss(self.lin(x), y) * self.amp_loss_scale
+
+    def main(rank, port, out):
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(ScaledLinear())
+        scaler = LossScaler(model, init_scale=1024.0, growth_interval=100)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)  # different data on each rank
+        params = []
+        for step in range(4):
+            opt.zero_grad()
+            x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+            scaler.backward(model(x, y))
+            if step == 2 and rank == 1:  # after DDP's all-reduce: only rank 1 sees it
+                model.module.lin.weight.grad[0, 0] = math.inf
+            scaler.step(opt)
+            params.append([p.detach().flatten().tolist() for p in model.parameters()])
+        with open(os.path.join(out, f"rank{{rank}}.json"), "w") as f:
+            json.dump({{"history": scaler.history, "params": params}}, f)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_one_rank_overflows_both_skip(tmp_path):
+    """Two gloo ranks on localhost (two processes started here: cheaper than mp.spawn's three)."""
+    script = tmp_path / "ddp_worker.py"
+    script.write_text(_DDP_WORKER.format(root=str(ROOT)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), port, str(tmp_path)], env=env,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-3000:] for e in errors)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:
+        assert [e["skipped"] for e in r["history"]] == [False, False, True, False]
+        assert [e["next_scale"] for e in r["history"]] == [1024.0, 1024.0, 512.0, 512.0]
+        assert r["params"][2] == r["params"][1]  # the skipped step left the parameters alone
+        assert r["params"][3] != r["params"][2]
+    assert ranks[0]["params"] == ranks[1]["params"]  # identical on both ranks, every step
+
+
+# -- history -----------------------------------------------------------------------------------------------------
+def test_history_summary_and_report():
+    scaler = LossScaler(init_scale=8.0, growth_interval=2)
+    _drive(scaler, [False, False, True, False])
+    h = scaler.history
+    assert [e["scale"] for e in h] == [8.0, 8.0, 16.0, 8.0]
+    assert [e["skipped"] for e in h] == [False, False, True, False]
+    s = scaler.summary()
+    assert (s["steps"], s["skipped"], s["skipped_steps"], s["growths"], s["backoffs"]) == (4, 1, [2], 1, 1)
+    text = scaler.summary_text()
+    assert "1 skipped" in text and "steps 2" in text
+    from amp_rewrite.decisions import DecisionLog
+    from amp_rewrite.report import Report
+
+    report = scaler.add_to_report(Report.from_log(DecisionLog()))
+    assert text in report.log.notes
+    scaler.add_to_report(report)
+    assert report.log.notes.count(text) == 1
+
+
+def test_step_without_gradients_is_not_an_error():
+    model = Plain()
+    scaler = LossScaler()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.step(opt)  # nothing to unscale: the optimizer steps (a no-op) and the scale counts a finite step
+    assert scaler.history[-1]["skipped"] is False
+
+
+# -- through amp_rewrite.rewrite(training=True) -------------------------------------------------------------------
+class MLPLoss(torch.nn.Module):
+    def __init__(self, n_in=8, hidden=16, loss_factor=1.0):
+        super().__init__()
+        self.l1 = torch.nn.Linear(n_in, hidden)
+        self.l2 = torch.nn.Linear(hidden, 1)
+        self.loss_factor = loss_factor
+
+    def forward(self, x, y):
+        return F.mse_loss(self.l2(torch.tanh(self.l1(x))), y) * self.loss_factor
+
+
+def _rewrite_for_training(model, example, target):
+    try:
+        gm = amp_rewrite.rewrite(model, example_inputs=example, training=True, target=target)
+    except (ImportError, NotImplementedError) as exc:  # pragma: no cover - the fx side is missing
+        pytest.skip(f"rewrite(training=True) for torch is not available: {exc}")
+    if not hasattr(gm, "amp_loss_scale") or not getattr(gm, "amp_training", False):  # pragma: no cover
+        pytest.skip("rewrite(training=True) did not insert the loss-scale buffer")
+    return gm
+
+
+def test_rewritten_module_keeps_fp32_parameters_and_loss():
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    gm = _rewrite_for_training(MLPLoss(), (x, y), "fp16")
+    assert all(p.dtype == torch.float32 for p in gm.parameters())
+    loss = gm(x, y)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in gm.parameters())
+
+
+def test_fp16_gradients_underflow_without_scaling():
+    torch.manual_seed(0)
+    model = MLPLoss(loss_factor=1e-6)  # tiny loss: dL/dout ~ 3e-8, below FP16's smallest subnormal
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    ref = copy.deepcopy(model)
+    ref(x, y).backward()
+    want = torch.cat([p.grad.flatten() for p in ref.parameters()])
+    gm = _rewrite_for_training(copy.deepcopy(model), (x, y), "fp16")
+    results = {}
+    for name, enabled in (("unscaled", False), ("scaled", True)):
+        scaler = LossScaler(gm, enabled=enabled)
+        gm.zero_grad()
+        opt = torch.optim.SGD(gm.parameters(), lr=0.0)
+        scaler.backward(gm(x, y))
+        scaler.unscale_(opt)
+        got = torch.cat([p.grad.flatten() for p in gm.parameters()])
+        results[name] = (float((got[want != 0] == 0).float().mean()), float(F.cosine_similarity(got, want, dim=0)))
+    zero_unscaled, cos_unscaled = results["unscaled"]
+    zero_scaled, cos_scaled = results["scaled"]
+    print(f"\nunderflow: without scaling {zero_unscaled:.0%} of gradients are 0 (cosine {cos_unscaled:.3f}); "
+          f"with the scaler {zero_scaled:.0%} (cosine {cos_scaled:.6f})")
+    assert zero_unscaled > 0.5 and cos_unscaled < 0.95
+    assert zero_scaled == 0.0 and cos_scaled > 0.999
+
+
+def _train(model, X, Y, steps, scaler=None, seed=1):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = torch.randint(0, X.shape[0], (32,), generator=g)
+        loss = model(X[idx], Y[idx])
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.backward(loss)
+            scaler.step(opt)
+        opt.zero_grad()
+    return model
+
+
+def _fp32_loss(reference, trained, X, Y):
+    """Loss of the trained parameters, evaluated in FP32 on the whole set."""
+    model = copy.deepcopy(reference)
+    state = {k: v for k, v in trained.state_dict().items() if k in model.state_dict()}
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return float(model(X, Y))
+
+
+@pytest.fixture(scope="module")
+def regression():
+    torch.manual_seed(0)
+    X = torch.randn(256, 8)
+    Y = torch.tanh(X @ torch.randn(8, 1) * 0.5) + 0.05 * torch.randn(256, 1)
+    base = MLPLoss()
+    with torch.no_grad():
+        initial = float(base(X, Y))
+    fp32 = _fp32_loss(base, _train(copy.deepcopy(base), X, Y, 200), X, Y)
+    return X, Y, base, initial, fp32
+
+
+@pytest.mark.parametrize("target", ["bf16", "fp16"])
+def test_training_200_steps_ends_near_fp32(regression, target):
+    X, Y, base, initial, fp32 = regression
+    gm = _rewrite_for_training(copy.deepcopy(base), (X[:32], Y[:32]), target)
+    scaler = LossScaler(gm)
+    final = _fp32_loss(base, _train(gm, X, Y, 200, scaler), X, Y)
+    print(f"\n{target}: initial loss {initial:.5f}, final FP32 {fp32:.5f}, final {target} {final:.5f} "
+          f"({(final - fp32) / fp32:+.2%}); {scaler.summary_text()}")
+    assert fp32 < 0.1 * initial  # it learned something
+    assert abs(final - fp32) <= 0.05 * fp32
+    assert all(p.dtype == torch.float32 for p in gm.parameters())
+    assert float(gm.amp_loss_scale) == scaler.get_scale()
+    scaler.add_to_report(gm)  # the module's own report now carries the scaling history
+    from amp_rewrite.fx_api import report_of
+
+    assert scaler.summary_text() in report_of(gm).log.notes

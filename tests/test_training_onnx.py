@@ -1,0 +1,386 @@
+"""ONNX training rewrite (amp_rewrite.training_onnx) and the forward+gradient graph helper
+(tools/make_training_graph.py). Issue 5.
+
+onnxruntime runs in child processes (FP16 graphs can crash the CPU provider): single runs through
+tools/ortrun.py, the training loops in one child that runs the whole loop. onnxruntime's CPU
+provider has no BF16 MatMul, so BF16 training graphs are checked for structure only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from amp_rewrite.errors import UsageError
+from amp_rewrite.training_onnx import (ALL_FINITE, GROWTH_TRACKER, LOSS_SCALE, NEXT_GROWTH_TRACKER, NEXT_LOSS_SCALE,
+                                       SCALED_LOSS, rewrite_training_onnx, rewrite_training_onnx_model, training_info)
+from tools.ortrun import run_onnx
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+from tools.make_training_graph import make_training_graph, training_graph_info  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH = 32
+GRADS = "grad.*"
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 16)
+        self.l2 = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = MLP()
+        x, y = torch.randn(BATCH, 8), torch.randn(BATCH, 1)
+        proto = make_training_graph(model, (x,), (y,), loss_fn=F.mse_loss, exporter="torchscript")
+    finally:
+        torch.set_num_threads(threads)
+    return model, proto
+
+
+@pytest.fixture(scope="module")
+def rewritten(setup):
+    _, proto = setup
+    return rewrite_training_onnx_model(proto, loss="loss", grads=GRADS, target="fp16")
+
+
+def _params(model):
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+# -- the helper --------------------------------------------------------------------------------------------------
+def test_training_graph_computes_loss_and_gradients(setup):
+    model, proto = setup
+    info = training_graph_info(proto)
+    assert info["loss"] == "loss" and info["loss_grad"] == "loss_grad"
+    assert [i.name for i in proto.graph.input] == ["l1.weight", "l1.bias", "l2.weight", "l2.bias", "input_0",
+                                                   "target_0", "loss_grad"]
+    assert [o.name for o in proto.graph.output] == ["loss"] + [f"grad.{n}" for n, _ in model.named_parameters()]
+    assert proto.ir_version <= 10
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((BATCH, 8)).astype(np.float32)
+    y = rng.standard_normal((BATCH, 1)).astype(np.float32)
+    out = run_onnx(proto, {**_params(model), "input_0": x, "target_0": y, "loss_grad": np.array(2.0, np.float32)})
+    ref = MLP()
+    ref.load_state_dict(model.state_dict())
+    loss = F.mse_loss(ref(torch.from_numpy(x)), torch.from_numpy(y))
+    (2.0 * loss).backward()
+    np.testing.assert_allclose(out["loss"], loss.item(), rtol=1e-5)
+    for n, p in ref.named_parameters():  # gradients of loss_grad * loss
+        np.testing.assert_allclose(out[f"grad.{n}"], p.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+# -- the rewrite -----------------------------------------------------------------------------------------------
+def test_rewrite_adds_the_loss_scale_interface(setup, rewritten):
+    _, proto = setup
+    m = rewritten.model
+    onnx.checker.check_model(m)
+    assert m.ir_version <= 10
+    inputs = {i.name: i.type.tensor_type.elem_type for i in m.graph.input}
+    outputs = {o.name: o.type.tensor_type.elem_type for o in m.graph.output}
+    F32, I64, BOOL = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64, onnx.TensorProto.BOOL
+    assert inputs == {**{i.name: F32 for i in proto.graph.input if i.name != "input_0"}, "input_0": F32,
+                      LOSS_SCALE: F32, GROWTH_TRACKER: I64}
+    grads = [o.name for o in proto.graph.output[1:]]
+    assert outputs == {"loss": F32, **{g: F32 for g in grads}, SCALED_LOSS: F32, ALL_FINITE: BOOL,
+                       NEXT_LOSS_SCALE: F32, NEXT_GROWTH_TRACKER: I64}
+    for init in m.graph.initializer:  # master weights: nothing converted offline
+        assert init.data_type != onnx.TensorProto.FLOAT16, init.name
+    info = training_info(m)
+    assert info["grads"] == grads and info["loss_grad"] == "loss_grad"
+    assert info["config"]["growth_interval"] == 2000 and info["config"]["min_scale"] == 1.0
+    # heavy math went FP16, the loss island stayed FP32
+    tags = {n.name: {p.key: p.value for p in n.metadata_props} for n in m.graph.node}
+    low = [n for n in m.graph.node if n.op_type in ("Gemm", "MatMul")
+           and tags[n.name].get("amp_rewrite.precision") == "low"]
+    assert len(low) >= 4
+    loss_nodes = [n for n in m.graph.node if tags[n.name].get("amp_rewrite.source") == "training"]
+    assert loss_nodes and all(tags[n.name]["amp_rewrite.precision"] == "fp32" for n in loss_nodes)
+    assert {n.op_type for n in loss_nodes} >= {"Sub", "Pow", "ReduceMean"}
+    assert any("loss scale dynamic" in note for note in rewritten.log.notes)
+
+
+def _feeds(params, x, y, scale, tracker, seed=1.0):
+    return {**params, "input_0": x, "target_0": y, "loss_grad": np.array(seed, np.float32),
+            LOSS_SCALE: np.array(scale, np.float32), GROWTH_TRACKER: np.array(tracker, np.int64)}
+
+
+def test_gradients_are_unscaled_and_match_fp32(setup, rewritten):
+    model, proto = setup
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((BATCH, 8)).astype(np.float32)
+    y = rng.standard_normal((BATCH, 1)).astype(np.float32)
+    params = _params(model)
+    ref = run_onnx(proto, {**params, "input_0": x, "target_0": y, "loss_grad": np.array(1.0, np.float32)})
+    out = run_onnx(rewritten.model, _feeds(params, x, y, 1024.0, 5))
+    np.testing.assert_allclose(out[SCALED_LOSS], 1024.0 * out["loss"], rtol=1e-6)
+    np.testing.assert_allclose(out["loss"], ref["loss"], rtol=1e-2)
+    for name in ref:
+        if name.startswith("grad."):
+            got, want = out[name].ravel(), ref[name].ravel()
+            cos = float(got @ want / (np.linalg.norm(got) * np.linalg.norm(want)))
+            assert cos > 0.999, (name, cos)
+            np.testing.assert_allclose(got, want, rtol=0.05, atol=0.02 * np.abs(want).max())
+    assert bool(out[ALL_FINITE]) is True
+    assert float(out[NEXT_LOSS_SCALE]) == 1024.0 and int(out[NEXT_GROWTH_TRACKER]) == 6
+
+
+# The in-graph update against LossScaler's rule, one child process for all cases.
+_RUN_MANY = textwrap.dedent("""
+    import json, sys
+    import numpy as np, onnxruntime as ort
+    model, cases, out = sys.argv[1:4]
+    opts = ort.SessionOptions(); opts.log_severity_level = 3
+    sess = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+    data = np.load(cases)
+    results = []
+    for i in range(int(data["n"])):
+        feeds = {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(f"{i}/")}
+        r = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+        results.append({"all_finite": bool(r["all_finite"]), "next_loss_scale": float(r["next_loss_scale"]),
+                        "next_growth_tracker": int(r["next_growth_tracker"])})
+    json.dump(results, open(out, "w"))
+""")
+
+
+def _reference_update(scale, tracker, finite, *, growth=2.0, backoff=0.5, interval=2000, floor=1.0, ceiling=2.0 ** 24):
+    if not finite:
+        return max(scale * backoff, floor), 0
+    tracker += 1
+    if tracker >= interval:
+        return min(scale * growth, ceiling), 0
+    return scale, tracker
+
+
+def test_in_graph_scale_update_has_loss_scaler_semantics(setup, tmp_path):
+    model, proto = setup
+    config = dict(growth_interval=3, min_scale=2.0, max_scale=2.0 ** 12)
+    m = rewrite_training_onnx_model(proto, loss="loss", grads=GRADS, target="fp16", **config).model
+    assert training_info(m)["config"]["max_scale"] == 2.0 ** 12
+    rng = np.random.default_rng(3)
+    x = (0.1 * rng.standard_normal((BATCH, 8))).astype(np.float32)
+    y = (0.1 * rng.standard_normal((BATCH, 1))).astype(np.float32)
+    params = _params(model)
+    cases = [  # (scale, tracker, overflow)
+        (64.0, 0, False), (64.0, 1, False), (64.0, 2, False),  # growth at the interval
+        (2.0 ** 12, 2, False),  # the ceiling holds
+        (2.0 ** 11, 2, False),  # growth up to the ceiling
+        (64.0, 2, True), (2.0, 1, True), (3.0, 0, True),  # backoff, the floor holds
+        (64.0, 7, False),  # a tracker past the interval (restored with another interval) grows at once
+    ]
+    arrays = {"n": np.array(len(cases))}
+    for i, (scale, tracker, overflow) in enumerate(cases):
+        seed = math.inf if overflow else 1.0  # an overflowing backward pass
+        for k, v in _feeds(params, x, y, scale, tracker, seed).items():
+            arrays[f"{i}/{k}"] = v
+    np.savez(tmp_path / "cases.npz", **arrays)
+    onnx.save(m, tmp_path / "m.onnx")
+    (tmp_path / "run.py").write_text(_RUN_MANY)
+    subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "m.onnx"), str(tmp_path / "cases.npz"),
+                    str(tmp_path / "out.json")], check=True, timeout=120)
+    results = json.loads((tmp_path / "out.json").read_text())
+    for (scale, tracker, overflow), r in zip(cases, results):
+        assert r["all_finite"] is (not overflow)
+        want = _reference_update(scale, tracker, not overflow, interval=3, floor=2.0, ceiling=2.0 ** 12)
+        assert (r["next_loss_scale"], r["next_growth_tracker"]) == want, (scale, tracker, overflow)
+    # and LossScaler computes the same rule
+    from amp_rewrite.training import LossScaler, _OptState
+
+    for (scale, tracker, overflow), r in zip(cases, results):
+        s = LossScaler(init_scale=scale, growth_interval=3, min_scale=2.0, max_scale=2.0 ** 12)
+        s._growth_tracker = tracker
+        s._opt[0] = _OptState(stage="stepped", found_inf=torch.tensor(1.0 if overflow else 0.0))
+        s.update()
+        assert (s.get_scale(), s.growth_tracker) == (r["next_loss_scale"], r["next_growth_tracker"])
+
+
+_SGD_LOOP = textwrap.dedent("""
+    import json, sys
+    import numpy as np, onnxruntime as ort
+    fp32_path, amp_path, data_path, out_path = sys.argv[1:5]
+    cfg = json.loads(sys.argv[5])
+    opts = ort.SessionOptions(); opts.log_severity_level = 3
+    fp32 = ort.InferenceSession(fp32_path, opts, providers=["CPUExecutionProvider"])
+    amp = ort.InferenceSession(amp_path, opts, providers=["CPUExecutionProvider"])
+    d = np.load(data_path)
+    X, Y = d["X"], d["Y"]
+    names = cfg["params"]
+    init = {n: d["p/" + n] for n in names}
+    B, lr, steps, inject = cfg["batch"], cfg["lr"], cfg["steps"], cfg["inject"]
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, len(X), B) for _ in range(steps)]
+    one = np.array(1.0, np.float32)
+
+    def run(sess, feeds):
+        return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+    def full_loss(p):  # FP32 evaluation over the whole set
+        losses = [run(fp32, {**p, "input_0": X[i:i + B], "target_0": Y[i:i + B], "loss_grad": one})["loss"]
+                  for i in range(0, len(X), B)]
+        return float(np.mean(losses))
+
+    result = {}
+    for mode in ("fp32", "amp"):
+        p = {n: v.copy() for n, v in init.items()}
+        scale, tracker = np.array(cfg["init_scale"], np.float32), np.array(0, np.int64)
+        log = {"loss": [], "all_finite": [], "scale": [], "changed": []}
+        for step, idx in enumerate(batches):
+            x, y = X[idx], Y[idx]
+            if step == inject:
+                if mode == "fp32":  # the reference skips that step too
+                    log["changed"].append(False)
+                    continue
+                x = x.copy(); x[0, 0] = np.inf  # every gradient becomes inf/NaN
+            if mode == "fp32":
+                r = run(fp32, {**p, "input_0": x, "target_0": y, "loss_grad": one})
+                finite = True
+            else:
+                r = run(amp, {**p, "input_0": x, "target_0": y, "loss_grad": one, "loss_scale": scale,
+                              "growth_tracker": tracker})
+                finite = bool(r["all_finite"])
+                log["scale"].append(float(scale))
+                scale, tracker = r["next_loss_scale"], r["next_growth_tracker"]
+            log["all_finite"].append(finite)
+            log["loss"].append(float(r["loss"]))
+            if finite:
+                for n in names:
+                    p[n] = p[n] - lr * r["grad." + n]
+            log["changed"].append(finite)
+            if step == inject:
+                log["inject_params_equal"] = all(np.array_equal(p[n], prev[n]) for n in names)
+            prev = {n: v.copy() for n, v in p.items()}
+        log["final_scale"] = float(scale)
+        log["initial_full_loss"] = full_loss(init)
+        log["final_full_loss"] = full_loss(p)
+        result[mode] = log
+    json.dump(result, open(out_path, "w"))
+""")
+
+
+def test_sgd_loop_in_onnxruntime_converges_like_fp32_and_skips_overflow(setup, tmp_path):
+    """60 SGD steps of the FP16 training graph in onnxruntime, feeding back the in-graph next scale
+    (growth every 10 finite steps up to a ceiling of 2**18), with an overflow injected at step 30.
+
+    onnxruntime's CPU provider runs FP16 Gemm/MatMul in FP32 (it wraps them in casts and removes
+    the cast pairs), so on CPU no overflow comes from FP16 itself: the injected one is an inf input."""
+    model, proto = setup
+    amp_model = rewrite_training_onnx_model(proto, loss="loss", grads=GRADS, target="fp16", growth_interval=10,
+                                            max_scale=2.0 ** 18).model
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((256, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 1)).astype(np.float32)
+    Y = (np.tanh(0.5 * X @ w) + 0.05 * rng.standard_normal((256, 1))).astype(np.float32)
+    params = _params(model)
+    np.savez(tmp_path / "data.npz", X=X, Y=Y, **{"p/" + n: v for n, v in params.items()})
+    onnx.save(proto, tmp_path / "fp32.onnx")
+    onnx.save(amp_model, tmp_path / "amp.onnx")
+    (tmp_path / "loop.py").write_text(_SGD_LOOP)
+    cfg = {"params": list(params), "batch": BATCH, "lr": 0.2, "steps": 60, "inject": 30, "init_scale": 2.0 ** 16}
+    subprocess.run([sys.executable, str(tmp_path / "loop.py"), str(tmp_path / "fp32.onnx"), str(tmp_path / "amp.onnx"),
+                    str(tmp_path / "data.npz"), str(tmp_path / "out.json"), json.dumps(cfg)], check=True, timeout=300)
+    r = json.loads((tmp_path / "out.json").read_text())
+    fp32, amp = r["fp32"], r["amp"]
+    skipped = [i for i, f in enumerate(amp["all_finite"]) if not f]
+    print(f"\nONNX SGD, 60 steps: full-set loss {fp32['initial_full_loss']:.4f} -> FP32 {fp32['final_full_loss']:.4f}, "
+          f"FP16 {amp['final_full_loss']:.4f} ({(amp['final_full_loss'] / fp32['final_full_loss'] - 1):+.2%}); "
+          f"skipped steps {skipped}; scale 2^16 -> {amp['final_scale']:g}")
+    assert fp32["final_full_loss"] < 0.5 * fp32["initial_full_loss"]
+    assert abs(amp["final_full_loss"] - fp32["final_full_loss"]) <= 0.05 * fp32["final_full_loss"]
+    assert skipped == [30] and amp["inject_params_equal"]
+    scale, tracker = 2.0 ** 16, 0
+    for step, finite in enumerate(amp["all_finite"]):  # the fed-back trajectory follows LossScaler's rule
+        assert amp["scale"][step] == scale, step
+        scale, tracker = _reference_update(scale, tracker, finite, interval=10, ceiling=2.0 ** 18)
+    assert amp["scale"][29] == 2.0 ** 18 and amp["scale"][31] == 2.0 ** 17  # ceiling, then backoff
+    assert amp["final_scale"] == scale
+
+
+# -- variants and errors -------------------------------------------------------------------------------------------
+def test_forward_only_training_rewrite(setup):
+    model, proto = setup
+    # without --grads: only loss_scale and scaled_loss; the seed and the gradients are left alone
+    m = rewrite_training_onnx_model(proto, loss="loss", target="fp16").model
+    assert [i.name for i in m.graph.input][-1] == LOSS_SCALE
+    assert [o.name for o in m.graph.output][-1] == SCALED_LOSS
+    assert GROWTH_TRACKER not in {i.name for i in m.graph.input}
+    rng = np.random.default_rng(4)
+    feeds = {**_params(model), "input_0": rng.standard_normal((BATCH, 8)).astype(np.float32),
+             "target_0": rng.standard_normal((BATCH, 1)).astype(np.float32), "loss_grad": np.array(1.0, np.float32),
+             LOSS_SCALE: np.array(8.0, np.float32)}
+    out = run_onnx(m, feeds)
+    np.testing.assert_allclose(out[SCALED_LOSS], 8.0 * out["loss"], rtol=1e-6)
+
+
+def test_bf16_training_rewrite_structure(setup):
+    _, proto = setup
+    m = rewrite_training_onnx_model(proto, loss="loss", grads=GRADS, target="bf16").model
+    onnx.checker.check_model(m)
+    assert {o.name for o in m.graph.output} >= {ALL_FINITE, NEXT_LOSS_SCALE, NEXT_GROWTH_TRACKER}
+    assert any(n.op_type == "Cast" and n.attribute[0].i == onnx.TensorProto.BFLOAT16 for n in m.graph.node)
+
+
+def test_errors(setup):
+    _, proto = setup
+    with pytest.raises(UsageError, match="no graph output"):
+        rewrite_training_onnx_model(proto, loss="nope")
+    with pytest.raises(UsageError, match="matches no graph output"):
+        rewrite_training_onnx_model(proto, loss="loss", grads="nothing*")
+    with pytest.raises(UsageError, match="keeps graph inputs and outputs FP32"):
+        rewrite_training_onnx_model(proto, loss="loss", keep_io_types=False)
+    # a gradient graph whose backward seed was folded away cannot be loss-scaled
+    seedless = onnx.ModelProto()
+    seedless.CopyFrom(proto)
+    del seedless.metadata_props[:]
+    seed = next(i for i in seedless.graph.input if i.name == "loss_grad")
+    seedless.graph.input.remove(seed)
+    seedless.graph.initializer.append(onnx.numpy_helper.from_array(np.array(1.0, np.float32), "loss_grad"))
+    with pytest.raises(UsageError, match="no input seeding the backward pass"):
+        rewrite_training_onnx_model(seedless, loss="loss", grads=GRADS)
+    # ... unless the seed input is named
+    renamed = onnx.ModelProto()
+    renamed.CopyFrom(proto)
+    del renamed.metadata_props[:]
+    assert training_info(rewrite_training_onnx_model(renamed, loss="loss", grads=GRADS,
+                                                     loss_grad="loss_grad").model)["loss_grad"] == "loss_grad"
+    twice = rewrite_training_onnx_model(proto, loss="loss", grads=GRADS).model
+    with pytest.raises(UsageError, match="already"):
+        rewrite_training_onnx_model(twice, loss="loss", grads=GRADS)
+
+
+def test_cli_training(setup, tmp_path):
+    from amp_rewrite.cli import main
+
+    _, proto = setup
+    src = tmp_path / "train.onnx"
+    onnx.save(proto, src)
+    dst = tmp_path / "train.fp16.onnx"
+    # --check runs both models (the rewritten one at loss_scale 1) and compares loss and gradients
+    rc = main([str(src), "-o", str(dst), "--training", "--loss", "loss", "--grads", GRADS, "--check", "-q"])
+    assert rc == 0 and dst.exists()
+    m = onnx.load(dst)
+    assert training_info(m)["grads"] == [o.name for o in proto.graph.output[1:]]
+    assert main([str(src), "-o", str(tmp_path / "x.onnx"), "--training", "-q"]) == 2  # --loss missing
+    # the API writes the same thing
+    result = rewrite_training_onnx(src, tmp_path / "api.onnx", loss="loss", grads=GRADS)
+    assert result.outputs == [tmp_path / "api.onnx"]
+    assert [o.name for o in onnx.load(tmp_path / "api.onnx").graph.output] == [o.name for o in m.graph.output]
