@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from .rulebook import RuleBook
 
 TARGETS = ("fp16", "bf16")
+# An input file above this is written with external data: its output could pass protobuf's 2 GB limit.
+EXTERNAL_DATA_ABOVE = (1 << 31) - (64 << 20)
 
 
 @dataclass
@@ -108,17 +110,23 @@ def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *
     dst_path = Path(dst) if dst is not None else src_path.with_name(f"{src_path.stem}.{target}.onnx")
     _check_output(src_path, dst_path, overwrite)
     ctx = make_context(frontend="onnx", **options)
-    model = load_onnx(src_path)
-    modified = run_pipeline(model, ctx)
-    source_files = _input_files(model, src_path)
-    use_external = external_data if external_data is not None else _needs_external(model, src_path)
-    if not modified:
-        written = _copy_unchanged(src_path, dst_path, model, use_external, source_files)
-        return RewriteResult(model.origin.model, ctx.log, False, written, source=str(src_path))
-    from .emitters.onnx_emitter import emit_onnx
+    from . import progress
 
-    ir_model = emit_onnx(model, ctx.log)
-    written = save_onnx(ir_model, dst_path, external=use_external, source_files=source_files)
+    with progress.stages(["load", "rewrite", "write"], desc=src_path.name) as stage:
+        stage("load")
+        model = load_onnx(src_path)
+        stage("rewrite")
+        modified = run_pipeline(model, ctx)
+        source_files = _input_files(model, src_path)
+        use_external = external_data if external_data is not None else _needs_external(model, src_path)
+        stage("write")
+        if not modified:
+            written = _copy_unchanged(src_path, dst_path, model, use_external, source_files)
+            return RewriteResult(model.origin.model, ctx.log, False, written, source=str(src_path))
+        from .emitters.onnx_emitter import emit_onnx
+
+        ir_model = emit_onnx(model, ctx.log)
+        written = save_onnx(ir_model, dst_path, external=use_external, source_files=source_files)
     return RewriteResult(ir_model, ctx.log, True, written, source=str(src_path))
 
 
@@ -162,7 +170,8 @@ def _is_torch_module(obj: Any) -> bool:
     import sys
 
     torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.nn.Module)
+    exported = getattr(getattr(torch, "export", None), "ExportedProgram", None) if torch is not None else None
+    return torch is not None and (isinstance(obj, torch.nn.Module) or (exported is not None and isinstance(obj, exported)))
 
 
 # -- file handling -------------------------------------------------------------------------------------
@@ -187,7 +196,7 @@ def _input_files(model: Model, src: Path) -> set[Path]:
 
 def _needs_external(model: Model, src: Path) -> bool:
     """External data when the input used it, or when the output could pass protobuf's 2 GB limit."""
-    return len(_input_files(model, src)) > 1 or src.stat().st_size > (1 << 31) - (64 << 20)
+    return len(_input_files(model, src)) > 1 or src.stat().st_size > EXTERNAL_DATA_ABOVE
 
 
 def _copy_unchanged(src: Path, dst: Path, model: Model, external: bool, source_files: set[Path]) -> list[Path]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .errors import UsageError
+from .errors import OutputError, UsageError
 
 
 @dataclass
@@ -49,6 +49,10 @@ def say(args: CliArgs, text: str) -> None:
 
 def run(args: CliArgs) -> None:
     _validate(args)
+    if args.quiet:
+        from . import progress
+
+        progress.disable()
     if args.explain is not None:
         from .explain import explain_node
 
@@ -92,6 +96,9 @@ def _validate(args: CliArgs) -> None:
         raise UsageError(f"--placement {args.placement!r}: choose greedy or optimal")
     if args.report is not None and args.report.suffix.lower() not in (".json", ".html", ".md"):
         raise UsageError(f"--report {args.report}: the format comes from the extension: .json, .html or .md")
+    if args.report is not None and not args.report.parent.is_dir():
+        # checked before any work: failing after the model is written would leave a stray output
+        raise OutputError(f"--report {args.report}: folder {args.report.parent} does not exist")
     if (args.loss or args.grads) and not args.training:
         raise UsageError("--loss and --grads need --training")
     if args.training and not args.loss:

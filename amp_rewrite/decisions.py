@@ -18,6 +18,10 @@ class Category(str, enum.Enum):
     UNLISTED = "unlisted"  # no rule names the op: treated as deny and reported
 
 
+# Ops whose low-precision speed depends on dims being multiples of 8 (tensor cores).
+ALIGNMENT_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose")
+
+
 class Precision(str, enum.Enum):
     LOW = "low"  # the target type: fp16 or bf16
     FP32 = "fp32"
@@ -100,6 +104,9 @@ class DecisionLog:
     weights: WeightStats = field(default_factory=WeightStats)
     notes: list[str] = field(default_factory=list)
     io_changed: list[str] = field(default_factory=list)
+    # Input shapes of the ALIGNMENT_OPS nodes (dims: int, symbolic str or None), for the report's
+    # tensor-core alignment check.
+    operand_shapes: dict[str, list] = field(default_factory=dict)
 
     def decide(self, decision: Decision) -> None:
         self.decisions[decision.node] = decision

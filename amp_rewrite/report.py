@@ -1,23 +1,29 @@
-"""The cast placement report: built from the decision log, rendered as a terminal summary or JSON.
+"""The cast placement report: built from the decision log, rendered as a terminal summary, JSON,
+HTML or Markdown (``report_render``).
 
-Every number in it is derived from ``DecisionLog`` records, so the same report can be rebuilt
-from the ``amp_rewrite.*`` tags the emitter leaves in the output model.
+Every number in it is derived from ``DecisionLog`` records, so the same report is rebuilt from
+the ``amp_rewrite.*`` tags the emitter leaves in the output model (:meth:`Report.from_model`).
+The JSON form follows ``amp_rewrite/data/report.schema.json`` (``schema_version`` below; see
+docs/report.md).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .decisions import Category, DecisionLog, Precision
+from .decisions import Category, Decision, DecisionLog, Precision
 from .passes.islands import describe
 
 SCHEMA_VERSION = "1.0"
 HEAVY_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "com.microsoft::Attention",
              "com.microsoft::MultiHeadAttention", "Attention", "linear", "matmul", "mm", "bmm", "addmm", "conv1d",
              "conv2d", "conv3d", "baddbmm", "scaled_dot_product_attention"}
+TENSOR_CORE_MULTIPLE = 8  # fp16/bf16 tensor cores want GEMM dims (M, N, K) and channels in multiples of 8
+_PRECISIONS = ("fp16", "bf16", "fp32", "unchanged")
 
 
 @dataclass
@@ -25,18 +31,28 @@ class Report:
     log: DecisionLog
     source: str | None = None
     output: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # "check": --check results (amp_rewrite.check)
 
     @classmethod
     def from_log(cls, log: DecisionLog, *, source: str | None = None, output: str | None = None) -> "Report":
         return cls(log=log, source=source, output=output)
 
+    @classmethod
+    def from_model(cls, model: Any) -> "Report":
+        """Rebuild the report of a rewrite from its output model alone: a path, an
+        ``onnx.ModelProto`` or an onnx-ir ``Model`` written by amp-rewrite."""
+        from .frontends.onnx_tags import read_log
+
+        log, path = read_log(model)
+        return cls(log=log, output=path)
+
     # -- numbers --------------------------------------------------------------------------------------
+    def precision_of(self, d: Decision) -> str:
+        return _precision_name(d.precision, self.log.target)
+
     @property
     def precision_counts(self) -> dict[str, int]:
-        counts = Counter()
-        for d in self.log.decisions.values():
-            counts[_precision_name(d.precision, self.log.target)] += 1
+        counts = Counter(self.precision_of(d) for d in self.log.decisions.values())
         return dict(sorted(counts.items()))
 
     @property
@@ -51,40 +67,109 @@ class Report:
         kept = [{"node": d.node, "op": d.op, "reason": d.reason} for d in heavy if d.precision != Precision.LOW]
         return {"total": len(heavy), "low": len(low), "kept_fp32": kept}
 
+    @property
+    def sentinels(self) -> list[dict[str, Any]]:
+        """Sentinel findings by tensor name (tensors converted at save time report in save order)."""
+        return sorted(self.log.weights.sentinels, key=lambda s: s["tensor"])
+
+    def alignment(self) -> list[dict[str, Any]]:
+        """Tensor-core alignment of every low-precision MatMul/Gemm/Conv whose operand shapes were
+        recorded: the GEMM/channel dims and which of them are not multiples of 8."""
+        out = []
+        for name, shapes in self.log.operand_shapes.items():
+            d = self.log.decisions.get(name)
+            if d is None or d.precision != Precision.LOW:
+                continue
+            dims = _tensor_core_dims(d.op, shapes)
+            misaligned = [k for k, v in dims.items() if isinstance(v, int) and v % TENSOR_CORE_MULTIPLE]
+            unknown = [k for k, v in dims.items() if not isinstance(v, int)]
+            status = "misaligned" if misaligned else "unknown" if unknown or not dims else "aligned"
+            out.append({"node": name, "op": d.op, "shapes": shapes, "dims": dims, "misaligned": misaligned,
+                        "status": status})
+        return out
+
+    def alignment_summary(self) -> dict[str, int]:
+        counts = Counter(a["status"] for a in self.alignment())
+        return {"checked": sum(counts.values()), "aligned": counts["aligned"], "misaligned": counts["misaligned"],
+                "unknown": counts["unknown"]}
+
+    def chain(self, node: str) -> list[Decision]:
+        """The reason chain of ``node``: the node, the node its paint came from, and so on back to
+        a node whose precision comes from a rule entry (the last element)."""
+        out: list[Decision] = []
+        seen: set[str] = set()
+        current = self.log.decisions.get(node)
+        while current is not None and current.node not in seen:
+            out.append(current)
+            seen.add(current.node)
+            current = self.log.decisions.get(current.via) if current.via else None
+        return out
+
+    def _roots(self) -> dict[str, str]:
+        """Each node's chain end (memoised: chains share tails, so this stays linear)."""
+        roots: dict[str, str] = {}
+        decisions = self.log.decisions
+        for name in decisions:
+            path = []
+            current = name
+            while current not in roots:
+                d = decisions.get(current)
+                if d is None or not d.via or d.via not in decisions or d.via in path or d.via == current:
+                    roots[current] = current
+                    break
+                path.append(current)
+                current = d.via
+            for p in path:
+                roots[p] = roots[current]
+        return roots
+
     def summary(self) -> dict[str, Any]:
         w = self.log.weights
         return {
             "target": self.log.target,
             "nodes": self.precision_counts,
+            "nodes_total": len(self.log.decisions),
             "casts_inserted": self.casts_inserted,
             "casts_retargeted": sum(1 for c in self.log.casts if c.kind == "retargeted"),
             "casts_removed": sum(1 for c in self.log.casts if c.kind == "removed"),
             "cast_bytes_per_run": sum(c.bytes_per_run or 0 for c in self.log.casts if c.kind == "inserted"),
+            "casts_unknown_size": sum(1 for c in self.log.casts if c.kind == "inserted" and c.numel is None),
             "islands": len(self.log.islands),
             "heavy_ops": self.heavy_ops,
+            "alignment": self.alignment_summary(),
             "weights": {"bytes_before": w.bytes_before, "bytes_after": w.bytes_after, "converted": w.converted,
-                        "clamped": w.clamped, "flushed_to_zero": w.flushed_to_zero, "duplicated": w.duplicated,
-                        "sentinels": w.sentinels},
+                        "converted_elements": w.converted_elements, "clamped": w.clamped,
+                        "flushed_to_zero": w.flushed_to_zero, "duplicated": w.duplicated,
+                        "sentinels": [_finite(s) for s in self.sentinels]},
             "unlisted_ops": dict(sorted(self.log.unlisted_ops.items())),
         }
 
     # -- renderers --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        roots = self._roots()
+        decisions = self.log.decisions
         return {
             "schema_version": SCHEMA_VERSION,
             "source": self.source,
             "output": self.output,
             "summary": self.summary(),
-            "nodes": [_decision_dict(d) for d in self.log.decisions.values()],
+            "nodes": [_decision_dict(d, self.precision_of(d), roots.get(d.node, d.node), decisions)
+                      for d in decisions.values()],
             "casts": [{**asdict(c), "shape": list(c.shape) if c.shape is not None else None,
-                       "bytes_per_run": c.bytes_per_run} for c in self.log.casts],
-            "islands": [{**asdict(i), "description": describe(i)} for i in self.log.islands],
+                       "direction": f"{c.src}->{c.dst}", "bytes_per_run": c.bytes_per_run} for c in self.log.casts],
+            "islands": [{**asdict(i), "description": describe(i),
+                         "seed_rules": [{"node": s, "op": decisions[s].op if s in decisions else None,
+                                         "source": decisions[s].source if s in decisions else None}
+                                        for s in i.seeds]} for i in self.log.islands],
+            "alignment": self.alignment(),
+            "io_changed": list(self.log.io_changed),
+            "check": self.extra.get("check"),
             "notes": list(self.log.notes),
-            **self.extra,
+            **{k: v for k, v in self.extra.items() if k != "check"},
         }
 
     def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent, default=str)
+        return json.dumps(self.to_dict(), indent=indent, default=str, allow_nan=False)
 
     def summary_text(self) -> str:
         s = self.summary()
@@ -110,9 +195,15 @@ class Report:
                      f"({w['converted']} converted, {w['clamped']} values clamped at ±65504, "
                      f"{w['flushed_to_zero']} flushed to zero)" if low == "fp16" else
                      f"weights: {_bytes(w['bytes_before'])} → {_bytes(w['bytes_after'])} ({w['converted']} converted)")
-        for sentinel in w["sentinels"][:5]:
+        for sentinel in self.sentinels[:5]:
             lines.append(f"  sentinel constants in {sentinel['tensor']}: {sentinel['count']} values in "
                          f"[{sentinel['min']:.3g}, {sentinel['max']:.3g}] (masks?)")
+        al = s["alignment"]
+        if al["misaligned"]:
+            first = next(a for a in self.alignment() if a["status"] == "misaligned")
+            dims = ", ".join(f"{k}={first['dims'][k]}" for k in first["misaligned"])
+            lines.append(f"tensor cores: {al['misaligned']} of {al['checked']} {low} MatMul/Gemm/Conv have dims that "
+                         f"are not multiples of {TENSOR_CORE_MULTIPLE} (e.g. {first['node']}: {dims})")
         if s["unlisted_ops"]:
             ops = ", ".join(f"{op} ×{n}" for op, n in s["unlisted_ops"].items())
             lines.append(f"unlisted ops kept FP32: {ops} — classify them in a rule file (--rules, see rules/README.md)")
@@ -121,17 +212,49 @@ class Report:
         return "\n".join(lines)
 
 
-def _precision_name(p: Precision, target: str) -> str:
+def _precision_name(p: Precision | str, target: str) -> str:
+    p = Precision(p)
     return {Precision.LOW: target, Precision.FP32: "fp32", Precision.NONE: "unchanged"}[p]
 
 
-def _decision_dict(d) -> dict[str, Any]:
+def _decision_dict(d: Decision, precision: str, root: str, decisions: dict[str, Decision]) -> dict[str, Any]:
+    rule = decisions[root].source if root in decisions else d.source
     return {"node": d.node, "op": d.op, "category": d.category.value if isinstance(d.category, Category) else d.category,
-            "precision": d.precision.value, "reason": d.reason, "source": d.source, "step": d.step, "via": d.via,
-            "island": d.island}
+            "precision": precision, "reason": d.reason, "source": d.source, "step": d.step, "via": d.via,
+            "root": root, "rule": rule, "island": d.island}
 
 
-def _bytes(n: int | None) -> str:
+def _tensor_core_dims(op: str, shapes: list) -> dict[str, Any]:
+    """The dims tensor cores tile, by name. Gemm's transA/transB are not recorded, so its dims are
+    named by operand axis; every one of them is M, N or K either way."""
+    a = shapes[0] if len(shapes) > 0 else None
+    b = shapes[1] if len(shapes) > 1 else None
+    dims: dict[str, Any] = {}
+    if op == "MatMul":
+        if a:
+            if len(a) >= 2:
+                dims["M"] = a[-2]
+            dims["K"] = a[-1]
+        if b and len(b) >= 2:
+            dims["N"] = b[-1]
+    elif op == "Gemm":
+        for label, shape in (("A", a), ("B", b)):
+            for axis, size in enumerate(shape or []):
+                dims[f"{label}[{axis}]"] = size
+    elif op == "Conv" and b and len(b) >= 2:
+        dims["C_out"], dims["C_in/group"] = b[0], b[1]
+    elif op == "ConvTranspose" and b and len(b) >= 2:
+        dims["C_in"], dims["C_out/group"] = b[0], b[1]
+    return dims
+
+
+def _finite(d: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no inf/nan: such values (sentinel ranges) are written as strings."""
+    return {k: (("inf" if v > 0 else "-inf") if isinstance(v, float) and math.isinf(v) else
+                "nan" if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
+
+
+def _bytes(n: int | float | None) -> str:
     if not n:
         return "0 B"
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -139,6 +262,20 @@ def _bytes(n: int | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def load_schema() -> dict[str, Any]:
+    """The JSON Schema reports follow (draft 2020-12)."""
+    from importlib import resources
+
+    return json.loads(resources.files("amp_rewrite.data").joinpath("report.schema.json").read_text("utf-8"))
+
+
+def validate(report_dict: dict[str, Any]) -> None:
+    """Raise ``jsonschema.ValidationError`` if ``report_dict`` does not follow the schema."""
+    import jsonschema
+
+    jsonschema.Draft202012Validator(load_schema(), format_checker=jsonschema.FormatChecker()).validate(report_dict)
 
 
 def write_report(report: Report, path) -> None:
@@ -163,6 +300,9 @@ def write_report(report: Report, path) -> None:
         fd, tmp = tempfile.mkstemp(prefix=".amp-report-", dir=path.parent or ".")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a report is an ordinary file
         os.replace(tmp, path)
     except OSError as exc:
         raise OutputError(f"{path}: cannot write the report ({exc.strerror or exc})") from exc

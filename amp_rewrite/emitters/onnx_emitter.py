@@ -12,8 +12,10 @@ tensors are converted lazily at save time, one at a time, so a model is never fu
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 import ml_dtypes
@@ -21,10 +23,11 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ..decisions import DecisionLog, Precision
+from ..decisions import CastRecord, DecisionLog, Precision
 from ..errors import OutputError
 from ..ir import DType, Graph, Model, Node, Value
 from ..frontends.onnx_loader import OnnxSource
+from ..passes.base import node_label
 
 LAZY_BYTES = 16 << 20  # tensors above this are converted while saving, not in memory up front
 SENTINEL = 1e8  # |x| at or above this (or inf) is a sentinel (masks), reported
@@ -34,7 +37,8 @@ TAG = "amp_rewrite."
 def emit_onnx(model: Model, log: DecisionLog) -> ir.Model:
     """Apply the IR's changes to the onnx-ir model and return it."""
     source: OnnxSource = model.origin
-    _Patcher(log).patch(model.graph)
+    patcher = _Patcher(log)
+    patcher.patch(model.graph)
     for node in model.meta.get("amp.removed_nodes", []):
         origin = node.origin
         if origin is not None and origin.graph is not None:
@@ -43,6 +47,7 @@ def emit_onnx(model: Model, log: DecisionLog) -> ir.Model:
 
     TopologicalSortPass()(source.model)
     source.model.metadata_props[TAG + "log"] = "v1"
+    source.model.metadata_props[TAG + "report"] = _model_tags(log, patcher.deferred)
     return source.model
 
 
@@ -54,6 +59,9 @@ class _Patcher:
     def __init__(self, log: DecisionLog) -> None:
         self.log = log
         self.values: dict[int, ir.Value] = {}
+        self.deferred: list[tuple] = []  # (tensor, target, name) converted at save time
+        self.order = {name: i for i, name in enumerate(log.decisions)}
+        self.casts = {c.name: (i, c) for i, c in enumerate(log.casts)}
 
     def ir_value(self, value: Value) -> ir.Value:
         if value.origin is not None:
@@ -120,8 +128,10 @@ class _Patcher:
                                                                           node.outputs[0].dtype))
         if node.op_type == "ConstantOfShape" and node.outputs[0].meta.get("amp.was") is not None:
             self._retype_constant_of_shape(n, node.outputs[0].dtype)
-        if node.meta.get("amp.participates"):
+        if node.meta.get("amp.category") is not None:
             self._tag(n, node)
+        if node.meta.get("amp.retargeted"):
+            self._tag_cast(n, node.name or node.outputs[0].name)
 
     def _retype_constant_of_shape(self, n: ir.Node, dtype: DType) -> None:
         """Its output type comes from the ``value`` attribute (default: float32 zero)."""
@@ -141,6 +151,13 @@ class _Patcher:
         }
         if meta.get("amp.island") is not None:
             props["island"] = str(meta["amp.island"])
+        label = node_label(node)
+        if label != n.name:
+            props["label"] = label  # unnamed node: its label names the output as it was before renaming
+        if label in self.order:
+            props["index"] = str(self.order[label])
+        if label in self.log.operand_shapes:
+            props["shapes"] = json.dumps(self.log.operand_shapes[label])
         for key, value in props.items():
             n.metadata_props[TAG + key] = str(value)
 
@@ -151,8 +168,15 @@ class _Patcher:
         new = ir.Node("", node.op_type, inputs, attrs, outputs=outputs, name=node.name)
         new.metadata_props[TAG + "inserted"] = "cast"
         new.metadata_props[TAG + "reason"] = node.meta.get("amp.reason", "")
+        self._tag_cast(new, node.name)
         node.origin = new
         return new
+
+    def _tag_cast(self, n: ir.Node, name: str) -> None:
+        """The cast's record (edge, shape, bytes), so the report can be rebuilt from the model."""
+        if name in self.casts:
+            index, record = self.casts[name]
+            n.metadata_props[TAG + "cast"] = json.dumps({**cast_record_dict(record), "index": index})
 
     def _add_copy(self, origin: ir.Graph, value: Value) -> None:
         source: Value = value.meta["amp.copy_of"]
@@ -169,17 +193,81 @@ class _Patcher:
         stats = self.log.weights
 
         def convert() -> ir.Tensor:
-            data = tensor.numpy()
-            converted, clamped, flushed, sentinel = convert_array(data, target)
-            stats.clamped += clamped
-            stats.flushed_to_zero += flushed
-            if sentinel:
-                stats.sentinels.append({"tensor": name, **sentinel})
+            # chunk by chunk: temporaries stay small whatever the tensor's size
+            converted = np.empty(tuple(int(d) for d in tensor.shape.numpy()), dtype=target)
+            flat = converted.reshape(-1)
+            found: dict | None = None
+            for start, chunk in _float32_chunks(tensor):
+                part, clamped, flushed, sentinel = convert_array(chunk, target)
+                flat[start:start + part.size] = part
+                stats.clamped += clamped
+                stats.flushed_to_zero += flushed
+                found = _merge_sentinels(found, sentinel)
+            if found:
+                stats.sentinels.append({"tensor": name, **found})
             return ir.Tensor(converted, name=tensor.name)
 
         if nbytes > LAZY_BYTES:
+            self.deferred.append((tensor, target, name))
             return ir.LazyTensor(convert, dtype=ir.DataType(int(dtype)), shape=tensor.shape, name=tensor.name)
         return convert()
+
+
+def cast_record_dict(record: CastRecord) -> dict:
+    d = asdict(record)
+    d["shape"] = list(record.shape) if record.shape is not None else None
+    return d
+
+
+def _model_tags(log: DecisionLog, deferred: list[tuple]) -> str:
+    """What no single node carries: islands, weight statistics, unlisted ops, removed casts.
+
+    Tensors converted at save time have not been counted yet: their clamped/flushed/sentinel
+    counts are taken here in a read-only pass (chunked, nothing kept), so the tags hold the totals
+    the log will hold once the model is saved."""
+    weights = asdict(log.weights)
+    for tensor, target, name in deferred:
+        found = None
+        for _, chunk in _float32_chunks(tensor):
+            _, clamped, flushed, sentinel = convert_array(chunk, target)
+            weights["clamped"] += clamped
+            weights["flushed_to_zero"] += flushed
+            found = _merge_sentinels(found, sentinel)
+        if found:
+            weights["sentinels"].append({"tensor": name, **found})
+    removed = [{**cast_record_dict(c), "index": i} for i, c in enumerate(log.casts) if c.kind == "removed"]
+    return json.dumps({"version": 1, "target": log.target, "islands": [asdict(i) for i in log.islands],
+                       "weights": weights, "unlisted_ops": log.unlisted_ops, "notes": log.notes,
+                       "io_changed": log.io_changed, "removed_casts": removed})
+
+
+CHUNK_ELEMENTS = 4 << 20  # 16 MB of FP32 converted per step
+
+
+def _float32_chunks(tensor):
+    """``(start, flat FP32 chunk)`` pairs. External data is read through the file, not a memory map:
+    mapped pages stay resident (and count in RSS) until the map is closed, so a >2 GB model would
+    otherwise peak at its full size."""
+    n = int(np.prod(tensor.shape.numpy(), dtype=np.int64))
+    if isinstance(tensor, ir.ExternalTensor) and tensor.dtype == ir.DataType.FLOAT:
+        with open(tensor.path, "rb") as f:
+            for start in range(0, n, CHUNK_ELEMENTS):
+                count = min(CHUNK_ELEMENTS, n - start)
+                f.seek((tensor.offset or 0) + 4 * start)
+                chunk = np.fromfile(f, dtype="<f4", count=count)
+                if chunk.size != count:
+                    raise OSError(f"external data file {tensor.path!r} is shorter than tensor {tensor.name!r}")
+                yield start, chunk
+        return
+    data = np.asarray(tensor.numpy(), dtype=np.float32).reshape(-1)
+    for start in range(0, n, CHUNK_ELEMENTS):
+        yield start, data[start:start + CHUNK_ELEMENTS]
+
+
+def _merge_sentinels(a: dict | None, b: dict | None) -> dict | None:
+    if not a or not b:
+        return a or b
+    return {"count": a["count"] + b["count"], "min": min(a["min"], b["min"]), "max": max(a["max"], b["max"])}
 
 
 def convert_array(data: np.ndarray, target) -> tuple[np.ndarray, int, int, dict | None]:

@@ -1,0 +1,135 @@
+"""``--explain NODE``: why one node has its precision, followed back to the rule entries.
+
+Runs the pipeline in memory (nothing is written), finds the node by exact name and prints its
+reason chain: the node, the node its paint came from, and so on back to a node whose precision a
+rule entry decided; then, for a node inside an FP32 island, the deny ops that seeded the island
+with their rule entries, and the casts on the node's edges.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Any
+
+from .decisions import Decision
+from .errors import UsageError
+from .report import Report, _precision_name
+
+_STEPS = {
+    "classify": "decided by its rule entry",
+    "allow": "allow op: always low precision",
+    "deny-spread": "FP32 paint spread from a deny op",
+    "between-allow": "sits between low-precision ops",
+    "clear-spread": "moves data next to a low-precision op",
+    "safety": "kept FP32 to avoid an FP32→low→FP32 round trip",
+    "override": "set by a node rule",
+}
+
+
+def explain_node(model_path: str | os.PathLike, node_name: str, **options: Any) -> str:
+    """Explain ``node_name``'s precision in the rewrite of ``model_path`` (options as for
+    ``rewrite_onnx``). Raises UsageError, naming the closest node names, if there is no such node."""
+    from .api import make_context, run_pipeline
+    from .frontends.onnx_loader import load_onnx
+    from .passes.base import node_label
+
+    from . import progress
+
+    ctx = make_context(frontend="onnx", **options)
+    with progress.stages(["load", "rewrite"], desc=os.path.basename(str(model_path))) as stage:
+        stage("load")
+        model = load_onnx(model_path)
+        stage("rewrite")
+        run_pipeline(model, ctx)
+    report = Report.from_log(ctx.log, source=str(model_path))
+    nodes = {node_label(n): n for n in model.graph.walk() if not n.meta.get("amp.inserted")}
+    casts = {c.name: c for c in ctx.log.casts}
+    name = _resolve(node_name, nodes, casts, model_path)
+    if name in casts:
+        return _explain_cast(report, casts[name])
+    if name not in report.log.decisions:
+        node = nodes[name]
+        return (f"{name} ({node.qualified_op}): unchanged — {node.meta.get('amp.reason') or 'no FP32 float tensor to paint'}; "
+                f"its types are left as they are")
+    return explain_decision(report, name)
+
+
+def _resolve(query: str, nodes: dict, casts: dict, model_path) -> str:
+    if query in nodes or query in casts:
+        return query
+    by_output = [label for label, n in nodes.items() if any(o.name == query for o in n.outputs)]
+    if len(by_output) == 1:
+        return by_output[0]
+    names = list(nodes) + list(casts)
+    close = difflib.get_close_matches(query, names, n=5, cutoff=0.5)
+    if not close:
+        close = [n for n in names if query.lower() in n.lower()][:5]
+    hint = f"; closest: {', '.join(close)}" if close else ""
+    raise UsageError(f"--explain {query!r}: no node of that name in {model_path}{hint}")
+
+
+def explain_decision(report: Report, name: str) -> str:
+    """The explanation text for a decided node of ``report``."""
+    log = report.log
+    d = log.decisions[name]
+    lines = [f"{d.node} ({d.op}) computes in {_label(report, d)}",
+             f"  category: {_category(d)}, from {d.source or '-'}"]
+    chain = report.chain(name)
+    lines.append("")
+    lines.append("why:")
+    for i, link in enumerate(chain):
+        arrow = "  " if i == 0 else "  ← "
+        step = _STEPS.get(link.step, link.step)
+        lines.append(f"{arrow}{link.node} ({link.op}) {_label(report, link)} [{link.step}: {step}]")
+        lines.append(f"{' ' * len(arrow)}    {link.reason}")
+    root = chain[-1]
+    lines.append(f"  rule entry: {root.source or '-'} ({_category(root)} {root.op})"
+                 + (f" — {root.reason}" if root.step == "classify" and root is not d else ""))
+    if len(chain) > 1 and chain[-1].via and chain[-1].via not in log.decisions:
+        lines.append(f"  (the chain continues at {chain[-1].via}, which has no decision)")
+    if d.island is not None:
+        island = next((i for i in log.islands if i.id == d.island), None)
+        if island is not None:
+            from .passes.islands import describe
+
+            lines.append("")
+            lines.append(f"FP32 island {island.id} ({island.scope}): {describe(island)}")
+            lines.append("  seeded by:")
+            for seed in island.seeds:
+                s = log.decisions.get(seed)
+                if s is not None:
+                    lines.append(f"    {s.node} ({s.op}): {_category(s)} rule {s.source} — {s.reason}")
+            if name not in island.seeds and not any(link.node in island.seeds for link in chain):
+                lines.append(f"  {name} joined it as an FP32 neighbour of the seeds (it is not between "
+                             f"{log.target} ops), so the cast enters the island before it")
+    edges = [c for c in log.casts if c.kind != "removed" and (c.producer == name or name in c.consumers)]
+    if edges:
+        lines.append("")
+        lines.append("casts on its edges:")
+        for c in edges:
+            where = "out of" if c.producer == name else "into"
+            lines.append(f"  {c.name}: {c.tensor} {c.src}→{c.dst} {where} {name}"
+                         + (f", {c.numel} elements" if c.numel is not None else ""))
+    return "\n".join(lines)
+
+
+def _explain_cast(report: Report, c) -> str:
+    lines = [f"{c.name}: Cast {c.kind} on {c.tensor} ({c.src}→{c.dst})",
+             f"  edge: {c.producer or '<graph input/initializer>'} → {', '.join(c.consumers) or '-'}",
+             f"  shape: {list(c.shape) if c.shape is not None else 'unknown'}"
+             + (f", {c.numel} elements, {c.bytes_per_run} bytes moved per run" if c.numel is not None else ""),
+             f"  why: {c.reason}"]
+    first = next((n for n in c.consumers if n in report.log.decisions), None)
+    if first is not None:
+        lines.append("")
+        lines.append(explain_decision(report, first))
+    return "\n".join(lines)
+
+
+def _label(report: Report, d: Decision) -> str:
+    return _precision_name(d.precision, report.log.target)
+
+
+def _category(d: Decision) -> str:
+    return getattr(d.category, "value", d.category) or "-"

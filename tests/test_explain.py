@@ -1,0 +1,113 @@
+"""--explain NODE: why a node has its precision, back to the rule entries; writes no model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import onnx
+import pytest
+
+from report_models import LAYERNORM_NODES, block_model
+from util import ROOT, make_model
+
+from amp_rewrite.cli import main
+from amp_rewrite.errors import UsageError
+from amp_rewrite.explain import explain_node
+
+
+@pytest.fixture()
+def block(tmp_path):
+    path = tmp_path / "block.onnx"
+    onnx.save(block_model(), path)
+    return path
+
+
+def _lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def test_node_inside_decomposed_layernorm_leads_to_the_deny_rule(block):
+    text = explain_node(block, "ln_div")
+    lines = _lines(text)
+    assert lines[0] == "ln_div (Div) computes in fp32"
+    chain = [line for line in lines if line.startswith(("ln_div (Div) fp32 [", "← "))]
+    assert [c.split(" (")[0].lstrip("← ") for c in chain] == ["ln_div", "ln_sub", "ln_mean"]
+    assert "[deny-spread" in chain[0] and "[classify" in chain[-1]
+    assert any(line.startswith("rule entry: onnx-cuda-fp16.toml: deny.ReduceMean") for line in lines)
+    assert "FP32 island 0 (main): LayerNorm pattern, 10 nodes, 1 cast in, 1 out" in text
+    assert "ln_pow (Pow): deny rule onnx-cuda-fp16.toml: deny.Pow" in text
+
+
+@pytest.mark.parametrize("name", LAYERNORM_NODES)
+def test_every_layernorm_node_explains_back_to_a_deny_rule(block, name):
+    text = explain_node(block, name)
+    assert "computes in fp32" in text.splitlines()[0]
+    assert "deny.ReduceMean" in text or "deny.Pow" in text
+    assert "LayerNorm pattern" in text
+
+
+def test_low_node_chain_ends_at_allow_rule(block):
+    lines = _lines(explain_node(block, "k_t"))
+    assert lines[0] == "k_t (Transpose) computes in fp16"
+    assert any(line.startswith("← scores (MatMul) fp16 [allow") for line in lines)
+    assert any(line.startswith("rule entry: onnx-cuda-fp16.toml: allow.MatMul") for line in lines)
+
+
+def test_casts_on_the_node_edges(block):
+    text = explain_node(block, "ffn_up")
+    assert "casts on its edges:" in text and "amp_cast/ln/to_fp16: ln fp32→fp16 into ffn_up, 2048 elements" in text
+
+
+def test_explain_a_cast_and_an_output_name(block):
+    text = explain_node(block, "amp_cast/ln/to_fp16")
+    assert text.startswith("amp_cast/ln/to_fp16: Cast inserted on ln (fp32→fp16)")
+    assert "edge: ln_add → ffn_up" in text and "12288 bytes moved per run" in text
+    assert explain_node(block, "n").startswith("ln_div (Div)")  # the output tensor of ln_div
+
+
+def test_undecided_node(tmp_path):
+    model = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y, int64[2] s) { a = MatMul(x, w)
+                                                         s = Shape(a)
+                                                         y = Relu(a) }""", {"w": (8, 8)}, ir_version=9)
+    model.graph.node[1].name = "shape_of_a"
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    assert "shape_of_a (Shape): unchanged" in explain_node(path, "shape_of_a")
+
+
+def test_unknown_name_suggests_close_names(block):
+    with pytest.raises(UsageError) as err:
+        explain_node(block, "ln_dvi")
+    assert "no node of that name" in err.value.message and "ln_div" in err.value.message
+
+
+def test_options_change_the_answer(block):
+    text = explain_node(block, "ln_div", fp16_nodes=["ln_div"])
+    assert "ln_div (Div) computes in fp16" in text
+    assert "node rule 'ln_div'" in text
+
+
+def test_cli_explain_prints_and_writes_nothing(block, capsys):
+    before = sorted(p.name for p in block.parent.iterdir())
+    assert main([str(block), "--explain", "ln_div"]) == 0
+    out = capsys.readouterr().out
+    assert "deny.ReduceMean" in out and "ln_sub" in out
+    assert sorted(p.name for p in block.parent.iterdir()) == before
+
+
+def test_cli_explain_unknown_node_exits_2(block, capsys):
+    assert main([str(block), "--explain", "nope_14"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("amp-rewrite: error: --explain 'nope_14'")
+
+
+def test_cli_explain_subprocess(block):
+    proc = subprocess.run([sys.executable, "-m", "amp_rewrite", str(block), "--explain", "ln_mul"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "← ln_div" in proc.stdout and "← ln_sub" in proc.stdout and "← ln_mean" in proc.stdout
+    assert proc.stderr == ""  # no progress bar when stderr is not a terminal
+    assert not (block.parent / "block.fp16.onnx").exists()

@@ -1,0 +1,356 @@
+"""The cast placement report: its contents, the JSON schema, and the report rebuilt from the tags a
+rewrite leaves in its output model."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jsonschema
+import numpy as np
+import onnx
+import pytest
+
+from report_models import LAYERNORM_NODES, block_model, block_with_mask_constant, chain_model
+from util import ROOT, make_model, rewrite
+
+from amp_rewrite.api import rewrite_onnx
+from amp_rewrite.errors import ModelLoadError
+from amp_rewrite.report import SCHEMA_VERSION, Report, load_schema, validate, write_report
+
+SCHEMA_FILE = ROOT / "amp_rewrite" / "data" / "report.schema.json"
+
+# An existing Cast(int→float) feeding only a low op (retargeted), a Cast that becomes a no-op
+# (removed), and an op no rule names (unlisted).
+CASTS_AND_CUSTOM = """
+<ir_version: 9, opset_import: ["" : 17, "custom.ops" : 1]>
+g (int64[4,8] ids, float[4,8] x) => (float[4,8] y) {
+  f = Cast<to=1>(ids)
+  a = MatMul(f, w1)
+  h = MatMul(x, w2)
+  h16 = Cast<to=10>(h)
+  hb = Cast<to=1>(h16)
+  s = Add(a, hb)
+  c = custom.ops.Weird(s)
+  y = MatMul(c, w1)
+}"""
+
+IF_MODEL = """
+<ir_version: 9, opset_import: ["" : 17]>
+g (bool cond, float[4,8] x) => (float[4,8] y) {
+  a = MatMul(x, w)
+  y = If(cond) <
+    then_branch = t () => (float[4,8] r) { m = ReduceMean<axes=[-1]>(a)
+                                         s = Sub(a, m)
+                                         r = MatMul(s, w) },
+    else_branch = e () => (float[4,8] r2) { r2 = MatMul(a, w) }
+  >
+}"""
+
+
+def _casts_and_custom():
+    return make_model(CASTS_AND_CUSTOM, {"w1": (8, 8), "w2": (8, 8)}, ir_version=9)
+
+
+def _if_model():
+    m = onnx.parser.parse_model(IF_MODEL)
+    m.graph.initializer.append(onnx.numpy_helper.from_array(np.eye(8, dtype=np.float32), "w"))
+    return m
+
+
+def _without_paths(d: dict) -> dict:
+    return {k: v for k, v in d.items() if k not in ("source", "output")}
+
+
+# -- the schema ----------------------------------------------------------------------------------------
+def test_schema_is_valid_draft_2020_12_and_versioned():
+    schema = json.loads(SCHEMA_FILE.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert load_schema() == schema
+    assert "schema_version" in schema["required"]
+    assert jsonschema.Draft202012Validator(schema["properties"]["schema_version"]).is_valid(SCHEMA_VERSION)
+
+
+def test_schema_documents_its_fields():
+    schema = load_schema()
+    undocumented = [f"report.{k}" for k, v in schema["properties"].items() if "description" not in v and "$ref" not in v]
+    for name, definition in schema["$defs"].items():
+        assert definition.get("description"), f"$defs.{name} has no description"
+        if name in ("node", "cast", "island", "alignment"):
+            undocumented += [f"{name}.{k}" for k, v in definition["properties"].items()
+                             if "description" not in v and "$ref" not in v and k not in ("id", "scope", "node", "op")]
+    undocumented += [f"summary.{k}" for k, v in schema["$defs"]["summary"]["properties"].items() if "description" not in v]
+    assert undocumented == []
+    assert (ROOT / "docs" / "report.md").exists()
+    assert "report.schema.json" in (ROOT / "docs" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("factory", [block_model, block_with_mask_constant, _casts_and_custom, _if_model,
+                                     lambda: block_model(big_weight=True)])
+def test_report_json_validates(factory):
+    report = rewrite(factory()).report
+    validate(json.loads(report.to_json()))
+
+
+def test_schema_rejects_a_broken_report():
+    d = json.loads(rewrite(block_model()).report.to_json())
+    d["nodes"][0]["precision"] = "fp8"
+    with pytest.raises(jsonschema.ValidationError):
+        validate(d)
+    d = json.loads(rewrite(block_model()).report.to_json())
+    del d["casts"][0]["bytes_per_run"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate(d)
+
+
+def test_json_is_strict_even_with_infinite_sentinels():
+    model = block_with_mask_constant()
+    mask = onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "mask")).copy()
+    mask[0, 0, 0] = -np.inf
+    for t in model.graph.initializer:
+        if t.name == "mask":
+            t.CopyFrom(onnx.numpy_helper.from_array(mask, "mask"))
+    report = rewrite(model).report
+    text = report.to_json()
+    parsed = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    validate(parsed)
+    sentinel = parsed["summary"]["weights"]["sentinels"][0]
+    assert sentinel["min"] == "-inf" and sentinel["max"] == -1e9
+
+
+# -- contents ------------------------------------------------------------------------------------------
+def test_nodes_carry_category_precision_and_reason_chain():
+    d = rewrite(block_model()).report.to_dict()
+    nodes = {n["node"]: n for n in d["nodes"]}
+    assert nodes["q_proj"] == {**nodes["q_proj"], "op": "MatMul", "category": "allow", "precision": "fp16",
+                               "step": "allow", "via": None, "root": "q_proj"}
+    assert nodes["q_proj"]["rule"].endswith("allow.MatMul")
+    div = nodes["ln_div"]
+    assert (div["category"], div["precision"], div["step"]) == ("infer", "fp32", "deny-spread")
+    assert div["via"] == "ln_sub" and nodes["ln_sub"]["via"] == "ln_mean"
+    assert div["root"] == "ln_mean" and div["rule"].endswith("deny.ReduceMean")
+    assert div["island"] == 0
+    assert list(nodes)[:3] == ["q_proj", "k_proj", "k_t"]  # topological order
+
+
+def test_casts_name_edge_direction_shape_and_bytes():
+    d = rewrite(block_model()).report.to_dict()
+    casts = {c["tensor"]: c for c in d["casts"]}
+    into_ln = casts["ln"]
+    assert into_ln["producer"] == "ln_add" and into_ln["consumers"] == ["ffn_up"]
+    assert into_ln["direction"] == "fp32->fp16" and into_ln["kind"] == "inserted"
+    assert into_ln["shape"] == [2, 16, 64] and into_ln["numel"] == 2048
+    assert into_ln["bytes_per_run"] == 2048 * (4 + 2)
+    x = casts["x"]
+    assert x["producer"] is None and set(x["consumers"]) == {"q_proj", "k_proj", "attn_v"}
+    assert d["summary"]["cast_bytes_per_run"] == sum(c["bytes_per_run"] for c in d["casts"])
+
+
+def test_layernorm_island_named_with_its_seeds():
+    d = rewrite(block_model()).report.to_dict()
+    assert len(d["islands"]) == 1
+    island = d["islands"][0]
+    assert island["pattern"] == "LayerNorm"
+    assert set(LAYERNORM_NODES) <= set(island["members"])
+    assert set(island["seeds"]) == {"ln_mean", "ln_pow", "ln_var"}
+    assert {r["node"]: r["source"].split(": ")[-1] for r in island["seed_rules"]} == {
+        "ln_mean": "deny.ReduceMean", "ln_pow": "deny.Pow", "ln_var": "deny.ReduceMean"}
+    assert island["casts_in"] == 1 and island["casts_out"] == 1
+    assert island["description"].startswith("LayerNorm pattern, 10 nodes, 1 cast in, 1 out")
+
+
+def test_weights_clamped_flushed_and_memory():
+    s = rewrite(block_model(big_weight=True)).report.summary()
+    w = s["weights"]
+    assert w["clamped"] == 2 and w["flushed_to_zero"] == 1
+    assert w["converted"] == 5
+    assert w["bytes_after"] < w["bytes_before"]
+    assert w["bytes_before"] == 4 * (64 * 64 * 2 + 3 + 64 * 2 + 64 * 100 * 2)
+
+
+def test_sentinel_masks_reported():
+    s = rewrite(block_with_mask_constant()).report.summary()
+    (sentinel,) = s["weights"]["sentinels"]
+    assert sentinel == {"tensor": "mask", "count": 2 * 16 * 8, "min": -1e9, "max": -1e9}
+    assert "sentinel constants in mask" in rewrite(block_with_mask_constant()).report.summary_text()
+
+
+def test_unlisted_retargeted_and_removed_casts():
+    report = rewrite(_casts_and_custom()).report
+    s = report.summary()
+    assert s["unlisted_ops"] == {"custom.ops::Weird": 1}
+    assert (s["casts_retargeted"], s["casts_removed"]) == (1, 1)
+    kinds = {c.kind for c in report.log.casts}
+    assert kinds == {"inserted", "retargeted", "removed"}
+    assert "unlisted ops kept FP32: custom.ops::Weird ×1" in report.summary_text()
+
+
+def test_tensor_core_alignment():
+    report = rewrite(block_model()).report
+    align = {a["node"]: a for a in report.alignment()}
+    assert set(align) == {"q_proj", "k_proj", "scores", "attn_v", "ffn_up", "ffn_down"}
+    assert align["q_proj"]["dims"] == {"M": 16, "K": 64, "N": 64} and align["q_proj"]["status"] == "aligned"
+    assert align["ffn_up"]["misaligned"] == ["N"] and align["ffn_up"]["dims"]["N"] == 100
+    assert align["ffn_down"]["misaligned"] == ["K"]
+    assert report.summary()["alignment"] == {"checked": 6, "aligned": 4, "misaligned": 2, "unknown": 0}
+    assert "not multiples of 8 (e.g. ffn_up: N=100)" in report.summary_text()
+
+
+def test_alignment_of_conv_gemm_and_symbolic_dims():
+    model = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[N,3,16,16] x) => (float[N,10] y) {
+          c = Conv<pads=[1,1,1,1]>(x, wc)
+          r = Relu(c)
+          p = GlobalAveragePool(r)
+          f = Flatten(p)
+          y = Gemm<transB=1>(f, wg)
+        }""", {"wc": (12, 3, 3, 3), "wg": (10, 12)}, ir_version=9)
+    align = {a["op"]: a for a in rewrite(model).report.alignment()}
+    assert align["Conv"]["dims"] == {"C_out": 12, "C_in/group": 3}
+    assert align["Conv"]["misaligned"] == ["C_out", "C_in/group"]
+    assert align["Gemm"]["dims"]["A[0]"] == "N" and align["Gemm"]["status"] == "misaligned"
+    sym = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[B,S,64] x) => (float[B,S,64] y) { y = MatMul(x, w) }""", {"w": (64, 64)}, ir_version=9)
+    (a,) = rewrite(sym).report.alignment()
+    assert a["status"] == "unknown" and a["dims"]["M"] == "S" and a["misaligned"] == []
+
+
+def test_summary_text_headline():
+    text = rewrite(block_model()).report.summary_text()
+    assert "nodes: 11 fp16, 10 fp32" in text
+    assert "MatMul/Gemm/Conv/attention in fp16: 6 of 6" in text
+    assert "island 0: LayerNorm pattern, 10 nodes, 1 cast in, 1 out" in text
+
+
+def test_chain_follows_via_to_the_rule():
+    report = rewrite(block_model()).report
+    assert [d.node for d in report.chain("ln_mul")] == ["ln_mul", "ln_div", "ln_sub", "ln_mean"]
+    assert report.chain("ln_mean")[-1].source.endswith("deny.ReduceMean")
+    assert report.chain("no such node") == []
+
+
+# -- rebuilt from the output model ---------------------------------------------------------------------
+@pytest.mark.parametrize("factory", [block_model, block_with_mask_constant, _casts_and_custom, _if_model,
+                                     lambda: block_model(big_weight=True)])
+def test_report_rebuilt_from_saved_model_equals_the_original(factory, tmp_path):
+    src = tmp_path / "model.onnx"
+    onnx.save(factory(), src)
+    result = rewrite_onnx(src, tmp_path / "model.fp16.onnx")
+    assert result.modified
+    live = result.report
+    rebuilt = Report.from_model(tmp_path / "model.fp16.onnx")
+    assert rebuilt.log == live.log
+    assert _without_paths(rebuilt.to_dict()) == _without_paths(live.to_dict())
+    assert rebuilt.output == live.output == str(tmp_path / "model.fp16.onnx")
+    assert rebuilt.summary_text() == live.summary_text()
+    # ... and from the in-memory forms too.
+    assert Report.from_model(onnx.load(tmp_path / "model.fp16.onnx")).log == live.log
+    assert Report.from_model(result.model).log == live.log
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_rebuilt_report_counts_weights_converted_at_save_time(tmp_path, external):
+    """Weights over 16 MiB are converted while the model is written, after the tags are set."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((2056, 2048)) * 0.02).astype(np.float32)  # 16.8 MB
+    w[0, :3] = [1e5, -1e5, 1e-9]
+    w[1, 0] = -1e9
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2056])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2048])],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    src = tmp_path / "big.onnx"
+    onnx.save(model, src, save_as_external_data=external, location="big.bin")
+    result = rewrite_onnx(src, tmp_path / "out.onnx")
+    w_stats = result.report.summary()["weights"]
+    small = w[np.abs(w) < 1]
+    flushed = int(np.count_nonzero((small != 0) & (small.astype(np.float16) == 0)))
+    assert flushed >= 1
+    assert (w_stats["clamped"], w_stats["flushed_to_zero"]) == (3, flushed)
+    assert w_stats["sentinels"] == [{"tensor": "w", "count": 1, "min": -1e9, "max": -1e9}]
+    rebuilt = Report.from_model(tmp_path / "out.onnx")
+    assert rebuilt.log == result.log
+    assert _without_paths(rebuilt.to_dict()) == _without_paths(result.report.to_dict())
+
+
+def test_rebuilt_report_of_unnamed_nodes_whose_outputs_were_renamed():
+    model = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) { a = MatMul(x, w)
+                                             y = MatMul(a, w) }""", {"w": (8, 8)}, ir_version=9)
+    result = rewrite(model)
+    assert "MatMul:y" in result.log.decisions
+    assert Report.from_model(result.model).log == result.log
+
+
+def test_from_model_without_tags_says_so(tmp_path):
+    path = tmp_path / "plain.onnx"
+    onnx.save(block_model(), path)
+    with pytest.raises(ModelLoadError, match="no amp_rewrite tags"):
+        Report.from_model(path)
+    with pytest.raises(ModelLoadError, match="no such file"):
+        Report.from_model(tmp_path / "missing.onnx")
+
+
+def test_every_inserted_and_changed_node_is_tagged():
+    result = rewrite(block_model())
+    tags = {n.name: {p.key for p in n.metadata_props} for n in result.model.graph.node}
+    for name, keys in tags.items():
+        if name.startswith("amp_cast/"):
+            assert {"amp_rewrite.inserted", "amp_rewrite.reason", "amp_rewrite.cast"} <= keys
+        else:
+            assert {"amp_rewrite.precision", "amp_rewrite.category", "amp_rewrite.reason",
+                    "amp_rewrite.source"} <= keys
+    meta = {p.key for p in result.model.metadata_props}
+    assert {"amp_rewrite.log", "amp_rewrite.report"} <= meta
+
+
+# -- the end-to-end set ----------------------------------------------------------------------------------
+def _corpus_names() -> list[str]:
+    try:
+        from tools.corpus import list_models
+    except Exception:  # noqa: BLE001 (corpus module missing or broken: the test below says so)
+        return []
+    return list_models("full")
+
+
+@pytest.mark.parametrize("name", _corpus_names() or ["(no corpus)"])
+def test_every_end_to_end_model_report_validates_and_round_trips(name):
+    if name == "(no corpus)":
+        pytest.skip("tools/corpus.py is not available")
+    from tools.corpus import build
+
+    result = rewrite(build(name).model)
+    d = json.loads(result.report.to_json())
+    validate(d)
+    assert d["summary"]["nodes_total"] == len(d["nodes"]) > 0
+    if result.modified:  # (weights over 16 MiB are converted while serialising: counted in the tags up front)
+        assert _without_paths(Report.from_model(result.model).to_dict()) == _without_paths(result.report.to_dict())
+
+
+# -- files -------------------------------------------------------------------------------------------------
+def test_write_report_by_extension(tmp_path):
+    report = rewrite(block_model()).report
+    for suffix in (".json", ".html", ".md"):
+        write_report(report, tmp_path / f"r{suffix}")
+        assert (tmp_path / f"r{suffix}").stat().st_size > 1000
+    validate(json.loads((tmp_path / "r.json").read_text()))
+    assert not list(tmp_path.glob(".amp-report-*"))
+    assert (tmp_path / "r.json").stat().st_mode & 0o044  # an ordinary readable file, not mkstemp's 0600
+
+
+def test_large_report_is_quick_to_build(tmp_path):
+    import time
+
+    result = rewrite(chain_model(3000))
+    start = time.monotonic()
+    d = result.report.to_dict()
+    write_report(result.report, tmp_path / "r.html")
+    assert time.monotonic() - start < 10
+    assert math.isclose(len(d["nodes"]), 3000, rel_tol=0.01)
