@@ -1,0 +1,103 @@
+"""A torch.compile backend: rewrite the captured graph with amp-rewrite, then hand it on.
+
+    import amp_rewrite.compile_backend            # registers "amp_rewrite" (or let the entry point do it)
+    compiled = torch.compile(model, backend="amp_rewrite")
+    compiled = torch.compile(model, backend="amp_rewrite",
+                             options={"target": "bf16", "backend": "aot_eager", "rules": ["my.toml"]})
+    compiled = torch.compile(model, backend=amp_rewrite.compile_backend.make_backend(target="bf16"))
+
+How the name gets registered: importing this module registers it with
+``torch._dynamo.register_backend``. The package also declares the entry point
+``[project.entry-points.torch_dynamo_backends] amp_rewrite = "amp_rewrite.compile_backend:amp_rewrite_backend"``,
+which torch's backend registry reads the first time an unknown backend name is looked up, so once
+the package is installed, ``backend="amp_rewrite"`` works without any import. Importing
+``amp_rewrite`` itself never imports torch.
+
+Options (``options=`` of torch.compile, or keyword arguments of :func:`make_backend`): ``target``
+("fp16" | "bf16", default "fp16"), ``backend`` (the compiler that gets the rewritten graph:
+"inductor" by default, any registered dynamo backend name, or a callable), ``rules``,
+``keep_io_types`` and the other options of :func:`amp_rewrite.rewrite`, plus ``inner_options`` passed
+to the inner backend (e.g. inductor's options).
+
+Dynamo hands the backend a torch-level graph whose parameters are graph inputs (dynamo lifts them),
+so weights are cast at use (as torch.autocast does); the inner compiler (inductor) fuses those
+casts into their consumers. The graph is rewritten for inference or training alike: gradients flow
+through the casts into the FP32 parameters. The last rewrite's report is kept in
+:data:`last_reports` (one per compiled graph, most recent last).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+BACKEND_NAME = "amp_rewrite"
+last_reports: list[Any] = []
+_MAX_REPORTS = 32
+
+
+def make_backend(*, target: str = "fp16", backend: str | Callable = "inductor", inner_options: dict | None = None,
+                 **rewrite_options: Any) -> Callable:
+    """A backend callable with fixed options (for ``torch.compile(model, backend=make_backend(...))``)."""
+
+    def compile_fn(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+        options = dict(kwargs.pop("options", None) or {})
+        merged = {"target": target, "backend": backend, "inner_options": inner_options, **rewrite_options, **options}
+        return _compile(gm, example_inputs, merged)
+
+    return compile_fn
+
+
+def amp_rewrite_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+    """The registered backend: ``torch.compile(model, backend="amp_rewrite", options={...})``."""
+    return _compile(gm, example_inputs, dict(kwargs.get("options") or {}))
+
+
+def _compile(gm: torch.fx.GraphModule, example_inputs: list, options: dict) -> Callable:
+    from .fx_api import rewrite_torch
+
+    inner = options.pop("backend", "inductor") or "inductor"
+    inner_options = options.pop("inner_options", None)
+    options.setdefault("target", "fp16")
+    result = rewrite_torch(gm, example_inputs=tuple(example_inputs), **options)
+    last_reports.append(result.report)
+    del last_reports[:-_MAX_REPORTS]
+    rewritten = result.model
+    compiler = _inner_compiler(inner)
+    if inner_options:
+        return compiler(rewritten, list(example_inputs), options=inner_options)
+    return compiler(rewritten, list(example_inputs))
+
+
+def _inner_compiler(inner: str | Callable) -> Callable:
+    if callable(inner):
+        return inner
+    if inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        def inductor(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None) -> Callable:
+            return compile_fx(gm, example_inputs, config_patches=options) if options else compile_fx(gm, example_inputs)
+
+        return inductor
+    if inner == BACKEND_NAME:
+        raise ValueError("the amp_rewrite backend cannot hand the graph to itself")
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend(inner)
+
+
+def register() -> None:
+    """Register the backend name with dynamo (idempotent). When dynamo is itself loading this
+    module through the ``torch_dynamo_backends`` entry point it registers the function right
+    after the import, so registering here too would be a duplicate."""
+    from importlib.metadata import EntryPoint
+
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
+
+    if BACKEND_NAME in _COMPILER_FNS or isinstance(_BACKENDS.get(BACKEND_NAME), EntryPoint):
+        return
+    register_backend(compiler_fn=amp_rewrite_backend, name=BACKEND_NAME)
+
+
+register()

@@ -1,0 +1,584 @@
+"""Neutral IR → torch.fx, by patching the (private copy of the) GraphModule the loader read.
+
+Only what changed is touched, so node names, ``node.meta`` (stack traces, nn_module_stack) and the
+module's code generator (torch.export's pytree in/out specs) survive:
+
+- each inserted IR Cast becomes one fx node, ``x.to(dtype)`` at torch level or
+  ``aten._to_copy(x, dtype=...)`` in ATen graphs, right after its producer (weights and inputs:
+  before the first computing node) and shared by every consumer the IR gives it;
+- consumers are rewired argument by argument, exactly as the IR's edges say, so a low-precision
+  node reads only low-precision tensors and an FP32 node only FP32 ones (torch would otherwise
+  promote mixed inputs silently);
+- existing conversions the IR retargeted or removed are edited or erased; ``x.type_as(y)`` whose
+  ``y`` changed type is spelled out as ``x.to(dtype)``;
+- factories painted low (``torch.zeros``, ``aten.full(..., dtype=float32)``) get the low dtype;
+- weights: converted in place when every use is low (inference), else a low copy is registered as
+  a non-persistent buffer (inference) or a cast is made at each use (training: parameters stay FP32
+  so gradients land in FP32). A ``call_module`` whose own parameters need a cast is called through
+  ``torch.func.functional_call`` with the cast tensors;
+- in-place ops fed through a cast become out of place (the loader refused those whose input is
+  read again, where that would change results);
+- ``node.meta`` dtypes (``val`` / ``example_value`` / ``tensor_meta``) are updated to the new
+  types so the output can be rewritten again (and must then change nothing); decisions are tagged
+  in ``node.meta["amp_rewrite"]`` so the report can be rebuilt from the module alone.
+
+Weights are clamped at the target type's true limits (±65504 for FP16, never a smaller bound);
+clamped and flushed-to-zero counts and huge sentinels go in the report.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..decisions import DecisionLog
+from ..frontends.fx_loader import CAST_OP, DTYPE_TO_TORCH, FxSource, Slot, leaf_metas
+from ..ir import DType, Model, Node, Value
+
+SENTINEL = 1e8  # |x| at or above this (or inf) is a sentinel (masks), reported
+TAG = "amp_rewrite"
+LOSS_SCALE_BUFFER = "amp_loss_scale"
+
+
+def emit_fx(model: Model, log: DecisionLog, *, training: bool = False) -> fx.GraphModule:
+    """Apply the IR's changes to the loader's GraphModule, lint it and recompile it."""
+    emitter = _Emitter(model, log, training)
+    emitter.run()
+    return emitter.gm
+
+
+def insert_loss_scale(gm: fx.GraphModule, output_index: int, level: str) -> fx.Node:
+    """``scaled = loss_fp32 * self.amp_loss_scale`` on the given (flat) output; the scale is a
+    registered FP32 scalar buffer (initial value 1.0) that a LossScaler updates."""
+    graph = gm.graph
+    if not hasattr(gm, LOSS_SCALE_BUFFER):
+        gm.register_buffer(LOSS_SCALE_BUFFER, torch.ones((), dtype=torch.float32))
+    out_node = graph.output_node()
+    flat = _flat_output_nodes(out_node)
+    where, loss = flat[output_index]
+    with graph.inserting_before(out_node):
+        scale = graph.get_attr(LOSS_SCALE_BUFFER)
+        if level == "aten":
+            scaled = graph.call_function(torch.ops.aten.mul.Tensor, (loss, scale))
+        else:
+            scaled = graph.call_function(torch.mul, (loss, scale))
+    scale.meta["tensor_meta"] = None
+    for key in ("val", "example_value", "tensor_meta"):
+        if key in loss.meta:
+            scaled.meta[key] = loss.meta[key]
+    scaled.meta[TAG] = {"inserted": "loss_scale", "reason": "training: the FP32 loss is multiplied by the loss "
+                                                               "scale (buffer amp_loss_scale) before backward"}
+    for key in ("stack_trace", "nn_module_stack"):
+        if key in loss.meta:
+            scaled.meta[key] = loss.meta[key]
+    out_node.args = _set_at(out_node.args, where[1:], scaled)
+    graph.lint()
+    gm.recompile()
+    return scaled
+
+
+def _flat_output_nodes(out_node: fx.Node) -> list[tuple[tuple, fx.Node]]:
+    from ..frontends.fx_loader import _walk_args
+
+    return _walk_args(out_node.args, ("args",))
+
+
+class _Emitter:
+    def __init__(self, model: Model, log: DecisionLog, training: bool) -> None:
+        self.model = model
+        self.ir = model.graph
+        self.source: FxSource = model.origin
+        self.gm = self.source.gm
+        self.graph = self.gm.graph
+        self.log = log
+        self.training = training
+        self.aten = self.source.level == "aten"
+        self.fx_of: dict[int, fx.Node] = {}
+        self.overrides: dict[fx.Node, dict[str, fx.Node]] = {}
+        self.first_compute = next((n for n in self.graph.nodes if n.op not in ("placeholder", "get_attr")), None)
+        self.position = {n: i for i, n in enumerate(self.graph.nodes)}
+        self.first_index = self.position.get(self.first_compute, len(self.position))
+
+    def run(self) -> None:
+        self._weights()
+        for node in self.ir.nodes:
+            if node.meta.get("amp.inserted"):
+                self._insert_cast(node)
+        for node in self.ir.nodes:
+            if node.origin is None or node.meta.get("amp.inserted"):
+                continue
+            self._sync_inputs(node)
+            if node.op_type == CAST_OP:
+                self._fix_conversion(node)
+            else:
+                self._fix_dtype_kwarg(node)
+        self._sync_outputs()
+        self._drop_removed_casts()
+        self._update_meta()
+        self._fix_asserts()
+        self._tag()
+        self._functional_calls()
+        self.graph.lint()
+        self.gm.recompile()
+
+    # -- where each IR value lives in the fx graph ---------------------------------------------------------
+    def node_for(self, value: Value) -> fx.Node:
+        cached = self.fx_of.get(id(value))
+        if cached is not None:
+            return cached
+        origin = value.origin
+        if isinstance(origin, tuple) and len(origin) == 2 and isinstance(origin[0], fx.Node):
+            node, path = origin
+            found = node if not path else self._leaf_node(node, path)
+        elif value.meta.get("fx.attr") is not None:
+            found = self._attr_node(value.meta["fx.attr"])
+        else:
+            raise AssertionError(f"no fx node yields {value!r}")
+        self.fx_of[id(value)] = found
+        return found
+
+    def _leaf_node(self, node: fx.Node, path: tuple) -> fx.Node:
+        existing = self.source.leaf_nodes.get((node, path))
+        if existing is not None:
+            return existing
+        parent = node if len(path) == 1 else self._leaf_node(node, path[:-1])
+        with self.graph.inserting_after(parent):
+            item = self.graph.call_function(operator.getitem, (parent, path[-1]))
+        meta = _meta_obj(node)
+        if meta is not None:
+            sub = meta
+            for p in path:
+                sub = sub[p]
+            item.meta[_meta_key(node)] = sub
+        _copy_debug_meta(node, item)
+        self.source.leaf_nodes[(node, path)] = item
+        return item
+
+    def _attr_node(self, target: str) -> fx.Node:
+        nodes = self.source.attr_nodes.get(target)
+        if nodes:
+            return nodes[0]
+        anchor = self.first_compute
+        ctx = self.graph.inserting_before(anchor) if anchor is not None else self.graph.inserting_after(None)
+        with ctx:
+            node = self.graph.get_attr(target)
+        tensor = _fetch(self.gm, target)
+        if isinstance(tensor, torch.Tensor):
+            node.meta["tensor_meta"] = _tensor_metadata(tensor)
+        self.source.attr_nodes[target] = [node]
+        return node
+
+    # -- weights -------------------------------------------------------------------------------------------
+    def _weights(self) -> None:
+        for value in list(self.ir.initializers.values()):
+            if "amp.copy_of" in value.meta:
+                self._low_copy(value)
+            elif value.meta.get("amp.convert") and value.meta.get("fx.attr"):
+                self._convert_in_place(value)
+
+    def _convert_in_place(self, value: Value) -> None:
+        target = value.meta["fx.attr"]
+        owner, attr = _owner(self.gm, target)
+        old = getattr(owner, attr)
+        new = self._convert(old, target, value.dtype)
+        if isinstance(old, torch.nn.Parameter):
+            setattr(owner, attr, torch.nn.Parameter(new, requires_grad=old.requires_grad))
+        elif attr in getattr(owner, "_buffers", {}):
+            owner._buffers[attr] = new
+        else:
+            setattr(owner, attr, new)
+
+    def _low_copy(self, value: Value) -> None:
+        original: Value = value.meta["amp.copy_of"]
+        target = original.meta["fx.attr"]
+        owner, attr = _owner(self.gm, target)
+        new = self._convert(getattr(owner, attr), target, value.dtype)
+        name = f"{attr}_amp_{value.dtype.short}"
+        i = 0
+        while hasattr(owner, name):
+            i += 1
+            name = f"{attr}_amp_{value.dtype.short}_{i}"
+        # non-persistent: the state_dict keeps the model's own keys; the copy is derived data
+        owner.register_buffer(name, new, persistent=False)
+        prefix = target.rsplit(".", 1)[0] + "." if "." in target else ""
+        value.meta["fx.attr"] = prefix + name
+
+    def _convert(self, tensor: torch.Tensor, name: str, dtype: DType) -> torch.Tensor:
+        converted, clamped, flushed, sentinel = convert_tensor(tensor, DTYPE_TO_TORCH[dtype])
+        stats = self.log.weights
+        stats.clamped += clamped
+        stats.flushed_to_zero += flushed
+        if sentinel:
+            stats.sentinels.append({"tensor": name, **sentinel})
+        return converted
+
+    # -- casts ---------------------------------------------------------------------------------------------
+    def _insert_cast(self, node: Node) -> None:
+        value = node.inputs[0]
+        src = self.node_for(value)
+        dtype = DTYPE_TO_TORCH[DType(node.attrs["to"])]
+        leading = src.op == "placeholder" or (src.op == "get_attr" and self.position.get(src, -1) < self.first_index)
+        if leading and self.first_compute is not None:
+            ctx = self.graph.inserting_before(self.first_compute)  # with the weights and inputs, at the top
+        else:
+            ctx = self.graph.inserting_after(src)
+        name = _identifier(node.name)
+        with ctx:
+            if self.aten:
+                new = self.graph.create_node("call_function", torch.ops.aten._to_copy.default, (src,),
+                                             {"dtype": dtype}, name=name)
+            else:
+                new = self.graph.create_node("call_method", "to", (src,), {"dtype": dtype}, name=name)
+        _set_meta_dtype(new, (), dtype, template=src, template_path=())
+        consumer = next((c.origin for c, _ in node.outputs[0].uses() if isinstance(c.origin, fx.Node)), None)
+        _copy_debug_meta(consumer if consumer is not None else src, new)  # graph outputs: the producer's
+        new.meta[TAG] = {"inserted": "cast", "name": node.name, "reason": node.meta.get("amp.reason", "")}
+        self.fx_of[id(node.outputs[0])] = new
+
+    def _sync_inputs(self, node: Node) -> None:
+        fx_node: fx.Node = node.origin
+        loaded: list[Value] = node.meta.get("fx.loaded", [])
+        slots: list[Slot] = node.meta.get("fx.slots", [])
+        tuple_edits: dict[tuple, dict[tuple, fx.Node]] = {}
+        changed = False
+        for i, (slot, value) in enumerate(zip(slots, node.inputs)):
+            if value is None or (i < len(loaded) and loaded[i] is value):
+                continue
+            changed = True
+            desired = self.node_for(value)
+            if slot.where[0] == "param":
+                self.overrides.setdefault(fx_node, {})[slot.where[1]] = desired
+            elif slot.leaf:
+                tuple_edits.setdefault(slot.where, {})[slot.leaf] = desired
+            else:
+                _replace_arg(fx_node, slot.where, desired)
+        for where, leaves in tuple_edits.items():
+            _replace_arg(fx_node, where, self._rebuilt_tuple(_get_at(fx_node, where), leaves))
+        if changed and node.meta.get("fx.inplace"):
+            _make_out_of_place(fx_node, self.gm)
+
+    def _rebuilt_tuple(self, tuple_node: fx.Node, leaves: dict[tuple, fx.Node]) -> Any:
+        meta = _meta_obj(tuple_node)
+
+        def build(sub: Any, path: tuple) -> Any:
+            if isinstance(sub, (tuple, list)):
+                items = [build(x, path + (i,)) for i, x in enumerate(sub)]
+                return type(sub)(items) if isinstance(sub, list) else tuple(items)
+            return leaves.get(path) or self._leaf_node(tuple_node, path)
+
+        return build(meta, ())
+
+    def _sync_outputs(self) -> None:
+        out_node: fx.Node = self.ir.meta.get("fx.output_node")
+        if out_node is None:
+            return
+        loaded = self.ir.meta.get("fx.loaded_outputs", [])
+        slots: list[Slot] = self.ir.meta.get("fx.output_slots", [])
+        tuple_edits: dict[tuple, dict[tuple, fx.Node]] = {}
+        for slot, old, new in zip(slots, loaded, self.ir.outputs):
+            if old is new:
+                continue
+            desired = self.node_for(new)
+            if slot.leaf:
+                tuple_edits.setdefault(slot.where, {})[slot.leaf] = desired
+            else:
+                _replace_arg(out_node, slot.where, desired)
+        for where, leaves in tuple_edits.items():
+            _replace_arg(out_node, where, self._rebuilt_tuple(_get_at(out_node, where), leaves))
+
+    # -- conversions and dtype-carrying arguments ---------------------------------------------------------------
+    def _fix_conversion(self, node: Node) -> None:
+        """Make the fx conversion produce the IR's type (retargeted casts, type_as whose other
+        tensor changed type)."""
+        fx_node: fx.Node = node.origin
+        want = DTYPE_TO_TORCH.get(DType(node.attrs["to"]))
+        if want is None:
+            return
+        others = node.meta.get("fx.cast_other") or []
+        other_changed = any("amp.was" in v.meta for v in others)
+        if not node.meta.get("amp.retargeted") and not other_changed:
+            return
+        _set_conversion_dtype(fx_node, want, self.aten)
+
+    def _fix_dtype_kwarg(self, node: Node) -> None:
+        """Factories and ops with a ``dtype`` argument: the output type is the argument's."""
+        changed = [o for o in node.outputs if "amp.was" in o.meta and o.dtype is not None]
+        if not changed:
+            return
+        fx_node: fx.Node = node.origin
+        want = DTYPE_TO_TORCH[changed[0].dtype]
+        has_tensor_input = any(v is not None for v in node.inputs)
+        current = fx_node.kwargs.get("dtype")
+        if isinstance(current, torch.dtype) or (current is None and not has_tensor_input):
+            fx_node.kwargs = {**fx_node.kwargs, "dtype": want}
+
+    def _drop_removed_casts(self) -> None:
+        for node in self.model.meta.get("amp.removed_nodes", []):
+            fx_node = node.origin
+            if isinstance(fx_node, fx.Node) and fx_node.graph is self.graph and not fx_node.users:
+                self.graph.erase_node(fx_node)
+
+    # -- metadata ------------------------------------------------------------------------------------------------
+    def _update_meta(self) -> None:
+        for value in self._all_values():
+            if "amp.was" not in value.meta or value.dtype is None:
+                continue
+            dtype = DTYPE_TO_TORCH[value.dtype]
+            origin = value.origin
+            if isinstance(origin, tuple) and len(origin) == 2 and isinstance(origin[0], fx.Node):
+                node, path = origin
+                _set_meta_dtype(node, path, dtype)
+                leaf = self.source.leaf_nodes.get((node, path)) if path else None
+                if leaf is not None:
+                    _set_meta_dtype(leaf, (), dtype)
+            elif value.meta.get("fx.attr") and value.meta.get("amp.convert"):
+                for attr_node in self.source.attr_nodes.get(value.meta["fx.attr"], []):
+                    _set_meta_dtype(attr_node, (), dtype)
+
+    def _all_values(self) -> list[Value]:
+        values = list(self.ir.inputs) + list(self.ir.initializers.values())
+        for node in self.ir.nodes:
+            values += node.outputs
+        return values
+
+    def _fix_asserts(self) -> None:
+        """torch.export's ``_assert_tensor_metadata(x, dtype=...)`` checks the type a value had."""
+        target = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
+        if target is None:
+            return
+        for node in self.graph.nodes:
+            if node.op != "call_function" or node.target is not target.default or not node.args:
+                continue
+            arg = node.args[0]
+            metas = leaf_metas(arg) if isinstance(arg, fx.Node) else []
+            if len(metas) == 1 and isinstance(node.kwargs.get("dtype"), torch.dtype):
+                actual = getattr(metas[0][1], "dtype", None)
+                if actual is not None and actual != node.kwargs["dtype"]:
+                    node.kwargs = {**node.kwargs, "dtype": actual}
+
+    def _tag(self) -> None:
+        for node in self.ir.nodes:
+            fx_node = node.origin
+            if not isinstance(fx_node, fx.Node) or node.meta.get("amp.inserted"):
+                continue
+            meta = node.meta
+            if meta.get("amp.category") is None:
+                continue
+            tag = {
+                "precision": getattr(meta.get("amp.precision"), "value", str(meta.get("amp.precision", ""))),
+                "category": getattr(meta.get("amp.category"), "value", ""),
+                "reason": meta.get("amp.reason", ""),
+                "source": meta.get("amp.source", ""),
+                "step": meta.get("amp.step", ""),
+                "via": meta.get("amp.via") or "",
+                "op": meta.get("fx.torch_name", node.op_type),
+            }
+            if meta.get("amp.island") is not None:
+                tag["island"] = meta["amp.island"]
+            fx_node.meta[TAG] = tag
+
+    # -- call_module with cast parameters ---------------------------------------------------------------------
+    def _functional_calls(self) -> None:
+        """A module whose own parameters must be read through a cast (training keeps FP32 master
+        weights; a parameter shared by FP32 and low uses) is called functionally."""
+        for fx_node, overrides in self.overrides.items():
+            with self.graph.inserting_before(fx_node):
+                module = self.graph.get_attr(str(fx_node.target))
+                call = self.graph.call_function(
+                    torch.func.functional_call, (module, dict(overrides), tuple(fx_node.args), dict(fx_node.kwargs)))
+            call.meta = dict(fx_node.meta)
+            fx_node.replace_all_uses_with(call)
+            name = fx_node.name
+            self.graph.erase_node(fx_node)
+            call.name = self.graph._graph_namespace.create_name(name, None)
+
+
+# -- weights ------------------------------------------------------------------------------------------------
+def convert_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int, int, dict | None]:
+    """FP32 → low with clamping at the true limits. Returns (tensor, clamped, flushed, sentinel)."""
+    with torch.no_grad():
+        data = tensor.detach().to(torch.float32)
+        limit = torch.finfo(dtype).max
+        finite = torch.isfinite(data)
+        nonfinite = ~finite & ~torch.isnan(data)
+        big = finite & (data.abs() >= SENTINEL)
+        sentinel = None
+        if bool(big.any()) or bool(nonfinite.any()):
+            hits = data[big | nonfinite]
+            sentinel = {"count": int(hits.numel()), "min": float(hits.min()), "max": float(hits.max())}
+        over = finite & (data.abs() > limit)
+        clamped = int(over.sum())
+        if clamped:
+            data = torch.where(over, torch.sign(data) * limit, data)
+        converted = data.to(dtype)
+        flushed = int(((data != 0) & (converted == 0)).sum())
+    return converted.contiguous(), clamped, flushed, sentinel
+
+
+# -- fx helpers -------------------------------------------------------------------------------------------------
+def _get_at(node: fx.Node, where: tuple) -> Any:
+    obj: Any = node.args if where[0] == "args" else node.kwargs
+    for p in where[1:]:
+        obj = obj[p]
+    return obj
+
+
+def _set_at(obj: Any, path: tuple, new: Any) -> Any:
+    if not path:
+        return new
+    head, rest = path[0], path[1:]
+    if isinstance(obj, dict):
+        out = dict(obj)
+        out[head] = _set_at(obj[head], rest, new)
+        return out
+    items = list(obj)
+    items[head] = _set_at(items[head], rest, new)
+    return type(obj)(items) if isinstance(obj, list) else tuple(items)
+
+
+def _replace_arg(node: fx.Node, where: tuple, new: Any) -> None:
+    if where[0] == "args":
+        node.args = _set_at(node.args, where[1:], new)
+    else:
+        node.kwargs = _set_at(node.kwargs, where[1:], new)
+
+
+def _set_conversion_dtype(node: fx.Node, dtype: torch.dtype, aten: bool) -> None:
+    src = node.args[0]
+    if node.op == "call_method":
+        if node.target == "to" and not any(isinstance(a, fx.Node) for a in node.args[1:]):
+            args = tuple(dtype if isinstance(a, torch.dtype) else a for a in node.args)
+            kwargs = {k: (dtype if isinstance(v, torch.dtype) else v) for k, v in node.kwargs.items()}
+            if not any(isinstance(a, torch.dtype) for a in node.args) and "dtype" not in kwargs:
+                kwargs["dtype"] = dtype
+            node.args, node.kwargs = args, kwargs
+        else:
+            node.target = "to"
+            node.args, node.kwargs = (src,), {"dtype": dtype}
+        return
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and "dtype" in node.kwargs:
+        node.kwargs = {**node.kwargs, "dtype": dtype}
+        return
+    if isinstance(target, torch._ops.OpOverload) and any(isinstance(a, torch.dtype) for a in node.args):
+        node.args = tuple(dtype if isinstance(a, torch.dtype) else a for a in node.args)
+        return
+    node.target = torch.ops.aten._to_copy.default if aten else node.target
+    if aten:
+        node.args, node.kwargs = (src,), {"dtype": dtype}
+    else:
+        node.op, node.target, node.args, node.kwargs = "call_method", "to", (src,), {"dtype": dtype}
+
+
+def _make_out_of_place(node: fx.Node, gm: fx.GraphModule) -> None:
+    """The input now reaches the op through a cast, a fresh tensor: mutate nothing."""
+    inplace_ops = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+                   operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv,
+                   operator.ipow: operator.pow, operator.imatmul: operator.matmul}
+    if node.op == "call_function" and node.target in inplace_ops:
+        node.target = inplace_ops[node.target]
+    elif node.kwargs.get("inplace") is True:
+        node.kwargs = {**node.kwargs, "inplace": False}
+    elif node.op == "call_module":
+        sub = gm.get_submodule(str(node.target))
+        if getattr(sub, "inplace", False):
+            sub.inplace = False
+    elif node.op == "call_method" and str(node.target).endswith("_"):
+        node.target = str(node.target)[:-1]
+    elif isinstance(node.target, torch._ops.OpOverload):
+        packet = getattr(torch.ops.aten, node.target.overloadpacket.__name__.rstrip("_"), None)
+        overload = getattr(packet, node.target._overloadname, None) if packet is not None else None
+        if overload is not None:
+            node.target = overload
+
+
+def _meta_key(node: fx.Node) -> str:
+    for key in ("val", "example_value", "tensor_meta"):
+        if node.meta.get(key) is not None:
+            return key
+    return "tensor_meta"
+
+
+def _meta_obj(node: fx.Node) -> Any:
+    for key in ("val", "example_value", "tensor_meta"):
+        if node.meta.get(key) is not None:
+            return node.meta[key]
+    return None
+
+
+def _retyped(meta: Any, dtype: torch.dtype) -> Any:
+    if meta is None:
+        return None
+    if type(meta).__name__ == "TensorMetadata":
+        return meta._replace(dtype=dtype)
+    if isinstance(meta, torch.Tensor):
+        if meta.dtype == dtype:
+            return meta
+        fake_mode = getattr(meta, "fake_mode", None)
+        if fake_mode is not None:
+            with fake_mode:
+                return torch.empty_strided(meta.shape, meta.stride(), dtype=dtype, device=meta.device)
+        return torch.empty_strided(meta.shape, meta.stride(), dtype=dtype, device="meta")
+    return meta
+
+
+def _set_meta_dtype(node: fx.Node, path: tuple, dtype: torch.dtype, *, template: fx.Node | None = None,
+                    template_path: tuple = ()) -> None:
+    """Update every dtype record of ``node`` (or, with a template, copy the template's retyped)."""
+    holder = template if template is not None else node
+    for key in ("val", "example_value", "tensor_meta"):
+        meta = holder.meta.get(key)
+        if meta is None:
+            continue
+        node.meta[key] = _set_path(meta, template_path if template is not None else path, dtype,
+                                   only_leaf=template is not None)
+
+
+def _set_path(meta: Any, path: tuple, dtype: torch.dtype, *, only_leaf: bool = False) -> Any:
+    if not path:
+        return _retyped(meta, dtype)
+    head, rest = path[0], path[1:]
+    if only_leaf:
+        return _set_path(meta[head], rest, dtype, only_leaf=True)
+    if isinstance(meta, dict):
+        out = dict(meta)
+        out[head] = _set_path(meta[head], rest, dtype)
+        return out
+    items = list(meta)
+    items[head] = _set_path(items[head], rest, dtype)
+    return type(meta)(items) if isinstance(meta, list) else tuple(items)
+
+
+def _copy_debug_meta(src: fx.Node, dst: fx.Node) -> None:
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in src.meta and key not in dst.meta:
+            dst.meta[key] = src.meta[key]
+
+
+def _tensor_metadata(tensor: torch.Tensor) -> Any:
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    return _extract_tensor_metadata(tensor)
+
+
+def _identifier(name: str) -> str:
+    import re
+
+    text = re.sub(r"[^0-9a-zA-Z_]+", "_", name).strip("_") or "amp_cast"
+    return text if not text[0].isdigit() else f"_{text}"
+
+
+def _owner(gm: torch.nn.Module, target: str) -> tuple[torch.nn.Module, str]:
+    prefix, _, attr = target.rpartition(".")
+    return (gm.get_submodule(prefix) if prefix else gm), attr
+
+
+def _fetch(gm: torch.nn.Module, target: str) -> Any:
+    owner, attr = _owner(gm, target)
+    return getattr(owner, attr, None)
+
+
+__all__ = ["emit_fx", "insert_loss_scale", "convert_tensor"]

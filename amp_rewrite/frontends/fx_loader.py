@@ -1,0 +1,653 @@
+"""torch.fx GraphModule → neutral IR.
+
+Three kinds of graph come in, and every spelling of an op is mapped onto one rule name (the aten
+base name torch.autocast's lists use: ``linear``, ``softmax``, ``conv2d`` ...):
+
+- torch level, from ``torch.fx.symbolic_trace`` or a torch.compile (dynamo) capture: ``call_module``
+  (an ``nn.Linear`` is "linear", an ``nn.LSTM`` is "lstm"), ``call_function`` (``F.linear``,
+  ``torch.softmax``, ``operator.add``) and ``call_method`` (``x.softmax(-1)``, ``x.float()``);
+- ATen level, from ``torch.export`` before and after ``run_decompositions()`` (``aten.linear``,
+  ``aten.addmm``, ``aten._softmax`` ...): the name is the schema's base name, overload dropped;
+- dtype conversions in any spelling (``x.to(torch.float16)``, ``x.float()``, ``x.type_as(y)``,
+  ``aten._to_copy(x, dtype=...)``) become IR ``Cast`` nodes, so cast placement can fold, retarget
+  or drop them as it does for ONNX.
+
+Each fx node becomes one IR node whose ``origin`` is the fx node; its IR inputs are its tensor
+arguments (flattened from lists and kwargs; ``meta["fx.slots"]`` says where each sits) and, for a
+``call_module`` node, the module's own parameters and buffers (so cast placement decides their type
+as it does for initializers). Type groups: one group "T" over the floating tensors, ``None`` for
+integer and bool tensors; normalisation parameters and running statistics are group "U" (torch's
+kernels accept FP32 parameters with low-precision input, as cuDNN does) and their statistics
+outputs are fixed FP32. Parameters, buffers and tensor constants become initializer Values.
+
+Dtypes and shapes come from ``node.meta["val"]`` (torch.export FakeTensors),
+``node.meta["example_value"]`` (dynamo) or ``node.meta["tensor_meta"]`` (ShapeProp, run here with
+``example_inputs`` when the graph carries no metadata).
+
+Not modelled, on purpose: nodes that produce no tensor (``x.size()``, ``_assert_tensor_metadata``,
+export's ``_guards_fn``) read metadata only; ``operator.getitem`` on a tuple result only selects
+which output a consumer reads.
+
+In-place ops are modelled as their out-of-place op, and the emitter makes them out of place where
+a cast feeds them. First, readers of a tensor after an in-place op on it are rewired to read the
+op's result (the same tensor), so the data flow shows the mutation. What that cannot fix (the
+mutated tensor is a graph input, a parameter or has live views) is refused with an explanation;
+``rewrite()`` then falls back to torch.export's functional (decomposed) graph where it has one.
+"""
+
+from __future__ import annotations
+
+import builtins
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+
+from ..errors import UnsupportedModelError, UsageError
+from ..ir import DType, Graph, Model, Node, Value
+
+# -- dtypes -----------------------------------------------------------------------------------------------
+TORCH_TO_DTYPE: dict[torch.dtype, DType] = {
+    torch.float32: DType.FLOAT, torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16,
+    torch.float64: DType.DOUBLE, torch.int64: DType.INT64, torch.int32: DType.INT32, torch.int16: DType.INT16,
+    torch.int8: DType.INT8, torch.uint8: DType.UINT8, torch.bool: DType.BOOL, torch.complex64: DType.COMPLEX64,
+    torch.complex128: DType.COMPLEX128,
+}
+DTYPE_TO_TORCH: dict[DType, torch.dtype] = {v: k for k, v in TORCH_TO_DTYPE.items()}
+
+CAST_OP = "Cast"  # the IR op cast placement folds, retargets and removes
+
+
+# -- op names ---------------------------------------------------------------------------------------------
+# operator.* functions (symbolic_trace and dynamo spell Python operators this way)
+_OPERATORS: dict[Any, str] = {
+    operator.add: "add", operator.iadd: "add", operator.sub: "sub", operator.isub: "sub",
+    operator.mul: "mul", operator.imul: "mul", operator.truediv: "div", operator.itruediv: "div",
+    operator.floordiv: "floor_divide", operator.ifloordiv: "floor_divide", operator.mod: "remainder",
+    operator.pow: "pow", operator.ipow: "pow", operator.neg: "neg", operator.abs: "abs",
+    operator.matmul: "matmul", operator.imatmul: "matmul", operator.getitem: "getitem",
+    operator.setitem: "setitem", operator.eq: "eq", operator.ne: "ne", operator.lt: "lt", operator.le: "le",
+    operator.gt: "gt", operator.ge: "ge", operator.pos: "positive", operator.and_: "bitwise_and",
+    operator.or_: "bitwise_or", operator.xor: "bitwise_xor", operator.invert: "bitwise_not",
+}
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.ipow, operator.imatmul, operator.setitem}
+
+# Spellings whose Python name differs from the rule name.
+_ALIASES: dict[str, str] = {
+    "true_divide": "div", "divide": "div", "multiply": "mul", "subtract": "sub", "absolute": "abs",
+    "negative": "neg", "concat": "cat", "concatenate": "cat", "clip": "clamp", "arccos": "acos",
+    "arcsin": "asin", "arctan": "atan", "arctan2": "atan2", "greater": "gt", "greater_equal": "ge", "less": "lt",
+    "less_equal": "le", "not_equal": "ne", "upsample": "interpolate", "upsample_nearest": "interpolate", "upsample_bilinear": "interpolate",
+    "softmax_": "softmax",
+}
+
+# Module classes (call_module) → rule names. Leaf modules symbolic_trace does not trace into.
+_MODULES: dict[str, str] = {
+    "Linear": "linear", "LazyLinear": "linear", "NonDynamicallyQuantizableLinear": "linear", "Bilinear": "bilinear",
+    "Identity": "alias", "Conv1d": "conv1d", "Conv2d": "conv2d", "Conv3d": "conv3d",
+    "LazyConv1d": "conv1d", "LazyConv2d": "conv2d", "LazyConv3d": "conv3d",
+    "ConvTranspose1d": "conv_transpose1d", "ConvTranspose2d": "conv_transpose2d", "ConvTranspose3d": "conv_transpose3d",
+    "BatchNorm1d": "batch_norm", "BatchNorm2d": "batch_norm", "BatchNorm3d": "batch_norm", "SyncBatchNorm": "batch_norm",
+    "LazyBatchNorm1d": "batch_norm", "LazyBatchNorm2d": "batch_norm", "LazyBatchNorm3d": "batch_norm",
+    "InstanceNorm1d": "instance_norm", "InstanceNorm2d": "instance_norm", "InstanceNorm3d": "instance_norm",
+    "LayerNorm": "layer_norm", "GroupNorm": "group_norm", "RMSNorm": "rms_norm", "LocalResponseNorm": "local_response_norm",
+    "Embedding": "embedding", "EmbeddingBag": "embedding_bag",
+    "LSTM": "lstm", "GRU": "gru", "LSTMCell": "lstm_cell", "GRUCell": "gru_cell",
+    "MultiheadAttention": "multi_head_attention",
+    "ReLU": "relu", "ReLU6": "relu6", "LeakyReLU": "leaky_relu", "ELU": "elu", "SELU": "selu", "CELU": "celu",
+    "GELU": "gelu", "SiLU": "silu", "Mish": "mish", "Hardswish": "hardswish", "Hardsigmoid": "hardsigmoid",
+    "Hardtanh": "hardtanh", "Hardshrink": "hardshrink", "Softshrink": "softshrink", "Tanhshrink": "tanhshrink",
+    "Threshold": "threshold", "GLU": "glu", "LogSigmoid": "logsigmoid", "Sigmoid": "sigmoid", "Tanh": "tanh",
+    "Softsign": "softsign", "Softplus": "softplus", "PReLU": "prelu", "RReLU": "rrelu",
+    "Softmax": "softmax", "LogSoftmax": "log_softmax", "Softmin": "softmin", "Softmax2d": "softmax",
+    "Dropout": "dropout", "Dropout1d": "dropout", "Dropout2d": "dropout", "Dropout3d": "dropout",
+    "AlphaDropout": "alpha_dropout", "FeatureAlphaDropout": "feature_alpha_dropout",
+    "Flatten": "flatten", "Unflatten": "unflatten",
+    "MaxPool1d": "max_pool1d", "MaxPool2d": "max_pool2d", "MaxPool3d": "max_pool3d",
+    "AvgPool1d": "avg_pool1d", "AvgPool2d": "avg_pool2d", "AvgPool3d": "avg_pool3d",
+    "AdaptiveAvgPool1d": "adaptive_avg_pool1d", "AdaptiveAvgPool2d": "adaptive_avg_pool2d",
+    "AdaptiveAvgPool3d": "adaptive_avg_pool3d", "AdaptiveMaxPool1d": "adaptive_max_pool1d",
+    "AdaptiveMaxPool2d": "adaptive_max_pool2d", "AdaptiveMaxPool3d": "adaptive_max_pool3d",
+    "Upsample": "interpolate", "UpsamplingNearest2d": "interpolate", "UpsamplingBilinear2d": "interpolate",
+    "PixelShuffle": "pixel_shuffle", "PixelUnshuffle": "pixel_unshuffle", "ChannelShuffle": "channel_shuffle",
+    "ZeroPad1d": "pad", "ZeroPad2d": "pad", "ZeroPad3d": "pad", "ConstantPad1d": "pad", "ConstantPad2d": "pad",
+    "ConstantPad3d": "pad", "ReflectionPad1d": "pad", "ReflectionPad2d": "pad", "ReflectionPad3d": "pad",
+    "ReplicationPad1d": "pad", "ReplicationPad2d": "pad", "ReplicationPad3d": "pad", "CircularPad2d": "pad",
+    "CosineSimilarity": "cosine_similarity", "PairwiseDistance": "pairwise_distance",
+    "CrossEntropyLoss": "cross_entropy", "NLLLoss": "nll_loss", "MSELoss": "mse_loss", "L1Loss": "l1_loss",
+    "SmoothL1Loss": "smooth_l1_loss", "HuberLoss": "huber_loss", "KLDivLoss": "kl_div", "BCELoss": "binary_cross_entropy",
+    "BCEWithLogitsLoss": "binary_cross_entropy_with_logits", "PoissonNLLLoss": "poisson_nll_loss",
+    "GaussianNLLLoss": "gaussian_nll_loss", "CTCLoss": "ctc_loss", "MarginRankingLoss": "margin_ranking_loss",
+    "HingeEmbeddingLoss": "hinge_embedding_loss", "CosineEmbeddingLoss": "cosine_embedding_loss",
+    "SoftMarginLoss": "soft_margin_loss", "MultiLabelMarginLoss": "multilabel_margin_loss",
+    "MultiLabelSoftMarginLoss": "multilabel_soft_margin_loss", "MultiMarginLoss": "multi_margin_loss",
+    "TripletMarginLoss": "triplet_margin_loss",
+}
+# Normalisations: parameters and running statistics keep FP32 beside a low-precision input
+# (torch's CPU and CUDA kernels take mixed types, as cuDNN does); statistics outputs are FP32.
+NORM_OPS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                      "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional",
+                      "cudnn_batch_norm", "instance_norm", "layer_norm", "native_layer_norm", "group_norm",
+                      "native_group_norm"})
+# dtype conversions: call_method spellings → target dtype (None: taken from the arguments)
+_CAST_METHODS: dict[str, torch.dtype | None] = {
+    "float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64,
+    "long": torch.int64, "int": torch.int32, "short": torch.int16, "char": torch.int8, "byte": torch.uint8,
+    "bool": torch.bool, "to": None, "type": None, "type_as": None,
+}
+_CAST_ATEN = {"_to_copy", "to", "type_as", "_to_dtype"}
+
+
+@dataclass
+class FxSource:
+    """What the emitter needs: the GraphModule being patched (a private copy) and how to find the
+    fx node that yields each IR value."""
+
+    gm: fx.GraphModule
+    level: str  # "torch" (symbolic_trace / dynamo) or "aten" (torch.export)
+    capture: str  # how the graph was obtained: "export", "symbolic_trace", "graph_module", "dynamo"
+    leaf_nodes: dict[tuple[fx.Node, tuple], fx.Node] = field(default_factory=dict)
+    attr_nodes: dict[str, list[fx.Node]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where an IR input sits in its fx node: ``where`` is ("args", i, ...) / ("kwargs", k, ...)
+    into the (possibly nested) arguments, or ("param", name) for a call_module's own tensor;
+    ``leaf`` indexes into a tuple-valued argument node."""
+
+    where: tuple
+    leaf: tuple = ()
+
+
+# -- public ---------------------------------------------------------------------------------------------
+def load_fx(gm: fx.GraphModule, *, example_inputs: tuple | None = None, capture: str = "graph_module",
+            example_kwargs: dict | None = None) -> Model:
+    """Build the IR from ``gm`` (which the caller owns and the emitter will patch)."""
+    if not isinstance(gm, fx.GraphModule):
+        raise UsageError(f"load_fx takes a torch.fx.GraphModule, got {type(gm).__name__}")
+    _ensure_metadata(gm, example_inputs, example_kwargs)
+    _read_mutated_values_through_the_mutation(gm)
+    level = "aten" if any(isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+                          for n in gm.graph.nodes if n.op == "call_function") else "torch"
+    source = FxSource(gm=gm, level=level, capture=capture)
+    graph = _Builder(gm, source).build()
+    model = Model(graph=graph, frontend="torch", origin=source)
+    model.meta["fx.level"] = level
+    return model
+
+
+def leaf_metas(node: fx.Node) -> list[tuple[tuple, Any]]:
+    """``(leaf path, tensor-like meta)`` for every tensor the node yields, in pytree order."""
+    meta = _node_meta(node)
+    if meta is None:
+        return []
+    return list(_leaves(meta, ()))
+
+
+def torch_dtype_of(meta: Any) -> torch.dtype | None:
+    return getattr(meta, "dtype", None)
+
+
+def module_path(node: fx.Node) -> str:
+    """The module a node belongs to: its call_module target, else the innermost nn_module_stack entry."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        path = str(path)
+        # dynamo spells paths as L['self'].layers[0].fc
+        path = re.sub(r"^L\['self'\]\.?", "", path)
+        path = re.sub(r"\[(\d+)\]", r".\1", path)
+        path = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", path)
+        return path.strip(".")
+    return ""
+
+
+def ir_node_name(node: fx.Node) -> str:
+    """Unique and readable: ``<module path>/<fx node name>`` (node rules can match module paths)."""
+    path = module_path(node)
+    return f"{path}/{node.name}" if path else node.name
+
+
+def canonical_name(node: fx.Node, gm: fx.GraphModule) -> tuple[str, str]:
+    """(domain, rule name) for a call_* node. Domain is "" for aten and torch ops."""
+    if node.op == "call_module":
+        sub = gm.get_submodule(str(node.target))
+        cls = type(sub).__name__
+        if cls == "RNN":
+            return "", "rnn_relu" if getattr(sub, "nonlinearity", "tanh") == "relu" else "rnn_tanh"
+        if cls == "RNNCell":
+            return "", "rnn_relu_cell" if getattr(sub, "nonlinearity", "tanh") == "relu" else "rnn_tanh_cell"
+        return "", _MODULES.get(cls, cls)
+    if node.op == "call_method":
+        return "", _strip_inplace(_ALIASES.get(str(node.target), str(node.target)))
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        target = target.overloadpacket
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        namespace = getattr(target, "_qualified_op_name", "aten::x").split("::")[0]
+        base = target.__name__.split(".")[0]
+        name = _ALIASES.get(base, base)
+        if namespace != "aten":
+            return namespace, name
+        return "", _strip_inplace(name)
+    if target in _OPERATORS:
+        return "", _OPERATORS[target]
+    if target is builtins.getattr:
+        attr = node.args[1] if len(node.args) > 1 else ""
+        return "", {"T": "t", "mT": "transpose", "H": "t", "mH": "transpose", "data": "detach"}.get(attr, f"getattr_{attr}")
+    name = getattr(target, "__name__", None) or str(target)
+    name = _ALIASES.get(name, name)
+    if name == "multi_head_attention_forward":
+        return "", "multi_head_attention"
+    return "", _strip_inplace(name)
+
+
+def is_inplace(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+        return True
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_module":
+        return getattr(node.graph.owning_module.get_submodule(str(node.target)), "inplace", False) is True
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        arguments = target._schema.arguments
+        info = arguments[0].alias_info if arguments else None
+        return info is not None and info.is_write and not target._schema.overload_name.startswith("out")
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.endswith("__") and not name.startswith("_")
+    name = getattr(target, "__name__", "")
+    return bool(name) and name.endswith("_") and not name.endswith("__") and not name.startswith("_")
+
+
+def cast_target(node: fx.Node) -> torch.dtype | None:
+    """The dtype a conversion node converts to, or None when the node is not a dtype conversion
+    (``x.to("cpu")`` moves data and keeps its type)."""
+    if node.op == "call_method" and node.target in _CAST_METHODS:
+        fixed = _CAST_METHODS[str(node.target)]
+        if fixed is not None:
+            return fixed
+        return _dtype_in_args(node)
+    if node.op == "call_function" and isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        packet = node.target.overloadpacket if isinstance(node.target, torch._ops.OpOverload) else node.target
+        if packet.__name__.split(".")[0] in _CAST_ATEN:
+            return _dtype_in_args(node)
+    return None
+
+
+# -- in-place ops --------------------------------------------------------------------------------------------
+# Ops whose result may share storage with their first argument (torch level and ATen level names).
+_VIEW_OPS = frozenset({"view", "view_as", "reshape", "reshape_as", "_unsafe_view", "_reshape_alias", "flatten",
+                       "unflatten", "squeeze", "unsqueeze", "permute", "transpose", "t", "swapaxes", "swapdims",
+                       "movedim", "moveaxis", "expand", "expand_as", "broadcast_to", "unfold", "diagonal", "detach",
+                       "alias", "as_strided", "narrow", "slice", "select", "getitem", "split", "split_with_sizes",
+                       "chunk", "tensor_split", "unbind", "contiguous", "to", "type_as", "float", "half",
+                       "bfloat16", "real", "imag", "view_as_real", "view_as_complex", "T", "mT", "H", "mH"})
+
+
+def _read_mutated_values_through_the_mutation(gm: fx.GraphModule) -> None:
+    """``r = h.relu_(); y = h + 1`` reads ``h`` after it was mutated: make later readers read ``r``
+    (the same tensor), so the graph's data flow shows the mutation and the in-place op can be made
+    out of place where a cast must feed it. Graph inputs and parameters (mutations visible outside)
+    and tensors with views (which would observe the mutation) are left alone; the loader refuses
+    those if they need it."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        if node.op not in ("call_function", "call_method", "call_module") or not is_inplace(node):
+            continue
+        if node.op == "call_function" and node.target is operator.setitem:
+            continue
+        target = node.args[0] if node.args else None
+        if not isinstance(target, fx.Node) or target.op in ("placeholder", "get_attr"):
+            continue
+        if _has_aliases(target, node, gm, order):
+            continue
+        for user in list(target.users):
+            if user is not node and order.get(user, -1) > order[node]:
+                user.replace_input_with(target, node)
+
+
+def _has_aliases(value: fx.Node, mutation: fx.Node, gm: fx.GraphModule, order: dict) -> bool:
+    """Whether a view shares ``value``'s storage (a view taken of it, or ``value`` itself a view)."""
+    return _is_view(value, gm) or any(u is not mutation and _is_view(u, gm) for u in value.users)
+
+
+def _is_view(node: fx.Node, gm: fx.GraphModule) -> bool:
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        arguments = node.target._schema.arguments
+        returns = node.target._schema.returns
+        return bool(arguments and returns and arguments[0].alias_info is not None
+                    and returns[0].alias_info is not None and not arguments[0].alias_info.is_write)
+    return canonical_name(node, gm)[1] in _VIEW_OPS
+
+
+# -- metadata ----------------------------------------------------------------------------------------------
+def _node_meta(node: fx.Node) -> Any:
+    for key in ("val", "example_value", "tensor_meta"):
+        if key in node.meta and node.meta[key] is not None:
+            return node.meta[key]
+    return None
+
+
+def _is_tensor_meta(m: Any) -> bool:
+    return isinstance(m, torch.Tensor) or type(m).__name__ == "TensorMetadata"
+
+
+def _leaves(meta: Any, path: tuple) -> Iterator[tuple[tuple, Any]]:
+    if _is_tensor_meta(meta):
+        yield path, meta
+    elif isinstance(meta, (tuple, list)):
+        for i, item in enumerate(meta):
+            yield from _leaves(item, path + (i,))
+    elif isinstance(meta, dict):
+        for k, item in meta.items():
+            yield from _leaves(item, path + (k,))
+
+
+def _ensure_metadata(gm: fx.GraphModule, example_inputs: tuple | None, example_kwargs: dict | None) -> None:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    calls = [n for n in gm.graph.nodes if n.op.startswith("call_") and not _produces_nothing(n)]
+    if all(_node_meta(n) is not None for n in placeholders) and (not calls or any(_node_meta(n) is not None
+                                                                                   for n in calls)):
+        return
+    if example_inputs is None:
+        raise UsageError("this GraphModule carries no dtype metadata (node.meta['val'] or ['tensor_meta']): pass "
+                         "example_inputs so amp-rewrite can run it once (ShapeProp) to learn every tensor's dtype")
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    args = tuple(example_inputs)
+    if example_kwargs:
+        placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        args = args + tuple(example_kwargs[p] for p in placeholders[len(args):] if p in example_kwargs)
+    # the run must leave no trace: BatchNorm in training mode updates its running statistics
+    saved = {name: buffer.detach().clone() for name, buffer in gm.named_buffers()}
+    with torch.no_grad():
+        ShapeProp(gm).propagate(*args)
+        for name, buffer in gm.named_buffers():
+            if name in saved:
+                buffer.copy_(saved[name])
+
+
+def _produces_nothing(node: fx.Node) -> bool:
+    return node.op == "call_module" and str(node.target) == "_guards_fn"
+
+
+def _strip_inplace(name: str) -> str:
+    if name.endswith("_") and not name.endswith("__") and len(name) > 1 and not name.startswith("_"):
+        return name[:-1]
+    return name
+
+
+def _dtype_in_args(node: fx.Node) -> torch.dtype | None:
+    if isinstance(node.kwargs.get("dtype"), torch.dtype):
+        return node.kwargs["dtype"]
+    for a in node.args[1:]:
+        if isinstance(a, torch.dtype):
+            return a
+        if isinstance(a, fx.Node):  # x.to(other) / x.type_as(other): the other tensor's dtype
+            metas = leaf_metas(a)
+            if len(metas) == 1 and metas[0][0] == ():
+                return torch_dtype_of(metas[0][1])
+        if isinstance(a, str) and a.startswith("torch.") and hasattr(torch, a.split(".")[-1]):
+            d = getattr(torch, a.split(".")[-1])  # x.type("torch.HalfTensor") is rare; dtype names only
+            if isinstance(d, torch.dtype):
+                return d
+    return None
+
+
+# -- building ------------------------------------------------------------------------------------------------
+class _Builder:
+    def __init__(self, gm: fx.GraphModule, source: FxSource) -> None:
+        self.gm = gm
+        self.source = source
+        self.graph = Graph(name=type(gm).__name__, origin=gm)
+        self.values: dict[tuple[fx.Node, tuple], Value] = {}  # (fx node, leaf path) → value
+        self.by_root: dict[fx.Node, list[tuple[tuple, Value]]] = {}
+        self.tuples: dict[fx.Node, tuple[fx.Node, tuple]] = {}  # getitem result that is itself a tuple → (root, path)
+        self.attrs: dict[str, Value] = {}
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def build(self) -> Graph:
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                self._placeholder(node)
+            elif node.op == "get_attr":
+                self._get_attr(node)
+            elif node.op in ("call_function", "call_method", "call_module"):
+                self._call(node)
+            elif node.op == "output":
+                self._output(node)
+        return self.graph
+
+    # -- sources --------------------------------------------------------------------------------------
+    def _placeholder(self, node: fx.Node) -> None:
+        metas = leaf_metas(node)
+        for path, m in metas:
+            value = self._new_value(node, path, m)
+            self.graph.add_input(value)
+
+    def _get_attr(self, node: fx.Node) -> None:
+        target = str(node.target)
+        self.source.attr_nodes.setdefault(target, []).append(node)
+        if target in self.attrs:
+            self.values[(node, ())] = self.attrs[target]
+            return
+        tensor = _fetch_attr(self.gm, target)
+        if not isinstance(tensor, torch.Tensor):
+            return  # a submodule or a constant object, not a tensor
+        value = Value(target, TORCH_TO_DTYPE.get(tensor.dtype), tuple(tensor.shape), origin=("attr", target))
+        value.const_numel = tensor.numel()
+        value.meta["fx.attr"] = target
+        self.graph.add_initializer(value)
+        self.attrs[target] = value
+        self.values[(node, ())] = value
+
+    def _module_param(self, module_target: str, local: str, tensor: torch.Tensor) -> Value:
+        qual = f"{module_target}.{local}"
+        if qual in self.attrs:
+            return self.attrs[qual]
+        value = Value(qual, TORCH_TO_DTYPE.get(tensor.dtype), tuple(tensor.shape), origin=("attr", qual))
+        value.const_numel = tensor.numel()
+        value.meta["fx.attr"] = qual
+        value.meta["fx.module_param"] = (module_target, local)
+        self.graph.add_initializer(value)
+        self.attrs[qual] = value
+        return value
+
+    def _new_value(self, node: fx.Node, path: tuple, m: Any) -> Value:
+        name = node.name if not path else f"{node.name}#{'.'.join(str(p) for p in path)}"
+        dtype = TORCH_TO_DTYPE.get(torch_dtype_of(m))
+        shape = tuple(_dim(d) for d in m.shape) if getattr(m, "shape", None) is not None else None
+        value = Value(name, dtype, shape, origin=(node, path))
+        self.values[(node, path)] = value
+        self.by_root.setdefault(node, []).append((path, value))
+        return value
+
+    # -- calls ----------------------------------------------------------------------------------------
+    def _call(self, node: fx.Node) -> None:
+        if self._try_tuple_getitem(node):
+            return
+        metas = leaf_metas(node)
+        if not metas and not _is_setitem(node):
+            return  # reads metadata only (x.size(), _assert_tensor_metadata, guards)
+        domain, name = canonical_name(node, self.gm)
+        slots, inputs = self._tensor_inputs(node)
+        dtype = cast_target(node)
+        is_cast = dtype is not None and len(metas) == 1 and metas[0][0] == () and bool(inputs) \
+            and slots[0].where == ("args", 0)
+        if is_cast:
+            # x.type_as(y) / x.to(y) read y's dtype only: the emitter spells the IR's target dtype
+            # out (x.to(dtype)) when it changes, so y is no input of the IR Cast.
+            other = inputs[1:]
+            slots, inputs = slots[:1], inputs[:1]
+        outputs = [self._new_value(node, path, m) for path, m in metas]
+        ir = Node(CAST_OP if is_cast else name, inputs, name=ir_node_name(node), domain=domain, outputs=outputs,
+                  origin=node)
+        ir.meta["fx.slots"] = slots
+        ir.meta["fx.loaded"] = list(inputs)
+        ir.meta["fx.torch_name"] = name
+        ir.meta["input_names"] = [_slot_label(s) for s in slots]
+        if is_cast:
+            ir.attrs["to"] = int(TORCH_TO_DTYPE.get(dtype, DType.UNDEFINED))
+            ir.input_groups = ["T1"]
+            ir.output_groups = ["T2"]
+            ir.meta["fx.cast_other"] = other
+        else:
+            ir.input_groups = [self._input_group(name, s, v) for s, v in zip(slots, inputs)]
+            ir.output_groups = [self._output_group(name, i, v) for i, v in enumerate(outputs)]
+        if is_inplace(node):
+            ir.meta["fx.inplace"] = True
+            self._check_aliasing(node)
+        self.graph.append(ir)
+
+    def _try_tuple_getitem(self, node: fx.Node) -> bool:
+        """``getitem`` on a tuple result selects an output: no op, just a name for that output."""
+        if node.op != "call_function" or node.target is not operator.getitem:
+            return False
+        src, index = node.args[0], node.args[1]
+        if not isinstance(src, fx.Node):
+            return False
+        root, path = self.tuples.get(src, (src, ()))
+        if root is src and (src, ()) in self.values:
+            return False  # getitem on a tensor: indexing, a real op
+        if not isinstance(index, (int, str)):
+            return False
+        path = path + (index,)
+        value = self.values.get((root, path))
+        if value is not None:
+            self.values[(node, ())] = value
+            self.source.leaf_nodes.setdefault((root, path), node)
+            return True
+        if any(p[:len(path)] == path for p, _ in self.by_root.get(root, ())):
+            self.tuples[node] = (root, path)  # a nested tuple: its own getitems select the leaves
+            return True
+        return False  # a tuple of non-tensors (sizes): not ours
+
+    def _tensor_inputs(self, node: fx.Node) -> tuple[list[Slot], list[Value]]:
+        slots: list[Slot] = []
+        values: list[Value] = []
+        for where, arg in _walk_args(node.args, ("args",)) + _walk_args(node.kwargs, ("kwargs",)):
+            for leaf, value in self._values_of(arg):
+                slots.append(Slot(where, leaf))
+                values.append(value)
+        if node.op == "call_module":
+            sub = self.gm.get_submodule(str(node.target))
+            for local, tensor in list(sub.named_parameters()) + list(sub.named_buffers()):
+                if tensor is None or not tensor.is_floating_point():
+                    continue
+                slots.append(Slot(("param", local)))
+                values.append(self._module_param(str(node.target), local, tensor))
+        return slots, values
+
+    def _values_of(self, arg: fx.Node) -> list[tuple[tuple, Value]]:
+        if (arg, ()) in self.values:
+            return [((), self.values[(arg, ())])]
+        root, path = self.tuples.get(arg, (arg, ()))
+        return [(p[len(path):], v) for p, v in self.by_root.get(root, ()) if p[:len(path)] == path and p != ()]
+
+    def _input_group(self, name: str, slot: Slot, value: Value) -> str | None:
+        if value.dtype is None or not value.dtype.is_float:
+            return None
+        if name in NORM_OPS and _slot_index(slot) != 0:
+            return "U"
+        return "T"
+
+    def _output_group(self, name: str, index: int, value: Value) -> str | None:
+        if value.dtype is None or not value.dtype.is_float:
+            return None
+        if name in NORM_OPS and index > 0:
+            return None  # statistics: FP32 whatever the input type
+        return "T"
+
+    def _check_aliasing(self, node: fx.Node) -> None:
+        """An in-place op is emitted out of place where a cast feeds it; that is only sound when
+        nothing observes the mutation through another name: the input read again later, a view
+        of it read later, or the base it is a view of."""
+        target = node.args[0] if node.args else None
+        if not isinstance(target, fx.Node):
+            return
+        after = lambda n: self.order.get(n, -1) > self.order[node]  # noqa: E731
+        observers = [u.name for u in target.users if u is not node and after(u)]
+        for view in target.users:
+            if view is not node and not after(view) and _is_view(view, self.gm):
+                observers += [u.name for u in view.users if after(u)]
+        if _is_view(target, self.gm) and isinstance(target.args[0], fx.Node):
+            observers += [u.name for u in target.args[0].users if after(u)]
+        if observers or _is_setitem(node):
+            seen = f"{', '.join(sorted(set(observers)))} read{'s' if len(set(observers)) == 1 else ''} it afterwards" \
+                if observers else "the result is only visible through aliasing"
+            raise UnsupportedModelError(
+                f"node {node.name!r} ({node.format_node()}) mutates {target.name!r} in place and {seen}; casts "
+                f"would break that aliasing. Capture the model with torch.export and run_decompositions(), which "
+                f"functionalizes it (rewrite(model, example_inputs=..., decompose=True)), or make the operation "
+                f"out of place")
+
+    # -- outputs -------------------------------------------------------------------------------------------
+    def _output(self, node: fx.Node) -> None:
+        slots: list[Slot] = []
+        for where, arg in _walk_args(node.args, ("args",)):
+            for leaf, value in self._values_of(arg):
+                slots.append(Slot(where, leaf))
+                self.graph.outputs.append(value)
+        self.graph.meta["fx.output_slots"] = slots
+        self.graph.meta["fx.loaded_outputs"] = list(self.graph.outputs)
+        self.graph.meta["fx.output_node"] = node
+
+
+def _walk_args(obj: Any, prefix: tuple) -> list[tuple[tuple, fx.Node]]:
+    """Every fx.Node inside (nested) args/kwargs with its path."""
+    out: list[tuple[tuple, fx.Node]] = []
+    if isinstance(obj, fx.Node):
+        out.append((prefix, obj))
+    elif isinstance(obj, (tuple, list)):
+        for i, item in enumerate(obj):
+            out += _walk_args(item, prefix + (i,))
+    elif isinstance(obj, dict):
+        for k, item in obj.items():
+            out += _walk_args(item, prefix + (k,))
+    return out
+
+
+def _slot_index(slot: Slot) -> int:
+    if slot.where[0] == "args" and len(slot.where) > 1 and isinstance(slot.where[1], int):
+        return slot.where[1]
+    return -1
+
+
+def _slot_label(slot: Slot) -> str:
+    if slot.where[0] == "param":
+        return str(slot.where[1])
+    return ".".join(str(p) for p in slot.where[1:]) + (f"#{'.'.join(map(str, slot.leaf))}" if slot.leaf else "")
+
+
+def _is_setitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.setitem
+
+
+def _dim(d: Any) -> int | str | None:
+    if isinstance(d, int):
+        return d
+    try:
+        return int(d)
+    except Exception:  # noqa: BLE001 - symbolic sizes stay symbolic
+        return str(d)
+
+
+def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for atom in target.split("."):
+        if not hasattr(obj, atom):
+            return None
+        obj = getattr(obj, atom)
+    return obj

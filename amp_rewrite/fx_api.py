@@ -1,0 +1,276 @@
+"""The torch side of :func:`amp_rewrite.rewrite`: capture → load → passes → emit.
+
+``rewrite(model, example_inputs=(x,), target="fp16")`` accepts
+
+- an ``nn.Module``: captured with ``torch.export.export`` (non-strict) when ``example_inputs`` are
+  given, which gives an ATen-level graph with every module traced through; if export fails (data-
+  dependent control flow, unsupported Python), it falls back to ``torch.fx.symbolic_trace`` and says
+  so in the report's notes. ``capture="export"`` or ``capture="symbolic_trace"`` forces one.
+  Without ``example_inputs`` only symbolic_trace is possible, and it needs them anyway to learn
+  dtypes unless the graph already carries metadata;
+- a ``torch.fx.GraphModule`` from ``symbolic_trace`` (torch level, with call_module leaves such as
+  BatchNorm, LSTM and MultiheadAttention) or from ``torch.export`` (``ep.module()``, before or after
+  ``run_decompositions()``);
+- a ``torch.export.ExportedProgram`` (its ``.module()`` is rewritten).
+
+It returns a GraphModule (``RewriteResult.model``); the caller's module is never modified. The
+report is available as for ONNX (``rewrite(..., report=True)`` or ``RewriteResult.report``), and the
+decision log travels with the module in ``gm.meta["amp_rewrite.log"]``.
+
+Training (``training=True``): parameters stay FP32 and are cast at use (gradients land in FP32);
+the loss and whatever feeds it after the last allow op stay FP32; when the module returns a loss (a
+scalar float output, or the output ``loss_output`` names: its index among the flattened outputs or
+its fx node name) the output becomes ``loss * self.amp_loss_scale``, an FP32 scalar buffer starting
+at 1.0 that :class:`amp_rewrite.LossScaler` updates, and ``gm.amp_training`` is True.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from .api import RewriteResult, make_context, run_pipeline
+from .decisions import Category
+from .errors import UnsupportedModelError, UsageError
+from .ir import DType, Model, Node, Value
+
+CAPTURES = ("auto", "export", "symbolic_trace")
+_CONTEXT_OPTIONS = ("fp32_nodes", "fp16_nodes", "fp32_ops", "fp16_ops", "placement", "verify_each")
+_TRAINING_LOSS_REASON = ("training: the loss and what feeds it after the last allow op stay FP32 "
+                         "(precision contract, 'Loss in FP32')")
+
+
+def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, target: str = "fp16",
+                  rules: Any = (), keep_io_types: bool = True, training: bool = False,
+                  loss_output: int | str | None = None, capture: str = "auto",
+                  example_kwargs: dict[str, Any] | None = None, decompose: bool = False,
+                  **options: Any) -> RewriteResult:
+    """Rewrite a torch module or graph; see the module docstring. Extra options are those of
+    :func:`amp_rewrite.api.make_context` (fp32_nodes, fp16_ops, placement, ...)."""
+    unknown = sorted(set(options) - set(_CONTEXT_OPTIONS))
+    if unknown:
+        raise UsageError(f"rewrite() got unknown option(s) {', '.join(unknown)} for a torch model")
+    if capture not in CAPTURES:
+        raise UsageError(f"unknown capture {capture!r}: choose one of {', '.join(CAPTURES)}")
+    example_inputs = _as_tuple(example_inputs)
+    notes: list[str] = []
+    gm, how = capture_graph(obj, example_inputs, example_kwargs, capture=capture, decompose=decompose, notes=notes)
+    from .frontends.fx_loader import load_fx
+
+    try:
+        model = load_fx(gm, example_inputs=example_inputs, capture=how, example_kwargs=example_kwargs)
+    except UnsupportedModelError as exc:
+        program = getattr(gm, "_amp_exported_program", None)
+        if program is None or "in place" not in exc.message:
+            raise
+        # torch.export's default IR keeps in-place ops; its decomposed IR is functional
+        notes.append(f"{exc.message.split(';')[0]}: rewrote the functionalized graph of "
+                     f"ExportedProgram.run_decompositions() instead")
+        gm = program.run_decompositions().module()
+        model = load_fx(gm, example_inputs=example_inputs, capture=how, example_kwargs=example_kwargs)
+    if hasattr(gm, "_amp_exported_program"):
+        del gm._amp_exported_program
+    loss_value = _loss_value(model, loss_output, notes) if training else None
+    fp32_nodes = list(options.pop("fp32_nodes", ()) or ())
+    tail: list[str] = []
+    if loss_value is not None:
+        tail = _loss_tail(model, target, rules, loss_value)
+        fp32_nodes += tail
+    ctx = make_context(frontend="torch", target=target, rules=rules, keep_io_types=keep_io_types,
+                       training=training, loss=loss_value.name if loss_value is not None else None,
+                       fp32_nodes=fp32_nodes, **options)
+    ctx.log.notes.extend(notes)
+    modified = run_pipeline(model, ctx)
+    _explain_conversions(model, ctx)
+    _explain_tail(ctx, set(tail))
+    if modified:
+        from .emitters.fx_emitter import emit_fx
+
+        gm = emit_fx(model, ctx.log, training=training)
+    if training and loss_value is not None and not hasattr(gm, "amp_loss_scale"):  # once: rewriting again adds none
+        from .emitters.fx_emitter import insert_loss_scale
+
+        insert_loss_scale(gm, _loss_output_index(model, loss_value), model.meta.get("fx.level", "torch"))
+        modified = True
+    if training:
+        gm.amp_training = True
+    gm.meta["amp_rewrite.log"] = ctx.log
+    gm.meta["amp_rewrite.target"] = target
+    source = f"torch:{type(obj).__name__} (captured with {how})"
+    return RewriteResult(gm, ctx.log, modified, source=source)
+
+
+def report_of(gm: fx.GraphModule):
+    """The report of a module :func:`rewrite_torch` returned."""
+    from .report import Report
+
+    log = getattr(gm, "meta", {}).get("amp_rewrite.log")
+    if log is None:
+        raise UsageError("this module was not produced by amp_rewrite.rewrite()")
+    return Report.from_log(log, source=type(gm).__name__)
+
+
+# -- capture --------------------------------------------------------------------------------------------------
+def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict | None, *, capture: str = "auto",
+                  decompose: bool = False, notes: list[str] | None = None) -> tuple[fx.GraphModule, str]:
+    """A private GraphModule to patch, and how it was obtained."""
+    notes = notes if notes is not None else []
+    exported = getattr(torch.export, "ExportedProgram", None)
+    if exported is not None and isinstance(obj, exported):
+        return _module_of(obj, decompose), "export"
+    if isinstance(obj, fx.GraphModule):
+        return _private_copy(obj), "graph_module"
+    if not isinstance(obj, torch.nn.Module):
+        raise UsageError(f"rewrite_torch takes an nn.Module, a GraphModule or an ExportedProgram, "
+                         f"not {type(obj).__name__}")
+    if capture in ("auto", "export"):
+        if example_inputs is None and not example_kwargs:
+            if capture == "export":
+                raise UsageError("capture='export' needs example_inputs")
+            notes.append("no example_inputs: captured with torch.fx.symbolic_trace instead of torch.export")
+        else:
+            try:
+                ep = torch.export.export(obj, tuple(example_inputs or ()), dict(example_kwargs or {}), strict=False)
+                return _module_of(ep, decompose), "export"
+            except Exception as exc:  # noqa: BLE001 - export fails in many ways; fall back, say why
+                if capture == "export":
+                    raise UnsupportedModelError(f"torch.export could not capture {type(obj).__name__}: "
+                                                f"{_first_line(exc)}") from exc
+                notes.append(f"torch.export failed ({_first_line(exc)}); fell back to torch.fx.symbolic_trace")
+                warnings.warn(f"amp_rewrite: torch.export failed for {type(obj).__name__} ({_first_line(exc)}); "
+                              f"falling back to torch.fx.symbolic_trace", stacklevel=3)
+    try:
+        traced = fx.symbolic_trace(obj)
+    except Exception as exc:  # noqa: BLE001
+        hint = ("; pass example_inputs so torch.export can capture it" if example_inputs is None and not example_kwargs
+                else f"; torch.export had failed first: {notes[-1]}" if notes else "")
+        raise UnsupportedModelError(
+            f"torch.fx.symbolic_trace could not trace {type(obj).__name__}: {_first_line(exc)}{hint}") from exc
+    # symbolic_trace shares submodules with the caller's model: patch a private copy.
+    return _private_copy(traced), "symbolic_trace"
+
+
+def _module_of(program: Any, decompose: bool) -> fx.GraphModule:
+    """``program.module()``, remembering the program in case its graph needs functionalizing."""
+    if decompose:
+        return program.run_decompositions().module()
+    gm = program.module()
+    gm._amp_exported_program = program  # dropped below, once loaded
+    return gm
+
+
+def _private_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A deep copy: the emitter replaces parameters and edits nodes, the caller's module stays as is."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree specs deprecations
+        return copy.deepcopy(gm)
+
+
+def _as_tuple(example_inputs: Any) -> tuple | None:
+    if example_inputs is None:
+        return None
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    return tuple(example_inputs)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]
+
+
+# -- training -------------------------------------------------------------------------------------------------
+def _loss_value(model: Model, loss_output: int | str | None, notes: list[str]) -> Value | None:
+    outputs = model.graph.outputs
+    if loss_output is not None:
+        if isinstance(loss_output, int):
+            if not 0 <= loss_output < len(outputs):
+                raise UsageError(f"loss_output={loss_output}: the graph has {len(outputs)} tensor outputs")
+            return outputs[loss_output]
+        for value in outputs:
+            origin = value.origin
+            names = {value.name}
+            if isinstance(origin, tuple) and isinstance(origin[0], fx.Node):
+                names.add(origin[0].name)
+            if loss_output in names:
+                return value
+        raise UsageError(f"loss_output={loss_output!r} names no graph output (have: "
+                         f"{', '.join(v.name for v in outputs)})")
+    scalars = [v for v in outputs if v.shape == () and v.dtype == DType.FLOAT]
+    if not scalars:
+        return None
+    if len(scalars) > 1:
+        notes.append(f"several scalar float outputs; {scalars[0].name!r} taken as the loss (pass loss_output= to "
+                     f"choose)")
+    return scalars[0]
+
+
+def _loss_output_index(model: Model, loss_value: Value) -> int:
+    loaded = model.graph.meta.get("fx.loaded_outputs", [])
+    for i, v in enumerate(loaded):
+        if v is loss_value:
+            return i
+    raise AssertionError("the loss is no graph output")
+
+
+def _loss_tail(model: Model, target: str, rules: Any, loss: Value) -> list[str]:
+    """Nodes feeding the loss with no allow op between them and the loss."""
+    from .rulebook import RuleBook, load_rules
+
+    book = rules if isinstance(rules, RuleBook) else load_rules([str(r) for r in rules], frontend="torch",
+                                                                target=target)
+    if loss.producer is None:
+        return []
+    ancestors: dict[int, Node] = {}
+    stack = [loss.producer]
+    while stack:
+        node = stack.pop()
+        if id(node) in ancestors:
+            continue
+        ancestors[id(node)] = node
+        stack.extend(v.producer for v in node.inputs if v is not None and v.producer is not None)
+    allow = {i for i, n in ancestors.items() if book.category_of(n.op_type, n.domain) == Category.ALLOW}
+    feeds_allow: set[int] = set()
+    for node in reversed(model.graph.nodes):
+        if id(node) not in ancestors:
+            continue
+        for out in node.outputs:
+            for consumer in out.consumers():
+                if id(consumer) in ancestors and (id(consumer) in allow or id(consumer) in feeds_allow):
+                    feeds_allow.add(id(node))
+    return [n.name for i, n in ancestors.items() if i not in allow and i not in feeds_allow and n.op_type != "Cast"
+            and n.name]
+
+
+def _explain_tail(ctx: Any, tail: set[str]) -> None:
+    for label, decision in list(ctx.log.decisions.items()):
+        if label in tail:
+            ctx.log.decisions[label] = dataclasses.replace(decision, reason=_TRAINING_LOSS_REASON, source="training")
+
+
+def _explain_conversions(model: Model, ctx: Any) -> None:
+    """IR Casts stand for torch's own conversions (x.float(), x.to(dtype), aten._to_copy): report
+    them under their torch name and rule, not as an unlisted ONNX Cast."""
+    from .passes.base import node_label
+
+    for node in model.graph.nodes:
+        if node.op_type != "Cast" or node.meta.get("amp.inserted"):
+            continue
+        label = node_label(node)
+        decision = ctx.log.decisions.get(label)
+        name = node.meta.get("fx.torch_name", "to")
+        entry = ctx.rules.lookup(name, node.domain)
+        category = entry.category if entry is not None else Category.CLEAR
+        reason = entry.reason if entry is not None else "type conversion: cast placement owns it"
+        if node.meta.get("amp.retargeted"):
+            reason = f"{reason}; retargeted to {DType(node.attrs['to']).short} because only low-precision ops read it"
+        if decision is not None:
+            ctx.log.decisions[label] = dataclasses.replace(decision, op=name, category=category, reason=reason,
+                                                           source=entry.source if entry is not None else "fx_loader")
+        node.meta["amp.category"] = category
+        node.meta["amp.reason"] = reason

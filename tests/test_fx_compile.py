@@ -1,0 +1,105 @@
+"""torch.compile(model, backend="amp_rewrite"): the graph dynamo captures is rewritten, then compiled
+by the inner backend (inductor by default; aot_eager here where speed matters). Outputs must match
+eager FP32 within the tolerances of test_fx_rewrite (3e-2 BF16, 5e-3 FP16, relative to max |y|)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import amp_rewrite.compile_backend as backend  # noqa: E402  (registers "amp_rewrite")
+
+from test_fx_rewrite import TOL, WithLoss, make, rel_err  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_backend_is_registered_by_name():
+    from torch._dynamo.backends.registry import lookup_backend
+
+    assert "amp_rewrite" in torch._dynamo.list_backends()
+    assert lookup_backend("amp_rewrite") is backend.amp_rewrite_backend
+    backend.register()  # idempotent
+
+
+def test_importing_the_package_does_not_import_torch():
+    code = "import sys, amp_rewrite; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name,target", [("mlp", "bf16"), ("encoder", "bf16"), ("cnn", "fp16")])
+def test_compile_aot_eager_matches_eager(name, target):
+    model, inputs = make(name)
+    compiled = torch.compile(model, backend="amp_rewrite", options={"target": target, "backend": "aot_eager"})
+    with torch.no_grad():
+        out, ref = compiled(*inputs), model(*inputs)
+    assert out.dtype == torch.float32
+    assert rel_err(out, ref) < TOL[target]
+    report = backend.last_reports[-1]
+    assert report.heavy_ops["low"] == report.heavy_ops["total"] > 0
+    assert not report.summary()["unlisted_ops"]
+
+
+def test_make_backend_with_fixed_options():
+    model, inputs = make("mlp")
+    compiled = torch.compile(model, backend=backend.make_backend(target="bf16", backend="aot_eager"))
+    with torch.no_grad():
+        assert rel_err(compiled(*inputs), model(*inputs)) < TOL["bf16"]
+    assert backend.last_reports[-1].log.target == "bf16"
+
+
+def test_compile_training_gradients_reach_fp32_parameters():
+    torch.manual_seed(0)
+    model = WithLoss().train()
+    x, y = torch.randn(4, 16), torch.randint(0, 8, (4,))
+    compiled = torch.compile(model, backend="amp_rewrite", options={"target": "bf16", "backend": "aot_eager"})
+    _, loss = compiled(x, y)
+    _, ref = model(x, y)
+    assert abs(float(loss) - float(ref)) < TOL["bf16"] * abs(float(ref))
+    loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_compile_dynamic_shapes_and_inplace_ops():
+    model, inputs = make("encoder")
+    compiled = torch.compile(model, backend="amp_rewrite", options={"target": "bf16", "backend": "aot_eager"},
+                             dynamic=True)
+    with torch.no_grad():
+        for seq in (8, 5):
+            ids = inputs[0][:, :seq]
+            assert rel_err(compiled(ids), model(ids)) < TOL["bf16"]
+
+    class InPlace(torch.nn.Module):  # dynamo keeps in-place ops; h is read after relu_ mutated it
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            r = h.relu_()
+            return r + h.exp()
+
+    model, x = InPlace().eval(), torch.randn(2, 4)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="amp_rewrite", options={"target": "bf16", "backend": "aot_eager"})
+    with torch.no_grad():
+        assert rel_err(compiled(x), model(x)) < TOL["bf16"]
+
+
+@pytest.mark.slow
+def test_compile_inductor_matches_eager():
+    """Inductor on CPU needs a C++ compiler (g++ is here); the first compile takes tens of seconds."""
+    model, inputs = make("mlp")
+    compiled = torch.compile(model, backend="amp_rewrite", options={"target": "bf16"})
+    with torch.no_grad():
+        out, ref = compiled(*inputs), model(*inputs)
+    assert rel_err(out, ref) < TOL["bf16"]
+    assert backend.last_reports[-1].heavy_ops["low"] == 3

@@ -1,0 +1,566 @@
+"""torch.fx frontend and emitter: amp_rewrite.rewrite() on torch modules and GraphModules.
+
+Tolerances (stated once, used everywhere): the rewritten module's output may differ from the FP32
+module's by at most ``TOL[target]`` relative to the largest FP32 output magnitude,
+max|y_amp - y_fp32| / max|y_fp32|: 3e-2 in BF16 (8 significand bits), 5e-3 in FP16 (11 bits), on
+tiny shapes (hidden <= 64, seq <= 8, batch <= 2) so FP16 on CPU stays fast.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.fx as fx  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import amp_rewrite  # noqa: E402
+from amp_rewrite.api import _dispatch  # noqa: E402
+from amp_rewrite.decisions import Precision  # noqa: E402
+from amp_rewrite.errors import UnsupportedModelError, UsageError  # noqa: E402
+from amp_rewrite.frontends.fx_loader import leaf_metas, load_fx  # noqa: E402
+from amp_rewrite.fx_api import report_of  # noqa: E402
+
+TOL = {"bf16": 3e-2, "fp16": 5e-3}
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# -- models (tiny) -----------------------------------------------------------------------------------------------
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class Block(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.c2, self.b2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = self.relu(self.b1(self.c1(x)))
+        y = self.b2(self.c2(y))
+        return self.relu(y + x)
+
+
+class CNN(nn.Module):
+    """ResNet-style: stem, one residual block with BatchNorm, pooling, classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.block = Block(8)
+        self.pool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = F.relu(self.bn(self.stem(x)))
+        x = self.block(x)
+        return self.fc(self.pool(x).flatten(1))
+
+
+class Encoder(nn.Module):
+    """One transformer encoder layer around nn.MultiheadAttention, with a LM head."""
+
+    def __init__(self, d: int = 32, heads: int = 2, vocab: int = 50) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.ff1, self.ff2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        a, _ = self.attn(x, x, x, need_weights=False)
+        x = self.ln1(x + a)
+        x = self.ln2(x + self.ff2(F.gelu(self.ff1(x))))
+        return self.head(x)
+
+
+class LSTMLM(nn.Module):
+    def __init__(self, vocab: int = 50) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 16)
+        self.lstm = nn.LSTM(16, 32, num_layers=2, batch_first=True)
+        self.head = nn.Linear(32, vocab)
+
+    def forward(self, ids):
+        y, _ = self.lstm(self.emb(ids))
+        return self.head(y)
+
+
+def make(name: str):
+    torch.manual_seed(0)
+    if name == "mlp":
+        return MLP().eval(), (torch.randn(2, 16),)
+    if name == "cnn":
+        model = CNN().eval()
+        with torch.no_grad():  # non-trivial running statistics
+            for m in model.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.running_mean.uniform_(-0.5, 0.5)
+                    m.running_var.uniform_(0.5, 2.0)
+        return model, (torch.randn(2, 3, 8, 8),)
+    if name == "encoder":
+        return Encoder().eval(), (torch.randint(0, 50, (2, 8)),)
+    if name == "lstm":
+        return LSTMLM().eval(), (torch.randint(0, 50, (2, 8)),)
+    raise KeyError(name)
+
+
+# -- helpers -------------------------------------------------------------------------------------------------------
+def rel_err(out, ref) -> float:
+    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+class _DtypeCheck(fx.Interpreter):
+    """Runs the module node by node and compares every tensor's real dtype with node.meta: the
+    emitter's promise that each op computes exactly in the type the IR gave it (no silent promotion)."""
+
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.mismatches: list[str] = []
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if n.op in ("call_function", "call_method", "call_module"):
+            for path, meta in leaf_metas(n):
+                actual = out
+                for p in path:
+                    actual = actual[p]
+                if isinstance(actual, torch.Tensor) and actual.dtype != meta.dtype:
+                    self.mismatches.append(f"{n.name}{path}: meta {meta.dtype}, actual {actual.dtype}")
+        return out
+
+
+def assert_dtypes_consistent(gm, inputs) -> None:
+    check = _DtypeCheck(gm)
+    with torch.no_grad():
+        check.run(*inputs)
+    assert not check.mismatches, check.mismatches
+
+
+def low_node_count(result) -> int:
+    return sum(1 for d in result.log.decisions.values() if d.precision == Precision.LOW)
+
+
+# -- end to end: numerics, lint, dtypes, idempotence, the caller's module untouched ---------------------------------------
+CASES = [(m, c, t) for m in ("mlp", "cnn", "encoder", "lstm") for c in ("export", "symbolic_trace") for t in ("bf16", "fp16")]
+
+
+@pytest.mark.parametrize("name,capture,target", CASES, ids=[f"{m}-{c}-{t}" for m, c, t in CASES])
+def test_rewrite_matches_fp32(name, capture, target):
+    model, inputs = make(name)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = _dispatch(model, example_inputs=inputs, target=target, capture=capture)
+    gm = result.model
+    assert isinstance(gm, fx.GraphModule)
+    assert result.modified and low_node_count(result) > 0
+    gm.graph.lint()
+    with torch.no_grad():
+        ref, out = model(*inputs), gm(*inputs)
+    assert out.dtype == torch.float32  # keep_io_types
+    assert rel_err(out, ref) < TOL[target], f"{name} {capture} {target}: {rel_err(out, ref):.2e}"
+    assert_dtypes_consistent(gm, inputs)
+    # the caller's module is untouched
+    for k, v in model.state_dict().items():
+        assert v.dtype == before[k].dtype and torch.equal(v, before[k]), k
+    # rewriting the output again changes nothing
+    code = gm.code
+    again = _dispatch(gm, example_inputs=inputs, target=target)
+    assert not again.modified
+    assert again.model.code == code
+
+
+def test_heavy_ops_low_and_params_stored_low():
+    model, inputs = make("cnn")
+    result = _dispatch(model, example_inputs=inputs, target="bf16")
+    heavy = result.report.heavy_ops
+    assert heavy["total"] == 4 and heavy["low"] == 4, heavy  # 3 convolutions and the classifier
+    gm = result.model
+    params = dict(gm.named_parameters())
+    assert params["stem.weight"].dtype == torch.bfloat16  # inference: stored low, memory halved
+    assert params["bn.weight"].dtype == torch.float32  # BatchNorm keeps FP32 parameters beside bf16 input
+    assert dict(gm.named_buffers())["bn.running_var"].dtype == torch.float32
+    w = result.log.weights
+    assert w.converted > 0 and w.bytes_after < w.bytes_before
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_decomposed_export_graphs(name):
+    """torch.export after run_decompositions(): aten.addmm/permute, _native_batch_norm_legit_no_training
+    with getitem outputs, _softmax ... — as a GraphModule and as an ExportedProgram."""
+    model, inputs = make(name)
+    ep = torch.export.export(model, inputs).run_decompositions()
+    for obj in (ep.module(), ep):
+        result = _dispatch(obj, target="bf16")
+        gm = result.model
+        gm.graph.lint()
+        with torch.no_grad():
+            assert rel_err(gm(*inputs), model(*inputs)) < TOL["bf16"]
+        assert_dtypes_consistent(gm, inputs)
+        ops = {d.op for d in result.log.decisions.values()}
+        assert "addmm" in ops
+        assert not result.log.unlisted_ops, result.log.unlisted_ops
+        assert not _dispatch(gm, target="bf16").modified
+
+
+def test_public_rewrite_and_report():
+    model, inputs = make("mlp")
+    gm, report = amp_rewrite.rewrite(model, example_inputs=inputs, target="bf16", report=True)
+    assert report.summary()["heavy_ops"]["low"] == 3
+    assert report_of(gm).summary() == report.summary()
+    tags = {n.name: n.meta.get("amp_rewrite") for n in gm.graph.nodes}
+    assert tags["linear"]["precision"] == "low" and tags["linear"]["category"] == "allow"
+    assert "torch.autocast" in tags["linear"]["reason"]
+    inserted = [t for t in tags.values() if t and t.get("inserted") == "cast"]
+    assert inserted and all(t["reason"] for t in inserted)
+
+
+def test_node_meta_and_stack_traces_kept():
+    model, inputs = make("encoder")
+    ep = torch.export.export(model, inputs)
+    original = {n.name: n.meta.get("stack_trace") for n in ep.module().graph.nodes}
+    gm = amp_rewrite.rewrite(ep, target="bf16")
+    for n in gm.graph.nodes:
+        if n.name in original and original[n.name]:
+            assert n.meta.get("stack_trace") == original[n.name], n.name
+    casts = [n for n in gm.graph.nodes if (n.meta.get("amp_rewrite") or {}).get("inserted") == "cast"]
+    assert casts and all(n.meta.get("stack_trace") for n in casts)  # a cast points at the code that needs it
+
+
+# -- op spellings ---------------------------------------------------------------------------------------------------
+class Spellings(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.1)
+        self.sm = nn.Softmax(-1)
+
+    def forward(self, x):
+        a = self.fc(x)  # call_module nn.Linear
+        b = F.linear(x, self.w)  # call_function F.linear on a get_attr weight
+        c = x @ self.w  # operator.matmul
+        d = torch.matmul(x, self.w)  # torch.matmul
+        e = a.softmax(-1) + torch.softmax(b, -1) + F.softmax(c, dim=-1) + self.sm(d)  # four softmax spellings
+        f = e.float().to(torch.float32)  # conversions
+        return torch.relu(f) + x.relu()
+
+
+def test_every_spelling_maps_to_the_rule_name():
+    model = Spellings().eval()
+    x = torch.randn(2, 8)
+    gm = fx.symbolic_trace(model)
+    ir = load_fx(copy.deepcopy(gm), example_inputs=(x,))
+    ops = sorted(n.op_type for n in ir.graph.nodes)
+    assert ops.count("linear") == 2 and ops.count("matmul") == 2 and ops.count("softmax") == 4
+    assert ops.count("relu") == 2 and ops.count("Cast") == 2 and ops.count("add") == 4
+    # ATen level: the same model through torch.export, before and after decomposition
+    ep = torch.export.export(model, (x,))
+    aten_ops = {n.op_type for n in load_fx(ep.module()).graph.nodes}
+    assert {"linear", "matmul", "softmax", "relu", "add"} <= aten_ops
+    decomposed = {n.op_type for n in load_fx(ep.run_decompositions().module()).graph.nodes}
+    assert {"addmm", "_softmax", "relu", "add"} <= decomposed
+    result = _dispatch(model, example_inputs=(x,), target="bf16", capture="symbolic_trace")
+    assert not result.log.unlisted_ops
+    with torch.no_grad():
+        assert rel_err(result.model(x), model(x)) < TOL["bf16"]
+
+
+# -- leaf modules handled whole ----------------------------------------------------------------------------------------
+def test_leaf_modules_handled_whole_with_casts_around():
+    """symbolic_trace keeps BatchNorm, LSTM and MultiheadAttention as call_module leaves: each is one
+    IR node whose parameters are its inputs, painted and cast around as a whole."""
+    model, inputs = make("encoder")
+    result = _dispatch(model, example_inputs=inputs, target="bf16", capture="symbolic_trace")
+    gm = result.model
+    attn = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "attn")
+    assert all(a.meta["tensor_meta"].dtype == torch.bfloat16 for a in attn.args[:3])  # allow: inputs cast low
+    assert gm.attn.in_proj_weight.dtype == torch.bfloat16  # and its own parameters converted with it
+    decision = result.log.decisions["attn/attn"]
+    assert decision.op == "multi_head_attention" and decision.precision == Precision.LOW
+
+    model, inputs = make("cnn")
+    gm = _dispatch(model, example_inputs=inputs, target="fp16", capture="symbolic_trace").model
+    bn = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "block.b1")
+    assert bn.args[0].meta["tensor_meta"].dtype == torch.float16  # between two convolutions: joins them
+    assert gm.block.b1.running_mean.dtype == torch.float32 and gm.block.b1.weight.dtype == torch.float32
+
+    model, inputs = make("lstm")
+    result = _dispatch(model, example_inputs=inputs, target="bf16", capture="symbolic_trace")
+    lstm = next(n for n in result.model.graph.nodes if n.op == "call_module" and n.target == "lstm")
+    assert lstm.args[0].meta["tensor_meta"].dtype == torch.float32  # infer, not between allow ops
+    assert "lstm/lstm" in result.log.decisions and result.log.decisions["lstm/lstm"].op == "lstm"
+
+
+# -- weights -----------------------------------------------------------------------------------------------------------
+class SharedWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.3)
+
+    def forward(self, x):
+        return F.linear(x, self.w) + self.w.exp().sum()  # one low use (linear), one FP32 use (exp, deny)
+
+
+def test_weight_shared_by_fp32_and_low_uses_gets_a_low_copy():
+    model, x = SharedWeight().eval(), torch.randn(2, 8)
+    result = _dispatch(model, example_inputs=(x,), target="fp16")
+    gm = result.model
+    assert gm.w.dtype == torch.float32
+    copies = [(n, b) for n, b in gm.named_buffers() if "amp_fp16" in n]
+    assert len(copies) == 1 and copies[0][1].dtype == torch.float16
+    assert set(gm.state_dict()) == set(model.state_dict())  # the copy is not persistent
+    assert result.log.weights.duplicated == 1
+    with torch.no_grad():
+        assert rel_err(gm(x), model(x)) < TOL["fp16"]
+
+
+def test_weights_clamped_at_true_fp16_limits():
+    model = nn.Sequential(nn.Linear(4, 4)).eval()
+    with torch.no_grad():
+        model[0].weight[0, 0] = 1e6
+        model[0].weight[0, 1] = 70000.0
+        model[0].weight[0, 2] = 60000.0  # representable: untouched
+    result = _dispatch(model, example_inputs=(torch.randn(1, 4),), target="fp16")
+    w = result.model.get_parameter("0.weight")
+    assert w.dtype == torch.float16
+    assert float(w[0, 0]) == 65504.0 and float(w[0, 1]) == 65504.0 and float(w[0, 2]) == 60000.0
+    assert result.log.weights.clamped == 2
+    assert not result.log.weights.sentinels  # sentinels start at 1e8 (masks), 1e6 is just large
+
+
+# -- training -------------------------------------------------------------------------------------------------------
+class WithLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = MLP()
+
+    def forward(self, x, y):
+        logits = self.net(x)
+        return logits, F.cross_entropy(logits, y)
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_training_master_weights_loss_fp32_and_loss_scale(capture):
+    torch.manual_seed(0)
+    model = WithLoss().train()
+    x, y = torch.randn(4, 16), torch.randint(0, 8, (4,))
+    result = _dispatch(model, example_inputs=(x, y), target="fp16", training=True, capture=capture)
+    gm = result.model
+    assert gm.amp_training is True
+    scale = gm.get_buffer("amp_loss_scale")
+    assert scale.dtype == torch.float32 and scale.shape == () and float(scale) == 1.0
+    assert all(p.dtype == torch.float32 for p in gm.parameters())  # master weights stay FP32
+    logits, loss = gm(x, y)
+    ref_logits, ref_loss = model(x, y)
+    assert loss.dtype == torch.float32 and abs(float(loss) - float(ref_loss)) < 5e-3 * abs(float(ref_loss))
+    loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in gm.parameters())
+    # the loss is multiplied by the buffer
+    with torch.no_grad():
+        gm.amp_loss_scale.fill_(8.0)
+        assert abs(float(gm(x, y)[1]) - 8.0 * float(loss)) < 1e-4 * 8.0 * abs(float(loss))
+    again = _dispatch(gm, example_inputs=(x, y), target="fp16", training=True)
+    assert not again.modified and again.model.code == gm.code  # no second cast, no second loss scale
+    loss_decisions = [d for d in result.log.decisions.values() if d.op in ("cross_entropy", "cross_entropy_loss")]
+    assert loss_decisions and all(d.precision == Precision.FP32 for d in loss_decisions)
+    assert low_node_count(result) >= 3  # the three linears
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_training_batchnorm_statistics(capture):
+    """Rewriting runs nothing that touches the running statistics (symbolic_trace's dtype run restores
+    them); a training step then updates them in FP32, close to what the FP32 model computes."""
+    model, inputs = make("cnn")
+    model.train()
+    result = _dispatch(model, example_inputs=inputs, target="bf16", training=True, capture=capture)
+    gm = result.model
+    for name, buffer in model.named_buffers():
+        assert torch.equal(gm.get_buffer(name), buffer), name
+    gm(*inputs)
+    model(*inputs)
+    for name, buffer in model.named_buffers():
+        ours = gm.get_buffer(name)
+        assert ours.dtype == buffer.dtype
+        if buffer.is_floating_point():
+            assert float((ours - buffer).abs().max()) < 3e-2 * max(float(buffer.abs().max()), 1.0), name
+
+
+def test_training_loss_tail_after_last_allow_op_stays_fp32():
+    class Manual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x, t):
+            d = self.fc(x) - t
+            return (d * d).mean()  # sub, mul, mean: infer/deny ops after the last allow op
+
+    model, x, t = Manual().train(), torch.randn(4, 8), torch.randn(4, 8)
+    result = _dispatch(model, example_inputs=(x, t), target="bf16", training=True)
+    tail = {d.op: d for d in result.log.decisions.values() if d.op in ("sub", "mul", "mean")}
+    assert set(tail) == {"sub", "mul", "mean"}
+    assert all(d.precision == Precision.FP32 for d in tail.values()), tail
+    assert "training" in tail["mul"].reason
+    loss = result.model(x, t)
+    loss.backward()
+    assert result.model.get_parameter("fc.weight").grad.dtype == torch.float32
+
+
+def test_training_casts_weights_read_mid_graph():
+    """symbolic_trace puts a get_attr where the weight is first read, after other nodes: its cast
+    must follow it."""
+    model, x = Spellings().train(), torch.randn(2, 8)
+    result = _dispatch(model, example_inputs=(x,), target="bf16", training=True, capture="symbolic_trace")
+    result.model.graph.lint()
+    assert result.model.w.dtype == torch.float32
+    out = result.model(x)
+    out.sum().backward()
+    assert result.model.w.grad.dtype == torch.float32
+    assert rel_err(out, model(x)) < TOL["bf16"]
+
+
+def test_training_loss_output_named():
+    model = WithLoss().train()
+    x, y = torch.randn(4, 16), torch.randint(0, 8, (4,))
+    with pytest.raises(UsageError):
+        _dispatch(model, example_inputs=(x, y), training=True, loss_output="nope")
+    gm = _dispatch(model, example_inputs=(x, y), training=True, loss_output=1).model
+    assert any(n.op == "get_attr" and n.target == "amp_loss_scale" for n in gm.graph.nodes)
+
+
+# -- conversions, in-place ops, custom ops, options ------------------------------------------------------------------------
+class Conversions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc1(x).float()  # an FP32 conversion that only feeds a low op
+        h = self.fc2(h.to(torch.float32))
+        return h.type_as(x) + torch.zeros(2, 8)  # a factory with the default dtype
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_existing_conversions_and_factories(capture):
+    model, x = Conversions().eval(), torch.randn(2, 8)
+    result = _dispatch(model, example_inputs=(x,), target="bf16", capture=capture)
+    gm = result.model
+    gm.graph.lint()
+    with torch.no_grad():
+        assert rel_err(gm(x), model(x)) < TOL["bf16"]
+    assert_dtypes_consistent(gm, (x,))
+    assert not result.log.unlisted_ops
+    assert not _dispatch(gm, example_inputs=(x,), target="bf16").modified
+
+
+def test_inplace_ops_read_later_are_rewired_or_refused():
+    """``r = h.relu_(); ... h ...``: later readers of h read r (the same tensor), so a cast can feed
+    relu and it becomes out of place. With a view of h alive, that is unsound: refused, with advice."""
+
+    class ReadAfterMutation(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            r = h.relu_()
+            return r + h.exp()  # reads h after relu_ mutated it
+
+    class ViewAlive(ReadAfterMutation):
+        def forward(self, x):
+            h = self.fc(x)
+            v = h.view(-1)
+            h.relu_()
+            return v.exp().sum() + h  # v sees the mutation
+
+    x = torch.randn(2, 4)
+    for capture in ("symbolic_trace", "export"):
+        model = ReadAfterMutation().eval()
+        gm = _dispatch(model, example_inputs=(x,), target="bf16", capture=capture).model
+        with torch.no_grad():
+            assert rel_err(gm(x), model(x)) < TOL["bf16"]
+    with pytest.raises(UnsupportedModelError, match="in place"):
+        _dispatch(ViewAlive().eval(), example_inputs=(x,), target="bf16", capture="symbolic_trace")
+    model = ViewAlive().eval()
+    gm = _dispatch(model, example_inputs=(x,), target="bf16", capture="export").model  # functionalized: fine
+    with torch.no_grad():
+        assert rel_err(gm(x), model(x)) < TOL["bf16"]
+
+
+@torch.library.custom_op("amp_rewrite_test::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_unlisted_op_stays_fp32_and_is_reported():
+    class Custom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc2(torch.ops.amp_rewrite_test.twice(self.fc1(x)))
+
+    model, x = Custom().eval(), torch.randn(2, 4)
+    result = _dispatch(model, example_inputs=(x,), target="bf16")
+    assert result.log.unlisted_ops == {"amp_rewrite_test::twice": 1}
+    twice = next(n for n in result.model.graph.nodes if "twice" in str(n.target))
+    assert twice.args[0].meta["val"].dtype == torch.float32
+    with torch.no_grad():
+        assert rel_err(result.model(x), model(x)) < TOL["bf16"]
+
+
+def test_graph_module_without_metadata_needs_example_inputs():
+    gm = fx.symbolic_trace(MLP())
+    with pytest.raises(UsageError, match="example_inputs"):
+        _dispatch(gm, target="bf16")
+    assert _dispatch(gm, example_inputs=(torch.randn(2, 16),), target="bf16").modified
+
+
+def test_keep_io_types_off_takes_and_returns_low():
+    model, inputs = make("mlp")
+    gm = _dispatch(model, example_inputs=inputs, target="bf16", keep_io_types=False).model
+    out = gm(inputs[0].bfloat16())
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, model(*inputs)) < TOL["bf16"]
+
+
+def test_node_rules_match_module_paths():
+    model, inputs = make("mlp")
+    result = _dispatch(model, example_inputs=inputs, target="bf16", fp32_nodes=["fc2/*"])
+    by_op = {label: d for label, d in result.log.decisions.items() if d.op == "linear"}
+    assert by_op["fc2/linear_1"].precision == Precision.FP32
+    assert by_op["fc1/linear"].precision == Precision.LOW
+
+
+def test_unknown_option_and_bad_input():
+    with pytest.raises(UsageError):
+        _dispatch(MLP(), example_inputs=(torch.randn(1, 16),), colour="red")
+    with pytest.raises(UsageError):
+        _dispatch(MLP(), example_inputs=(torch.randn(1, 16),), capture="jit")
+
+
+def test_tuple_getitem_is_not_an_op():
+    gm = fx.symbolic_trace(LSTMLM())
+    ir = load_fx(gm, example_inputs=(torch.randint(0, 50, (2, 8)),))
+    assert "getitem" not in {n.op_type for n in ir.graph.nodes}
+    lstm = next(n for n in ir.graph.nodes if n.op_type == "lstm")
+    assert len(lstm.outputs) == 3  # output, (h, c) flattened
+    assert any(n.target is operator.getitem for n in gm.graph.nodes)
