@@ -155,6 +155,12 @@ def rewrite(obj: Any, *, report: bool = False, **options: Any) -> Any:
 def _dispatch(obj: Any, **options: Any) -> RewriteResult:
     kind = type(obj).__module__
     if kind.startswith("onnx") and type(obj).__name__ == "ModelProto":
+        if options.get("training") and options.get("loss"):
+            # an ONNX training graph: the loss-scale (and unscale/all_finite) nodes go in too
+            from .training_onnx import rewrite_training_onnx_model
+
+            options = {k: v for k, v in options.items() if k != "training"}
+            return rewrite_training_onnx_model(obj, **options)
         return rewrite_onnx_model(obj, **options)
     if isinstance(obj, (str, os.PathLike)):
         raise UsageError("rewrite() takes a model object; for files use rewrite_onnx(src, dst)")

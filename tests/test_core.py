@@ -205,3 +205,22 @@ def test_onnx_cli_path_never_imports_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, str(src)], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "m.fp16.onnx").exists()
+
+
+def test_rewrite_of_an_onnx_training_graph_adds_the_loss_scale():
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y, float loss) {
+          y = MatMul(x, w)
+          loss = ReduceMean<keepdims=0>(y)
+        }""", {"w": (8, 8)})
+    import amp_rewrite
+
+    out = amp_rewrite.rewrite(m, training=True, loss="loss")
+    full_check(out)
+    assert "loss_scale" in [i.name for i in out.graph.input]
+    assert "scaled_loss" in [o.name for o in out.graph.output]
+    assert value_types(out)["w"] == FP32  # master weights stay FP32
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    got = run(out, {"x": x, "loss_scale": np.array(1024.0, np.float32)})
+    np.testing.assert_allclose(got["scaled_loss"], got["loss"] * 1024.0, rtol=1e-6)
