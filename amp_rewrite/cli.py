@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     except AmpRewriteError as exc:
         if debug:
             raise
-        print(f"amp-rewrite: error: {exc.message}", file=sys.stderr)
+        print(f"amp-rewrite: error: {_one_line(exc.message)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("amp-rewrite: interrupted; no output was written", file=sys.stderr)
@@ -68,16 +68,40 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 1
     except Exception as exc:  # click's usage errors and anything unforeseen
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show(file=sys.stderr)
+        click_errors, click_aborts = _click_exception_types()
+        if isinstance(exc, click_errors):
+            # one line, like every other failure (click's own show() prints usage over 3 lines)
+            hint = "; see amp-rewrite --help" if exc.exit_code == 2 else ""
+            message = " ".join(exc.format_message().split()).rstrip(".")
+            print(f"amp-rewrite: error: {message}{hint}", file=sys.stderr)
             return exc.exit_code
-        if isinstance(exc, click.exceptions.Abort):
+        if isinstance(exc, click_aborts):
             return 1
         if debug:
             raise
-        print(f"amp-rewrite: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback and "
-              f"please report it)", file=sys.stderr)
+        print(f"amp-rewrite: internal error: {type(exc).__name__}: {_one_line(str(exc))} (rerun with --debug for "
+              f"the traceback and please report it)", file=sys.stderr)
         return INTERNAL_ERROR
     return 0
+
+
+def _one_line(message: str) -> str:
+    """Failures are one line on stderr; extra lines (e.g. the verifier's node context) need --debug."""
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else message
+    return f"{lines[0]} (rerun with --debug for details)"
+
+
+def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """Typer >= 0.20 raises its vendored click's exceptions (typer._click), older ones click's."""
+    errors: list[type] = []
+    aborts: list[type] = []
+    for module in ("click.exceptions", "typer._click.exceptions", "typer.exceptions"):
+        try:
+            mod = __import__(module, fromlist=["ClickException"])
+        except ImportError:
+            continue
+        errors.extend([mod.ClickException] if hasattr(mod, "ClickException") else [])
+        aborts.extend([mod.Abort] if hasattr(mod, "Abort") else [])
+    return tuple(errors), tuple(aborts)

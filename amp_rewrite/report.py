@@ -185,6 +185,8 @@ class Report:
         lines.append(f"casts inserted: {s['casts_inserted']} ({_bytes(s['cast_bytes_per_run'])} per run where shapes are known)"
                      + (f", retargeted: {s['casts_retargeted']}" if s["casts_retargeted"] else "")
                      + (f", removed: {s['casts_removed']}" if s["casts_removed"] else ""))
+        # --placement optimal: cast bytes and FP32 traffic per run at the default shapes, vs greedy's
+        lines += [n for n in self.log.notes if n.startswith("optimal placement")]
         lines.append(f"FP32 islands: {s['islands']}")
         for island in self.log.islands[:8]:
             lines.append(f"  island {island.id}: {describe(island)} (seeded by {', '.join(island.seeds[:3]) or '-'})")

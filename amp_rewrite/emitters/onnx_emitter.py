@@ -192,25 +192,56 @@ class _Patcher:
         target = _np_dtype(dtype)
         stats = self.log.weights
 
-        def convert() -> ir.Tensor:
+        counted: list[bool] = []  # statistics are taken once, by the first complete conversion
+
+        def parts():
             # chunk by chunk: temporaries stay small whatever the tensor's size
+            found: dict | None = None
+            clamped_sum = flushed_sum = 0
+            for _, chunk in _float32_chunks(tensor):
+                part, clamped, flushed, sentinel = convert_array(chunk, target)
+                clamped_sum += clamped
+                flushed_sum += flushed
+                found = _merge_sentinels(found, sentinel)
+                yield part
+            if not counted:
+                counted.append(True)
+                stats.clamped += clamped_sum
+                stats.flushed_to_zero += flushed_sum
+                if found:
+                    stats.sentinels.append({"tensor": name, **found})
+
+        def convert() -> ir.Tensor:
             converted = np.empty(tuple(int(d) for d in tensor.shape.numpy()), dtype=target)
             flat = converted.reshape(-1)
-            found: dict | None = None
-            for start, chunk in _float32_chunks(tensor):
-                part, clamped, flushed, sentinel = convert_array(chunk, target)
+            start = 0
+            for part in parts():
                 flat[start:start + part.size] = part
-                stats.clamped += clamped
-                stats.flushed_to_zero += flushed
-                found = _merge_sentinels(found, sentinel)
-            if found:
-                stats.sentinels.append({"tensor": name, **found})
+                start += part.size
             return ir.Tensor(converted, name=tensor.name)
 
         if nbytes > LAZY_BYTES:
             self.deferred.append((tensor, target, name))
-            return ir.LazyTensor(convert, dtype=ir.DataType(int(dtype)), shape=tensor.shape, name=tensor.name)
+            return _ConvertingTensor(convert, parts, dtype=ir.DataType(int(dtype)), shape=tensor.shape,
+                                     name=tensor.name)
         return convert()
+
+
+class _ConvertingTensor(ir.LazyTensor):
+    """A weight converted while it is written: ``tofile`` (what onnx-ir's external-data writer
+    calls) streams the converted chunks straight into the file, so not even the low-precision copy
+    of a multi-GB tensor is held in memory. Whoever asks for the whole array (``numpy()``,
+    ``tobytes()``) still gets it, through the LazyTensor function."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, func, parts, **kwargs) -> None:
+        super().__init__(func, **kwargs)
+        self._parts = parts
+
+    def tofile(self, file) -> None:
+        for part in self._parts():
+            file.write(part.tobytes())
 
 
 def cast_record_dict(record: CastRecord) -> dict:

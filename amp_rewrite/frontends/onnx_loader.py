@@ -9,11 +9,14 @@ patch the model instead of rebuilding it.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
@@ -22,6 +25,7 @@ from ..errors import ModelLoadError, UnsupportedModelError
 from ..ir import DType, Graph, Model, Node, Value
 
 MIN_OPSET = 7
+MIN_IR_VERSION = 3  # the first with opset imports
 CONTROL_FLOW_OPS = {"If", "Loop", "Scan", "SequenceMap"}
 # Ops whose float input may be any type and never needs a cast (they read metadata only).
 _TYPE_AGNOSTIC_INPUTS = {"Shape", "Size"}
@@ -44,8 +48,10 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
         path = Path(source)
         ir_model = _read_path(path)
     _check_supported(ir_model, path)
+    _ensure_sorted(ir_model, path)
     if infer_shapes:
-        _infer_types(ir_model)
+        with _quiet_onnx_ir():
+            _infer_types(ir_model)
     model = Model(graph=Graph(), frontend="onnx", opsets=_opsets(ir_model), origin=OnnxSource(ir_model, path))
     model.graph = _Builder(model.opsets).build_graph(ir_model.graph, outer={})
     model.meta["ir_version"] = ir_model.ir_version
@@ -54,11 +60,91 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
 
 
 # -- reading ------------------------------------------------------------------------------------------
-def _from_proto(proto: onnx.ModelProto) -> ir.Model:
+def _from_proto(proto: onnx.ModelProto, path: Path | None = None, *, owned: bool = False) -> ir.Model:
+    """``owned``: the proto is ours to edit (read from a file), else it is copied before any edit."""
+    where = f"{path}: " if path else ""
+    _check_names(proto.graph, where)
+    if _has_sparse_initializers(proto.graph):
+        if not owned:
+            copy = onnx.ModelProto()
+            copy.CopyFrom(proto)
+            proto = copy
+        _densify_sparse_initializers(proto.graph, where)
     try:
-        return ir.serde.deserialize_model(proto)
+        with _quiet_onnx_ir():
+            return ir.serde.deserialize_model(proto)
     except Exception as exc:  # onnx-ir raises many kinds on malformed protos
-        raise ModelLoadError(f"the ModelProto could not be read: {exc}") from exc
+        raise ModelLoadError(f"{where}the model could not be read: {_first_line(exc)}") from exc
+
+
+@contextlib.contextmanager
+def _quiet_onnx_ir():
+    """onnx-ir logs warnings for the defects the loader reports itself as one clear error."""
+    logger = logging.getLogger("onnx_ir.serde")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _subgraphs(graph: onnx.GraphProto):
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield attr.g
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                yield from attr.graphs
+
+
+def _check_names(graph: onnx.GraphProto, where: str) -> None:
+    """Duplicate tensor names (not SSA) and duplicate node names (onnxruntime rejects both) are
+    reported here by name; onnx-ir would fail on the first with an unhelpful message."""
+    produced: dict[str, str] = {v.name: "a graph input" for v in graph.input}
+    node_names: set[str] = set()
+    for node in graph.node:
+        label = f"node {node.name!r}" if node.name else f"a {node.op_type} node"
+        if node.name:
+            if node.name in node_names:
+                raise ModelLoadError(f"{where}graph {graph.name!r}: two nodes are named {node.name!r}; node names "
+                                     f"must be unique (onnxruntime rejects the model too): rename one")
+            node_names.add(node.name)
+        for out in node.output:
+            if not out:
+                continue
+            if out in produced:
+                raise ModelLoadError(f"{where}graph {graph.name!r}: tensor {out!r} is written by {label} and by "
+                                     f"{produced[out]}; every tensor needs exactly one producer")
+            produced[out] = label
+    for sub in _subgraphs(graph):
+        _check_names(sub, where)
+
+
+def _has_sparse_initializers(graph: onnx.GraphProto) -> bool:
+    return bool(graph.sparse_initializer) or any(_has_sparse_initializers(g) for g in _subgraphs(graph))
+
+
+def _densify_sparse_initializers(graph: onnx.GraphProto, where: str) -> None:
+    """onnx-ir drops sparse initializers; they become dense ones (the output stores them dense)."""
+    from onnx import numpy_helper
+
+    for sparse in graph.sparse_initializer:
+        name = sparse.values.name
+        try:
+            values = numpy_helper.to_array(sparse.values)
+            indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
+            dims = [int(d) for d in sparse.dims]
+            dense = np.zeros(int(np.prod(dims, dtype=np.int64)), dtype=values.dtype)
+            flat = indices if indices.ndim == 1 else np.ravel_multi_index(tuple(indices.T), dims)
+            dense[flat] = values
+        except Exception as exc:
+            raise UnsupportedModelError(f"{where}sparse initializer {name!r} cannot be densified "
+                                        f"({_first_line(exc)}); store it as a dense initializer") from exc
+        graph.initializer.append(numpy_helper.from_array(dense.reshape(dims), name))
+    del graph.sparse_initializer[:]
+    for sub in _subgraphs(graph):
+        _densify_sparse_initializers(sub, where)
 
 
 def _read_path(path: Path) -> ir.Model:
@@ -77,7 +163,7 @@ def _read_path(path: Path) -> ir.Model:
         raise ModelLoadError(f"{path}: not a valid ONNX model (truncated or not ONNX): {_first_line(exc)}") from exc
     if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
         raise ModelLoadError(f"{path}: not a valid ONNX model (no graph); is this an ONNX file?")
-    model = _from_proto(proto)
+    model = _from_proto(proto, path, owned=True)
     _attach_base_dir(model, path.parent)
     _check_external_data(model, path)
     return model
@@ -113,6 +199,7 @@ def _check_external_data(model: ir.Model, path: Path) -> None:
                     raise ModelLoadError(
                         f"{path}: external data file {tensor.location!r} for tensor {value.name!r} is missing "
                         f"(expected next to the model in {location.parent})")
+                _check_not_linked_out(location, Path(tensor.base_dir), tensor.location, path)
                 sizes[key] = location.stat().st_size
             need = (tensor.offset or 0) + (tensor.length if tensor.length is not None else tensor.nbytes)
             if need > sizes[key]:
@@ -121,8 +208,25 @@ def _check_external_data(model: ir.Model, path: Path) -> None:
                     f"(needs {need} bytes, has {sizes[key]}); the file is truncated")
 
 
+def _check_not_linked_out(location: Path, folder: Path, written: str, path: Path) -> None:
+    """onnx-ir refuses (at read time, as a ValueError) external data that a symlink resolves outside
+    the model folder, or that has several hard links: say so up front, with what to do."""
+    real = location.resolve()
+    if folder.resolve() not in real.parents:
+        raise ModelLoadError(f"{path}: external data file {written!r} is a link to {real}, outside the model "
+                             f"folder, which onnx-ir refuses to read (a safety rule); copy the file next to the model")
+    links = real.stat().st_nlink
+    if links > 1:
+        raise ModelLoadError(f"{path}: external data file {written!r} has {links} hard links, which onnx-ir refuses "
+                             f"to read (a safety rule); replace the link by a copy (cp, not ln)")
+
+
 def _check_supported(model: ir.Model, path: Path | None) -> None:
     where = f"{path}: " if path else ""
+    if model.ir_version is not None and model.ir_version < MIN_IR_VERSION:
+        raise UnsupportedModelError(
+            f"{where}IR version {model.ir_version} is older than the oldest supported ({MIN_IR_VERSION}, which "
+            f"introduced opset imports); re-export the model with a newer exporter")
     if model.ir_version is not None and model.ir_version > onnx.IR_VERSION:
         raise UnsupportedModelError(
             f"{where}IR version {model.ir_version} is newer than this onnx ({onnx.__version__}) supports "
@@ -137,6 +241,49 @@ def _check_supported(model: ir.Model, path: Path | None) -> None:
         raise UnsupportedModelError(
             f"{where}ai.onnx opset {opset} is outside the supported range {MIN_OPSET}..{newest}; "
             f"convert it first (onnx.version_converter.convert_version)")
+
+
+def _ensure_sorted(model: ir.Model, path: Path | None) -> None:
+    """ONNX requires topological order; onnxruntime accepts any acyclic order, so sort what is
+    merely unsorted (our copy, never the input file) and report a cycle by its nodes."""
+    if all(_is_sorted(g) for g in model.graphs()):
+        return
+    try:
+        model.graph.sort()
+    except ValueError:
+        where = f"{path}: " if path else ""
+        raise ModelLoadError(f"{where}the graph has a cycle ({_describe_cycle(model)}); an ONNX graph must be "
+                             f"acyclic (use Loop for recurrence)") from None
+
+
+def _is_sorted(graph: ir.Graph) -> bool:
+    seen: set[int] = set()
+    for node in graph:
+        for v in node.inputs:
+            producer = v.producer() if v is not None else None
+            if producer is not None and producer.graph is graph and id(producer) not in seen:
+                return False
+        seen.add(id(node))
+    return True
+
+
+def _describe_cycle(model: ir.Model) -> str:
+    import networkx as nx
+
+    for graph in model.graphs():
+        dg = nx.DiGraph()
+        for node in graph:
+            for v in node.inputs:
+                producer = v.producer() if v is not None else None
+                if producer is not None and producer.graph is graph:
+                    dg.add_edge(producer, node)
+        try:
+            edges = nx.find_cycle(dg)
+        except nx.NetworkXNoCycle:
+            continue
+        names = [u.name or f"{u.op_type} node" for u, _ in edges]
+        return " -> ".join(names + names[:1])
+    return "through a subgraph"
 
 
 def _infer_types(model: ir.Model) -> None:
@@ -202,7 +349,7 @@ class _Builder:
             if id(v) not in scope:
                 raise ModelLoadError(
                     f"node {n.name or n.op_type!r} ({n.op_type}) reads {v.name!r} (input {i}), which nothing "
-                    f"produces before it: a dangling input, or the graph is not topologically sorted")
+                    f"produces (a dangling input: no node, graph input or initializer has that name)")
             inputs.append(scope[id(v)])
         outputs = [self._value(v) for v in n.outputs]
         node = Node(n.op_type, inputs, name=n.name or "", domain=n.domain, outputs=outputs, origin=n)
@@ -219,6 +366,7 @@ class _Builder:
                 node.subgraphs[attr_name] = [self.build_graph(sg, scope, node) for sg in attr.as_graphs()]
         node.input_groups, node.output_groups = self._groups(n, len(inputs), len(outputs))
         node.meta["input_names"] = self._last_input_names
+        node.meta["group_types"] = self._last_group_types
         return node
 
     def _groups(self, n: ir.Node, n_in: int, n_out: int) -> tuple[list[str | None], list[str | None]]:
@@ -227,9 +375,14 @@ class _Builder:
         if schema is None:
             # No schema (custom domain, model-local function): one group; such ops are unlisted → FP32.
             self._last_input_names = []
+            self._last_group_types = {}
             return ["?"] * n_in, ["?"] * n_out
         type_vars = {tc.type_param_str for tc in schema.type_constraints}
         self._last_input_names = [f.name for f in schema.inputs]
+        # per type-constraint group, the element types its schema allows at this opset ("float16", ...)
+        self._last_group_types = {tc.type_param_str: {t[len("tensor("):-1] for t in tc.allowed_type_strs
+                                                      if t.startswith("tensor(")}
+                                  for tc in schema.type_constraints}
         ins = _expand(schema.inputs, n_in, type_vars)
         outs = _expand(schema.outputs, n_out, type_vars)
         if n.op_type in _TYPE_AGNOSTIC_INPUTS:

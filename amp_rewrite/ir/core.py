@@ -101,16 +101,18 @@ class Value:
         self.const_numel: int | None = None
         self.const_stats: dict[str, Any] | None = None
         self.meta: dict[str, Any] = {}
-        self._uses: list[tuple[Node, int]] = []
+        # (id(node), input index) -> (node, input index): ordered like a list, O(1) add and remove,
+        # so values read by thousands of nodes (shared weights, eps constants) stay cheap to edit.
+        self._uses: dict[tuple[int, int], tuple[Node, int]] = {}
 
     # -- uses -----------------------------------------------------------------------------------
     def uses(self) -> list[tuple["Node", int]]:
         """A snapshot: safe to iterate while editing."""
-        return list(self._uses)
+        return list(self._uses.values())
 
     def consumers(self) -> list["Node"]:
         seen: dict[int, Node] = {}
-        for node, _ in self._uses:
+        for node, _ in self._uses.values():
             seen.setdefault(id(node), node)
         return list(seen.values())
 
@@ -180,7 +182,7 @@ class Node:
         for index, value in enumerate(inputs):
             self._inputs.append(value)
             if value is not None:
-                value._uses.append((self, index))
+                value._uses[(id(self), index)] = (self, index)
         outs = list(outputs) if outputs is not None else [Value("") for _ in range(num_outputs)]
         self._outputs: list[Value] = []
         for index, value in enumerate(outs):
@@ -206,16 +208,18 @@ class Node:
         if old is value:
             return
         if old is not None:
-            old._uses.remove((self, index))
+            del old._uses[(id(self), index)]
         self._inputs[index] = value
         if value is not None:
-            value._uses.append((self, index))
+            value._uses[(id(self), index)] = (self, index)
 
     def detach(self) -> None:
         for index in range(len(self._inputs)):
             self.set_input(index, None)
 
     def all_subgraphs(self) -> list["Graph"]:
+        if not self.subgraphs:
+            return []  # the common case, on every walk and sort: skip building the comprehension
         return [g for graphs in self.subgraphs.values() for g in graphs]
 
     def __repr__(self) -> str:
@@ -228,13 +232,48 @@ class Graph:
     def __init__(self, name: str = "", *, origin: Any = None) -> None:
         self.name = name
         self.origin = origin
-        self.nodes: list[Node] = []
+        self._nodes: list[Node] = []
+        # insert_after() records here (anchor id, or None for the top → nodes, oldest first) and
+        # ``nodes`` places them on its next read: one O(n) pass instead of an O(n) list.index per insert.
+        self._pending: dict[int | None, list[Node]] = {}
         self.inputs: list[Value] = []
         self.outputs: list[Value] = []
         self.initializers: dict[str, Value] = {}
         self.parent: Node | None = None  # the node whose attribute holds this subgraph
         self.opsets: dict[str, int] = {}
         self.meta: dict[str, Any] = {}
+
+    @property
+    def nodes(self) -> list[Node]:
+        if self._pending:
+            self._place_pending()
+        return self._nodes
+
+    @nodes.setter
+    def nodes(self, nodes: list[Node]) -> None:
+        self._place_pending()
+        self._nodes = nodes
+
+    def _place_pending(self) -> None:
+        """Put the nodes insert_after() recorded where list.insert would have put them: right after
+        their anchor, the latest insert first."""
+        pending, self._pending = self._pending, {}
+        if not pending:
+            return
+        placed: list[Node] = []
+
+        def emit(node: Node) -> None:
+            stack = [node]
+            while stack:
+                current = stack.pop()
+                placed.append(current)
+                stack.extend(pending.pop(id(current), ()))  # oldest pushed first, so latest comes out first
+
+        for node in reversed(pending.pop(None, ())):
+            emit(node)
+        for node in self._nodes:
+            emit(node)
+        self._nodes = placed
 
     # -- construction -----------------------------------------------------------------------------
     def add_input(self, value: Value) -> Value:
@@ -263,9 +302,10 @@ class Graph:
 
     def insert_after(self, anchor: Node | None, node: Node) -> Node:
         """Insert after ``anchor``; ``None`` means at the start of the scope."""
+        if anchor is not None and anchor.graph is not self:
+            raise ValueError(f"cannot insert after {anchor!r}: it is not a node of this graph")
         self._adopt(node)
-        index = 0 if anchor is None else self.nodes.index(anchor) + 1
-        self.nodes.insert(index, node)
+        self._pending.setdefault(None if anchor is None else id(anchor), []).append(node)
         return node
 
     def remove(self, node: Node) -> None:
@@ -311,19 +351,24 @@ class Graph:
 
         order = {id(n): i for i, n in enumerate(self.nodes)}
         by_id = {id(n): n for n in self.nodes}
-        dg = nx.DiGraph()
-        dg.add_nodes_from(order)
+        edges: list[tuple[int, int]] = []
         for node in self.nodes:
             for value in _reads(node):
                 p = value.producer
                 if p is not None and id(p) in by_id and p is not node:
-                    dg.add_edge(id(p), id(node))
+                    edges.append((id(p), id(node)))
                 elif p is not None and p.graph is not self:
                     # produced in an enclosing scope or by a node inside a nested scope of ours
                     anc = _ancestor_in(p, self)
                     if anc is not None and anc is not node:
-                        dg.add_edge(id(anc), id(node))
-        self.nodes = [by_id[i] for i in nx.lexicographical_topological_sort(dg, key=order.get)]
+                        edges.append((id(anc), id(node)))
+        # Already in topological order (the usual case: casts go right after their producer)? Then
+        # the lexicographic sort by position would return this very order: skip building it.
+        if any(order[u] >= order[v] for u, v in edges):
+            dg = nx.DiGraph()
+            dg.add_nodes_from(order)
+            dg.add_edges_from(edges)
+            self.nodes = [by_id[i] for i in nx.lexicographical_topological_sort(dg, key=order.get)]
         for node in self.nodes:
             for sub in node.all_subgraphs():
                 sub.sort()

@@ -1,6 +1,6 @@
 """IR invariants, checked after every pass in tests and with --debug.
 
-use-def symmetry, topological order (outer scopes visible), unique node and value names per model,
+use-def symmetry, topological order (outer scopes visible), unique node names per graph and value names per model,
 and dtype agreement inside every type-constraint group. A failure prints the nodes around it.
 """
 
@@ -42,20 +42,21 @@ def _verify_scope(graph: Graph, visible: set[int], value_names: dict, node_names
         for index, value in enumerate(node.inputs):
             if value is None:
                 continue
-            if (node, index) not in value._uses:
+            if value._uses.get((id(node), index), (None,))[0] is not node:
                 _fail(graph, node, f"input {index} ({value.name!r}) does not list this use")
             if id(value) not in defined:
                 _fail(graph, node, f"input {index} ({value.name!r}) is used before it is defined")
         for index, out in enumerate(node.outputs):
             if out.producer is not node or out.producer_index != index:
                 _fail(graph, node, f"output {index} ({out.name!r}) does not point back to its producer")
-            for user, k in out._uses:
+            for user, k in out._uses.values():
                 if user.inputs[k] is not out:
                     _fail(graph, node, f"output {out.name!r} lists a stale use by {user!r}")
             _unique_value(graph, node, out, value_names)
         _check_groups(graph, node)
         for sub in node.all_subgraphs():
-            _verify_scope(sub, defined, value_names, node_names)
+            # node names are unique per graph (what onnxruntime checks); value names across the model
+            _verify_scope(sub, defined, value_names, set())
         defined.update(id(o) for o in node.outputs)
     for out in graph.outputs:
         if id(out) not in defined:

@@ -5,6 +5,8 @@ Cases handled:
 - op rules by (domain, op, opset); no rule → UNLISTED, treated as deny and reported;
 - an op the provider has no low-precision kernel for at this opset leaves the low set, whatever
   the rule file says (a safety net under the rule-file test);
+- likewise an op whose own schema at this opset does not allow the low type for the painted group
+  (ConstantOfShape has no bfloat16 output below opset 20): the frontend records each group's types;
 - an input pinned FP32 that shares the painted type group keeps the node FP32;
 - control flow (If/Loop/Scan), Cast, Constant and nodes whose group has an unknown dtype do not
   take part in painting: their types stay as they are.
@@ -37,6 +39,9 @@ def _classify_node(node: Node, ctx: Context) -> None:
         meta["amp.category"], meta["amp.reason"], meta["amp.source"] = None, "no FP32 float tensor to paint", "classify"
         return
     category, reason, source, entry = _lookup(node, ctx)
+    refused = _schema_refuses_low(node, group, ctx)
+    if refused and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
+        category, reason, source = Category.DENY, refused, "op schema"
     meta["amp.category"], meta["amp.reason"], meta["amp.source"] = category, reason, source
     meta["amp.pinned"] = _pinned_inputs(node, entry)
     if node.all_subgraphs():
@@ -99,6 +104,16 @@ def _missing_kernel(node: Node, ctx: Context) -> str | None:
     if kernels.has_kernel(provider, node.op_type, node.opset, low, node.domain):
         return None
     return f"{provider} has no {low} kernel for {node.qualified_op} at opset {node.opset}"
+
+
+def _schema_refuses_low(node: Node, group: str, ctx: Context) -> str | None:
+    """The op's own schema at this opset does not allow the low type for the painted group
+    (ConstantOfShape below opset 20 has no bfloat16 output, for example): whatever the rules say."""
+    allowed = node.meta.get("group_types", {}).get(group)
+    low = "bfloat16" if ctx.low == DType.BFLOAT16 else "float16"
+    if not allowed or low in allowed:
+        return None
+    return f"the {node.qualified_op} schema at opset {node.opset} does not allow {low} for {group}"
 
 
 def _pinned_inputs(node: Node, entry) -> tuple[int, ...]:

@@ -1,0 +1,737 @@
+"""Malformed and edge inputs through the real CLI (``python -m amp_rewrite`` in a subprocess).
+
+Every case checks the whole user-visible contract (docs/exit-codes.md):
+
+- the documented exit code;
+- stderr is empty on success, else exactly ONE line starting ``amp-rewrite: error:`` that names
+  the problem (never an internal error, never a traceback);
+- the input files are byte-identical afterwards (hashed before and after);
+- no stray files: a failure leaves the folder exactly as it was, a success adds exactly the
+  output (plus its ``.data`` file when the output uses external data);
+- a success's output passes ``onnx.checker`` and loads in onnxruntime (in a child process).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import resource
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from ortrun import load_ok, run_onnx  # noqa: E402
+
+OPSET = 17
+IR_VERSION = 8
+NOTHING_TO_DO = "nothing to rewrite"
+
+
+# -- builders ---------------------------------------------------------------------------------------
+def vi(name: str, dtype: int = TensorProto.FLOAT, shape=(2, 4)):
+    return helper.make_tensor_value_info(name, dtype, list(shape) if shape is not None else None)
+
+
+def model(nodes, inputs, outputs, inits=(), *, opset: int = OPSET, ir_version: int = IR_VERSION,
+          extra_opsets=(), functions=(), sparse=(), value_info=()) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", list(inputs), list(outputs), list(inits), sparse_initializer=list(sparse),
+                              value_info=list(value_info))
+    opsets = [helper.make_opsetid("", opset), *[helper.make_opsetid(d, v) for d, v in extra_opsets]]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=ir_version, functions=list(functions))
+
+
+def weight(name: str, shape=(4, 4), seed: int = 0):
+    return numpy_helper.from_array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32), name)
+
+
+def mlp(**kw) -> onnx.ModelProto:
+    """x → MatMul(w1) → Relu → MatMul(w2) → y: the smallest model with something to rewrite."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w2"], ["y"], name="mm2")]
+    return model(nodes, [vi("x")], [vi("y")], [weight("w1"), weight("w2", seed=1)], **kw)
+
+
+def save(proto: onnx.ModelProto, path: Path) -> Path:
+    path.write_bytes(proto.SerializeToString())
+    return path
+
+
+def save_external(proto: onnx.ModelProto, path: Path, location: str = "weights.bin") -> Path:
+    onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=location, size_threshold=0, convert_attribute=False)
+    return path
+
+
+# -- the harness ------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    argv: list[str]  # arguments after ``python -m amp_rewrite``; paths relative to the case folder
+    code: int  # expected exit code
+    message: str | None = None  # regex the stderr line (or, for success, stdout) must match
+    outputs: list[str] = field(default_factory=list)  # files a success adds (relative names)
+    inputs: list[str] = field(default_factory=list)  # files that must stay byte-identical
+    feeds: dict[str, np.ndarray] | None = None  # run the output in onnxruntime with these inputs
+    preexec: Callable[[], None] | None = None
+    runtime: bool = True  # False: onnxruntime's CPU provider cannot load it (custom ops, bf16 MatMul)
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            out[str(path.relative_to(folder))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def run_cli(argv: list[str], cwd: Path, preexec=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return subprocess.run([sys.executable, "-m", "amp_rewrite", *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300, preexec_fn=preexec)
+
+
+def check_case(case: Case, folder: Path) -> subprocess.CompletedProcess:
+    before = snapshot(folder)
+    for name in case.inputs:
+        assert name in before, f"test bug: input {name} was not created"
+    proc = run_cli(case.argv, folder, case.preexec)
+    after = snapshot(folder)
+    detail = f"\n--- rc={proc.returncode}\n--- stdout:\n{proc.stdout}\n--- stderr:\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr + proc.stdout, detail
+    assert "internal error" not in proc.stderr, detail
+    assert proc.returncode == case.code, detail
+    for name in case.inputs:
+        assert after.get(name) == before[name], f"input {name} changed or vanished" + detail
+    if case.code != 0:
+        lines = proc.stderr.splitlines()
+        assert len(lines) == 1, "stderr must be exactly one line" + detail
+        assert lines[0].startswith("amp-rewrite: error: "), detail
+        if case.message:
+            assert re.search(case.message, lines[0], re.I), f"message does not match {case.message!r}" + detail
+        assert after == before, f"stray files: {sorted(set(after) - set(before))}" + detail
+        return proc
+    assert proc.stderr == "", "a success prints nothing on stderr" + detail
+    if case.message:
+        assert re.search(case.message, proc.stdout, re.I), f"stdout does not match {case.message!r}" + detail
+    added = sorted(set(after) - set(before))
+    assert added == sorted(case.outputs), f"expected to add {case.outputs}, added {added}" + detail
+    changed = [k for k in before if after.get(k) != before[k]]
+    assert not changed, f"files changed: {changed}" + detail
+    out = folder / case.outputs[0]
+    onnx.checker.check_model(str(out), full_check=False)
+    if not case.runtime:
+        return proc
+    if case.feeds is not None:
+        run_onnx(out, case.feeds)  # loads and runs; raises OrtRunError on failure or crash
+    else:
+        ok, why = load_ok(out)
+        assert ok, why
+    return proc
+
+
+def feed(shape=(2, 4), dtype=np.float32, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+# -- malformed files -----------------------------------------------------------------------------------
+def case_empty_file(d: Path) -> Case:
+    (d / "m.onnx").write_bytes(b"")
+    return Case(["m.onnx"], 3, r"m\.onnx: the file is empty", inputs=["m.onnx"])
+
+
+def case_random_bytes(d: Path) -> Case:
+    (d / "m.onnx").write_bytes(np.random.default_rng(7).bytes(4096))
+    return Case(["m.onnx"], 3, r"not a valid ONNX model", inputs=["m.onnx"])
+
+
+def case_text_file(d: Path) -> Case:
+    (d / "m.onnx").write_text("this is not a model\n" * 10)
+    return Case(["m.onnx"], 3, r"not a valid ONNX model", inputs=["m.onnx"])
+
+
+def case_truncated_protobuf(d: Path) -> Case:
+    data = mlp().SerializeToString()
+    (d / "m.onnx").write_bytes(data[: len(data) * 2 // 3])
+    return Case(["m.onnx"], 3, r"not a valid ONNX model", inputs=["m.onnx"])
+
+
+def case_truncated_tiny(d: Path) -> Case:
+    data = mlp().SerializeToString()
+    (d / "m.onnx").write_bytes(data[:7])
+    return Case(["m.onnx"], 3, r"not a valid ONNX model", inputs=["m.onnx"])
+
+
+def case_missing_input(d: Path) -> Case:
+    return Case(["nope.onnx"], 3, r"nope\.onnx: no such file")
+
+
+def case_input_is_directory(d: Path) -> Case:
+    (d / "dir.onnx").mkdir()
+    return Case(["dir.onnx"], 3, r"is a directory")
+
+
+def case_missing_external_data(d: Path) -> Case:
+    save_external(mlp(), d / "m.onnx")
+    (d / "weights.bin").unlink()
+    return Case(["m.onnx"], 3, r"external data file 'weights\.bin'.*missing", inputs=["m.onnx"])
+
+
+def case_short_external_data(d: Path) -> Case:
+    save_external(mlp(), d / "m.onnx")
+    data = (d / "weights.bin").read_bytes()
+    (d / "weights.bin").write_bytes(data[:40])
+    return Case(["m.onnx"], 3, r"external data file 'weights\.bin' is too short", inputs=["m.onnx", "weights.bin"])
+
+
+def case_external_data_escapes(d: Path) -> Case:
+    (d / "sub").mkdir()
+    save_external(mlp(), d / "sub" / "m.onnx", location="weights.bin")
+    (d / "sub" / "weights.bin").rename(d / "weights.bin")
+    proto = onnx.load(str(d / "sub" / "m.onnx"), load_external_data=False)
+    for tensor in proto.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "../weights.bin"
+    save(proto, d / "sub" / "m.onnx")
+    return Case(["sub/m.onnx"], 3, r"escapes the model folder", inputs=["sub/m.onnx", "weights.bin"])
+
+
+def case_external_data_hard_link(d: Path) -> Case:
+    save_external(mlp(), d / "m.onnx")
+    os.link(d / "weights.bin", d / "weights-link.bin")
+    return Case(["m.onnx"], 3, r"'weights\.bin' has 2 hard links.*copy", inputs=["m.onnx", "weights.bin"])
+
+
+def case_external_data_symlink_out_of_folder(d: Path) -> Case:
+    (d / "sub").mkdir()
+    save_external(mlp(), d / "sub" / "m.onnx")
+    (d / "sub" / "weights.bin").rename(d / "real.bin")
+    (d / "sub" / "weights.bin").symlink_to(d / "real.bin")
+    return Case(["sub/m.onnx"], 3, r"'weights\.bin' is a link to .*outside the model folder", inputs=["sub/m.onnx"])
+
+
+def case_external_data_symlink_in_folder(d: Path) -> Case:
+    """A symlink that stays inside the model folder is fine."""
+    save_external(mlp(), d / "m.onnx")
+    (d / "weights.bin").rename(d / "real.bin")
+    (d / "weights.bin").symlink_to("real.bin")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx", "out.onnx.data"], inputs=["m.onnx", "real.bin"],
+                feeds={"x": feed()})
+
+
+# -- versions ------------------------------------------------------------------------------------------
+def case_ir_version_too_new(d: Path) -> Case:
+    save(mlp(ir_version=99), d / "m.onnx")
+    return Case(["m.onnx"], 5, r"IR version 99", inputs=["m.onnx"])
+
+
+def case_ir_version_too_old(d: Path) -> Case:
+    save(mlp(ir_version=2), d / "m.onnx")
+    return Case(["m.onnx"], 5, r"IR version 2", inputs=["m.onnx"])
+
+
+def case_opset_too_new(d: Path) -> Case:
+    save(mlp(opset=99), d / "m.onnx")
+    return Case(["m.onnx"], 5, r"opset 99 is outside the supported range", inputs=["m.onnx"])
+
+
+def case_opset_too_old(d: Path) -> Case:
+    save(mlp(opset=5, ir_version=3), d / "m.onnx")
+    return Case(["m.onnx"], 5, r"opset 5 is outside the supported range", inputs=["m.onnx"])
+
+
+def case_no_opset_import(d: Path) -> Case:
+    proto = mlp()
+    del proto.opset_import[:]
+    save(proto, d / "m.onnx")
+    return Case(["m.onnx"], 5, r"imports no ai\.onnx opset", inputs=["m.onnx"])
+
+
+# -- graph structure -----------------------------------------------------------------------------------
+def case_duplicate_node_names(d: Path) -> Case:
+    proto = mlp()
+    for node in proto.graph.node:
+        node.name = "same"
+    save(proto, d / "m.onnx")
+    return Case(["m.onnx"], 3, r"two nodes are named 'same'.*rename", inputs=["m.onnx"])
+
+
+def case_unnamed_nodes(d: Path) -> Case:
+    proto = mlp()
+    for node in proto.graph.node:
+        node.name = ""
+    save(proto, d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"], feeds={"x": feed()})
+
+
+def case_duplicate_value_names(d: Path) -> Case:
+    """Two nodes write the same tensor name: invalid SSA, an error naming the tensor."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="a"),
+             helper.make_node("Relu", ["x"], ["h"], name="b"),
+             helper.make_node("MatMul", ["h", "w2"], ["y"], name="c")]
+    save(model(nodes, [vi("x")], [vi("y")], [weight("w1"), weight("w2")]), d / "m.onnx")
+    return Case(["m.onnx"], 3, r"'h'", inputs=["m.onnx"])
+
+
+def case_dangling_input(d: Path) -> Case:
+    nodes = [helper.make_node("MatMul", ["x", "w_missing"], ["y"], name="mm")]
+    save(model(nodes, [vi("x")], [vi("y")]), d / "m.onnx")
+    return Case(["m.onnx"], 3, r"'w_missing'.*dangling", inputs=["m.onnx"])
+
+
+def case_dangling_output(d: Path) -> Case:
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm")]
+    save(model(nodes, [vi("x")], [vi("y")], [weight("w1")]), d / "m.onnx")
+    return Case(["m.onnx"], 3, r"output 'y' is not produced", inputs=["m.onnx"])
+
+
+def case_cycle(d: Path) -> Case:
+    nodes = [helper.make_node("Add", ["x", "b"], ["a"], name="add"),
+             helper.make_node("MatMul", ["a", "w1"], ["b"], name="mm"),
+             helper.make_node("Relu", ["b"], ["y"], name="relu")]
+    save(model(nodes, [vi("x")], [vi("y")], [weight("w1")]), d / "m.onnx")
+    return Case(["m.onnx"], 3, r"has a cycle \((add -> mm -> add|mm -> add -> mm)\)", inputs=["m.onnx"])
+
+
+def case_self_loop(d: Path) -> Case:
+    nodes = [helper.make_node("Add", ["x", "a"], ["a"], name="add"),
+             helper.make_node("MatMul", ["a", "w1"], ["y"], name="mm")]
+    save(model(nodes, [vi("x")], [vi("y")], [weight("w1")]), d / "m.onnx")
+    return Case(["m.onnx"], 3, r"has a cycle \(add -> add\)", inputs=["m.onnx"])
+
+
+def case_unsorted_acyclic(d: Path) -> Case:
+    """Nodes out of order but no cycle: onnxruntime accepts it, so do we (the output is sorted)."""
+    proto = mlp()
+    nodes = list(proto.graph.node)
+    del proto.graph.node[:]
+    proto.graph.node.extend(reversed(nodes))
+    save(proto, d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"], feeds={"x": feed()})
+
+
+def case_passthrough_graph(d: Path) -> Case:
+    """No nodes, the output is the input: nothing to rewrite."""
+    save(model([], [vi("x")], [vi("x")]), d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, NOTHING_TO_DO, outputs=["out.onnx"], inputs=["m.onnx"],
+                feeds={"x": feed()})
+
+
+def case_empty_graph(d: Path) -> Case:
+    save(model([], [vi("x")], []), d / "m.onnx")
+    return Case(["m.onnx"], 3, r"no graph|no nodes|nothing", inputs=["m.onnx"])
+
+
+# -- content edge cases (success) -------------------------------------------------------------------
+def case_no_float_tensors(d: Path) -> Case:
+    nodes = [helper.make_node("Add", ["i", "j"], ["s"], name="add"),
+             helper.make_node("Mul", ["s", "j"], ["o"], name="mul")]
+    save(model(nodes, [vi("i", TensorProto.INT64), vi("j", TensorProto.INT64)], [vi("o", TensorProto.INT64)]),
+         d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, NOTHING_TO_DO, outputs=["out.onnx"], inputs=["m.onnx"],
+                feeds={"i": np.arange(8).reshape(2, 4), "j": np.ones((2, 4), np.int64)})
+
+
+def case_already_fp16(d: Path) -> Case:
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Relu", ["h"], ["y"], name="relu")]
+    w = numpy_helper.from_array(np.ones((4, 4), np.float16), "w1")
+    save(model(nodes, [vi("x", TensorProto.FLOAT16)], [vi("y", TensorProto.FLOAT16)], [w]), d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, NOTHING_TO_DO, outputs=["out.onnx"], inputs=["m.onnx"],
+                feeds={"x": feed(dtype=np.float16)})
+
+
+def case_mixed_fp16_fp32(d: Path) -> Case:
+    """An FP16 half (left alone) cast into an FP32 half (rewritten)."""
+    nodes = [helper.make_node("MatMul", ["x16", "w16"], ["h16"], name="mm16"),
+             helper.make_node("Cast", ["h16"], ["h32"], name="up", to=TensorProto.FLOAT),
+             helper.make_node("MatMul", ["h32", "w1"], ["m"], name="mm32"),
+             helper.make_node("Add", ["m", "x32"], ["a"], name="add"),
+             helper.make_node("MatMul", ["a", "w2"], ["y"], name="mm_out")]
+    inits = [numpy_helper.from_array(np.eye(4, dtype=np.float16), "w16"), weight("w1"), weight("w2", seed=1)]
+    save(model(nodes, [vi("x16", TensorProto.FLOAT16), vi("x32")], [vi("y")], inits), d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"],
+                feeds={"x16": feed(dtype=np.float16), "x32": feed(seed=1)})
+
+
+def case_custom_domain_op(d: Path) -> Case:
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("MyOp", ["h"], ["c"], name="custom", domain="com.example"),
+             helper.make_node("MatMul", ["c", "w2"], ["y"], name="mm2")]
+    proto = model(nodes, [vi("x")], [vi("y")], [weight("w1"), weight("w2")], extra_opsets=[("com.example", 1)],
+                  value_info=[vi("c")])
+    save(proto, d / "m.onnx")
+    # onnxruntime cannot run MyOp, so only the checker and the rewrite itself are exercised.
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"], runtime=False)
+
+
+def case_custom_domain_unknown_type(d: Path) -> Case:
+    """No schema and no value_info: the custom op's output dtype is unknown; its consumers keep FP32."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("MyOp", ["h"], ["c"], name="custom", domain="com.example"),
+             helper.make_node("MatMul", ["c", "w2"], ["y"], name="mm2")]
+    save(model(nodes, [vi("x")], [vi("y")], [weight("w1"), weight("w2")], extra_opsets=[("com.example", 1)]),
+         d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"], runtime=False)
+
+
+def _gelu_function() -> onnx.FunctionProto:
+    body = [helper.make_node("Constant", [], ["half"], value=numpy_helper.from_array(np.array(0.5, np.float32))),
+            helper.make_node("Mul", ["X", "half"], ["Y"])]
+    return helper.make_function("local", "HalfIt", ["X"], ["Y"], body, [helper.make_opsetid("", OPSET)])
+
+
+def case_model_local_function(d: Path) -> Case:
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("HalfIt", ["h"], ["f"], name="fn", domain="local"),
+             helper.make_node("MatMul", ["f", "w2"], ["y"], name="mm2")]
+    proto = model(nodes, [vi("x")], [vi("y")], [weight("w1"), weight("w2")], extra_opsets=[("local", 1)],
+                  functions=[_gelu_function()])
+    save(proto, d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"], feeds={"x": feed()})
+
+
+def case_sparse_initializer(d: Path) -> Case:
+    dense = np.zeros((4, 4), np.float32)
+    dense[1, 2], dense[3, 0] = 2.0, -1.5
+    values = numpy_helper.from_array(np.array([2.0, -1.5], np.float32), "w1")
+    indices = numpy_helper.from_array(np.array([6, 12], np.int64), "w1_idx")
+    sparse = helper.make_sparse_tensor(values, indices, [4, 4])
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("MatMul", ["h", "w2"], ["y"], name="mm2")]
+    save(model(nodes, [vi("x")], [vi("y")], [weight("w2")], sparse=[sparse]), d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"], feeds={"x": feed()})
+
+
+def case_string_tensors(d: Path) -> Case:
+    labels = helper.make_tensor("labels", TensorProto.STRING, [2], [b"cat", b"dog"])
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["y"], name="mm"),
+             helper.make_node("Identity", ["labels"], ["names"], name="id"),
+             helper.make_node("Identity", ["s"], ["s_out"], name="id_in")]
+    proto = model(nodes, [vi("x"), vi("s", TensorProto.STRING, [3])],
+                  [vi("y"), vi("names", TensorProto.STRING, [2]), vi("s_out", TensorProto.STRING, [3])],
+                  [weight("w1"), labels])
+    save(proto, d / "m.onnx")
+    # string feeds cannot cross ortrun's npz transport (no pickles): load only.
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"])
+
+
+def case_zero_size_tensors(d: Path) -> Case:
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["h"], name="mm0"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w1"], ["y"], name="mm1")]
+    inits = [numpy_helper.from_array(np.zeros((4, 0), np.float32), "w0"),
+             numpy_helper.from_array(np.zeros((0, 3), np.float32), "w1")]
+    save(model(nodes, [vi("x")], [vi("y", shape=(2, 3))], inits), d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"], feeds={"x": feed()})
+
+
+def case_zero_size_input(d: Path) -> Case:
+    proto = mlp()
+    proto.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"
+    proto.graph.output[0].type.tensor_type.shape.dim[0].dim_param = "batch"
+    save(proto, d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"],
+                feeds={"x": np.zeros((0, 4), np.float32)})
+
+
+def case_symbolic_shapes(d: Path) -> Case:
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Softmax", ["h"], ["s"], name="sm", axis=-1),
+             helper.make_node("MatMul", ["s", "w2"], ["y"], name="mm2")]
+    proto = model(nodes, [vi("x", shape=("batch", "seq", 4))], [vi("y", shape=("batch", "seq", 4))],
+                  [weight("w1"), weight("w2")])
+    save(proto, d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"],
+                feeds={"x": feed((3, 5, 4))})
+
+
+def case_no_shapes(d: Path) -> Case:
+    proto = mlp()
+    for v in list(proto.graph.input) + list(proto.graph.output):
+        for dim in v.type.tensor_type.shape.dim:
+            dim.Clear()  # rank known, every dimension unknown
+    save(proto, d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"], feeds={"x": feed()})
+
+
+def case_initializers_as_inputs(d: Path) -> Case:
+    proto = mlp(ir_version=3, opset=9)
+    proto.graph.input.extend([vi("w1", shape=(4, 4)), vi("w2", shape=(4, 4))])
+    save(proto, d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"], feeds={"x": feed()})
+
+
+def overridable_initializer(d: Path) -> Case:
+    """IR >= 4: an initializer also listed as a graph input is a default the caller may override."""
+    proto = mlp()
+    proto.graph.input.extend([vi("w1", shape=(4, 4))])
+    save(proto, d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"],
+                feeds={"x": feed(), "w1": feed((4, 4), seed=3)})
+
+
+def case_external_data_input(d: Path) -> Case:
+    save_external(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx", "out.onnx.data"],
+                inputs=["m.onnx", "weights.bin"], feeds={"x": feed()})
+
+
+def case_default_output_name(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx"], 0, outputs=["m.fp16.onnx"], inputs=["m.onnx"], feeds={"x": feed()})
+
+
+def case_bf16_target(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "--target", "bf16"], 0, outputs=["m.bf16.onnx"], inputs=["m.onnx"], runtime=False)
+
+
+# -- rule files ----------------------------------------------------------------------------------------
+def case_rules_misspelt_op(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    (d / "r.toml").write_text('[deny]\nReluu = "typo"\n')
+    return Case(["m.onnx", "--rules", "r.toml"], 4, r"r\.toml.*Reluu.*did you mean 'Relu'",
+                inputs=["m.onnx", "r.toml"])
+
+
+def case_rules_misspelt_table(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    (d / "r.toml").write_text('[deyn]\nRelu = "typo"\n')
+    return Case(["m.onnx", "--rules", "r.toml"], 4, r"r\.toml.*deyn.*did you mean 'deny'", inputs=["m.onnx", "r.toml"])
+
+
+def case_rules_conflicting(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    (d / "r.toml").write_text('[deny]\nRelu = "fp32 please"\n[allow]\nRelu = "fp16 please"\n')
+    return Case(["m.onnx", "--rules", "r.toml"], 4, r"r\.toml.*Relu", inputs=["m.onnx", "r.toml"])
+
+
+def case_rules_bad_toml(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    (d / "r.toml").write_text('[deny\nRelu = \n')
+    return Case(["m.onnx", "--rules", "r.toml"], 4, r"r\.toml.*TOML", inputs=["m.onnx", "r.toml"])
+
+
+def case_rules_missing_reason(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    (d / "r.toml").write_text('[deny]\nRelu = { since = 7 }\n')
+    return Case(["m.onnx", "--rules", "r.toml"], 4, r"r\.toml.*reason", inputs=["m.onnx", "r.toml"])
+
+
+def case_rules_file_missing(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "--rules", "nope.toml"], 4, r"nope\.toml", inputs=["m.onnx"])
+
+
+def case_misspelt_fp32_op_flag(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "--fp32-ops", "Softmx"], 2, r"Softmx.*did you mean 'Softmax'", inputs=["m.onnx"])
+
+
+# -- usage ---------------------------------------------------------------------------------------------
+def case_bad_target(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "--target", "fp8"], 2, r"--target 'fp8'", inputs=["m.onnx"])
+
+
+def case_unknown_option(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "--frobnicate"], 2, r"No such option: --frobnicate", inputs=["m.onnx"])
+
+
+def case_missing_argument(d: Path) -> Case:
+    return Case([], 2, r"Missing argument")
+
+
+def case_bad_option_value(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "--tolerance", "abc"], 2, r"--tolerance", inputs=["m.onnx"])
+
+
+# -- output --------------------------------------------------------------------------------------------
+def case_output_is_input(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "-o", "m.onnx"], 6, r"would replace the input", inputs=["m.onnx"])
+
+
+def case_output_is_input_overwrite(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "-o", "./m.onnx", "--overwrite"], 6, r"would replace the input", inputs=["m.onnx"])
+
+
+def case_output_is_input_via_symlink(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    (d / "link.onnx").symlink_to("m.onnx")
+    return Case(["m.onnx", "-o", "link.onnx", "--overwrite"], 6, r"would replace the input", inputs=["m.onnx"])
+
+
+def case_output_is_input_no_op(d: Path) -> Case:
+    nodes = [helper.make_node("Add", ["i", "i"], ["o"], name="add")]
+    save(model(nodes, [vi("i", TensorProto.INT64)], [vi("o", TensorProto.INT64)]), d / "m.onnx")
+    return Case(["m.onnx", "-o", "m.onnx", "--overwrite"], 6, r"would replace the input", inputs=["m.onnx"])
+
+
+def case_output_overwrites_external_data(d: Path) -> Case:
+    save_external(mlp(), d / "m.onnx", location="out.onnx.data")
+    return Case(["m.onnx", "-o", "out.onnx"], 6, r"input's external data", inputs=["m.onnx", "out.onnx.data"])
+
+
+def case_output_exists(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    (d / "out.onnx").write_bytes(b"keep me")
+    return Case(["m.onnx", "-o", "out.onnx"], 6, r"already exists; pass --overwrite", inputs=["m.onnx", "out.onnx"])
+
+
+def case_output_overwrite(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    (d / "out.onnx").write_bytes(b"old")
+    case = Case(["m.onnx", "-o", "out.onnx", "--overwrite"], 0, inputs=["m.onnx"], feeds={"x": feed()})
+    case.outputs = []  # replaces an existing file: checked below
+    return case
+
+
+def case_output_folder_missing(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "-o", "no/such/dir/out.onnx"], 6, r"output folder does not exist", inputs=["m.onnx"])
+
+
+def case_output_is_directory(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    (d / "out.onnx").mkdir()
+    return Case(["m.onnx", "-o", "out.onnx", "--overwrite"], 6, r"is a directory", inputs=["m.onnx"])
+
+
+def case_output_parent_is_file(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    (d / "afile").write_bytes(b"x")
+    return Case(["m.onnx", "-o", "afile/out.onnx"], 6, r"afile", inputs=["m.onnx", "afile"])
+
+
+def case_report_folder_missing(d: Path) -> Case:
+    """Checked before any work, so no model is written either."""
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx", "--report", "nodir/r.json"], 6, r"--report .*folder nodir does not exist",
+                inputs=["m.onnx"])
+
+
+def _read_only_dir() -> Path | None:
+    """A folder this process cannot write to, even as root (a read-only mount)."""
+    for candidate in ("/proc/self", "/sys/kernel"):
+        path = Path(candidate)
+        try:
+            fd = os.open(path / ".amp-probe", os.O_CREAT | os.O_WRONLY, 0o600)
+        except OSError:
+            return path
+        os.close(fd)
+        os.unlink(path / ".amp-probe")
+    return None
+
+
+def case_unwritable_output_dir(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    if os.geteuid() != 0:
+        locked = d / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        return Case(["m.onnx", "-o", "locked/out.onnx"], 6, r"locked.*(not writable|cannot write)", inputs=["m.onnx"])
+    target = _read_only_dir()
+    if target is None:
+        pytest.skip("no read-only folder available to a root process")
+    return Case(["m.onnx", "-o", str(target / "out.onnx")], 6, r"(not writable|cannot write)", inputs=["m.onnx"])
+
+
+def _limit_file_size(limit: int) -> Callable[[], None]:
+    """Writes past ``limit`` bytes fail with EFBIG (Python ignores SIGXFSZ): a disk filling up midway."""
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def case_write_fails_midway(d: Path) -> Case:
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("MatMul", ["h", "w2"], ["y"], name="mm2")]
+    save(model(nodes, [vi("x", shape=(2, 256))], [vi("y", shape=(2, 256))],
+               [weight("w1", (256, 256)), weight("w2", (256, 256), 1)]), d / "m.onnx")
+    size = (d / "m.onnx").stat().st_size
+    return Case(["m.onnx", "-o", "out.onnx"], 6, r"out\.onnx: writing failed", inputs=["m.onnx"],
+                preexec=_limit_file_size(size // 4))
+
+
+def case_write_fails_midway_external(d: Path) -> Case:
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("MatMul", ["h", "w2"], ["y"], name="mm2")]
+    save_external(model(nodes, [vi("x", shape=(2, 256))], [vi("y", shape=(2, 256))],
+                        [weight("w1", (256, 256)), weight("w2", (256, 256), 1)]), d / "m.onnx")
+    size = (d / "weights.bin").stat().st_size
+    return Case(["m.onnx", "-o", "out.onnx"], 6, r"out\.onnx: writing failed", inputs=["m.onnx", "weights.bin"],
+                preexec=_limit_file_size(size // 8))
+
+
+def case_write_fails_midway_no_op(d: Path) -> Case:
+    """Nothing to rewrite, so the input is copied: the copy fails midway."""
+    nodes = [helper.make_node("Add", ["i", "c"], ["o"], name="add")]
+    c = numpy_helper.from_array(np.arange(50_000, dtype=np.int64), "c")
+    save(model(nodes, [vi("i", TensorProto.INT64, [50_000])], [vi("o", TensorProto.INT64, [50_000])], [c]),
+         d / "m.onnx")
+    size = (d / "m.onnx").stat().st_size
+    return Case(["m.onnx", "-o", "out.onnx"], 6, r"out\.onnx: writing failed", inputs=["m.onnx"],
+                preexec=_limit_file_size(size // 3))
+
+
+CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
+
+
+@pytest.mark.xfail(reason="contract conflict for the lead: Value.is_constant (ir/core.py) converts an initializer "
+                          "listed as a graph input offline, so the input's declared type becomes FP16 and an FP32 "
+                          "override is refused; PRECISION.md says graph inputs keep FP32 (keep_io_types)",
+                   strict=False)
+def test_overridable_initializer_keeps_its_fp32_input_type(tmp_path: Path) -> None:
+    check_case(overridable_initializer(tmp_path), tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_battery(name: str, tmp_path: Path) -> None:
+    case = CASES[name](tmp_path)
+    if name == "output_overwrite":
+        before = snapshot(tmp_path)
+        proc = run_cli(case.argv, tmp_path)
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        after = snapshot(tmp_path)
+        assert set(after) == set(before) and after["m.onnx"] == before["m.onnx"]
+        assert after["out.onnx"] != before["out.onnx"]
+        assert load_ok(tmp_path / "out.onnx")[0]
+        return
+    check_case(case, tmp_path)
+
+
+def test_debug_shows_traceback(tmp_path: Path) -> None:
+    """--debug trades the one-line message for the full traceback (same failure)."""
+    (tmp_path / "m.onnx").write_bytes(b"")
+    proc = run_cli(["m.onnx", "--debug"], tmp_path)
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr and "ModelLoadError" in proc.stderr
+
+
+def test_exit_codes_documented() -> None:
+    """docs/exit-codes.md lists every error class with its code."""
+    from amp_rewrite import errors
+
+    text = (ROOT / "docs" / "exit-codes.md").read_text()
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.AmpRewriteError)]
+    for cls in classes:
+        assert re.search(rf"\|\s*{cls.exit_code}\s*\|\s*`{cls.__name__}`", text), cls.__name__
+    for code in (0, 70, 130):
+        assert re.search(rf"\|\s*{code}\s*\|", text), code

@@ -1,0 +1,332 @@
+"""Subgraph semantics (If / Loop / Scan): PRECISION.md "Subgraphs ... are rewritten too; types across the
+subgraph boundary (outer-scope values, loop-carried state, branch outputs) stay consistent" and pitfall 7
+("a blocked op inside an If/Loop body gets its Cast in the outer graph" must not happen).
+
+Each test rewrites a small model and checks where the casts are (the scope that needs them, one per value
+and scope), which types the boundary keeps (FP32), that onnx.checker and onnxruntime accept the result,
+that it agrees with the FP32 original, and that a second rewrite changes nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as T
+from onnx import helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+
+from amp_rewrite.api import rewrite_onnx_model  # noqa: E402
+from ortrun import run_onnx  # noqa: E402
+
+OPSET = 17
+FP32, FP16 = T.FLOAT, T.FLOAT16
+RNG = np.random.default_rng(0)
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+def vi(name, dtype=FP32, shape=(2, 4)):
+    return helper.make_tensor_value_info(name, dtype, list(shape) if shape is not None else None)
+
+
+def weight(name, shape=(4, 4)):
+    return numpy_helper.from_array((RNG.standard_normal(shape) / 2).astype(np.float32), name)
+
+
+def scalar(name, value, dtype=np.float32):
+    return numpy_helper.from_array(np.array(value, dtype=dtype), name)
+
+
+def make(nodes, inputs, outputs, inits=()):
+    graph = helper.make_graph(nodes, "main", inputs, outputs, list(inits))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=8)
+
+
+def body(name, nodes, inputs, outputs, inits=()):
+    return helper.make_graph(nodes, name, inputs, outputs, list(inits))
+
+
+def scopes(graph: onnx.GraphProto, path: str = "main"):
+    """(path, graph) for the graph and every nested body."""
+    yield path, graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from scopes(attr.g, f"{path}/{node.name}.{attr.name}")
+
+
+def casts(model: onnx.ModelProto) -> list[tuple[str, str, int]]:
+    """(scope path, input name, to) of every Cast node."""
+    out = []
+    for path, graph in scopes(model.graph):
+        for node in graph.node:
+            if node.op_type == "Cast":
+                to = next(a.i for a in node.attribute if a.name == "to")
+                out.append((path, node.input[0], to))
+    return out
+
+
+def scope_of(model: onnx.ModelProto, node_name: str) -> str:
+    for path, graph in scopes(model.graph):
+        if any(n.name == node_name for n in graph.node):
+            return path
+    raise KeyError(node_name)
+
+
+def types(model: onnx.ModelProto) -> dict[str, int]:
+    inferred = onnx.shape_inference.infer_shapes(model)
+    out = {}
+    for _, graph in scopes(inferred.graph):
+        for v in list(graph.input) + list(graph.output) + list(graph.value_info):
+            out[v.name] = v.type.tensor_type.elem_type
+        for init in graph.initializer:
+            out[init.name] = init.data_type
+    return out
+
+
+def boundary_types(graph: onnx.GraphProto) -> list[int]:
+    return [v.type.tensor_type.elem_type for v in list(graph.input) + list(graph.output)]
+
+
+def rewrite_and_check(model: onnx.ModelProto, feeds_list: list[dict]) -> onnx.ModelProto:
+    """Rewrite; checker; every body keeps its boundary types; runs and agrees with FP32; idempotent."""
+    original = model.SerializeToString()
+    result = rewrite_onnx_model(model, verify_each=True)
+    assert model.SerializeToString() == original
+    out = result.model
+    onnx.checker.check_model(out, full_check=True)
+    before = dict(scopes(model.graph))
+    for path, graph in scopes(out.graph):
+        assert boundary_types(graph) == boundary_types(before[path]), f"{path}: boundary types changed"
+    for path, graph in scopes(out.graph):
+        names = [n.name for n in graph.node if n.name]
+        assert len(names) == len(set(names)), f"{path}: node names are not unique"
+    inserted = [n.name for _, g in scopes(out.graph) for n in g.node
+                if any(p.key == "amp_rewrite.inserted" for p in n.metadata_props)]
+    assert len(inserted) == len(set(inserted)), "inserted casts share names across scopes"
+    for feeds in feeds_list:
+        ref = run_onnx(model, feeds)
+        got = run_onnx(out, feeds)
+        for name, r in ref.items():
+            scale = 1 + float(np.abs(r).max())
+            assert np.abs(got[name].astype(np.float32) - r).max() <= 2e-2 * scale, name
+    assert not rewrite_onnx_model(out).modified, "a second rewrite changed the model"
+    return out
+
+
+def feeds_x(sign: float = 1.0):
+    return {"x": (np.abs(RNG.standard_normal((2, 4))) * sign).astype(np.float32)}
+
+
+# -- If -----------------------------------------------------------------------------------------------
+def if_model():
+    """then: two MatMuls on the outer-scope input x; else: FP32 reduction on x; main: MatMul after the If."""
+    then_g = body("then", [helper.make_node("MatMul", ["x", "w1"], ["t1"], name="then_mm1"),
+                           helper.make_node("MatMul", ["x", "w2"], ["t2"], name="then_mm2"),
+                           helper.make_node("Add", ["t1", "t2"], ["t3"], name="then_add")], [], [vi("t3")])
+    else_g = body("else", [helper.make_node("ReduceSum", ["x"], ["e1"], name="else_sum", keepdims=1),
+                           helper.make_node("Mul", ["x", "e1"], ["e2"], name="else_mul")], [], [vi("e2")])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"], name="gt"),
+             helper.make_node("If", ["c"], ["y0"], name="if", then_branch=then_g, else_branch=else_g),
+             helper.make_node("MatMul", ["x", "w1"], ["m"], name="main_mm"),
+             helper.make_node("Add", ["y0", "m"], ["a"], name="main_add"),
+             helper.make_node("MatMul", ["a", "w2"], ["y"], name="out_mm")]
+    return make(nodes, [vi("x")], [vi("y")], [weight("w1"), weight("w2"), scalar("zero", 0.0)])
+
+
+def test_if_outer_scope_value_is_cast_inside_the_branch():
+    out = rewrite_and_check(if_model(), [feeds_x(1.0), feeds_x(-1.0)])
+    x_casts = [(path, to) for path, name, to in casts(out) if name == "x"]
+    # one Cast of x per scope that needs it: the then-branch (two MatMuls share it) and the main graph
+    assert sorted(x_casts) == sorted([("main", FP16), ("main/if.then_branch", FP16)]), x_casts
+    # the else branch has no low-precision op: left exactly as it was
+    assert not [c for c in casts(out) if c[0] == "main/if.else_branch"]
+    t = types(out)
+    assert t["e1"] == FP32 and t["e2"] == FP32
+
+
+def test_if_branch_outputs_keep_fp32():
+    out = rewrite_and_check(if_model(), [feeds_x(1.0)])
+    if_node = next(n for n in out.graph.node if n.op_type == "If")
+    for attr in if_node.attribute:
+        assert [o.type.tensor_type.elem_type for o in attr.g.output] == [FP32]
+    assert types(out)["y0"] == FP32
+
+
+# -- Loop -----------------------------------------------------------------------------------------------
+def loop_model():
+    """h_{k+1} = Tanh(h_k @ W) + x (x from the outer scope); the states are also scanned out."""
+    loop_body = body("loop_body", [
+        helper.make_node("MatMul", ["h", "w1"], ["hw"], name="body_mm"),
+        helper.make_node("Tanh", ["hw"], ["th"], name="body_tanh"),
+        helper.make_node("Add", ["th", "x"], ["h_next"], name="body_add"),
+        helper.make_node("Identity", ["cond_in"], ["cond_out"], name="body_cond"),
+        helper.make_node("Identity", ["h_next"], ["h_scan"], name="body_scan"),
+    ], [vi("i", T.INT64, []), vi("cond_in", T.BOOL, []), vi("h")], [vi("cond_out", T.BOOL, []), vi("h_next"),
+                                                                     vi("h_scan")])
+    nodes = [helper.make_node("Loop", ["trips", "", "h0"], ["h_final", "h_all"], name="loop", body=loop_body),
+             helper.make_node("MatMul", ["h_final", "w2"], ["y"], name="out_mm")]
+    return make(nodes, [vi("x"), vi("h0")], [vi("y"), vi("h_all", shape=(3, 2, 4))],
+                [weight("w1"), weight("w2"), scalar("trips", 3, np.int64)])
+
+
+def test_loop_carried_state_stays_fp32():
+    feeds = {"x": RNG.standard_normal((2, 4)).astype(np.float32), "h0": RNG.standard_normal((2, 4)).astype(np.float32)}
+    out = rewrite_and_check(loop_model(), [feeds])
+    t = types(out)
+    for name in ("h", "h_next", "h_scan", "h_final", "h_all"):
+        assert t[name] == FP32, name
+    assert t["hw"] == FP16  # the MatMul inside the body went low
+    body_path = "main/loop.body"
+    assert (body_path, "h", FP16) in casts(out), casts(out)
+    assert ("main", "h", FP16) not in casts(out)
+
+
+# -- Scan -----------------------------------------------------------------------------------------------
+def scan_model():
+    """A running sum over rows of x @ W, the per-row products scanned out."""
+    scan_body = body("scan_body", [
+        helper.make_node("Unsqueeze", ["row", "axis0"], ["row2"], name="body_unsq"),
+        helper.make_node("MatMul", ["row2", "w1"], ["prod2"], name="body_mm"),
+        helper.make_node("Squeeze", ["prod2", "axis0"], ["prod"], name="body_sq"),
+        helper.make_node("Add", ["acc", "prod"], ["acc_next"], name="body_add"),
+        helper.make_node("Relu", ["prod"], ["prod_out"], name="body_relu"),
+    ], [vi("acc", shape=(4,)), vi("row", shape=(4,))], [vi("acc_next", shape=(4,)), vi("prod_out", shape=(4,))],
+        [numpy_helper.from_array(np.array([0], np.int64), "axis0")])
+    nodes = [helper.make_node("Scan", ["acc0", "x"], ["acc_final", "prods"], name="scan", body=scan_body,
+                              num_scan_inputs=1),
+             helper.make_node("Add", ["prods", "x"], ["y"], name="out_add")]
+    return make(nodes, [vi("x", shape=(3, 4))], [vi("acc_final", shape=(4,)), vi("y", shape=(3, 4))],
+                [numpy_helper.from_array(np.zeros(4, np.float32), "acc0"), weight("w1")])
+
+
+def test_scan_state_and_scan_outputs_stay_fp32():
+    out = rewrite_and_check(scan_model(), [{"x": RNG.standard_normal((3, 4)).astype(np.float32)}])
+    t = types(out)
+    for name in ("acc", "row", "acc_next", "prod_out", "acc_final", "prods"):
+        assert t[name] == FP32, name
+    assert t["prod2"] == FP16
+    body_casts = [c for c in casts(out) if c[0] == "main/scan.body"]
+    assert body_casts and all(c[0] == "main/scan.body" for c in body_casts)
+    assert [c for c in casts(out) if c[0] == "main"] == []
+
+
+# -- nesting --------------------------------------------------------------------------------------------
+def nested_model():
+    """Loop body → If → then-branch MatMul on the main graph's input x (two scopes out)."""
+    then_g = body("then", [helper.make_node("MatMul", ["x", "w1"], ["t"], name="inner_mm"),
+                           helper.make_node("Add", ["t", "h"], ["t2"], name="inner_add")], [], [vi("t2")])
+    else_g = body("else", [helper.make_node("Neg", ["h"], ["e"], name="inner_neg")], [], [vi("e")])
+    loop_body = body("loop_body", [
+        helper.make_node("Cast", ["i"], ["i_f"], name="iter_float", to=FP32),
+        helper.make_node("Less", ["i_f", "one"], ["first"], name="is_first"),
+        helper.make_node("If", ["first"], ["h_next"], name="inner_if", then_branch=then_g, else_branch=else_g),
+        helper.make_node("Identity", ["cond_in"], ["cond_out"], name="body_cond"),
+    ], [vi("i", T.INT64, []), vi("cond_in", T.BOOL, []), vi("h")], [vi("cond_out", T.BOOL, []), vi("h_next")])
+    nodes = [helper.make_node("Loop", ["trips", "", "x"], ["h_final"], name="loop", body=loop_body),
+             helper.make_node("MatMul", ["h_final", "w1"], ["y"], name="out_mm")]
+    return make(nodes, [vi("x")], [vi("y")], [weight("w1"), scalar("trips", 2, np.int64), scalar("one", 1.0)])
+
+
+def test_nested_bodies_cast_in_the_innermost_scope():
+    out = rewrite_and_check(nested_model(), [feeds_x()])
+    inner = "main/loop.body/inner_if.then_branch"
+    assert (inner, "x", FP16) in casts(out), casts(out)
+    assert not [c for c in casts(out) if c[0] == "main/loop.body" and c[1] == "x"]
+    t = types(out)
+    assert t["h"] == FP32 and t["h_next"] == FP32 and t["t2"] == FP32
+    assert t["i"] == T.INT64 and t["first"] == T.BOOL  # non-float values are never touched
+
+
+# -- deny ops inside bodies ------------------------------------------------------------------------------
+def layernorm_in_body_model():
+    """If branch: MatMul → decomposed LayerNorm (ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div) → MatMul."""
+    ln = [helper.make_node("MatMul", ["x", "w1"], ["a"], name="b_mm1"),
+          helper.make_node("ReduceMean", ["a"], ["mu"], name="b_mean", axes=[-1]),
+          helper.make_node("Sub", ["a", "mu"], ["d"], name="b_sub"),
+          helper.make_node("Pow", ["d", "two"], ["d2"], name="b_pow"),
+          helper.make_node("ReduceMean", ["d2"], ["var"], name="b_var", axes=[-1]),
+          helper.make_node("Add", ["var", "eps"], ["ve"], name="b_eps"),
+          helper.make_node("Sqrt", ["ve"], ["sd"], name="b_sqrt"),
+          helper.make_node("Div", ["d", "sd"], ["n"], name="b_div"),
+          helper.make_node("MatMul", ["n", "w2"], ["b_out"], name="b_mm2")]
+    then_g = body("then", ln, [], [vi("b_out")], [scalar("two", 2.0), scalar("eps", 1e-5)])
+    else_g = body("else", [helper.make_node("Identity", ["x"], ["e"], name="else_id")], [], [vi("e")])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"], name="gt"),
+             helper.make_node("If", ["c"], ["y"], name="if", then_branch=then_g, else_branch=else_g)]
+    return make(nodes, [vi("x")], [vi("y")], [weight("w1"), weight("w2"), scalar("zero", -1e9)])
+
+
+def test_deny_ops_inside_a_body_form_an_fp32_island_there():
+    model = layernorm_in_body_model()
+    out = rewrite_and_check(model, [feeds_x()])
+    t = types(out)
+    assert t["a"] == FP16 and t["b_out"] in (FP16, FP32)
+    for name in ("mu", "d", "d2", "var", "ve", "sd", "n"):
+        assert t[name] == FP32, name
+    branch = "main/if.then_branch"
+    assert all(path == branch for path, _, _ in casts(out)), casts(out)
+    # one cast into the island (the first MatMul's output) and one out of it (into the second MatMul)
+    assert (branch, "a", FP32) in casts(out) and (branch, "n", FP16) in casts(out)
+    result = rewrite_onnx_model(model)
+    islands = result.log.islands
+    assert len(islands) == 1 and "if" in islands[0].scope and islands[0].pattern == "LayerNorm"
+
+
+def test_outer_low_value_read_by_a_deny_op_in_a_body():
+    """Pitfall 7: a main-graph MatMul (low) feeds an Exp inside a branch; the Cast back to FP32 lives in
+    the branch, next to its reader, never in the outer graph."""
+    then_g = body("then", [helper.make_node("Exp", ["m"], ["ex"], name="then_exp")], [], [vi("ex")])
+    else_g = body("else", [helper.make_node("Tanh", ["m"], ["tn"], name="else_tanh")], [], [vi("tn")])
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["m"], name="mm"),
+             helper.make_node("MatMul", ["m", "w2"], ["m2"], name="mm2"),
+             helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"], name="gt"),
+             helper.make_node("If", ["c"], ["y"], name="if", then_branch=then_g, else_branch=else_g)]
+    model = make(nodes, [vi("x")], [vi("y"), vi("m2")], [weight("w1"), weight("w2"), scalar("zero", 0.0)])
+    out = rewrite_and_check(model, [feeds_x(1.0), feeds_x(-1.0)])
+    assert types(out)["m"] == FP16
+    m_casts = sorted((path, to) for path, name, to in casts(out) if name == "m")
+    assert m_casts == [("main/if.else_branch", FP32), ("main/if.then_branch", FP32)], m_casts
+
+
+def test_initializer_of_a_body_converted_in_its_own_scope():
+    """A weight stored inside the branch (a subgraph initializer) used only by a low op is converted
+    offline, in the branch; the main graph gets no copy of it."""
+    then_g = body("then", [helper.make_node("MatMul", ["x", "wb"], ["t"], name="then_mm")], [], [vi("t")],
+                  [weight("wb")])
+    else_g = body("else", [helper.make_node("Identity", ["x"], ["e"], name="else_id")], [], [vi("e")])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"], name="gt"),
+             helper.make_node("If", ["c"], ["y"], name="if", then_branch=then_g, else_branch=else_g)]
+    model = make(nodes, [vi("x")], [vi("y")], [scalar("zero", 0.0)])
+    out = rewrite_and_check(model, [feeds_x(1.0), feeds_x(-1.0)])
+    if_node = next(n for n in out.graph.node if n.op_type == "If")
+    then_out = next(a.g for a in if_node.attribute if a.name == "then_branch")
+    assert [(i.name, i.data_type) for i in then_out.initializer] == [("wb", FP16)]
+    assert [i.name for i in out.graph.initializer] == ["zero"]
+
+
+@pytest.mark.parametrize("build", [if_model, loop_model, scan_model, nested_model, layernorm_in_body_model])
+def test_bf16_subgraphs_check_and_are_idempotent(build):
+    """bf16 (onnxruntime's CPU provider cannot run it): the checker and idempotence only."""
+    result = rewrite_onnx_model(build(), target="bf16", verify_each=True)
+    onnx.checker.check_model(result.model, full_check=True)
+    assert not rewrite_onnx_model(result.model, target="bf16").modified
+
+
+def test_same_node_name_in_main_graph_and_body():
+    """Node names need only be unique per graph (onnxruntime loads this); the verifier used to reject it."""
+    model = if_model()
+    if_node = next(n for n in model.graph.node if n.op_type == "If")
+    then_g = next(a.g for a in if_node.attribute if a.name == "then_branch")
+    then_g.node[0].name = "main_mm"  # also the name of a main-graph MatMul
+    out = rewrite_and_check(model, [feeds_x(1.0)])
+    assert scope_of(out, "main_mm") == "main"
