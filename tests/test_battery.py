@@ -694,10 +694,6 @@ def case_write_fails_midway_no_op(d: Path) -> Case:
 CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 
-@pytest.mark.xfail(reason="contract conflict for the lead: Value.is_constant (ir/core.py) converts an initializer "
-                          "listed as a graph input offline, so the input's declared type becomes FP16 and an FP32 "
-                          "override is refused; PRECISION.md says graph inputs keep FP32 (keep_io_types)",
-                   strict=False)
 def test_overridable_initializer_keeps_its_fp32_input_type(tmp_path: Path) -> None:
     check_case(overridable_initializer(tmp_path), tmp_path)
 

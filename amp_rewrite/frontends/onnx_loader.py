@@ -53,7 +53,7 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
         with _quiet_onnx_ir():
             _infer_types(ir_model)
     model = Model(graph=Graph(), frontend="onnx", opsets=_opsets(ir_model), origin=OnnxSource(ir_model, path))
-    model.graph = _Builder(model.opsets).build_graph(ir_model.graph, outer={})
+    model.graph = _Builder(model.opsets, ir_model.ir_version).build_graph(ir_model.graph, outer={})
     model.meta["ir_version"] = ir_model.ir_version
     model.meta["functions"] = {(f.domain, f.name) for f in ir_model.functions.values()}
     return model
@@ -305,8 +305,9 @@ def _opsets(model: ir.Model) -> dict[str, int]:
 
 # -- building the neutral IR ---------------------------------------------------------------------------
 class _Builder:
-    def __init__(self, opsets: dict[str, int]) -> None:
+    def __init__(self, opsets: dict[str, int], ir_version: int | None = None) -> None:
         self.opsets = opsets
+        self.ir_version = ir_version
         self._schema_cache: dict[tuple[str, str, int], Any] = {}
 
     def build_graph(self, g: ir.Graph, outer: dict[int, Value], parent: Node | None = None) -> Graph:
@@ -317,8 +318,11 @@ class _Builder:
         for v in g.inputs:
             scope[id(v)] = graph.add_input(self._value(v))
         for name, v in g.initializers.items():
-            if id(v) in scope:  # initializer listed as a graph input (IR < 4): an overridable input
+            if id(v) in scope:  # an initializer listed as a graph input
                 scope[id(v)].is_initializer = True
+                # IR < 4 lists every initializer as an input: they are weights. From IR 4 on, listing
+                # one is deliberate: a default the caller may override, so its FP32 type is kept.
+                scope[id(v)].meta["amp.overridable"] = (self.ir_version or 0) >= 4
                 graph.initializers[name] = scope[id(v)]
                 _fill_const(scope[id(v)], v)
                 continue

@@ -123,9 +123,12 @@ class Value:
     @property
     def is_constant(self) -> bool:
         """An initializer or the output of a Constant node: convertible offline."""
-        # An initializer listed as a graph input (IR < 4 lists them all) counts as a weight: it is
-        # converted offline and its declared input type follows; a runtime Cast of every weight
-        # would cost more than it saves.
+        # An initializer listed as a graph input counts as a weight when the IR version (< 4) lists
+        # them all: converted offline, its declared input type follows (a runtime Cast of every
+        # weight would cost more than it saves). From IR 4 on, listing one makes it an overridable
+        # input ("amp.overridable"), which keeps its FP32 type like any graph input.
+        if self.is_graph_input and self.meta.get("amp.overridable"):
+            return False
         return self.is_initializer or (self.producer is not None and self.producer.op_type == "Constant"
                                        and self.producer.domain in ("", "ai.onnx"))
 
