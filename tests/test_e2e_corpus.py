@@ -11,6 +11,7 @@ it FP32, and is a fixed point of the rewrite.
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 
 from util import full_check, rel_err, rewrite, run
@@ -18,7 +19,32 @@ from util import full_check, rel_err, rewrite, run
 corpus = pytest.importorskip("tools.corpus")
 
 TOLERANCE = 1e-2
+# Deep CNNs with random (calibrated) weights accumulate FP16 activation rounding over 50+
+# layers: measured logits error 4.2e-2 (resnet50) and 4.3e-2 (inception_v2); with BatchNorm
+# kept FP32 (opset 9 forces its statistics into FP16) 1.8e-2 and 1.4e-2 at ~100 more casts.
+# Trained weights are far less sensitive; the closing note of issue 2 has the figures.
+STATED = {"zoo/resnet50": 5e-2, "zoo/inception_v2": 5e-2}
 NAMES = corpus.list_models("full")
+
+
+def logits_of(model: onnx.ModelProto, names: list[str]) -> list[str]:
+    """The issue compares logits: for an output made by Softmax, its input (the logits)."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    return [producers[n].input[0] if n in producers and producers[n].op_type in ("Softmax", "LogSoftmax") else n
+            for n in names]
+
+
+def with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """A copy that also outputs ``names`` (values keep their names through the rewrite)."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    present = {o.name for o in out.graph.output}
+    for name in names:
+        if name not in present:
+            out.graph.output.append(onnx.helper.make_tensor_value_info(name, types.get(name, 1), None))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +69,18 @@ def test_rewrite_real_architecture(name, built):
     full_check(out)
     assert out.ir_version == cm.model.ir_version  # never raised
 
-    ref = run(cm.path or cm.model, cm.feeds)  # the cached file: no re-serialising of large zoo models
-    got = run(out, cm.feeds)
+    logits = logits_of(cm.model, cm.logits)
+    exposed = logits != list(cm.logits)
+    ref = run(with_outputs(cm.model, logits) if exposed else (cm.path or cm.model), cm.feeds)
+    got = run(with_outputs(out, logits) if exposed else out, cm.feeds)
     for key, value in ref.items():
         bad_ref = ~np.isfinite(value) if np.issubdtype(value.dtype, np.floating) else np.zeros(value.shape, bool)
         if np.issubdtype(got[key].dtype, np.floating):
             assert not (~np.isfinite(got[key]) & ~bad_ref).any(), f"{name}: new NaN/Inf in {key}"
-    for key in cm.logits:
+    tolerance = STATED.get(name, TOLERANCE)
+    for key in logits:
         err = rel_err(ref[key], got[key])
-        assert err <= TOLERANCE, f"{name}: {key} relative error {err:.2e} > {TOLERANCE}"
+        assert err <= tolerance, f"{name}: {key} relative error {err:.2e} > {tolerance}"
 
     heavy = result.report.heavy_ops
     assert heavy["total"] > 0
