@@ -1,0 +1,700 @@
+"""Optimal placement: choose the precision of the undecided infer/clear nodes by an s–t minimum cut.
+
+Safety decides first (classify + paint): allow ops are low precision, deny / unlisted ops and the
+nodes deny paint pulled into an FP32 island are FP32. What is left — infer and clear nodes that no
+deny paint reached — may take either type within the safety rules below; the rest is cost. With
+two labels (source side = low precision, sink side = FP32) the cost below is a sum of terms a graph
+cut represents exactly, so max-flow (networkx, Boykov–Kolmogorov) gives the optimum, not a
+heuristic. Fixed nodes are terminals, so the free nodes fall into independent components (linked
+by a value one produces and another reads): each is cut, checked and repaired on its own.
+
+Cost model (bytes moved per run; one model run at the default shapes below):
+
+- **a cast**: ``numel × (4 + 2)`` bytes (it reads one type and writes the other), paid once per
+  value and target type: a value read by several consumers that need the other type is cast once
+  (``place_casts`` shares one Cast per (value, type, scope)). Modelled with one auxiliary node per
+  value and direction, so k consumers across the cut cost one cast, not k.
+- **a free node left FP32**: ``2 × numel`` extra bytes for each float input and output of its
+  painted group (the 2 bytes per element FP32 moves over FP16/BF16), weights included. (Fixed
+  nodes cost the same whatever the cut does, so the reported FP32 traffic is the free nodes'.)
+- **terminals**: graph inputs and outputs are FP32 (``keep_io_types``; low without it); values
+  produced or read by non-participating nodes (control flow, existing casts, custom ops, nested
+  bodies) need FP32; initializers and Constant outputs are free (converted offline, or duplicated
+  when both types read them) except training-mode initializers (master weights: a cast at use);
+  an existing ``Cast(to=FLOAT)`` of a non-FP32 value is free too (``place_casts`` retargets or
+  bypasses it).
+- **shapes**: a known dimension counts as is; a symbolic dimension whose name mentions "batch"
+  counts :data:`BATCH_DIM` (1); any other symbolic or unknown dimension counts
+  :data:`SYMBOLIC_DIM` (128, a typical sequence length / feature-map side); a value of unknown
+  rank takes the largest estimate among its producer's float inputs, else :data:`SYMBOLIC_DIM`.
+- **ties** go, in order, to fewer cast bytes, then to greedy's answer (so optimal only departs
+  from greedy where that strictly saves bytes).
+- **never more cast bytes than greedy**: where the plain sum's optimum trades an extra cast for
+  more FP32 traffic saved (a low-precision embedding block cast once into an FP32 LayerNorm), cast
+  bytes are weighted ×2, ×4, ×16 and finally lexicographically (any cast byte outweighs all FP32
+  traffic) until the component casts no more than greedy; each answer is the exact optimum of its
+  weighted sum (a Lagrangian step on the budget "cast bytes ≤ greedy's"), and the report says
+  which weight was used.
+
+Safety, never less than greedy's:
+
+- nodes fixed by a deny reason (deny / unlisted category, deny-painted island members, pinned or
+  kernel-less ops) are terminals on the FP32 side: the cut cannot move them;
+- downstream only: a free node greedy kept FP32 may turn low only where every value it reads comes
+  from a node that ends low (or is a weight): an implication edge per input, exact in the cut. A
+  cast never moves *upstream* across a value-changing op (``x → Div(1000) → MatMul`` keeps casting
+  the normalised value, not raw ``x``), and a node reading an FP32 tensor nobody can change stays
+  FP32, as does what follows it;
+- round trips: no low-precision path of non-allow nodes may run from a node that reads an FP32
+  tensor to a node that feeds an FP32 consumer (an FP32 → low → FP32 trip overflows above 65504).
+  This is greedy's per-node rule extended to paths. A cut that breaks it is repaired — the nodes
+  on offending paths that greedy kept FP32 are fixed FP32 (or, where greedy had none there, all of
+  them) and the component cut again, until none remain;
+- a component whose repaired answer casts more than greedy's keeps greedy's answer (as safe as
+  greedy, and never dearer).
+
+Cases handled: every scope (subgraph bodies too), keep_io_types on/off, training initializers,
+values read across scopes, shared initializers, Shape/Size/Cast consumers (they need no cast).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import ChainMap
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import networkx as nx
+
+from ..decisions import Category, Precision
+from ..ir import DType, Graph, Model, Node, Value
+from .base import Context, PassResult, accepts_any_float, category, group_inputs, group_outputs, node_label, participates
+
+BATCH_DIM = 1
+SYMBOLIC_DIM = 128
+CAST_BYTES_PER_ELEMENT = 6  # read 4 + write 2 (or read 2 + write 4)
+FP32_EXTRA_BYTES_PER_ELEMENT = 2  # what an FP32 node moves over a low-precision one, per element
+
+# Integer capacities, exact in max-flow: one byte is worth _BYTE units; cast elements carry a
+# tie-break of _CAST_TIE units each (fewer cast bytes wins a tie); departing from greedy costs
+# _GREEDY_TIE per node (greedy's answer wins a remaining tie). The scales never overlap: a model
+# would need 2^20 nodes to outweigh one cast element, and 2^20 cast elements to outweigh a byte.
+_BYTE = 1 << 40
+_CAST_TIE = 1 << 20
+_GREEDY_TIE = 1
+
+_S, _T = "S", "T"  # source = low precision, sink = FP32
+_FIXED_FP32 = (Category.DENY, Category.UNLISTED)
+_BATCH = re.compile("batch", re.IGNORECASE)
+
+
+def optimise_placement(model: Model, ctx: Context) -> PassResult:
+    """Re-decide the free infer/clear nodes of every scope by min-cut, then renumber the islands."""
+    changed = False
+    for scope in list(model.graph.scopes()):
+        problem = Problem.from_scope(scope, ctx)
+        if problem is None:
+            continue
+        labels, outcome = problem.solve()
+        changed |= problem.apply(labels, outcome, ctx)
+    if changed:
+        _refresh_islands(model, ctx)
+    return PassResult("optimal", modified=False)  # precisions only: place_casts makes the edits
+
+
+# -- the problem ---------------------------------------------------------------------------------------
+@dataclass
+class _ValueTerm:
+    """One value's cast term: a cast is paid when its producer's type differs from a consumer's."""
+
+    value: Value
+    producer: int | str  # node index, or _S / _T for a fixed source
+    consumers: list[int]  # node indices (free or fixed) reading it in their painted group
+    fixed_needs: set[str]  # _S / _T: fixed consumers (graph outputs, non-participating nodes, ...)
+    numel: int
+
+    @property
+    def cast_bytes(self) -> int:
+        return self.numel * CAST_BYTES_PER_ELEMENT
+
+
+@dataclass
+class Outcome:
+    """How the scope was decided, for the report."""
+
+    scope: Graph
+    cost: "Cost"
+    greedy_cost: "Cost"
+    rounds: int = 1
+    repaired: list[int] = field(default_factory=list)  # nodes fixed FP32 by the round-trip repair
+    kept_greedy: int = 0  # components where greedy's answer was kept (the repaired cut cast more)
+    kept_nodes: set[int] = field(default_factory=set)  # their nodes
+    components: int = 0
+    weight: int = 1  # the cast-byte weight of the accepted cut (1: the plain sum)
+
+
+@dataclass
+class _Component:
+    variables: list[int] = field(default_factory=list)
+    terms: list[_ValueTerm] = field(default_factory=list)
+    requires: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Cost:
+    cast_bytes: int
+    fp32_bytes: int
+    casts: int
+
+    @property
+    def total(self) -> int:
+        return self.cast_bytes + self.fp32_bytes
+
+
+class Problem:
+    """The two-label problem of one scope."""
+
+    def __init__(self, scope: Graph, ctx: Context, nodes: list[Node]) -> None:
+        self.scope = scope
+        self.ctx = ctx
+        self.nodes = nodes
+        self.index = {id(n): i for i, n in enumerate(nodes)}
+        self.group_in = [frozenset(group_inputs(n)) for n in nodes]
+        self.group_out = [group_outputs(n) for n in nodes]
+        self.cat = [category(n) for n in nodes]
+        self.greedy = [n.meta.get("amp.precision") == Precision.LOW for n in nodes]
+        self.fixed: dict[int, bool] = {}  # index -> is_low
+        for i, n in enumerate(nodes):
+            if self.cat[i] == Category.ALLOW:
+                self.fixed[i] = True
+            elif self.cat[i] in _FIXED_FP32 or n.meta.get("amp.deny_painted") or self.cat[i] not in (
+                    Category.INFER, Category.CLEAR):
+                self.fixed[i] = False
+        self.free = [i for i in range(len(nodes)) if i not in self.fixed]
+        # The graph view greedy's safety rule reads (paint._ScopePainter._wire), built from the same
+        # uses as the cost terms: group edges, FP32 sources read, FP32 consumers fed.
+        self.preds: list[set[int]] = [set() for _ in nodes]
+        self.succs: list[set[int]] = [set() for _ in nodes]
+        self.fp32_source = [False] * len(nodes)
+        self.fp32_sink = [False] * len(nodes)
+        self._numel: dict[int, int] = {}
+        self.terms = self._value_terms()
+        self.requires = self._only_downstream()
+        self.free = [i for i in range(len(nodes)) if i not in self.fixed]
+        self.node_bytes = [0] * len(nodes)
+        for i in self.free:
+            ins, outs = nodes[i].inputs, nodes[i].outputs
+            floats = [ins[k] for k in self.group_in[i]] + [outs[k] for k in self.group_out[i]]
+            self.node_bytes[i] = FP32_EXTRA_BYTES_PER_ELEMENT * sum(self.numel(v) for v in floats)
+        self.components = self._components()
+
+    @classmethod
+    def from_scope(cls, scope: Graph, ctx: Context) -> "Problem | None":
+        nodes = [n for n in scope.nodes if participates(n)]
+        if not any(n.meta.get("amp.precision") == Precision.LOW for n in nodes):
+            return None  # no low node: greedy changes nothing here, neither do we
+        problem = cls(scope, ctx, nodes)
+        return problem if problem.free else None
+
+    # -- building ----------------------------------------------------------------------------------
+    def _value_terms(self) -> list[_ValueTerm]:
+        is_main = self.scope.parent is None
+        keep_io = self.ctx.options.keep_io_types or not is_main
+        seen: dict[int, Value] = {}
+        for i, node in enumerate(self.nodes):
+            ins, outs = node.inputs, node.outputs
+            for k in self.group_in[i]:
+                seen.setdefault(id(ins[k]), ins[k])
+            for k in self.group_out[i]:
+                seen.setdefault(id(outs[k]), outs[k])
+        terms = []
+        index, scope = self.index, self.scope
+        for value in seen.values():
+            producer, fp32_read = self._producer(value, keep_io, is_main)
+            if producer is None and not fp32_read:
+                continue  # a free source (weights, constants): no cast term, no safety mark
+            consumers: dict[int, None] = {}  # an ordered set
+            needs: set[str] = set()
+            for consumer, k in value.uses():
+                j = index.get(id(consumer))
+                if consumer.graph is not scope:
+                    needs.add(_T)  # read inside a nested body, whose boundary stays FP32
+                elif j is not None and k in self.group_in[j]:
+                    consumers[j] = None
+                elif accepts_any_float(consumer):
+                    continue
+                else:
+                    needs.add(_T)
+            if value.is_graph_output:
+                needs.add(_T if keep_io else _S)
+            if isinstance(producer, int):
+                if _T in needs:
+                    self.fp32_sink[producer] = True
+                for c in consumers:
+                    self.succs[producer].add(c)
+                    self.preds[c].add(producer)
+            elif fp32_read:
+                for c in consumers:
+                    self.fp32_source[c] = True
+            if producer is None:
+                continue
+            if consumers or (isinstance(producer, int) and needs):
+                terms.append(_ValueTerm(value, producer, list(consumers), needs, self.numel(value)))
+        return terms
+
+    def _producer(self, value: Value, keep_io: bool, is_main: bool) -> tuple[int | str | None, bool]:
+        """The producer's label for the cost — a node index, a fixed terminal, or None for a free
+        source — and whether greedy's safety rule counts the value as an FP32 tensor read."""
+        node = value.producer
+        j = self.index.get(id(node)) if node is not None else None
+        if j is not None and value.producer_index in self.group_out[j]:
+            return j, False
+        if value.is_constant:
+            return (_T if (self.ctx.options.training and value.is_initializer) else None), False
+        if value.is_graph_input and value.graph is self.scope and not keep_io:
+            return _S, False
+        if value.dtype != DType.FLOAT:
+            return None, False
+        if _is_float_cast_of_non_fp32(node):
+            return None, True  # free to retarget for the cost, but an FP32 tensor all the same
+        return _T, True
+
+    def _only_downstream(self) -> list[tuple[int, int]]:
+        """Greedy kept these free nodes FP32; they may turn low only *downstream* of low
+        precision: every value they read in their group must come from a node that ends low (or
+        be a weight/constant). Returns those (node, producer) implications for the cut; a node
+        reading an FP32 tensor nobody can change (a graph input, a Cast(to=FLOAT), an FP32 node
+        output) is fixed FP32, and so, transitively, is what reads it.
+
+        So a cast never moves *upstream* across a value-changing op greedy kept FP32: ``x → Sub →
+        Div → Conv`` keeps its cast right before the Conv (raw ``x`` may exceed 65504 where the
+        normalised value does not), and an LSTM reading a graph input stays as greedy left it."""
+        follow = [i for i in self.free if not self.greedy[i]]
+        pending = [i for i in follow if self.fp32_source[i] or any(self.fixed.get(p) is False for p in self.preds[i])]
+        for i in pending:
+            self.fixed[i] = False
+        while pending:  # a node that must stay FP32 pins the followers reading it
+            i = pending.pop()
+            for j in self.succs[i]:
+                if j not in self.fixed and not self.greedy[j]:
+                    self.fixed[j] = False
+                    pending.append(j)
+        return [(i, p) for i in follow if i not in self.fixed for p in sorted(self.preds[i]) if p not in self.fixed]
+
+    def feasible(self, labels: list[bool]) -> bool:
+        """The downstream-only rule holds (and fixed nodes have their labels)."""
+        return all(labels[i] == low for i, low in self.fixed.items()) and all(
+            labels[p] or not labels[i] for i, p in self.requires)
+
+    def _components(self) -> list["_Component"]:
+        """Free nodes linked by a cost term, with their terms: independent sub-problems (fixed
+        nodes are terminals), and a low path of free nodes never leaves one."""
+        parent = {i: i for i in self.free}
+
+        def find(x: int) -> int:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        term_root: list[int | None] = []
+        for term in self.terms:
+            refs = [r for r in [term.producer, *term.consumers] if isinstance(r, int) and r in parent]
+            for r in refs[1:]:
+                a, b = find(refs[0]), find(r)
+                if a != b:
+                    parent[a] = b
+            term_root.append(refs[0] if refs else None)
+        groups: dict[int, _Component] = {}
+        for i in self.free:
+            groups.setdefault(find(i), _Component()).variables.append(i)
+        for term, r in zip(self.terms, term_root):
+            if r is not None:
+                groups[find(r)].terms.append(term)
+        for i, p in self.requires:  # i and p share the term of p's output: one component
+            groups[find(i)].requires.append((i, p))
+        return list(groups.values())
+
+    # -- sizes ---------------------------------------------------------------------------------------
+    def numel(self, value: Value | None) -> int:
+        if value is None:
+            return 0
+        key = id(value)
+        if key not in self._numel:
+            self._numel[key] = self._estimate(value, depth=0)
+        return self._numel[key]
+
+    def _estimate(self, value: Value, depth: int) -> int:
+        if value.numel is not None:
+            return value.numel
+        if value.shape is not None:
+            return estimate_numel(value.shape)
+        producer = value.producer
+        if producer is not None and depth < 32:
+            sizes = [self._numel.get(id(v)) or self._estimate(v, depth + 1) for v in producer.inputs
+                     if v is not None and v.dtype is not None and v.dtype.is_float]
+            if sizes:
+                return max(sizes)
+        return SYMBOLIC_DIM
+
+    # -- cost ----------------------------------------------------------------------------------------
+    def label(self, ref: int | str, labels: list[bool]) -> bool:
+        return ref == _S if isinstance(ref, str) else labels[ref]
+
+    def cost(self, labels: list[bool], *, terms: list[_ValueTerm] | None = None,
+             variables: list[int] | None = None) -> Cost:
+        """Bytes per run of a labelling (True = low): of the whole scope, or of one component."""
+        cast_bytes = casts = 0
+        for term in self.terms if terms is None else terms:
+            if self._cut_between(term, labels):
+                cast_bytes += term.cast_bytes
+                casts += 1
+        fp32 = sum(self.node_bytes[i] for i in (self.free if variables is None else variables) if not labels[i])
+        return Cost(cast_bytes, fp32, casts)
+
+    def _cut_between(self, term: _ValueTerm, labels: list[bool]) -> bool:
+        produced = self.label(term.producer, labels)
+        return any(labels[c] != produced for c in term.consumers) or any(
+            (n == _S) != produced for n in term.fixed_needs)
+
+    def local_costs(self, i: int, labels: list[bool]) -> tuple[int, int]:
+        """Bytes of the terms touching node ``i`` with it low, then FP32 (the rest as labelled)."""
+        out = []
+        was = labels[i]
+        try:
+            for low in (True, False):
+                labels[i] = low
+                total = 0 if low else self.node_bytes[i]
+                total += sum(t.cast_bytes for t in self._terms_of(i) if self._cut_between(t, labels))
+                out.append(total)
+        finally:
+            labels[i] = was
+        return out[0], out[1]
+
+    def _terms_of(self, i: int) -> list[_ValueTerm]:
+        if not hasattr(self, "_by_node"):
+            self._by_node: dict[int, list[_ValueTerm]] = {}
+            for term in self.terms:
+                refs = set(term.consumers)
+                if not isinstance(term.producer, str):
+                    refs.add(term.producer)
+                for r in refs:
+                    self._by_node.setdefault(r, []).append(term)
+        return self._by_node.get(i, [])
+
+    # -- the cut -------------------------------------------------------------------------------------
+    def min_cut(self, fixed: dict[int, bool], weight: int = 1) -> list[bool]:
+        """Labels (True = low) minimising ``weight × cast bytes + FP32 bytes`` with ``fixed`` nodes
+        pinned, by max-flow."""
+        labels = list(self.greedy)
+        for i, low in fixed.items():
+            labels[i] = low
+        variables = [i for i in range(len(self.nodes)) if i not in fixed]
+        for i in variables:
+            labels[i] = False
+        for v in self._cut(self.terms, variables, fixed, weight, self.requires):
+            labels[v] = True
+        return labels
+
+    def _cut(self, terms: list[_ValueTerm], variables: list[int], fixed: Mapping[int, bool], weight: int,
+             requires: list[tuple[int, int]] = ()) -> list[int]:
+        """The variables that go low in the minimum cut of the network these terms build."""
+        def ref(i: int | str) -> int | str:
+            if isinstance(i, str):
+                return i
+            if i in fixed:
+                return _S if fixed[i] else _T
+            return i
+
+        edges: dict[tuple, int | None] = {}  # (u, v) -> capacity; None is infinite
+
+        def add(u, v, cap: int | None = None) -> None:
+            if u == v or u == _T or v == _S:
+                return  # never cut (one side, or from the sink side to the source side)
+            if cap is not None and cap <= 0:
+                return
+            if (u, v) in edges:
+                old = edges[(u, v)]
+                edges[(u, v)] = None if old is None or cap is None else old + cap
+            else:
+                edges[(u, v)] = cap
+
+        for i in variables:
+            add(_S, i, self.node_bytes[i] * _BYTE)  # cut when i stays FP32
+            if self.greedy[i]:
+                add(_S, i, _GREEDY_TIE)  # cut when i goes FP32
+            else:
+                add(i, _T, _GREEDY_TIE)  # cut when i goes low
+        for term in terms:
+            w = term.numel * (CAST_BYTES_PER_ELEMENT * weight * _BYTE + _CAST_TIE)
+            p = ref(term.producer)
+            cons = {ref(c) for c in term.consumers} | set(term.fixed_needs)
+            cons.discard(p)
+            if not cons or w <= 0:
+                continue
+            # producer low, some consumer FP32: one cast, shared through an auxiliary node
+            fp32_side = [c for c in cons if c != _S]
+            if p != _T and fp32_side:
+                if _T in fp32_side or len(fp32_side) == 1:
+                    add(p, _T if _T in fp32_side else fp32_side[0], w)
+                else:
+                    a = ("a", id(term))
+                    add(p, a, w)
+                    for c in fp32_side:
+                        add(a, c)
+            # producer FP32, some consumer low: one cast, shared through another auxiliary node
+            low_side = [c for c in cons if c != _T]
+            if p != _S and low_side:
+                if _S in low_side or len(low_side) == 1:
+                    add(_S if _S in low_side else low_side[0], p, w)
+                else:
+                    b = ("b", id(term))
+                    add(b, p, w)
+                    for c in low_side:
+                        add(c, b)
+        for i, p in requires:  # i low only if p low: an infinite edge i → p (uncut only if not i∈S, p∈T)
+            add(ref(i), ref(p))
+        low: list[int] = []
+        for component, comp_edges in _components(edges):
+            low.extend(_cut_component(component, comp_edges, self.greedy))
+        return low
+
+    # -- safety --------------------------------------------------------------------------------------
+    def round_trip_nodes(self, labels: list[bool], within: list[int] | None = None) -> set[int]:
+        """Low non-allow nodes on a low path from an FP32 reader to an FP32 feeder."""
+        candidates = range(len(labels)) if within is None else within
+        low = {i for i in candidates if labels[i] and self.cat[i] != Category.ALLOW}
+        readers = [i for i in low if self.fp32_source[i] or any(not labels[p] for p in self.preds[i])]
+        feeders = [i for i in low if self.fp32_sink[i] or any(not labels[s] for s in self.succs[i])]
+        if not readers or not feeders:
+            return set()
+        forward = _reach(readers, self.succs, low)
+        backward = _reach(feeders, self.preds, low)
+        return forward & backward
+
+    # -- solving -------------------------------------------------------------------------------------
+    def solve(self) -> tuple[list[bool], Outcome]:
+        """The cheapest round-trip-safe labelling that casts no more bytes than greedy's, solved
+        component by component (the cost is a sum over them, and so are both constraints).
+
+        First the exact optimum of the plain sum (casts + FP32 traffic). Where that casts more
+        bytes than greedy (it traded a cast for more FP32 traffic saved), cast bytes are weighted
+        up — ×2, ×4, ×16, then lexicographically (any cast byte outweighs all FP32 traffic) — and
+        the cut solved again: each answer is the exact optimum of its weighted sum, and the last
+        one can never cast more than greedy, whose answer is a feasible labelling."""
+        labels = list(self.greedy)
+        for i, low in self.fixed.items():
+            labels[i] = low
+        outcome = Outcome(self.scope, Cost(0, 0, 0), self.cost(self.greedy), rounds=0,
+                          components=len(self.components))
+        for component in self.components:
+            self._solve_component(component, labels, outcome)
+        outcome.cost = self.cost(labels)
+        return labels, outcome
+
+    def _solve_component(self, component: "_Component", labels: list[bool], outcome: Outcome) -> None:
+        variables, terms = component.variables, component.terms
+        greedy_cast = self.cost(self.greedy, terms=terms, variables=variables).cast_bytes
+        lexicographic = sum(self.node_bytes[i] for i in variables) + 1
+        for weight in (1, 2, 4, 16, lexicographic):
+            repaired_fixed: dict[int, bool] = {}
+            fixed = ChainMap(repaired_fixed, self.fixed)  # no copy of the scope-wide dict per component
+            repaired: list[int] = []
+            rounds = 0
+            while True:  # cut, then repair round trips (fix offending nodes FP32) until none remain
+                rounds += 1
+                free = [i for i in variables if i not in fixed]
+                for i in free:
+                    labels[i] = False
+                for i in repaired:
+                    labels[i] = False
+                for i in self._cut(terms, free, fixed, weight, component.requires):
+                    labels[i] = True
+                bad = self.round_trip_nodes(labels, variables)
+                if not bad:
+                    break
+                # prefer the nodes greedy kept FP32 (as safe as greedy); else all of them
+                pick = {i for i in bad if not self.greedy[i]} or bad
+                for i in sorted(pick):
+                    repaired_fixed[i] = False
+                    repaired.append(i)
+            outcome.rounds = max(outcome.rounds, rounds)
+            if self.cost(labels, terms=terms, variables=variables).cast_bytes <= greedy_cast:
+                outcome.repaired.extend(repaired)
+                outcome.weight = max(outcome.weight, weight)
+                return
+        # only the round-trip repair can get here: greedy's answer is as safe and casts less
+        for i in variables:
+            labels[i] = self.greedy[i]
+        outcome.kept_greedy += 1
+        outcome.kept_nodes.update(variables)
+
+    # -- recording -----------------------------------------------------------------------------------
+    def apply(self, labels: list[bool], outcome: Outcome, ctx: Context) -> bool:
+        low_name = ctx.low.short
+        changed = False
+        repaired = set(outcome.repaired)
+        for i in self.free:
+            if i in outcome.kept_nodes:
+                continue  # greedy's answer and reason stand
+            node = self.nodes[i]
+            meta = node.meta
+            was = self.greedy[i]
+            low_here, fp32_here = self.local_costs(i, labels)
+            mine, other = (low_here, fp32_here) if labels[i] else (fp32_here, low_here)
+            name, other_name = (low_name, "FP32") if labels[i] else ("FP32", low_name)
+            if i in repaired:
+                meta["amp.step"] = "safety"
+                meta["amp.reason"] = (f"kept FP32: in {low_name} it would lie on a path from an FP32 producer to an "
+                                      f"FP32 consumer (an FP32→{low_name}→FP32 round trip overflows above 65504)")
+            else:
+                meta["amp.step"] = "optimal"
+                verdict = "as greedy chose" if labels[i] == was else f"greedy chose {other_name}"
+                meta["amp.reason"] = (f"min-cut placement: {name} moves {_fmt(mine)} per run here against "
+                                      f"{_fmt(other)} in {other_name} (casts on edges whose ends differ + extra "
+                                      f"FP32 traffic; {verdict})")
+            meta["amp.via"] = None
+            meta["amp.precision"] = Precision.LOW if labels[i] else Precision.FP32
+            changed |= labels[i] != was
+        ctx.log.notes.append(self._note(outcome))
+        placement = getattr(ctx.log, "placement", None)
+        if placement is None:
+            placement = {"mode": "optimal", "scopes": []}
+            ctx.log.placement = placement  # type: ignore[attr-defined]
+        placement["scopes"].append(self._summary(outcome))
+        return changed
+
+    def _note(self, outcome: Outcome) -> str:
+        from .base import scope_label
+
+        c, g = outcome.cost, outcome.greedy_cost
+        head = f"optimal placement ({scope_label(self.scope)}): "
+        extra = []
+        if outcome.weight != 1:
+            extra.append(f"cast bytes weighted up to ×{outcome.weight} to cast no more than greedy")
+        if outcome.repaired:
+            extra.append(f"{len(outcome.repaired)} node(s) fixed FP32 against round trips")
+        if outcome.kept_greedy:
+            extra.append(f"greedy's answer kept in {outcome.kept_greedy} component(s) where the round-trip-safe cut "
+                         f"cast more")
+        return (head + f"{_fmt(c.cast_bytes)} cast + {_fmt(c.fp32_bytes)} FP32 traffic per run against greedy's "
+                f"{_fmt(g.cast_bytes)} + {_fmt(g.fp32_bytes)} ({c.casts} casts against {g.casts}; symbolic dims "
+                f"counted as {SYMBOLIC_DIM}, batch as {BATCH_DIM}; {len(self.free)} free nodes in "
+                f"{outcome.components} independent cut(s)" + "".join(f"; {e}" for e in extra) + ")")
+
+    def _summary(self, outcome: Outcome) -> dict:
+        from .base import scope_label
+
+        return {"scope": scope_label(self.scope), "free_nodes": len(self.free), "rounds": outcome.rounds,
+                "components": outcome.components, "kept_greedy": outcome.kept_greedy, "repaired": [node_label(self.nodes[i]) for i in outcome.repaired],
+                "cast_bytes": outcome.cost.cast_bytes, "fp32_bytes": outcome.cost.fp32_bytes,
+                "casts": outcome.cost.casts, "cast_weight": outcome.weight, "greedy_cast_bytes": outcome.greedy_cost.cast_bytes,
+                "greedy_fp32_bytes": outcome.greedy_cost.fp32_bytes, "greedy_casts": outcome.greedy_cost.casts}
+
+
+# -- helpers -------------------------------------------------------------------------------------------------
+def estimate_numel(shape: tuple) -> int:
+    """Elements of a tensor of ``shape`` at the default sizes for symbolic dimensions."""
+    n = 1
+    for d in shape:
+        if isinstance(d, int):
+            n *= max(d, 0)
+        elif isinstance(d, str) and _BATCH.search(d):
+            n *= BATCH_DIM
+        else:
+            n *= SYMBOLIC_DIM
+    return n
+
+
+def _is_float_cast_of_non_fp32(node: Node | None) -> bool:
+    if node is None or node.op_type != "Cast" or node.domain != "" or not node.inputs:
+        return False
+    source = node.inputs[0]
+    return node.attrs.get("to") == int(DType.FLOAT) and source is not None and source.dtype is not None \
+        and source.dtype != DType.FLOAT
+
+
+def _components(edges: dict[tuple, int | None]) -> list[tuple[set, list]]:
+    """Split the flow network at its terminals: each weakly connected group of variables (and
+    auxiliary nodes) is an independent cut. Returns (variables and aux nodes, edges) per group."""
+    parent: dict = {}
+
+    def find(x):
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for (u, v) in edges:
+        for x in (u, v):
+            if x not in (_S, _T):
+                find(x)
+        if u not in (_S, _T) and v not in (_S, _T):
+            ru, rv = find(u), find(v)
+            if ru != rv:
+                parent[ru] = rv
+    groups: dict = {}
+    for x in parent:
+        groups.setdefault(find(x), (set(), []))[0].add(x)
+    for (u, v), cap in edges.items():
+        inner = u if u not in (_S, _T) else v
+        if inner in (_S, _T):
+            continue  # S→T: a constant, in every cut
+        groups[find(inner)][1].append((u, v, cap))
+    return list(groups.values())
+
+
+def _cut_component(nodes: set, edges: list, greedy: list[bool]) -> list[int]:
+    """The variables of one component that go low (the source side of its minimum cut)."""
+    variables = [v for v in nodes if isinstance(v, int)]
+    if len(nodes) == 1 and len(variables) == 1:
+        # one variable: compare the two ways of cutting it directly
+        i = variables[0]
+        if any(c is None and v == _T for u, v, c in edges):
+            return []  # must stay FP32
+        if any(c is None and u == _S for u, v, c in edges):
+            return [i]  # must go low
+        to_fp32 = sum(c for u, v, c in edges if u == _S)  # paid when it stays FP32
+        to_low = sum(c for u, v, c in edges if v == _T)  # paid when it goes low
+        low = to_fp32 > to_low or (to_fp32 == to_low and greedy[i])
+        return [i] if low else []
+    g = nx.DiGraph()
+    g.add_nodes_from((_S, _T))
+    for u, v, cap in edges:
+        if cap is None:
+            g.add_edge(u, v)  # no capacity attribute: infinite in networkx
+        else:
+            g.add_edge(u, v, capacity=cap)
+    _, (source_side, _) = nx.minimum_cut(g, _S, _T, flow_func=nx.algorithms.flow.boykov_kolmogorov)
+    return [v for v in source_side if isinstance(v, int)]
+
+
+def _reach(roots: list[int], neighbours: list[set[int]], within: set[int]) -> set[int]:
+    seen = set(roots)
+    stack = list(roots)
+    while stack:
+        current = stack.pop()
+        for nxt in neighbours[current]:
+            if nxt in within and nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
+
+
+def _refresh_islands(model: Model, ctx: Context) -> None:
+    """Islands were found on greedy's paint; recompute them on the new precisions."""
+    from .islands import find_islands
+
+    for node in model.graph.walk():
+        node.meta.pop("amp.island", None)
+    ctx.log.islands.clear()
+    find_islands(model, ctx)
+
+
+def _fmt(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

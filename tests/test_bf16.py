@@ -1,0 +1,196 @@
+"""The BF16 target end to end (target="bf16", rules/onnx-cuda-bf16.toml).
+
+For a few small models, both placements: the full checker passes; no FP16 anywhere (no Cast to
+FLOAT16, no FLOAT16 tensor); nothing but Casts added (no loss-scaling or other nodes); the GEMMs run
+in bf16. onnxruntime's CPU provider has Cast kernels for bfloat16 but no bfloat16 MatMul/Gemm/Add,
+so the real model may only fail to load for that reason (NOT_IMPLEMENTED, never a type error),
+and its numerics are run through ``tools/bench_bf16.emulate_bf16`` (every bf16 rounding kept,
+FP32 in between) and compared with FP32 at a bf16 tolerance.
+
+And the rule set's point: ops denied in FP16 for *range* (Exp) may run in bf16, ops denied for
+*precision* (reductions: ReduceMean of a LayerNorm) stay FP32, and ops with no bf16 CUDA kernel at
+the model's opset (Conv below opset 22) stay FP32 with that reason.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from util import BF16, FP16, FP32, full_check, make_model, rel_err, rewrite, run, value_types
+
+from tools.bench_bf16 import emulate_bf16
+from tools.ortrun import OrtRunError, load_ok
+
+BF16_TOLERANCE = 5e-2  # 8 significant bits: ~4e-3 per rounding, a few roundings deep
+
+MLP_LN = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4,16] x) => (float[4,16] y) {
+      a = MatMul(x, w1)
+      b = Add(a, b1)
+      r = Relu(b)
+      mu = ReduceMean<axes=[1]>(r)
+      d = Sub(r, mu)
+      sq = Mul(d, d)
+      var = ReduceMean<axes=[1]>(sq)
+      eps = Constant<value=float {1e-5}>()
+      ve = Add(var, eps)
+      sd = Sqrt(ve)
+      n = Div(d, sd)
+      s = Softmax<axis=1>(n)
+      y = MatMul(s, w2)
+    }"""
+
+
+def _mlp_ln():
+    return make_model(MLP_LN, {"w1": (16, 16), "b1": (16,), "w2": (16, 16)})
+
+
+def _corpus_model(name: str):
+    corpus = pytest.importorskip("tools.corpus")
+    cm = corpus.build(name)
+    return cm.model, cm.feeds, cm.logits
+
+
+CORPUS = ("synthetic/transformer-block-op17", "control/loop")  # control/loop: bf16 inside a Loop body
+CASES = [(name, placement) for name in ("mlp-layernorm", *CORPUS) for placement in ("greedy", "optimal")]
+
+
+def _case(name):
+    if name == "mlp-layernorm":
+        rng = np.random.default_rng(0)
+        return _mlp_ln(), {"x": rng.standard_normal((4, 16)).astype(np.float32)}, ["y"]
+    return _corpus_model(name)
+
+
+def _all_types(model) -> set[int]:
+    inferred = onnx.shape_inference.infer_shapes(model)
+    out = set()
+    stack = [inferred.graph]
+    while stack:
+        g = stack.pop()
+        out.update(v.type.tensor_type.elem_type for v in list(g.input) + list(g.output) + list(g.value_info))
+        out.update(t.data_type for t in g.initializer)
+        for node in g.node:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    stack.append(attr.g)
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    stack.extend(attr.graphs)
+    return out
+
+
+def _all_nodes(graph):
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _all_nodes(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _all_nodes(g)
+
+
+@pytest.mark.parametrize("name,placement", CASES)
+def test_bf16_end_to_end(name, placement):
+    model, feeds, logits = _case(name)
+    result = rewrite(model, target="bf16", placement=placement)
+    assert result.modified
+    out = result.model
+    full_check(out)
+
+    # no FP16 anywhere, and only Casts were added (no loss scaling, nothing else)
+    nodes = list(_all_nodes(out.graph))
+    for node in nodes:
+        if node.op_type == "Cast":
+            assert onnx.helper.get_attribute_value(node.attribute[0]) != FP16, node.name
+    types = _all_types(out)
+    assert FP16 not in types and BF16 in types
+    before = sorted(n.op_type for n in _all_nodes(model.graph))
+    after = sorted(n.op_type for n in nodes if n.op_type != "Cast")
+    assert after == sorted(op for op in before if op != "Cast")
+    names = {i.name for i in out.graph.input} | {o.name for o in out.graph.output}
+    assert not any("loss_scale" in n or "all_finite" in n for n in names)
+    assert [i.name for i in out.graph.input] == [i.name for i in model.graph.input]
+    assert all(o.type.tensor_type.elem_type == FP32 for o in out.graph.output
+               if o.type.tensor_type.elem_type in (FP32, FP16, BF16))
+
+    assert result.report.heavy_ops["low"] >= 1
+    assert result.report.summary()["target"] == "bf16"
+
+    # onnxruntime CPU: the real model loads, or lacks only bf16 kernels
+    ok, reason = load_ok(out)
+    if not ok:
+        assert "NOT_IMPLEMENTED" in reason and "Could not find an implementation" in reason, reason
+
+    # numerics: every bf16 rounding emulated, run on the CPU provider, compared with FP32
+    ref = run(model, feeds)
+    got = run(emulate_bf16(out), feeds)
+    for key in logits:
+        assert np.isfinite(got[key]).all()
+        err = rel_err(ref[key], got[key])
+        assert err <= BF16_TOLERANCE, f"{name}: {key} relative error {err:.2e}"
+        assert err > 0  # bf16 really happened
+
+
+def test_emulation_is_faithful_on_a_bf16_cast_chain():
+    # x → Cast(bf16) → Relu (bf16) → Cast(float): emulated = round-to-bf16 once, then exact
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[3] x) => (float[3] y) {
+          c = Cast<to=16>(x)
+          r = Relu(c)
+          y = Cast<to=1>(r)
+        }""")
+    x = np.array([1.00390625, -2.0, 3.14159], np.float32)
+    try:
+        got = run(m, {"x": x})["y"]
+    except OrtRunError:
+        got = None  # no bf16 Relu kernel on CPU: compare with numpy only
+    emu = run(emulate_bf16(m), {"x": x})["y"]
+    expected = np.array([1.0, 0.0, 3.140625], np.float32)
+    np.testing.assert_array_equal(emu, expected)
+    if got is not None:
+        np.testing.assert_array_equal(got, expected)
+
+
+EXP_BETWEEN_GEMMS = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4,16] x) => (float[4,16] y) {
+      a = MatMul(x, w1)
+      e = Exp(a)
+      y = MatMul(e, w2)
+    }"""
+
+
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
+def test_range_only_ops_run_bf16_but_precision_reductions_stay_fp32(placement):
+    m = make_model(EXP_BETWEEN_GEMMS, {"w1": (16, 16), "w2": (16, 16)})
+    fp16 = rewrite(m, placement=placement)
+    bf16 = rewrite(m, target="bf16", placement=placement)
+    p16 = {d.node: d.precision.value for d in fp16.log.decisions.values()}
+    p_bf = {d.node: d.precision.value for d in bf16.log.decisions.values()}
+    assert p16["Exp:e"] == "fp32"  # overflows fp16 past ~11
+    assert p_bf["Exp:e"] == "low"  # bf16 has FP32's range
+
+    ln = rewrite(_mlp_ln(), target="bf16", placement=placement)
+    for d in ln.log.decisions.values():
+        if d.op == "ReduceMean":
+            assert d.precision.value == "fp32", d  # a running sum: precision, not range
+
+
+def test_conv_without_a_bf16_kernel_at_its_opset_stays_fp32():
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1,3,8,8] x) => (float[1,4,8,8] y) {
+          y = Conv<pads=[1,1,1,1]>(x, w)
+        }""", {"w": (4, 3, 3, 3)})
+    result = rewrite(m, target="bf16")
+    decision = next(d for d in result.log.decisions.values() if d.op == "Conv")
+    assert decision.precision.value != "low"
+    assert decision.reason
+    out = result.model
+    full_check(out)
+    assert BF16 not in value_types(out).values()

@@ -1,0 +1,390 @@
+"""Optimal cast placement (s–t minimum cut, amp_rewrite/passes/optimal.py).
+
+- hand-built graphs whose optimum is known by hand: the cut finds it;
+- a value read by several consumers across the cut costs one cast, not one per consumer;
+- seeded random DAGs: the cut's cost equals a brute-force minimum over every labelling, deny and
+  deny-painted nodes are never low, no FP32 → low → FP32 path appears, cast bytes never exceed
+  greedy's;
+- end to end: checker, onnxruntime, tolerance, a fixed point, and the report carries the bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from util import full_check, make_model, nodes_by_type, rel_err, rewrite, run
+
+from amp_rewrite.api import make_context
+from amp_rewrite.decisions import Category, Precision
+from amp_rewrite.frontends.onnx_loader import load_onnx
+from amp_rewrite.passes import optimal
+from amp_rewrite.passes.classify import classify
+from amp_rewrite.passes.islands import find_islands
+from amp_rewrite.passes.paint import paint
+
+
+def _problem(model: onnx.ModelProto, *, allow_none: bool = False, **options) -> optimal.Problem | None:
+    ctx = make_context(frontend="onnx", placement="optimal", **options)
+    ir_model = load_onnx(model)
+    for p in (classify, paint, find_islands):
+        p(ir_model, ctx)
+    problem = optimal.Problem.from_scope(ir_model.graph, ctx)
+    assert allow_none or problem is not None
+    return problem
+
+
+def _precisions(result) -> dict[str, str]:
+    return {d.node: d.precision.value for d in result.log.decisions.values()}
+
+
+def _inserted(result) -> list:
+    return [c for c in result.log.casts if c.kind == "inserted"]
+
+
+def _cast_bytes(result) -> int:
+    return sum(c.bytes_per_run for c in _inserted(result))
+
+
+# -- hand-built graphs with a known optimum ------------------------------------------------------------
+def test_free_nodes_downstream_of_low_ops_go_low_and_upstream_ones_keep_greedys_answer():
+    # greedy: Relu (before the first allow op) and Sigmoid (after the last) stay FP32, casts on both
+    # sides of the MatMul. Sigmoid reads the MatMul's fp16 output: low costs the same cast (moved
+    # before the ReduceMean) and saves its FP32 traffic (2×16×16×2 B). Relu reads the FP32 input:
+    # turning it low would move the cast upstream across a value-changing op, which the
+    # downstream-only rule forbids, so it stays FP32 as greedy had it.
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[16,16] x) => (float[16,1] y) {
+          r = Relu(x)
+          a = MatMul(r, w)
+          s = Sigmoid(a)
+          y = ReduceMean<axes=[1]>(s)
+        }""", {"w": (16, 16)})
+    greedy, best = rewrite(m), rewrite(m, placement="optimal")
+    assert _precisions(greedy)["Relu:r"] == "fp32" and _precisions(greedy)["Sigmoid:s"] == "fp32"
+    p = _precisions(best)
+    assert p == {"Relu:r": "fp32", "MatMul:a": "low", "Sigmoid:s": "low", "ReduceMean:y": "fp32"}
+    assert _cast_bytes(best) == _cast_bytes(greedy) == 2 * 16 * 16 * 6
+    assert best.log.decisions["Sigmoid:s"].step == "optimal"
+    assert "min-cut" in best.log.decisions["Sigmoid:s"].reason
+    scope = best.log.placement["scopes"][0]
+    # the cost covers the free nodes only (Relu is pinned FP32): Sigmoid's FP32 traffic is saved
+    assert (scope["cast_bytes"], scope["fp32_bytes"]) == (2 * 16 * 16 * 6, 0)
+    assert scope["greedy_fp32_bytes"] == 2 * 16 * 16 * 2
+
+
+def test_casts_never_move_upstream_across_a_value_changing_op():
+    # x / 1000 → MatMul: greedy casts the normalised value. Casting raw x instead would be cheaper
+    # by nothing and overflow above 65504; it must not happen.
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {
+          k = Constant<value=float {1000.0}>()
+          d = Div(x, k)
+          t = Transpose<perm=[0,1]>(d)
+          y = MatMul(t, w)
+        }""", {"w": (8, 8)})
+    best = rewrite(m, placement="optimal")
+    assert _precisions(best)["Div:d"] == "fp32"
+    got = run(best.model, {"x": np.full((4, 8), 1e6, np.float32)})
+    assert np.isfinite(got["y"]).all()
+
+
+def test_a_value_cast_once_costs_once_whatever_its_consumer_count():
+    # Relu feeds three FP32 Exps. Low Relu: ONE shared cast after it (6N). FP32 Relu: a cast of the
+    # MatMul output (6N) plus FP32 traffic (4N). Counting a cast per consumer (18N) would wrongly
+    # keep Relu FP32.
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[8,32] x) => (float[8,32] e1, float[8,32] e2, float[8,32] e3) {
+          a = MatMul(x, w)
+          r = Relu(a)
+          e1 = Exp(r)
+          e2 = Exp(r)
+          e3 = Exp(r)
+        }""", {"w": (32, 32)})
+    best = rewrite(m, placement="optimal")
+    assert _precisions(best)["Relu:r"] == "low"
+    after_relu = [c for c in _inserted(best) if c.tensor == "r"]
+    assert len(after_relu) == 1 and sorted(after_relu[0].consumers) == ["Exp:e1", "Exp:e2", "Exp:e3"]
+    assert len(_inserted(best)) == 2  # x in, r out
+
+
+def test_clear_op_that_grows_its_tensor_runs_fp32_so_the_small_tensor_is_cast():
+    # MatMul → [1,64] → Expand → [64,64] → Exp (deny). Greedy spreads low through the clear Expand
+    # and casts the big tensor (64×64×6 = 24576 B). Optimum: Expand FP32, cast the small one
+    # (64×6 = 384 B) plus FP32 traffic 2×(64 + 4096) = 8320 B: 8704 < 24576.
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1,64] x) => (float[64,64] y) {
+          a = MatMul(x, w)
+          e = Expand(a, shape)
+          y = Exp(e)
+        }""", {"w": (64, 64), "shape": np.array([64, 64], np.int64)})
+    greedy, best = rewrite(m), rewrite(m, placement="optimal")
+    assert _precisions(greedy)["Expand:e"] == "low"
+    assert _precisions(best)["Expand:e"] == "fp32"
+    out_casts = {c.tensor: c.bytes_per_run for c in _inserted(best)}
+    assert out_casts == {"x": 64 * 6, "a": 64 * 6}
+    assert _cast_bytes(best) < _cast_bytes(greedy)
+    scope = best.log.placement["scopes"][0]
+    assert scope["cast_bytes"] + scope["fp32_bytes"] == 384 + 384 + 8320
+
+
+def test_plain_optimum_that_casts_more_than_greedy_is_reweighted():
+    # Embedding-like block: Gather (clear) + Add (infer) before an FP32 reduction island. The plain
+    # sum prefers them low (one cast into the island, no FP32 traffic) although greedy casts
+    # nothing there; cast bytes get weighted until the answer casts no more than greedy.
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (int64[64] ids, float[64,16] h) => (float[1,16] s, float[64,16] y) {
+          e = Gather(table, ids)
+          p = Add(e, pos)
+          s = ReduceSum<keepdims=1>(p, axes)
+          y = MatMul(h, w)
+        }""", {"table": (100, 16), "pos": (64, 16), "w": (16, 16), "axes": np.array([0], np.int64)})
+    problem = _problem(m)
+    greedy_cost = problem.cost(problem.greedy)
+    plain = problem.cost(problem.min_cut(problem.fixed, 1))
+    assert plain.cast_bytes > greedy_cost.cast_bytes and plain.total < greedy_cost.total
+    labels, outcome = problem.solve()
+    assert outcome.weight > 1 and outcome.cost.cast_bytes <= greedy_cost.cast_bytes
+
+
+def test_deny_and_island_nodes_stay_fp32_even_when_low_would_save_bytes():
+    # A decomposed LayerNorm between two MatMuls: every island member would be cheaper low, but
+    # deny paint fixed them FP32; only the infer/clear nodes outside the island are free.
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[8,16] x) => (float[8,16] y) {
+          a = MatMul(x, w1)
+          mu = ReduceMean<axes=[1]>(a)
+          d = Sub(a, mu)
+          two = Constant<value=float {2.0}>()
+          sq = Pow(d, two)
+          var = ReduceMean<axes=[1]>(sq)
+          eps = Constant<value=float {1e-5}>()
+          ve = Add(var, eps)
+          sd = Sqrt(ve)
+          n = Div(d, sd)
+          y = MatMul(n, w2)
+        }""", {"w1": (16, 16), "w2": (16, 16)})
+    best = rewrite(m, placement="optimal")
+    for d in best.log.decisions.values():
+        if d.category in (Category.DENY, Category.UNLISTED) or d.step == "deny-spread":
+            assert d.precision == Precision.FP32, d
+    greedy = rewrite(m)
+    for name, prec in _precisions(greedy).items():
+        if greedy.log.decisions[name].step == "deny-spread":
+            assert _precisions(best)[name] == "fp32"
+
+
+def test_round_trip_through_free_nodes_is_refused():
+    # x → Concat(x, C) → MatMul, and Concat → Tile (8× bigger) → Exp. Greedy spreads low through
+    # both clear ops: casts x in and the big Tile output back out. The plain cut keeps the Concat
+    # low (casting small x beats moving the weight-laden Concat in FP32) but runs the Tile FP32
+    # (cast its 8× smaller input): then the low Concat sits between the FP32 input and the FP32
+    # Tile, an FP32 → fp16 → FP32 trip for x. Safety pins the Concat FP32 and cuts again.
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1,64] x) => (float[8,64] y, float[64,64] z) {
+          r = Concat<axis=0>(x, c)
+          y = MatMul(r, w)
+          t = Tile(r, reps)
+          z = Exp(t)
+        }""", {"w": (64, 64), "c": (7, 64), "reps": np.array([8, 1], np.int64)})
+    problem = _problem(m)
+    concat = next(i for i, n in enumerate(problem.nodes) if n.op_type == "Concat")
+    assert problem.greedy[concat]
+    unconstrained = problem.min_cut(problem.fixed)
+    assert problem.round_trip_nodes(unconstrained) == {concat}  # the plain optimum would round-trip
+    labels, outcome = problem.solve()
+    assert not problem.round_trip_nodes(labels) and outcome.repaired == [concat]
+    best = rewrite(m, placement="optimal")
+    p = _precisions(best)
+    assert p["Concat:r"] == "fp32" and p["Tile:t"] == "fp32"
+    assert best.log.decisions["Concat:r"].step == "safety"
+    assert _cast_bytes(best) < _cast_bytes(rewrite(m))
+    got = run(best.model, {"x": np.full((1, 64), 0.3, np.float32)})
+    assert np.array_equal(got["z"][0], np.exp(np.full(64, 0.3, np.float32)))  # x's path never saw fp16
+
+
+# -- seeded random DAGs -----------------------------------------------------------------------------------
+_UNARY = {"Relu": "infer", "Sigmoid": "infer", "Tanh": "infer", "Identity": "clear", "Exp": "deny", "Neg": "infer"}
+
+
+def _random_model(seed: int, n_ops: int = 12) -> onnx.ModelProto:
+    rng = random.Random(seed)
+    nodes, inits, outputs = [], [], []
+    values: list[tuple[str, int]] = [("x", 4), ("z", 4)]  # (name, rows); every tensor is [rows, 8]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8]),
+              helper.make_tensor_value_info("z", TensorProto.FLOAT, [4, 8])]
+    nrng = np.random.default_rng(seed)
+    has_allow = False
+    for i in range(n_ops):
+        name = f"v{i}"
+        kind = rng.random()
+        # mostly read computed values (the graph inputs are FP32 sources, which pin their readers)
+        src, rows = rng.choice(values[2:]) if len(values) > 2 and rng.random() < 0.85 else rng.choice(values)
+        if kind < 0.3 or i == 0 or (i == n_ops - 1 and not has_allow):
+            w = f"w{i}"
+            inits.append(numpy_helper.from_array((nrng.standard_normal((8, 8)) / 3).astype(np.float32), w))
+            nodes.append(helper.make_node("MatMul", [src, w], [name], name=f"n{i}"))
+            has_allow = True
+        elif kind < 0.55:
+            same = [v for v in values if v[1] == rows]
+            other = rng.choice(same)[0] if rng.random() < 0.7 else None
+            if other is None:
+                other = f"c{i}"
+                inits.append(numpy_helper.from_array(nrng.standard_normal((1, 8)).astype(np.float32), other))
+            nodes.append(helper.make_node(rng.choice(["Add", "Mul"]), [src, other], [name], name=f"n{i}"))
+        elif kind < 0.7:
+            src2, rows2 = rng.choice(values)
+            nodes.append(helper.make_node("Concat", [src, src2], [name], axis=0, name=f"n{i}"))
+            rows = rows + rows2
+        elif kind < 0.8:
+            axes = f"ax{i}"
+            inits.append(numpy_helper.from_array(np.array([0], np.int64), axes))
+            nodes.append(helper.make_node("ReduceSum", [src, axes], [name], keepdims=1, name=f"n{i}"))
+            rows = 1
+        else:
+            op = rng.choice(sorted(_UNARY))
+            nodes.append(helper.make_node(op, [src], [name], name=f"n{i}"))
+        values.append((name, rows))
+    used = {i for n in nodes for i in n.input}
+    rows_of = dict(values)
+    for name, _ in values[2:]:
+        if name not in used or rng.random() < 0.15:
+            outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [rows_of[name], 8]))
+    graph = helper.make_graph(nodes, "random", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _brute_force(problem: optimal.Problem, fixed: dict[int, bool]) -> tuple[int, int]:
+    free = [i for i in range(len(problem.nodes)) if i not in fixed]
+    best = None
+    for bits in itertools.product((False, True), repeat=len(free)):
+        labels = [False] * len(problem.nodes)
+        for i, low in fixed.items():
+            labels[i] = low
+        for i, low in zip(free, bits):
+            labels[i] = low
+        if not problem.feasible(labels):
+            continue
+        c = problem.cost(labels)
+        key = (c.total, c.cast_bytes)
+        best = key if best is None or key < best else best
+    return best
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_cut_equals_brute_force_minimum_on_random_graphs(seed):
+    model = _random_model(seed)
+    problem = _problem(model, allow_none=True)
+    if problem is None:
+        pytest.skip("no free node in this draw")
+    assert len(problem.free) <= 14
+    labels = problem.min_cut(problem.fixed)
+    assert problem.feasible(labels)
+    cut = problem.cost(labels)
+    assert (cut.total, cut.cast_bytes) == _brute_force(problem, problem.fixed)
+    # with cast bytes weighted lexicographically, the cut minimises cast bytes first
+    lex = sum(problem.node_bytes) + 1
+    lex_cut = problem.cost(problem.min_cut(problem.fixed, lex))
+    brute_lex = min(
+        (problem.cost(ls).cast_bytes for ls in _all_labellings(problem) if problem.feasible(ls)), default=None)
+    assert lex_cut.cast_bytes == brute_lex
+
+
+def _all_labellings(problem: optimal.Problem):
+    free = [i for i in range(len(problem.nodes)) if i not in problem.fixed]
+    for bits in itertools.product((False, True), repeat=len(free)):
+        labels = [False] * len(problem.nodes)
+        for i, low in problem.fixed.items():
+            labels[i] = low
+        for i, low in zip(free, bits):
+            labels[i] = low
+        yield labels
+
+
+@pytest.mark.parametrize("seed", range(0, 80, 4))
+def test_safety_view_matches_greedy_painters(seed):
+    # the round-trip rule must read the graph exactly as paint.py's does (one safety definition)
+    from amp_rewrite.passes.paint import _ScopePainter
+
+    problem = _problem(_random_model(seed), allow_none=True)
+    if problem is None:
+        pytest.skip("no free node in this draw")
+    view = _ScopePainter(problem.scope, problem.ctx)
+    assert [id(n) for n in view.nodes] == [id(n) for n in problem.nodes]
+    assert problem.preds == view.preds and problem.succs == view.succs
+    assert problem.fp32_sink == view.fp32_sink
+    assert problem.fp32_source == view.fp32_source
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_graphs_keep_safety_and_never_cast_more_than_greedy(seed):
+    model = _random_model(seed)
+    greedy = rewrite(model)
+    best = rewrite(model, placement="optimal")
+    full_check(best.model)
+    for d in best.log.decisions.values():
+        if d.category in (Category.DENY, Category.UNLISTED):
+            assert d.precision == Precision.FP32
+        if greedy.log.decisions[d.node].step == "deny-spread":
+            assert d.precision == Precision.FP32
+    for scope in getattr(best.log, "placement", {"scopes": []})["scopes"]:
+        assert scope["cast_bytes"] <= scope["greedy_cast_bytes"]
+    assert _cast_bytes(best) <= _cast_bytes(greedy)
+    problem = _problem(model, allow_none=True)
+    if problem is not None:
+        labels, _ = problem.solve()
+        assert not problem.round_trip_nodes(labels) or labels == problem.greedy
+        assert problem.feasible(labels)
+    feeds = {"x": np.random.default_rng(seed).standard_normal((4, 8)).astype(np.float32),
+             "z": np.random.default_rng(seed + 1).standard_normal((4, 8)).astype(np.float32)}
+    ref, got = run(model, feeds), run(best.model, feeds)
+    for k in ref:
+        assert rel_err(ref[k], got[k]) < 5e-2, k
+    assert not rewrite(best.model, placement="optimal").modified
+
+
+def test_keep_io_types_off_makes_io_low_terminals():
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[16,16] x) => (float[16,16] y) {
+          r = Relu(x)
+          a = MatMul(r, w)
+          y = Sigmoid(a)
+        }""", {"w": (16, 16)})
+    best = rewrite(m, placement="optimal", keep_io_types=False)
+    assert not nodes_by_type(best.model, "Cast")
+    assert set(_precisions(best).values()) == {"low"}
+
+
+def test_report_carries_cast_bytes_and_placement():
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[16,16] x) => (float[16,16] y) {
+          a = MatMul(x, w)
+          y = Sigmoid(a)
+        }""", {"w": (16, 16)})
+    best = rewrite(m, placement="optimal")
+    summary = best.report.summary()
+    assert summary["cast_bytes_per_run"] == 2 * 16 * 16 * 6
+    assert any(note.startswith("optimal placement") for note in best.log.notes)
+    assert best.log.placement["mode"] == "optimal"
+
+
+def test_symbolic_dims_take_the_documented_defaults():
+    assert optimal.estimate_numel(("batch_size", 16, "seq")) == optimal.BATCH_DIM * 16 * optimal.SYMBOLIC_DIM
+    assert optimal.estimate_numel((None, 4)) == optimal.SYMBOLIC_DIM * 4
+    assert optimal.estimate_numel(()) == 1

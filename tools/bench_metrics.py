@@ -1,0 +1,274 @@
+"""What the benchmark measures on a converted model, the same way for every converter.
+
+Static (from the file, external data never loaded): the full checker, Cast nodes (every scope),
+share of float weights stored in 16 bits.
+
+At run time (onnxruntime CPU in a child process, ``tools/ortrun.py``), on a copy of the model whose
+outputs also expose the inputs of every main-graph Cast and MatMul/Gemm/Conv/ConvTranspose and
+the outputs of the heavy ops (so their shapes and types are the real ones at these feeds, not
+guesses):
+
+- loads / runs, max relative error of the logits against FP32 (max |a-b| / max |a|), new NaN/Inf;
+- cast bytes per run: Σ over main-graph Casts of elements × (bytes read + bytes written);
+  Casts inside If/Loop bodies are counted but their bytes are not (their trip count is unknown);
+- the FP16 share of MatMul/Gemm/Conv FLOPs: 2·M·K·N per (batched) GEMM, 2·|Y|·(C/g)·∏k per
+  convolution, weighted by whether the op's first input is 16-bit at run time.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+HEAVY = ("MatMul", "Gemm", "Conv", "ConvTranspose")
+LOW_TYPES = {TensorProto.FLOAT16, TensorProto.BFLOAT16}
+FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
+_ITEMSIZE = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2, TensorProto.DOUBLE: 8,
+             TensorProto.INT64: 8, TensorProto.INT32: 4, TensorProto.INT8: 1, TensorProto.UINT8: 1,
+             TensorProto.BOOL: 1, TensorProto.INT16: 2, TensorProto.UINT16: 2}
+
+
+def _graphs(graph: onnx.GraphProto):
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _graphs(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _graphs(g)
+
+
+def static_metrics(path: str | os.PathLike) -> dict:
+    """Checker, Cast count and 16-bit weight share, reading the file without its external data."""
+    path = str(path)
+    out: dict = {}
+    try:
+        onnx.checker.check_model(path, full_check=True)
+        out["checker"] = True
+        out["checker_error"] = None
+    except Exception as exc:  # noqa: BLE001 - a checker failure is a measurement
+        out["checker"] = False
+        out["checker_error"] = _first_line(exc)
+    model = onnx.load(path, load_external_data=False)
+    casts = sub_casts = 0
+    low = total = 0
+    for i, g in enumerate(_graphs(model.graph)):
+        n = sum(1 for node in g.node if node.op_type == "Cast" and node.domain in ("", "ai.onnx"))
+        casts += n
+        if i:
+            sub_casts += n
+        for t in g.initializer:
+            if t.data_type in FLOAT_TYPES:
+                numel = int(np.prod(t.dims)) if len(t.dims) else 1
+                total += numel
+                low += numel if t.data_type in LOW_TYPES else 0
+        for node in g.node:
+            if node.op_type == "Constant":
+                for attr in node.attribute:
+                    if attr.name == "value" and attr.t.data_type in FLOAT_TYPES:
+                        numel = int(np.prod(attr.t.dims)) if len(attr.t.dims) else 1
+                        total += numel
+                        low += numel if attr.t.data_type in LOW_TYPES else 0
+    out.update({"casts": casts, "casts_in_subgraphs": sub_casts,
+                "weights_low_share": (low / total) if total else None, "float_weights": total})
+    return out
+
+
+def logits_of(model: onnx.ModelProto, names: list[str]) -> list[str]:
+    """What the comparison reads, as tests/test_e2e_corpus.py does: for an output made by a
+    Softmax/LogSoftmax, its input (the logits), else the output itself."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    return [producers[n].input[0] if n in producers and producers[n].op_type in ("Softmax", "LogSoftmax") else n
+            for n in names]
+
+
+def with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """A copy that also outputs ``names`` (untyped: onnxruntime takes the inferred type)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    present = {o.name for o in out.graph.output} | {i.name for i in out.graph.input}
+    for name in names:
+        if name not in present:
+            vi = onnx.ValueInfoProto()
+            vi.name = name
+            out.graph.output.append(vi)
+            present.add(name)
+    return out
+
+
+def instrumented_copy(path: str | os.PathLike, dst: str | os.PathLike,
+                      also: list[str] = ()) -> tuple[list[str], dict]:
+    """Write ``dst`` (next to ``path``, so external data still resolves): the model with extra
+    outputs for the values the run-time metrics need (and ``also``). Returns (extra names, plan)."""
+    model = onnx.load(str(path), load_external_data=False)
+    g = model.graph
+    existing = {o.name for o in g.output} | {i.name for i in g.input} | {t.name for t in g.initializer}
+    wanted: list[str] = list(also)
+    casts, heavy = [], []
+    for node in g.node:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "Cast" and node.input and node.input[0]:
+            to = next((a.i for a in node.attribute if a.name == "to"), None)
+            casts.append((node.input[0], to))
+            wanted.append(node.input[0])
+        elif node.op_type in HEAVY and len(node.input) >= 2:
+            heavy.append((node.op_type, list(node.input[:2]), node.output[0], _attrs(node)))
+            wanted.extend([node.input[0], node.input[1], node.output[0]])
+    extra = []
+    seen = set(existing)
+    for name in wanted:
+        if name and name not in seen:
+            seen.add(name)
+            extra.append(name)
+            vi = onnx.ValueInfoProto()
+            vi.name = name  # untyped: onnxruntime takes the inferred type
+            g.output.append(vi)
+    with open(dst, "wb") as f:
+        f.write(model.SerializeToString())
+    inits = {t.name: (list(t.dims), t.data_type) for t in g.initializer}
+    consts = {}
+    for node in g.node:
+        if node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value":
+                    consts[node.output[0]] = (list(attr.t.dims), attr.t.data_type)
+    return extra, {"casts": casts, "heavy": heavy, "inits": inits, "consts": consts}
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute if a.name in ("group", "transA", "transB")}
+
+
+def runtime_metrics(path: str | os.PathLike, feeds: dict, ref: dict, logits: list[str], *, timeout: float = 600) -> dict:
+    """Run the converted model (instrumented) and measure it against the FP32 reference outputs
+    (``ref`` holds the reference's outputs and the ``logits`` values, see :func:`logits_of`)."""
+    from tools.ortrun import OrtRunError, load_ok, run_onnx
+
+    path = Path(path)
+    inst = path.with_name(path.stem + ".instrumented.onnx")
+    out: dict = {"loads": False, "runs": False, "error": None}
+    try:
+        extra, plan = instrumented_copy(path, inst, also=list(logits))
+        try:
+            got = run_onnx(inst, feeds, timeout=timeout)
+        except OrtRunError as exc:
+            ok, reason = load_ok(path, timeout=timeout)
+            out["loads"] = ok
+            out["error"] = _first_line(reason if not ok else exc)
+            return out
+    finally:
+        inst.unlink(missing_ok=True)
+    out["loads"] = out["runs"] = True
+    out.update(_errors(ref, got, logits))
+    shapes = {k: (list(v.shape), v.dtype) for k, v in got.items()}
+    shapes.update({k: (list(np.asarray(v).shape), np.asarray(v).dtype) for k, v in feeds.items()})
+    out.update(_cast_bytes(plan, shapes))
+    out.update(_flop_share(plan, shapes))
+    return out
+
+
+def _errors(ref: dict, got: dict, logits: list[str]) -> dict:
+    errs = []
+    new_nonfinite = []
+    ref_nonfinite = []
+    for key, value in ref.items():
+        value = np.asarray(value)
+        if key not in got:
+            continue
+        g = np.asarray(got[key])
+        if np.issubdtype(value.dtype, np.floating):
+            bad_ref = ~np.isfinite(value)
+            if bad_ref.any():
+                ref_nonfinite.append(key)
+            if np.issubdtype(g.dtype, np.floating) and (~np.isfinite(g) & ~bad_ref).any():
+                new_nonfinite.append(key)
+    for key in logits:
+        if key in got and key in ref:
+            errs.append(rel_err(ref[key], got[key]))
+    return {"max_rel_err": max(errs) if errs else None, "new_nonfinite": new_nonfinite,
+            "ref_nonfinite": ref_nonfinite}
+
+
+def rel_err(ref, got) -> float:
+    ref = np.asarray(ref, np.float64)
+    got = np.asarray(got, np.float64)
+    if ref.size == 0:
+        return 0.0
+    scale = max(float(np.abs(ref).max()), 1e-6)
+    return float(np.abs(ref - got).max() / scale)
+
+
+def _np_itemsize(dtype) -> int:
+    return int(np.dtype(dtype).itemsize) if dtype is not None else 4
+
+
+def _shape_dtype(name: str, plan: dict, shapes: dict):
+    """(shape, itemsize, is_low) of a value at run time, from the run, the feeds or the initializers."""
+    if name in shapes:
+        shape, dtype = shapes[name]
+        low = str(dtype) in ("float16", "bfloat16")
+        return shape, _np_itemsize(dtype), low
+    for table in (plan["inits"], plan["consts"]):
+        if name in table:
+            dims, dt = table[name]
+            return dims, _ITEMSIZE.get(dt, 4), dt in LOW_TYPES
+    return None, None, None
+
+
+def _cast_bytes(plan: dict, shapes: dict) -> dict:
+    total = 0
+    unknown = 0
+    for name, to in plan["casts"]:
+        shape, src_size, _ = _shape_dtype(name, plan, shapes)
+        if shape is None:
+            unknown += 1
+            continue
+        numel = int(np.prod(shape)) if shape else 1
+        total += numel * (src_size + _ITEMSIZE.get(to, 4))
+    return {"cast_bytes": total, "casts_unmeasured": unknown}
+
+
+def _flop_share(plan: dict, shapes: dict) -> dict:
+    low = total = 0.0
+    heavy_low = heavy_n = 0
+    for op, (a, b), y, attrs in plan["heavy"]:
+        a_shape, _, a_low = _shape_dtype(a, plan, shapes)
+        b_shape, _, _ = _shape_dtype(b, plan, shapes)
+        y_shape, _, _ = _shape_dtype(y, plan, shapes)
+        if a_shape is None or b_shape is None or y_shape is None:
+            continue
+        flops = _flops(op, a_shape, b_shape, y_shape, attrs)
+        total += flops
+        heavy_n += 1
+        if a_low:
+            low += flops
+            heavy_low += 1
+    return {"flops": total, "flops_low_share": (low / total) if total else None,
+            "heavy_ops": heavy_n, "heavy_ops_low": heavy_low}
+
+
+def _flops(op: str, a: list, b: list, y: list, attrs: dict) -> float:
+    ny = float(np.prod(y)) if y else 1.0
+    if op == "MatMul":
+        k = a[-1] if a else 1
+        return 2.0 * ny * k
+    if op == "Gemm":
+        k = a[0] if attrs.get("transA") else a[-1]
+        return 2.0 * ny * k
+    if op == "Conv":
+        return 2.0 * ny * float(np.prod(b[1:]))  # W: [C_out, C_in/g, k...]
+    if op == "ConvTranspose":
+        na = float(np.prod(a)) if a else 1.0
+        return 2.0 * na * float(np.prod(b[1:]))  # W: [C_in, C_out/g, k...]
+    return 0.0
+
+
+def _first_line(exc) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__

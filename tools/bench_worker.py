@@ -1,0 +1,202 @@
+"""The benchmark's child process: one conversion (or one latency measurement) per process, so its
+time and peak RSS are its own and a converter that crashes or hangs costs one row, not the run.
+
+    python tools/bench_worker.py convert CONVERTER SRC DST [--target fp16|bf16]
+    python tools/bench_worker.py latency MODEL FEEDS.npz PROVIDER WARMUP RUNS
+    python tools/bench_worker.py gpu-probe
+
+Each prints one JSON line on stdout. A conversion is timed file to file (load, convert, save), the
+way a user runs it; imports happen before the clock starts, for every converter alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+CONVERTERS = ("amp-rewrite-greedy", "amp-rewrite-optimal", "onnxconverter-common", "ort-transformers")
+TWO_GB = (2 << 30) - (64 << 20)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak RSS. VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork+exec, so a
+    child of a big parent would report the parent's size."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _prepare(converter: str):
+    """Import what the converter needs (outside the timed span) and return convert(src, dst, target)."""
+    if converter.startswith("amp-rewrite"):
+        import amp_rewrite.emitters.onnx_emitter  # noqa: F401  (onnx_ir and friends)
+        import amp_rewrite.frontends.onnx_loader  # noqa: F401
+        import amp_rewrite.passes.optimal  # noqa: F401
+        from amp_rewrite.api import rewrite_onnx
+
+        from amp_rewrite.api import make_context
+
+        placement = converter.rsplit("-", 1)[1]
+        # Parsing the built-in rule files is configuration loading, like the peers' import of their
+        # op lists: done (and cached) before the clock starts.
+        make_context(frontend="onnx", target=os.environ.get("AMP_BENCH_TARGET", "fp16"), placement=placement)
+
+        def convert(src: str, dst: str, target: str) -> None:
+            rewrite_onnx(src, dst, overwrite=True, placement=placement, target=target)
+
+        return convert
+    import onnx
+
+    # "<peer>+no-shape-infer": the same call with disable_shape_infer=True, the peers' own escape
+    # hatch for models over 2 GB (their shape inference serialises the whole model)
+    peer, _, variant = converter.partition("+")
+    if peer == "onnxconverter-common":
+        from onnxconverter_common.float16 import convert_float_to_float16
+    elif peer == "ort-transformers":
+        from onnxruntime.transformers.float16 import convert_float_to_float16
+    else:
+        raise SystemExit(f"unknown converter {converter!r}; choose from {', '.join(CONVERTERS)}")
+    extra = {"disable_shape_infer": True} if variant == "no-shape-infer" else {}
+
+    def convert(src: str, dst: str, target: str) -> None:
+        if target != "fp16":
+            raise RuntimeError(f"{converter} converts to fp16 only")
+        model = onnx.load(src)  # loads external data too: these converters work on an in-memory proto
+        out = convert_float_to_float16(model, keep_io_types=True, **extra)
+        _save(out, dst)
+
+    return convert
+
+
+def _save(model, dst: str) -> None:
+    import onnx
+
+    weight_bytes = sum(len(t.raw_data) for t in model.graph.initializer)
+    if weight_bytes > TWO_GB:
+        onnx.save_model(model, dst, save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=Path(dst).name + ".data", size_threshold=1024)
+    else:
+        onnx.save_model(model, dst)
+
+
+def convert_main(converter: str, src: str, dst: str, target: str) -> dict:
+    os.environ["AMP_BENCH_TARGET"] = target
+    convert = _prepare(converter)
+    rss_before = _rss_mib()
+    cpu0, t0 = _cpu(), time.perf_counter()
+    try:
+        convert(src, dst, target)
+        error = None
+    except BaseException as exc:  # noqa: BLE001 - a converter failure is a result, not a crash
+        error = f"{type(exc).__name__}: {exc}"
+        sys.stderr.write(traceback.format_exc())
+    seconds, cpu = time.perf_counter() - t0, _cpu() - cpu0
+    return {"ok": error is None, "seconds": seconds, "cpu_seconds": cpu, "peak_rss_mib": _peak_rss_mib(),
+            "rss_before_mib": rss_before, "error": error}
+
+
+def latency_main(model: str, feeds_path: str, provider: str, warmup: int, runs: int) -> dict:
+    import numpy as np
+    import onnxruntime as ort
+
+    feeds = dict(np.load(feeds_path))
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(model, opts, providers=[provider, "CPUExecutionProvider"])
+    if sess.get_providers()[0] != provider:
+        return {"ok": False, "error": f"{provider} not used (got {sess.get_providers()})"}
+    for _ in range(warmup):
+        sess.run(None, feeds)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        sess.run(None, feeds)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return {"ok": True, "median_ms": 1000 * times[len(times) // 2], "runs": runs, "warmup": warmup}
+
+
+def gpu_probe_main() -> dict:
+    """Is there a usable CUDA provider? Creating a session is the only honest test:
+    onnxruntime-gpu lists CUDAExecutionProvider even on a machine without a GPU."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return {"available": False, "reason": "this onnxruntime build has no CUDAExecutionProvider"}
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "probe",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 4
+    try:
+        sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CUDAExecutionProvider"])
+        used = sess.get_providers()
+    except Exception as exc:  # noqa: BLE001
+        return {"available": False, "reason": f"CUDAExecutionProvider failed to start: {str(exc).splitlines()[0]}"}
+    if "CUDAExecutionProvider" not in used:
+        return {"available": False,
+                "reason": f"onnxruntime lists CUDAExecutionProvider but fell back to {used[0]} (no usable GPU / CUDA)"}
+    name = _gpu_name()
+    return {"available": True, "gpu": name, "onnx": onnx.__version__}
+
+
+def _gpu_name() -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown NVIDIA GPU"
+
+
+def main(argv: list[str]) -> int:
+    mode = argv[0] if argv else ""
+    if mode == "convert":
+        target = argv[argv.index("--target") + 1] if "--target" in argv else "fp16"
+        result = convert_main(argv[1], argv[2], argv[3], target)
+    elif mode == "latency":
+        result = latency_main(argv[1], argv[2], argv[3], int(argv[4]), int(argv[5]))
+    elif mode == "gpu-probe":
+        result = gpu_probe_main()
+    else:
+        sys.stderr.write(__doc__)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
