@@ -747,6 +747,19 @@ class Reference:
     notes: list[str] = field(default_factory=list)
 
 
+
+def _reference_for(fp32, inputs, runner):
+    """The FP32 run on generated inputs, an .npz file's, or a dict's."""
+    if inputs is None:
+        feeds, described = make_inputs(fp32)
+    elif isinstance(inputs, (str, Path)):
+        feeds, described = load_inputs(inputs, fp32)
+    else:
+        feeds = {k: np.asarray(v) for k, v in inputs.items()}
+        described = [{"name": k, "dtype": str(v.dtype), "shape": list(v.shape), "values": "given"}
+                     for k, v in feeds.items()]
+    return reference(fp32, feeds, runner, described, user_inputs=inputs is not None)
+
 def reference(fp32: Any, feeds: Mapping[str, np.ndarray], runner: Runner,
               inputs: list[dict[str, Any]] | None = None, *, user_inputs: bool = False) -> Reference:
     proto = _as_proto(fp32)
@@ -779,15 +792,7 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, np.ndarray] | str 
     """
     runner = runner or Runner()
     if ref is None:
-        if inputs is None:
-            feeds, described = make_inputs(fp32)
-        elif isinstance(inputs, (str, Path)):
-            feeds, described = load_inputs(inputs, fp32)
-        else:
-            feeds = {k: np.asarray(v) for k, v in inputs.items()}
-            described = [{"name": k, "dtype": str(v.dtype), "shape": list(v.shape), "values": "given"}
-                         for k, v in feeds.items()]
-        ref = reference(fp32, feeds, runner, described, user_inputs=inputs is not None)
+        ref = _reference_for(fp32, inputs, runner)
     low_proto = _as_proto(low)
     target = target or _target_of(low_proto)
     outputs: dict[str, Any] = {}
@@ -890,15 +895,7 @@ def auto_fp32(model: Any, *, inputs: Mapping[str, np.ndarray] | str | Path | Non
 
     runner = runner or Runner()
     fp32 = _as_proto(model)
-    if inputs is None:
-        feeds, described = make_inputs(fp32)
-    elif isinstance(inputs, (str, Path)):
-        feeds, described = load_inputs(inputs, fp32)
-    else:
-        feeds = {k: np.asarray(v) for k, v in inputs.items()}
-        described = [{"name": k, "dtype": str(v.dtype), "shape": list(v.shape), "values": "given"}
-                     for k, v in feeds.items()]
-    ref = reference(fp32, feeds, runner, described, user_inputs=inputs is not None)
+    ref = _reference_for(fp32, inputs, runner)
     base = list(options.pop("fp32_nodes", ()) or ())
     pinned: list[dict[str, Any]] = []
     history: list[dict[str, Any]] = []

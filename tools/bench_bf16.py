@@ -19,6 +19,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from tools.bench_metrics import _graphs
+
 BF16 = TensorProto.BFLOAT16
 FLOAT = TensorProto.FLOAT
 
@@ -37,16 +39,6 @@ def emulate_bf16(model: onnx.ModelProto) -> onnx.ModelProto:
     _rewrite_graph(out.graph, types)
     return out
 
-
-def _graphs(graph: onnx.GraphProto):
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from _graphs(g)
 
 
 def _to_float_tensor(t: TensorProto) -> TensorProto:
