@@ -46,6 +46,7 @@ from typing import Any, Sequence
 
 from .api import RewriteResult, make_context, run_pipeline
 from .errors import UsageError
+from .passes.place_casts import Namer
 
 # Same defaults as amp_rewrite.training.LossScaler (tests check they agree).
 INIT_SCALE = 2.0 ** 16
@@ -329,18 +330,12 @@ class _LossScaleBuilder:
         self.model = model
         self.graph = model.graph
         self.plan = plan
-        self.taken = {v.name for v in self.graph.inputs} | set(self.graph.initializers)
-        self.taken |= {n.name for n in self.graph} | {o.name for n in self.graph for o in n.outputs}
+        taken = {v.name for v in self.graph.inputs} | set(self.graph.initializers)
+        taken |= {n.name for n in self.graph} | {o.name for n in self.graph for o in n.outputs}
+        self.taken = taken
+        self.name = Namer(taken)  # shares ``taken``: names added by hand are avoided too
         self.opset = model.opset_imports.get("", 0)
         self.new_nodes: list[Any] = []
-
-    def name(self, base: str) -> str:
-        name, k = base, 0
-        while name in self.taken:
-            k += 1
-            name = f"{base}_{k}"
-        self.taken.add(name)
-        return name
 
     def node(self, op: str, inputs: list, reason: str, *, out: str | None = None, **attrs: Any) -> Any:
         ir = self.ir

@@ -30,14 +30,19 @@ from .base import (Context, PassResult, accepts_any_float, group_inputs, group_o
 class Namer:
     """Unique, deterministic names: the base name, then base_1, base_2, ..."""
 
-    def __init__(self, model: Model) -> None:
-        self.taken: set[str] = set()
+    def __init__(self, taken: set[str]) -> None:
+        self.taken = taken
+
+    @classmethod
+    def for_model(cls, model: Model) -> "Namer":
+        taken: set[str] = set()
         for scope in model.graph.scopes():
             for v in list(scope.inputs) + list(scope.initializers.values()):
-                self.taken.add(v.name)
+                taken.add(v.name)
             for n in scope.nodes:
-                self.taken.add(n.name)
-                self.taken.update(o.name for o in n.outputs)
+                taken.add(n.name)
+                taken.update(o.name for o in n.outputs)
+        return cls(taken)
 
     def __call__(self, base: str) -> str:
         name, i = base, 0
@@ -66,7 +71,7 @@ class _Placer:
         self.model = model
         self.ctx = ctx
         self.low = ctx.low
-        self.name = Namer(model)
+        self.name = Namer.for_model(model)
         self.modified = False
 
     # -- driver ----------------------------------------------------------------------------------
