@@ -41,15 +41,19 @@ class OnnxSource:
 
 def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool = True) -> Model:
     """Load a path or ModelProto into the neutral IR (never modifies the input)."""
+    inferred = False
     if isinstance(source, onnx.ModelProto):
-        ir_model = _from_proto(source)
+        early = _inferred_proto(source) if infer_shapes else None
+        ir_model = _from_proto(early, owned=True) if early is not None else _from_proto(source)
+        inferred = early is not None
         path = None
     else:
         path = Path(source)
-        ir_model = _read_path(path)
+        ir_model, inferred = _read_path(path, infer_shapes=infer_shapes)
     _check_supported(ir_model, path)
+    sorted_already = all(_is_sorted(g) for g in ir_model.graphs())
     _ensure_sorted(ir_model, path)
-    if infer_shapes:
+    if infer_shapes and not (inferred and sorted_already):
         with _quiet_onnx_ir():
             _infer_types(ir_model)
     model = Model(graph=Graph(), frontend="onnx", opsets=_opsets(ir_model), origin=OnnxSource(ir_model, path))
@@ -147,7 +151,8 @@ def _densify_sparse_initializers(graph: onnx.GraphProto, where: str) -> None:
         _densify_sparse_initializers(sub, where)
 
 
-def _read_path(path: Path) -> ir.Model:
+def _read_path(path: Path, *, infer_shapes: bool = False) -> tuple[ir.Model, bool]:
+    """The onnx-ir model, and whether its types were already inferred."""
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file")
     if path.is_dir():
@@ -163,10 +168,12 @@ def _read_path(path: Path) -> ir.Model:
         raise ModelLoadError(f"{path}: not a valid ONNX model (truncated or not ONNX): {_first_line(exc)}") from exc
     if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
         raise ModelLoadError(f"{path}: not a valid ONNX model (no graph); is this an ONNX file?")
-    model = _from_proto(proto, path, owned=True)
+    early = _inferred_proto(proto) if infer_shapes else None
+    inferred = early is not None
+    model = _from_proto(early if inferred else proto, path, owned=True)
     _attach_base_dir(model, path.parent)
     _check_external_data(model, path)
-    return model
+    return model, inferred
 
 
 def _first_line(exc: BaseException) -> str:
@@ -284,6 +291,24 @@ def _describe_cycle(model: ir.Model) -> str:
         names = [u.name or f"{u.op_type} node" for u, _ in edges]
         return " -> ".join(names + names[:1])
     return "through a subgraph"
+
+
+# Above this the proto is not inferred directly: inference serialises it, which would double a
+# large model with inline weights in memory (the onnx-ir pass strips the weights first).
+_INFER_PROTO_BELOW = 256 << 20
+
+
+def _inferred_proto(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+    """Shape inference on the proto already in hand (a new proto; the argument is untouched).
+
+    Cheaper than onnx-ir's pass, which serialises the deserialised model and merges the result
+    back: on a 100k-node graph that round trip was the largest fixed cost. None: use the pass."""
+    if proto.ByteSize() > _INFER_PROTO_BELOW or _has_sparse_initializers(proto.graph):
+        return None  # (sparse initializers are made dense later; the pass sees them then)
+    try:
+        return onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=False)
+    except Exception:  # inference is best effort; the onnx-ir pass gets its own chance
+        return None
 
 
 def _infer_types(model: ir.Model) -> None:
