@@ -387,6 +387,10 @@ _DDP_WORKER = textwrap.dedent("""
             params.append([p.detach().flatten().tolist() for p in model.parameters()])
         with open(os.path.join(out, f"rank{{rank}}.json"), "w") as f:
             json.dump({{"history": scaler.history, "params": params}}, f)
+        # Both ranks finish their collectives before either tears gloo down: without this the
+        # first to exit could abort the other ("terminate called without an active exception").
+        dist.barrier()
+        del model, scaler
         dist.destroy_process_group()
 
     if __name__ == "__main__":
