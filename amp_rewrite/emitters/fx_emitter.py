@@ -538,18 +538,12 @@ def _set_meta_dtype(node: fx.Node, path: tuple, dtype: torch.dtype, *, template:
 
 
 def _set_path(meta: Any, path: tuple, dtype: torch.dtype, *, only_leaf: bool = False) -> Any:
-    if not path:
-        return _retyped(meta, dtype)
-    head, rest = path[0], path[1:]
-    if only_leaf:
-        return _set_path(meta[head], rest, dtype, only_leaf=True)
-    if isinstance(meta, dict):
-        out = dict(meta)
-        out[head] = _set_path(meta[head], rest, dtype)
-        return out
-    items = list(meta)
-    items[head] = _set_path(items[head], rest, dtype)
-    return type(meta)(items) if isinstance(meta, list) else tuple(items)
+    """``meta`` with its leaf at ``path`` retyped (``only_leaf``: just that retyped leaf)."""
+    leaf = meta
+    for key in path:
+        leaf = leaf[key]
+    retyped = _retyped(leaf, dtype)
+    return retyped if only_leaf else _set_at(meta, path, retyped)
 
 
 def _copy_debug_meta(src: fx.Node, dst: fx.Node) -> None:
