@@ -1,5 +1,5 @@
 """The one place that knows the pipeline order:
-load → classify → paint → islands → place casts (folding existing casts) → verify → emit → report.
+load → fuse (ONNX) → classify → paint → islands → place casts (folding existing casts) → verify → emit → report.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class RewriteResult:
 def make_context(*, frontend: str, target: str = "fp16", rules: Iterable[str | os.PathLike] | "RuleBook" = (),
                  keep_io_types: bool = True, training: bool = False, fp32_nodes: Sequence[str] = (),
                  fp16_nodes: Sequence[str] = (), fp32_ops: Sequence[str] = (), fp16_ops: Sequence[str] = (),
-                 placement: str = "greedy", loss: str | None = None, verify_each: bool = False) -> Context:
+                 placement: str = "greedy", loss: str | None = None, verify_each: bool = False,
+                 fuse: bool = True) -> Context:
     from .rulebook import RuleBook, load_rules
 
     if target not in TARGETS:
@@ -63,13 +64,17 @@ def make_context(*, frontend: str, target: str = "fp16", rules: Iterable[str | o
         book = load_rules([str(r) for r in rules], frontend=frontend, target=target, fp32_ops=fp32_ops,
                           low_ops=fp16_ops, fp32_nodes=fp32_nodes, low_nodes=fp16_nodes)
     options = Options(target=target, keep_io_types=keep_io_types, training=training, placement=placement,
-                      loss=loss, verify_each=verify_each)
+                      loss=loss, verify_each=verify_each, fuse=fuse)
     return Context(rules=book, options=options, log=DecisionLog(target=target))
 
 
 def run_pipeline(model: Model, ctx: Context) -> bool:
     """Run the passes on the IR; returns whether anything changed. Verifies the IR at the end."""
     passes = [classify, paint, find_islands]
+    if model.frontend == "onnx":
+        from .frontends.onnx_fuse import fuse
+
+        passes.insert(0, fuse)
     if ctx.options.placement == "optimal":
         from .passes.optimal import optimise_placement
 

@@ -34,6 +34,9 @@ def _command(
     fp32_ops: List[str] = typer.Option([], "--fp32-ops", help="Op type kept FP32 (repeatable)."),
     fp16_ops: List[str] = typer.Option([], "--fp16-ops", help="Op type made low precision (repeatable)."),
     placement: str = typer.Option("greedy", "--placement", help="Cast placement: greedy or optimal (min-cut)."),
+    fuse: bool = typer.Option(True, "--fuse/--no-fuse",
+                              help="Fuse decomposed LayerNorm/RMSNorm/tanh-GELU into fused ops that run low "
+                                   "precision safely (default), or keep them as FP32 islands."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
     report: Optional[Path] = typer.Option(None, "--report", help="Write the report (.json, .html or .md)."),
     explain: Optional[str] = typer.Option(None, "--explain", help="Explain one node's precision; writes no model."),

@@ -23,6 +23,7 @@ class CliArgs:
     fp32_ops: list[str] = field(default_factory=list)
     fp16_ops: list[str] = field(default_factory=list)
     placement: str = "greedy"
+    fuse: bool = True
     overwrite: bool = False
     report: Optional[Path] = None
     explain: Optional[str] = None
@@ -39,7 +40,8 @@ class CliArgs:
     def options(self) -> dict:
         return dict(target=self.target, rules=[str(r) for r in self.rules], keep_io_types=self.keep_io_types,
                     fp32_nodes=self.fp32_nodes, fp16_nodes=self.fp16_nodes, fp32_ops=self.fp32_ops,
-                    fp16_ops=self.fp16_ops, placement=self.placement, verify_each=self.debug)
+                    fp16_ops=self.fp16_ops, placement=self.placement, verify_each=self.debug,
+                    fuse=self.fuse)
 
 
 def say(args: CliArgs, text: str) -> None:

@@ -81,6 +81,17 @@ class Island:
 
 
 @dataclass
+class FusionRecord:
+    """A decomposed pattern replaced by one fused op (a normalisation, the tanh-GELU)."""
+
+    node: str  # the fused node's name
+    op: str  # its op ("LayerNormalization", "com.microsoft::SkipLayerNormalization", ...)
+    pattern: str  # LayerNorm | RMSNorm | tanh-GELU
+    members: list[str]  # labels of the nodes it replaced
+    reason: str
+
+
+@dataclass
 class WeightStats:
     converted: int = 0
     converted_elements: int = 0
@@ -100,6 +111,7 @@ class DecisionLog:
     decisions: dict[str, Decision] = field(default_factory=dict)
     casts: list[CastRecord] = field(default_factory=list)
     islands: list[Island] = field(default_factory=list)
+    fusions: list[FusionRecord] = field(default_factory=list)
     unlisted_ops: dict[str, int] = field(default_factory=dict)
     weights: WeightStats = field(default_factory=WeightStats)
     notes: list[str] = field(default_factory=list)

@@ -18,7 +18,7 @@ from typing import Any
 from .decisions import Category, Decision, DecisionLog, Precision
 from .passes.islands import describe
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 HEAVY_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "com.microsoft::Attention",
              "com.microsoft::MultiHeadAttention", "Attention", "linear", "matmul", "mm", "bmm", "addmm", "conv1d",
              "conv2d", "conv3d", "baddbmm", "scaled_dot_product_attention"}
@@ -135,6 +135,7 @@ class Report:
             "cast_bytes_per_run": sum(c.bytes_per_run or 0 for c in self.log.casts if c.kind == "inserted"),
             "casts_unknown_size": sum(1 for c in self.log.casts if c.kind == "inserted" and c.numel is None),
             "islands": len(self.log.islands),
+            "fusions": len(self.log.fusions),
             "heavy_ops": self.heavy_ops,
             "alignment": self.alignment_summary(),
             "weights": {"bytes_before": w.bytes_before, "bytes_after": w.bytes_after, "converted": w.converted,
@@ -161,6 +162,7 @@ class Report:
                          "seed_rules": [{"node": s, "op": decisions[s].op if s in decisions else None,
                                          "source": decisions[s].source if s in decisions else None}
                                         for s in i.seeds]} for i in self.log.islands],
+            "fusions": [asdict(f) for f in self.log.fusions],
             "alignment": self.alignment(),
             "io_changed": list(self.log.io_changed),
             "check": self.extra.get("check"),
@@ -187,6 +189,8 @@ class Report:
                      + (f", removed: {s['casts_removed']}" if s["casts_removed"] else ""))
         # --placement optimal: cast bytes and FP32 traffic per run at the default shapes, vs greedy's
         lines += [n for n in self.log.notes if n.startswith("optimal placement")]
+        if self.log.fusions:
+            lines.append(f"fused: {_fusion_counts(self.log.fusions)} (now low precision, no FP32 island)")
         lines.append(f"FP32 islands: {s['islands']}")
         for island in self.log.islands[:8]:
             lines.append(f"  island {island.id}: {describe(island)} (seeded by {', '.join(island.seeds[:3]) or '-'})")
@@ -212,6 +216,15 @@ class Report:
         if self.output:
             lines.append(f"output: {self.output}")
         return "\n".join(lines)
+
+
+def _fusion_counts(fusions) -> str:
+    """'2 LayerNorm → SkipLayerNormalization, 1 tanh-GELU → FastGelu' (ops without their domain)."""
+    counts: dict[tuple[str, str], int] = {}
+    for f in fusions:
+        key = (f.pattern, f.op.rsplit("::", 1)[-1])
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n} {pattern} → {op}" for (pattern, op), n in counts.items())
 
 
 def _precision_name(p: Precision | str, target: str) -> str:

@@ -44,7 +44,9 @@ _NAMES = ["q_proj", "k_proj", "k_t", "scores", "scale_mul", "mask_add", "softmax
 
 def block_model(*, big_weight: bool = False) -> onnx.ModelProto:
     """A transformer block: attention (with a -1e9 additive mask constant), residual, a decomposed
-    LayerNorm and an FFN whose hidden size (100) is not a multiple of 8."""
+    LayerNorm and an FFN whose hidden size (100) is not a multiple of 8. The report tests rewrite
+    it with ``fuse=False`` (``--no-fuse``): its LayerNorm is their FP32-island example, which by
+    default would become one LayerNormalization (tests/test_fuse.py covers that)."""
     rng = np.random.default_rng(0)
     w1 = rng.normal(size=(64, 100)) * 0.1
     if big_weight:

@@ -28,7 +28,7 @@ def _lines(text: str) -> list[str]:
 
 
 def test_node_inside_decomposed_layernorm_leads_to_the_deny_rule(block):
-    text = explain_node(block, "ln_div")
+    text = explain_node(block, "ln_div", fuse=False)
     lines = _lines(text)
     assert lines[0] == "ln_div (Div) computes in fp32"
     chain = [line for line in lines if line.startswith(("ln_div (Div) fp32 [", "← "))]
@@ -41,29 +41,29 @@ def test_node_inside_decomposed_layernorm_leads_to_the_deny_rule(block):
 
 @pytest.mark.parametrize("name", LAYERNORM_NODES)
 def test_every_layernorm_node_explains_back_to_a_deny_rule(block, name):
-    text = explain_node(block, name)
+    text = explain_node(block, name, fuse=False)
     assert "computes in fp32" in text.splitlines()[0]
     assert "deny.ReduceMean" in text or "deny.Pow" in text
     assert "LayerNorm pattern" in text
 
 
 def test_low_node_chain_ends_at_allow_rule(block):
-    lines = _lines(explain_node(block, "k_t"))
+    lines = _lines(explain_node(block, "k_t", fuse=False))
     assert lines[0] == "k_t (Transpose) computes in fp16"
     assert any(line.startswith("← scores (MatMul) fp16 [allow") for line in lines)
     assert any(line.startswith("rule entry: onnx-cuda-fp16.toml: allow.MatMul") for line in lines)
 
 
 def test_casts_on_the_node_edges(block):
-    text = explain_node(block, "ffn_up")
+    text = explain_node(block, "ffn_up", fuse=False)
     assert "casts on its edges:" in text and "amp_cast/ln/to_fp16: ln fp32→fp16 into ffn_up, 2048 elements" in text
 
 
 def test_explain_a_cast_and_an_output_name(block):
-    text = explain_node(block, "amp_cast/ln/to_fp16")
+    text = explain_node(block, "amp_cast/ln/to_fp16", fuse=False)
     assert text.startswith("amp_cast/ln/to_fp16: Cast inserted on ln (fp32→fp16)")
     assert "edge: ln_add → ffn_up" in text and "12288 bytes moved per run" in text
-    assert explain_node(block, "n").startswith("ln_div (Div)")  # the output tensor of ln_div
+    assert explain_node(block, "n", fuse=False).startswith("ln_div (Div)")  # the output tensor of ln_div
 
 
 def test_undecided_node(tmp_path):
@@ -80,32 +80,32 @@ def test_undecided_node(tmp_path):
 
 def test_unknown_name_suggests_close_names(block):
     with pytest.raises(UsageError) as err:
-        explain_node(block, "ln_dvi")
+        explain_node(block, "ln_dvi", fuse=False)
     assert "no node of that name" in err.value.message and "ln_div" in err.value.message
 
 
 def test_options_change_the_answer(block):
-    text = explain_node(block, "ln_div", fp16_nodes=["ln_div"])
+    text = explain_node(block, "ln_div", fp16_nodes=["ln_div"], fuse=False)
     assert "ln_div (Div) computes in fp16" in text
     assert "node rule 'ln_div'" in text
 
 
 def test_cli_explain_prints_and_writes_nothing(block, capsys):
     before = sorted(p.name for p in block.parent.iterdir())
-    assert main([str(block), "--explain", "ln_div"]) == 0
+    assert main([str(block), "--no-fuse", "--explain", "ln_div"]) == 0
     out = capsys.readouterr().out
     assert "deny.ReduceMean" in out and "ln_sub" in out
     assert sorted(p.name for p in block.parent.iterdir()) == before
 
 
 def test_cli_explain_unknown_node_exits_2(block, capsys):
-    assert main([str(block), "--explain", "nope_14"]) == 2
+    assert main([str(block), "--no-fuse", "--explain", "nope_14"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("amp-rewrite: error: --explain 'nope_14'")
 
 
 def test_cli_explain_subprocess(block):
-    proc = subprocess.run([sys.executable, "-m", "amp_rewrite", str(block), "--explain", "ln_mul"],
+    proc = subprocess.run([sys.executable, "-m", "amp_rewrite", str(block), "--no-fuse", "--explain", "ln_mul"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "← ln_div" in proc.stdout and "← ln_sub" in proc.stdout and "← ln_mean" in proc.stdout

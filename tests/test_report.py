@@ -94,11 +94,11 @@ def test_report_json_validates(factory):
 
 
 def test_schema_rejects_a_broken_report():
-    d = json.loads(rewrite(block_model()).report.to_json())
+    d = json.loads(rewrite(block_model(), fuse=False).report.to_json())
     d["nodes"][0]["precision"] = "fp8"
     with pytest.raises(jsonschema.ValidationError):
         validate(d)
-    d = json.loads(rewrite(block_model()).report.to_json())
+    d = json.loads(rewrite(block_model(), fuse=False).report.to_json())
     del d["casts"][0]["bytes_per_run"]
     with pytest.raises(jsonschema.ValidationError):
         validate(d)
@@ -121,7 +121,7 @@ def test_json_is_strict_even_with_infinite_sentinels():
 
 # -- contents ------------------------------------------------------------------------------------------
 def test_nodes_carry_category_precision_and_reason_chain():
-    d = rewrite(block_model()).report.to_dict()
+    d = rewrite(block_model(), fuse=False).report.to_dict()
     nodes = {n["node"]: n for n in d["nodes"]}
     assert nodes["q_proj"] == {**nodes["q_proj"], "op": "MatMul", "category": "allow", "precision": "fp16",
                                "step": "allow", "via": None, "root": "q_proj"}
@@ -135,7 +135,7 @@ def test_nodes_carry_category_precision_and_reason_chain():
 
 
 def test_casts_name_edge_direction_shape_and_bytes():
-    d = rewrite(block_model()).report.to_dict()
+    d = rewrite(block_model(), fuse=False).report.to_dict()
     casts = {c["tensor"]: c for c in d["casts"]}
     into_ln = casts["ln"]
     assert into_ln["producer"] == "ln_add" and into_ln["consumers"] == ["ffn_up"]
@@ -148,7 +148,7 @@ def test_casts_name_edge_direction_shape_and_bytes():
 
 
 def test_layernorm_island_named_with_its_seeds():
-    d = rewrite(block_model()).report.to_dict()
+    d = rewrite(block_model(), fuse=False).report.to_dict()
     assert len(d["islands"]) == 1
     island = d["islands"][0]
     assert island["pattern"] == "LayerNorm"
@@ -161,7 +161,7 @@ def test_layernorm_island_named_with_its_seeds():
 
 
 def test_weights_clamped_flushed_and_memory():
-    s = rewrite(block_model(big_weight=True)).report.summary()
+    s = rewrite(block_model(big_weight=True), fuse=False).report.summary()
     w = s["weights"]
     assert w["clamped"] == 2 and w["flushed_to_zero"] == 1
     assert w["converted"] == 5
@@ -170,10 +170,10 @@ def test_weights_clamped_flushed_and_memory():
 
 
 def test_sentinel_masks_reported():
-    s = rewrite(block_with_mask_constant()).report.summary()
+    s = rewrite(block_with_mask_constant(), fuse=False).report.summary()
     (sentinel,) = s["weights"]["sentinels"]
     assert sentinel == {"tensor": "mask", "count": 2 * 16 * 8, "min": -1e9, "max": -1e9}
-    assert "sentinel constants in mask" in rewrite(block_with_mask_constant()).report.summary_text()
+    assert "sentinel constants in mask" in rewrite(block_with_mask_constant(), fuse=False).report.summary_text()
 
 
 def test_unlisted_retargeted_and_removed_casts():
@@ -187,7 +187,7 @@ def test_unlisted_retargeted_and_removed_casts():
 
 
 def test_tensor_core_alignment():
-    report = rewrite(block_model()).report
+    report = rewrite(block_model(), fuse=False).report
     align = {a["node"]: a for a in report.alignment()}
     assert set(align) == {"q_proj", "k_proj", "scores", "attn_v", "ffn_up", "ffn_down"}
     assert align["q_proj"]["dims"] == {"M": 16, "K": 64, "N": 64} and align["q_proj"]["status"] == "aligned"
@@ -219,14 +219,14 @@ def test_alignment_of_conv_gemm_and_symbolic_dims():
 
 
 def test_summary_text_headline():
-    text = rewrite(block_model()).report.summary_text()
+    text = rewrite(block_model(), fuse=False).report.summary_text()
     assert "nodes: 11 fp16, 10 fp32" in text
     assert "MatMul/Gemm/Conv/attention in fp16: 6 of 6" in text
     assert "island 0: LayerNorm pattern, 10 nodes, 1 cast in, 1 out" in text
 
 
 def test_chain_follows_via_to_the_rule():
-    report = rewrite(block_model()).report
+    report = rewrite(block_model(), fuse=False).report
     assert [d.node for d in report.chain("ln_mul")] == ["ln_mul", "ln_div", "ln_sub", "ln_mean"]
     assert report.chain("ln_mean")[-1].source.endswith("deny.ReduceMean")
     assert report.chain("no such node") == []
@@ -299,7 +299,7 @@ def test_from_model_without_tags_says_so(tmp_path):
 
 
 def test_every_inserted_and_changed_node_is_tagged():
-    result = rewrite(block_model())
+    result = rewrite(block_model(), fuse=False)
     tags = {n.name: {p.key for p in n.metadata_props} for n in result.model.graph.node}
     for name, keys in tags.items():
         if name.startswith("amp_cast/"):
@@ -336,7 +336,7 @@ def test_every_end_to_end_model_report_validates_and_round_trips(name):
 
 # -- files -------------------------------------------------------------------------------------------------
 def test_write_report_by_extension(tmp_path):
-    report = rewrite(block_model()).report
+    report = rewrite(block_model(), fuse=False).report
     for suffix in (".json", ".html", ".md"):
         write_report(report, tmp_path / f"r{suffix}")
         assert (tmp_path / f"r{suffix}").stat().st_size > 1000

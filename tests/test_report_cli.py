@@ -30,7 +30,7 @@ def block(tmp_path):
 @pytest.mark.parametrize("suffix", [".json", ".html", ".md"])
 def test_cli_report_by_extension(block, tmp_path, suffix, capsys):
     out = tmp_path / f"report{suffix}"
-    assert main([str(block), "-o", str(tmp_path / "out.onnx"), "--report", str(out)]) == 0
+    assert main([str(block), "--no-fuse", "-o", str(tmp_path / "out.onnx"), "--report", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "FP32 islands: 1" in printed and f"report: {out}" in printed
     text = out.read_text()

@@ -39,16 +39,28 @@ def emit_onnx(model: Model, log: DecisionLog) -> ir.Model:
     source: OnnxSource = model.origin
     patcher = _Patcher(log)
     patcher.patch(model.graph)
-    for node in model.meta.get("amp.removed_nodes", []):
-        origin = node.origin
-        if origin is not None and origin.graph is not None:
-            origin.graph.remove(origin, safe=True)
+    _remove(model.meta.get("amp.removed_nodes", []))
+    for domain, version in model.opsets.items():
+        if domain and domain not in source.model.opset_imports:  # a fused com.microsoft op brought it in
+            source.model.opset_imports[domain] = version
     from onnx_ir.passes.common import TopologicalSortPass
 
     TopologicalSortPass()(source.model)
     source.model.metadata_props[TAG + "log"] = "v1"
     source.model.metadata_props[TAG + "report"] = _model_tags(log, patcher.deferred)
     return source.model
+
+
+def _remove(nodes: list[Node]) -> None:
+    """Drop removed nodes from their onnx-ir graphs, one call per graph: a fused pattern's members
+    read each other, so they can only go together."""
+    by_graph: dict[int, tuple[ir.Graph, list[ir.Node]]] = {}
+    for node in nodes:
+        origin = node.origin
+        if origin is not None and origin.graph is not None:
+            by_graph.setdefault(id(origin.graph), (origin.graph, []))[1].append(origin)
+    for graph, origins in by_graph.values():
+        graph.remove(origins, safe=True)
 
 
 def to_proto(model: ir.Model) -> onnx.ModelProto:
@@ -68,8 +80,8 @@ class _Patcher:
             return value.origin
         if id(value) not in self.values:
             shape = ir.Shape(list(value.shape)) if value.shape is not None else None
-            self.values[id(value)] = ir.Value(name=value.name, type=ir.TensorType(ir.DataType(int(value.dtype))),
-                                              shape=shape)
+            dtype = ir.TensorType(ir.DataType(int(value.dtype))) if value.dtype is not None else None
+            self.values[id(value)] = ir.Value(name=value.name, type=dtype, shape=shape)
         return self.values[id(value)]
 
     def patch(self, graph: Graph) -> None:
@@ -162,14 +174,18 @@ class _Patcher:
             n.metadata_props[TAG + key] = str(value)
 
     def _new_node(self, node: Node) -> ir.Node:
+        """An inserted Cast, or a fused op (frontends/onnx_fuse.py), which is tagged like any decided node."""
         inputs = [self.ir_value(v) if v is not None else None for v in node.inputs]
         outputs = [self.ir_value(v) for v in node.outputs]
-        attrs = [ir.AttrInt64("to", int(node.attrs["to"]))] if node.op_type == "Cast" else []
-        new = ir.Node("", node.op_type, inputs, attrs, outputs=outputs, name=node.name)
-        new.metadata_props[TAG + "inserted"] = "cast"
-        new.metadata_props[TAG + "reason"] = node.meta.get("amp.reason", "")
-        self._tag_cast(new, node.name)
+        attrs = [_attribute(key, value) for key, value in node.attrs.items()]
+        new = ir.Node(node.domain, node.op_type, inputs, attrs, outputs=outputs, name=node.name)
         node.origin = new
+        if node.meta.get("amp.inserted") or (node.op_type == "Cast" and not node.domain):
+            new.metadata_props[TAG + "inserted"] = "cast"
+            new.metadata_props[TAG + "reason"] = node.meta.get("amp.reason", "")
+            self._tag_cast(new, node.name)
+        elif node.meta.get("amp.category") is not None:
+            self._tag(new, node)
         return new
 
     def _tag_cast(self, n: ir.Node, name: str) -> None:
@@ -227,6 +243,16 @@ class _Patcher:
         return convert()
 
 
+def _attribute(key: str, value) -> ir.Attr:
+    if isinstance(value, int):  # bool included
+        return ir.AttrInt64(key, int(value))
+    if isinstance(value, float):
+        return ir.AttrFloat32(key, value)
+    if isinstance(value, str):
+        return ir.AttrString(key, value)
+    raise TypeError(f"attribute {key!r}: cannot emit a {type(value).__name__}")
+
+
 class _ConvertingTensor(ir.LazyTensor):
     """A weight converted while it is written: ``tofile`` (what onnx-ir's external-data writer
     calls) streams the converted chunks straight into the file, so not even the low-precision copy
@@ -269,7 +295,8 @@ def _model_tags(log: DecisionLog, deferred: list[tuple]) -> str:
     removed = [{**cast_record_dict(c), "index": i} for i, c in enumerate(log.casts) if c.kind == "removed"]
     return json.dumps({"version": 1, "target": log.target, "islands": [asdict(i) for i in log.islands],
                        "weights": weights, "unlisted_ops": log.unlisted_ops, "notes": log.notes,
-                       "io_changed": log.io_changed, "removed_casts": removed})
+                       "io_changed": log.io_changed, "removed_casts": removed,
+                       "fusions": [asdict(f) for f in log.fusions]})
 
 
 CHUNK_ELEMENTS = 4 << 20  # 16 MB of FP32 converted per step

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import onnx
 
-from ..decisions import CastRecord, Category, Decision, DecisionLog, Island, Precision, WeightStats
+from ..decisions import CastRecord, Category, Decision, DecisionLog, FusionRecord, Island, Precision, WeightStats
 from ..errors import ModelLoadError
 
 TAG = "amp_rewrite."
@@ -77,6 +77,7 @@ def _log_from(proto: onnx.ModelProto, model_tags: dict) -> DecisionLog:
     log.operand_shapes = {d.node: shapes[d.node] for d in log.decisions.values() if d.node in shapes}
     log.casts = [c for _, c in sorted(casts, key=lambda t: t[0])]
     log.islands = [Island(**i) for i in model_tags.get("islands", [])]
+    log.fusions = [FusionRecord(**f) for f in model_tags.get("fusions", [])]
     log.weights = WeightStats(**model_tags.get("weights", {}))
     log.unlisted_ops = dict(model_tags.get("unlisted_ops", {}))
     log.notes = list(model_tags.get("notes", []))

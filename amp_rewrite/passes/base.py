@@ -25,6 +25,7 @@ class Options:
     provider: str | None = None  # kernel table to check against (defaults to the rule set's)
     loss: str | None = None  # training: name of the loss value
     verify_each: bool = False
+    fuse: bool = True  # fuse decomposed LayerNorm/RMSNorm/tanh-GELU into fused ops (ONNX; frontends/onnx_fuse.py)
 
 
 @dataclass

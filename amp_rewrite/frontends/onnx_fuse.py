@@ -1,0 +1,572 @@
+"""Fuse decomposed normalisations and the tanh-approximated GELU into single ONNX ops.
+
+Why: a LayerNorm or RMSNorm written as separate ops (ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt,
+Div, Mul, Add) squares and sums activations, which overflows FP16 and loses bits in BF16, so
+painting must keep it an FP32 **island**: two Casts and an FP32 round of memory traffic per
+normalisation, on every layer of a transformer. The fused kernels (LayerNormalization,
+RMSNormalization, and onnxruntime's SkipLayerNormalization / SkipSimplifiedLayerNormalization)
+read and write the low-precision type but keep the mean and variance in FP32 internally (the rule
+files mark them ``accumulates_fp32``), so once fused the normalisation runs low precision safely
+and its island, with its Casts, disappears. GPT-2's tanh-GELU holds ``x**3``, a deny op (Pow);
+fused into Gelu(approximate="tanh") or FastGelu it is elementwise and bounded by its input: an
+``x**3`` that overflows only saturates the tanh, whose result is then exact.
+
+Patterns (the forms torch.onnx.export writes; no-op ``Cast(to=FLOAT)`` of FP32 values are looked
+through)::
+
+    LayerNorm   m = ReduceMean(x); d = x - m; v = ReduceMean(d^2)            (d^2: Pow(d, 2) or d*d)
+                n = d / Sqrt(v + eps)   or   d * Reciprocal(Sqrt(v + eps))   or   d * (1 / Sqrt(v + eps))
+                y = n * gamma [+ beta]
+    RMSNorm     v = ReduceMean(x^2); n = x / Sqrt(v + eps) (or the same variants); y = n * gamma
+    tanh-GELU   y = (x * 0.5) * (1 + Tanh((x + Pow(x, 3) * 0.044715) * sqrt(2/pi)))
+
+Fused op, the first one the model's opset has: LayerNormalization (opset 17+) or RMSNormalization
+(23+) on x; else, when x is a residual sum ``Add(a, b)`` of two activations of one static shape,
+com.microsoft SkipLayerNormalization / SkipSimplifiedLayerNormalization on (a, b), whose fourth
+output is the sum for its other readers; for the GELU, Gelu(approximate="tanh") (opset 20+), else
+com.microsoft FastGelu.
+
+A pattern is left as it is (painting then makes it an FP32 island, as before) unless:
+- every intermediate value is read only inside the pattern and is not a graph output;
+- the reductions are over the last axis with keepdims; eps, the exponents and the GELU
+  coefficients are constants of the expected values; gamma and beta are 1-D constants;
+- the fused op has a low-precision kernel for the target at that opset (the bundled kernel table)
+  and the rule set puts it in a low-capable list (normalisations: marked ``accumulates_fp32``);
+- no member is named by a node rule: a user's ``--fp32-nodes`` / ``--fp16-nodes`` keeps its meaning;
+- the rewrite has something to do: at least one allow op (no allow op → nothing changes).
+
+The pass lives at the ONNX edge (it reads onnx-ir attributes and constants, makes ONNX and
+onnxruntime ops) and runs for the ONNX frontend before classify, is skipped for training graphs (their
+backward ops read the decomposition's intermediates) and with ``fuse=False``. Every fusion is
+recorded in the log (``DecisionLog.fusions``) and the fused node is named after its members'
+common name prefix (``/layer.0/LayerNorm/LayerNormalization``), so name patterns still match.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..decisions import Category, FusionRecord
+from ..ir import DType, Graph, Model, Node, Value
+from ..passes.base import Context, PassResult, node_label
+from ..passes.place_casts import Namer
+
+MS = "com.microsoft"
+_GELU_COEFFS = {"half": 0.5, "cubic": 0.044715, "scale": math.sqrt(2.0 / math.pi), "one": 1.0}
+_LOW_CAPABLE = (Category.ALLOW, Category.INFER, Category.CLEAR)
+
+
+@dataclass
+class _Match:
+    """One recognised pattern: what it reads, what it makes, and the nodes it replaces."""
+
+    kind: str  # LayerNorm | RMSNorm | tanh-GELU
+    x: Value
+    out: Value
+    members: list[Node]
+    eps: float | None = None
+    gamma: Value | None = None
+    beta: Value | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+def fuse(model: Model, ctx: Context) -> PassResult:
+    if (model.frontend != "onnx" or not ctx.options.fuse or ctx.options.training
+            or not _has_allow_op(model, ctx)):
+        return PassResult("fuse", modified=False)
+    namer = Namer.for_model(model)
+    shapes = SymbolicShapes(model)
+    fused = 0
+    for scope in list(model.graph.scopes()):
+        nodes = list(scope.nodes)
+        position = {id(n): i for i, n in enumerate(nodes)}
+        gone: set[int] = set()
+        for node in nodes:
+            if id(node) in gone:
+                continue
+            match = _match_at(node)
+            if match is None or not _closed(match) or _pinned(match, ctx):
+                continue
+            removed = _replace(model, scope, match, ctx, namer, position, shapes)
+            gone.update(id(n) for n in removed)
+        if gone:
+            # one pass over the list, not a list.remove per node: graphs can have 100k nodes
+            scope.nodes = [n for n in scope.nodes if id(n) not in gone]
+            scope.sort()  # a reader of a residual sum may sit between the sum and the fused op
+            fused += 1
+    return PassResult("fuse", modified=fused > 0)
+
+
+def _has_allow_op(model: Model, ctx: Context) -> bool:
+    return any(ctx.rules.category_of(n.op_type, n.domain, n.opset) == Category.ALLOW for n in model.graph.walk())
+
+
+# -- matching --------------------------------------------------------------------------------------
+def _match_at(node: Node) -> _Match | None:
+    if node.domain != "":
+        return None
+    if node.op_type == "ReduceMean":
+        return _match_norm(node)
+    if node.op_type == "Pow":
+        return _match_gelu(node)
+    return None
+
+
+def _match_norm(var_mean: Node) -> _Match | None:
+    """Anchored at the variance's ReduceMean: ``ReduceMean(d^2)``."""
+    if not _mean_over_last_axis(var_mean):
+        return None
+    square = var_mean.inputs[0].producer
+    d = _square_base(square)
+    if d is None:
+        return None
+    members = [square, var_mean]
+    kind, x = "RMSNorm", _source(d)
+    sub = d.producer
+    if _is(sub, "Sub"):
+        mean = _source(sub.inputs[1]).producer
+        if _is(mean, "ReduceMean") and _mean_over_last_axis(mean) and \
+                _source(mean.inputs[0]) is _source(sub.inputs[0]):
+            kind, x = "LayerNorm", _source(sub.inputs[0])
+            members += [sub, mean]
+    add_eps = _only_consumer(var_mean.outputs[0], "Add")
+    eps = _scalar(_other_input(add_eps, var_mean.outputs[0])) if add_eps else None
+    sqrt = _only_consumer(add_eps.outputs[0], "Sqrt") if add_eps else None
+    if eps is None or not 0 < eps < 1 or sqrt is None:
+        return None
+    members += [add_eps, sqrt]
+    normed = _divide_by(sqrt.outputs[0], d, members)
+    if normed is None:
+        return None
+    normed = _through_casts(normed, members)
+    scaled = _only_consumer(normed, "Mul")
+    gamma = _other_input(scaled, normed) if scaled else None
+    if gamma is None or not _is_vector_const(gamma, x):
+        return None
+    members.append(scaled)
+    out, beta = scaled.outputs[0], None
+    if kind == "LayerNorm":
+        shift = _only_consumer(out, "Add")
+        candidate = _other_input(shift, out) if shift else None
+        if candidate is not None and _is_vector_const(candidate, x):
+            members.append(shift)
+            out, beta = shift.outputs[0], candidate
+    members += _input_casts(x, members)
+    return _Match(kind, x, out, members, eps=eps, gamma=gamma, beta=beta)
+
+
+def _divide_by(root: Value, d: Value, members: list[Node]) -> Value | None:
+    """``d / root``, ``d * Reciprocal(root)`` or ``d * (1 / root)``: returns the quotient."""
+    div = _only_consumer(root, "Div")
+    if div is not None and div.inputs[1] is root and _source(div.inputs[0]) is _source(d):
+        members.append(div)
+        return div.outputs[0]
+    inverse = _only_consumer(root, "Reciprocal")
+    if inverse is None and div is not None and div.inputs[1] is root and _scalar(div.inputs[0]) == 1.0:
+        inverse = div
+    if inverse is None:
+        return None
+    mul = _only_consumer(inverse.outputs[0], "Mul")
+    if mul is None or _source(_other_input(mul, inverse.outputs[0])) is not _source(d):
+        return None
+    members += [inverse, mul]
+    return mul.outputs[0]
+
+
+def _match_gelu(cube: Node) -> _Match | None:
+    """Anchored at ``Pow(x, 3)``; the coefficients must be GPT-2's (``gelu_new``)."""
+    x = cube.inputs[0]
+    if x is None or _scalar(cube.inputs[1]) != 3.0:
+        return None
+    members = [cube]
+    steps = [("Mul", "cubic"), ("Add", None), ("Mul", "scale"), ("Tanh", None), ("Add", "one")]
+    value = cube.outputs[0]
+    for op, coeff in steps:
+        node = _only_consumer(value, op)
+        if node is None:
+            return None
+        if coeff is not None and not _close(_scalar(_other_input(node, value)), _GELU_COEFFS[coeff]):
+            return None
+        if op == "Add" and coeff is None and _other_input(node, value) is not x:
+            return None
+        members.append(node)
+        value = node.outputs[0]
+    final = _only_consumer(value, "Mul")
+    half = _other_input(final, value) if final else None
+    half_node = half.producer if half is not None else None
+    if not _is(half_node, "Mul") or x not in half_node.inputs or \
+            not _close(_scalar(_other_input(half_node, x)), _GELU_COEFFS["half"]):
+        return None
+    members += [half_node, final]
+    return _Match("tanh-GELU", x, final.outputs[0], members)
+
+
+# -- the fused op ------------------------------------------------------------------------------------
+def _choose(match: _Match, scope: Graph, ctx: Context,
+            shapes: SymbolicShapes) -> tuple[str, str, list[Value | None], dict] | None:
+    """(domain, op, inputs, attrs) of the first fused form the model's opsets and the target allow."""
+    opset = scope.opsets.get("", 0)
+    standard_since = {"LayerNorm": 17, "RMSNorm": 23}.get(match.kind)
+    skip = _residual_operands(match.x, shapes) if standard_since and opset < standard_since else None
+    if match.kind == "tanh-GELU":
+        forms = [("", "Gelu", 20, [match.x], {"approximate": "tanh"}), (MS, "FastGelu", 1, [match.x], {})]
+    elif match.kind == "LayerNorm":
+        forms = [("", "LayerNormalization", 17, [match.x, match.gamma, match.beta],
+                  {"axis": -1, "epsilon": match.eps})]
+        if skip:
+            forms.append((MS, "SkipLayerNormalization", 1, [*skip, match.gamma, match.beta], {"epsilon": match.eps}))
+    else:
+        forms = [("", "RMSNormalization", 23, [match.x, match.gamma], {"axis": -1, "epsilon": match.eps})]
+        if skip:
+            forms.append((MS, "SkipSimplifiedLayerNormalization", 1, [*skip, match.gamma], {"epsilon": match.eps}))
+    for domain, op, since, inputs, attrs in forms:
+        version = opset if domain == "" else scope.opsets.get(domain, 1)
+        if version >= since and _low_capable(ctx, op, domain, version, norm=match.kind != "tanh-GELU"):
+            while inputs and inputs[-1] is None:
+                inputs.pop()
+            return domain, op, inputs, attrs
+    return None
+
+
+def _low_capable(ctx: Context, op: str, domain: str, opset: int, *, norm: bool) -> bool:
+    entry = ctx.rules.lookup(op, domain, opset)
+    if entry is None or entry.category not in _LOW_CAPABLE or (norm and not entry.accumulates_fp32):
+        return False
+    from .. import kernels
+
+    provider = ctx.options.provider or ctx.rules.provider
+    if not provider or not kernels.knows_provider(provider):
+        return True  # a provider outside the bundled table: the rules decide
+    low = "bfloat16" if ctx.low == DType.BFLOAT16 else "float16"
+    return kernels.has_kernel(provider, op, opset, low, domain)
+
+
+def _replace(model: Model, scope: Graph, match: _Match, ctx: Context, namer: Namer,
+             position: dict[int, int], shapes: SymbolicShapes) -> list[Node]:
+    """Put the fused op in place of the pattern; returns the nodes it replaces (none if no fused
+    form is available)."""
+    chosen = _choose(match, scope, ctx, shapes)
+    if chosen is None:
+        return []
+    domain, op, inputs, attrs = chosen
+    total = match.x.producer if domain == MS and op.startswith("Skip") else None  # the residual Add taken over
+    removed = list(match.members) + ([total] if total is not None else [])
+    # The outputs take over the names of the values they replace: a graph output keeps its name.
+    outputs = [Value(match.out.name, match.out.dtype, match.out.shape)]
+    readers = [(n, i) for n, i in total.outputs[0].uses() if n not in removed] if total is not None else []
+    if readers:  # others read the residual sum: the skip op's 4th output (mean, inv_std_var unused)
+        total_out = total.outputs[0]
+        outputs += [Value(""), Value(""), Value(total_out.name, total_out.dtype, total_out.shape)]
+    label = _common_prefix([node_label(n) for n in removed])
+    node = Node(op, inputs, domain=domain, name=namer(label + op), attrs=attrs, outputs=outputs)
+    node.opset = scope.opsets.get(domain, 1)
+    node.input_groups, node.output_groups, node.meta["input_names"], node.meta["group_types"] = \
+        _slots(op, domain, node.opset, len(inputs), len(outputs))
+    scope.insert_after(max(removed, key=lambda n: position[id(n)]), node)
+    match.out.replace_all_uses_with(outputs[0])
+    for reader, index in readers:
+        reader.set_input(index, outputs[3])
+    for member in removed:
+        member.detach()
+        member.graph = None
+    model.meta.setdefault("amp.removed_nodes", []).extend(removed)
+    if domain and domain not in model.opsets:
+        model.opsets[domain] = 1
+        for graph in model.graph.scopes():
+            graph.opsets.setdefault(domain, 1)
+    ctx.log.fusions.append(FusionRecord(node=node.name, op=node.qualified_op, pattern=match.kind,
+                                        members=[node_label(n) for n in removed], reason=_REASONS[match.kind]))
+    return removed
+
+
+_REASONS = {
+    "LayerNorm": "decomposed LayerNorm fused: the fused kernel keeps mean and variance in FP32, so it runs low "
+                 "precision without the FP32 island the separate ops need",
+    "RMSNorm": "decomposed RMSNorm fused: the fused kernel keeps the mean of squares in FP32, so it runs low "
+               "precision without the FP32 island the separate ops need",
+    "tanh-GELU": "tanh-approximated GELU fused: elementwise and bounded by its input (an x^3 that overflows "
+                 "only saturates the tanh), so the Pow no longer forces an FP32 island",
+}
+
+
+def _slots(op: str, domain: str, opset: int | None, n_in: int, n_out: int):
+    """Type-constraint groups per slot, schema input names and allowed types, as the loader records
+    them. com.microsoft ops have no onnx schema: every slot of theirs is one group ("?"), which is
+    right for the fused ops here (all data inputs and the outputs used share type T)."""
+    import onnx
+
+    try:
+        schema = onnx.defs.get_schema(op, opset or 1, domain)
+    except onnx.defs.SchemaError:
+        return ["?"] * n_in, ["?"] * n_out, [], {}
+    type_vars = {tc.type_param_str for tc in schema.type_constraints}
+    ins = [schema.inputs[min(i, len(schema.inputs) - 1)].type_str for i in range(n_in)]
+    outs = [schema.outputs[min(i, len(schema.outputs) - 1)].type_str for i in range(n_out)]
+    groups = {tc.type_param_str: {t[len("tensor("):-1] for t in tc.allowed_type_strs if t.startswith("tensor(")}
+              for tc in schema.type_constraints}
+    return ([t if t in type_vars else None for t in ins], [t if t in type_vars else None for t in outs],
+            [f.name for f in schema.inputs], groups)
+
+
+# -- conditions ----------------------------------------------------------------------------------------
+def _closed(match: _Match) -> bool:
+    """Every value made inside the pattern is read only inside it (and is no graph output)."""
+    inside = {id(n) for n in match.members}
+    for member in match.members:
+        for value in member.outputs:
+            if value is match.out:
+                continue
+            if value.is_graph_output or any(id(n) not in inside for n in value.consumers()):
+                return False
+    return True
+
+
+def _pinned(match: _Match, ctx: Context) -> bool:
+    return any(ctx.rules.node_rule(n.name or node_label(n)) is not None for n in match.members)
+
+
+def _residual_operands(x: Value, shapes: "SymbolicShapes") -> list[Value] | None:
+    """[input, skip] when x = Add(a, b) sums FP32 tensors whose shapes are proven to be what the
+    skip ops take: ``input`` of rank 3 (batch, sequence, hidden) or 2 (tokens, hidden), and
+    ``skip`` of the same shape or, for a rank-3 input, broadcast as (1, sequence, hidden) or
+    (sequence, hidden), like a position embedding. None otherwise."""
+    add = x.producer
+    if not _is(add, "Add") or x.is_graph_output or len(add.inputs) != 2 or add.graph is None \
+            or add.graph.parent is not None:
+        return None
+    a, b = add.inputs
+    if a is None or b is None or (a.is_constant and b.is_constant) \
+            or a.dtype != DType.FLOAT or b.dtype != DType.FLOAT:
+        return None
+    for big, small in ((a, b), (b, a)):
+        shape, other = shapes.of(big), shapes.of(small)
+        if shape is None or other is None or big.is_constant or len(shape) not in (2, 3):
+            continue
+        if other == shape or (len(shape) == 3 and other in ((1, *shape[1:]), shape[1:])):
+            return [big, small]
+    return None
+
+
+class SymbolicShapes:
+    """Shapes of the main graph's values with symbolic dims that mean the same thing across the
+    graph, from onnxruntime's symbolic shape inference (run once, only when a skip fusion needs it).
+
+    onnx's own inference names every dim it cannot compute afresh (``unk__7``), so two residual
+    operands of shape (batch, sequence, H) look unrelated; the symbolic pass carries ``batch`` and
+    ``sequence`` through Shape/Gather/Concat/Reshape. It runs first with ``auto_merge=False``, which
+    never assumes two symbols equal, so equal shapes are a proof. Where that stops at two symbols an
+    op broadcasts together (BERT's ``Min(64, sequence)`` position slice against ``sequence``), it
+    runs again with ``auto_merge=True``, which takes them as equal: a broadcast between them is
+    only valid if they are, or if one is 1 at run time, and onnxruntime's skip kernels check the
+    shapes and fail loudly rather than compute wrong values in that case (onnxruntime's own
+    transformer optimizer fuses on the same assumption). Where neither finishes (or onnxruntime is
+    not installed, or the weights pass ``MAX_BYTES``), nothing is proven and no skip op is made."""
+
+    MAX_BYTES = 256 << 20
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self._shapes: dict[str, tuple] | None = None
+
+    def of(self, value: Value) -> tuple | None:
+        if self._shapes is None:
+            self._shapes = self._infer()
+        shape = self._shapes.get(value.name)
+        if shape is None and value.is_constant and value.shape is not None:
+            shape = value.shape  # a constant's shape is static
+        return shape if shape is not None and all(d not in (None, "", 0) for d in shape) else None
+
+    def _infer(self) -> dict[str, tuple]:
+        import logging
+
+        source = getattr(self.model.origin, "model", None)
+        if source is None or _weight_bytes(source) > self.MAX_BYTES:
+            return {}
+        try:
+            import onnx_ir as ir
+            from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+        except ImportError:
+            return {}
+        logging.getLogger("onnxruntime.tools.symbolic_shape_infer").setLevel(logging.CRITICAL)
+        proto = ir.serde.serialize_model(source)
+        strict, complete = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=False)
+        if complete:
+            return _shape_table(strict)
+        # the merged run's symbols are consistent with each other; the strict run's partial result
+        # only fills in what the merged run did not reach
+        merged, _ = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=True)
+        return {**_shape_table(strict), **_shape_table(merged)}
+
+
+def _shape_table(graph) -> dict[str, tuple]:
+    if graph is None:
+        return {}
+    return {info.name: tuple(d.dim_param or (d.dim_value if d.HasField("dim_value") else None)
+                             for d in info.type.tensor_type.shape.dim)
+            for info in [*graph.input, *graph.value_info, *graph.output] if info.type.tensor_type.HasField("shape")}
+
+
+def _symbolic_inference(engine, proto, auto_merge: bool):
+    """(graph with inferred value_info or None, whether every shape was inferred).
+
+    The steps of ``SymbolicShapeInference.infer_shapes``, run here because that function saves the
+    model to ``sym_shape_infer_temp.onnx`` in the working directory when it cannot finish: a
+    rewrite must write nothing but its output. A partial result is still sound for the values it
+    did infer."""
+    try:
+        inference = engine(2**31 - 1, auto_merge, False, 0)
+        inference._preprocess(proto)
+        complete = False
+        while inference.run_:
+            complete = inference._infer_impl()
+        inference._update_output_from_vi()
+        return inference.out_mp_.graph, bool(complete)
+    except Exception:  # noqa: BLE001 - whatever the helper stumbles on, nothing is proven by it
+        return None, False
+
+
+def _weight_bytes(model) -> int:
+    total = 0
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            total += tensor.nbytes if tensor is not None else 0
+    return total
+
+
+def _mean_over_last_axis(node: Node) -> bool:
+    x = node.inputs[0]
+    rank = len(x.shape) if x is not None and x.shape is not None else None
+    if _attr(node, "keepdims", 1) != 1:
+        return False
+    axes = _attr(node, "axes", None)
+    if axes is None and len(node.inputs) > 1 and node.inputs[1] is not None:
+        axes = _array(node.inputs[1])
+        axes = None if axes is None else [int(a) for a in axes.reshape(-1)]
+    if axes is None or len(axes) != 1:
+        return False
+    return axes[0] == -1 or (rank is not None and axes[0] == rank - 1)
+
+
+def _square_base(node: Node | None) -> Value | None:
+    if _is(node, "Pow") and _scalar(node.inputs[1]) == 2.0:
+        return node.inputs[0]
+    if _is(node, "Mul") and node.inputs[0] is node.inputs[1]:
+        return node.inputs[0]
+    return None
+
+
+def _constant(value: Value | None) -> Value | None:
+    """The constant behind ``value``, through Identity nodes (the TorchScript exporter shares a
+    weight between layers by Identity); None if it is not one."""
+    while value is not None and not value.is_constant and _is(value.producer, "Identity"):
+        value = value.producer.inputs[0]
+    return value if value is not None and value.is_constant else None
+
+
+def _is_vector_const(value: Value, x: Value) -> bool:
+    """A 1-D FP32 constant as long as x's last dim (when known)."""
+    value = _constant(value)
+    if value is None or value.dtype != DType.FLOAT or value.shape is None or len(value.shape) != 1:
+        return False
+    last = x.shape[-1] if x.shape else None
+    return not isinstance(last, int) or value.shape[0] == last
+
+
+# -- small helpers ---------------------------------------------------------------------------------------
+def _is(node: Node | None, op: str) -> bool:
+    return node is not None and node.domain == "" and node.op_type == op
+
+
+def _is_noop_cast(node: Node | None) -> bool:
+    return _is(node, "Cast") and node.attrs.get("to") == DType.FLOAT and node.inputs[0] is not None \
+        and node.inputs[0].dtype == DType.FLOAT
+
+
+def _source(value: Value | None) -> Value | None:
+    """The value behind any no-op ``Cast(to=FLOAT)`` of FP32 values."""
+    while value is not None and _is_noop_cast(value.producer):
+        value = value.producer.inputs[0]
+    return value
+
+
+def _through_casts(value: Value, members: list[Node]) -> Value:
+    """Follow single-reader no-op casts forward (adding them to ``members``)."""
+    while True:
+        readers = value.consumers()
+        if len(readers) != 1 or not _is_noop_cast(readers[0]) or value.is_graph_output:
+            return value
+        members.append(readers[0])
+        value = readers[0].outputs[0]
+
+
+def _input_casts(x: Value, members: list[Node]) -> list[Node]:
+    """No-op casts of x read only by the pattern: they go with it (the fused op reads x itself)."""
+    inside = {id(n) for n in members}
+    found = []
+    for reader in x.consumers():
+        if _is_noop_cast(reader) and all(id(n) in inside for n in reader.outputs[0].consumers()) \
+                and not reader.outputs[0].is_graph_output and id(reader) not in inside:
+            found.append(reader)
+    return found
+
+
+def _only_consumer(value: Value, op: str) -> Node | None:
+    readers = value.consumers()
+    if len(readers) == 1 and _is(readers[0], op) and not value.is_graph_output:
+        return readers[0]
+    return None
+
+
+def _other_input(node: Node | None, value: Value) -> Value | None:
+    if node is None or len(node.inputs) != 2:
+        return None
+    a, b = node.inputs
+    return b if a is value else a if b is value else None
+
+
+def _attr(node: Node, name: str, default: Any) -> Any:
+    origin = node.origin
+    attr = origin.attributes.get(name) if origin is not None else None
+    return attr.value if attr is not None else default
+
+
+def _array(value: Value | None):
+    """The constant's data (initializer or Constant node, through Identity), or None."""
+    value = _constant(value)
+    if value is None:
+        return None
+    if value.is_initializer:
+        tensor = value.origin.const_value if value.origin is not None else None
+    else:
+        attr = value.producer.origin.attributes.get("value") if value.producer.origin is not None else None
+        tensor = attr.as_tensor() if attr is not None else None
+    return tensor.numpy() if tensor is not None else None
+
+
+def _scalar(value: Value | None) -> float | None:
+    value = _constant(value)
+    if value is None or value.numel not in (None, 1):
+        return None
+    data = _array(value)
+    return float(data.reshape(-1)[0]) if data is not None and data.size == 1 else None
+
+
+def _close(a: float | None, b: float) -> bool:
+    return a is not None and math.isclose(a, b, rel_tol=1e-4)
+
+
+def _common_prefix(labels: list[str]) -> str:
+    """The shared path of the members' names (``/layer.0/LayerNorm/``), or ``amp_fused/``."""
+    parts = [label.split("/")[:-1] for label in labels]
+    common: list[str] = []
+    for segment in zip(*parts):
+        if len(set(segment)) != 1:
+            break
+        common.append(segment[0])
+    prefix = "/".join(common)
+    return prefix + "/" if prefix else "amp_fused/"
+
+

@@ -1,0 +1,266 @@
+"""Fusion of decomposed LayerNorm / RMSNorm / tanh-GELU into fused ops (amp_rewrite/passes/fuse.py).
+
+Each fused form is checked for: the op it becomes, no FP32 island and no Cast left for it, the
+checker, a fixed point, and numerics against the FP32 model in onnxruntime (large activations
+included: the fused kernels keep their statistics in FP32). The cases where fusion must not
+happen keep the FP32 island."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from amp_rewrite.report import Report
+from tests.util import FP16, FP32, full_check, make_model, nodes_by_type, rel_err, rewrite, run, value_types
+
+W = {"wq": (8, 8), "wo": (8, 8), "g": np.linspace(0.5, 1.5, 8, dtype=np.float32),
+     "b": np.linspace(-0.1, 0.1, 8, dtype=np.float32), "two": np.array(2.0, np.float32),
+     "eps": np.array(1e-5, np.float32), "one": np.array(1.0, np.float32)}
+
+LAYERNORM = """
+      m = ReduceMean<axes=[-1]>(r)
+      d = Sub(r, m)
+      p = Pow(d, two)
+      v = ReduceMean<axes=[-1]>(p)
+      ve = Add(v, eps)
+      sd = Sqrt(ve)
+      n = Div(d, sd)
+      ng = Mul(n, g)
+      ln = Add(ng, b)"""
+
+RMSNORM = """
+      rc = Cast<to=1>(r)
+      p = Pow(rc, two)
+      v = ReduceMean<axes=[-1]>(p)
+      ve = Add(v, eps)
+      sd = Sqrt(ve)
+      inv = Reciprocal(sd)
+      n = Mul(rc, inv)
+      ln = Mul(g, n)"""
+
+
+def residual_block(norm: str, opset: int, *, outputs: str = "float[2,4,8] y") -> onnx.ModelProto:
+    """x -> MatMul -> residual Add (q + x1) -> norm -> MatMul; the residual sum r also feeds the
+    next residual Add, as in a pre-LN transformer."""
+    text = f"""
+    <ir_version: 8, opset_import: ["" : {opset}]>
+    g (float[2,4,8] x) => ({outputs}) {{
+      x1 = MatMul(x, wi)
+      q = MatMul(x1, wq)
+      r = Add(q, x1){norm}
+      h = MatMul(ln, wo)
+      s = Add(h, r)
+      y = MatMul(s, wy)
+    }}"""
+    return make_model(text, {**W, "wi": (8, 8), "wy": (8, 8)})
+
+
+def feeds(scale: float = 1.0) -> dict:
+    return {"x": (np.random.default_rng(0).standard_normal((2, 4, 8)) * scale).astype(np.float32)}
+
+
+def names(values) -> list[str]:
+    """Value names without the suffix a retyped value gets ("r/amp_fp16" -> "r")."""
+    return [v.split("/amp_")[0] for v in values]
+
+
+def only(model: onnx.ModelProto, op: str, domain: str = "") -> onnx.NodeProto:
+    found = [n for n in model.graph.node if n.op_type == op and n.domain == domain]
+    assert len(found) == 1, [(n.op_type, n.domain) for n in model.graph.node]
+    return found[0]
+
+
+def check_fused(model: onnx.ModelProto, result, *, scale: float = 1.0, tolerance: float = 1e-2) -> None:
+    out = result.model
+    full_check(out)
+    assert out.ir_version == model.ir_version
+    assert not result.log.islands
+    assert not nodes_by_type(out, "ReduceMean") and not nodes_by_type(out, "Pow")
+    # only the graph input and output cross precisions
+    assert len(nodes_by_type(out, "Cast")) == 2
+    ref, got = run(model, feeds(scale))["y"], run(out, feeds(scale))["y"]
+    assert np.isfinite(got).all()
+    assert rel_err(ref, got) < tolerance
+    again = rewrite(out)
+    assert not again.modified
+
+
+@pytest.mark.parametrize("scale", [1.0, 300.0])
+def test_layernorm_opset17_becomes_layernormalization(scale):
+    model = residual_block(LAYERNORM, 17)
+    result = rewrite(model)
+    node = only(result.model, "LayerNormalization")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["axis"] == -1 and attrs["epsilon"] == pytest.approx(1e-5)
+    assert names(node.input) == ["r", "g", "b"]
+    assert value_types(result.model)["ln"] == FP16
+    # deviations of ~300 square to ~90000 (inf in FP16): the fused kernel's statistics are FP32
+    check_fused(model, result, scale=scale)
+    [fusion] = result.log.fusions
+    assert fusion.pattern == "LayerNorm" and fusion.op == "LayerNormalization"
+    assert {"ReduceMean:m", "Pow:p", "Sqrt:sd", "Div:n", "Add:ln"} <= set(fusion.members)
+
+
+@pytest.mark.parametrize("scale", [1.0, 300.0])
+def test_layernorm_opset13_after_residual_becomes_skiplayernormalization(scale):
+    model = residual_block(LAYERNORM, 13)
+    result = rewrite(model)
+    node = only(result.model, "SkipLayerNormalization", "com.microsoft")
+    assert names(node.input) == ["q", "x1", "g", "b"]
+    # the residual sum keeps its name and its other reader, through the fourth output
+    assert names(node.output)[1:] == ["", "", "r"]
+    [residual] = nodes_by_type(result.model, "Add")
+    assert residual.input[1] == node.output[3] and value_types(result.model)[node.output[3]] == FP16
+    assert any(op.domain == "com.microsoft" for op in result.model.opset_import)
+    check_fused(model, result, scale=scale)
+
+
+def test_rmsnorm_opset13_after_residual_becomes_skipsimplifiedlayernormalization():
+    model = residual_block(RMSNORM, 13)
+    result = rewrite(model)
+    node = only(result.model, "SkipSimplifiedLayerNormalization", "com.microsoft")
+    assert names(node.input) == ["q", "x1", "g"]
+    assert not nodes_by_type(result.model, "Reciprocal")
+    check_fused(model, result, scale=300.0)
+    assert result.log.fusions[0].pattern == "RMSNorm"
+
+
+def test_broadcast_skip_goes_second():
+    """A position-embedding-like operand (1, 4, 8) is the skip, the full activation the input."""
+    text = """
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[2,4,8] x) => (float[2,4,8] y) {
+      q = MatMul(x, wq)
+      r = Add(pos, q)""" + LAYERNORM + """
+      y = MatMul(ln, wo)
+    }"""
+    model = make_model(text, {**W, "pos": (1, 4, 8)})
+    result = rewrite(model)
+    node = only(result.model, "SkipLayerNormalization", "com.microsoft")
+    assert names(node.input)[:2] == ["q", "pos"]
+    check_fused(model, result)
+
+
+GELU = """
+    <ir_version: 8, opset_import: ["" : {opset}]>
+    g (float[2,4,8] x) => (float[2,4,8] y) {{
+      h = MatMul(x, wq)
+      half = Mul(h, c_half)
+      cube = Pow(h, c_three)
+      cubic = Mul(cube, c_cubic)
+      inner = Add(h, cubic)
+      scaled = Mul(inner, c_scale)
+      t = Tanh(scaled)
+      t1 = Add(t, c_one)
+      act = Mul(half, t1)
+      y = MatMul(act, wo)
+    }}"""
+
+GELU_CONSTS = {"c_half": np.array(0.5, np.float32), "c_three": np.array(3.0, np.float32),
+               "c_cubic": np.array(0.044715, np.float32), "c_scale": np.array(np.sqrt(2 / np.pi), np.float32),
+               "c_one": np.array(1.0, np.float32)}
+
+
+@pytest.mark.parametrize("opset,op,domain", [(13, "FastGelu", "com.microsoft"), (20, "Gelu", "")])
+def test_tanh_gelu_is_fused(opset, op, domain):
+    model = make_model(GELU.format(opset=opset), {"wq": (8, 8), "wo": (8, 8), **GELU_CONSTS})
+    result = rewrite(model)
+    node = only(result.model, op, domain)
+    if op == "Gelu":
+        assert onnx.helper.get_attribute_value(node.attribute[0]) == b"tanh"
+    assert not nodes_by_type(result.model, "Tanh")
+    # x**3 of activations ~60 overflows FP16: it only saturates the tanh
+    check_fused(model, result, scale=60.0)
+    assert result.log.fusions[0].pattern == "tanh-GELU"
+
+
+def test_wrong_gelu_coefficient_is_not_fused():
+    consts = {**GELU_CONSTS, "c_cubic": np.array(0.05, np.float32)}
+    result = rewrite(make_model(GELU.format(opset=13), {"wq": (8, 8), "wo": (8, 8), **consts}))
+    assert not result.log.fusions
+    assert nodes_by_type(result.model, "Pow") and len(result.log.islands) == 1
+
+
+def test_standalone_layernorm_below_opset17_stays_an_island():
+    """No residual Add before it and no LayerNormalization at opset 13: the FP32 island stays."""
+    text = """
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[2,4,8] x) => (float[2,4,8] y) {
+      r = MatMul(x, wq)""" + LAYERNORM + """
+      y = MatMul(ln, wo)
+    }"""
+    result = rewrite(make_model(text, W))
+    assert not result.log.fusions
+    [island] = result.log.islands
+    assert island.pattern == "LayerNorm" and island.casts_in == 1 and island.casts_out == 1
+
+
+def test_escaping_intermediate_blocks_fusion():
+    """The variance is also a graph output: fusing would lose it, so the pattern stays."""
+    model = residual_block(LAYERNORM, 17, outputs="float[2,4,8] y, float[2,4,1] v")
+    result = rewrite(model)
+    assert not result.log.fusions
+    assert nodes_by_type(result.model, "ReduceMean") and len(result.log.islands) == 1
+    full_check(result.model)
+
+
+def test_fuse_false_keeps_the_island():
+    result = rewrite(residual_block(LAYERNORM, 17), fuse=False)
+    assert not result.log.fusions
+    assert [i.pattern for i in result.log.islands] == ["LayerNorm"]
+
+
+def test_node_rule_on_a_member_blocks_fusion():
+    result = rewrite(residual_block(LAYERNORM, 17), fp32_nodes=["Sqrt:sd"])
+    assert not result.log.fusions
+    assert value_types(result.model)["sd"] == FP32
+
+
+def test_no_allow_op_means_no_fusion():
+    text = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,4,8] r) => (float[2,4,8] ln) {""" + LAYERNORM + """
+    }"""
+    model = make_model(text, W)
+    result = rewrite(model)
+    assert not result.modified and not result.log.fusions
+    assert result.model == model
+
+
+def test_bf16_target_fuses_too():
+    result = rewrite(residual_block(LAYERNORM, 17), target="bf16")
+    only(result.model, "LayerNormalization")
+    full_check(result.model)
+    assert not result.log.islands
+
+
+def test_fusions_are_in_the_report_and_rebuilt_from_the_model():
+    result = rewrite(residual_block(LAYERNORM, 13))
+    report = Report.from_log(result.log)
+    assert report.summary()["fusions"] == 1
+    assert "fused: 1 LayerNorm → SkipLayerNormalization" in report.summary_text()
+    [fusion] = report.to_dict()["fusions"]
+    assert fusion["op"] == "com.microsoft::SkipLayerNormalization"
+    rebuilt = Report.from_model(result.model)
+    assert rebuilt.to_dict()["fusions"] == report.to_dict()["fusions"]
+    node = rebuilt.log.decisions[fusion["node"]]
+    assert node.precision.value == "low" and node.source.endswith("infer.com.microsoft:SkipLayerNormalization")
+
+
+def test_shape_proof_writes_nothing_to_the_working_directory(tmp_path, monkeypatch):
+    """onnxruntime's symbolic shape inference saves sym_shape_infer_temp.onnx (and data files) to
+    the working directory when it cannot finish, as it cannot here (two unrelated symbols are
+    broadcast); a rewrite writes nothing but its output."""
+    text = """
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[batch,s1,8] x, float[batch,s2,8] k) => (float[batch,s1,8] y) {
+      q = MatMul(x, wq)
+      r = Add(q, k)""" + LAYERNORM + """
+      y = MatMul(ln, wo)
+    }"""
+    model = make_model(text, W)
+    monkeypatch.chdir(tmp_path)
+    result = rewrite(model)
+    assert list(tmp_path.iterdir()) == []
+    full_check(result.model)
