@@ -55,7 +55,9 @@ def _prepare(converter: str):
     """Import what the converter needs (outside the timed span) and return convert(src, dst, target)."""
     if converter.startswith("amp-rewrite"):
         import amp_rewrite.emitters.onnx_emitter  # noqa: F401  (onnx_ir and friends)
+        import amp_rewrite.frontends.onnx_fuse  # noqa: F401
         import amp_rewrite.frontends.onnx_loader  # noqa: F401
+        import onnxruntime.tools.symbolic_shape_infer  # noqa: F401  (sympy: the fuse pass's shape proofs)
         import amp_rewrite.passes.optimal  # noqa: F401
         from amp_rewrite.api import rewrite_onnx
 
