@@ -41,7 +41,7 @@ LISTS: Mapping[str, Category] = MappingProxyType(
 )
 TOP_LEVEL_KEYS = ("ruleset", *LISTS, "nodes")
 RULESET_KEYS = ("name", "frontend", "target", "provider", "description", "extends", "replace")
-ENTRY_KEYS = ("reason", "since", "until", "fp32_inputs", "accumulates_fp32")
+ENTRY_KEYS = ("reason", "since", "until", "fp32_inputs", "accumulates_fp32", "bounded_output")
 NODE_KEYS = ("fp32", "low")
 FRONTENDS = ("onnx", "torch")
 TARGETS = ("fp16", "bf16")
@@ -107,6 +107,9 @@ class RuleEntry:
     until: int | None = None
     fp32_inputs: tuple[int | str, ...] = ()
     accumulates_fp32: bool = False
+    # deny ops only: the op must compute in FP32, but its output is bounded (Sin, Cos: [-1, 1]), so
+    # deny paint does not spread from it; its readers are decided as if it were any other input.
+    bounded_output: bool = False
 
     def covers(self, opset: int) -> bool:
         """Whether the entry applies at ``opset`` (open ends cover everything on that side)."""
@@ -486,6 +489,10 @@ def _parse_entry(
     until = _opset(spec.get("until"), shown, f"{key}.until")
     if since is not None and until is not None and since > until:
         raise RuleFileError(shown, key, f"since ({since}) is greater than until ({until})")
+    bounded = _bool(spec.get("bounded_output", False), shown, f"{key}.bounded_output")
+    if bounded and category != Category.DENY:
+        raise RuleFileError(shown, f"{key}.bounded_output",
+                            f"only a deny entry can have a bounded output (this one is {category.value})")
     return RuleEntry(
         op=op,
         domain=domain,
@@ -496,6 +503,7 @@ def _parse_entry(
         until=until,
         fp32_inputs=_fp32_inputs(spec.get("fp32_inputs", []), shown, f"{key}.fp32_inputs"),
         accumulates_fp32=_bool(spec.get("accumulates_fp32", False), shown, f"{key}.accumulates_fp32"),
+        bounded_output=bounded,
     )
 
 

@@ -94,6 +94,39 @@ def test_fp16_ops_override_moves_a_deny_op_low():
     assert _precisions(rewrite(m, fp16_ops=["Exp"]))["Exp:e"] == "low"
 
 
+ROPE = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,4,8] x, float[4,8] angles) => (float[2,4,8] y) {
+      q = MatMul(x, wq)
+      c = Cos(angles)
+      s = Sin(angles)
+      qc = Mul(q, c)
+      qs = Mul(q, s)
+      r = Add(qc, qs)
+      y = MatMul(r, wo)
+    }"""
+
+
+def test_bounded_deny_op_computes_fp32_but_does_not_spread():
+    """Cos/Sin of rotary angles compute in FP32 (the angle needs it); their [-1, 1] output is fine
+    in FP16, so the rotation q*cos + q*sin stays between the MatMuls in FP16 (1 cast per table)."""
+    model = make_model(ROPE, {"wq": (8, 8), "wo": (8, 8)})
+    result = rewrite(model)
+    types = value_types(result.model)
+    assert types["c"] == FP32 and types["s"] == FP32
+    assert all(types[v] == FP16 or types.get(v + "/amp_fp16") == FP16 for v in ("qc", "qs", "r"))
+    assert not result.log.islands or all(len(i.members) == 1 for i in result.log.islands)
+    angles = np.linspace(0, 900, 32, dtype=np.float32).reshape(4, 8)  # large: FP16 angles would be off
+    x = np.random.default_rng(0).standard_normal((2, 4, 8)).astype(np.float32)
+    assert rel_err(run(model, {"x": x, "angles": angles})["y"], run(result.model, {"x": x, "angles": angles})["y"]) < 1e-2
+
+
+def test_unbounded_deny_op_still_spreads():
+    model = make_model(ROPE.replace("Cos(angles)", "Exp(angles)"), {"wq": (8, 8), "wo": (8, 8)})
+    types = value_types(rewrite(model).model)
+    assert types["qc"] == FP32 and types["r"] == FP32
+
+
 def test_one_cast_per_value_and_type_shared_by_consumers():
     m = make_model("""
         <ir_version: 8, opset_import: ["" : 17]>

@@ -526,3 +526,11 @@ def test_rule_entry_covers():
     entry = RuleEntry("CumSum", "", Category.DENY, "r", "s", since=11, until=13)
     assert [entry.covers(o) for o in (10, 11, 13, 14)] == [False, True, True, False]
     assert RuleEntry("X", "", Category.DENY, "r", "s").covers(1)
+
+
+def test_bounded_output_only_on_deny_entries(tmp_path):
+    f = tmp_path / "r.toml"
+    f.write_text('[infer]\nAdd = { reason = "x", bounded_output = true }\n')
+    with pytest.raises(RuleFileError) as err:
+        load_rules([str(f)], frontend="onnx", target="fp16")
+    assert "infer.Add.bounded_output" in str(err.value) and str(f) in str(err.value)

@@ -44,6 +44,7 @@ def _classify_node(node: Node, ctx: Context) -> None:
         category, reason, source = Category.DENY, refused, "op schema"
     meta["amp.category"], meta["amp.reason"], meta["amp.source"] = category, reason, source
     meta["amp.pinned"] = _pinned_inputs(node, entry)
+    meta["amp.bounded_output"] = category == Category.DENY and entry is not None and entry.bounded_output
     if node.all_subgraphs():
         _fix_fp32(node, Category.DENY, _CONTROL, "classify")
         return

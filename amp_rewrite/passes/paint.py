@@ -4,6 +4,7 @@ Order (PRECISION.md, after TensorFlow's grappler auto_mixed_precision):
 1. allow ops are low precision; a scope with no allow op is left as it is;
 2. deny spreads forward through clear and infer ops along paths that end at a deny or infer op
    (``deny → (clear|infer)* → (deny|infer)``): a decomposed LayerNorm becomes one FP32 island;
+   a deny op whose rule marks its output bounded (Sin, Cos) computes in FP32 but does not spread;
 3. infer and clear ops sandwiched between allow ops (downstream of one, upstream of another)
    join the low region;
 4. allow spreads through clear ops, both directions;
@@ -126,7 +127,10 @@ class _ScopePainter:
             self.step[j] = "deny-spread"
             self.via[j] = came_from
 
-        self._dfs(sorted(deny), lambda i: self.succs[i],
+        # A deny op with a bounded output (Sin, Cos) computes in FP32 but seeds no spread: its
+        # output in [-1, 1] is as safe in low precision as any other input.
+        seeds = sorted(i for i in deny if not self.nodes[i].meta.get("amp.bounded_output"))
+        self._dfs(seeds, lambda i: self.succs[i],
                   lambda j: j not in deny and j not in allow and j in upstream, visit)
 
     def _add_between_allow(self, allow: set[int], deny: set[int]) -> None:
