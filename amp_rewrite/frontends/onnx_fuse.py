@@ -45,7 +45,7 @@ common name prefix (``/layer.0/LayerNorm/LayerNormalization``), so name patterns
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..decisions import Category, FusionRecord
@@ -69,16 +69,15 @@ class _Match:
     eps: float | None = None
     gamma: Value | None = None
     beta: Value | None = None
-    attrs: dict[str, Any] = field(default_factory=dict)
 
 
 def fuse(model: Model, ctx: Context) -> PassResult:
     if (model.frontend != "onnx" or not ctx.options.fuse or ctx.options.training
             or not _has_allow_op(model, ctx)):
         return PassResult("fuse", modified=False)
-    namer = Namer.for_model(model)
+    namer: Namer | None = None  # built at the first fusion: most models have nothing to fuse
     shapes = SymbolicShapes(model)
-    fused = 0
+    changed = False
     for scope in list(model.graph.scopes()):
         nodes = list(scope.nodes)
         position = {id(n): i for i, n in enumerate(nodes)}
@@ -87,16 +86,17 @@ def fuse(model: Model, ctx: Context) -> PassResult:
             if id(node) in gone:
                 continue
             match = _match_at(node)
-            if match is None or not _closed(match) or _pinned(match, ctx):
-                continue
+            if match is None or match.x.dtype != DType.FLOAT or not _closed(match) or _pinned(match, ctx):
+                continue  # only FP32 patterns: an FP16 one is the user's own, and typed to match
+            namer = namer or Namer.for_model(model)
             removed = _replace(model, scope, match, ctx, namer, position, shapes)
             gone.update(id(n) for n in removed)
         if gone:
             # one pass over the list, not a list.remove per node: graphs can have 100k nodes
             scope.nodes = [n for n in scope.nodes if id(n) not in gone]
             scope.sort()  # a reader of a residual sum may sit between the sum and the fused op
-            fused += 1
-    return PassResult("fuse", modified=fused > 0)
+            changed = True
+    return PassResult("fuse", modified=changed)
 
 
 def _has_allow_op(model: Model, ctx: Context) -> bool:
