@@ -104,8 +104,11 @@ def kernel_rows(provider: str, op: str, opset: int, domain: str = "") -> list[Ro
     return [row for row in rows if _covers(row, opset)]
 
 
+@functools.lru_cache(maxsize=4096)
 def kernel_types(provider: str, op: str, opset: int, domain: str = "") -> frozenset[str]:
-    """Union of element types the provider's kernels for ``op`` accept at ``opset``."""
+    """Union of element types the provider's kernels for ``op`` accept at ``opset``.
+
+    Cached: classify asks for every node, and a model has few distinct (op, opset) pairs."""
     types: set[str] = set()
     for row in kernel_rows(provider, op, opset, domain):
         types |= _row_types(row)

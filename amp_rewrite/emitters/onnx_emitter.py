@@ -7,7 +7,8 @@ left as the loader found it. Inserted and painted nodes get ``amp_rewrite.*`` me
 the report can be rebuilt from the output model alone.
 
 Weights are converted with clamping at the target type's true limits (±65504 for FP16); large
-tensors are converted lazily at save time, one at a time, so a model is never fully materialised.
+external-data tensors are converted lazily at save time, one at a time, so a model is never fully
+materialised.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import ml_dtypes
@@ -29,9 +30,22 @@ from ..ir import DType, Graph, Model, Node, Value
 from ..frontends.onnx_loader import OnnxSource
 from ..passes.base import node_label
 
-LAZY_BYTES = 16 << 20  # tensors above this are converted while saving, not in memory up front
+# External tensors above this are converted while saving, not in memory up front. (A tensor held in
+# the proto is converted right away: the model is in memory already, and it is converted once.)
+LAZY_BYTES = 16 << 20
 SENTINEL = 1e8  # |x| at or above this (or inf) is a sentinel (masks), reported
 TAG = "amp_rewrite."
+# the keys of a decided node's tags, in the order they are written
+TAG_PRECISION = TAG + "precision"
+TAG_CATEGORY = TAG + "category"
+TAG_REASON = TAG + "reason"
+TAG_SOURCE = TAG + "source"
+TAG_STEP = TAG + "step"
+TAG_VIA = TAG + "via"
+TAG_ISLAND = TAG + "island"
+TAG_LABEL = TAG + "label"
+TAG_INDEX = TAG + "index"
+TAG_SHAPES = TAG + "shapes"
 
 
 def emit_onnx(model: Model, log: DecisionLog) -> ir.Model:
@@ -43,9 +57,7 @@ def emit_onnx(model: Model, log: DecisionLog) -> ir.Model:
     for domain, version in model.opsets.items():
         if domain and domain not in source.model.opset_imports:  # a fused com.microsoft op brought it in
             source.model.opset_imports[domain] = version
-    from onnx_ir.passes.common import TopologicalSortPass
-
-    TopologicalSortPass()(source.model)
+    _sort(model, source.model)
     source.model.metadata_props[TAG + "log"] = "v1"
     source.model.metadata_props[TAG + "report"] = _model_tags(log, patcher.deferred)
     return source.model
@@ -61,6 +73,24 @@ def _remove(nodes: list[Node]) -> None:
             by_graph.setdefault(id(origin.graph), (origin.graph, []))[1].append(origin)
     for graph, origins in by_graph.values():
         graph.remove(origins, safe=True)
+
+
+def _sort(model: Model, ir_model: ir.Model) -> None:
+    """Topological order, as ONNX requires (what onnx-ir's TopologicalSortPass does).
+
+    The passes keep the neutral IR sorted (it is verified before it is emitted) and the patcher
+    lays new nodes out in its order, so an onnx-ir graph holding its scope's nodes in that order
+    is sorted already: onnx-ir's stable sort would leave it as it is, at the cost of a heap
+    operation per node. Only a scope a pass reordered needs it."""
+    if not all(_in_neutral_order(scope) for scope in model.graph.scopes()):
+        ir_model.graph.sort()
+    for function in ir_model.functions.values():
+        function.sort()
+
+
+def _in_neutral_order(scope: Graph) -> bool:
+    ir_nodes = list(scope.origin)
+    return len(ir_nodes) == len(scope.nodes) and all(a is n.origin for a, n in zip(ir_nodes, scope.nodes))
 
 
 def to_proto(model: ir.Model) -> onnx.ModelProto:
@@ -153,25 +183,23 @@ class _Patcher:
 
     def _tag(self, n: ir.Node, node: Node) -> None:
         meta = node.meta
-        props = {
-            "precision": meta["amp.precision"].value if isinstance(meta.get("amp.precision"), Precision) else "",
-            "category": getattr(meta.get("amp.category"), "value", "") or "",
-            "reason": meta.get("amp.reason", ""),
-            "source": meta.get("amp.source", ""),
-            "step": meta.get("amp.step", ""),
-            "via": meta.get("amp.via") or "",
-        }
+        precision = meta.get("amp.precision")
+        tags = n.metadata_props
+        tags[TAG_PRECISION] = precision.value if isinstance(precision, Precision) else ""
+        tags[TAG_CATEGORY] = getattr(meta.get("amp.category"), "value", "") or ""
+        tags[TAG_REASON] = str(meta.get("amp.reason", ""))
+        tags[TAG_SOURCE] = str(meta.get("amp.source", ""))
+        tags[TAG_STEP] = str(meta.get("amp.step", ""))
+        tags[TAG_VIA] = str(meta.get("amp.via") or "")
         if meta.get("amp.island") is not None:
-            props["island"] = str(meta["amp.island"])
+            tags[TAG_ISLAND] = str(meta["amp.island"])
         label = node_label(node)
         if label != n.name:
-            props["label"] = label  # unnamed node: its label names the output as it was before renaming
+            tags[TAG_LABEL] = label  # unnamed node: its label names the output as it was before renaming
         if label in self.order:
-            props["index"] = str(self.order[label])
+            tags[TAG_INDEX] = str(self.order[label])
         if label in self.log.operand_shapes:
-            props["shapes"] = json.dumps(self.log.operand_shapes[label])
-        for key, value in props.items():
-            n.metadata_props[TAG + key] = str(value)
+            tags[TAG_SHAPES] = json.dumps(self.log.operand_shapes[label])
 
     def _new_node(self, node: Node) -> ir.Node:
         """An inserted Cast, or a fused op (frontends/onnx_fuse.py), which is tagged like any decided node."""
@@ -236,7 +264,7 @@ class _Patcher:
                 start += part.size
             return ir.Tensor(converted, name=tensor.name)
 
-        if nbytes > LAZY_BYTES:
+        if nbytes > LAZY_BYTES and isinstance(tensor, ir.ExternalTensor):
             self.deferred.append((tensor, target, name))
             return _ConvertingTensor(convert, parts, dtype=ir.DataType(int(dtype)), shape=tensor.shape,
                                      name=tensor.name)
@@ -271,7 +299,8 @@ class _ConvertingTensor(ir.LazyTensor):
 
 
 def cast_record_dict(record: CastRecord) -> dict:
-    d = asdict(record)
+    """The record's fields, shallow (``asdict`` would deep-copy every list only to serialise it)."""
+    d = {f.name: getattr(record, f.name) for f in fields(record)}
     d["shape"] = list(record.shape) if record.shape is not None else None
     return d
 
@@ -329,22 +358,35 @@ def _merge_sentinels(a: dict | None, b: dict | None) -> dict | None:
 
 
 def convert_array(data: np.ndarray, target) -> tuple[np.ndarray, int, int, dict | None]:
-    """FP32 → target with clamping at the true limits. Returns (array, clamped, flushed, sentinel)."""
+    """FP32 → target (a 16-bit float type: FP16 or BF16) with clamping at the true limits.
+    Returns (array, clamped, flushed, sentinel).
+
+    One pass per question over the data, and none where the answer is visibly no."""
     data = np.asarray(data, dtype=np.float32)
     limit = float(ml_dtypes.finfo(target).max)
-    finite = np.isfinite(data)
-    big = np.abs(data) >= SENTINEL
+    magnitude = np.abs(data)
     sentinel = None
-    if big.any() or (~finite & ~np.isnan(data)).any():
-        hits = data[big | (~finite & ~np.isnan(data))]
-        sentinel = {"count": int(hits.size), "min": float(hits.min()), "max": float(hits.max())}
-    over = finite & (np.abs(data) > limit)
-    clamped = int(over.sum())
-    if clamped:
-        data = np.where(over, np.sign(data) * limit, data)
+    hits = magnitude >= SENTINEL  # infinities included; NaN compares false
+    if hits.any():
+        found = data[hits]
+        sentinel = {"count": int(found.size), "min": float(found.min()), "max": float(found.max())}
+    over = magnitude > limit
+    clamped = 0
+    if over.any():
+        over &= np.isfinite(data)
+        clamped = int(np.count_nonzero(over))
+        if clamped:
+            data = np.where(over, np.sign(data) * limit, data)
     converted = data.astype(target)
-    flushed = int(np.count_nonzero((data != 0) & (converted.astype(np.float32) == 0)))
+    # a zero stays zero and NaN stays NaN: the zeros gained are the values flushed
+    flushed = _zeros(converted) - int(np.count_nonzero(data == 0))
     return converted, clamped, flushed, sentinel
+
+
+def _zeros(values: np.ndarray) -> int:
+    """How many elements of a 16-bit float array (FP16, BF16) are ±0: all bits but the sign clear.
+    (Read as integers: comparing FP16 values converts every element.)"""
+    return int(np.count_nonzero((values.view(np.uint16) & 0x7FFF) == 0))
 
 
 def _np_dtype(dtype: DType):

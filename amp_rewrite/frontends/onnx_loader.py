@@ -14,7 +14,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
@@ -37,26 +37,28 @@ class OnnxSource:
 
     model: ir.Model
     path: Path | None
+    data_files: frozenset[Path] = frozenset()  # the external-data files it reads (resolved)
 
 
 def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool = True) -> Model:
     """Load a path or ModelProto into the neutral IR (never modifies the input)."""
-    inferred = False
     if isinstance(source, onnx.ModelProto):
-        early = _inferred_proto(source) if infer_shapes else None
-        ir_model = _from_proto(early, owned=True) if early is not None else _from_proto(source)
-        inferred = early is not None
         path = None
+        ir_model, inferred = _read_proto(source, None, source.ByteSize(), owned=False, infer_shapes=infer_shapes)
     else:
         path = Path(source)
         ir_model, inferred = _read_path(path, infer_shapes=infer_shapes)
+    graphs = list(ir_model.graphs())  # (a walk over every node: done once)
+    data_files = _bind_external_data(graphs, path) if path is not None else frozenset()
     _check_supported(ir_model, path)
-    sorted_already = all(_is_sorted(g) for g in ir_model.graphs())
-    _ensure_sorted(ir_model, path)
+    sorted_already = all(_is_sorted(g) for g in graphs)
+    if not sorted_already:
+        _sort(ir_model, path)
     if infer_shapes and not (inferred and sorted_already):
         with _quiet_onnx_ir():
             _infer_types(ir_model)
-    model = Model(graph=Graph(), frontend="onnx", opsets=_opsets(ir_model), origin=OnnxSource(ir_model, path))
+    model = Model(graph=Graph(), frontend="onnx", opsets=_opsets(ir_model),
+                  origin=OnnxSource(ir_model, path, data_files))
     model.graph = _Builder(model.opsets, ir_model.ir_version).build_graph(ir_model.graph, outer={})
     model.meta["ir_version"] = ir_model.ir_version
     model.meta["functions"] = {(f.domain, f.name) for f in ir_model.functions.values()}
@@ -64,19 +66,26 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
 
 
 # -- reading ------------------------------------------------------------------------------------------
-def _from_proto(proto: onnx.ModelProto, path: Path | None = None, *, owned: bool = False) -> ir.Model:
-    """``owned``: the proto is ours to edit (read from a file), else it is copied before any edit."""
+def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: bool,
+                infer_shapes: bool) -> tuple[ir.Model, bool]:
+    """The onnx-ir model, and whether its types were already inferred. ``size``: the proto's
+    serialised size. ``owned``: the proto is ours to edit (read from a file), else it is copied
+    before any edit."""
     where = f"{path}: " if path else ""
-    _check_names(proto.graph, where)
-    if _has_sparse_initializers(proto.graph):
-        if not owned:
-            copy = onnx.ModelProto()
-            copy.CopyFrom(proto)
-            proto = copy
+    graphs = _graph_protos(proto.graph)
+    for graph in graphs:
+        _check_names(graph, where)
+    sparse = any(graph.sparse_initializer for graph in graphs)
+    # (sparse initializers are made dense below; the onnx-ir pass infers the types then)
+    early = _inferred_proto(proto, graphs, size, owned=owned) if infer_shapes and not sparse else None
+    if early is not None:
+        proto, owned = early, True
+    if sparse:
+        proto = proto if owned else _copy(proto)
         _densify_sparse_initializers(proto.graph, where)
     try:
         with _quiet_onnx_ir():
-            return ir.serde.deserialize_model(proto)
+            return ir.serde.deserialize_model(proto), early is not None
     except Exception as exc:  # onnx-ir raises many kinds on malformed protos
         raise ModelLoadError(f"{where}the model could not be read: {_first_line(exc)}") from exc
 
@@ -102,9 +111,23 @@ def _subgraphs(graph: onnx.GraphProto):
                 yield from attr.graphs
 
 
+def _graph_protos(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
+    """The graph and every nested body, parents before children."""
+    graphs = [graph]
+    for sub in _subgraphs(graph):
+        graphs.extend(_graph_protos(sub))
+    return graphs
+
+
 def _check_names(graph: onnx.GraphProto, where: str) -> None:
     """Duplicate tensor names (not SSA) and duplicate node names (onnxruntime rejects both) are
-    reported here by name; onnx-ir would fail on the first with an unhelpful message."""
+    reported here by name; onnx-ir would fail on the first with an unhelpful message. (One scope:
+    nested bodies are checked on their own.)"""
+    nodes = graph.node
+    names = [node.name for node in nodes if node.name]
+    written = [out for node in nodes for out in node.output if out] + [v.name for v in graph.input]
+    if len(set(names)) == len(names) and len(set(written)) == len(written):
+        return  # the usual case, in bulk; otherwise find the first clash to name it
     produced: dict[str, str] = {v.name: "a graph input" for v in graph.input}
     node_names: set[str] = set()
     for node in graph.node:
@@ -121,12 +144,6 @@ def _check_names(graph: onnx.GraphProto, where: str) -> None:
                 raise ModelLoadError(f"{where}graph {graph.name!r}: tensor {out!r} is written by {label} and by "
                                      f"{produced[out]}; every tensor needs exactly one producer")
             produced[out] = label
-    for sub in _subgraphs(graph):
-        _check_names(sub, where)
-
-
-def _has_sparse_initializers(graph: onnx.GraphProto) -> bool:
-    return bool(graph.sparse_initializer) or any(_has_sparse_initializers(g) for g in _subgraphs(graph))
 
 
 def _densify_sparse_initializers(graph: onnx.GraphProto, where: str) -> None:
@@ -168,12 +185,7 @@ def _read_path(path: Path, *, infer_shapes: bool = False) -> tuple[ir.Model, boo
         raise ModelLoadError(f"{path}: not a valid ONNX model (truncated or not ONNX): {_first_line(exc)}") from exc
     if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
         raise ModelLoadError(f"{path}: not a valid ONNX model (no graph); is this an ONNX file?")
-    early = _inferred_proto(proto) if infer_shapes else None
-    inferred = early is not None
-    model = _from_proto(early if inferred else proto, path, owned=True)
-    _attach_base_dir(model, path.parent)
-    _check_external_data(model, path)
-    return model, inferred
+    return _read_proto(proto, path, path.stat().st_size, owned=True, infer_shapes=infer_shapes)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -181,22 +193,18 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def _attach_base_dir(model: ir.Model, base_dir: Path) -> None:
-    for graph in model.graphs():
-        for value in graph.initializers.values():
-            tensor = value.const_value
-            if isinstance(tensor, ir.ExternalTensor):
-                tensor.base_dir = str(base_dir)
-
-
-def _check_external_data(model: ir.Model, path: Path) -> None:
-    """Fail early, naming the file, when external data is missing or shorter than declared."""
+def _bind_external_data(graphs: list[ir.Graph], path: Path) -> frozenset[Path]:
+    """Resolve external data next to the model file and fail early, naming the file, when it is
+    missing or shorter than declared. Returns the data files (resolved)."""
+    base_dir = str(path.parent)
     sizes: dict[str, int] = {}
-    for graph in model.graphs():
+    files: set[Path] = set()
+    for graph in graphs:
         for value in graph.initializers.values():
             tensor = value.const_value
             if not isinstance(tensor, ir.ExternalTensor):
                 continue
+            tensor.base_dir = base_dir
             location = Path(tensor.base_dir) / tensor.location
             if tensor.location.startswith("/") or ".." in Path(tensor.location).parts:
                 raise ModelLoadError(f"{path}: external data location {tensor.location!r} escapes the model folder")
@@ -208,11 +216,13 @@ def _check_external_data(model: ir.Model, path: Path) -> None:
                         f"(expected next to the model in {location.parent})")
                 _check_not_linked_out(location, Path(tensor.base_dir), tensor.location, path)
                 sizes[key] = location.stat().st_size
+                files.add(location.resolve())
             need = (tensor.offset or 0) + (tensor.length if tensor.length is not None else tensor.nbytes)
             if need > sizes[key]:
                 raise ModelLoadError(
                     f"{path}: external data file {tensor.location!r} is too short for tensor {value.name!r} "
                     f"(needs {need} bytes, has {sizes[key]}); the file is truncated")
+    return frozenset(files)
 
 
 def _check_not_linked_out(location: Path, folder: Path, written: str, path: Path) -> None:
@@ -250,11 +260,9 @@ def _check_supported(model: ir.Model, path: Path | None) -> None:
             f"convert it first (onnx.version_converter.convert_version)")
 
 
-def _ensure_sorted(model: ir.Model, path: Path | None) -> None:
+def _sort(model: ir.Model, path: Path | None) -> None:
     """ONNX requires topological order; onnxruntime accepts any acyclic order, so sort what is
     merely unsorted (our copy, never the input file) and report a cycle by its nodes."""
-    if all(_is_sorted(g) for g in model.graphs()):
-        return
     try:
         model.graph.sort()
     except ValueError:
@@ -293,22 +301,96 @@ def _describe_cycle(model: ir.Model) -> str:
     return "through a subgraph"
 
 
-# Above this the proto is not inferred directly: inference serialises it, which would double a
-# large model with inline weights in memory (the onnx-ir pass strips the weights first).
+# A model this large (serialised) has its types inferred after loading, by onnx-ir's pass, which
+# also leaves the weights out of what it serialises. (The pass checks types, so it types a few
+# more optional outputs, such as Dropout-7 masks; these models have always taken that path.)
 _INFER_PROTO_BELOW = 256 << 20
+# Initializers with more elements than this are weights, not shape data (Reshape targets, axes,
+# pads): shape inference reads them as graph inputs of the same type and shape, never their data.
+_INFER_WITHOUT_DATA_ABOVE = 1024
 
 
-def _inferred_proto(proto: onnx.ModelProto) -> onnx.ModelProto | None:
-    """Shape inference on the proto already in hand (a new proto; the argument is untouched).
+def _inferred_proto(proto: onnx.ModelProto, graphs: list[onnx.GraphProto], size: int, *,
+                    owned: bool) -> onnx.ModelProto | None:
+    """Shape inference on the proto already in hand (``graphs``: its graph and nested bodies,
+    ``size``: its serialised size): the proto with the types and shapes found. ``owned``: the
+    proto may be edited in place; otherwise the argument is left untouched. None: not inferred
+    here (the onnx-ir pass runs after loading).
 
     Cheaper than onnx-ir's pass, which serialises the deserialised model and merges the result
-    back: on a 100k-node graph that round trip was the largest fixed cost. None: use the pass."""
-    if proto.ByteSize() > _INFER_PROTO_BELOW or _has_sparse_initializers(proto.graph):
-        return None  # (sparse initializers are made dense later; the pass sees them then)
-    try:
-        return onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=False)
-    except Exception:  # inference is best effort; the onnx-ir pass gets its own chance
+    back: on a 100k-node graph that round trip was the largest fixed cost. Inference serialises
+    the proto it is given and parses its answer back, so a model with weights is inferred without
+    them (as onnx-ir's pass does) and only the types found are copied into it."""
+    if size > _INFER_PROTO_BELOW:
         return None
+    options = {"check_type": False, "strict_mode": False, "data_prop": False}
+    try:
+        if not any(_is_weight(t) for t in proto.graph.initializer):
+            return onnx.shape_inference.infer_shapes(proto, **options)
+        inferred = onnx.shape_inference.infer_shapes(_without_weights(proto), **options)
+    except Exception:  # inference is best effort
+        return None
+    if not owned:
+        proto = _copy(proto)
+        graphs = _graph_protos(proto.graph)
+    for graph, inferred_graph in zip(graphs, _graph_protos(inferred.graph), strict=True):
+        _take_inferred_types(graph, inferred_graph)
+    return proto
+
+
+def _is_weight(tensor: onnx.TensorProto) -> bool:
+    """Stored in the proto and larger than shape data. (Counted from the dims: ``ByteSize`` would
+    encode the whole tensor to measure it.)"""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return False
+    count = 1
+    for d in tensor.dims:
+        count *= d
+    return count > _INFER_WITHOUT_DATA_ABOVE
+
+
+def _without_weights(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``proto`` whose large main-graph initializers are graph inputs of the same type
+    and shape: what shape inference reads from them, without their data."""
+    stripped = onnx.ModelProto()
+    _copy_fields(stripped, proto, skip="graph")
+    _copy_fields(stripped.graph, proto.graph, skip="initializer")
+    inputs = {v.name for v in proto.graph.input}
+    for tensor in proto.graph.initializer:
+        if not _is_weight(tensor):
+            stripped.graph.initializer.append(tensor)
+        elif tensor.name not in inputs:  # (IR < 4 lists initializers as inputs already)
+            stripped.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type,
+                                                                           list(tensor.dims)))
+    return stripped
+
+
+def _copy_fields(dst, src, *, skip: str) -> None:
+    """Copy every field that is set in protobuf message ``src`` into ``dst``, except ``skip``."""
+    for field, value in src.ListFields():
+        if field.name == skip:
+            continue
+        if field.is_repeated:
+            getattr(dst, field.name).extend(value)
+        elif field.type == field.TYPE_MESSAGE:
+            getattr(dst, field.name).CopyFrom(value)
+        else:
+            setattr(dst, field.name, value)
+
+
+def _copy(proto: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    return copy
+
+
+def _take_inferred_types(graph: onnx.GraphProto, inferred: onnx.GraphProto) -> None:
+    """What shape inference adds to a graph (value_info) and refines (output types), copied from
+    its answer for the same graph."""
+    del graph.value_info[:]
+    graph.value_info.extend(inferred.value_info)
+    del graph.output[:]
+    graph.output.extend(inferred.output)
 
 
 def _infer_types(model: ir.Model) -> None:
@@ -329,11 +411,25 @@ def _opsets(model: ir.Model) -> dict[str, int]:
 
 
 # -- building the neutral IR ---------------------------------------------------------------------------
+_DTYPES = {int(d): d for d in DType}
+
+
+class _Slots(NamedTuple):
+    """What an op's schema says about its slots at the model's opset, for one input and output
+    count: computed once and shared (read-only) by every node of that op and arity."""
+
+    inputs: tuple[str | None, ...]  # per input: its type-constraint group, or None for a fixed type
+    outputs: tuple[str | None, ...]
+    input_names: tuple[str, ...]  # the schema's formal input names
+    group_types: dict[str, frozenset[str]]  # per group, the element types the schema allows ("float16", ...)
+
+
 class _Builder:
     def __init__(self, opsets: dict[str, int], ir_version: int | None = None) -> None:
         self.opsets = opsets
         self.ir_version = ir_version
         self._schema_cache: dict[tuple[str, str, int], Any] = {}
+        self._slots_cache: dict[tuple[str, str, int, int], _Slots] = {}
 
     def build_graph(self, g: ir.Graph, outer: dict[int, Value], parent: Node | None = None) -> Graph:
         graph = Graph(g.name or "", origin=g)
@@ -363,60 +459,64 @@ class _Builder:
         return graph
 
     def _value(self, v: ir.Value) -> Value:
-        shape = None
-        if v.shape is not None:
-            shape = tuple(d if isinstance(d, int) else (str(d) if d is not None and str(d) else None) for d in v.shape.dims)
-        dtype = DType(int(v.dtype)) if v.dtype is not None and int(v.dtype) in DType._value2member_map_ else None
-        return Value(v.name or "", dtype, shape, origin=v)
+        shape = v.shape
+        if shape is not None:
+            shape = tuple(d if isinstance(d, int) else (str(d) if d is not None and str(d) else None) for d in shape.dims)
+        dtype = v.dtype
+        return Value(v.name or "", _DTYPES.get(int(dtype)) if dtype is not None else None, shape, origin=v)
 
     def _node(self, n: ir.Node, scope: dict[int, Value]) -> Node:
+        op_type, domain, ir_inputs, ir_outputs = n.op_type, n.domain, n.inputs, n.outputs
         inputs: list[Value | None] = []
-        for i, v in enumerate(n.inputs):
+        for i, v in enumerate(ir_inputs):
             if v is None:
                 inputs.append(None)
                 continue
             if id(v) not in scope:
                 raise ModelLoadError(
-                    f"node {n.name or n.op_type!r} ({n.op_type}) reads {v.name!r} (input {i}), which nothing "
+                    f"node {n.name or op_type!r} ({op_type}) reads {v.name!r} (input {i}), which nothing "
                     f"produces (a dangling input: no node, graph input or initializer has that name)")
             inputs.append(scope[id(v)])
-        outputs = [self._value(v) for v in n.outputs]
-        node = Node(n.op_type, inputs, name=n.name or "", domain=n.domain, outputs=outputs, origin=n)
+        outputs = [self._value(v) for v in ir_outputs]
+        node = Node(op_type, inputs, name=n.name or "", domain=domain, outputs=outputs, origin=n)
         node.opset = self.opsets.get(node.domain)
         node.attrs = _interesting_attrs(n)
-        for v, out in zip(n.outputs, outputs):
+        for v, out in zip(ir_outputs, outputs):
             scope[id(v)] = out
-            if n.op_type == "Constant" and node.domain == "":
+        if op_type == "Constant" and node.domain == "":
+            for out in outputs:
                 _fill_const_from_attr(out, n)
-        for attr_name, attr in n.attributes.items():
-            if attr.type == ir.AttributeType.GRAPH:
-                node.subgraphs[attr_name] = [self.build_graph(attr.as_graph(), scope, node)]
-            elif attr.type == ir.AttributeType.GRAPHS:
-                node.subgraphs[attr_name] = [self.build_graph(sg, scope, node) for sg in attr.as_graphs()]
-        node.input_groups, node.output_groups = self._groups(n, len(inputs), len(outputs))
-        node.meta["input_names"] = self._last_input_names
-        node.meta["group_types"] = self._last_group_types
+        if n.attributes:
+            for attr_name, attr in n.attributes.items():
+                if attr.type == ir.AttributeType.GRAPH:
+                    node.subgraphs[attr_name] = [self.build_graph(attr.as_graph(), scope, node)]
+                elif attr.type == ir.AttributeType.GRAPHS:
+                    node.subgraphs[attr_name] = [self.build_graph(sg, scope, node) for sg in attr.as_graphs()]
+        slots = self._slots(op_type, domain, len(inputs), len(outputs))
+        node.input_groups, node.output_groups = list(slots.inputs), list(slots.outputs)
+        node.meta["input_names"] = slots.input_names
+        node.meta["group_types"] = slots.group_types
         return node
 
-    def _groups(self, n: ir.Node, n_in: int, n_out: int) -> tuple[list[str | None], list[str | None]]:
+    def _slots(self, op: str, domain: str, n_in: int, n_out: int) -> _Slots:
+        key = (op, domain, n_in, n_out)
+        if key not in self._slots_cache:
+            self._slots_cache[key] = self._read_slots(op, domain, n_in, n_out)
+        return self._slots_cache[key]
+
+    def _read_slots(self, op: str, domain: str, n_in: int, n_out: int) -> _Slots:
         """Per slot: the type-constraint name (a group painted together) or None (a fixed type)."""
-        schema = self._schema(n.op_type, n.domain or "", self.opsets.get("" if n.domain == "ai.onnx" else n.domain or ""))
+        schema = self._schema(op, domain or "", self.opsets.get("" if domain == "ai.onnx" else domain or ""))
         if schema is None:
             # No schema (custom domain, model-local function): one group; such ops are unlisted → FP32.
-            self._last_input_names = []
-            self._last_group_types = {}
-            return ["?"] * n_in, ["?"] * n_out
+            return _Slots(("?",) * n_in, ("?",) * n_out, (), {})
         type_vars = {tc.type_param_str for tc in schema.type_constraints}
-        self._last_input_names = [f.name for f in schema.inputs]
-        # per type-constraint group, the element types its schema allows at this opset ("float16", ...)
-        self._last_group_types = {tc.type_param_str: {t[len("tensor("):-1] for t in tc.allowed_type_strs
-                                                      if t.startswith("tensor(")}
-                                  for tc in schema.type_constraints}
-        ins = _expand(schema.inputs, n_in, type_vars)
-        outs = _expand(schema.outputs, n_out, type_vars)
-        if n.op_type in _TYPE_AGNOSTIC_INPUTS:
-            ins = [None] * n_in
-        return ins, outs
+        group_types = {tc.type_param_str: frozenset(t[len("tensor("):-1] for t in tc.allowed_type_strs
+                                                    if t.startswith("tensor("))
+                       for tc in schema.type_constraints}
+        ins = (None,) * n_in if op in _TYPE_AGNOSTIC_INPUTS else tuple(_expand(schema.inputs, n_in, type_vars))
+        outs = tuple(_expand(schema.outputs, n_out, type_vars))
+        return _Slots(ins, outs, tuple(f.name for f in schema.inputs), group_types)
 
     def _schema(self, op: str, domain: str, opset: int | None):
         if opset is None:
@@ -447,14 +547,23 @@ def _expand(formals, count: int, type_vars: set[str]) -> list[str | None]:
 def _interesting_attrs(n: ir.Node) -> dict[str, Any]:
     """Only the attributes the passes read: float-type-carrying ones."""
     attrs: dict[str, Any] = {}
-    for key in ("to", "dtype"):
-        a = n.attributes.get(key)
-        if a is not None and a.type == ir.AttributeType.INT:
-            attrs[key] = a.as_int()
+    if n.attributes:  # (most nodes have none)
+        for key in ("to", "dtype"):
+            a = n.attributes.get(key)
+            if a is not None and a.type == ir.AttributeType.INT:
+                attrs[key] = a.as_int()
     if n.op_type == "ConstantOfShape":
         a = n.attributes.get("value")
-        attrs["value_dtype"] = int(a.as_tensor().dtype) if a is not None else int(ir.DataType.FLOAT)
+        attrs["value_dtype"] = int(_tensor(a).dtype) if a is not None else int(ir.DataType.FLOAT)
     return attrs
+
+
+def _tensor(attr: ir.Attr):
+    """A TENSOR attribute's tensor. (``Attr.as_tensor`` checks it against a runtime Protocol, which
+    costs more than the rest of loading a node.)"""
+    if attr.type != ir.AttributeType.TENSOR:
+        raise TypeError(f"attribute {attr.name!r} is not a tensor")
+    return attr.value
 
 
 def _fill_const(val: Value, v: ir.Value) -> None:
@@ -471,7 +580,7 @@ def _fill_const_from_attr(out: Value, n: ir.Node) -> None:
     attr = n.attributes.get("value")
     if attr is None or attr.type != ir.AttributeType.TENSOR:
         return
-    tensor = attr.as_tensor()
+    tensor = _tensor(attr)
     size = 1
     for d in tensor.shape.dims:
         size *= int(d)
@@ -482,9 +591,4 @@ def _fill_const_from_attr(out: Value, n: ir.Node) -> None:
 
 def input_files(model: Model, src: Path) -> set[Path]:
     """Every file the loaded model reads: the .onnx and its external-data files (never overwritten)."""
-    files = {Path(src).resolve()}
-    for graph in model.origin.model.graphs():
-        for value in graph.initializers.values():
-            if isinstance(value.const_value, ir.ExternalTensor):
-                files.add((Path(value.const_value.base_dir) / value.const_value.location).resolve())
-    return files
+    return {Path(src).resolve(), *model.origin.data_files}

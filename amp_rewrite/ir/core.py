@@ -118,7 +118,7 @@ class Value:
 
     @property
     def is_graph_output(self) -> bool:
-        return self.graph is not None and any(v is self for v in self.graph.outputs)
+        return self.graph is not None and self in self.graph.outputs  # (values compare by identity)
 
     @property
     def is_constant(self) -> bool:
@@ -181,25 +181,24 @@ class Node:
         self.input_groups: list[str | None] = []
         self.output_groups: list[str | None] = []
         self.meta: dict[str, Any] = {}
-        self._inputs: list[Value | None] = []
-        for index, value in enumerate(inputs):
-            self._inputs.append(value)
+        # Tuples, so that reading them (the passes' most frequent operation) hands them out as they are.
+        self._inputs: tuple[Value | None, ...] = tuple(inputs)
+        for index, value in enumerate(self._inputs):
             if value is not None:
                 value._uses[(id(self), index)] = (self, index)
-        outs = list(outputs) if outputs is not None else [Value("") for _ in range(num_outputs)]
-        self._outputs: list[Value] = []
-        for index, value in enumerate(outs):
+        self._outputs: tuple[Value, ...] = (tuple(outputs) if outputs is not None
+                                            else tuple(Value("") for _ in range(num_outputs)))
+        for index, value in enumerate(self._outputs):
             value.producer = self
             value.producer_index = index
-            self._outputs.append(value)
 
     @property
     def inputs(self) -> tuple[Value | None, ...]:
-        return tuple(self._inputs)
+        return self._inputs
 
     @property
     def outputs(self) -> tuple[Value, ...]:
-        return tuple(self._outputs)
+        return self._outputs
 
     @property
     def qualified_op(self) -> str:
@@ -212,7 +211,7 @@ class Node:
             return
         if old is not None:
             del old._uses[(id(self), index)]
-        self._inputs[index] = value
+        self._inputs = self._inputs[:index] + (value,) + self._inputs[index + 1:]
         if value is not None:
             value._uses[(id(self), index)] = (self, index)
 
@@ -350,31 +349,45 @@ class Graph:
 
     def sort(self) -> None:
         """Stable topological sort of this scope (original order breaks ties)."""
-        import networkx as nx
-
-        order = {id(n): i for i, n in enumerate(self.nodes)}
-        by_id = {id(n): n for n in self.nodes}
-        edges: list[tuple[int, int]] = []
-        for node in self.nodes:
-            for value in _reads(node):
-                p = value.producer
-                if p is not None and id(p) in by_id and p is not node:
-                    edges.append((id(p), id(node)))
-                elif p is not None and p.graph is not self:
-                    # produced in an enclosing scope or by a node inside a nested scope of ours
-                    anc = _ancestor_in(p, self)
-                    if anc is not None and anc is not node:
-                        edges.append((id(anc), id(node)))
+        members = {id(n) for n in self.nodes}
         # Already in topological order (the usual case: casts go right after their producer)? Then
         # the lexicographic sort by position would return this very order: skip building it.
-        if any(order[u] >= order[v] for u, v in edges):
+        if not self._in_order(members):
+            import networkx as nx
+
+            order = {id(n): i for i, n in enumerate(self.nodes)}
+            by_id = {id(n): n for n in self.nodes}
             dg = nx.DiGraph()
             dg.add_nodes_from(order)
-            dg.add_edges_from(edges)
+            dg.add_edges_from((id(dep), id(node)) for node in self.nodes for dep in self._dependencies(node, members))
             self.nodes = [by_id[i] for i in nx.lexicographical_topological_sort(dg, key=order.get)]
         for node in self.nodes:
             for sub in node.all_subgraphs():
                 sub.sort()
+
+    def _in_order(self, members: set[int]) -> bool:
+        placed: set[int] = set()
+        for node in self.nodes:
+            for dep in self._dependencies(node, members):
+                if id(dep) not in placed:
+                    return False
+            placed.add(id(node))
+        return True
+
+    def _dependencies(self, node: Node, members: set[int]) -> Iterator[Node]:
+        """The nodes of this scope (``members``: their ids) that ``node`` must follow: the producers
+        of what it reads, and the nodes whose nested scopes produce what it reads."""
+        for value in _reads(node):
+            p = value.producer
+            if p is None or p is node:
+                continue
+            if id(p) in members:
+                yield p
+            elif p.graph is not self:
+                # produced in an enclosing scope or by a node inside a nested scope of ours
+                anc = _ancestor_in(p, self)
+                if anc is not None and anc is not node:
+                    yield anc
 
 
 def _reads(node: Node) -> list[Value]:

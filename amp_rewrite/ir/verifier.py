@@ -73,6 +73,17 @@ def _unique_value(graph: Graph, node: Node | None, value: Value, names: dict) ->
 
 
 def _check_groups(graph: Graph, node: Node) -> None:
+    bound: dict[str, object] = {}  # group -> the dtype of its first typed slot
+    for groups, values in ((node.input_groups, node.inputs), (node.output_groups, node.outputs)):
+        for group, value in zip(groups, values):
+            if group is None or group == "?" or value is None or value.dtype is None:
+                continue
+            if bound.setdefault(group, value.dtype) != value.dtype:
+                _fail_mixed_group(graph, node)
+
+
+def _fail_mixed_group(graph: Graph, node: Node) -> None:
+    """Name the first type group bound to several dtypes, with all of them."""
     groups: dict[str, set] = {}
     slots = list(zip(node.input_groups, node.inputs)) + list(zip(node.output_groups, node.outputs))
     for group, value in slots:

@@ -16,19 +16,24 @@ from __future__ import annotations
 
 from ..decisions import Category, Precision
 from ..ir import DType, Model, Node
+from ..rulebook import RuleEntry
 from .base import Context, PassResult, is_float32, node_label, painted_group
 
 _CONTROL = "control flow: its boundary types are kept and each body is rewritten as a scope of its own"
 _SOURCES = {"Cast", "Constant"}  # handled by cast folding and weight conversion, not painting
 
+# (category, reason, source, the rule entry if one decided)
+_Verdict = tuple[Category, str, str, RuleEntry | None]
+
 
 def classify(model: Model, ctx: Context) -> PassResult:
+    verdicts: dict[tuple, _Verdict] = {}  # per (op, domain, opset): the same for every such node
     for node in model.graph.walk():
-        _classify_node(node, ctx)
+        _classify_node(node, ctx, verdicts)
     return PassResult("classify", modified=False)
 
 
-def _classify_node(node: Node, ctx: Context) -> None:
+def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -> None:
     meta = node.meta
     meta["amp.label"] = node_label(node)
     group = painted_group(node)
@@ -38,7 +43,7 @@ def _classify_node(node: Node, ctx: Context) -> None:
     if group is None:
         meta["amp.category"], meta["amp.reason"], meta["amp.source"] = None, "no FP32 float tensor to paint", "classify"
         return
-    category, reason, source, entry = _lookup(node, ctx)
+    category, reason, source, entry = _lookup(node, ctx, verdicts)
     refused = _schema_refuses_low(node, group, ctx)
     if refused and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
         category, reason, source = Category.DENY, refused, "op schema"
@@ -72,14 +77,21 @@ def _fix_fp32(node: Node, category: Category, reason: str, source: str) -> None:
                       "amp.precision": Precision.FP32, "amp.participates": False})
 
 
-def _lookup(node: Node, ctx: Context):
-    rules = ctx.rules
-    node_rule = rules.node_rule(node.name or node_label(node))  # unnamed nodes match by label "Op:output"
+def _lookup(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -> _Verdict:
+    node_rule = ctx.rules.node_rule(node.name or node_label(node))  # unnamed nodes match by label "Op:output"
     if node_rule is not None:
         if node_rule.precision == Precision.FP32:
             return Category.DENY, f"node rule {node_rule.pattern!r} keeps it FP32", node_rule.source, None
         return Category.ALLOW, f"node rule {node_rule.pattern!r} makes it low precision", node_rule.source, None
-    entry = rules.lookup(node.op_type, node.domain, node.opset)
+    key = (node.op_type, node.domain, node.opset)
+    if key not in verdicts:
+        verdicts[key] = _op_verdict(node, ctx)
+    return verdicts[key]
+
+
+def _op_verdict(node: Node, ctx: Context) -> _Verdict:
+    """What the op rules and the kernel table say of the node's op at its opset."""
+    entry = ctx.rules.lookup(node.op_type, node.domain, node.opset)
     if entry is None:
         return (Category.UNLISTED, f"no rule names {node.qualified_op}: kept FP32; classify it in a rule file",
                 "unlisted", None)

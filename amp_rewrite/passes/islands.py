@@ -10,6 +10,7 @@ recognised pattern name (LayerNorm, RMSNorm, softmax, loss, ...) so the report c
 from __future__ import annotations
 
 from collections import Counter
+from typing import Iterator
 
 import networkx as nx
 
@@ -30,11 +31,7 @@ def find_islands(model: Model, ctx: Context) -> PassResult:
         ug = nx.Graph()
         ug.add_nodes_from(id(n) for n in members)
         by_id = {id(n): n for n in members}
-        for node in members:
-            for k in group_inputs(node):
-                producer = node.inputs[k].producer
-                if producer is not None and id(producer) in by_id and node.inputs[k].producer_index in group_outputs(producer):
-                    ug.add_edge(id(producer), id(node))
+        ug.add_edges_from(_group_edges(members))
         order = {id(n): i for i, n in enumerate(scope.nodes)}
         components = sorted((sorted(c, key=order.get) for c in nx.connected_components(ug)), key=lambda c: order[c[0]])
         for component in components:
@@ -54,6 +51,17 @@ def find_islands(model: Model, ctx: Context) -> PassResult:
             ctx.log.islands.append(island)
             next_id += 1
     return PassResult("islands", modified=False)
+
+
+def _group_edges(members: list[Node]) -> Iterator[tuple[int, int]]:
+    """(producer id, consumer id) of every painted-group edge between ``members``."""
+    outs = {id(n): group_outputs(n) for n in members}
+    for node in members:
+        for k in group_inputs(node):
+            value = node.inputs[k]
+            producer = value.producer
+            if producer is not None and id(producer) in outs and value.producer_index in outs[id(producer)]:
+                yield id(producer), id(node)
 
 
 def recognise_pattern(nodes: list[Node]) -> str | None:

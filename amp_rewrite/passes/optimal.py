@@ -60,7 +60,6 @@ values read across scopes, shared initializers, Shape/Size/Cast consumers (they 
 from __future__ import annotations
 
 import re
-from collections import ChainMap
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -84,6 +83,9 @@ _CAST_TIE = 1 << 20
 _GREEDY_TIE = 1
 
 _S, _T = "S", "T"  # source = low precision, sink = FP32
+# A component of the flow network with at most this many nodes (variables and auxiliary nodes) is
+# cut by trying all 2^n sides: a networkx max-flow costs about a millisecond however small the network.
+_ENUMERATE_CUTS_UP_TO = 4
 _FIXED_FP32 = (Category.DENY, Category.UNLISTED)
 _BATCH = re.compile("batch", re.IGNORECASE)
 
@@ -496,9 +498,10 @@ class Problem:
         variables, terms = component.variables, component.terms
         greedy_cast = self.cost(self.greedy, terms=terms, variables=variables).cast_bytes
         lexicographic = sum(self.node_bytes[i] for i in variables) + 1
+        # the fixed labels the component's cut reads (not a copy of the scope-wide dict per component)
+        known = {i: self.fixed[i] for i in _references(component) if i in self.fixed}
         for weight in (1, 2, 4, 16, lexicographic):
-            repaired_fixed: dict[int, bool] = {}
-            fixed = ChainMap(repaired_fixed, self.fixed)  # no copy of the scope-wide dict per component
+            fixed = dict(known)  # plus the nodes the round-trip repair fixes FP32
             repaired: list[int] = []
             rounds = 0
             while True:  # cut, then repair round trips (fix offending nodes FP32) until none remain
@@ -516,7 +519,7 @@ class Problem:
                 # prefer the nodes greedy kept FP32 (as safe as greedy); else all of them
                 pick = {i for i in bad if not self.greedy[i]} or bad
                 for i in sorted(pick):
-                    repaired_fixed[i] = False
+                    fixed[i] = False
                     repaired.append(i)
             outcome.rounds = max(outcome.rounds, rounds)
             if self.cost(labels, terms=terms, variables=variables).cast_bytes <= greedy_cast:
@@ -614,6 +617,18 @@ def _is_float_cast_of_non_fp32(node: Node | None) -> bool:
         and source.dtype != DType.FLOAT
 
 
+def _references(component: _Component) -> set[int]:
+    """The node indices a component's cut refers to: its variables and the ends of its terms."""
+    refs = set(component.variables)
+    for term in component.terms:
+        if isinstance(term.producer, int):
+            refs.add(term.producer)
+        refs.update(term.consumers)
+    for pair in component.requires:
+        refs.update(pair)
+    return refs
+
+
 def _components(edges: dict[tuple, int | None]) -> list[tuple[set, list]]:
     """Split the flow network at its terminals: each weakly connected group of variables (and
     auxiliary nodes) is an independent cut. Returns (variables and aux nodes, edges) per group."""
@@ -659,15 +674,42 @@ def _cut_component(nodes: set, edges: list, greedy: list[bool]) -> list[int]:
         to_low = sum(c for u, v, c in edges if v == _T)  # paid when it goes low
         low = to_fp32 > to_low or (to_fp32 == to_low and greedy[i])
         return [i] if low else []
+    if len(nodes) <= _ENUMERATE_CUTS_UP_TO:
+        source_side = _largest_minimum_cut(nodes, edges)
+        if source_side is not None:
+            return [v for v in source_side if isinstance(v, int)]
     g = nx.DiGraph()
     g.add_nodes_from((_S, _T))
-    for u, v, cap in edges:
-        if cap is None:
-            g.add_edge(u, v)  # no capacity attribute: infinite in networkx
-        else:
-            g.add_edge(u, v, capacity=cap)
+    # (an edge without a capacity attribute is infinite in networkx)
+    g.add_edges_from((u, v) if cap is None else (u, v, {"capacity": cap}) for u, v, cap in edges)
     _, (source_side, _) = nx.minimum_cut(g, _S, _T, flow_func=nx.algorithms.flow.boykov_kolmogorov)
     return [v for v in source_side if isinstance(v, int)]
+
+
+def _largest_minimum_cut(nodes: set, edges: list) -> set | None:
+    """The source side of a minimum cut, by trying every side for each of the few ``nodes``: of the
+    minimum cuts, the one with the largest source side (the union of theirs, a minimum cut too).
+    That is the side ``nx.minimum_cut`` returns, whatever the flow algorithm: the nodes that cannot
+    reach the sink in the residual network. None when every cut is infinite (networkx raises)."""
+    order = list(nodes)
+    best: int | None = None
+    largest: set = set()
+    for mask in range(1 << len(order)):
+        side = {node for k, node in enumerate(order) if mask >> k & 1}
+        value: int | None = 0
+        for u, v, cap in edges:
+            if (u == _S or u in side) and v != _S and v not in side:  # from the source side to the sink side
+                if cap is None:
+                    value = None
+                    break
+                value += cap
+        if value is None:
+            continue
+        if best is None or value < best:
+            best, largest = value, side
+        elif value == best:
+            largest |= side
+    return largest if best is not None else None
 
 
 def _reach(roots: list[int], neighbours: list[set[int]], within: set[int]) -> set[int]:

@@ -39,6 +39,9 @@ class _ScopePainter:
         self.nodes = [n for n in scope.nodes if participates(n)]
         self.index = {id(n): i for i, n in enumerate(self.nodes)}
         self.cat = [category(n) for n in self.nodes]
+        # per node, its painted group's input and output slots (read for every edge: computed once)
+        self.group_ins = [group_inputs(n) for n in self.nodes]
+        self.group_outs = [group_outputs(n) for n in self.nodes]
         self.preds: list[set[int]] = [set() for _ in self.nodes]
         self.succs: list[set[int]] = [set() for _ in self.nodes]
         self.fp32_source = [False] * len(self.nodes)  # reads an FP32 tensor painting cannot change
@@ -52,7 +55,7 @@ class _ScopePainter:
         is_main = self.scope.parent is None
         keep_io = self.ctx.options.keep_io_types or not is_main
         for i, node in enumerate(self.nodes):
-            for k in group_inputs(node):
+            for k in self.group_ins[i]:
                 value = node.inputs[k]
                 j = self._group_producer(value)
                 if j is not None:
@@ -60,15 +63,13 @@ class _ScopePainter:
                     self.succs[j].add(i)
                 elif not self._flexible_source(value, keep_io):
                     self.fp32_source[i] = True
-            for k in group_outputs(node):
+            for k in self.group_outs[i]:
                 if self._has_fixed_use(node.outputs[k], keep_io):
                     self.fp32_sink[i] = True
 
     def _group_producer(self, value: Value) -> int | None:
-        producer = value.producer
-        if producer is None or id(producer) not in self.index:
-            return None
-        return self.index[id(producer)] if value.producer_index in group_outputs(producer) else None
+        j = self.index.get(id(value.producer)) if value.producer is not None else None
+        return j if j is not None and value.producer_index in self.group_outs[j] else None
 
     def _flexible_source(self, value: Value, keep_io: bool) -> bool:
         if value.is_constant:
@@ -85,7 +86,8 @@ class _ScopePainter:
                 return True  # read inside a nested body, whose boundary is FP32
             if accepts_any_float(consumer):
                 continue
-            if id(consumer) not in self.index or k not in group_inputs(consumer):
+            j = self.index.get(id(consumer))
+            if j is None or k not in self.group_ins[j]:
                 return True
         return False
 

@@ -32,6 +32,10 @@ class Namer:
 
     def __init__(self, taken: set[str]) -> None:
         self.taken = taken
+        # per base, the suffix of the last name handed out: the names before it were all taken
+        # then, and a name is never given back, so the next search for that base starts there
+        # (a pass naming thousands of nodes after one base stays linear)
+        self._last: dict[str, int] = {}
 
     @classmethod
     def for_model(cls, model: Model) -> "Namer":
@@ -45,10 +49,12 @@ class Namer:
         return cls(taken)
 
     def __call__(self, base: str) -> str:
-        name, i = base, 0
+        i = self._last.get(base, 0)
+        name = f"{base}_{i}" if i else base
         while name in self.taken:
             i += 1
             name = f"{base}_{i}"
+        self._last[base] = i
         self.taken.add(name)
         return name
 
@@ -73,6 +79,9 @@ class _Placer:
         self.low = ctx.low
         self.name = Namer.for_model(model)
         self.modified = False
+        # id(node) -> its painted group's input slots: asked for every use, and fixed during the
+        # pass (rewiring a use to a cast keeps its slot)
+        self._group_inputs: dict[int, list[int]] = {}
 
     # -- driver ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -121,9 +130,15 @@ class _Placer:
     def _need(self, consumer: Node, index: int, value: Value) -> DType | None:
         if accepts_any_float(consumer):
             return None
-        if participates(consumer) and index in group_inputs(consumer):
+        if participates(consumer) and index in self._painted_inputs(consumer):
             return self.low if precision(consumer) == Precision.LOW else DType.FLOAT
         return value.meta.get("amp.was", value.dtype)
+
+    def _painted_inputs(self, node: Node) -> list[int]:
+        slots = self._group_inputs.get(id(node))
+        if slots is None:
+            slots = self._group_inputs[id(node)] = group_inputs(node)
+        return slots
 
     def _uses(self, value: Value) -> list[_Use]:
         uses = []
