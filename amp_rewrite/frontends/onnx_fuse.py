@@ -51,7 +51,9 @@ from typing import Any
 from ..decisions import Category, FusionRecord
 from ..ir import DType, Graph, Model, Node, Value
 from ..passes.base import Context, PassResult, node_label
+from ..passes.classify import missing_low_kernel
 from ..passes.place_casts import Namer
+from .onnx_loader import schema_slots
 
 MS = "com.microsoft"
 _GELU_COEFFS = {"half": 0.5, "cubic": 0.044715, "scale": math.sqrt(2.0 / math.pi), "one": 1.0}
@@ -234,13 +236,7 @@ def _low_capable(ctx: Context, op: str, domain: str, opset: int, *, norm: bool) 
     entry = ctx.rules.lookup(op, domain, opset)
     if entry is None or entry.category not in _LOW_CAPABLE or (norm and not entry.accumulates_fp32):
         return False
-    from .. import kernels
-
-    provider = ctx.options.provider or ctx.rules.provider
-    if not provider or not kernels.knows_provider(provider):
-        return True  # a provider outside the bundled table: the rules decide
-    low = "bfloat16" if ctx.low == DType.BFLOAT16 else "float16"
-    return kernels.has_kernel(provider, op, opset, low, domain)
+    return missing_low_kernel(ctx, op, domain, opset) is None
 
 
 def _replace(model: Model, scope: Graph, match: _Match, ctx: Context, namer: Namer,
@@ -262,8 +258,9 @@ def _replace(model: Model, scope: Graph, match: _Match, ctx: Context, namer: Nam
     label = _common_prefix([node_label(n) for n in removed])
     node = Node(op, inputs, domain=domain, name=namer(label + op), attrs=attrs, outputs=outputs)
     node.opset = scope.opsets.get(domain, 1)
-    node.input_groups, node.output_groups, node.meta["input_names"], node.meta["group_types"] = \
-        _slots(op, domain, node.opset, len(inputs), len(outputs))
+    # com.microsoft ops have no onnx schema: all their slots are one group ("?"), which is right for
+    # these (every data input and every output used shares type T)
+    schema_slots(op, domain, node.opset, len(inputs), len(outputs)).apply(node)
     scope.insert_after(max(removed, key=lambda n: position[id(n)]), node)
     match.out.replace_all_uses_with(outputs[0])
     for reader, index in readers:
@@ -289,25 +286,6 @@ _REASONS = {
     "tanh-GELU": "tanh-approximated GELU fused: elementwise and bounded by its input (an x^3 that overflows "
                  "only saturates the tanh), so the Pow no longer forces an FP32 island",
 }
-
-
-def _slots(op: str, domain: str, opset: int | None, n_in: int, n_out: int):
-    """Type-constraint groups per slot, schema input names and allowed types, as the loader records
-    them. com.microsoft ops have no onnx schema: every slot of theirs is one group ("?"), which is
-    right for the fused ops here (all data inputs and the outputs used share type T)."""
-    import onnx
-
-    try:
-        schema = onnx.defs.get_schema(op, opset or 1, domain)
-    except onnx.defs.SchemaError:
-        return ["?"] * n_in, ["?"] * n_out, [], {}
-    type_vars = {tc.type_param_str for tc in schema.type_constraints}
-    ins = [schema.inputs[min(i, len(schema.inputs) - 1)].type_str for i in range(n_in)]
-    outs = [schema.outputs[min(i, len(schema.outputs) - 1)].type_str for i in range(n_out)]
-    groups = {tc.type_param_str: {t[len("tensor("):-1] for t in tc.allowed_type_strs if t.startswith("tensor(")}
-              for tc in schema.type_constraints}
-    return ([t if t in type_vars else None for t in ins], [t if t in type_vars else None for t in outs],
-            [f.name for f in schema.inputs], groups)
 
 
 # -- conditions ----------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ patch the model instead of rebuilding it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -414,7 +415,7 @@ def _opsets(model: ir.Model) -> dict[str, int]:
 _DTYPES = {int(d): d for d in DType}
 
 
-class _Slots(NamedTuple):
+class Slots(NamedTuple):
     """What an op's schema says about its slots at the model's opset, for one input and output
     count: computed once and shared (read-only) by every node of that op and arity."""
 
@@ -423,13 +424,42 @@ class _Slots(NamedTuple):
     input_names: tuple[str, ...]  # the schema's formal input names
     group_types: dict[str, frozenset[str]]  # per group, the element types the schema allows ("float16", ...)
 
+    def apply(self, node: Node) -> None:
+        node.input_groups, node.output_groups = list(self.inputs), list(self.outputs)
+        node.meta["input_names"] = self.input_names
+        node.meta["group_types"] = self.group_types
+
+
+def schema_slots(op: str, domain: str, opset: int | None, n_in: int, n_out: int) -> Slots:
+    """Per slot: the type-constraint name (a group painted together) or None (a fixed type). An op
+    with no schema (custom domain, model-local function) is one group, "?"."""
+    schema = _schema(op, domain or "", opset)
+    if schema is None:
+        return Slots(("?",) * n_in, ("?",) * n_out, (), {})
+    type_vars = {tc.type_param_str for tc in schema.type_constraints}
+    group_types = {tc.type_param_str: frozenset(t[len("tensor("):-1] for t in tc.allowed_type_strs
+                                                if t.startswith("tensor("))
+                   for tc in schema.type_constraints}
+    ins = (None,) * n_in if op in _TYPE_AGNOSTIC_INPUTS else tuple(_expand(schema.inputs, n_in, type_vars))
+    outs = tuple(_expand(schema.outputs, n_out, type_vars))
+    return Slots(ins, outs, tuple(f.name for f in schema.inputs), group_types)
+
+
+@functools.lru_cache(maxsize=None)
+def _schema(op: str, domain: str, opset: int | None):
+    if opset is None:
+        return None
+    try:
+        return onnx.defs.get_schema(op, opset, domain)
+    except onnx.defs.SchemaError:
+        return None
+
 
 class _Builder:
     def __init__(self, opsets: dict[str, int], ir_version: int | None = None) -> None:
         self.opsets = opsets
         self.ir_version = ir_version
-        self._schema_cache: dict[tuple[str, str, int], Any] = {}
-        self._slots_cache: dict[tuple[str, str, int, int], _Slots] = {}
+        self._slots_cache: dict[tuple[str, str, int, int], Slots] = {}
 
     def build_graph(self, g: ir.Graph, outer: dict[int, Value], parent: Node | None = None) -> Graph:
         graph = Graph(g.name or "", origin=g)
@@ -492,42 +522,15 @@ class _Builder:
                     node.subgraphs[attr_name] = [self.build_graph(attr.as_graph(), scope, node)]
                 elif attr.type == ir.AttributeType.GRAPHS:
                     node.subgraphs[attr_name] = [self.build_graph(sg, scope, node) for sg in attr.as_graphs()]
-        slots = self._slots(op_type, domain, len(inputs), len(outputs))
-        node.input_groups, node.output_groups = list(slots.inputs), list(slots.outputs)
-        node.meta["input_names"] = slots.input_names
-        node.meta["group_types"] = slots.group_types
+        self._slots(op_type, domain, len(inputs), len(outputs)).apply(node)
         return node
 
-    def _slots(self, op: str, domain: str, n_in: int, n_out: int) -> _Slots:
+    def _slots(self, op: str, domain: str, n_in: int, n_out: int) -> Slots:
         key = (op, domain, n_in, n_out)
         if key not in self._slots_cache:
-            self._slots_cache[key] = self._read_slots(op, domain, n_in, n_out)
+            opset = self.opsets.get("" if domain == "ai.onnx" else domain or "")
+            self._slots_cache[key] = schema_slots(op, domain, opset, n_in, n_out)
         return self._slots_cache[key]
-
-    def _read_slots(self, op: str, domain: str, n_in: int, n_out: int) -> _Slots:
-        """Per slot: the type-constraint name (a group painted together) or None (a fixed type)."""
-        schema = self._schema(op, domain or "", self.opsets.get("" if domain == "ai.onnx" else domain or ""))
-        if schema is None:
-            # No schema (custom domain, model-local function): one group; such ops are unlisted → FP32.
-            return _Slots(("?",) * n_in, ("?",) * n_out, (), {})
-        type_vars = {tc.type_param_str for tc in schema.type_constraints}
-        group_types = {tc.type_param_str: frozenset(t[len("tensor("):-1] for t in tc.allowed_type_strs
-                                                    if t.startswith("tensor("))
-                       for tc in schema.type_constraints}
-        ins = (None,) * n_in if op in _TYPE_AGNOSTIC_INPUTS else tuple(_expand(schema.inputs, n_in, type_vars))
-        outs = tuple(_expand(schema.outputs, n_out, type_vars))
-        return _Slots(ins, outs, tuple(f.name for f in schema.inputs), group_types)
-
-    def _schema(self, op: str, domain: str, opset: int | None):
-        if opset is None:
-            return None
-        key = (op, domain, opset)
-        if key not in self._schema_cache:
-            try:
-                self._schema_cache[key] = onnx.defs.get_schema(op, opset, domain)
-            except onnx.defs.SchemaError:
-                self._schema_cache[key] = None
-        return self._schema_cache[key]
 
 
 def _expand(formals, count: int, type_vars: set[str]) -> list[str | None]:

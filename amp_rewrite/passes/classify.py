@@ -97,26 +97,29 @@ def _op_verdict(node: Node, ctx: Context) -> _Verdict:
                 "unlisted", None)
     category, reason, source = entry.category, entry.reason, entry.source
     if category != Category.DENY:
-        missing = _missing_kernel(node, ctx)
+        missing = missing_low_kernel(ctx, node.op_type, node.domain, node.opset)
         if missing:
             return Category.DENY, missing, "kernel table", entry
     return category, reason, source, entry
 
 
-def _missing_kernel(node: Node, ctx: Context) -> str | None:
+def missing_low_kernel(ctx: Context, op: str, domain: str, opset: int | None) -> str | None:
+    """Why the provider cannot run ``op`` in the target type at ``opset`` (None if it can, or if
+    the bundled kernel table does not know the provider or the op: then the rules decide)."""
     provider = ctx.options.provider or ctx.rules.provider
-    if ctx.rules.frontend != "onnx" or not provider or node.opset is None:
+    if ctx.rules.frontend != "onnx" or not provider or opset is None:
         return None
     from .. import kernels
 
     if not kernels.knows_provider(provider):
         return None  # a provider outside the bundled table (e.g. TensorRT): the rules decide
     low = "bfloat16" if ctx.low == DType.BFLOAT16 else "float16"
-    if not kernels.has_kernel(provider, node.op_type, node.opset, "float", node.domain):
+    if not kernels.has_kernel(provider, op, opset, "float", domain):
         return None  # unknown to the provider's table (custom op, function): the rules decide
-    if kernels.has_kernel(provider, node.op_type, node.opset, low, node.domain):
+    if kernels.has_kernel(provider, op, opset, low, domain):
         return None
-    return f"{provider} has no {low} kernel for {node.qualified_op} at opset {node.opset}"
+    qualified = f"{domain}::{op}" if domain else op
+    return f"{provider} has no {low} kernel for {qualified} at opset {opset}"
 
 
 def _schema_refuses_low(node: Node, group: str, ctx: Context) -> str | None:
