@@ -60,14 +60,9 @@ from typing import Any, Iterable
 
 import torch
 
-BUFFER = "amp_loss_scale"
+from .loss_scale import BACKOFF_FACTOR, GROWTH_FACTOR, GROWTH_INTERVAL, INIT_SCALE, MAX_SCALE, MIN_SCALE
 
-INIT_SCALE = 2.0 ** 16
-GROWTH_FACTOR = 2.0
-BACKOFF_FACTOR = 0.5
-GROWTH_INTERVAL = 2000
-MIN_SCALE = 1.0
-MAX_SCALE = 2.0 ** 24
+BUFFER = "amp_loss_scale"
 
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 _SEARCH_LIMIT = 256  # autograd nodes looked at when finding the in-graph scale of a loss

@@ -46,15 +46,10 @@ from typing import Any, Sequence
 
 from .api import RewriteResult, make_context, run_pipeline
 from .errors import UsageError
+from .loss_scale import BACKOFF_FACTOR, GROWTH_FACTOR, GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE
+from .loss_scale import INIT_SCALE  # noqa: F401  (the value a caller feeds as the first loss_scale)
 from .passes.place_casts import Namer
 
-# Same defaults as amp_rewrite.training.LossScaler (tests check they agree).
-INIT_SCALE = 2.0 ** 16
-GROWTH_FACTOR = 2.0
-BACKOFF_FACTOR = 0.5
-GROWTH_INTERVAL = 2000
-MIN_SCALE = 1.0
-MAX_SCALE = 2.0 ** 24
 
 LOSS_SCALE = "loss_scale"
 GROWTH_TRACKER = "growth_tracker"
