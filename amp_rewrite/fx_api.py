@@ -37,7 +37,7 @@ import torch.fx as fx
 from .api import RewriteResult, make_context, run_pipeline
 from .decisions import Category
 from .errors import UnsupportedModelError, UsageError
-from .ir import DType, Model, Node, Value
+from .ir import DType, Model, Value
 
 CAPTURES = ("auto", "export", "symbolic_trace")
 _CONTEXT_OPTIONS = ("fp32_nodes", "fp16_nodes", "fp32_ops", "fp16_ops", "placement", "verify_each")
@@ -219,32 +219,13 @@ def _loss_output_index(model: Model, loss_value: Value) -> int:
 
 
 def _loss_tail(model: Model, target: str, rules: Any, loss: Value) -> list[str]:
-    """Nodes feeding the loss with no allow op between them and the loss."""
+    """Names of the nodes feeding the loss with no allow op between them and the loss."""
+    from .passes.base import loss_tail
     from .rulebook import RuleBook, load_rules
 
     book = rules if isinstance(rules, RuleBook) else load_rules([str(r) for r in rules], frontend="torch",
                                                                 target=target)
-    if loss.producer is None:
-        return []
-    ancestors: dict[int, Node] = {}
-    stack = [loss.producer]
-    while stack:
-        node = stack.pop()
-        if id(node) in ancestors:
-            continue
-        ancestors[id(node)] = node
-        stack.extend(v.producer for v in node.inputs if v is not None and v.producer is not None)
-    allow = {i for i, n in ancestors.items() if book.category_of(n.op_type, n.domain) == Category.ALLOW}
-    feeds_allow: set[int] = set()
-    for node in reversed(model.graph.nodes):
-        if id(node) not in ancestors:
-            continue
-        for out in node.outputs:
-            for consumer in out.consumers():
-                if id(consumer) in ancestors and (id(consumer) in allow or id(consumer) in feeds_allow):
-                    feeds_allow.add(id(node))
-    return [n.name for i, n in ancestors.items() if i not in allow and i not in feeds_allow and n.op_type != "Cast"
-            and n.name]
+    return [n.name for n in loss_tail(model.graph, loss, book) if n.op_type != "Cast" and n.name]
 
 
 def _explain_tail(ctx: Any, tail: set[str]) -> None:

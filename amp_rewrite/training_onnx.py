@@ -196,7 +196,7 @@ def _make_plan(model: Any, ir_model: Any, loss: str, grads: Any, loss_grad: str 
                                              if grad_names else ()):
         if _name_taken(ir_model.graph, name):
             raise UsageError(f"the model already has a value named {name!r}: it looks rewritten for training already")
-    tail = _loss_tail(model, loss_value, graph, rules)
+    tail = _loss_tail(loss_value, graph, rules)
     return _Plan(loss=loss, grads=grad_names, seed=seed, tail=tail, config=config)
 
 
@@ -260,44 +260,20 @@ def _rule_book(options: dict) -> Any:
                       fp32_ops=options.get("fp32_ops", ()), low_ops=options.get("fp16_ops", ()))
 
 
-def _loss_tail(model: Any, loss: Any, graph: Any, book: Any) -> list[str]:
-    """Nodes feeding the loss with no allow op between them and the loss (unnamed ones get a name)."""
-    from .decisions import Category
+def _loss_tail(loss: Any, graph: Any, book: Any) -> list[str]:
+    """Names of the nodes feeding the loss with no allow op between them and the loss; unnamed
+    ones get a name (amp_loss/<op>), so that node rules can pin them."""
+    from .passes.base import loss_tail
 
-    if loss.producer is None:
-        return []
-    ancestors: dict[int, Any] = {}
-    stack = [loss.producer]
-    while stack:
-        node = stack.pop()
-        if id(node) in ancestors or node.graph is not graph:
-            continue
-        ancestors[id(node)] = node
-        stack.extend(v.producer for v in node.inputs if v is not None and v.producer is not None)
-    allow = {i for i, n in ancestors.items() if book.category_of(n.op_type, n.domain) == Category.ALLOW}
-    feeds_allow: set[int] = set()
-    for node in reversed(graph.nodes):
-        if id(node) not in ancestors:
-            continue
-        for out in node.outputs:
-            if any(id(c) in ancestors and (id(c) in allow or id(c) in feeds_allow) for c in out.consumers()):
-                feeds_allow.add(id(node))
-    taken = {n.name for n in graph.nodes}
+    name = Namer({n.name for n in graph.nodes})
     tail = []
-    for node in graph.nodes:  # graph order: deterministic
-        i = id(node)
-        if i not in ancestors or i in allow or i in feeds_allow or node.op_type in ("Cast", "Constant"):
+    for node in loss_tail(graph, loss, book):
+        if node.op_type in ("Cast", "Constant"):
             continue
         if not node.name:
-            base, k = f"amp_loss/{node.op_type}", 0
-            name = base
-            while name in taken:
-                k += 1
-                name = f"{base}_{k}"
-            taken.add(name)
-            node.name = name
+            node.name = name(f"amp_loss/{node.op_type}")
             if node.origin is not None:
-                node.origin.name = name
+                node.origin.name = node.name
         tail.append(node.name)
     return tail
 

@@ -57,6 +57,30 @@ def run_passes(model: Model, ctx: Context, passes: Iterable[Pass]) -> list[PassR
     return results
 
 
+def loss_tail(graph: Graph, loss: Value, rules: "RuleBook") -> list[Node]:
+    """The nodes of ``graph`` that feed ``loss`` with no allow op between them and it, in graph
+    order: the loss's FP32 island in a training graph (what a loss needs is computed in FP32)."""
+    if loss.producer is None:
+        return []
+    ancestors: dict[int, Node] = {}
+    stack = [loss.producer]
+    while stack:
+        node = stack.pop()
+        if id(node) in ancestors or node.graph is not graph:
+            continue
+        ancestors[id(node)] = node
+        stack.extend(v.producer for v in node.inputs if v is not None and v.producer is not None)
+    allow = {i for i, n in ancestors.items() if rules.category_of(n.op_type, n.domain) == Category.ALLOW}
+    feeds_allow: set[int] = set()
+    for node in reversed(graph.nodes):
+        if id(node) not in ancestors:
+            continue
+        for out in node.outputs:
+            if any(id(c) in ancestors and (id(c) in allow or id(c) in feeds_allow) for c in out.consumers()):
+                feeds_allow.add(id(node))
+    return [n for n in graph.nodes if id(n) in ancestors and id(n) not in allow and id(n) not in feeds_allow]
+
+
 # -- slots: which inputs/outputs of a node are painted together ------------------------------------
 def painted_group(node: Node) -> str | None:
     """The type-constraint group painting decides for this node: the group of the first FP32
