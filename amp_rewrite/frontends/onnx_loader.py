@@ -50,17 +50,20 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
         path = Path(source)
         ir_model, inferred = _read_path(path, infer_shapes=infer_shapes)
     graphs = list(ir_model.graphs())  # (a walk over every node: done once)
+    if inferred is not None and len(inferred) != len(graphs):
+        inferred = None  # (not expected: one table per graph)
     data_files = _bind_external_data(graphs, path) if path is not None else frozenset()
     _check_supported(ir_model, path)
     sorted_already = all(_is_sorted(g) for g in graphs)
     if not sorted_already:
         _sort(ir_model, path)
-    if infer_shapes and not (inferred and sorted_already):
+    if infer_shapes and not (inferred is not None and sorted_already):
         with _quiet_onnx_ir():
             _infer_types(ir_model)
+        inferred = None
     model = Model(graph=Graph(), frontend="onnx", opsets=_opsets(ir_model),
                   origin=OnnxSource(ir_model, path, data_files))
-    model.graph = _Builder(model.opsets, ir_model.ir_version).build_graph(ir_model.graph, outer={})
+    model.graph = _Builder(model.opsets, ir_model.ir_version, inferred).build_graph(ir_model.graph, outer={})
     model.meta["ir_version"] = ir_model.ir_version
     model.meta["functions"] = {(f.domain, f.name) for f in ir_model.functions.values()}
     return model
@@ -68,8 +71,9 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
 
 # -- reading ------------------------------------------------------------------------------------------
 def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: bool,
-                infer_shapes: bool) -> tuple[ir.Model, bool]:
-    """The onnx-ir model, and whether its types were already inferred. ``size``: the proto's
+                infer_shapes: bool) -> tuple[ir.Model, "list[dict[str, onnx.ValueInfoProto]] | None"]:
+    """The onnx-ir model, and the types inferred for its values (one table per graph, in
+    ``_graph_protos`` order), or None where they were not inferred here. ``size``: the proto's
     serialised size. ``owned``: the proto is ours to edit (read from a file), else it is copied
     before any edit."""
     where = f"{path}: " if path else ""
@@ -79,14 +83,15 @@ def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: 
     sparse = any(graph.sparse_initializer for graph in graphs)
     # (sparse initializers are made dense below; the onnx-ir pass infers the types then)
     early = _inferred_proto(proto, graphs, size, owned=owned) if infer_shapes and not sparse else None
+    types = None
     if early is not None:
-        proto, owned = early, True
+        (proto, types), owned = early, True
     if sparse:
         proto = proto if owned else _copy(proto)
         _densify_sparse_initializers(proto.graph, where)
     try:
         with _quiet_onnx_ir():
-            return ir.serde.deserialize_model(proto), early is not None
+            return ir.serde.deserialize_model(proto), types
     except Exception as exc:  # onnx-ir raises many kinds on malformed protos
         raise ModelLoadError(f"{where}the model could not be read: {_first_line(exc)}") from exc
 
@@ -169,8 +174,9 @@ def _densify_sparse_initializers(graph: onnx.GraphProto, where: str) -> None:
         _densify_sparse_initializers(sub, where)
 
 
-def _read_path(path: Path, *, infer_shapes: bool = False) -> tuple[ir.Model, bool]:
-    """The onnx-ir model, and whether its types were already inferred."""
+def _read_path(path: Path, *, infer_shapes: bool = False
+               ) -> tuple[ir.Model, "list[dict[str, onnx.ValueInfoProto]] | None"]:
+    """The onnx-ir model, and the types inferred for its values (see ``_read_proto``)."""
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file")
     if path.is_dir():
@@ -311,12 +317,18 @@ _INFER_PROTO_BELOW = 256 << 20
 _INFER_WITHOUT_DATA_ABOVE = 1024
 
 
-def _inferred_proto(proto: onnx.ModelProto, graphs: list[onnx.GraphProto], size: int, *,
-                    owned: bool) -> onnx.ModelProto | None:
+def _inferred_proto(proto: onnx.ModelProto, graphs: list[onnx.GraphProto], size: int, *, owned: bool
+                    ) -> tuple[onnx.ModelProto, list[dict[str, onnx.ValueInfoProto]]] | None:
     """Shape inference on the proto already in hand (``graphs``: its graph and nested bodies,
-    ``size``: its serialised size): the proto with the types and shapes found. ``owned``: the
-    proto may be edited in place; otherwise the argument is left untouched. None: not inferred
-    here (the onnx-ir pass runs after loading).
+    ``size``: its serialised size): the proto with its graph outputs' types refined, and the
+    types and shapes found for the other values, one table per graph (``_graph_protos`` order).
+    ``owned``: the proto may be edited in place; otherwise the argument is left untouched. None:
+    not inferred here (the onnx-ir pass runs after loading).
+
+    The tables go to the IR builder, not into the proto's value_info: onnx-ir would deserialise
+    every entry into its own type and shape objects (and the emitter write them all back out),
+    about a second on a 100k-node graph, and the output would carry value_info the input never
+    had.
 
     Cheaper than onnx-ir's pass, which serialises the deserialised model and merges the result
     back: on a 100k-node graph that round trip was the largest fixed cost. Inference serialises
@@ -326,17 +338,19 @@ def _inferred_proto(proto: onnx.ModelProto, graphs: list[onnx.GraphProto], size:
         return None
     options = {"check_type": False, "strict_mode": False, "data_prop": False}
     try:
-        if not any(_is_weight(t) for t in proto.graph.initializer):
-            return onnx.shape_inference.infer_shapes(proto, **options)
-        inferred = onnx.shape_inference.infer_shapes(_without_weights(proto), **options)
+        weighty = any(_is_weight(t) for t in proto.graph.initializer)
+        inferred = onnx.shape_inference.infer_shapes(_without_weights(proto) if weighty else proto, **options)
     except Exception:  # inference is best effort
         return None
     if not owned:
         proto = _copy(proto)
         graphs = _graph_protos(proto.graph)
+    tables = []
     for graph, inferred_graph in zip(graphs, _graph_protos(inferred.graph), strict=True):
-        _take_inferred_types(graph, inferred_graph)
-    return proto
+        del graph.output[:]  # refined output types (a graph output's type is part of the model)
+        graph.output.extend(inferred_graph.output)
+        tables.append({info.name: info for info in inferred_graph.value_info})
+    return proto, tables
 
 
 def _is_weight(tensor: onnx.TensorProto) -> bool:
@@ -383,15 +397,6 @@ def _copy(proto: onnx.ModelProto) -> onnx.ModelProto:
     copy = onnx.ModelProto()
     copy.CopyFrom(proto)
     return copy
-
-
-def _take_inferred_types(graph: onnx.GraphProto, inferred: onnx.GraphProto) -> None:
-    """What shape inference adds to a graph (value_info) and refines (output types), copied from
-    its answer for the same graph."""
-    del graph.value_info[:]
-    graph.value_info.extend(inferred.value_info)
-    del graph.output[:]
-    graph.output.extend(inferred.output)
 
 
 def _infer_types(model: ir.Model) -> None:
@@ -456,12 +461,25 @@ def _schema(op: str, domain: str, opset: int | None):
 
 
 class _Builder:
-    def __init__(self, opsets: dict[str, int], ir_version: int | None = None) -> None:
+    def __init__(self, opsets: dict[str, int], ir_version: int | None = None,
+                 inferred: list[dict[str, onnx.ValueInfoProto]] | None = None) -> None:
         self.opsets = opsets
         self.ir_version = ir_version
         self._slots_cache: dict[tuple[str, str, int, int], Slots] = {}
+        # shape inference's answer, one table per graph in the order build_graph meets them
+        # (the graph, then each node's bodies in node and attribute order, depth first)
+        self._tables = iter(inferred) if inferred is not None else None
+        self._types: dict[str, onnx.ValueInfoProto] = {}
 
     def build_graph(self, g: ir.Graph, outer: dict[int, Value], parent: Node | None = None) -> Graph:
+        enclosing = self._types
+        self._types = next(self._tables, {}) if self._tables is not None else {}
+        try:
+            return self._build_graph(g, outer, parent)
+        finally:
+            self._types = enclosing
+
+    def _build_graph(self, g: ir.Graph, outer: dict[int, Value], parent: Node | None) -> Graph:
         graph = Graph(g.name or "", origin=g)
         graph.parent = parent
         graph.opsets = self.opsets
@@ -489,11 +507,24 @@ class _Builder:
         return graph
 
     def _value(self, v: ir.Value) -> Value:
+        dtype = v.dtype
+        if dtype is None and v.name in self._types:
+            return self._inferred_value(v, self._types[v.name])
         shape = v.shape
         if shape is not None:
             shape = tuple(d if isinstance(d, int) else (str(d) if d is not None and str(d) else None) for d in shape.dims)
-        dtype = v.dtype
         return Value(v.name or "", _DTYPES.get(int(dtype)) if dtype is not None else None, shape, origin=v)
+
+    @staticmethod
+    def _inferred_value(v: ir.Value, info: onnx.ValueInfoProto) -> Value:
+        """A value typed from shape inference's answer (the onnx-ir value has no type)."""
+        if not info.type.HasField("tensor_type"):
+            return Value(v.name, None, None, origin=v)
+        tensor = info.type.tensor_type
+        shape = None
+        if tensor.HasField("shape"):
+            shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim)
+        return Value(v.name, _DTYPES.get(tensor.elem_type) if tensor.elem_type else None, shape, origin=v)
 
     def _node(self, n: ir.Node, scope: dict[int, Value]) -> Node:
         op_type, domain, ir_inputs, ir_outputs = n.op_type, n.domain, n.inputs, n.outputs
