@@ -18,7 +18,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from util import full_check, make_model, nodes_by_type, rel_err, rewrite, run
+from util import ROOT, full_check, make_model, nodes_by_type, rel_err, rewrite, run
 
 from amp_rewrite.api import make_context
 from amp_rewrite.decisions import Category, Precision
@@ -388,3 +388,61 @@ def test_symbolic_dims_take_the_documented_defaults():
     assert optimal.estimate_numel(("batch_size", 16, "seq")) == optimal.BATCH_DIM * 16 * optimal.SYMBOLIC_DIM
     assert optimal.estimate_numel((None, 4)) == optimal.SYMBOLIC_DIM * 4
     assert optimal.estimate_numel(()) == 1
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_residual_network_cut_matches_networkx_minimum_cut(seed):
+    """The one-pass residual network gives the same source side as ``nx.minimum_cut`` (the
+    largest minimum cut's), with finite and infinite capacities and edges both ways."""
+    import networkx as nx
+
+    rng = random.Random(seed)
+    variables = list(range(rng.randint(5, 30)))
+    edges = {}
+    for _ in range(len(variables) * 3):
+        u = rng.choice(variables + [optimal._S])
+        v = rng.choice(variables + [optimal._T])
+        if u != v:
+            edges[(u, v)] = None if rng.random() < 0.1 else rng.randint(1, 1 << 44)
+    g = nx.DiGraph()
+    g.add_nodes_from((optimal._S, optimal._T))
+    g.add_edges_from((u, v) if c is None else (u, v, {"capacity": c}) for (u, v), c in edges.items())
+    try:
+        _, (expected, _) = nx.minimum_cut(g, optimal._S, optimal._T, flow_func=nx.algorithms.flow.boykov_kolmogorov)
+    except nx.NetworkXUnbounded:
+        pytest.skip("an infinite path from source to sink: no finite cut to compare")
+    nodes = {x for e in edges for x in e} - {optimal._S, optimal._T}
+    got = optimal._max_flow_source_side(nodes, [(u, v, c) for (u, v), c in edges.items()])
+    assert {n for n in got if isinstance(n, int)} == {n for n in expected if isinstance(n, int)}
+
+
+def test_repair_failure_skips_the_intermediate_cast_weights(monkeypatch):
+    """A residual chain that greedy runs low from an FP32 graph input to near the FP32 output: the
+    round-trip repair (not the cast weight) makes every cut cast more than greedy, so after the
+    plain cut only the lexicographic one is tried, then greedy's answer is kept."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from tools.bench_synth import synthetic_chain
+
+    model, _ = synthetic_chain(160)
+    ir_model = load_onnx(model)
+    ctx = make_context(frontend="onnx", placement="optimal")
+    from amp_rewrite.frontends.onnx_fuse import fuse
+
+    for step in (fuse, classify, paint, find_islands):
+        step(ir_model, ctx)
+    weights: list[int] = []
+    real_cut = optimal.Problem._cut
+
+    def counting_cut(self, terms, variables, fixed, weight, requires=()):
+        if len(variables) > 20:  # the residual chain's component
+            weights.append(weight)
+        return real_cut(self, terms, variables, fixed, weight, requires)
+
+    monkeypatch.setattr(optimal.Problem, "_cut", counting_cut)
+    problem = optimal.Problem.from_scope(ir_model.graph, ctx)
+    labels, outcome = problem.solve()
+    assert outcome.kept_greedy >= 1
+    assert labels == [problem.fixed.get(i, problem.greedy[i]) for i in range(len(labels))]
+    assert set(weights) == {1, max(weights)} and max(weights) > 16  # plain, then lexicographic only
