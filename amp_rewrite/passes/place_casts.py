@@ -211,13 +211,17 @@ class _Placer:
                          "existing Cast(to=FLOAT) feeds only low-precision consumers: retargeted", "retargeted")
             self.modified = True
             return True
+        rest = [u for u in uses if u.need != self.low or u.node is None]
         if source.dtype == self.low:
             for use in low_uses:
                 use.node.set_input(use.index, source)
             self.modified = True
+            if not rest and not value.uses() and not value.is_graph_output:
+                self._drop_cast(cast, value, source, "existing Cast(to=FLOAT) of a low value read only in low "
+                                "precision: its readers read the value itself; removed")
+                return True
         else:
             self._insert_casts(source, [_Use(u.node, u.index, self.low) for u in low_uses], replaces=value)
-        rest = [u for u in uses if u.need != self.low or u.node is None]
         self._insert_casts(value, rest)
         return True
 
@@ -296,12 +300,15 @@ class _Placer:
                 if src.meta.get("amp.was") is None:
                     continue  # a no-op cast the user wrote: not ours to remove
                 out.replace_all_uses_with(src, include_outputs=False)
-                self._record(node.name or out.name, out, src.dtype, src.dtype, [], scope,
-                             "existing Cast became a no-op after painting: removed", "removed")
-                scope.remove(node)
-                node.meta["amp.removed"] = True
-                self.model.meta.setdefault("amp.removed_nodes", []).append(node)
-                self.modified = True
+                self._drop_cast(node, out, src, "existing Cast became a no-op after painting: removed")
+
+    def _drop_cast(self, node: Node, out: Value, src: Value, reason: str) -> None:
+        """Remove an existing Cast nobody needs any more (its readers read ``src``)."""
+        self._record(node.name or out.name, out, src.dtype, src.dtype, [], node.graph, reason, "removed")
+        node.graph.remove(node)
+        node.meta["amp.removed"] = True
+        self.model.meta.setdefault("amp.removed_nodes", []).append(node)
+        self.modified = True
 
     def _weight_bytes(self, scopes: list[Graph]) -> None:
         w = self.ctx.log.weights
