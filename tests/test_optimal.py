@@ -157,6 +157,49 @@ def test_plain_optimum_that_casts_more_than_greedy_is_reweighted():
     assert outcome.weight > 1 and outcome.cost.cast_bytes <= greedy_cost.cast_bytes
 
 
+_EMBEDDING = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (int64[64] ids, int64[64] pos_ids, float[64,16] act) => (float[64,16] y) {
+      tok = Gather(table, ids)
+      pos = Gather(pos_table, pos_ids)
+      pos_f = Cast<to=1>(SOURCE)
+      e = Add(tok, pos_f)
+      y = MatMul(e, w)
+    }"""
+
+
+def _embedding(source: str) -> onnx.ModelProto:
+    return make_model(_EMBEDDING.replace("SOURCE", source),
+                      {"table": (100, 16), "pos_table": (64, 16), "w": (16, 16)})
+
+
+def test_cast_of_gathered_weights_lets_the_embedding_sum_run_low():
+    """GPT-2's position row: Gather(wpe) then an FP32 → FLOAT Cast. Its elements are weights, so
+    the Cast's output counts as a weight (retargeted or bypassed for low readers), not an FP32
+    activation, and the embedding Add runs low: no inserted Cast before the MatMul."""
+    model = _embedding("pos")
+    greedy, best = rewrite(model), rewrite(model, placement="optimal")
+    assert _precisions(greedy)["Add:e"] == "fp32" and _inserted(greedy)  # greedy casts the sum
+    assert _precisions(best)["Add:e"] == "low"
+    assert [c.consumers for c in _inserted(best)] == [["<graph output>"]]  # only the output's
+    # the position Gather runs low too, so the model's own Cast has nothing left to do: removed,
+    # not left dangling
+    assert [c.kind for c in best.log.casts if c.tensor == "pos_f"] == ["removed"]
+    assert [n.input[0] for n in nodes_by_type(best.model, "Cast")] == ["y/amp_fp16"]
+    full_check(best.model)
+    rng = np.random.default_rng(0)
+    feeds = {"ids": rng.integers(0, 100, 64), "pos_ids": np.arange(64), "act": rng.standard_normal((64, 16)).astype(np.float32)}
+    ref, got = run(model, feeds), run(best.model, feeds)
+    assert rel_err(ref["y"], got["y"]) < 1e-2
+
+
+def test_cast_of_an_activation_stays_an_fp32_read():
+    """The same Cast of an activation (a graph input) is not weights: the Add keeps reading FP32."""
+    best = rewrite(_embedding("act"), placement="optimal")
+    assert _precisions(best)["Add:e"] == "fp32"
+    assert not any(c.kind in ("retargeted", "removed") for c in best.log.casts)
+
+
 def test_deny_and_island_nodes_stay_fp32_even_when_low_would_save_bytes():
     # A decomposed LayerNorm between two MatMuls: every island member would be cheaper low, but
     # deny paint fixed them FP32; only the infer/clear nodes outside the island are free.

@@ -22,7 +22,8 @@ Cost model (bytes moved per run; one model run at the default shapes below):
   bodies) need FP32; initializers and Constant outputs are free (converted offline, or duplicated
   when both types read them) except training-mode initializers (master weights: a cast at use);
   an existing ``Cast(to=FLOAT)`` of a non-FP32 value is free too (``place_casts`` retargets or
-  bypasses it).
+  bypasses it), and so is one of an FP32 value that only moves weights (Gather, Reshape, Concat…
+  of initializers: GPT-2's position row), which is no FP32 activation read either.
 - **shapes**: a known dimension counts as is; a symbolic dimension whose name mentions "batch"
   counts :data:`BATCH_DIM` (1); any other symbolic or unknown dimension counts
   :data:`SYMBOLIC_DIM` (128, a typical sequence length / feature-map side); a value of unknown
@@ -259,6 +260,8 @@ class Problem:
             return None, False
         if _is_float_cast_of_non_fp32(node):
             return None, True  # free to retarget for the cost, but an FP32 tensor all the same
+        if _is_cast_of_weights(node):
+            return None, False  # weights moved and cast: retargeted for low readers, like a weight
         return _T, True
 
     def _only_downstream(self) -> list[tuple[int, int]]:
@@ -627,6 +630,32 @@ def _is_float_cast_of_non_fp32(node: Node | None) -> bool:
     source = node.inputs[0]
     return node.attrs.get("to") == int(DType.FLOAT) and source is not None and source.dtype is not None \
         and source.dtype != DType.FLOAT
+
+
+_WEIGHT_MOVERS = {"Gather", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice", "Identity", "Flatten",
+                  "Expand", "Concat", "Cast"}
+
+
+def _is_cast_of_weights(node: Node | None) -> bool:
+    """``Cast(to=FLOAT)`` of an FP32 value that only moves weights (a position-embedding row
+    gathered from its table): its elements are weights, whose range the offline conversion checks,
+    so retargeting the Cast to the low type exposes no activation to the low type's range."""
+    if node is None or node.op_type != "Cast" or node.domain != "" or node.attrs.get("to") != int(DType.FLOAT):
+        return False
+    return _only_weights(node.inputs[0], depth=0) if node.inputs else False
+
+
+def _only_weights(value: Value | None, depth: int) -> bool:
+    if value is None or value.dtype is None or not value.dtype.is_float:
+        return True  # indices, shapes: not float data
+    if value.is_constant:
+        return True
+    node = value.producer
+    if node is None or depth > 8 or node.domain != "" or node.op_type not in _WEIGHT_MOVERS:
+        return False
+    if node.op_type == "Cast" and node.attrs.get("to") != int(DType.FLOAT):
+        return False
+    return all(_only_weights(v, depth + 1) for v in node.inputs)
 
 
 def _references(component: _Component) -> set[int]:
