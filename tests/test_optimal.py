@@ -18,7 +18,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from util import ROOT, full_check, make_model, nodes_by_type, rel_err, rewrite, run
+from util import full_check, make_model, nodes_by_type, rel_err, rewrite, run
 
 from amp_rewrite.api import make_context
 from amp_rewrite.decisions import Category, Precision
@@ -463,10 +463,7 @@ def test_repair_failure_skips_the_intermediate_cast_weights(monkeypatch):
     """A residual chain that greedy runs low from an FP32 graph input to near the FP32 output: the
     round-trip repair (not the cast weight) makes every cut cast more than greedy, so after the
     plain cut only the lexicographic one is tried, then greedy's answer is kept."""
-    import sys
-
-    sys.path.insert(0, str(ROOT))
-    from tools.bench_synth import synthetic_chain
+    from tools.bench_synth import synthetic_chain  # (conftest puts the repository root on sys.path)
 
     model, _ = synthetic_chain(160)
     ir_model = load_onnx(model)

@@ -524,11 +524,11 @@ class Problem:
                     labels[i] = False
                 for i in self._cut(terms, free, fixed, weight, component.requires):
                     labels[i] = True
-                if rounds == 1 and self.cost(labels, terms=terms, variables=variables).cast_bytes <= greedy_cast:
-                    within_budget = True
                 bad = self.round_trip_nodes(labels, variables)
                 if not bad:
                     break
+                if rounds == 1:  # (only a repaired cut needs its first cut's bytes)
+                    within_budget = self.cost(labels, terms=terms, variables=variables).cast_bytes <= greedy_cast
                 # prefer the nodes greedy kept FP32 (as safe as greedy); else all of them
                 pick = {i for i in bad if not self.greedy[i]} or bad
                 for i in sorted(pick):
