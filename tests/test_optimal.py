@@ -462,7 +462,10 @@ def test_residual_network_cut_matches_networkx_minimum_cut(seed):
 def test_repair_failure_skips_the_intermediate_cast_weights(monkeypatch):
     """A residual chain that greedy runs low from an FP32 graph input to near the FP32 output: the
     round-trip repair (not the cast weight) makes every cut cast more than greedy, so after the
-    plain cut only the lexicographic one is tried, then greedy's answer is kept."""
+    plain cut only the lexicographic one is tried, then greedy's answer is kept. The repair fixes
+    the whole offending path after one cut (greedy's FP32 nodes alone leave the path in place),
+    and the lexicographic weight starts from that repair: one cut, not the plain weight's rounds
+    again."""
     from tools.bench_synth import synthetic_chain  # (conftest puts the repository root on sys.path)
 
     model, _ = synthetic_chain(160)
@@ -474,15 +477,19 @@ def test_repair_failure_skips_the_intermediate_cast_weights(monkeypatch):
         step(ir_model, ctx)
     weights: list[int] = []
     real_cut = optimal.Problem._cut
+    problem = optimal.Problem.from_scope(ir_model.graph, ctx)
+    chain = set(max(problem.components, key=lambda c: len(c.variables)).variables)  # the residual stream
+    assert len(chain) > 20
 
     def counting_cut(self, terms, variables, fixed, weight, requires=()):
-        if len(variables) > 20:  # the residual chain's component
+        if chain.intersection(variables):
             weights.append(weight)
         return real_cut(self, terms, variables, fixed, weight, requires)
 
     monkeypatch.setattr(optimal.Problem, "_cut", counting_cut)
-    problem = optimal.Problem.from_scope(ir_model.graph, ctx)
     labels, outcome = problem.solve()
     assert outcome.kept_greedy >= 1
     assert labels == [problem.fixed.get(i, problem.greedy[i]) for i in range(len(labels))]
     assert set(weights) == {1, max(weights)} and max(weights) > 16  # plain, then lexicographic only
+    assert weights.count(1) == 2  # the first cut, then the cut after one repair of the whole path
+    assert weights.count(max(weights)) == 1  # the repair carried over: no round trip left to repair

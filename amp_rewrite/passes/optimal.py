@@ -49,8 +49,9 @@ Safety, never less than greedy's:
 - round trips: no low-precision path of non-allow nodes may run from a node that reads an FP32
   tensor to a node that feeds an FP32 consumer (an FP32 → low → FP32 trip overflows above 65504).
   This is greedy's per-node rule extended to paths. A cut that breaks it is repaired — the nodes
-  on offending paths that greedy kept FP32 are fixed FP32 (or, where greedy had none there, all of
-  them) and the component cut again, until none remain;
+  on offending paths that greedy kept FP32 are fixed FP32, with the rest of a path that those
+  alone leave in place (or, where greedy had none there, all of them) — and the component cut
+  again, until none remain; a heavier cast weight (below) starts from the lighter weights' repair;
 - a component whose repaired answer casts more than greedy's keeps greedy's answer (as safe as
   greedy, and never dearer).
 
@@ -491,7 +492,11 @@ class Problem:
         the weight is not what fails: the intermediate weights are skipped and only the
         lexicographic cut is tried before greedy's answer is kept (on a 100k-node chain whose
         residual stream greedy itself runs low, that was 15 max-flows of a 25k-node network for
-        greedy's answer; the 40 corpus models place exactly the same casts either way)."""
+        greedy's answer; the 40 corpus models place exactly the same casts either way). A heavier
+        weight starts from the lighter weights' repair, and a repair that fixes greedy's FP32 nodes
+        on an offending path fixes the rest of the path in the same step when those alone leave
+        it in place (both cut that chain's component from six max-flows to three, and again
+        change no cast on the corpus)."""
         labels = list(self.greedy)
         for i, low in self.fixed.items():
             labels[i] = low
@@ -509,10 +514,15 @@ class Problem:
         # the fixed labels the component's cut reads (not a copy of the scope-wide dict per component)
         known = {i: self.fixed[i] for i in _references(component) if i in self.fixed}
         weights = [1, 2, 4, 16, lexicographic]
+        carried: list[int] = []  # the round-trip repair of the weights tried so far
         while weights:
             weight = weights.pop(0)
-            fixed = dict(known)  # plus the nodes the round-trip repair fixes FP32
-            repaired: list[int] = []
+            # plus the nodes the round-trip repair fixes FP32; a heavier weight starts from the
+            # lighter weights' repair (those nodes lie on round-trip paths whatever casts cost)
+            fixed = dict(known)
+            for i in carried:
+                fixed[i] = False
+            repaired: list[int] = list(carried)
             rounds = 0
             within_budget = False
             while True:  # cut, then repair round trips (fix offending nodes FP32) until none remain
@@ -529,8 +539,16 @@ class Problem:
                     break
                 if rounds == 1:  # (only a repaired cut needs its first cut's bytes)
                     within_budget = self.cost(labels, terms=terms, variables=variables).cast_bytes <= greedy_cast
-                # prefer the nodes greedy kept FP32 (as safe as greedy); else all of them
-                pick = {i for i in bad if not self.greedy[i]} or bad
+                # prefer the nodes greedy kept FP32 (as safe as greedy); else all of them. Where
+                # this labelling with greedy's ones set FP32 still has a round trip, its offending
+                # nodes are fixed too, with no cut in between (on a 25k-node residual chain that
+                # cut only found the same path again, and it was the dearest of the cuts)
+                pick = {i for i in bad if not self.greedy[i]}
+                if pick:
+                    for i in pick:
+                        labels[i] = False
+                    pick |= self.round_trip_nodes(labels, variables)
+                pick = pick or bad
                 for i in sorted(pick):
                     fixed[i] = False
                     repaired.append(i)
@@ -541,6 +559,7 @@ class Problem:
                 return
             if within_budget:
                 weights = weights[-1:]
+            carried = repaired
         # only the round-trip repair can get here: greedy's answer is as safe and casts less
         for i in variables:
             labels[i] = self.greedy[i]
