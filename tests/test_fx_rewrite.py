@@ -181,6 +181,24 @@ def test_rewrite_matches_fp32(name, capture, target):
     assert again.model.code == code
 
 
+@pytest.mark.parametrize("target", ["bf16", "fp16"])
+def test_optimal_placement_keeps_nested_tuple_metadata_true(target):
+    """The min-cut runs the LSTM (an infer op) low between the embedding and the head, so its
+    (h, c) tuple is low too: the getitem that selects that tuple must say so in its metadata,
+    not only the getitems of its leaves (the torch default, greedy, keeps the LSTM FP32)."""
+    model, inputs = make("lstm")
+    result = _dispatch(model, example_inputs=inputs, target=target, capture="symbolic_trace", placement="optimal")
+    gm = result.model
+    lstm = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "lstm")
+    assert result.log.decisions["lstm/lstm"].precision == Precision.LOW
+    assert any(n.op == "call_function" and n.target is operator.getitem and n.args == (lstm, 1) for n in gm.graph.nodes)
+    gm.graph.lint()
+    with torch.no_grad():
+        ref, out = model(*inputs), gm(*inputs)
+    assert rel_err(out, ref) < TOL[target]
+    assert_dtypes_consistent(gm, inputs)
+
+
 def test_heavy_ops_low_and_params_stored_low():
     model, inputs = make("cnn")
     result = _dispatch(model, example_inputs=inputs, target="bf16")

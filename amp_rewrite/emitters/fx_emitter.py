@@ -334,6 +334,9 @@ class _Emitter:
                 leaf = self.source.leaf_nodes.get((node, path)) if path else None
                 if leaf is not None:
                     _set_meta_dtype(leaf, (), dtype)
+                for k in range(1, len(path)):  # getitems of the nested tuples on the way to the leaf
+                    for inner in self.source.tuple_nodes.get((node, path[:k]), ()):
+                        _set_meta_dtype(inner, path[k:], dtype)
             elif value.meta.get("fx.attr") and value.meta.get("amp.convert"):
                 for attr_node in self.source.attr_nodes.get(value.meta["fx.attr"], []):
                     _set_meta_dtype(attr_node, (), dtype)

@@ -151,6 +151,8 @@ class FxSource:
     level: str  # "torch" (symbolic_trace / dynamo) or "aten" (torch.export)
     capture: str  # how the graph was obtained: "export", "symbolic_trace", "graph_module", "dynamo"
     leaf_nodes: dict[tuple[fx.Node, tuple], fx.Node] = field(default_factory=dict)
+    # getitem nodes that select a nested tuple ((h, c) of an LSTM): their metadata holds leaves too
+    tuple_nodes: dict[tuple[fx.Node, tuple], list[fx.Node]] = field(default_factory=dict)
     attr_nodes: dict[str, list[fx.Node]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -531,6 +533,7 @@ class _Builder:
             return True
         if any(p[:len(path)] == path for p, _ in self.by_root.get(root, ())):
             self.tuples[node] = (root, path)  # a nested tuple: its own getitems select the leaves
+            self.source.tuple_nodes.setdefault((root, path), []).append(node)
             return True
         return False  # a tuple of non-tensors (sizes): not ours
 
