@@ -50,10 +50,14 @@ class RewriteResult:
 def make_context(*, frontend: str, target: str = "fp16", rules: Iterable[str | os.PathLike] | "RuleBook" = (),
                  keep_io_types: bool = True, training: bool = False, fp32_nodes: Sequence[str] = (),
                  fp16_nodes: Sequence[str] = (), fp32_ops: Sequence[str] = (), fp16_ops: Sequence[str] = (),
-                 placement: str = "greedy", loss: str | None = None, verify_each: bool = False,
+                 placement: str | None = None, loss: str | None = None, verify_each: bool = False,
                  fuse: bool = True) -> Context:
+    """``placement`` defaults to ``optimal`` (the exact min-cut) for ONNX and to ``greedy`` for
+    torch, whose painter mirrors CUDA autocast node by node (``tests/test_fx_autocast.py``)."""
     from .rulebook import RuleBook, load_rules
 
+    if placement is None:
+        placement = "optimal" if frontend == "onnx" else "greedy"
     if target not in TARGETS:
         raise UsageError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}")
     if placement not in ("greedy", "optimal"):

@@ -33,7 +33,7 @@ def _command(
     fp16_nodes: List[str] = typer.Option([], "--fp16-nodes", help="Node name, glob or re:regex made low precision."),
     fp32_ops: List[str] = typer.Option([], "--fp32-ops", help="Op type kept FP32 (repeatable)."),
     fp16_ops: List[str] = typer.Option([], "--fp16-ops", help="Op type made low precision (repeatable)."),
-    placement: str = typer.Option("greedy", "--placement", help="Cast placement: greedy or optimal (min-cut)."),
+    placement: str = typer.Option("optimal", "--placement", help="Cast placement: optimal (exact min-cut, the default) or greedy (the painter alone)."),
     fuse: bool = typer.Option(True, "--fuse/--no-fuse",
                               help="Fuse decomposed LayerNorm/RMSNorm/tanh-GELU into fused ops that run low "
                                    "precision safely (default), or keep them as FP32 islands."),

@@ -22,7 +22,7 @@ class CliArgs:
     fp16_nodes: list[str] = field(default_factory=list)
     fp32_ops: list[str] = field(default_factory=list)
     fp16_ops: list[str] = field(default_factory=list)
-    placement: str = "greedy"
+    placement: str = "optimal"
     fuse: bool = True
     overwrite: bool = False
     report: Optional[Path] = None

@@ -66,7 +66,7 @@ def test_free_nodes_downstream_of_low_ops_go_low_and_upstream_ones_keep_greedys_
           s = Sigmoid(a)
           y = ReduceMean<axes=[1]>(s)
         }""", {"w": (16, 16)})
-    greedy, best = rewrite(m), rewrite(m, placement="optimal")
+    greedy, best = rewrite(m, placement="greedy"), rewrite(m, placement="optimal")
     assert _precisions(greedy)["Relu:r"] == "fp32" and _precisions(greedy)["Sigmoid:s"] == "fp32"
     p = _precisions(best)
     assert p == {"Relu:r": "fp32", "MatMul:a": "low", "Sigmoid:s": "low", "ReduceMean:y": "fp32"}
@@ -127,7 +127,7 @@ def test_clear_op_that_grows_its_tensor_runs_fp32_so_the_small_tensor_is_cast():
           e = Expand(a, shape)
           y = Exp(e)
         }""", {"w": (64, 64), "shape": np.array([64, 64], np.int64)})
-    greedy, best = rewrite(m), rewrite(m, placement="optimal")
+    greedy, best = rewrite(m, placement="greedy"), rewrite(m, placement="optimal")
     assert _precisions(greedy)["Expand:e"] == "low"
     assert _precisions(best)["Expand:e"] == "fp32"
     out_casts = {c.tensor: c.bytes_per_run for c in _inserted(best)}
@@ -178,7 +178,7 @@ def test_cast_of_gathered_weights_lets_the_embedding_sum_run_low():
     the Cast's output counts as a weight (retargeted or bypassed for low readers), not an FP32
     activation, and the embedding Add runs low: no inserted Cast before the MatMul."""
     model = _embedding("pos")
-    greedy, best = rewrite(model), rewrite(model, placement="optimal")
+    greedy, best = rewrite(model, placement="greedy"), rewrite(model, placement="optimal")
     assert _precisions(greedy)["Add:e"] == "fp32" and _inserted(greedy)  # greedy casts the sum
     assert _precisions(best)["Add:e"] == "low"
     assert [c.consumers for c in _inserted(best)] == [["<graph output>"]]  # only the output's
@@ -222,7 +222,7 @@ def test_deny_and_island_nodes_stay_fp32_even_when_low_would_save_bytes():
     for d in best.log.decisions.values():
         if d.category in (Category.DENY, Category.UNLISTED) or d.step == "deny-spread":
             assert d.precision == Precision.FP32, d
-    greedy = rewrite(m)
+    greedy = rewrite(m, placement="greedy")
     for name, prec in _precisions(greedy).items():
         if greedy.log.decisions[name].step == "deny-spread":
             assert _precisions(best)[name] == "fp32"
@@ -253,7 +253,7 @@ def test_round_trip_through_free_nodes_is_refused():
     p = _precisions(best)
     assert p["Concat:r"] == "fp32" and p["Tile:t"] == "fp32"
     assert best.log.decisions["Concat:r"].step == "safety"
-    assert _cast_bytes(best) < _cast_bytes(rewrite(m))
+    assert _cast_bytes(best) < _cast_bytes(rewrite(m, placement="greedy"))
     got = run(best.model, {"x": np.full((1, 64), 0.3, np.float32)})
     assert np.array_equal(got["z"][0], np.exp(np.full(64, 0.3, np.float32)))  # x's path never saw fp16
 
@@ -376,7 +376,7 @@ def test_safety_view_matches_greedy_painters(seed):
 @pytest.mark.parametrize("seed", range(40))
 def test_random_graphs_keep_safety_and_never_cast_more_than_greedy(seed):
     model = _random_model(seed)
-    greedy = rewrite(model)
+    greedy = rewrite(model, placement="greedy")
     best = rewrite(model, placement="optimal")
     full_check(best.model)
     for d in best.log.decisions.values():

@@ -21,7 +21,7 @@ class Options:
     target: str = "fp16"  # fp16 | bf16
     keep_io_types: bool = True
     training: bool = False
-    placement: str = "greedy"  # greedy | optimal
+    placement: str = "optimal"  # optimal | greedy
     provider: str | None = None  # kernel table to check against (defaults to the rule set's)
     loss: str | None = None  # training: name of the loss value
     verify_each: bool = False

@@ -571,6 +571,7 @@ class Problem:
         low_name = ctx.low.short
         changed = False
         repaired = set(outcome.repaired)
+        intact = self._greedy_chains_intact(labels, repaired)
         for i in self.free:
             if i in outcome.kept_nodes:
                 continue  # greedy's answer and reason stand
@@ -584,12 +585,18 @@ class Problem:
                 meta["amp.step"] = "safety"
                 meta["amp.reason"] = (f"kept FP32: in {low_name} it would lie on a path from an FP32 producer to an "
                                       f"FP32 consumer (an FP32→{low_name}→FP32 round trip overflows above 65504)")
+            elif i in intact:
+                # the cut agrees with the painter here and on the chain the painter's reason cites
+                # (``explain`` follows ``via`` back to the rule that decided): that reason stands,
+                # with the cut's figures added
+                meta["amp.reason"] = (f"{meta.get('amp.reason', '')}; the min-cut placement agrees: {name} moves "
+                                      f"{_fmt(mine)} per run here against {_fmt(other)} in {other_name}")
+                continue
             else:
                 meta["amp.step"] = "optimal"
-                verdict = "as greedy chose" if labels[i] == was else f"greedy chose {other_name}"
                 meta["amp.reason"] = (f"min-cut placement: {name} moves {_fmt(mine)} per run here against "
                                       f"{_fmt(other)} in {other_name} (casts on edges whose ends differ + extra "
-                                      f"FP32 traffic; {verdict})")
+                                      f"FP32 traffic; {'as greedy chose' if labels[i] == was else f'greedy chose {other_name}'})")
             meta["amp.via"] = None
             meta["amp.precision"] = Precision.LOW if labels[i] else Precision.FP32
             changed |= labels[i] != was
@@ -600,6 +607,36 @@ class Problem:
             ctx.log.placement = placement  # type: ignore[attr-defined]
         placement["scopes"].append(self._summary(outcome))
         return changed
+
+    def _greedy_chains_intact(self, labels: list[bool], repaired: set[int]) -> set[int]:
+        """The nodes whose painter reason still holds: the cut left them, and every node their
+        ``via`` chain cites, with greedy's label (and no round-trip repair touched them)."""
+        by_label = {node_label(n): i for i, n in enumerate(self.nodes)}
+        memo: dict[int, bool] = {}
+        for start in self.free:
+            path: list[int] = []
+            on_path: set[int] = set()
+            i: int | None = start
+            verdict = True
+            while i is not None and i not in memo:  # walk the chain (iteratively: it can be long)
+                if i in on_path or labels[i] != self.greedy[i] or i in repaired:
+                    verdict = False
+                    break
+                path.append(i)
+                on_path.add(i)
+                via = self.nodes[i].meta.get("amp.via")
+                if via is None:
+                    break
+                i = by_label.get(via)
+                if i is None:
+                    verdict = False
+                    break
+            else:
+                if i is not None:
+                    verdict = memo[i]
+            for k in path:
+                memo[k] = verdict
+        return {i for i in self.free if memo.get(i)}
 
     def _note(self, outcome: Outcome) -> str:
         from .base import scope_label
