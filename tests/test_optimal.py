@@ -493,3 +493,38 @@ def test_repair_failure_skips_the_intermediate_cast_weights(monkeypatch):
     assert set(weights) == {1, max(weights)} and max(weights) > 16  # plain, then lexicographic only
     assert weights.count(1) == 2  # the first cut, then the cut after one repair of the whole path
     assert weights.count(max(weights)) == 1  # the repair carried over: no round trip left to repair
+
+
+def test_components_where_greedy_costs_nothing_skip_the_cut_and_match_it(monkeypatch):
+    """A bias Add and a Relu between two MatMuls: greedy runs them low at no cost, which is the
+    cut's own answer. solve() skips the max-flow there; the skipped cuts agree with greedy."""
+    from tools.bench_synth import synthetic_chain
+
+    model, _ = synthetic_chain(160)
+    ir_model = load_onnx(model)
+    ctx = make_context(frontend="onnx", placement="optimal")
+    from amp_rewrite.frontends.onnx_fuse import fuse
+
+    for step in (fuse, classify, paint, find_islands):
+        step(ir_model, ctx)
+    problem = optimal.Problem.from_scope(ir_model.graph, ctx)
+    free_of_cost = [c for c in problem.components
+                    if problem.cost(problem.greedy, terms=c.terms, variables=c.variables).total == 0]
+    assert len(free_of_cost) >= 5
+    for c in free_of_cost:  # what the cut says for each, at every weight the solver tries
+        known = {i: problem.fixed[i] for i in optimal._references(c) if i in problem.fixed}
+        for weight in (1, 2, 16):
+            low = set(problem._cut(c.terms, c.variables, known, weight, c.requires))
+            assert low == {i for i in c.variables if problem.greedy[i]}
+    cut_variables: list[set[int]] = []
+    real_cut = optimal.Problem._cut
+
+    def recording_cut(self, terms, variables, fixed, weight, requires=()):
+        cut_variables.append(set(variables))
+        return real_cut(self, terms, variables, fixed, weight, requires)
+
+    monkeypatch.setattr(optimal.Problem, "_cut", recording_cut)
+    labels, _ = problem.solve()
+    skipped = {i for c in free_of_cost for i in c.variables}
+    assert not any(v & skipped for v in cut_variables)
+    assert all(labels[i] == problem.greedy[i] for i in skipped)

@@ -509,7 +509,18 @@ class Problem:
 
     def _solve_component(self, component: "_Component", labels: list[bool], outcome: Outcome) -> None:
         variables, terms = component.variables, component.terms
-        greedy_cast = self.cost(self.greedy, terms=terms, variables=variables).cast_bytes
+        greedy_cost = self.cost(self.greedy, terms=terms, variables=variables)
+        greedy_cast = greedy_cost.cast_bytes
+        if greedy_cost.total == 0:
+            # greedy's answer costs nothing here (no cast, no FP32 traffic: a bias Add and a Relu
+            # between two MatMuls), and departing from it costs its tie-breaks: it is the cut's
+            # answer (a greedy-low node reaching the sink would cross a positive edge), so the
+            # max-flow is skipped; the round-trip check still applies
+            for i in variables:
+                labels[i] = self.greedy[i]
+            if not self.round_trip_nodes(labels, variables):
+                outcome.rounds = max(outcome.rounds, 1)
+                return
         lexicographic = sum(self.node_bytes[i] for i in variables) + 1
         # the fixed labels the component's cut reads (not a copy of the scope-wide dict per component)
         known = {i: self.fixed[i] for i in _references(component) if i in self.fixed}
