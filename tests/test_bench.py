@@ -112,3 +112,22 @@ def test_conditions_follow_the_figures():
     results["models"][1]["cast_bytes"] = 120
     conds = {c["condition"]: c for c in bench.evaluate(results)}
     assert not conds["optimal placement: cast bytes per run ≤ greedy's on every model"]["holds"]
+
+
+def test_issue2_condition_compares_the_default_with_the_better_loading_peer():
+    key = ("default placement (optimal): no more Casts than the better loading peer, at an equal or higher FP16 "
+           "FLOP share")
+    models = [
+        _rec("m", "amp-rewrite-optimal", casts=3, cast_bytes=80, seconds=1.0),
+        _rec("m", "onnxconverter-common", casts=3, cast_bytes=10, seconds=2.0),
+        _rec("m", "ort-transformers", casts=1, cast_bytes=10, seconds=0.5, loads=False),  # does not count
+    ]
+    for r, share in zip(models, (1.0, 1.0, 1.0)):
+        r["flops_low_share"] = share
+    cond = {c["condition"]: c for c in bench.evaluate({"models": models})}[key]
+    assert cond["holds"] and cond["detail"] == "1 of 1 models"
+    models[1]["casts"] = 2  # the loading peer needs fewer
+    cond = {c["condition"]: c for c in bench.evaluate({"models": models})}[key]
+    assert not cond["holds"] and cond["failing"] == ["m (3 vs 2)"]
+    models[1]["casts"], models[0]["flops_low_share"] = 3, 0.9  # as few casts, but less of the math in FP16
+    assert not {c["condition"]: c for c in bench.evaluate({"models": models})}[key]["holds"]
