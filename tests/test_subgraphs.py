@@ -159,6 +159,78 @@ def test_if_branch_outputs_keep_fp32():
     assert types(out)["y0"] == FP32
 
 
+def branchy_if_model(then_last: str = "Softmax", else_passes_x: bool = False):
+    """x → MatMul h; shift = Mul(h, 0.5); If(cond): then Softmax(MatMul(h, w1) + shift) (or Exp in
+    place of the Softmax), else Relu(MatMul(h, w2)) (or Identity(x): the FP32 graph input passed
+    through); y = the If's output (FP32 graph output)."""
+    last = helper.make_node(then_last, ["t2"], ["t3"], name="then_last", **({"axis": -1} if then_last == "Softmax" else {}))
+    then_g = body("then", [helper.make_node("MatMul", ["h", "w1"], ["t1"], name="then_mm"),
+                           helper.make_node("Add", ["t1", "shift"], ["t2"], name="then_add"), last], [], [vi("t3")])
+    else_nodes = [helper.make_node("MatMul", ["h", "w2"], ["e1"], name="else_mm"),
+                  helper.make_node("Relu", ["e1"], ["e2"], name="else_relu")]
+    if else_passes_x:
+        else_nodes = [helper.make_node("Identity", ["x"], ["e2"], name="else_identity")]
+    else_g = body("else", else_nodes, [], [vi("e2")])
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["h"], name="in_mm"),
+             helper.make_node("Mul", ["h", "half"], ["shift"], name="shift_mul"),
+             helper.make_node("If", ["cond"], ["y"], name="if", then_branch=then_g, else_branch=else_g)]
+    return make(nodes, [vi("x"), vi("cond", T.BOOL, [])], [vi("y")],
+                [weight("w0"), weight("w1"), weight("w2"), scalar("half", 0.5)])
+
+
+def _if_feeds():
+    x = RNG.standard_normal((2, 4)).astype(np.float32)
+    return [{"x": x, "cond": np.array(True)}, {"x": x, "cond": np.array(False)}]
+
+
+def _check_runs(model, out):
+    onnx.checker.check_model(out, full_check=True)
+    for feeds in _if_feeds():
+        ref, got = run_onnx(model, feeds), run_onnx(out, feeds)
+        for name, r in ref.items():
+            assert got[name].dtype == np.float32
+            assert np.abs(got[name] - r).max() <= 1e-2 * (1 + float(np.abs(r).max())), name
+    assert not rewrite_onnx_model(out).modified, "a second rewrite changed the model"
+
+
+def test_optimal_if_outputs_take_the_low_type_when_both_branches_end_low():
+    """One Cast after the If instead of one per branch: the branches' Add and Softmax run low,
+    and so does the Mul whose output they read (the peers' 3 Casts on control/if, not 6)."""
+    model = branchy_if_model()
+    result = rewrite_onnx_model(model)  # optimal: the default
+    out = result.model
+    _check_runs(model, out)
+    placed = casts(out)
+    assert sorted(placed) == sorted([("main", "x", FP16), ("main", "y/amp_fp16", FP32)]), placed
+    if_node = next(n for n in out.graph.node if n.op_type == "If")
+    for attr in if_node.attribute:
+        assert [o.type.tensor_type.elem_type for o in attr.g.output] == [FP16]
+    t = types(out)
+    assert t["y/amp_fp16"] == FP16 and t["shift"] == FP16 and t["t2"] == FP16
+    decision = result.log.decisions["if"]
+    assert decision.precision.value == "low" and "both branches" in decision.reason
+    greedy = rewrite_onnx_model(model, placement="greedy").model  # the painter keeps the boundary FP32
+    _check_runs(model, greedy)
+    assert len(casts(greedy)) > len(placed)
+    g_if = next(n for n in greedy.graph.node if n.op_type == "If")
+    assert all(o.type.tensor_type.elem_type == FP32 for a in g_if.attribute for o in a.g.output)
+
+
+@pytest.mark.parametrize("variant", ["exp-then-branch", "fp32-input-else-branch"])
+def test_optimal_if_keeps_its_fp32_boundary_where_a_branch_cannot_end_low(variant):
+    """A branch ending in a deny op (Exp computes in FP32), or passing an FP32 graph input
+    through (a cast never moves upstream of what reads an FP32 tensor), has an FP32 output: the If
+    may take the low type only downstream of low producers in every branch, so it stays FP32."""
+    model = branchy_if_model(then_last="Exp") if variant == "exp-then-branch" else branchy_if_model(else_passes_x=True)
+    result = rewrite_onnx_model(model)
+    out = result.model
+    _check_runs(model, out)
+    if_node = next(n for n in out.graph.node if n.op_type == "If")
+    for attr in if_node.attribute:
+        assert [o.type.tensor_type.elem_type for o in attr.g.output] == [FP32]
+    assert result.log.decisions["if"].precision.value != "low"
+
+
 # -- Loop -----------------------------------------------------------------------------------------------
 def loop_model():
     """h_{k+1} = Tanh(h_k @ W) + x (x from the outer scope); the states are also scanned out."""

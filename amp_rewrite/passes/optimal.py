@@ -18,8 +18,8 @@ Cost model (bytes moved per run; one model run at the default shapes below):
   painted group (the 2 bytes per element FP32 moves over FP16/BF16), weights included. (Fixed
   nodes cost the same whatever the cut does, so the reported FP32 traffic is the free nodes'.)
 - **terminals**: graph inputs and outputs are FP32 (``keep_io_types``; low without it); values
-  produced or read by non-participating nodes (control flow, existing casts, custom ops, nested
-  bodies) need FP32; initializers and Constant outputs are free (converted offline, or duplicated
+  produced or read by non-participating nodes (control flow, existing casts, custom ops, Loop and
+  Scan bodies) need FP32; initializers and Constant outputs are free (converted offline, or duplicated
   when both types read them) except training-mode initializers (master weights: a cast at use);
   an existing ``Cast(to=FLOAT)`` of a non-FP32 value is free too (``place_casts`` retargets or
   bypasses it), and so is one of an FP32 value that only moves weights (Gather, Reshape, Concat…
@@ -54,6 +54,14 @@ Safety, never less than greedy's:
   again, until none remain; a heavier cast weight (below) starts from the lighter weights' repair;
 - a component whose repaired answer casts more than greedy's keeps greedy's answer (as safe as
   greedy, and never dearer).
+
+- **If nodes** whose branches produce the If's FP32 outputs with nodes of their own are solved
+  with their branches (one problem for the scope and all such branch bodies, recursively): the If
+  is a free variable that reads its branches' outputs and produces its own (no FP32 traffic of its
+  own), so both branches end low, or the If stays FP32 as greedy has it (the downstream-only rule
+  below: an If takes the low type only if every branch output comes from a node that ends low);
+  outer values read inside those branches are ordinary terms. Casts in a branch are counted as if
+  both branches ran (an upper bound). Not in training mode.
 
 Cases handled: every scope (subgraph bodies too), keep_io_types on/off, training initializers,
 values read across scopes, shared initializers, Shape/Size/Cast consumers (they need no cast).
@@ -95,10 +103,14 @@ _BATCH = re.compile("batch", re.IGNORECASE)
 def optimise_placement(model: Model, ctx: Context) -> PassResult:
     """Re-decide the free infer/clear nodes of every scope by min-cut, then renumber the islands."""
     changed = False
+    joined: set[int] = set()  # If branch bodies solved with the scope holding their If
     for scope in list(model.graph.scopes()):
+        if id(scope) in joined:
+            continue
         problem = Problem.from_scope(scope, ctx)
         if problem is None:
             continue
+        joined.update(id(b) for b in problem.bodies)
         labels, outcome = problem.solve()
         changed |= problem.apply(labels, outcome, ctx)
     if changed:
@@ -158,15 +170,29 @@ class Cost:
 class Problem:
     """The two-label problem of one scope."""
 
-    def __init__(self, scope: Graph, ctx: Context, nodes: list[Node]) -> None:
+    def __init__(self, scope: Graph, ctx: Context, nodes: list[Node], bodies: list[Graph] = (),
+                 branches: list[Node] = ()) -> None:
         self.scope = scope
         self.ctx = ctx
-        self.nodes = nodes
+        self.bodies = list(bodies)  # If branch bodies solved with this scope (see _joined_ifs)
+        self.scope_ids = {id(scope)} | {id(b) for b in self.bodies}
+        self.nodes = nodes = list(nodes) + list(branches)
         self.index = {id(n): i for i, n in enumerate(nodes)}
         self.group_in = [frozenset(group_inputs(n)) for n in nodes]
         self.group_out = [group_outputs(n) for n in nodes]
         self.cat = [category(n) for n in nodes]
         self.greedy = [n.meta.get("amp.precision") == Precision.LOW for n in nodes]
+        # an If joined with its branches is one free variable: the type of its FP32 outputs, which
+        # each branch's outputs then take (it reads them, as a node reads its inputs)
+        self.branch_of: dict[int, int] = {}  # id(branch output value) -> the If's index
+        for n in branches:
+            i = self.index[id(n)]
+            self.cat[i] = Category.CLEAR
+            self.group_in[i] = frozenset()
+            self.group_out[i] = _fp32_outputs(n)
+            for body in n.all_subgraphs():
+                for k in self.group_out[i]:
+                    self.branch_of[id(body.outputs[k])] = i
         self.fixed: dict[int, bool] = {}  # index -> is_low
         for i, n in enumerate(nodes):
             if self.cat[i] == Category.ALLOW:
@@ -186,7 +212,10 @@ class Problem:
         self.requires = self._only_downstream()
         self.free = [i for i in range(len(nodes)) if i not in self.fixed]
         self.node_bytes = [0] * len(nodes)
+        self.branch_nodes = branch_nodes = {self.index[id(n)] for n in branches}
         for i in self.free:
+            if i in branch_nodes:
+                continue  # an If moves no data of its own
             ins, outs = nodes[i].inputs, nodes[i].outputs
             floats = [ins[k] for k in self.group_in[i]] + [outs[k] for k in self.group_out[i]]
             self.node_bytes[i] = FP32_EXTRA_BYTES_PER_ELEMENT * sum(self.numel(v) for v in floats)
@@ -194,16 +223,15 @@ class Problem:
 
     @classmethod
     def from_scope(cls, scope: Graph, ctx: Context) -> "Problem | None":
-        nodes = [n for n in scope.nodes if participates(n)]
+        branches, bodies = _joined_ifs(scope, ctx)
+        nodes = [n for g in [scope, *bodies] for n in g.nodes if participates(n)]
         if not any(n.meta.get("amp.precision") == Precision.LOW for n in nodes):
             return None  # no low node: greedy changes nothing here, neither do we
-        problem = cls(scope, ctx, nodes)
+        problem = cls(scope, ctx, nodes, bodies, branches)
         return problem if problem.free else None
 
     # -- building ----------------------------------------------------------------------------------
     def _value_terms(self) -> list[_ValueTerm]:
-        is_main = self.scope.parent is None
-        keep_io = self.ctx.options.keep_io_types or not is_main
         seen: dict[int, Value] = {}
         for i, node in enumerate(self.nodes):
             ins, outs = node.inputs, node.outputs
@@ -212,8 +240,11 @@ class Problem:
             for k in self.group_out[i]:
                 seen.setdefault(id(outs[k]), outs[k])
         terms = []
-        index, scope = self.index, self.scope
+        index, scope_ids, branch_of = self.index, self.scope_ids, self.branch_of
         for value in seen.values():
+            graph = value.graph
+            is_main = graph is None or graph.parent is None
+            keep_io = self.ctx.options.keep_io_types or not is_main
             producer, fp32_read = self._producer(value, keep_io, is_main)
             if producer is None and not fp32_read:
                 continue  # a free source (weights, constants): no cast term, no safety mark
@@ -221,8 +252,8 @@ class Problem:
             needs: set[str] = set()
             for consumer, k in value.uses():
                 j = index.get(id(consumer))
-                if consumer.graph is not scope:
-                    needs.add(_T)  # read inside a nested body, whose boundary stays FP32
+                if id(consumer.graph) not in scope_ids:
+                    needs.add(_T)  # read inside a nested body not solved here: its boundary stays FP32
                 elif j is not None and k in self.group_in[j]:
                     consumers[j] = None
                 elif accepts_any_float(consumer):
@@ -230,7 +261,10 @@ class Problem:
                 else:
                     needs.add(_T)
             if value.is_graph_output:
-                needs.add(_T if keep_io else _S)
+                if id(value) in branch_of:
+                    consumers[branch_of[id(value)]] = None  # a branch output: its If reads it
+                else:
+                    needs.add(_T if keep_io else _S)
             if isinstance(producer, int):
                 if _T in needs:
                     self.fp32_sink[producer] = True
@@ -255,7 +289,7 @@ class Problem:
             return j, False
         if value.is_constant:
             return (_T if (self.ctx.options.training and value.is_initializer) else None), False
-        if value.is_graph_input and value.graph is self.scope and not keep_io:
+        if value.is_graph_input and is_main and not keep_io:
             return _S, False
         if value.dtype != DType.FLOAT:
             return None, False
@@ -592,6 +626,10 @@ class Problem:
             low_here, fp32_here = self.local_costs(i, labels)
             mine, other = (low_here, fp32_here) if labels[i] else (fp32_here, low_here)
             name, other_name = (low_name, "FP32") if labels[i] else ("FP32", low_name)
+            if i in self.branch_nodes:
+                self._apply_branch(node, labels[i], mine, other, name, other_name)
+                changed |= labels[i] != was
+                continue
             if i in repaired:
                 meta["amp.step"] = "safety"
                 meta["amp.reason"] = (f"kept FP32: in {low_name} it would lie on a path from an FP32 producer to an "
@@ -618,6 +656,20 @@ class Problem:
             ctx.log.placement = placement  # type: ignore[attr-defined]
         placement["scopes"].append(self._summary(outcome))
         return changed
+
+    def _apply_branch(self, node: Node, low: bool, mine: int, other: int, name: str, other_name: str) -> None:
+        """Record the cut's answer for a joined If: low, its FP32 outputs (and its branches'
+        outputs) take the low type; FP32, it stays the control-flow node classify left."""
+        meta = node.meta
+        meta["amp.precision"] = Precision.LOW if low else Precision.FP32
+        meta["amp.branch_outputs"] = _fp32_outputs(node) if low else []
+        if not low:
+            return
+        meta.update({"amp.category": Category.CLEAR, "amp.step": "optimal", "amp.via": None,
+                     "amp.source": "optimal placement"})
+        meta["amp.reason"] = (f"control flow: its FP32 outputs take {name} in both branches (min-cut placement: "
+                              f"{_fmt(mine)} per run here against {_fmt(other)} in {other_name}; one Cast after "
+                              f"the If instead of one per branch)")
 
     def _greedy_chains_intact(self, labels: list[bool], repaired: set[int]) -> set[int]:
         """The nodes whose painter reason still holds: the cut left them, and every node their
@@ -723,6 +775,42 @@ def _only_weights(value: Value | None, depth: int) -> bool:
     if node.op_type == "Cast" and node.attrs.get("to") != int(DType.FLOAT):
         return False
     return all(_only_weights(v, depth + 1) for v in node.inputs)
+
+
+def _fp32_outputs(node: Node) -> list[int]:
+    return [k for k, v in enumerate(node.outputs) if v.dtype == DType.FLOAT]
+
+
+def _joined_ifs(scope: Graph, ctx: Context) -> tuple[list[Node], list[Graph]]:
+    """The If nodes of ``scope`` (and, recursively, of their branches) solved together with it,
+    and their branch bodies. An If whose FP32 outputs every branch produces with a node of its
+    own (not a graph input, an outer value or a constant, which it cannot retype) joins: its
+    outputs may then take the low type, one Cast after the If instead of one per branch, and the
+    outer values its branches read are read in whatever type the cut gives them. Loop and Scan
+    bodies, whose carried values tie iterations together, stay scopes of their own (FP32
+    boundary), as does everything in training mode."""
+    if ctx.options.training:
+        return [], []
+    branches: list[Node] = []
+    bodies: list[Graph] = []
+    pending = [scope]
+    while pending:
+        graph = pending.pop()
+        for node in graph.nodes:
+            if node.op_type != "If" or node.domain != "":
+                continue
+            outputs = _fp32_outputs(node)
+            subs = node.all_subgraphs()
+            if not outputs or len(subs) != 2 or any(len(g.outputs) != len(node.outputs) for g in subs):
+                continue
+            if not all(g.outputs[k].dtype == DType.FLOAT and g.outputs[k].producer is not None
+                       and g.outputs[k].producer.graph is g and g.outputs.count(g.outputs[k]) == 1
+                       for g in subs for k in outputs):
+                continue
+            branches.append(node)
+            bodies.extend(subs)
+            pending.extend(subs)
+    return branches, bodies
 
 
 def _references(component: _Component) -> set[int]:

@@ -101,9 +101,13 @@ class _Placer:
     def _retype_low_outputs(self, scopes: list[Graph]) -> None:
         for scope in scopes:
             for node in scope.nodes:
-                if not participates(node) or precision(node) != Precision.LOW:
+                if node.meta.get("amp.branch_outputs"):  # an If the optimal placement made low
+                    slots = node.meta["amp.branch_outputs"]
+                elif not participates(node) or precision(node) != Precision.LOW:
                     continue
-                for k in group_outputs(node):
+                else:
+                    slots = group_outputs(node)
+                for k in slots:
                     out = node.outputs[k]
                     if out.dtype == DType.FLOAT:
                         out.meta["amp.was"] = DType.FLOAT
@@ -149,8 +153,19 @@ class _Placer:
         if value.is_graph_output:
             main = value.graph is self.model.graph
             need = self.low if (main and not self.ctx.options.keep_io_types) else DType.FLOAT
+            if not main and self._branch_output_low(value):
+                need = self.low
             uses.append(_Use(None, -1, need))
         return uses
+
+    def _branch_output_low(self, value: Value) -> bool:
+        """``value`` is an output of an If branch whose If output took the low type."""
+        node = value.graph.parent
+        slots = node.meta.get("amp.branch_outputs") if node is not None else None
+        if not slots:
+            return False
+        outputs = value.graph.outputs
+        return any(outputs[k] is value for k in slots if k < len(outputs))
 
     # -- one value -----------------------------------------------------------------------------------
     def _settle(self, value: Value) -> None:
