@@ -248,6 +248,21 @@ def test_fusions_are_in_the_report_and_rebuilt_from_the_model():
     assert node.precision.value == "low" and node.source.endswith("infer.com.microsoft:SkipLayerNormalization")
 
 
+def test_shape_proof_hands_its_shapes_to_the_size_estimates():
+    """The symbolic shapes computed for a skip proof stay on the model for the optimal placement."""
+    from amp_rewrite.api import make_context
+    from amp_rewrite.frontends.onnx_fuse import fuse
+    from amp_rewrite.frontends.onnx_loader import load_onnx
+
+    model = load_onnx(residual_block(LAYERNORM, 13))
+    fuse(model, make_context(frontend="onnx"))
+    table = model.meta.get("amp.symbolic_shapes")
+    assert table and all(isinstance(shape, tuple) for shape in table.values())
+    late = load_onnx(residual_block(LAYERNORM, 17))  # LayerNormalization exists: no proof, no table
+    fuse(late, make_context(frontend="onnx"))
+    assert "amp.symbolic_shapes" not in late.meta
+
+
 def test_shape_proof_writes_nothing_to_the_working_directory(tmp_path, monkeypatch):
     """onnxruntime's symbolic shape inference saves sym_shape_infer_temp.onnx (and data files) to
     the working directory when it cannot finish, as it cannot here (two unrelated symbols are

@@ -433,6 +433,45 @@ def test_symbolic_dims_take_the_documented_defaults():
     assert optimal.estimate_numel(()) == 1
 
 
+def _attention_reshape():
+    """x (batch, seq, 64) → MatMul → Reshape to a shape computed at run time (onnx names four fresh
+    dims) → Transpose → Relu → MatMul; the Relu's output is what the estimate is asked about."""
+    return make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[batch, seq, 64] x, int64[4] heads) => (float[batch, seq, 64] y) {
+          q = MatMul(x, w)
+          r = Reshape(q, heads)
+          t = Transpose<perm=[0, 2, 1, 3]>(r)
+          a = Relu(t)
+          b = Transpose<perm=[0, 2, 1, 3]>(a)
+          back = Shape(x)
+          c = Reshape(b, back)
+          y = MatMul(c, w)
+        }""", {"w": (64, 64)})
+
+
+def test_size_estimates_follow_what_a_value_is_made_from():
+    problem = _problem(_attention_reshape())
+    values = {o.name: o for n in problem.nodes for o in n.outputs}
+    assert len(values["r"].shape) == 4 and not any(isinstance(d, int) for d in values["r"].shape)
+    counted = optimal.BATCH_DIM * optimal.SYMBOLIC_DIM * 64  # x's (batch, seq, 64)
+    # the reshape keeps its input's count (not SYMBOLIC_DIM ** 4), and so do the transpose and relu
+    assert problem.numel(values["r"]) == problem.numel(values["t"]) == problem.numel(values["a"]) == counted
+    assert optimal.estimate_numel(values["r"].shape) == optimal.SYMBOLIC_DIM ** 4
+
+
+def test_symbolic_shape_table_refines_the_estimates():
+    model = _attention_reshape()
+    ctx = make_context(frontend="onnx", placement="optimal")
+    ir_model = load_onnx(model)
+    for p in (classify, paint, find_islands):
+        p(ir_model, ctx)
+    table = {"q": ("batch", "seq", 64), "r": ("batch", "seq", 2, 8)}  # as onnx_fuse.SymbolicShapes gives them
+    problem = optimal.Problem.from_scope(ir_model.graph, ctx, table)
+    values = {o.name: o for n in problem.nodes for o in n.outputs}
+    assert problem.numel(values["r"]) == optimal.BATCH_DIM * optimal.SYMBOLIC_DIM * 16  # the table's, smaller
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_residual_network_cut_matches_networkx_minimum_cut(seed):
     """The one-pass residual network gives the same source side as ``nx.minimum_cut`` (the

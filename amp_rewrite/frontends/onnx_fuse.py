@@ -98,6 +98,8 @@ def fuse(model: Model, ctx: Context) -> PassResult:
             scope.nodes = [n for n in scope.nodes if id(n) not in gone]
             scope.sort()  # a reader of a residual sum may sit between the sum and the fused op
             changed = True
+    if shapes._shapes:  # computed for a skip proof: the optimal placement's size estimates read it too
+        model.meta["amp.symbolic_shapes"] = shapes._shapes
     return PassResult("fuse", modified=changed)
 
 

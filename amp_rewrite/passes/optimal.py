@@ -26,8 +26,14 @@ Cost model (bytes moved per run; one model run at the default shapes below):
   of initializers: GPT-2's position row), which is no FP32 activation read either.
 - **shapes**: a known dimension counts as is; a symbolic dimension whose name mentions "batch"
   counts :data:`BATCH_DIM` (1); any other symbolic or unknown dimension counts
-  :data:`SYMBOLIC_DIM` (128, a typical sequence length / feature-map side); a value of unknown
-  rank takes the largest estimate among its producer's float inputs, else :data:`SYMBOLIC_DIM`.
+  :data:`SYMBOLIC_DIM` (128, a typical sequence length / feature-map side). Where the fuse pass ran
+  onnxruntime's symbolic shape inference (for a skip proof), its shapes count too, the smaller
+  estimate winning: it carries ``batch`` and ``sequence`` where onnx names a fresh dim. Where the producer's
+  op ties the count to its inputs, the smaller estimate wins: a reshape, transpose, unary
+  elementwise op or normalisation keeps its data input's count, a broadcasting elementwise op has
+  at least its largest input's (so an attention Reshape to four unknown dims is not counted 128^4
+  elements when its input counts 1 × 128 × 64). A value of unknown rank takes that relation's
+  estimate, else the largest among its producer's float inputs, else :data:`SYMBOLIC_DIM`.
 - **ties** go, in order, to fewer cast bytes, then to greedy's answer (so optimal only departs
   from greedy where that strictly saves bytes).
 - **never more cast bytes than greedy**: where the plain sum's optimum trades an extra cast for
@@ -97,6 +103,13 @@ _S, _T = "S", "T"  # source = low precision, sink = FP32
 # cut by trying all 2^n sides: a networkx max-flow costs about a millisecond however small the network.
 _ENUMERATE_CUTS_UP_TO = 4
 _FIXED_FP32 = (Category.DENY, Category.UNLISTED)
+# ops whose (first) output has as many elements as their first input, and broadcasting ones
+_SAME_NUMEL = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Cast", "CastLike", "Dropout",
+               "Relu", "LeakyRelu", "Gelu", "Tanh", "Sigmoid", "HardSigmoid", "Erf", "Neg", "Abs", "Sqrt",
+               "Reciprocal", "Exp", "Log", "Sin", "Cos", "Softmax", "LogSoftmax", "LayerNormalization",
+               "BatchNormalization", "InstanceNormalization", "Not", "IsNaN", "IsInf", "Clip"}
+_BROADCAST = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "Greater",
+              "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Mod", "PRelu"}
 _BATCH = re.compile("batch", re.IGNORECASE)
 
 
@@ -107,7 +120,7 @@ def optimise_placement(model: Model, ctx: Context) -> PassResult:
     for scope in list(model.graph.scopes()):
         if id(scope) in joined:
             continue
-        problem = Problem.from_scope(scope, ctx)
+        problem = Problem.from_scope(scope, ctx, model.meta.get("amp.symbolic_shapes"))
         if problem is None:
             continue
         joined.update(id(b) for b in problem.bodies)
@@ -171,8 +184,9 @@ class Problem:
     """The two-label problem of one scope."""
 
     def __init__(self, scope: Graph, ctx: Context, nodes: list[Node], bodies: list[Graph] = (),
-                 branches: list[Node] = ()) -> None:
+                 branches: list[Node] = (), symbolic: Mapping[str, tuple] | None = None) -> None:
         self.scope = scope
+        self.symbolic = symbolic or {}  # main-graph shapes with consistent symbols (onnx_fuse.SymbolicShapes)
         self.ctx = ctx
         self.bodies = list(bodies)  # If branch bodies solved with this scope (see _joined_ifs)
         self.scope_ids = {id(scope)} | {id(b) for b in self.bodies}
@@ -222,12 +236,12 @@ class Problem:
         self.components = self._components()
 
     @classmethod
-    def from_scope(cls, scope: Graph, ctx: Context) -> "Problem | None":
+    def from_scope(cls, scope: Graph, ctx: Context, symbolic: Mapping[str, tuple] | None = None) -> "Problem | None":
         branches, bodies = _joined_ifs(scope, ctx)
         nodes = [n for g in [scope, *bodies] for n in g.nodes if participates(n)]
         if not any(n.meta.get("amp.precision") == Precision.LOW for n in nodes):
             return None  # no low node: greedy changes nothing here, neither do we
-        problem = cls(scope, ctx, nodes, bodies, branches)
+        problem = cls(scope, ctx, nodes, bodies, branches, symbolic)
         return problem if problem.free else None
 
     # -- building ----------------------------------------------------------------------------------
@@ -367,15 +381,44 @@ class Problem:
     def _estimate(self, value: Value, depth: int) -> int:
         if value.numel is not None:
             return value.numel
-        if value.shape is not None:
-            return estimate_numel(value.shape)
+        own = estimate_numel(value.shape) if value.shape is not None else None
+        sym = self.symbolic.get(value.name) if value.graph is not None and value.graph.parent is None else None
+        if sym is not None and all(d not in (None, "", 0) for d in sym):
+            # onnxruntime's symbolic inference followed the shape where onnx's named a fresh dim
+            own = estimate_numel(sym) if own is None else min(own, estimate_numel(sym))
+        related = self._related_numel(value, depth) if depth < 32 else None
+        if own is not None:
+            # each unknown dim counts SYMBOLIC_DIM: a Reshape to (batch, seq, heads, head_dim) that
+            # inference could not follow would count 128^4 elements, 2^15 times its input's
+            # (batch, seq, 64); what it was made from bounds it better
+            return own if related is None else min(own, related)
+        if related is not None:
+            return related
         producer = value.producer
         if producer is not None and depth < 32:
-            sizes = [self._numel.get(id(v)) or self._estimate(v, depth + 1) for v in producer.inputs
+            sizes = [self._cached_estimate(v, depth + 1) for v in producer.inputs
                      if v is not None and v.dtype is not None and v.dtype.is_float]
             if sizes:
                 return max(sizes)
         return SYMBOLIC_DIM
+
+    def _cached_estimate(self, value: Value, depth: int) -> int:
+        known = self._numel.get(id(value))
+        return known if known is not None else self._estimate(value, depth)
+
+    def _related_numel(self, value: Value, depth: int) -> int | None:
+        """The element count the producer's op implies from its inputs: the same as its data input
+        (reshapes, transposes, unary elementwise ops, normalisations) or, for a broadcasting
+        elementwise op, the largest input's (a lower bound). None where the op says nothing."""
+        node = value.producer
+        if node is None or node.domain != "" or value.producer_index != 0 or not node.inputs:
+            return None
+        if node.op_type in _SAME_NUMEL and node.inputs[0] is not None:
+            return self._cached_estimate(node.inputs[0], depth + 1)
+        if node.op_type in _BROADCAST:
+            sizes = [self._cached_estimate(v, depth + 1) for v in node.inputs if v is not None]
+            return max(sizes) if sizes else None
+        return None
 
     # -- cost ----------------------------------------------------------------------------------------
     def label(self, ref: int | str, labels: list[bool]) -> bool:
