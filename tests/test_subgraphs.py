@@ -216,6 +216,18 @@ def test_optimal_if_outputs_take_the_low_type_when_both_branches_end_low():
     assert all(o.type.tensor_type.elem_type == FP32 for a in g_if.attribute for o in a.g.output)
 
 
+@pytest.mark.parametrize("options", [{"fp32_nodes": ["if"]}, {"fp32_ops": ["If"]}])
+def test_a_rule_keeping_the_if_fp32_keeps_its_boundary(options):
+    model = branchy_if_model()
+    result = rewrite_onnx_model(model, **options)
+    out = result.model
+    _check_runs(model, out)
+    if_node = next(n for n in out.graph.node if n.op_type == "If")
+    for attr in if_node.attribute:
+        assert [o.type.tensor_type.elem_type for o in attr.g.output] == [FP32]
+    assert result.log.decisions["if"].precision.value != "low"
+
+
 @pytest.mark.parametrize("variant", ["exp-then-branch", "fp32-input-else-branch"])
 def test_optimal_if_keeps_its_fp32_boundary_where_a_branch_cannot_end_low(variant):
     """A branch ending in a deny op (Exp computes in FP32), or passing an FP32 graph input

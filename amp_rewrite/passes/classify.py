@@ -51,6 +51,9 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) ->
     meta["amp.pinned"] = _pinned_inputs(node, entry)
     meta["amp.bounded_output"] = category == Category.DENY and entry is not None and entry.bounded_output
     if node.all_subgraphs():
+        # what the rules (node rules, the kernel table, the schema) say of the op itself: the
+        # optimal placement may give an If's outputs the low type only where they allow it
+        meta["amp.control_category"] = category
         _fix_fp32(node, Category.DENY, _CONTROL, "classify")
         return
     if node.domain == "" and node.op_type in _SOURCES:

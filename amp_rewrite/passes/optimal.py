@@ -829,9 +829,10 @@ def _joined_ifs(scope: Graph, ctx: Context) -> tuple[list[Node], list[Graph]]:
     and their branch bodies. An If whose FP32 outputs every branch produces with a node of its
     own (not a graph input, an outer value or a constant, which it cannot retype) joins: its
     outputs may then take the low type, one Cast after the If instead of one per branch, and the
-    outer values its branches read are read in whatever type the cut gives them. Loop and Scan
-    bodies, whose carried values tie iterations together, stay scopes of their own (FP32
-    boundary), as does everything in training mode."""
+    outer values its branches read are read in whatever type the cut gives them. An If a rule
+    keeps FP32 (a deny entry, ``--fp32-nodes``) does not join. Loop and Scan bodies, whose
+    carried values tie iterations together, stay scopes of their own (FP32 boundary), as does
+    everything in training mode."""
     if ctx.options.training:
         return [], []
     branches: list[Node] = []
@@ -840,8 +841,9 @@ def _joined_ifs(scope: Graph, ctx: Context) -> tuple[list[Node], list[Graph]]:
     while pending:
         graph = pending.pop()
         for node in graph.nodes:
-            if node.op_type != "If" or node.domain != "":
-                continue
+            if node.op_type != "If" or node.domain != "" or node.meta.get("amp.control_category") not in (
+                    Category.ALLOW, Category.INFER, Category.CLEAR):
+                continue  # (a rule file or --fp32-nodes keeps it FP32)
             outputs = _fp32_outputs(node)
             subs = node.all_subgraphs()
             if not outputs or len(subs) != 2 or any(len(g.outputs) != len(node.outputs) for g in subs):
