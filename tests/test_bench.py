@@ -131,3 +131,33 @@ def test_issue2_condition_compares_the_default_with_the_better_loading_peer():
     assert not cond["holds"] and cond["failing"] == ["m (3 vs 2)"]
     models[1]["casts"], models[0]["flops_low_share"] = 3, 0.9  # as few casts, but less of the math in FP16
     assert not {c["condition"]: c for c in bench.evaluate({"models": models})}[key]["holds"]
+
+
+def test_cast_bytes_count_the_casts_of_the_if_branch_that_ran(tmp_path):
+    """The then-branch casts x to FP16 and back (2 Casts of 2×4 elements, 6 bytes each), the else
+    branch passes it through; the main graph casts nothing. Only the branch that ran counts."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto as T
+    from onnx import helper
+
+    from tools import bench_metrics
+
+    x = helper.make_tensor_value_info("x", T.FLOAT, [2, 4])
+    then_g = helper.make_graph([helper.make_node("Cast", ["x"], ["h"], to=T.FLOAT16),
+                                helper.make_node("Cast", ["h"], ["t"], to=T.FLOAT)], "then", [],
+                               [helper.make_tensor_value_info("t", T.FLOAT, [2, 4])])
+    else_g = helper.make_graph([helper.make_node("Identity", ["x"], ["e"])], "else", [],
+                               [helper.make_tensor_value_info("e", T.FLOAT, [2, 4])])
+    graph = helper.make_graph([helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g)], "g",
+                              [x, helper.make_tensor_value_info("c", T.BOOL, [])],
+                              [helper.make_tensor_value_info("y", T.FLOAT, [2, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    path = tmp_path / "if.onnx"
+    onnx.save(model, path)
+    feeds = {"x": np.ones((2, 4), np.float32)}
+    ran_then = bench_metrics.runtime_metrics(path, {**feeds, "c": np.array(True)}, {}, [])
+    ran_else = bench_metrics.runtime_metrics(path, {**feeds, "c": np.array(False)}, {}, [])
+    assert ran_then["cast_bytes"] == 2 * 8 * (4 + 2) and ran_then["casts_unmeasured"] == 0
+    assert ran_else["cast_bytes"] == 0 and ran_else["casts_unmeasured"] == 0
+    assert onnx.load(path).SerializeToString() == model.SerializeToString()  # the instrumented copy is separate

@@ -9,8 +9,9 @@ the outputs of the heavy ops (so their shapes and types are the real ones at the
 guesses):
 
 - loads / runs, max relative error of the logits against FP32 (max |a-b| / max |a|), new NaN/Inf;
-- cast bytes per run: Σ over main-graph Casts of elements × (bytes read + bytes written);
-  Casts inside If/Loop bodies are counted but their bytes are not (their trip count is unknown);
+- cast bytes per run: Σ over main-graph Casts, and the Casts of the branch of each main-graph If
+  that ran, of elements × (bytes read + bytes written); Casts inside Loop/Scan bodies are counted
+  but their bytes are not (their trip count is unknown);
 - the FP16 share of MatMul/Gemm/Conv FLOPs: 2·M·K·N per (batched) GEMM, 2·|Y|·(C/g)·∏k per
   convolution, weighted by whether the op's first input is 16-bit at run time.
 """
@@ -120,6 +121,9 @@ def instrumented_copy(path: str | os.PathLike, dst: str | os.PathLike,
         elif node.op_type in HEAVY and len(node.input) >= 2:
             heavy.append((node.op_type, list(node.input[:2]), node.output[0], _attrs(node)))
             wanted.extend([node.input[0], node.input[1], node.output[0]])
+    branch_casts = _expose_branch_casts(model)
+    casts.extend(branch_casts)
+    wanted.extend(name for name, _ in branch_casts)
     extra = []
     seen = set(existing)
     for name in wanted:
@@ -139,6 +143,47 @@ def instrumented_copy(path: str | os.PathLike, dst: str | os.PathLike,
                 if attr.name == "value":
                     consts[node.output[0]] = (list(attr.t.dims), attr.t.data_type)
     return extra, {"casts": casts, "heavy": heavy, "inits": inits, "consts": consts}
+
+
+def _expose_branch_casts(model: onnx.ModelProto) -> list[tuple[str, int | None]]:
+    """Make the input of every Cast in a main-graph If's branches visible at run time: the branch
+    outputs it through an Identity, the other branch an empty tensor of its type, and the If an
+    extra output. Its run-time shape is the Cast's input in the branch that ran and (0,) in the
+    other, so each run counts the casts it executed. Returns (If output name, to) per Cast whose
+    input type shape inference knows; Loop and Scan bodies stay uncounted (see the docstring)."""
+    from onnx import helper
+
+    g = model.graph
+    ifs = [n for n in g.node if n.op_type == "If" and n.domain in ("", "ai.onnx")]
+    if not ifs:
+        return []
+    types: dict[str, int] = {}
+    for sub in _graphs(onnx.shape_inference.infer_shapes(model).graph):
+        for v in list(sub.input) + list(sub.output) + list(sub.value_info):
+            if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type:
+                types[v.name] = v.type.tensor_type.elem_type
+        for t in sub.initializer:
+            types[t.name] = t.data_type
+    exposed: list[tuple[str, int | None]] = []
+    for node in ifs:
+        branches = {a.name: a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH}
+        if set(branches) != {"then_branch", "else_branch"}:
+            continue
+        for key, branch in list(branches.items()):
+            other = branches["else_branch" if key == "then_branch" else "then_branch"]
+            for cast in [n for n in branch.node if n.op_type == "Cast" and n.input and n.input[0]]:
+                elem = types.get(cast.input[0])
+                if not elem:
+                    continue
+                name = f"amp_bench/branch_cast_{len(exposed)}"
+                branch.node.append(helper.make_node("Identity", [cast.input[0]], [f"{name}/in"]))
+                branch.output.append(helper.make_tensor_value_info(f"{name}/in", elem, None))
+                empty = helper.make_tensor(f"{name}/none", elem, [0], [])
+                other.node.append(helper.make_node("Constant", [], [f"{name}/none"], value=empty))
+                other.output.append(helper.make_tensor_value_info(f"{name}/none", elem, None))
+                node.output.append(name)
+                exposed.append((name, next((a.i for a in cast.attribute if a.name == "to"), None)))
+    return exposed
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
