@@ -216,6 +216,52 @@ def test_optimal_if_outputs_take_the_low_type_when_both_branches_end_low():
     assert all(o.type.tensor_type.elem_type == FP32 for a in g_if.attribute for o in a.g.output)
 
 
+def nested_if_model():
+    """outer If(c1) with outputs (y, z0): then = inner If(c2) giving (Relu(h@w1) | Tanh(h@w2), the
+    MatMul) and y = their sum; else = y from a ReduceSum (FP32) and z0 the MatMul h@w3; z = z0@w1."""
+    def inner(name, act, w):
+        return body(name, [helper.make_node("MatMul", ["h", w], [f"{name}_mm"]),
+                           helper.make_node(act, [f"{name}_mm"], [f"{name}_act"])], [],
+                    [vi(f"{name}_act"), vi(f"{name}_mm")])
+
+    outer_then = body("ot", [helper.make_node("If", ["c2"], ["i1", "i2"], name="inner",
+                                              then_branch=inner("it", "Relu", "w1"), else_branch=inner("ie", "Tanh", "w2")),
+                             helper.make_node("Add", ["i1", "i2"], ["o1"])], [], [vi("o1"), vi("i2")])
+    outer_else = body("oe", [helper.make_node("MatMul", ["h", "w3"], ["d1"]),
+                             helper.make_node("Sigmoid", ["d1"], ["d2"]),
+                             helper.make_node("ReduceSum", ["d1"], ["d3"], keepdims=1),
+                             helper.make_node("Mul", ["d2", "d3"], ["d4"])], [], [vi("d4"), vi("d1")])
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["h"], name="in_mm"),
+             helper.make_node("If", ["c1"], ["y", "z0"], name="outer", then_branch=outer_then, else_branch=outer_else),
+             helper.make_node("MatMul", ["z0", "w1"], ["z"], name="out_mm")]
+    return make(nodes, [vi("x"), vi("c1", T.BOOL, []), vi("c2", T.BOOL, [])], [vi("y"), vi("z")],
+                [weight("w0"), weight("w1"), weight("w2"), weight("w3")])
+
+
+def test_optimal_decides_each_if_output_on_its_own_and_nests():
+    """The outer If's y is FP32 in its else branch (a ReduceSum feeds it), its z0 low in both: z0
+    takes the low type alone. The inner If, inside a branch, joins the same problem."""
+    model = nested_if_model()
+    result = rewrite_onnx_model(model)
+    out = result.model
+    onnx.checker.check_model(out, full_check=True)
+    x = RNG.standard_normal((2, 4)).astype(np.float32)
+    for c1 in (True, False):
+        for c2 in (True, False):
+            feeds = {"x": x, "c1": np.array(c1), "c2": np.array(c2)}
+            ref, got = run_onnx(model, feeds), run_onnx(out, feeds)
+            for name, r in ref.items():
+                assert got[name].dtype == np.float32
+                assert np.abs(got[name] - r).max() <= 1e-2 * (1 + float(np.abs(r).max())), name
+    assert not rewrite_onnx_model(out).modified
+    t = types(out)
+    assert t["y"] == FP32 and t["z0"] == FP16 and t["i1"] == FP16 and t["i2"] == FP16
+    assert "z0" in result.log.decisions["outer"].reason and "y" not in result.log.decisions["outer"].reason.split(
+        "output(s) ")[1].split(" take")[0].split(", ")
+    greedy = rewrite_onnx_model(model, placement="greedy").model
+    assert len(casts(out)) < len(casts(greedy))
+
+
 @pytest.mark.parametrize("options", [{"fp32_nodes": ["if"]}, {"fp32_ops": ["If"]}])
 def test_a_rule_keeping_the_if_fp32_keeps_its_boundary(options):
     model = branchy_if_model()

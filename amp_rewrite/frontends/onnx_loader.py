@@ -574,7 +574,12 @@ def _expand(formals, count: int, type_vars: set[str]) -> list[str | None]:
         if i >= len(formals) and formal.option != onnx.defs.OpSchema.FormalParameterOption.Variadic:
             out.append(None)
             continue
-        out.append(formal.type_str if formal.type_str in type_vars else None)
+        if formal.type_str not in type_vars:
+            out.append(None)
+        elif formal.option == onnx.defs.OpSchema.FormalParameterOption.Variadic and not formal.is_homogeneous:
+            out.append(f"{formal.type_str}#{i}")  # If/Loop/Scan outputs: each slot has a type of its own
+        else:
+            out.append(formal.type_str)
     return out
 
 

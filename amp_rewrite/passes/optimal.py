@@ -62,10 +62,11 @@ Safety, never less than greedy's:
   greedy, and never dearer).
 
 - **If nodes** whose branches produce the If's FP32 outputs with nodes of their own are solved
-  with their branches (one problem for the scope and all such branch bodies, recursively): the If
-  is a free variable that reads its branches' outputs and produces its own (no FP32 traffic of its
-  own), so both branches end low, or the If stays FP32 as greedy has it (the downstream-only rule
-  below: an If takes the low type only if every branch output comes from a node that ends low);
+  with their branches (one problem for the scope and all such branch bodies, recursively): each
+  FP32 output of the If is a free variable that reads the branches' outputs at its position and
+  produces the If's (no FP32 traffic of its own), so it takes the low type where both branches
+  end low, or stays FP32 as greedy has it (the downstream-only rule below: only if every branch
+  output there comes from a node that ends low);
   outer values read inside those branches are ordinary terms. Casts in a branch are counted as if
   both branches ran (an upper bound). Not in training mode.
 
@@ -190,23 +191,30 @@ class Problem:
         self.ctx = ctx
         self.bodies = list(bodies)  # If branch bodies solved with this scope (see _joined_ifs)
         self.scope_ids = {id(scope)} | {id(b) for b in self.bodies}
-        self.nodes = nodes = list(nodes) + list(branches)
+        nodes = list(nodes)
         self.index = {id(n): i for i, n in enumerate(nodes)}
+        # an If joined with its branches is one free variable per FP32 output: the type that output
+        # and the branches' outputs at its position then take (it reads them, as a node reads its
+        # inputs). The If node stands in the node list once per such output.
+        self.output_var: dict[tuple[int, int], int] = {}  # (id(If), output index) -> variable
+        self.branch_of: dict[int, int] = {}  # id(branch output value) -> the variable reading it
+        for n in branches:
+            for k in _fp32_outputs(n):
+                self.output_var[(id(n), k)] = len(nodes)
+                for body in n.all_subgraphs():
+                    self.branch_of[id(body.outputs[k])] = len(nodes)
+                nodes.append(n)
+        self.nodes = nodes
+        self.branch_nodes = set(self.output_var.values())
         self.group_in = [frozenset(group_inputs(n)) for n in nodes]
         self.group_out = [group_outputs(n) for n in nodes]
         self.cat = [category(n) for n in nodes]
         self.greedy = [n.meta.get("amp.precision") == Precision.LOW for n in nodes]
-        # an If joined with its branches is one free variable: the type of its FP32 outputs, which
-        # each branch's outputs then take (it reads them, as a node reads its inputs)
-        self.branch_of: dict[int, int] = {}  # id(branch output value) -> the If's index
-        for n in branches:
-            i = self.index[id(n)]
+        for (_, k), i in self.output_var.items():
             self.cat[i] = Category.CLEAR
             self.group_in[i] = frozenset()
-            self.group_out[i] = _fp32_outputs(n)
-            for body in n.all_subgraphs():
-                for k in self.group_out[i]:
-                    self.branch_of[id(body.outputs[k])] = i
+            self.group_out[i] = [k]
+            self.greedy[i] = False
         self.fixed: dict[int, bool] = {}  # index -> is_low
         for i, n in enumerate(nodes):
             if self.cat[i] == Category.ALLOW:
@@ -226,9 +234,8 @@ class Problem:
         self.requires = self._only_downstream()
         self.free = [i for i in range(len(nodes)) if i not in self.fixed]
         self.node_bytes = [0] * len(nodes)
-        self.branch_nodes = branch_nodes = {self.index[id(n)] for n in branches}
         for i in self.free:
-            if i in branch_nodes:
+            if i in self.branch_nodes:
                 continue  # an If moves no data of its own
             ins, outs = nodes[i].inputs, nodes[i].outputs
             floats = [ins[k] for k in self.group_in[i]] + [outs[k] for k in self.group_out[i]]
@@ -299,6 +306,8 @@ class Problem:
         source — and whether greedy's safety rule counts the value as an FP32 tensor read."""
         node = value.producer
         j = self.index.get(id(node)) if node is not None else None
+        if j is None and node is not None and self.output_var:
+            j = self.output_var.get((id(node), value.producer_index))  # an output of a joined If
         if j is not None and value.producer_index in self.group_out[j]:
             return j, False
         if value.is_constant:
@@ -660,6 +669,7 @@ class Problem:
         changed = False
         repaired = set(outcome.repaired)
         intact = self._greedy_chains_intact(labels, repaired)
+        outputs: dict[int, tuple[Node, list[tuple[int, int, int]]]] = {}  # joined If -> its low outputs
         for i in self.free:
             if i in outcome.kept_nodes:
                 continue  # greedy's answer and reason stand
@@ -670,7 +680,8 @@ class Problem:
             mine, other = (low_here, fp32_here) if labels[i] else (fp32_here, low_here)
             name, other_name = (low_name, "FP32") if labels[i] else ("FP32", low_name)
             if i in self.branch_nodes:
-                self._apply_branch(node, labels[i], mine, other, name, other_name)
+                if labels[i]:
+                    outputs.setdefault(id(node), (node, []))[1].append((self.group_out[i][0], mine, other))
                 changed |= labels[i] != was
                 continue
             if i in repaired:
@@ -692,6 +703,8 @@ class Problem:
             meta["amp.via"] = None
             meta["amp.precision"] = Precision.LOW if labels[i] else Precision.FP32
             changed |= labels[i] != was
+        for node, low in outputs.values():
+            self._apply_branch(node, low, low_name)
         ctx.log.notes.append(self._note(outcome))
         placement = getattr(ctx.log, "placement", None)
         if placement is None:
@@ -700,19 +713,20 @@ class Problem:
         placement["scopes"].append(self._summary(outcome))
         return changed
 
-    def _apply_branch(self, node: Node, low: bool, mine: int, other: int, name: str, other_name: str) -> None:
-        """Record the cut's answer for a joined If: low, its FP32 outputs (and its branches'
-        outputs) take the low type; FP32, it stays the control-flow node classify left."""
+    def _apply_branch(self, node: Node, low: list[tuple[int, int, int]], low_name: str) -> None:
+        """Record the cut's answer for a joined If with some outputs low: those outputs (and its
+        branches' outputs at their positions) take the low type. (An If whose outputs all stay
+        FP32 keeps what classify said of it.)"""
         meta = node.meta
-        meta["amp.precision"] = Precision.LOW if low else Precision.FP32
-        meta["amp.branch_outputs"] = _fp32_outputs(node) if low else []
-        if not low:
-            return
+        meta["amp.precision"] = Precision.LOW
+        meta["amp.branch_outputs"] = sorted(k for k, _, _ in low)
         meta.update({"amp.category": Category.CLEAR, "amp.step": "optimal", "amp.via": None,
                      "amp.source": "optimal placement"})
-        meta["amp.reason"] = (f"control flow: its FP32 outputs take {name} in both branches (min-cut placement: "
-                              f"{_fmt(mine)} per run here against {_fmt(other)} in {other_name}; one Cast after "
-                              f"the If instead of one per branch)")
+        names = ", ".join(node.outputs[k].name for k, _, _ in sorted(low))
+        mine, other = sum(m for _, m, _ in low), sum(o for _, _, o in low)
+        meta["amp.reason"] = (f"control flow: output(s) {names} take {low_name} in both branches (min-cut "
+                              f"placement: {_fmt(mine)} per run here against {_fmt(other)} in FP32; one Cast "
+                              f"after the If instead of one per branch)")
 
     def _greedy_chains_intact(self, labels: list[bool], repaired: set[int]) -> set[int]:
         """The nodes whose painter reason still holds: the cut left them, and every node their
