@@ -159,5 +159,6 @@ def test_cast_bytes_count_the_casts_of_the_if_branch_that_ran(tmp_path):
     ran_then = bench_metrics.runtime_metrics(path, {**feeds, "c": np.array(True)}, {}, [])
     ran_else = bench_metrics.runtime_metrics(path, {**feeds, "c": np.array(False)}, {}, [])
     assert ran_then["cast_bytes"] == 2 * 8 * (4 + 2) and ran_then["casts_unmeasured"] == 0
+    assert ran_then["casts_in_branches_measured"] == 2  # (so the table marks no unmeasured "+")
     assert ran_else["cast_bytes"] == 0 and ran_else["casts_unmeasured"] == 0
     assert onnx.load(path).SerializeToString() == model.SerializeToString()  # the instrumented copy is separate

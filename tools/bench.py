@@ -564,7 +564,8 @@ def render_markdown(results: dict) -> str:
     lines += ["How each figure is measured: `tools/bench_metrics.py` and `tools/bench_worker.py` (module docstrings). "
               "Conversion time is file to file (load, convert, save) in a fresh process per conversion, imports and "
               "rule-file parsing excluded for every converter; peak RSS is that process's (Python, libraries and the "
-              "model included). Cast bytes are measured at run time on the corpus feeds (main graph). "
+              "model included). Cast bytes are measured at run time on the corpus feeds: the main graph's Casts and "
+              "those of each If branch that ran; a \"+\" marks Casts in Loop/Scan bodies, counted but not measured. "
               f"Tolerance: max |a−b| / max |a| ≤ {TOLERANCE:g} on the logits (for an output made by a Softmax, its "
               f"input, as `tests/test_e2e_corpus.py` compares), "
               + ", ".join(f"{m} ≤ {t:g}" for m, t in STATED_TOLERANCE.items())
@@ -591,7 +592,8 @@ def render_markdown(results: dict) -> str:
                 f"{c['cpu_seconds']:.2f}" if ok else "–",
                 f"{c['peak_rss_mib']:.0f}" if ok else "–",
                 r.get("casts", "–") if ok else "–",
-                _mib(r.get("cast_bytes")) + ("+" if r.get("casts_in_subgraphs") else "") if ok else "–",
+                _mib(r.get("cast_bytes")) + ("+" if (r.get("casts_in_subgraphs") or 0) > (
+                    r.get("casts_in_branches_measured") or 0) else "") if ok else "–",
                 _pct(r.get("flops_low_share")), _pct(r.get("weights_low_share")),
                 _yn(r.get("checker")) if ok else "–", _yn(r.get("loads")) if ok else "–", _err(r),
                 ("**" + ", ".join(r["new_nonfinite"][:2]) + "**") if r.get("new_nonfinite") else

@@ -142,7 +142,7 @@ def instrumented_copy(path: str | os.PathLike, dst: str | os.PathLike,
             for attr in node.attribute:
                 if attr.name == "value":
                     consts[node.output[0]] = (list(attr.t.dims), attr.t.data_type)
-    return extra, {"casts": casts, "heavy": heavy, "inits": inits, "consts": consts}
+    return extra, {"casts": casts, "heavy": heavy, "inits": inits, "consts": consts, "branch_casts": len(branch_casts)}
 
 
 def _expose_branch_casts(model: onnx.ModelProto) -> list[tuple[str, int | None]]:
@@ -214,6 +214,7 @@ def runtime_metrics(path: str | os.PathLike, feeds: dict, ref: dict, logits: lis
     shapes = {k: (list(v.shape), v.dtype) for k, v in got.items()}
     shapes.update({k: (list(np.asarray(v).shape), np.asarray(v).dtype) for k, v in feeds.items()})
     out.update(_cast_bytes(plan, shapes))
+    out["casts_in_branches_measured"] = plan["branch_casts"]
     out.update(_flop_share(plan, shapes))
     return out
 

@@ -65,9 +65,9 @@ Safety, never less than greedy's:
   with their branches (one problem for the scope and all such branch bodies, recursively): each
   FP32 output of the If is a free variable that reads the branches' outputs at its position and
   produces the If's (no FP32 traffic of its own), so it takes the low type where both branches
-  end low, or stays FP32 as greedy has it (the downstream-only rule below: only if every branch
-  output there comes from a node that ends low);
-  outer values read inside those branches are ordinary terms. Casts in a branch are counted as if
+  end low, or stays FP32 as greedy has it (the downstream-only rule above: only if every branch
+  output there comes from a node that ends low); outer values read inside those branches are
+  ordinary terms. Casts in a branch are counted as if
   both branches ran (an upper bound). Not in training mode.
 
 Cases handled: every scope (subgraph bodies too), keep_io_types on/off, training initializers,
