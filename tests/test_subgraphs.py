@@ -193,6 +193,20 @@ def _check_runs(model, out):
     assert not rewrite_onnx_model(out).modified, "a second rewrite changed the model"
 
 
+def _branch_output_types(out: onnx.ModelProto) -> list[list[int]]:
+    """Per branch of the main graph's If, its output element types."""
+    if_node = next(n for n in out.graph.node if n.op_type == "If")
+    return [[o.type.tensor_type.elem_type for o in attr.g.output] for attr in if_node.attribute]
+
+
+def _assert_if_stays_fp32(model: onnx.ModelProto, **options) -> None:
+    """Rewritten with ``options``: checks and runs, and the If keeps its FP32 boundary."""
+    result = rewrite_onnx_model(model, **options)
+    _check_runs(model, result.model)
+    assert _branch_output_types(result.model) == [[FP32], [FP32]]
+    assert result.log.decisions["if"].precision.value != "low"
+
+
 def test_optimal_if_outputs_take_the_low_type_when_both_branches_end_low():
     """One Cast after the If instead of one per branch: the branches' Add and Softmax run low,
     and so does the Mul whose output they read (the peers' 3 Casts on control/if, not 6)."""
@@ -202,9 +216,7 @@ def test_optimal_if_outputs_take_the_low_type_when_both_branches_end_low():
     _check_runs(model, out)
     placed = casts(out)
     assert sorted(placed) == sorted([("main", "x", FP16), ("main", "y/amp_fp16", FP32)]), placed
-    if_node = next(n for n in out.graph.node if n.op_type == "If")
-    for attr in if_node.attribute:
-        assert [o.type.tensor_type.elem_type for o in attr.g.output] == [FP16]
+    assert _branch_output_types(out) == [[FP16], [FP16]]
     t = types(out)
     assert t["y/amp_fp16"] == FP16 and t["shift"] == FP16 and t["t2"] == FP16
     decision = result.log.decisions["if"]
@@ -212,8 +224,7 @@ def test_optimal_if_outputs_take_the_low_type_when_both_branches_end_low():
     greedy = rewrite_onnx_model(model, placement="greedy").model  # the painter keeps the boundary FP32
     _check_runs(model, greedy)
     assert len(casts(greedy)) > len(placed)
-    g_if = next(n for n in greedy.graph.node if n.op_type == "If")
-    assert all(o.type.tensor_type.elem_type == FP32 for a in g_if.attribute for o in a.g.output)
+    assert _branch_output_types(greedy) == [[FP32], [FP32]]
 
 
 def nested_if_model():
@@ -264,14 +275,7 @@ def test_optimal_decides_each_if_output_on_its_own_and_nests():
 
 @pytest.mark.parametrize("options", [{"fp32_nodes": ["if"]}, {"fp32_ops": ["If"]}])
 def test_a_rule_keeping_the_if_fp32_keeps_its_boundary(options):
-    model = branchy_if_model()
-    result = rewrite_onnx_model(model, **options)
-    out = result.model
-    _check_runs(model, out)
-    if_node = next(n for n in out.graph.node if n.op_type == "If")
-    for attr in if_node.attribute:
-        assert [o.type.tensor_type.elem_type for o in attr.g.output] == [FP32]
-    assert result.log.decisions["if"].precision.value != "low"
+    _assert_if_stays_fp32(branchy_if_model(), **options)
 
 
 @pytest.mark.parametrize("variant", ["exp-then-branch", "fp32-input-else-branch"])
@@ -280,13 +284,7 @@ def test_optimal_if_keeps_its_fp32_boundary_where_a_branch_cannot_end_low(varian
     through (a cast never moves upstream of what reads an FP32 tensor), has an FP32 output: the If
     may take the low type only downstream of low producers in every branch, so it stays FP32."""
     model = branchy_if_model(then_last="Exp") if variant == "exp-then-branch" else branchy_if_model(else_passes_x=True)
-    result = rewrite_onnx_model(model)
-    out = result.model
-    _check_runs(model, out)
-    if_node = next(n for n in out.graph.node if n.op_type == "If")
-    for attr in if_node.attribute:
-        assert [o.type.tensor_type.elem_type for o in attr.g.output] == [FP32]
-    assert result.log.decisions["if"].precision.value != "low"
+    _assert_if_stays_fp32(model)
 
 
 # -- Loop -----------------------------------------------------------------------------------------------
