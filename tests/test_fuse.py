@@ -71,6 +71,13 @@ def only(model: onnx.ModelProto, op: str, domain: str = "") -> onnx.NodeProto:
     return found[0]
 
 
+def unread(model: onnx.ModelProto) -> set[str]:
+    """Initializers and nodes whose values nothing reads."""
+    read = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
+    return {t.name for t in model.graph.initializer if t.name not in read} | \
+        {n.name or n.output[0] for n in model.graph.node if not any(o in read for o in n.output)}
+
+
 def check_fused(model: onnx.ModelProto, result, *, scale: float = 1.0, tolerance: float = 1e-2) -> None:
     out = result.model
     full_check(out)
@@ -79,6 +86,8 @@ def check_fused(model: onnx.ModelProto, result, *, scale: float = 1.0, tolerance
     assert not nodes_by_type(out, "ReduceMean") and not nodes_by_type(out, "Pow")
     # only the graph input and output cross precisions
     assert len(nodes_by_type(out, "Cast")) == 2
+    # the pattern's constants (eps, the exponent) and Constant nodes went with it
+    assert unread(out) == unread(model)
     ref, got = run(model, feeds(scale))["y"], run(out, feeds(scale))["y"]
     assert np.isfinite(got).all()
     assert rel_err(ref, got) < tolerance
@@ -182,18 +191,66 @@ def test_wrong_gelu_coefficient_is_not_fused():
     assert nodes_by_type(result.model, "Pow") and len(result.log.islands) == 1
 
 
-def test_standalone_layernorm_below_opset17_stays_an_island():
-    """No residual Add before it and no LayerNormalization at opset 13: the FP32 island stays."""
+def standalone_norm(norm: str, opset: int) -> onnx.ModelProto:
+    """x -> MatMul -> norm -> MatMul: the norm reads no residual sum (T5's and Llama's first
+    RMSNorm reads the embedding Gather the same way)."""
+    text = f"""
+    <ir_version: 8, opset_import: ["" : {opset}]>
+    g (float[2,4,8] x) => (float[2,4,8] y) {{
+      r = MatMul(x, wq){norm}
+      y = MatMul(ln, wo)
+    }}"""
+    return make_model(text, W)
+
+
+@pytest.mark.parametrize("scale", [1.0, 300.0])
+@pytest.mark.parametrize("norm, opset, op", [(LAYERNORM, 13, "SkipLayerNormalization"),
+                                             (RMSNORM, 17, "SkipSimplifiedLayerNormalization")],
+                         ids=["layernorm-op13", "rmsnorm-op17"])
+def test_standalone_norm_below_the_standard_op_takes_a_zero_skip(norm, opset, op, scale):
+    """No residual Add to take over and no standard fused op at this opset (LayerNormalization
+    17, RMSNormalization 23): the skip op reads ConstantOfShape(Shape(r)), exact zeros in the low
+    type, so the norm runs in one kernel with FP32 statistics instead of an FP32 island."""
+    model = standalone_norm(norm, opset)
+    result = rewrite(model)
+    node = only(result.model, op, "com.microsoft")
+    assert names(node.input)[0] == "r" and len(node.output) == 1
+    producers = {o: n for n in result.model.graph.node for o in n.output}
+    fill = producers[node.input[1]]
+    assert fill.op_type == "ConstantOfShape"
+    assert producers[fill.input[0]].op_type == "Shape" and names(producers[fill.input[0]].input) == ["r"]
+    [value] = [a.t for a in fill.attribute if a.name == "value"]
+    assert value.data_type == onnx.TensorProto.FLOAT16 and not onnx.numpy_helper.to_array(value).any()
+    [fusion] = result.log.fusions
+    assert "zero tensor" in fusion.reason
+    check_fused(model, result, scale=scale)
+
+
+def test_zero_skip_needs_a_known_rank():
+    """The skip ops take rank 2 or 3; a norm over an input of unknown rank keeps its island."""
     text = """
     <ir_version: 8, opset_import: ["" : 13]>
-    g (float[2,4,8] x) => (float[2,4,8] y) {
-      r = MatMul(x, wq)""" + LAYERNORM + """
+    g (float[2,4,8] x, int64[n] dims) => (float y) {
+      q = MatMul(x, wq)
+      r = Reshape(q, dims)""" + LAYERNORM + """
       y = MatMul(ln, wo)
     }"""
-    result = rewrite(make_model(text, W))
+    model = make_model(text, W)  # r: a reshape to as many dims as the input says
+    result = rewrite(model)
     assert not result.log.fusions
     [island] = result.log.islands
     assert island.pattern == "LayerNorm" and island.casts_in == 1 and island.casts_out == 1
+    full_check(result.model)
+
+
+def test_unread_initializer_of_the_input_is_kept():
+    """Fusion drops the constants only its pattern read (eps, the exponent); one the input model
+    already left unread is not the rewrite's to drop."""
+    model = residual_block(LAYERNORM, 17)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.ones(3, np.float32), "spare"))
+    out = rewrite(model).model
+    assert {t.name for t in out.graph.initializer} >= {"spare"}
+    assert not {"eps", "two"} & {t.name for t in out.graph.initializer}
 
 
 def test_escaping_intermediate_blocks_fusion():

@@ -67,12 +67,21 @@ def _remove(nodes: list[Node]) -> None:
     """Drop removed nodes from their onnx-ir graphs, one call per graph: a fused pattern's members
     read each other, so they can only go together."""
     by_graph: dict[int, tuple[ir.Graph, list[ir.Node]]] = {}
+    read: dict[int, ir.Value] = {}  # the values the removed nodes read
     for node in nodes:
         origin = node.origin
         if origin is not None and origin.graph is not None:
             by_graph.setdefault(id(origin.graph), (origin.graph, []))[1].append(origin)
+            read.update((id(v), v) for v in origin.inputs if v is not None)
     for graph, origins in by_graph.values():
         graph.remove(origins, safe=True)
+    # A constant only the removed nodes read (a fused pattern's eps, its exponent 2) goes with them.
+    # An initializer the input model already left unread is kept: it is not ours to drop.
+    for value in read.values():
+        graph = value.graph
+        if (graph is not None and value.is_initializer() and not value.uses() and not value.is_graph_input()
+                and not value.is_graph_output() and graph.initializers.get(value.name) is value):
+            graph.initializers.pop(value.name)
 
 
 def _sort(model: Model, ir_model: ir.Model) -> None:
@@ -208,6 +217,8 @@ class _Patcher:
         attrs = [_attribute(key, value) for key, value in node.attrs.items()]
         new = ir.Node(node.domain, node.op_type, inputs, attrs, outputs=outputs, name=node.name)
         node.origin = new
+        if node.op_type == "ConstantOfShape" and not node.domain:  # the fuse pass's zero skip
+            self._retype_constant_of_shape(new, node.outputs[0].dtype)
         if node.meta.get("amp.inserted") or (node.op_type == "Cast" and not node.domain):
             new.metadata_props[TAG + "inserted"] = "cast"
             new.metadata_props[TAG + "reason"] = node.meta.get("amp.reason", "")

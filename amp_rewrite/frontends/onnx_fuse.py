@@ -23,7 +23,10 @@ through)::
 Fused op, the first one the model's opset has: LayerNormalization (opset 17+) or RMSNormalization
 (23+) on x; else, when x is a residual sum ``Add(a, b)`` of two activations of one static shape,
 com.microsoft SkipLayerNormalization / SkipSimplifiedLayerNormalization on (a, b), whose fourth
-output is the sum for its other readers; for the GELU, Gelu(approximate="tanh") (opset 20+), else
+output is the sum for its other readers; else (no residual sum: T5's and Llama's first RMSNorm
+reads the embedding Gather) the same skip op on (x, ConstantOfShape(Shape(x))), an exact zero
+tensor, for an x of rank 2 or 3 (what the skip ops take): one fused kernel with FP32 statistics
+and a zero fill instead of an FP32 island, its two Casts and seven FP32 kernels; for the GELU, Gelu(approximate="tanh") (opset 20+), else
 com.microsoft FastGelu.
 
 A pattern is left as it is (painting then makes it an FP32 island, as before) unless:
@@ -214,6 +217,8 @@ def _choose(match: _Match, scope: Graph, ctx: Context,
     opset = scope.opsets.get("", 0)
     standard_since = {"LayerNorm": 17, "RMSNorm": 23}.get(match.kind)
     skip = _residual_operands(match.x, shapes) if standard_since and opset < standard_since else None
+    if standard_since and opset < standard_since and skip is None and _zero_skip_rank(match.x):
+        skip = [match.x, ZERO_SKIP]  # no residual sum to take over: the skip op adds zeros
     if match.kind == "tanh-GELU":
         forms = [("", "Gelu", 20, [match.x], {"approximate": "tanh"}), (MS, "FastGelu", 1, [match.x], {})]
     elif match.kind == "LayerNorm":
@@ -249,7 +254,9 @@ def _replace(model: Model, scope: Graph, match: _Match, ctx: Context, namer: Nam
     if chosen is None:
         return []
     domain, op, inputs, attrs = chosen
-    total = match.x.producer if domain == MS and op.startswith("Skip") else None  # the residual Add taken over
+    zero_skip = any(v is ZERO_SKIP for v in inputs)
+    # the residual Add taken over
+    total = match.x.producer if domain == MS and op.startswith("Skip") and not zero_skip else None
     removed = list(match.members) + ([total] if total is not None else [])
     # The outputs take over the names of the values they replace: a graph output keeps its name.
     outputs = [Value(match.out.name, match.out.dtype, match.out.shape)]
@@ -258,26 +265,66 @@ def _replace(model: Model, scope: Graph, match: _Match, ctx: Context, namer: Nam
         total_out = total.outputs[0]
         outputs += [Value(""), Value(""), Value(total_out.name, total_out.dtype, total_out.shape)]
     label = _common_prefix([node_label(n) for n in removed])
+    anchor = max(removed, key=lambda n: position[id(n)])
+    if zero_skip:
+        inputs = list(inputs)
+        inputs[1], made = _zeros_like(match.x, scope, label, namer)
+        for extra in made:
+            scope.insert_after(anchor, extra)
+            anchor = extra
     node = Node(op, inputs, domain=domain, name=namer(label + op), attrs=attrs, outputs=outputs)
     node.opset = scope.opsets.get(domain, 1)
     # com.microsoft ops have no onnx schema: all their slots are one group ("?"), which is right for
     # these (every data input and every output used shares type T)
     schema_slots(op, domain, node.opset, len(inputs), len(outputs)).apply(node)
-    scope.insert_after(max(removed, key=lambda n: position[id(n)]), node)
+    scope.insert_after(anchor, node)
     match.out.replace_all_uses_with(outputs[0])
     for reader, index in readers:
         reader.set_input(index, outputs[3])
+    read = [v for member in removed for v in member.inputs if v is not None]
     for member in removed:
         member.detach()
         member.graph = None
+    # a Constant node only the pattern read (its eps, its exponent 2) goes with it
+    for value in read:
+        producer = value.producer
+        if _is(producer, "Constant") and producer.graph is scope and not value.uses() \
+                and not value.is_graph_output:
+            producer.detach()
+            producer.graph = None
+            removed.append(producer)
     model.meta.setdefault("amp.removed_nodes", []).extend(removed)
     if domain and domain not in model.opsets:
         model.opsets[domain] = 1
         for graph in model.graph.scopes():
             graph.opsets.setdefault(domain, 1)
+    reason = _REASONS[match.kind] + (_ZERO_SKIP_REASON if zero_skip else "")
     ctx.log.fusions.append(FusionRecord(node=node.name, op=node.qualified_op, pattern=match.kind,
-                                        members=[node_label(n) for n in removed], reason=_REASONS[match.kind]))
+                                        members=[node_label(n) for n in removed], reason=reason))
     return removed
+
+
+# Stands for the zero skip input in a chosen form until ``_replace`` makes it.
+ZERO_SKIP = Value("<zeros like the input>")
+
+
+def _zero_skip_rank(x: Value) -> bool:
+    """The skip ops take a (batch, sequence, hidden) or (tokens, hidden) input."""
+    return x.shape is not None and len(x.shape) in (2, 3)
+
+
+def _zeros_like(x: Value, scope: Graph, label: str, namer: Namer) -> tuple[Value, list[Node]]:
+    """``ConstantOfShape(Shape(x))``: an FP32 zero tensor of x's shape (its ``value`` attribute is
+    written in whatever type painting gives it). Adding exact zeros changes nothing, so the skip op
+    computes the normalisation of x alone."""
+    dims = Value(namer(label + "zero_skip_shape"), DType.INT64, (len(x.shape),))
+    zeros = Value(namer(label + "zero_skip"), DType.FLOAT, x.shape)
+    shape = Node("Shape", [x], name=namer(label + "zero_skip/Shape"), outputs=[dims])
+    fill = Node("ConstantOfShape", [dims], name=namer(label + "zero_skip/ConstantOfShape"), outputs=[zeros])
+    for node in (shape, fill):
+        node.opset = scope.opsets.get("", 0)
+        schema_slots(node.op_type, "", node.opset, 1, 1).apply(node)
+    return zeros, [shape, fill]
 
 
 _REASONS = {
@@ -288,6 +335,8 @@ _REASONS = {
     "tanh-GELU": "tanh-approximated GELU fused: elementwise and bounded by its input (an x^3 that overflows "
                  "only saturates the tanh), so the Pow no longer forces an FP32 island",
 }
+_ZERO_SKIP_REASON = ("; with no residual sum to take over and no standard fused op at this opset, the skip "
+                     "op adds a zero tensor (ConstantOfShape(Shape(x))), which changes no value")
 
 
 # -- conditions ----------------------------------------------------------------------------------------
