@@ -26,8 +26,8 @@ com.microsoft SkipLayerNormalization / SkipSimplifiedLayerNormalization on (a, b
 output is the sum for its other readers; else (no residual sum: T5's and Llama's first RMSNorm
 reads the embedding Gather) the same skip op on (x, ConstantOfShape(Shape(x))), an exact zero
 tensor, for an x of rank 2 or 3 (what the skip ops take): one fused kernel with FP32 statistics
-and a zero fill instead of an FP32 island, its two Casts and seven FP32 kernels; for the GELU, Gelu(approximate="tanh") (opset 20+), else
-com.microsoft FastGelu.
+and a zero fill instead of an FP32 island, its two Casts and seven FP32 kernels. For the GELU,
+Gelu(approximate="tanh") (opset 20+), else com.microsoft FastGelu.
 
 A pattern is left as it is (painting then makes it an FP32 island, as before) unless:
 - every intermediate value is read only inside the pattern and is not a graph output;
@@ -218,7 +218,7 @@ def _choose(match: _Match, scope: Graph, ctx: Context,
     standard_since = {"LayerNorm": 17, "RMSNorm": 23}.get(match.kind)
     skip = _residual_operands(match.x, shapes) if standard_since and opset < standard_since else None
     if standard_since and opset < standard_since and skip is None and _zero_skip_rank(match.x):
-        skip = [match.x, ZERO_SKIP]  # no residual sum to take over: the skip op adds zeros
+        skip = [match.x, _ZERO_SKIP]  # no residual sum to take over: the skip op adds zeros
     if match.kind == "tanh-GELU":
         forms = [("", "Gelu", 20, [match.x], {"approximate": "tanh"}), (MS, "FastGelu", 1, [match.x], {})]
     elif match.kind == "LayerNorm":
@@ -254,7 +254,7 @@ def _replace(model: Model, scope: Graph, match: _Match, ctx: Context, namer: Nam
     if chosen is None:
         return []
     domain, op, inputs, attrs = chosen
-    zero_skip = any(v is ZERO_SKIP for v in inputs)
+    zero_skip = any(v is _ZERO_SKIP for v in inputs)
     # the residual Add taken over
     total = match.x.producer if domain == MS and op.startswith("Skip") and not zero_skip else None
     removed = list(match.members) + ([total] if total is not None else [])
@@ -305,7 +305,7 @@ def _replace(model: Model, scope: Graph, match: _Match, ctx: Context, namer: Nam
 
 
 # Stands for the zero skip input in a chosen form until ``_replace`` makes it.
-ZERO_SKIP = Value("<zeros like the input>")
+_ZERO_SKIP = Value("<zeros like the input>")
 
 
 def _zero_skip_rank(x: Value) -> bool:
