@@ -287,6 +287,27 @@ def test_optimal_if_keeps_its_fp32_boundary_where_a_branch_cannot_end_low(varian
     _assert_if_stays_fp32(model)
 
 
+def test_a_constant_branch_output_is_converted_not_cast():
+    """then: Relu(h @ w1); else: a Constant. Both end low (a constant takes any type), so the If
+    output is low: the Constant's value is written in FP16, with no Cast inside its branch."""
+    then_g = body("then", [helper.make_node("MatMul", ["h", "w1"], ["t1"], name="then_mm"),
+                           helper.make_node("Relu", ["t1"], ["t2"], name="then_relu")], [], [vi("t2")])
+    fill = onnx.numpy_helper.from_array(np.full((2, 4), 0.25, np.float32), "fill")
+    else_g = body("else", [helper.make_node("Constant", [], ["e1"], name="else_const", value=fill)], [], [vi("e1")])
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["h"], name="in_mm"),
+             helper.make_node("If", ["cond"], ["o"], name="if", then_branch=then_g, else_branch=else_g),
+             helper.make_node("MatMul", ["o", "w2"], ["y"], name="out_mm")]
+    model = make(nodes, [vi("x"), vi("cond", T.BOOL, [])], [vi("y")], [weight("w0"), weight("w1"), weight("w2")])
+    out = rewrite_onnx_model(model).model
+    _check_runs(model, out)
+    assert _branch_output_types(out) == [[FP16], [FP16]]
+    assert all(scope == "main" for scope, *_ in casts(out)), casts(out)
+    if_node = next(n for n in out.graph.node if n.op_type == "If")
+    [else_branch] = [a.g for a in if_node.attribute if a.name == "else_branch"]
+    [value] = [a.t for a in else_branch.node[0].attribute if a.name == "value"]
+    assert value.data_type == FP16 and np.all(onnx.numpy_helper.to_array(value) == np.float16(0.25))
+
+
 # -- Loop -----------------------------------------------------------------------------------------------
 def loop_model():
     """h_{k+1} = Tanh(h_k @ W) + x (x from the outer scope); the states are also scanned out."""

@@ -184,7 +184,10 @@ class _Placer:
         if needs == {DType.FLOAT}:
             return
         training_param = self.ctx.options.training and value.is_initializer
-        if needs == {self.low} and not training_param and not value.is_graph_output:
+        # A graph output keeps its type (the model's signature), except a branch's output that its
+        # If made low: the constant is converted like any other, not cast inside the branch.
+        fixed_output = value.is_graph_output and (value.graph is self.model.graph or not self._branch_output_low(value))
+        if needs == {self.low} and not training_param and not fixed_output:
             value.meta["amp.was"] = DType.FLOAT
             value.meta["amp.convert"] = True
             value.dtype = self.low
