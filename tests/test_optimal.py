@@ -567,3 +567,34 @@ def test_components_where_greedy_costs_nothing_skip_the_cut_and_match_it(monkeyp
     skipped = {i for c in free_of_cost for i in c.variables}
     assert not any(v & skipped for v in cut_variables)
     assert all(labels[i] == problem.greedy[i] for i in skipped)
+
+
+def test_painter_reason_kept_only_where_its_whole_via_chain_kept_its_label():
+    """``_greedy_chains_intact``: a node keeps the painter's reason only if the cut left it and every
+    node its ``via`` chain cites with greedy's label, and no round-trip repair touched them. Chain
+    a -> b -> c (a's reason cites b, b's cites c), and h cites a, walked after a (from the memo); d
+    cites a node outside the scope; e and f cite each other."""
+    from types import SimpleNamespace
+
+    from amp_rewrite.ir import Node
+
+    via = {"a": "b", "b": "c", "c": None, "d": "elsewhere", "e": "f", "f": "e", "g": None, "h": "a"}
+    nodes = []
+    for name, cites in via.items():
+        node = Node("Relu", [], name=name)
+        node.meta["amp.via"] = cites
+        nodes.append(node)
+    index = {name: i for i, name in enumerate(via)}
+    greedy = [True] * len(nodes)
+    problem = SimpleNamespace(nodes=nodes, free=list(range(len(nodes))), greedy=greedy)
+
+    def intact(moved=(), repaired=()):
+        labels = [name not in moved for name in via]
+        found = optimal.Problem._greedy_chains_intact(problem, labels, {index[n] for n in repaired})
+        return {nodes[i].name for i in found}
+
+    assert intact() == {"a", "b", "c", "g", "h"}  # d's chain leaves the scope, e/f cite each other
+    assert intact(moved=["c"]) == {"g"}  # c moved: b, a and h cite it
+    assert intact(moved=["b"]) == {"c", "g"}  # a's chain, and so h's, passes through b
+    assert intact(moved=["a"]) == {"b", "c", "g"}  # h cites a
+    assert intact(repaired=["c"]) == {"g"}  # a repair counts as a move
