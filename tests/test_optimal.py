@@ -472,6 +472,26 @@ def test_symbolic_shape_table_refines_the_estimates():
     assert problem.numel(values["r"]) == optimal.BATCH_DIM * optimal.SYMBOLIC_DIM * 16  # the table's, smaller
 
 
+def test_fresh_dims_are_bounded_by_what_the_producer_reads():
+    """An Expand to a shape computed at run time: onnx knows the rank (5) and the broadcast
+    trailing dims, but names the two leading dims afresh (``unk__``), which would count
+    SYMBOLIC_DIM ** 2 times the input. The estimate takes the Expand's input instead (an Expand
+    says nothing else), and the Relu after it follows."""
+    problem = _problem(make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2, 8, 64] x, int64[5] dims) => (float[2, 8, 64] y) {
+          q = MatMul(x, w)
+          e = Expand(q, dims)
+          a = Relu(e)
+          s = ReduceSum<keepdims=0>(a, axes)
+          y = MatMul(s, w)
+        }""", {"w": (64, 64), "axes": np.array([0, 1], np.int64)}))
+    values = {o.name: o for n in problem.nodes for o in n.outputs}
+    assert values["e"].shape[2:] == (2, 8, 64) and all(str(d).startswith("unk__") for d in values["e"].shape[:2])
+    assert problem.numel(values["e"]) == problem.numel(values["a"]) == 2 * 8 * 64
+    assert optimal.estimate_numel(values["e"].shape) == optimal.SYMBOLIC_DIM ** 2 * 2 * 8 * 64
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_residual_network_cut_matches_networkx_minimum_cut(seed):
     """The one-pass residual network gives the same source side as ``nx.minimum_cut`` (the

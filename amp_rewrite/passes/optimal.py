@@ -390,12 +390,19 @@ class Problem:
     def _estimate(self, value: Value, depth: int) -> int:
         if value.numel is not None:
             return value.numel
-        own = estimate_numel(value.shape) if value.shape is not None else None
+        shapes = [value.shape] if value.shape is not None else []
         sym = self.symbolic.get(value.name) if value.graph is not None and value.graph.parent is None else None
         if sym is not None and all(d not in (None, "", 0) for d in sym):
-            # onnxruntime's symbolic inference followed the shape where onnx's named a fresh dim
-            own = estimate_numel(sym) if own is None else min(own, estimate_numel(sym))
+            shapes.append(sym)  # the fuse pass's inference may follow a shape the loader's lost
+        own = shape = None
+        if shapes:
+            own, shape = min(((estimate_numel(s), s) for s in shapes), key=lambda pair: pair[0])
         related = self._related_numel(value, depth) if depth < 32 else None
+        if own is not None and related is None and _fresh_dims(shape) and depth < 32:
+            # a dim onnx named afresh (``unk__7``) says nothing but that it exists, and counts
+            # SYMBOLIC_DIM: a 5-D attention Expand would count 128^5 elements. What the producer
+            # reads bounds it better (an estimate: an Expand or a MatMul can exceed its inputs).
+            related = self._inputs_numel(value, depth)
         if own is not None:
             # each unknown dim counts SYMBOLIC_DIM: a Reshape to (batch, seq, heads, head_dim) that
             # inference could not follow would count 128^4 elements, 2^15 times its input's
@@ -403,13 +410,17 @@ class Problem:
             return own if related is None else min(own, related)
         if related is not None:
             return related
+        sizes = self._inputs_numel(value, depth) if depth < 32 else None
+        return sizes if sizes is not None else SYMBOLIC_DIM
+
+    def _inputs_numel(self, value: Value, depth: int) -> int | None:
+        """The largest float input of the value's producer, or None."""
         producer = value.producer
-        if producer is not None and depth < 32:
-            sizes = [self._cached_estimate(v, depth + 1) for v in producer.inputs
-                     if v is not None and v.dtype is not None and v.dtype.is_float]
-            if sizes:
-                return max(sizes)
-        return SYMBOLIC_DIM
+        if producer is None:
+            return None
+        sizes = [self._cached_estimate(v, depth + 1) for v in producer.inputs
+                 if v is not None and v.dtype is not None and v.dtype.is_float]
+        return max(sizes) if sizes else None
 
     def _cached_estimate(self, value: Value, depth: int) -> int:
         known = self._numel.get(id(value))
@@ -787,6 +798,12 @@ class Problem:
 
 
 # -- helpers -------------------------------------------------------------------------------------------------
+def _fresh_dims(shape: tuple) -> int:
+    """How many dims onnx's shape inference named afresh because it could not compute them
+    (``unk__7``)."""
+    return sum(1 for d in shape if isinstance(d, str) and d.startswith("unk__"))
+
+
 def estimate_numel(shape: tuple) -> int:
     """Elements of a tensor of ``shape`` at the default sizes for symbolic dimensions."""
     n = 1
