@@ -323,14 +323,16 @@ class Graph:
         """Every node of this scope and of nested subgraphs, parents before children."""
         for node in list(self.nodes):
             yield node
-            for sub in node.all_subgraphs():
-                yield from sub.walk()
+            if node.subgraphs:  # (rare: checked before the call, on graphs of 100k nodes)
+                for sub in node.all_subgraphs():
+                    yield from sub.walk()
 
     def scopes(self) -> Iterator["Graph"]:
         yield self
         for node in self.nodes:
-            for sub in node.all_subgraphs():
-                yield from sub.scopes()
+            if node.subgraphs:
+                for sub in node.all_subgraphs():
+                    yield from sub.scopes()
 
     def root(self) -> "Graph":
         g = self
@@ -362,8 +364,9 @@ class Graph:
             dg.add_edges_from((id(dep), id(node)) for node in self.nodes for dep in self._dependencies(node, members))
             self.nodes = [by_id[i] for i in nx.lexicographical_topological_sort(dg, key=order.get)]
         for node in self.nodes:
-            for sub in node.all_subgraphs():
-                sub.sort()
+            if node.subgraphs:
+                for sub in node.all_subgraphs():
+                    sub.sort()
 
     def _in_order(self, members: set[int]) -> bool:
         placed: set[int] = set()
