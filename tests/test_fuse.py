@@ -226,6 +226,49 @@ def test_standalone_norm_below_the_standard_op_takes_a_zero_skip(norm, opset, op
     check_fused(model, result, scale=scale)
 
 
+RMSNORM_AXES_INPUT = RMSNORM.replace("ReduceMean<axes=[-1]>(p)", "ReduceMean(p, last)")
+
+
+@pytest.mark.parametrize("scale", [1.0, 300.0])
+def test_rmsnorm_opset23_becomes_rmsnormalization(scale):
+    """From opset 23 the standard RMSNormalization takes the norm, residual or not: no skip op,
+    no zero fill."""
+    text = """
+    <ir_version: 11, opset_import: ["" : 23]>
+    g (float[2,4,8] x) => (float[2,4,8] y) {
+      r = MatMul(x, wq)""" + RMSNORM_AXES_INPUT + """
+      y = MatMul(ln, wo)
+    }"""
+    model = make_model(text, {**W, "last": np.array([-1], np.int64)})
+    result = rewrite(model)
+    node = only(result.model, "RMSNormalization")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["axis"] == -1 and attrs["epsilon"] == pytest.approx(1e-5)
+    assert names(node.input) == ["r", "g"]
+    assert not nodes_by_type(result.model, "ConstantOfShape")
+    check_fused(model, result, scale=scale)
+
+
+def test_a_models_own_rmsnormalization_keeps_x_scale_and_y_one_type():
+    """RMSNormalization-23 types X as T and scale and Y as V, but onnx's inference gives Y the type
+    of X: painting them as one group keeps the model valid, with no Cast around the norm."""
+    text = """
+    <ir_version: 11, opset_import: ["" : 23]>
+    g (float[2,4,8] x) => (float[2,4,8] y) {
+      r = MatMul(x, wq)
+      ln = RMSNormalization<axis=-1, epsilon=0.00001>(r, g)
+      y = MatMul(ln, wo)
+    }"""
+    model = make_model(text, W)
+    out = rewrite(model).model
+    full_check(out)
+    types = value_types(out)
+    assert types["r"] == types["ln"] == FP16
+    assert [t.data_type for t in out.graph.initializer if t.name == "g"] == [FP16]
+    assert len(nodes_by_type(out, "Cast")) == 2  # the graph input and output only
+    assert rel_err(run(model, feeds())["y"], run(out, feeds())["y"]) < 1e-2
+
+
 def test_zero_skip_needs_a_known_rank():
     """The skip ops take rank 2 or 3; a norm over an input of unknown rank keeps its island."""
     text = """

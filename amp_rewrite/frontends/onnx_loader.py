@@ -30,6 +30,10 @@ MIN_IR_VERSION = 3  # the first with opset imports
 CONTROL_FLOW_OPS = {"If", "Loop", "Scan", "SequenceMap"}
 # Ops whose float input may be any type and never needs a cast (they read metadata only).
 _TYPE_AGNOSTIC_INPUTS = {"Shape", "Size"}
+# Type groups the schema keeps apart but the model must keep equal: RMSNormalization-23 types X
+# as T and scale and Y as V, yet onnx's type inference gives Y the type of X (so a low Y read from
+# an FP32 X fails onnx.checker). Painted as one group.
+_MERGED_GROUPS = {("", "RMSNormalization"): {"V": "T"}}
 
 
 @dataclass
@@ -447,6 +451,12 @@ def schema_slots(op: str, domain: str, opset: int | None, n_in: int, n_out: int)
                    for tc in schema.type_constraints}
     ins = (None,) * n_in if op in _TYPE_AGNOSTIC_INPUTS else tuple(_expand(schema.inputs, n_in, type_vars))
     outs = tuple(_expand(schema.outputs, n_out, type_vars))
+    merged = _MERGED_GROUPS.get((domain or "", op))
+    if merged:
+        ins = tuple(merged.get(g, g) for g in ins)
+        outs = tuple(merged.get(g, g) for g in outs)
+        for old, into in merged.items():
+            group_types[into] = group_types[into] & group_types.pop(old)
     return Slots(ins, outs, tuple(f.name for f in schema.inputs), group_types)
 
 
