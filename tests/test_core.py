@@ -286,3 +286,29 @@ def test_rewrite_of_an_onnx_training_graph_adds_the_loss_scale():
     x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
     got = run(out, {"x": x, "loss_scale": np.array(1024.0, np.float32)})
     np.testing.assert_allclose(got["scaled_loss"], got["loss"] * 1024.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("with_mask", [False, True], ids=["no-mask", "fp32-additive-mask"])
+def test_attention23_paints_q_k_and_v_as_one_type(with_mask):
+    """Attention-23 types Q and K as T1 and V as T2, but its kernels take one type for both
+    (onnxruntime's CPU provider refused the FP32 V next to FP16 Q/K the group split made). Q, K,
+    V and the output are painted together; a float additive mask (U) keeps FP32, where -1e9 stays
+    finite."""
+    mask = ", mask" if with_mask else ""
+    model = make_model(f"""
+        <ir_version: 11, opset_import: ["" : 23]>
+        g (float[2,4,8] x, float[4,4] mask) => (float[2,4,8] y) {{
+          q = MatMul(x, wq)
+          k = MatMul(x, wk)
+          v = MatMul(x, wv)
+          a = Attention<q_num_heads=2, kv_num_heads=2>(q, k, v{mask})
+          y = MatMul(a, wo)
+        }}""", {"wq": (8, 8), "wk": (8, 8), "wv": (8, 8), "wo": (8, 8)})
+    out = rewrite(model).model
+    full_check(out)
+    types = value_types(out)
+    assert types["q"] == types["k"] == types["v"] == types["a"] == FP16 and types["mask"] == FP32
+    assert len(nodes_by_type(out, "Cast")) == 2  # the graph input and output only
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 4, 8)).astype(np.float32),
+             "mask": np.triu(np.full((4, 4), -1e9, np.float32), 1)}
+    assert rel_err(run(model, feeds)["y"], run(out, feeds)["y"]) < 1e-2

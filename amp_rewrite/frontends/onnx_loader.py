@@ -30,10 +30,12 @@ MIN_IR_VERSION = 3  # the first with opset imports
 CONTROL_FLOW_OPS = {"If", "Loop", "Scan", "SequenceMap"}
 # Ops whose float input may be any type and never needs a cast (they read metadata only).
 _TYPE_AGNOSTIC_INPUTS = {"Shape", "Size"}
-# Type groups the schema keeps apart but the model must keep equal: RMSNormalization-23 types X
-# as T and scale and Y as V, yet onnx's type inference gives Y the type of X (so a low Y read from
-# an FP32 X fails onnx.checker). Painted as one group.
-_MERGED_GROUPS = {("", "RMSNormalization"): {"V": "T"}}
+# Type groups the schema keeps apart but the model must keep equal, painted as one group:
+# - RMSNormalization-23 types X as T and scale and Y as V, yet onnx's type inference gives Y the
+#   type of X (a low Y read from an FP32 X fails onnx.checker);
+# - Attention-23 types Q/K (and Y) as T1 and V as T2, yet its kernels take one type for all three
+#   (onnxruntime refuses an FP32 V next to FP16 Q/K). Its mask (U) keeps its own type.
+_MERGED_GROUPS = {("", "RMSNormalization"): {"V": "T"}, ("", "Attention"): {"T2": "T1"}}
 
 
 @dataclass
