@@ -458,7 +458,8 @@ def schema_slots(op: str, domain: str, opset: int | None, n_in: int, n_out: int)
         ins = tuple(merged.get(g, g) for g in ins)
         outs = tuple(merged.get(g, g) for g in outs)
         for old, into in merged.items():
-            group_types[into] = group_types[into] & group_types.pop(old)
+            if old in group_types and into in group_types:  # (a later opset may name them otherwise)
+                group_types[into] = group_types[into] & group_types.pop(old)
     return Slots(ins, outs, tuple(f.name for f in schema.inputs), group_types)
 
 
