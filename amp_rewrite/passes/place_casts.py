@@ -184,9 +184,9 @@ class _Placer:
         if needs == {DType.FLOAT}:
             return
         training_param = self.ctx.options.training and value.is_initializer
-        # A graph output keeps its type (the model's signature), except a branch's output that its
-        # If made low: the constant is converted like any other, not cast inside the branch.
-        fixed_output = value.is_graph_output and (value.graph is self.model.graph or not self._branch_output_low(value))
+        # A main-graph output keeps its type (the model's signature). A branch output needs the low
+        # type only where its If took it: then the constant is converted, not cast in the branch.
+        fixed_output = value.is_graph_output and value.graph is self.model.graph
         if needs == {self.low} and not training_param and not fixed_output:
             value.meta["amp.was"] = DType.FLOAT
             value.meta["amp.convert"] = True
