@@ -441,9 +441,11 @@ class Slots(NamedTuple):
         node.meta["group_types"] = self.group_types
 
 
+@functools.lru_cache(maxsize=None)
 def schema_slots(op: str, domain: str, opset: int | None, n_in: int, n_out: int) -> Slots:
     """Per slot: the type-constraint name (a group painted together) or None (a fixed type). An op
-    with no schema (custom domain, model-local function) is one group, "?"."""
+    with no schema (custom domain, model-local function) is one group, "?". Cached: every node of
+    an op and arity shares one (read-only) answer."""
     schema = _schema(op, domain or "", opset)
     if schema is None:
         return Slots(("?",) * n_in, ("?",) * n_out, (), {})
@@ -478,7 +480,6 @@ class _Builder:
                  inferred: list[dict[str, onnx.ValueInfoProto]] | None = None) -> None:
         self.opsets = opsets
         self.ir_version = ir_version
-        self._slots_cache: dict[tuple[str, str, int, int], Slots] = {}
         # shape inference's answer, one table per graph in the order build_graph meets them
         # (the graph, then each node's bodies in node and attribute order, depth first)
         self._tables = iter(inferred) if inferred is not None else None
@@ -570,11 +571,7 @@ class _Builder:
         return node
 
     def _slots(self, op: str, domain: str, n_in: int, n_out: int) -> Slots:
-        key = (op, domain, n_in, n_out)
-        if key not in self._slots_cache:
-            opset = self.opsets.get("" if domain == "ai.onnx" else domain or "")
-            self._slots_cache[key] = schema_slots(op, domain, opset, n_in, n_out)
-        return self._slots_cache[key]
+        return schema_slots(op, domain, self.opsets.get("" if domain == "ai.onnx" else domain or ""), n_in, n_out)
 
 
 def _expand(formals, count: int, type_vars: set[str]) -> list[str | None]:
