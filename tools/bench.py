@@ -326,6 +326,18 @@ def _dynamic_batch(model, name: str) -> bool:
 
 
 # -- conditions ---------------------------------------------------------------------------------------------
+def _against_loading_peers(models: dict):
+    """(model, the optimal record, the peers' records whose output loads) for every model where
+    optimal counted its Casts and some peer loads."""
+    for name, recs in models.items():
+        o = recs.get("amp-rewrite-optimal")
+        if not o or o.get("casts") is None:
+            continue
+        peers = [recs[p] for p in PEERS if p in recs and recs[p].get("loads")]
+        if peers:
+            yield name, o, peers
+
+
 def evaluate(results: dict) -> list[dict]:
     """The issue's done-conditions, each with its verdict and the figures behind it."""
     conds = []
@@ -374,11 +386,8 @@ def evaluate(results: dict) -> list[dict]:
     # issue 2's measure, for the default placement (optimal): no more Casts than the better peer
     # whose output loads, at an equal or higher FP16 share of MatMul/Gemm/Conv FLOPs
     behind, compared = [], 0
-    for name, recs in models.items():
-        o = recs.get("amp-rewrite-optimal")
-        if not o or o.get("casts") is None:
-            continue
-        peers = [recs[p] for p in PEERS if p in recs and recs[p].get("loads") and recs[p].get("casts") is not None]
+    for name, o, peers in _against_loading_peers(models):
+        peers = [p for p in peers if p.get("casts") is not None]
         if not peers:
             continue
         compared += 1
@@ -392,13 +401,7 @@ def evaluate(results: dict) -> list[dict]:
                   "failing": behind})
 
     more, compared = [], 0
-    for name, recs in models.items():
-        o = recs.get("amp-rewrite-optimal")
-        if not o or o.get("casts") is None:
-            continue
-        peers = [recs[p] for p in PEERS if p in recs and recs[p].get("loads")]
-        if not peers:
-            continue
+    for name, o, peers in _against_loading_peers(models):
         compared += 1
         fewer = all(o["casts"] < p["casts"] for p in peers)
         if not fewer:
