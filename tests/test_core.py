@@ -142,6 +142,48 @@ def test_one_cast_per_value_and_type_shared_by_consumers():
     assert len(casts_of_x) == 1
 
 
+def test_no_op_casts_the_model_wrote_are_removed_real_ones_and_output_writers_stay():
+    # TorchScript exports cast Shape/Gather results to int64 and masks to bool that already are:
+    # those Casts do nothing and go. The int64 -> bool Cast converts and stays; a no-op Cast that
+    # writes a graph output keeps the output's name and stays.
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x, int64[4,8] mask) => (float[4,8] y, int64 n) {
+          s = Shape(x)
+          i = Constant<value=int64 {1}>()
+          d = Gather<axis=0>(s, i)
+          d64 = Cast<to=7>(d)
+          n = Cast<to=7>(d)
+          b = Cast<to=9>(mask)
+          bb = Cast<to=9>(b)
+          a = MatMul(x, w)
+          z = Constant<value=float {0.0}>()
+          m8 = Where(bb, a, z)
+          ax = Constant<value=int64[1] {0}>()
+          k = Unsqueeze(d64, ax)
+          neg = Constant<value=int64[1] {-1}>()
+          sh = Concat<axis=0>(neg, k)
+          r = Reshape(m8, sh)
+          h = Relu(r)
+          y = MatMul(h, w)
+        }""", {"w": (8, 8)})
+    result = rewrite(m)
+    out = result.model
+    full_check(out)
+    model_casts = sorted(c.output[0] for c in nodes_by_type(out, "Cast") if not c.name.startswith("amp_cast/"))
+    assert model_casts == ["b", "n"]
+    removed = {c.tensor: c.reason for c in result.log.casts if c.kind == "removed"}
+    assert removed == {"d64": "existing Cast of a int64 value to int64 does nothing: removed",
+                       "bb": "existing Cast of a bool value to bool does nothing: removed"}
+    where = nodes_by_type(out, "Where")[0]
+    assert where.input[0] == "b"
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((4, 8)).astype(np.float32), "mask": rng.integers(0, 2, (4, 8))}
+    ref, got = run(m, feeds), run(out, feeds)
+    assert rel_err(ref["y"], got["y"]) < 1e-2 and got["n"] == ref["n"] == 8
+    assert not rewrite(out).modified
+
+
 def test_training_keeps_initializers_fp32_with_casts_at_use():
     result = rewrite(_mlp(), training=True)
     out = result.model

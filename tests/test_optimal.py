@@ -197,7 +197,13 @@ def test_cast_of_an_activation_stays_an_fp32_read():
     """The same Cast of an activation (a graph input) is not weights: the Add keeps reading FP32."""
     best = rewrite(_embedding("act"), placement="optimal")
     assert _precisions(best)["Add:e"] == "fp32"
-    assert not any(c.kind in ("retargeted", "removed") for c in best.log.casts)
+    assert not any(c.kind == "retargeted" for c in best.log.casts)
+    # the model's Cast(fp32 -> FLOAT) of the activation does nothing, and goes as such (not as a
+    # cast a low reader made redundant): the Add reads the graph input itself
+    assert [(c.tensor, c.reason) for c in best.log.casts if c.kind == "removed"] == [
+        ("pos_f", "existing Cast of a fp32 value to fp32 does nothing: removed")]
+    add = next(n for n in best.model.graph.node if n.op_type == "Add")
+    assert "act" in add.input
 
 
 def test_deny_and_island_nodes_stay_fp32_even_when_low_would_save_bytes():

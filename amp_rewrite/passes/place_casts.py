@@ -307,7 +307,14 @@ class _Placer:
 
     # -- cleanup --------------------------------------------------------------------------------------
     def _remove_identity_casts(self, scopes: list[Graph]) -> None:
-        """A Cast whose input already has its target type (its producer went low) does nothing."""
+        """A Cast whose input already has its target type does nothing: its readers read the input.
+
+        Two kinds: a float Cast whose producer went low with it (painting made it a no-op), and a
+        no-op the model already had (TorchScript exports write Cast(int64 -> int64) after every
+        Shape/Gather and Cast(bool -> bool) in masks). Both are removed after painting, so a Cast the
+        user wrote as a precision hint has already done its work; a Cast that writes a graph output
+        keeps the output's name and stays.
+        """
         for scope in scopes:
             for node in list(scope.nodes):
                 if node.op_type != "Cast" or node.domain != "" or node.meta.get("amp.inserted"):
@@ -315,10 +322,10 @@ class _Placer:
                 src, out = node.inputs[0], node.outputs[0]
                 if src is None or src.dtype is None or int(src.dtype) != node.attrs.get("to") or out.is_graph_output:
                     continue
-                if src.meta.get("amp.was") is None:
-                    continue  # a no-op cast the user wrote: not ours to remove
+                reason = ("existing Cast became a no-op after painting: removed" if src.meta.get("amp.was") is not None
+                          else f"existing Cast of a {src.dtype.short} value to {src.dtype.short} does nothing: removed")
                 out.replace_all_uses_with(src, include_outputs=False)
-                self._drop_cast(node, out, src, "existing Cast became a no-op after painting: removed")
+                self._drop_cast(node, out, src, reason)
 
     def _drop_cast(self, node: Node, out: Value, src: Value, reason: str) -> None:
         """Remove an existing Cast nobody needs any more (its readers read ``src``)."""
