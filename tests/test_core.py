@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import pytest
 
+from amp_rewrite.report import Report
 from util import FP16, FP32, ROOT, full_check, make_model, nodes_by_type, rel_err, rewrite, run, value_types
 
 MLP = """
@@ -181,6 +182,51 @@ def test_no_op_casts_the_model_wrote_are_removed_real_ones_and_output_writers_st
     feeds = {"x": rng.standard_normal((4, 8)).astype(np.float32), "mask": rng.integers(0, 2, (4, 8))}
     ref, got = run(m, feeds), run(out, feeds)
     assert rel_err(ref["y"], got["y"]) < 1e-2 and got["n"] == ref["n"] == 8
+    assert not rewrite(out).modified
+
+
+def _without_paths(d: dict) -> dict:
+    return {k: v for k, v in d.items() if k not in ("source", "output")}
+
+
+def test_exact_round_trips_through_a_wider_type_fold_and_narrowing_ones_stay():
+    # HF's eager attention: softmax(..., dtype=float32).to(query.dtype), exported as two Casts to
+    # FLOAT. With the softmax low, the first becomes an fp16 -> fp32 upcast and the second is
+    # retargeted to fp16: together they return the softmax exactly, so both go. The second
+    # softmax's upcast also feeds an output, so only its cast back goes. The model's own
+    # fp32 -> fp16 -> fp32 trip (lossy) is not an identity and stays.
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y, float[4,8] p2, float[4,8] q) {
+          a = MatMul(x, w)
+          s = Softmax<axis=-1>(a)
+          c = Cast<to=1>(s)
+          c1 = Cast<to=1>(c)
+          h = MatMul(c1, w)
+          s2 = Softmax<axis=-1>(h)
+          p2 = Cast<to=1>(s2)
+          p3 = Cast<to=1>(p2)
+          y = MatMul(p3, w)
+          n16 = Cast<to=10>(x)
+          q = Cast<to=1>(n16)
+        }""", {"w": (8, 8)})
+    result = rewrite(m)
+    out = result.model
+    full_check(out)
+    producers = {o: n for n in out.graph.node for o in n.output}
+    assert nodes_by_type(out, "MatMul")[1].input[0] == "s"
+    assert nodes_by_type(out, "MatMul")[2].input[0] == "s2"
+    assert {"c", "c1", "p3"}.isdisjoint(producers) and producers["p2"].op_type == "Cast"
+    assert producers["q"].op_type == "Cast" and producers["n16"].op_type == "Cast"
+    removed = sorted(c.tensor for c in result.log.casts if c.kind == "removed")
+    assert removed == ["c", "c1", "p3"]
+    # each Cast has one outcome in the report: c1 and p3 were retargeted before the fold removed them
+    assert [c.kind for c in result.log.casts if c.tensor in ("c1", "p3")] == ["removed", "removed"]
+    assert _without_paths(Report.from_model(out).to_dict()) == _without_paths(result.report.to_dict())
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    ref, got = run(m, {"x": x}), run(out, {"x": x})
+    for k in ("y", "p2", "q"):
+        assert rel_err(ref[k], got[k]) < 1e-2
     assert not rewrite(out).modified
 
 

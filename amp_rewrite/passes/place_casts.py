@@ -27,6 +27,20 @@ from .base import (Context, PassResult, accepts_any_float, group_inputs, group_o
                    participates, precision, scope_label)
 
 
+
+# from -> the types that represent each of its values exactly (a cast there and back is the identity)
+_EXACT_WIDENING: dict[DType, frozenset[int]] = {
+    DType.FLOAT16: frozenset({int(DType.FLOAT), int(DType.DOUBLE)}),
+    DType.BFLOAT16: frozenset({int(DType.FLOAT), int(DType.DOUBLE)}),
+    DType.FLOAT: frozenset({int(DType.DOUBLE)}),
+    DType.BOOL: frozenset(int(t) for t in (DType.INT8, DType.INT16, DType.INT32, DType.INT64, DType.UINT8,
+                                           DType.FLOAT16, DType.BFLOAT16, DType.FLOAT, DType.DOUBLE)),
+    DType.INT8: frozenset({int(DType.INT16), int(DType.INT32), int(DType.INT64)}),
+    DType.INT16: frozenset({int(DType.INT32), int(DType.INT64)}),
+    DType.INT32: frozenset({int(DType.INT64)}),
+    DType.UINT8: frozenset({int(DType.INT16), int(DType.INT32), int(DType.INT64), int(DType.UINT16)}),
+}
+
 class Namer:
     """Unique, deterministic names: the base name, then base_1, base_2, ..."""
 
@@ -326,10 +340,39 @@ class _Placer:
                           else f"existing Cast of a {src.dtype.short} value to {src.dtype.short} does nothing: removed")
                 out.replace_all_uses_with(src, include_outputs=False)
                 self._drop_cast(node, out, src, reason)
+            for node in list(scope.nodes):
+                self._fold_round_trip(node)
+
+    def _fold_round_trip(self, node: Node) -> None:
+        """``Cast(Cast(x, to=W), to=type(x))`` where W holds every value of x's type exactly (an fp16
+        softmax the model upcasts and whose upcast a low MatMul reads): the pair is ``x`` itself."""
+        if node.op_type != "Cast" or node.domain != "" or node.graph is None:
+            return
+        mid, out = node.inputs[0], node.outputs[0]
+        first = mid.producer if mid is not None else None
+        if first is None or first.op_type != "Cast" or first.domain != "" or out.is_graph_output:
+            return
+        src = first.inputs[0]
+        if src is None or src.dtype is None or int(src.dtype) != node.attrs.get("to"):
+            return
+        if first.attrs.get("to") not in _EXACT_WIDENING.get(src.dtype, ()):
+            return
+        out.replace_all_uses_with(src, include_outputs=False)
+        wide = DType(first.attrs["to"]).name.lower()
+        self._drop_cast(node, out, src, f"casts a {src.dtype.short} value to {wide} and back, which returns it "
+                        "exactly: its readers read the value itself; removed")
+        if not mid.uses() and not mid.is_graph_output:
+            self._drop_cast(first, mid, src, f"its only reader was the cast back to {src.dtype.short}, "
+                            "folded away: removed")
 
     def _drop_cast(self, node: Node, out: Value, src: Value, reason: str) -> None:
-        """Remove an existing Cast nobody needs any more (its readers read ``src``)."""
-        self._record(node.name or out.name, out, src.dtype, src.dtype, [], node.graph, reason, "removed")
+        """Remove an existing Cast nobody needs any more (its readers read ``src``). A record of the
+        same Cast (retargeted before a fold removed it) is replaced: the report gives each Cast its
+        outcome."""
+        name = node.name or out.name
+        if node.meta.get("amp.retargeted"):
+            self.ctx.log.casts[:] = [c for c in self.ctx.log.casts if c.name != name or c.kind != "retargeted"]
+        self._record(name, out, src.dtype, src.dtype, [], node.graph, reason, "removed")
         node.graph.remove(node)
         node.meta["amp.removed"] = True
         self.model.meta.setdefault("amp.removed_nodes", []).append(node)
