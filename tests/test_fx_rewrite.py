@@ -582,3 +582,26 @@ def test_tuple_getitem_is_not_an_op():
     lstm = next(n for n in ir.graph.nodes if n.op_type == "lstm")
     assert len(lstm.outputs) == 3  # output, (h, c) flattened
     assert any(n.target is operator.getitem for n in gm.graph.nodes)
+
+
+def test_a_copying_no_op_cast_stays_where_the_copy_is_mutated():
+    """``_to_copy`` to the dtype a tensor already has copies it. The rewrite removes no-op casts,
+    but not in a graph that mutates tensors in place: reading the source instead of the copy would
+    let ``add_`` change the source too."""
+
+    class CopyThenMutate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            c = torch.relu(x)
+            d = torch.ops.aten._to_copy(c, dtype=torch.float32)
+            d.add_(1.0)
+            return self.fc2(self.fc1(c)) + d
+
+    model, x = CopyThenMutate().eval(), torch.randn(2, 4)
+    result = _dispatch(model, example_inputs=(x,), target="bf16", capture="symbolic_trace")
+    assert [c.kind for c in result.log.casts if c.kind == "removed"] == []
+    with torch.no_grad():
+        assert rel_err(result.model(x), model(x)) < TOL["bf16"]

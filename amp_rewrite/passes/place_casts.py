@@ -329,6 +329,9 @@ class _Placer:
         user wrote as a precision hint has already done its work; a Cast that writes a graph output
         keeps the output's name and stays.
         """
+        # A torch graph that mutates tensors in place keeps the casts it wrote: ``_to_copy`` copies,
+        # and reading the source instead would let a later in-place op change it.
+        mutates = any(n.meta.get("fx.inplace") for scope in scopes for n in scope.nodes)
         for scope in scopes:
             for node in list(scope.nodes):
                 if node.op_type != "Cast" or node.domain != "" or node.meta.get("amp.inserted"):
@@ -336,11 +339,13 @@ class _Placer:
                 src, out = node.inputs[0], node.outputs[0]
                 if src is None or src.dtype is None or int(src.dtype) != node.attrs.get("to") or out.is_graph_output:
                     continue
+                if mutates and src.meta.get("amp.was") is None:
+                    continue
                 reason = ("existing Cast became a no-op after painting: removed" if src.meta.get("amp.was") is not None
                           else f"existing Cast of a {src.dtype.short} value to {src.dtype.short} does nothing: removed")
                 out.replace_all_uses_with(src, include_outputs=False)
                 self._drop_cast(node, out, src, reason)
-            for node in list(scope.nodes):
+            for node in [] if mutates else list(scope.nodes):
                 self._fold_round_trip(node)
 
     def _fold_round_trip(self, node: Node) -> None:
