@@ -27,7 +27,6 @@ from .base import (Context, PassResult, accepts_any_float, group_inputs, group_o
                    participates, precision, scope_label)
 
 
-
 # from -> the types that represent each of its values exactly (a cast there and back is the identity)
 _EXACT_WIDENING: dict[DType, frozenset[int]] = {
     DType.FLOAT16: frozenset({int(DType.FLOAT), int(DType.DOUBLE)}),
@@ -40,6 +39,7 @@ _EXACT_WIDENING: dict[DType, frozenset[int]] = {
     DType.INT32: frozenset({int(DType.INT64)}),
     DType.UINT8: frozenset({int(DType.INT16), int(DType.INT32), int(DType.INT64), int(DType.UINT16)}),
 }
+
 
 class Namer:
     """Unique, deterministic names: the base name, then base_1, base_2, ..."""
