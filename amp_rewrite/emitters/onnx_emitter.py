@@ -309,9 +309,13 @@ class _ConvertingTensor(ir.LazyTensor):
             file.write(part.tobytes())
 
 
+def _shallow(record) -> dict:
+    """A dataclass record's fields, shallow (``asdict`` would deep-copy every list only to serialise it)."""
+    return {f.name: getattr(record, f.name) for f in fields(record)}
+
+
 def cast_record_dict(record: CastRecord) -> dict:
-    """The record's fields, shallow (``asdict`` would deep-copy every list only to serialise it)."""
-    d = {f.name: getattr(record, f.name) for f in fields(record)}
+    d = _shallow(record)
     d["shape"] = list(record.shape) if record.shape is not None else None
     return d
 
@@ -333,10 +337,10 @@ def _model_tags(log: DecisionLog, deferred: list[tuple]) -> str:
         if found:
             weights["sentinels"].append({"tensor": name, **found})
     removed = [{**cast_record_dict(c), "index": i} for i, c in enumerate(log.casts) if c.kind == "removed"]
-    return json.dumps({"version": 1, "target": log.target, "islands": [asdict(i) for i in log.islands],
+    return json.dumps({"version": 1, "target": log.target, "islands": [_shallow(i) for i in log.islands],
                        "weights": weights, "unlisted_ops": log.unlisted_ops, "notes": log.notes,
                        "io_changed": log.io_changed, "removed_casts": removed,
-                       "fusions": [asdict(f) for f in log.fusions]})
+                       "fusions": [_shallow(f) for f in log.fusions]})
 
 
 CHUNK_ELEMENTS = 4 << 20  # 16 MB of FP32 converted per step

@@ -331,10 +331,11 @@ class _Placer:
         """
         # A torch graph that mutates tensors in place keeps the casts it wrote: ``_to_copy`` copies,
         # and reading the source instead would let a later in-place op change it.
-        mutates = any(n.meta.get("fx.inplace") for scope in scopes for n in scope.nodes)
+        mutates = self.model.frontend == "torch" and any(n.meta.get("fx.inplace") for s in scopes for n in s.nodes)
         for scope in scopes:
-            for node in list(scope.nodes):
-                if node.op_type != "Cast" or node.domain != "" or node.meta.get("amp.inserted"):
+            casts = [node for node in scope.nodes if node.op_type == "Cast" and node.domain == ""]
+            for node in casts:
+                if node.meta.get("amp.inserted"):
                     continue
                 src, out = node.inputs[0], node.outputs[0]
                 if src is None or src.dtype is None or int(src.dtype) != node.attrs.get("to") or out.is_graph_output:
@@ -345,7 +346,7 @@ class _Placer:
                           else f"existing Cast of a {src.dtype.short} value to {src.dtype.short} does nothing: removed")
                 out.replace_all_uses_with(src, include_outputs=False)
                 self._drop_cast(node, out, src, reason)
-            for node in [] if mutates else list(scope.nodes):
+            for node in [] if mutates else casts:
                 self._fold_round_trip(node)
 
     def _fold_round_trip(self, node: Node) -> None:
