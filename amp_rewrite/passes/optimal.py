@@ -397,21 +397,20 @@ class Problem:
         own = shape = None
         if shapes:
             own, shape = min(((estimate_numel(s), s) for s in shapes), key=lambda pair: pair[0])
-        related = self._related_numel(value, depth) if depth < 32 else None
-        if own is not None and related is None and _fresh_dims(shape) and depth < 32:
-            # a dim onnx named afresh (``unk__7``) says nothing but that it exists, and counts
-            # SYMBOLIC_DIM: a 5-D attention Expand would count 128^5 elements. What the producer
-            # reads bounds it better (an estimate: an Expand or a MatMul can exceed its inputs).
+        if depth >= 32:
+            return own if own is not None else SYMBOLIC_DIM
+        # Each unknown dim counts SYMBOLIC_DIM: a Reshape to (batch, seq, heads, head_dim) that
+        # inference could not follow would count 128^4 elements, 2^15 times its input's
+        # (batch, seq, 64); what it was made from bounds it better. A dim onnx named afresh
+        # (``unk__7``) says nothing but that it exists (a 5-D attention Expand would count 128^5):
+        # with no relation for the op, the producer's largest float input bounds it (an estimate:
+        # an Expand or a MatMul can exceed its inputs), as it does a value of unknown shape.
+        related = self._related_numel(value, depth)
+        if related is None and (own is None or _fresh_dims(shape)):
             related = self._inputs_numel(value, depth)
-        if own is not None:
-            # each unknown dim counts SYMBOLIC_DIM: a Reshape to (batch, seq, heads, head_dim) that
-            # inference could not follow would count 128^4 elements, 2^15 times its input's
-            # (batch, seq, 64); what it was made from bounds it better
-            return own if related is None else min(own, related)
-        if related is not None:
-            return related
-        sizes = self._inputs_numel(value, depth) if depth < 32 else None
-        return sizes if sizes is not None else SYMBOLIC_DIM
+        if own is None:
+            return related if related is not None else SYMBOLIC_DIM
+        return own if related is None else min(own, related)
 
     def _inputs_numel(self, value: Value, depth: int) -> int | None:
         """The largest float input of the value's producer, or None."""
