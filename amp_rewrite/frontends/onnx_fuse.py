@@ -101,8 +101,8 @@ def fuse(model: Model, ctx: Context) -> PassResult:
             scope.nodes = [n for n in scope.nodes if id(n) not in gone]
             scope.sort()  # a reader of a residual sum may sit between the sum and the fused op
             changed = True
-    if shapes._shapes:  # computed for a skip proof: the optimal placement's size estimates read it too
-        model.meta["amp.symbolic_shapes"] = shapes._shapes
+    if shapes.computed:  # for a skip proof: the optimal placement's size estimates read it too
+        model.meta["amp.symbolic_shapes"] = shapes.computed
     return PassResult("fuse", modified=changed)
 
 
@@ -398,6 +398,11 @@ class SymbolicShapes:
     def __init__(self, model: Model) -> None:
         self.model = model
         self._shapes: dict[str, tuple] | None = None
+
+    @property
+    def computed(self) -> dict[str, tuple]:
+        """The table, if a proof has asked for it (empty otherwise: nothing is inferred for it)."""
+        return self._shapes or {}
 
     def of(self, value: Value) -> tuple | None:
         if self._shapes is None:

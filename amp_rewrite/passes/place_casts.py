@@ -351,8 +351,9 @@ class _Placer:
 
     def _fold_round_trip(self, node: Node) -> None:
         """``Cast(Cast(x, to=W), to=type(x))`` where W holds every value of x's type exactly (an fp16
-        softmax the model upcasts and whose upcast a low MatMul reads): the pair is ``x`` itself."""
-        if node.op_type != "Cast" or node.domain != "" or node.graph is None:
+        softmax the model upcasts and whose upcast a low MatMul reads): the pair is ``x`` itself.
+        ``node`` is a standard-domain Cast (already removed if it did nothing)."""
+        if node.graph is None:
             return
         mid, out = node.inputs[0], node.outputs[0]
         first = mid.producer if mid is not None else None
