@@ -322,6 +322,21 @@ def case_unsorted_acyclic(d: Path) -> Case:
     return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"], feeds={"x": feed()})
 
 
+def case_unsorted_body_reads_a_later_value(d: Path) -> Case:
+    """An If listed before the node making the value its branches read: the loader sorts the graph
+    (the body's read counts as the If's) and the output is sorted and runs."""
+    branch = {name: helper.make_graph([helper.make_node(op, ["h", "h"], [f"{name}_out"], name=f"{name}_op")],
+                                      name, [], [vi(f"{name}_out", shape=None)])
+              for name, op in (("then", "Add"), ("else", "Sub"))}
+    nodes = [helper.make_node("If", ["c"], ["z"], name="if", then_branch=branch["then"], else_branch=branch["else"]),
+             helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("MatMul", ["z", "w2"], ["y"], name="mm2")]
+    save(model(nodes, [vi("x"), vi("c", TensorProto.BOOL, ())], [vi("y")], [weight("w1"), weight("w2", seed=1)]),
+         d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"],
+                feeds={"x": feed(), "c": np.array(True)})
+
+
 def case_passthrough_graph(d: Path) -> Case:
     """No nodes, the output is the input: nothing to rewrite."""
     save(model([], [vi("x")], [vi("x")]), d / "m.onnx")

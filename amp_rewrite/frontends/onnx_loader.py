@@ -51,35 +51,50 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     """Load a path or ModelProto into the neutral IR (never modifies the input)."""
     if isinstance(source, onnx.ModelProto):
         path = None
-        ir_model, inferred = _read_proto(source, None, source.ByteSize(), owned=False, infer_shapes=infer_shapes)
+        ir_model, inferred, nested = _read_proto(source, None, source.ByteSize(), owned=False,
+                                                 infer_shapes=infer_shapes)
     else:
         path = Path(source)
-        ir_model, inferred = _read_path(path, infer_shapes=infer_shapes)
-    graphs = list(ir_model.graphs())  # (a walk over every node: done once)
+        ir_model, inferred, nested = _read_path(path, infer_shapes=infer_shapes)
+    # (onnx-ir finds the bodies by a walk over every node: only done when the proto has some)
+    graphs = list(ir_model.graphs()) if nested else [ir_model.graph]
     if inferred is not None and len(inferred) != len(graphs):
         inferred = None  # (not expected: one table per graph)
     data_files = _bind_external_data(graphs, path) if path is not None else frozenset()
     _check_supported(ir_model, path)
-    sorted_already = all(_is_sorted(g) for g in graphs)
-    if not sorted_already:
-        _sort(ir_model, path)
-    if infer_shapes and not (inferred is not None and sorted_already):
-        with _quiet_onnx_ir():
-            _infer_types(ir_model)
-        inferred = None
+    if inferred is None:  # (types come from onnx-ir's pass, which wants the graph sorted first)
+        if not all(_is_sorted(g) for g in graphs):
+            _sort(ir_model, path)
+        if infer_shapes:
+            with _quiet_onnx_ir():
+                _infer_types(ir_model)
     model = Model(graph=Graph(), frontend="onnx", opsets=_opsets(ir_model),
                   origin=OnnxSource(ir_model, path, data_files))
-    model.graph = _Builder(model.opsets, ir_model.ir_version, inferred).build_graph(ir_model.graph, outer={})
+    try:
+        # The builder finds an unsorted graph itself (a node reading a value produced later), so
+        # the usual, sorted model is walked once. The early types then do not hold (inference
+        # reads the nodes in order): the graph is sorted and typed by onnx-ir's pass instead.
+        model.graph = _Builder(model.opsets, ir_model.ir_version, inferred).build_graph(ir_model.graph, outer={})
+    except _Unsorted:
+        _sort(ir_model, path)
+        if infer_shapes:
+            with _quiet_onnx_ir():
+                _infer_types(ir_model)
+        try:
+            model.graph = _Builder(model.opsets, ir_model.ir_version, None).build_graph(ir_model.graph, outer={})
+        except _Unsorted as exc:
+            raise ModelLoadError(str(exc)) from None
     model.meta["ir_version"] = ir_model.ir_version
     model.meta["functions"] = {(f.domain, f.name) for f in ir_model.functions.values()}
     return model
 
 
 # -- reading ------------------------------------------------------------------------------------------
-def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: bool,
-                infer_shapes: bool) -> tuple[ir.Model, "list[dict[str, onnx.ValueInfoProto]] | None"]:
-    """The onnx-ir model, and the types inferred for its values (one table per graph, in
-    ``_graph_protos`` order), or None where they were not inferred here. ``size``: the proto's
+def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: bool, infer_shapes: bool
+                ) -> tuple[ir.Model, "list[dict[str, onnx.ValueInfoProto]] | None", bool]:
+    """The onnx-ir model, the types inferred for its values (one table per graph, in
+    ``_graph_protos`` order) or None where they were not inferred here, and whether any node
+    holds a graph (an If/Loop/Scan body, a custom op's graph attribute). ``size``: the proto's
     serialised size. ``owned``: the proto is ours to edit (read from a file), else it is copied
     before any edit."""
     where = f"{path}: " if path else ""
@@ -97,7 +112,7 @@ def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: 
         _densify_sparse_initializers(proto.graph, where)
     try:
         with _quiet_onnx_ir():
-            return ir.serde.deserialize_model(proto), types
+            return ir.serde.deserialize_model(proto), types, len(graphs) > 1
     except Exception as exc:  # onnx-ir raises many kinds on malformed protos
         raise ModelLoadError(f"{where}the model could not be read: {_first_line(exc)}") from exc
 
@@ -181,8 +196,8 @@ def _densify_sparse_initializers(graph: onnx.GraphProto, where: str) -> None:
 
 
 def _read_path(path: Path, *, infer_shapes: bool = False
-               ) -> tuple[ir.Model, "list[dict[str, onnx.ValueInfoProto]] | None"]:
-    """The onnx-ir model, and the types inferred for its values (see ``_read_proto``)."""
+               ) -> tuple[ir.Model, "list[dict[str, onnx.ValueInfoProto]] | None", bool]:
+    """What ``_read_proto`` returns, for a file."""
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file")
     if path.is_dir():
@@ -348,11 +363,13 @@ def _inferred_proto(proto: onnx.ModelProto, graphs: list[onnx.GraphProto], size:
         inferred = onnx.shape_inference.infer_shapes(_without_weights(proto) if weighty else proto, **options)
     except Exception:  # inference is best effort
         return None
+    nested = len(graphs) > 1  # (else the bodies' walk over every node is skipped)
     if not owned:
         proto = _copy(proto)
-        graphs = _graph_protos(proto.graph)
+        graphs = _graph_protos(proto.graph) if nested else [proto.graph]
     tables = []
-    for graph, inferred_graph in zip(graphs, _graph_protos(inferred.graph), strict=True):
+    for graph, inferred_graph in zip(graphs, _graph_protos(inferred.graph) if nested else [inferred.graph],
+                                     strict=True):
         del graph.output[:]  # refined output types (a graph output's type is part of the model)
         graph.output.extend(inferred_graph.output)
         tables.append({info.name: info for info in inferred_graph.value_info})
@@ -475,6 +492,10 @@ def _schema(op: str, domain: str, opset: int | None):
         return None
 
 
+class _Unsorted(Exception):
+    """A node reads a value that a node the builder has not reached yet produces."""
+
+
 class _Builder:
     def __init__(self, opsets: dict[str, int], ir_version: int | None = None,
                  inferred: list[dict[str, onnx.ValueInfoProto]] | None = None) -> None:
@@ -484,6 +505,8 @@ class _Builder:
         # (the graph, then each node's bodies in node and attribute order, depth first)
         self._tables = iter(inferred) if inferred is not None else None
         self._types: dict[str, onnx.ValueInfoProto] = {}
+        self._parsed: dict[bytes, tuple[DType | None, tuple | None]] = {}
+        self._slots: dict[tuple[str, str, int, int], Slots] = {}  # (op, domain, #in, #out): schema_slots
 
     def build_graph(self, g: ir.Graph, outer: dict[int, Value], parent: Node | None = None) -> Graph:
         enclosing = self._types
@@ -516,62 +539,91 @@ class _Builder:
             graph.append(self._node(n, scope))
         for v in g.outputs:
             if id(v) not in scope:
+                if v.producer() is not None:
+                    raise _Unsorted(
+                        f"node {n.name or op_type!r} ({op_type}) reads {v.name!r} (input {i}) from outside the "
+                        f"scope that produces it (a value made in an If/Loop/Scan body is visible only there)")
                 raise ModelLoadError(f"graph {g.name!r}: output {v.name!r} is not produced by any node or input")
             graph.outputs.append(scope[id(v)])
         return graph
 
     def _value(self, v: ir.Value) -> Value:
         dtype = v.dtype
-        if dtype is None and v.name in self._types:
-            return self._inferred_value(v, self._types[v.name])
+        if dtype is None:
+            info = self._types.get(v.name)
+            if info is not None:
+                return self._inferred_value(v, info)
         shape = v.shape
         if shape is not None:
             shape = tuple(d if isinstance(d, int) else (str(d) if d is not None and str(d) else None) for d in shape.dims)
         return Value(v.name or "", _DTYPES.get(int(dtype)) if dtype is not None else None, shape, origin=v)
 
-    @staticmethod
-    def _inferred_value(v: ir.Value, info: onnx.ValueInfoProto) -> Value:
+    def _inferred_value(self, v: ir.Value, info: onnx.ValueInfoProto) -> Value:
         """A value typed from shape inference's answer (the onnx-ir value has no type)."""
-        if not info.type.HasField("tensor_type"):
-            return Value(v.name, None, None, origin=v)
-        tensor = info.type.tensor_type
-        shape = None
-        if tensor.HasField("shape"):
-            shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim)
-        return Value(v.name, _DTYPES.get(tensor.elem_type) if tensor.elem_type else None, shape, origin=v)
+        # Most values share a few types (a 100k-node graph has a handful): each distinct one is
+        # read once, keyed by its encoding (a C call, cheaper than walking the dims in Python).
+        key = info.type.SerializeToString()
+        parsed = self._parsed.get(key)
+        if parsed is None:
+            parsed = self._parsed[key] = _parse_type(info.type)
+        return Value(v.name, parsed[0], parsed[1], origin=v)
 
     def _node(self, n: ir.Node, scope: dict[int, Value]) -> Node:
         op_type, domain, ir_inputs, ir_outputs = n.op_type, n.domain, n.inputs, n.outputs
-        inputs: list[Value | None] = []
-        for i, v in enumerate(ir_inputs):
-            if v is None:
-                inputs.append(None)
-                continue
-            if id(v) not in scope:
-                raise ModelLoadError(
-                    f"node {n.name or op_type!r} ({op_type}) reads {v.name!r} (input {i}), which nothing "
-                    f"produces (a dangling input: no node, graph input or initializer has that name)")
-            inputs.append(scope[id(v)])
+        try:
+            inputs = [scope[id(v)] if v is not None else None for v in ir_inputs]
+        except KeyError:
+            self._unreachable_input(n, scope)
+            raise
         outputs = [self._value(v) for v in ir_outputs]
         node = Node(op_type, inputs, name=n.name or "", domain=domain, outputs=outputs, origin=n)
         node.opset = self.opsets.get(node.domain)
-        node.attrs = _interesting_attrs(n)
+        attributes = n.attributes
+        if attributes or op_type == "ConstantOfShape":  # (most nodes have no attributes)
+            node.attrs = _interesting_attrs(n)
         for v, out in zip(ir_outputs, outputs):
             scope[id(v)] = out
         if op_type == "Constant" and node.domain == "":
             for out in outputs:
                 _fill_const_from_attr(out, n)
-        if n.attributes:
-            for attr_name, attr in n.attributes.items():
+        if attributes:
+            for attr_name, attr in attributes.items():
                 if attr.type == ir.AttributeType.GRAPH:
                     node.subgraphs[attr_name] = [self.build_graph(attr.as_graph(), scope, node)]
                 elif attr.type == ir.AttributeType.GRAPHS:
                     node.subgraphs[attr_name] = [self.build_graph(sg, scope, node) for sg in attr.as_graphs()]
-        self._slots(op_type, domain, len(inputs), len(outputs)).apply(node)
+        key = (op_type, domain, len(inputs), len(outputs))
+        slots = self._slots.get(key)
+        if slots is None:
+            slots = self._slots[key] = schema_slots(
+                op_type, domain, self.opsets.get("" if domain == "ai.onnx" else domain or ""), key[2], key[3])
+        slots.apply(node)
         return node
 
-    def _slots(self, op: str, domain: str, n_in: int, n_out: int) -> Slots:
-        return schema_slots(op, domain, self.opsets.get("" if domain == "ai.onnx" else domain or ""), n_in, n_out)
+    @staticmethod
+    def _unreachable_input(n: ir.Node, scope: dict[int, Value]) -> None:
+        """Raise the reason a node's input is not in scope: produced later (unsorted) or by nothing."""
+        for i, v in enumerate(n.inputs):
+            if v is None or id(v) in scope:
+                continue
+            if v.producer() is not None:
+                raise _Unsorted(
+                    f"node {n.name or n.op_type!r} ({n.op_type}) reads {v.name!r} (input {i}) from outside the "
+                    f"scope that produces it (a value made in an If/Loop/Scan body is visible only there)")
+            raise ModelLoadError(
+                f"node {n.name or n.op_type!r} ({n.op_type}) reads {v.name!r} (input {i}), which nothing "
+                f"produces (a dangling input: no node, graph input or initializer has that name)")
+
+
+def _parse_type(type_proto: onnx.TypeProto) -> tuple[DType | None, tuple | None]:
+    """A TypeProto's tensor dtype and shape (None where not a tensor, or not known)."""
+    if not type_proto.HasField("tensor_type"):
+        return None, None
+    tensor = type_proto.tensor_type
+    shape = None
+    if tensor.HasField("shape"):
+        shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim)
+    return (_DTYPES.get(tensor.elem_type) if tensor.elem_type else None), shape
 
 
 def _expand(formals, count: int, type_vars: set[str]) -> list[str | None]:
