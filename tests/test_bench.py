@@ -25,7 +25,7 @@ def tiny_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     out_json, out_md = tmp / "bench.json", tmp / "bench.md"
     proc = subprocess.run([sys.executable, "-m", "tools.bench", "--models", *MODELS, "--scaling-sizes", "160",
-                           "--no-large", "--json", str(out_json), "--markdown", str(out_md), "--workdir",
+                           "--scaling-runs", "3", "--no-large", "--json", str(out_json), "--markdown", str(out_md), "--workdir",
                            str(tmp / "work"), "-q"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, json.loads(out_json.read_text()), out_md.read_text()
@@ -77,6 +77,9 @@ def test_json_carries_the_raw_figures(tiny_run):
         assert key in rec
     assert rec["convert"]["ok"] and rec["convert"]["peak_rss_mib"] > 0 and rec["convert"]["seconds"] > 0
     assert not data["gpu"]["available"] or data["gpu"]["rows"]
+    for row in data["scaling"]:  # each conversion ran 3 times; the row is the median run
+        assert len(row["runs"]) == 3, row
+        assert row["convert"]["seconds"] == sorted(row["runs"])[1]
     # optimal placement never casts more bytes than greedy
     by = {(r["model"], r["converter"]): r for r in data["models"]}
     for m in MODELS:
