@@ -524,27 +524,24 @@ def test_residual_network_cut_matches_networkx_minimum_cut(seed):
     assert {n for n in got if isinstance(n, int)} == {n for n in expected if isinstance(n, int)}
 
 
-def test_repair_failure_skips_the_intermediate_cast_weights(monkeypatch):
-    """A residual chain that greedy runs low from an FP32 graph input to near the FP32 output: the
-    round-trip repair (not the cast weight) makes every cut cast more than greedy, so after the
-    plain cut only the lexicographic one is tried, then greedy's answer is kept. The repair fixes
-    the whole offending path after one cut (greedy's FP32 nodes alone leave the path in place),
-    and the lexicographic weight starts from that repair: one cut, not the plain weight's rounds
-    again."""
+def _chain_problem(n: int = 160):
     from tools.bench_synth import synthetic_chain  # (conftest puts the repository root on sys.path)
-
-    model, _ = synthetic_chain(160)
-    ir_model = load_onnx(model)
-    ctx = make_context(frontend="onnx", placement="optimal")
     from amp_rewrite.frontends.onnx_fuse import fuse
 
+    model, _ = synthetic_chain(n)
+    ir_model = load_onnx(model)
+    ctx = make_context(frontend="onnx", placement="optimal")
     for step in (fuse, classify, paint, find_islands):
         step(ir_model, ctx)
-    weights: list[int] = []
-    real_cut = optimal.Problem._cut
     problem = optimal.Problem.from_scope(ir_model.graph, ctx)
     chain = set(max(problem.components, key=lambda c: len(c.variables)).variables)  # the residual stream
     assert len(chain) > 20
+    return problem, chain
+
+
+def _solve_counting_cuts(monkeypatch, problem, chain, *, forced_bound: bool):
+    weights: list[int] = []
+    real_cut = optimal.Problem._cut
 
     def counting_cut(self, terms, variables, fixed, weight, requires=()):
         if chain.intersection(variables):
@@ -552,12 +549,50 @@ def test_repair_failure_skips_the_intermediate_cast_weights(monkeypatch):
         return real_cut(self, terms, variables, fixed, weight, requires)
 
     monkeypatch.setattr(optimal.Problem, "_cut", counting_cut)
+    if not forced_bound:
+        monkeypatch.setattr(optimal.Problem, "_forced_cast_bytes", lambda self, terms, fixed: 0)
     labels, outcome = problem.solve()
+    monkeypatch.undo()
+    return labels, outcome, weights
+
+
+def test_repair_failure_skips_the_intermediate_cast_weights(monkeypatch):
+    """A residual chain that greedy runs low from an FP32 graph input to near the FP32 output: the
+    round-trip repair (not the cast weight) makes every cut cast more than greedy, so after the
+    plain cut only the lexicographic one is tried, then greedy's answer is kept. The repair fixes
+    the whole offending path after one cut (greedy's FP32 nodes alone leave the path in place),
+    and the lexicographic weight starts from that repair: one cut, not the plain weight's rounds
+    again. (With the forced-cast bound off: with it, see the next test.)"""
+    problem, chain = _chain_problem()
+    labels, outcome, weights = _solve_counting_cuts(monkeypatch, problem, chain, forced_bound=False)
     assert outcome.kept_greedy >= 1
     assert labels == [problem.fixed.get(i, problem.greedy[i]) for i in range(len(labels))]
     assert set(weights) == {1, max(weights)} and max(weights) > 16  # plain, then lexicographic only
     assert weights.count(1) == 2  # the first cut, then the cut after one repair of the whole path
     assert weights.count(max(weights)) == 1  # the repair carried over: no round trip left to repair
+
+
+def test_a_repair_that_forces_more_cast_bytes_than_greedy_ends_the_search(monkeypatch):
+    """Same chain: the repair fixes the residual stream FP32 between MatMuls fixed low, which
+    forces casts on edges whose ends are both fixed, more bytes than greedy's whole answer casts.
+    No later cut can cast less, so the solver keeps greedy's answer after the first cut, and that
+    answer is exactly the one the full search reaches."""
+    problem, chain = _chain_problem()
+    full_labels, full_outcome, full_weights = _solve_counting_cuts(monkeypatch, problem, chain, forced_bound=False)
+    labels, outcome, weights = _solve_counting_cuts(monkeypatch, problem, chain, forced_bound=True)
+    assert weights == [1] and len(full_weights) == 3
+    assert labels == full_labels
+    assert (outcome.kept_greedy, outcome.kept_nodes, outcome.repaired, outcome.weight, outcome.cost) == (
+        full_outcome.kept_greedy, full_outcome.kept_nodes, full_outcome.repaired, full_outcome.weight,
+        full_outcome.cost)
+    # the bound itself: the residual stream fixed FP32 between low MatMuls forces casts
+    fixed = dict(problem.fixed)
+    fixed.update({i: False for i in chain})
+    big = max(problem.components, key=lambda c: len(c.variables))
+    greedy_cast = problem.cost(problem.greedy, terms=big.terms, variables=big.variables).cast_bytes
+    assert problem._forced_cast_bytes(big.terms, fixed) > greedy_cast
+    # before the repair the fixed nodes force only the graph input's cast: the search goes on
+    assert 0 < problem._forced_cast_bytes(big.terms, problem.fixed) <= greedy_cast
 
 
 def test_components_where_greedy_costs_nothing_skip_the_cut_and_match_it(monkeypatch):
