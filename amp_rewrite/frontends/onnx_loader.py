@@ -539,10 +539,6 @@ class _Builder:
             graph.append(self._node(n, scope))
         for v in g.outputs:
             if id(v) not in scope:
-                if v.producer() is not None:
-                    raise _Unsorted(
-                        f"node {n.name or op_type!r} ({op_type}) reads {v.name!r} (input {i}) from outside the "
-                        f"scope that produces it (a value made in an If/Loop/Scan body is visible only there)")
                 raise ModelLoadError(f"graph {g.name!r}: output {v.name!r} is not produced by any node or input")
             graph.outputs.append(scope[id(v)])
         return graph
