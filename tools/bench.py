@@ -16,8 +16,9 @@ nodes, cast bytes per run, FP16 share of MatMul/Gemm/Conv FLOPs, share of weight
 full checker, onnxruntime load, max relative error against FP32, new NaN/Inf
 (``tools/bench_metrics.py`` says exactly how each is measured).
 
-Scaling: generated chains of 1k/10k/100k nodes (time per node), and a generated model over 2 GB
-with external data (time, peak RSS). GPU: latency of FP32, amp-rewrite and an all-FP16 conversion
+Scaling: generated chains of 1k/10k/100k nodes (time per node; each conversion runs 3 times,
+``--scaling-runs``, and the median is reported), and a generated model over 2 GB with external
+data (time, peak RSS). GPU: latency of FP32, amp-rewrite and an all-FP16 conversion
 at batch 1 and 32 when a CUDA provider really works (probed by creating a session), else a note.
 """
 
