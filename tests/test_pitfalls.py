@@ -280,3 +280,46 @@ def test_bf16_target_uses_bf16_casts_only():
     full_check(out)
     assert all(c.attribute[0].i in (FP32, BF16) for c in nodes_by_type(out, "Cast"))
     assert BF16 in value_types(out).values()
+
+
+# -- weight conversion: the counts behind pitfall 9's report -----------------------------------------------
+def _reference_conversion(data: np.ndarray, target):
+    """Each element on its own: clamp finite values beyond the type's range, then count what
+    rounded to zero from a nonzero, non-NaN value, and the sentinels (|x| ≥ 1e8, inf included)."""
+    import ml_dtypes
+
+    limit = float(ml_dtypes.finfo(target).max)
+    over = np.isfinite(data) & (np.abs(data) > limit)
+    converted = np.where(over, np.sign(data) * limit, data).astype(target)
+    zero_now = (converted.view(np.uint16) & 0x7FFF) == 0
+    flushed = int(np.count_nonzero(zero_now & (data != 0) & ~np.isnan(data)))
+    hits = data[np.abs(data) >= 1e8]
+    sentinel = {"count": int(hits.size), "min": float(hits.min()), "max": float(hits.max())} if hits.size else None
+    return converted, int(np.count_nonzero(over)), flushed, sentinel
+
+
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_weight_conversion_counts_match_an_element_by_element_reference(target):
+    """``convert_array`` skips the clamp, sentinel and flush passes when a tensor's largest and
+    smallest magnitudes show there is nothing to find: on tensors with and without each case
+    (NaN, ±inf, exact zeros, subnormal and huge values, empty), it returns the reference's array
+    bit for bit and its counts."""
+    import ml_dtypes
+    from amp_rewrite.emitters.onnx_emitter import convert_array
+
+    dtype = np.float16 if target == "fp16" else ml_dtypes.bfloat16
+    rng = np.random.default_rng(7)
+    specials = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1e8, -1e8, 1e9, -3.4e38, 7e4, -6.6e4, 65504.0, 65519.0, 65520.0,
+                         1e-9, -2.9e-8, 3e-8, 6e-8, 1e-40, -1e-45, 1e-38], np.float32)
+    cases = [np.zeros(0, np.float32), rng.standard_normal(1000).astype(np.float32),
+             np.abs(rng.standard_normal(100)).astype(np.float32) + 1e-3]
+    for k in range(60):
+        base = rng.standard_normal(64).astype(np.float32) * np.float32(10.0 ** rng.integers(-8, 6))
+        picks = rng.choice(specials, size=int(rng.integers(0, 4)))
+        base[rng.choice(64, size=picks.size, replace=False)] = picks
+        cases.append(base)
+    for data in cases:
+        got = convert_array(data, dtype)
+        want = _reference_conversion(data, dtype)
+        assert np.array_equal(got[0].view(np.uint16), want[0].view(np.uint16)), data
+        assert got[1:] == want[1:], (data, got[1:], want[1:])

@@ -13,11 +13,13 @@ materialised.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
 from dataclasses import asdict, fields
 from pathlib import Path
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -378,24 +380,41 @@ def convert_array(data: np.ndarray, target) -> tuple[np.ndarray, int, int, dict 
 
     One pass per question over the data, and none where the answer is visibly no."""
     data = np.asarray(data, dtype=np.float32)
-    limit = float(ml_dtypes.finfo(target).max)
+    info = _limits(target)
     magnitude = np.abs(data)
+    # the largest and smallest magnitude, NaN ignored (fmax/fmin skip it): most tensors have no
+    # sentinel, nothing to clamp and nothing to flush, and two passes say so
+    top = float(np.fmax.reduce(magnitude)) if magnitude.size else 0.0
+    bottom = float(np.fmin.reduce(magnitude)) if magnitude.size else np.inf
     sentinel = None
-    hits = magnitude >= SENTINEL  # infinities included; NaN compares false
-    if hits.any():
+    if top >= SENTINEL:
+        hits = magnitude >= SENTINEL  # infinities included; NaN compares false
         found = data[hits]
         sentinel = {"count": int(found.size), "min": float(found.min()), "max": float(found.max())}
-    over = magnitude > limit
     clamped = 0
-    if over.any():
-        over &= np.isfinite(data)
+    if top > info.max:
+        over = (magnitude > info.max) & np.isfinite(data)
         clamped = int(np.count_nonzero(over))
         if clamped:
-            data = np.where(over, np.sign(data) * limit, data)
+            data = np.where(over, np.sign(data) * info.max, data)
     converted = data.astype(target)
-    # a zero stays zero and NaN stays NaN: the zeros gained are the values flushed
-    flushed = _zeros(converted) - int(np.count_nonzero(data == 0))
+    flushed = 0
+    if bottom < info.smallest_subnormal:  # (below it, a value may round to zero)
+        # a zero stays zero and NaN stays NaN: the zeros gained are the values flushed
+        flushed = _zeros(converted) - int(np.count_nonzero(data == 0))
     return converted, clamped, flushed, sentinel
+
+
+@functools.lru_cache(maxsize=None)
+def _limits(target):
+    """The 16-bit type's largest finite value and smallest subnormal, as Python floats."""
+    finfo = ml_dtypes.finfo(target)
+    return _Limits(float(finfo.max), float(finfo.smallest_subnormal))
+
+
+class _Limits(NamedTuple):
+    max: float
+    smallest_subnormal: float
 
 
 def _zeros(values: np.ndarray) -> int:
