@@ -435,7 +435,13 @@ def test_report_carries_cast_bytes_and_placement():
 
 def test_symbolic_dims_take_the_documented_defaults():
     assert optimal.estimate_numel(("batch_size", 16, "seq")) == optimal.BATCH_DIM * 16 * optimal.SYMBOLIC_DIM
-    assert optimal.estimate_numel((None, 4)) == optimal.SYMBOLIC_DIM * 4
+    # an unnamed leading dim of rank >= 2 is the batch; unnamed dims elsewhere count SYMBOLIC_DIM
+    assert optimal.estimate_numel((None, 4)) == optimal.BATCH_DIM * 4
+    assert optimal.estimate_numel(("unk__3", "unk__4", "unk__5", "unk__6")) == (
+        optimal.BATCH_DIM * optimal.SYMBOLIC_DIM ** 3)
+    assert optimal.estimate_numel((4, None)) == 4 * optimal.SYMBOLIC_DIM
+    assert optimal.estimate_numel((None,)) == optimal.SYMBOLIC_DIM  # rank 1: a length, not a batch
+    assert optimal.estimate_numel(("seq", 4)) == optimal.SYMBOLIC_DIM * 4  # a named dim keeps its name's size
     assert optimal.estimate_numel(()) == 1
 
 
@@ -461,9 +467,10 @@ def test_size_estimates_follow_what_a_value_is_made_from():
     values = {o.name: o for n in problem.nodes for o in n.outputs}
     assert len(values["r"].shape) == 4 and not any(isinstance(d, int) for d in values["r"].shape)
     counted = optimal.BATCH_DIM * optimal.SYMBOLIC_DIM * 64  # x's (batch, seq, 64)
-    # the reshape keeps its input's count (not SYMBOLIC_DIM ** 4), and so do the transpose and relu
+    # the reshape keeps its input's count (not BATCH_DIM × SYMBOLIC_DIM ** 3, what its own four
+    # fresh dims say), and so do the transpose and relu
     assert problem.numel(values["r"]) == problem.numel(values["t"]) == problem.numel(values["a"]) == counted
-    assert optimal.estimate_numel(values["r"].shape) == optimal.SYMBOLIC_DIM ** 4
+    assert optimal.estimate_numel(values["r"].shape) == optimal.BATCH_DIM * optimal.SYMBOLIC_DIM ** 3 > counted
 
 
 def test_symbolic_shape_table_refines_the_estimates():
@@ -480,8 +487,8 @@ def test_symbolic_shape_table_refines_the_estimates():
 
 def test_fresh_dims_are_bounded_by_what_the_producer_reads():
     """An Expand to a shape computed at run time: onnx knows the rank (5) and the broadcast
-    trailing dims, but names the two leading dims afresh (``unk__``), which would count
-    SYMBOLIC_DIM ** 2 times the input. The estimate takes the Expand's input instead (an Expand
+    trailing dims, but names the two leading dims afresh (``unk__``), which its own shape would
+    count SYMBOLIC_DIM times the input (the first taken for a batch). The estimate takes the Expand's input instead (an Expand
     says nothing else), and the Relu after it follows."""
     problem = _problem(make_model("""
         <ir_version: 8, opset_import: ["" : 17]>
@@ -495,7 +502,8 @@ def test_fresh_dims_are_bounded_by_what_the_producer_reads():
     values = {o.name: o for n in problem.nodes for o in n.outputs}
     assert values["e"].shape[2:] == (2, 8, 64) and all(str(d).startswith("unk__") for d in values["e"].shape[:2])
     assert problem.numel(values["e"]) == problem.numel(values["a"]) == 2 * 8 * 64
-    assert optimal.estimate_numel(values["e"].shape) == optimal.SYMBOLIC_DIM ** 2 * 2 * 8 * 64
+    # (its own shape would say: the leading fresh dim as a batch, the next as SYMBOLIC_DIM)
+    assert optimal.estimate_numel(values["e"].shape) == optimal.BATCH_DIM * optimal.SYMBOLIC_DIM * 2 * 8 * 64
 
 
 @pytest.mark.parametrize("seed", range(12))

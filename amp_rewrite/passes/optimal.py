@@ -25,8 +25,12 @@ Cost model (bytes moved per run; one model run at the default shapes below):
   bypasses it), and so is one of an FP32 value that only moves weights (Gather, Reshape, Concat…
   of initializers: GPT-2's position row), which is no FP32 activation read either.
 - **shapes**: a known dimension counts as is; a symbolic dimension whose name mentions "batch"
-  counts :data:`BATCH_DIM` (1); any other symbolic or unknown dimension counts
-  :data:`SYMBOLIC_DIM` (128, a typical sequence length / feature-map side). Where the fuse pass ran
+  counts :data:`BATCH_DIM` (1), and so does the leading dimension of a tensor of rank 2 or more
+  where onnx could not name it (unknown, or named afresh: ``unk__7``), which in an activation is
+  its batch (a TorchScript export's attention scores are four such dims: counted 128^4 elements,
+  their cast cost the tiny-BERT model 1.5 GiB per run where the batch-1 figure is 12 MiB); any
+  other symbolic or unknown dimension counts :data:`SYMBOLIC_DIM` (128, a typical sequence length
+  / feature-map side). Where the fuse pass ran
   onnxruntime's symbolic shape inference (for a skip proof), its shapes count too, the smaller
   estimate winning: it carries ``batch`` and ``sequence`` where onnx names a fresh dim. Where the producer's
   op ties the count to its inputs, the smaller estimate wins: a reshape, transpose, unary
@@ -809,7 +813,7 @@ class Problem:
                          f"cast more")
         return (head + f"{_fmt(c.cast_bytes)} cast + {_fmt(c.fp32_bytes)} FP32 traffic per run against greedy's "
                 f"{_fmt(g.cast_bytes)} + {_fmt(g.fp32_bytes)} ({c.casts} casts against {g.casts}; symbolic dims "
-                f"counted as {SYMBOLIC_DIM}, batch as {BATCH_DIM}; {len(self.free)} free nodes in "
+                f"counted as {SYMBOLIC_DIM}, batch (named, or an unnamed leading dim) as {BATCH_DIM}; {len(self.free)} free nodes in "
                 f"{outcome.components} independent cut(s)" + "".join(f"; {e}" for e in extra) + ")")
 
     def _summary(self, outcome: Outcome) -> dict:
@@ -832,11 +836,13 @@ def _fresh_dims(shape: tuple) -> int:
 def estimate_numel(shape: tuple) -> int:
     """Elements of a tensor of ``shape`` at the default sizes for symbolic dimensions."""
     n = 1
-    for d in shape:
+    for k, d in enumerate(shape):
         if isinstance(d, int):
             n *= max(d, 0)
         elif isinstance(d, str) and _BATCH.search(d):
             n *= BATCH_DIM
+        elif k == 0 and len(shape) >= 2 and (d is None or d.startswith("unk__")):
+            n *= BATCH_DIM  # an unnamed leading dim of an activation: its batch
         else:
             n *= SYMBOLIC_DIM
     return n
