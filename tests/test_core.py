@@ -316,6 +316,24 @@ def test_input_model_object_is_not_modified():
     assert m.SerializeToString() == before
 
 
+def test_an_unsorted_model_object_is_sorted_in_the_output_and_left_as_it_was():
+    """Nodes in reverse order: the builder finds the read of a later value, sorts its own copy and
+    types it again; the argument keeps its order, and the output matches the sorted model's."""
+    sorted_model = _mlp()
+    m = onnx.ModelProto()
+    m.CopyFrom(sorted_model)
+    nodes = list(m.graph.node)
+    del m.graph.node[:]
+    m.graph.node.extend(reversed(nodes))
+    before = m.SerializeToString()
+    result = rewrite(m)
+    assert m.SerializeToString() == before
+    full_check(result.model)  # (the full check rejects an unsorted graph)
+    assert _precisions(result) == _precisions(rewrite(sorted_model))
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    assert rel_err(run(result.model, feeds)["y"], run(sorted_model, feeds)["y"]) < 1e-2
+
+
 def test_numerics_of_mlp_within_tolerance():
     m = _mlp()
     out = rewrite(m).model
