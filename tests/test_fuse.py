@@ -379,3 +379,55 @@ def test_shape_proof_writes_nothing_to_the_working_directory(tmp_path, monkeypat
     result = rewrite(model)
     assert list(tmp_path.iterdir()) == []
     full_check(result.model)
+
+
+def test_shape_proof_reads_the_structure_not_the_weights(monkeypatch):
+    """The skip proof hands onnxruntime's symbolic inference the model as read with its weights as
+    graph inputs of their type and shape (the tool copies its input whole): the model is not
+    serialised again, no weight data reaches the tool, and the proof holds whatever the weights
+    weigh (``MAX_BYTES`` is set to 0 here: before, a model over it was never fused)."""
+    import onnx_ir
+
+    from amp_rewrite.frontends import onnx_fuse
+
+    text = """
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[batch,seq,64] x) => (float[batch,seq,64] y) {
+      q = MatMul(x, wq)
+      r = Add(q, x)""" + LAYERNORM + """
+      y = MatMul(ln, wo)
+    }"""
+    weights = {"wq": (64, 64), "wo": (64, 64), "g": np.linspace(0.5, 1.5, 64, dtype=np.float32),
+               "b": np.linspace(-0.1, 0.1, 64, dtype=np.float32), "two": np.array(2.0, np.float32),
+               "eps": np.array(1e-5, np.float32)}
+    model = make_model(text, weights)
+    seen: list[onnx.ModelProto] = []
+    real = onnx_fuse._symbolic_inference
+
+    def recording(engine, proto, auto_merge):
+        seen.append(proto)
+        return real(engine, proto, auto_merge)
+
+    def no_serialise(*args, **kwargs):
+        raise AssertionError("the model was serialised for the shape proof")
+
+    monkeypatch.setattr(onnx_fuse, "_symbolic_inference", recording)
+    monkeypatch.setattr(onnx_fuse.SymbolicShapes, "MAX_BYTES", 0)
+    from amp_rewrite.api import make_context
+    from amp_rewrite.frontends.onnx_loader import load_onnx
+
+    ir_model = load_onnx(model)
+    monkeypatch.setattr(onnx_ir.serde, "serialize_model", no_serialise)
+    onnx_fuse.fuse(ir_model, make_context(frontend="onnx"))
+    monkeypatch.undo()
+    assert seen, "no shape proof ran"
+    proof = seen[0]
+    assert {t.name for t in proof.graph.initializer} == {"g", "b", "two", "eps"}  # 64 elements or fewer
+    inputs = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in proof.graph.input}
+    assert inputs["wq"] == inputs["wo"] == [64, 64]
+    assert [n.op_type for n in ir_model.graph.nodes].count("SkipLayerNormalization") == 1
+    result = rewrite(model)  # and end to end: fused, checked, close to FP32
+    only(result.model, "SkipLayerNormalization", "com.microsoft")
+    full_check(result.model)
+    x = {"x": np.random.default_rng(0).standard_normal((2, 4, 64)).astype(np.float32)}
+    assert rel_err(run(result.model, x)["y"], run(model, x)["y"]) < 1e-2

@@ -391,7 +391,12 @@ class SymbolicShapes:
     only valid if they are, or if one is 1 at run time, and onnxruntime's skip kernels check the
     shapes and fail loudly rather than compute wrong values in that case (onnxruntime's own
     transformer optimizer fuses on the same assumption). Where neither finishes (or onnxruntime is
-    not installed, or the weights pass ``MAX_BYTES``), nothing is proven and no skip op is made."""
+    not installed), nothing is proven and no skip op is made.
+
+    It reads the model's structure only: the proto as read, its large initializers turned into
+    graph inputs of their type and shape (the tool copies its input whole, so a 440 MB BERT-base
+    would otherwise be serialised and copied for a proof about shapes). ``MAX_BYTES`` bounds the
+    weights only where no source proto was kept and the model itself would be serialised."""
 
     MAX_BYTES = 256 << 20
 
@@ -415,8 +420,13 @@ class SymbolicShapes:
     def _infer(self) -> dict[str, tuple]:
         import logging
 
-        source = getattr(self.model.origin, "model", None)
-        if source is None or _weight_bytes(source) > self.MAX_BYTES:
+        from .onnx_loader import OnnxSource, structure_proto
+
+        source = self.model.origin
+        if not isinstance(source, OnnxSource):
+            return {}
+        proto = structure_proto(source)
+        if proto is None and _weight_bytes(source.model) > self.MAX_BYTES:
             return {}
         try:
             import onnx_ir as ir
@@ -424,7 +434,8 @@ class SymbolicShapes:
         except ImportError:
             return {}
         logging.getLogger("onnxruntime.tools.symbolic_shape_infer").setLevel(logging.CRITICAL)
-        proto = ir.serde.serialize_model(source)
+        if proto is None:  # (a source without its proto: the model itself, weights and all)
+            proto = ir.serde.serialize_model(source.model)
         strict, complete = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=False)
         if complete:
             return _shape_table(strict)

@@ -45,17 +45,21 @@ class OnnxSource:
     model: ir.Model
     path: Path | None
     data_files: frozenset[Path] = frozenset()  # the external-data files it reads (resolved)
+    # The proto it was deserialised from, as read (before any pass): its structure serves
+    # onnxruntime's symbolic shape inference without serialising the model again. (onnx-ir's
+    # tensors wrap this proto's TensorProtos, so holding it holds nothing more.)
+    proto: onnx.ModelProto | None = None
 
 
 def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool = True) -> Model:
     """Load a path or ModelProto into the neutral IR (never modifies the input)."""
     if isinstance(source, onnx.ModelProto):
         path = None
-        ir_model, inferred, nested = _read_proto(source, None, source.ByteSize(), owned=False,
-                                                 infer_shapes=infer_shapes)
+        ir_model, inferred, nested, proto = _read_proto(source, None, source.ByteSize(), owned=False,
+                                                        infer_shapes=infer_shapes)
     else:
         path = Path(source)
-        ir_model, inferred, nested = _read_path(path, infer_shapes=infer_shapes)
+        ir_model, inferred, nested, proto = _read_path(path, infer_shapes=infer_shapes)
     # (onnx-ir finds the bodies by a walk over every node: only done when the proto has some)
     graphs = list(ir_model.graphs()) if nested else [ir_model.graph]
     if inferred is not None and len(inferred) != len(graphs):
@@ -69,7 +73,7 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
             with _quiet_onnx_ir():
                 _infer_types(ir_model)
     model = Model(graph=Graph(), frontend="onnx", opsets=_opsets(ir_model),
-                  origin=OnnxSource(ir_model, path, data_files))
+                  origin=OnnxSource(ir_model, path, data_files, proto))
     try:
         # The builder finds an unsorted graph itself (a node reading a value produced later), so
         # the usual, sorted model is walked once. The early types then do not hold (inference
@@ -91,10 +95,11 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
 
 # -- reading ------------------------------------------------------------------------------------------
 def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: bool, infer_shapes: bool
-                ) -> tuple[ir.Model, "list[dict[str, onnx.ValueInfoProto]] | None", bool]:
+                ) -> tuple[ir.Model, "list[dict[str, onnx.ValueInfoProto]] | None", bool, onnx.ModelProto]:
     """The onnx-ir model, the types inferred for its values (one table per graph, in
-    ``_graph_protos`` order) or None where they were not inferred here, and whether any node
-    holds a graph (an If/Loop/Scan body, a custom op's graph attribute). ``size``: the proto's
+    ``_graph_protos`` order) or None where they were not inferred here, whether any node holds a
+    graph (an If/Loop/Scan body, a custom op's graph attribute), and the proto deserialised
+    (``proto`` itself, or the copy made to edit it; never edited after). ``size``: the proto's
     serialised size. ``owned``: the proto is ours to edit (read from a file), else it is copied
     before any edit."""
     where = f"{path}: " if path else ""
@@ -112,7 +117,7 @@ def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: 
         _densify_sparse_initializers(proto.graph, where)
     try:
         with _quiet_onnx_ir():
-            return ir.serde.deserialize_model(proto), types, len(graphs) > 1
+            return ir.serde.deserialize_model(proto), types, len(graphs) > 1, proto
     except Exception as exc:  # onnx-ir raises many kinds on malformed protos
         raise ModelLoadError(f"{where}the model could not be read: {_first_line(exc)}") from exc
 
@@ -196,7 +201,7 @@ def _densify_sparse_initializers(graph: onnx.GraphProto, where: str) -> None:
 
 
 def _read_path(path: Path, *, infer_shapes: bool = False
-               ) -> tuple[ir.Model, "list[dict[str, onnx.ValueInfoProto]] | None", bool]:
+               ) -> tuple[ir.Model, "list[dict[str, onnx.ValueInfoProto]] | None", bool, onnx.ModelProto]:
     """What ``_read_proto`` returns, for a file."""
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file")
@@ -381,21 +386,34 @@ def _is_weight(tensor: onnx.TensorProto) -> bool:
     encode the whole tensor to measure it.)"""
     if tensor.data_location == onnx.TensorProto.EXTERNAL:
         return False
+    return _numel(tensor) > _INFER_WITHOUT_DATA_ABOVE
+
+
+def _numel(tensor: onnx.TensorProto) -> int:
     count = 1
     for d in tensor.dims:
         count *= d
-    return count > _INFER_WITHOUT_DATA_ABOVE
+    return count
 
 
-def _without_weights(proto: onnx.ModelProto) -> onnx.ModelProto:
+def structure_proto(source: OnnxSource) -> onnx.ModelProto | None:
+    """The model as read, with its large initializers (in the file or external) turned into graph
+    inputs of the same type and shape: a shape-inference tool's input, a fraction of the model's
+    size whatever its weights. None where the source proto was not kept."""
+    return _without_weights(source.proto, external_too=True) if source.proto is not None else None
+
+
+def _without_weights(proto: onnx.ModelProto, *, external_too: bool = False) -> onnx.ModelProto:
     """A copy of ``proto`` whose large main-graph initializers are graph inputs of the same type
-    and shape: what shape inference reads from them, without their data."""
+    and shape: what shape inference reads from them, without their data. ``external_too``: also
+    those stored in external data (for a reader that would try to load them)."""
     stripped = onnx.ModelProto()
     _copy_fields(stripped, proto, skip="graph")
     _copy_fields(stripped.graph, proto.graph, skip="initializer")
     inputs = {v.name for v in proto.graph.input}
     for tensor in proto.graph.initializer:
-        if not _is_weight(tensor):
+        if not (_is_weight(tensor) or (external_too and tensor.data_location == onnx.TensorProto.EXTERNAL
+                                       and _numel(tensor) > _INFER_WITHOUT_DATA_ABOVE)):
             stripped.graph.initializer.append(tensor)
         elif tensor.name not in inputs:  # (IR < 4 lists initializers as inputs already)
             stripped.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type,
