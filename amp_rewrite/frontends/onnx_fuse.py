@@ -395,10 +395,7 @@ class SymbolicShapes:
 
     It reads the model's structure only: the proto as read, its large initializers turned into
     graph inputs of their type and shape (the tool copies its input whole, so a 440 MB BERT-base
-    would otherwise be serialised and copied for a proof about shapes). ``MAX_BYTES`` bounds the
-    weights only where no source proto was kept and the model itself would be serialised."""
-
-    MAX_BYTES = 256 << 20
+    would otherwise be serialised and copied for a proof about shapes)."""
 
     def __init__(self, model: Model) -> None:
         self.model = model
@@ -423,19 +420,14 @@ class SymbolicShapes:
         from .onnx_loader import OnnxSource, structure_proto
 
         source = self.model.origin
-        if not isinstance(source, OnnxSource):
-            return {}
-        proto = structure_proto(source)
-        if proto is None and _weight_bytes(source.model) > self.MAX_BYTES:
+        proto = structure_proto(source) if isinstance(source, OnnxSource) else None
+        if proto is None:
             return {}
         try:
-            import onnx_ir as ir
             from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
         except ImportError:
             return {}
         logging.getLogger("onnxruntime.tools.symbolic_shape_infer").setLevel(logging.CRITICAL)
-        if proto is None:  # (a source without its proto: the model itself, weights and all)
-            proto = ir.serde.serialize_model(source.model)
         strict, complete = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=False)
         if complete:
             return _shape_table(strict)
@@ -470,15 +462,6 @@ def _symbolic_inference(engine, proto, auto_merge: bool):
         return inference.out_mp_.graph, bool(complete)
     except Exception:  # noqa: BLE001 - whatever the helper stumbles on, nothing is proven by it
         return None, False
-
-
-def _weight_bytes(model) -> int:
-    total = 0
-    for graph in model.graphs():
-        for value in graph.initializers.values():
-            tensor = value.const_value
-            total += tensor.nbytes if tensor is not None else 0
-    return total
 
 
 def _mean_over_last_axis(node: Node) -> bool:
