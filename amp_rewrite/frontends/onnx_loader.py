@@ -47,7 +47,8 @@ class OnnxSource:
     data_files: frozenset[Path] = frozenset()  # the external-data files it reads (resolved)
     # The proto it was deserialised from, as read (before any pass): its structure serves
     # onnxruntime's symbolic shape inference without serialising the model again. (onnx-ir's
-    # tensors wrap this proto's TensorProtos, so holding it holds nothing more.)
+    # tensors wrap this proto's TensorProtos, so while they are unconverted, holding it holds
+    # nothing more; run_pipeline lets it go after the passes, before weights are converted.)
     proto: onnx.ModelProto | None = None
 
 
