@@ -68,25 +68,22 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     data_files = _bind_external_data(graphs, path) if path is not None else frozenset()
     _check_supported(ir_model, path)
     if inferred is None:  # (types come from onnx-ir's pass, which wants the graph sorted first)
-        if not all(_is_sorted(g) for g in graphs):
-            _sort(ir_model, path)
-        if infer_shapes:
-            with _quiet_onnx_ir():
-                _infer_types(ir_model)
+        _sort_and_type(ir_model, path, infer_shapes, sort=not all(_is_sorted(g) for g in graphs))
     model = Model(graph=Graph(), frontend="onnx", opsets=_opsets(ir_model),
                   origin=OnnxSource(ir_model, path, data_files, proto))
+
+    def build(types):
+        return _Builder(model.opsets, ir_model.ir_version, types).build_graph(ir_model.graph, outer={})
+
     try:
         # The builder finds an unsorted graph itself (a node reading a value produced later), so
         # the usual, sorted model is walked once. The early types then do not hold (inference
         # reads the nodes in order): the graph is sorted and typed by onnx-ir's pass instead.
-        model.graph = _Builder(model.opsets, ir_model.ir_version, inferred).build_graph(ir_model.graph, outer={})
+        model.graph = build(inferred)
     except _Unsorted:
-        _sort(ir_model, path)
-        if infer_shapes:
-            with _quiet_onnx_ir():
-                _infer_types(ir_model)
+        _sort_and_type(ir_model, path, infer_shapes)
         try:
-            model.graph = _Builder(model.opsets, ir_model.ir_version, None).build_graph(ir_model.graph, outer={})
+            model.graph = build(None)
         except _Unsorted as exc:
             raise ModelLoadError(str(exc)) from None
     model.meta["ir_version"] = ir_model.ir_version
@@ -305,6 +302,14 @@ def _sort(model: ir.Model, path: Path | None) -> None:
                              f"acyclic (use Loop for recurrence)") from None
 
 
+def _sort_and_type(model: ir.Model, path: Path | None, infer_shapes: bool, *, sort: bool = True) -> None:
+    if sort:
+        _sort(model, path)
+    if infer_shapes:
+        with _quiet_onnx_ir():
+            _infer_types(model)
+
+
 def _is_sorted(graph: ir.Graph) -> bool:
     seen: set[int] = set()
     for node in graph:
@@ -413,8 +418,8 @@ def _without_weights(proto: onnx.ModelProto, *, external_too: bool = False) -> o
     _copy_fields(stripped.graph, proto.graph, skip="initializer")
     inputs = {v.name for v in proto.graph.input}
     for tensor in proto.graph.initializer:
-        if not (_is_weight(tensor) or (external_too and tensor.data_location == onnx.TensorProto.EXTERNAL
-                                       and _numel(tensor) > _INFER_WITHOUT_DATA_ABOVE)):
+        external = tensor.data_location == onnx.TensorProto.EXTERNAL
+        if (external and not external_too) or _numel(tensor) <= _INFER_WITHOUT_DATA_ABOVE:
             stripped.graph.initializer.append(tensor)
         elif tensor.name not in inputs:  # (IR < 4 lists initializers as inputs already)
             stripped.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type,
@@ -525,7 +530,6 @@ class _Builder:
         self._tables = iter(inferred) if inferred is not None else None
         self._types: dict[str, onnx.ValueInfoProto] = {}
         self._parsed: dict[bytes, tuple[DType | None, tuple | None]] = {}
-        self._slots: dict[tuple[str, str, int, int], Slots] = {}  # (op, domain, #in, #out): schema_slots
 
     def build_graph(self, g: ir.Graph, outer: dict[int, Value], parent: Node | None = None) -> Graph:
         enclosing = self._types
@@ -607,12 +611,8 @@ class _Builder:
                     node.subgraphs[attr_name] = [self.build_graph(attr.as_graph(), scope, node)]
                 elif attr.type == ir.AttributeType.GRAPHS:
                     node.subgraphs[attr_name] = [self.build_graph(sg, scope, node) for sg in attr.as_graphs()]
-        key = (op_type, domain, len(inputs), len(outputs))
-        slots = self._slots.get(key)
-        if slots is None:
-            slots = self._slots[key] = schema_slots(
-                op_type, domain, self.opsets.get("" if domain == "ai.onnx" else domain or ""), key[2], key[3])
-        slots.apply(node)
+        schema_slots(op_type, domain, self.opsets.get("" if domain == "ai.onnx" else domain or ""),
+                     len(inputs), len(outputs)).apply(node)
         return node
 
     @staticmethod
