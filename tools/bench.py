@@ -343,6 +343,11 @@ def _dynamic_batch(model, name: str) -> bool:
     return False
 
 
+def _scaling_runs(scaling: list[dict]) -> int:
+    """How many runs each scaling row is the median of (1 for results saved before there were several)."""
+    return max((len(r.get("runs", [])) for r in scaling), default=1) or 1
+
+
 # -- conditions ---------------------------------------------------------------------------------------------
 def _against_loading_peers(models: dict):
     """(model, the optimal record, the peers' records whose output loads) for every model where
@@ -451,7 +456,7 @@ def evaluate(results: dict) -> list[dict]:
     if scaling:
         slow = [f"{SHORT[r['converter']]} {r['convert'].get('seconds', float('nan')):.1f} s" for r in scaling
                 if not r["convert"].get("ok") or r["convert"]["seconds"] >= SCALING_LIMIT_S]
-        runs = max(len(r.get("runs", [])) for r in scaling)
+        runs = _scaling_runs(scaling)
         conds.append({"condition": f"100k-node graph in < {SCALING_LIMIT_S:g} s",
                       "holds": not slow, "detail": (f"median of {runs} runs: " if runs > 1 else "") + ", ".join(
                           f"{SHORT[r['converter']]}: {r['convert'].get('seconds', float('nan')):.1f} s wall, "
@@ -659,7 +664,7 @@ def render_markdown(results: dict) -> str:
 
     scaling = results.get("scaling") or []
     if scaling:
-        runs = max((len(r.get("runs", [])) for r in scaling), default=1) or 1
+        runs = _scaling_runs(scaling)
         lines += ["## Scaling: generated transformer-like chains", "",
                   "16-node blocks (two GEMMs with bias and ReLU, a residual Add, a decomposed LayerNorm, an Identity), "
                   "weights shared between blocks. "

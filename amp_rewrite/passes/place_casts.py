@@ -346,8 +346,9 @@ class _Placer:
                           else f"existing Cast of a {src.dtype.short} value to {src.dtype.short} does nothing: removed")
                 out.replace_all_uses_with(src, include_outputs=False)
                 self._drop_cast(node, out, src, reason)
-            for node in [] if mutates else casts:
-                self._fold_round_trip(node)
+            if not mutates:
+                for node in casts:
+                    self._fold_round_trip(node)
 
     def _fold_round_trip(self, node: Node) -> None:
         """``Cast(Cast(x, to=W), to=type(x))`` where W holds every value of x's type exactly (an fp16
