@@ -482,6 +482,50 @@ def test_existing_conversions_and_factories(capture):
     assert not _dispatch(gm, example_inputs=(x,), target="bf16").modified
 
 
+class Promotes(nn.Module):
+    """Ops whose float inputs and outputs differ in type: torch's type promotion decides each one's
+    result (and an autocast region's output is BF16 whatever goes in)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("scale64", torch.linspace(0.5, 1.5, 8, dtype=torch.float64))
+
+    def forward(self, x, half):
+        h = self.fc1(x)
+        a = (h * self.scale64).float()  # fp32 * fp64 -> fp64
+        b = h + half  # fp32 + fp16 -> fp32
+        c = h.softmax(-1, dtype=torch.float64).float()  # fp32 in, fp64 out
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            d = self.fc2(x)  # export: one higher-order op, fp32 in, bf16 out
+        return a + b + c + d.float()
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+@pytest.mark.parametrize("target", ["bf16", "fp16"])
+def test_ops_that_mix_float_types_keep_them(capture, target):
+    """Such an op has no one type variable, so the rewrite used to fail its own IR verification
+    ("type group T of mul is bound to different types (fp32, fp64)"). It now keeps the types it was
+    written with (lowering its FP32 tensors could change what the promotion gives: FP16 with BF16
+    promotes to FP32), says why, and the heavy op before it still runs low."""
+    torch.manual_seed(0)
+    model, inputs = Promotes().eval(), (torch.randn(2, 8), torch.randn(8).half())
+    result = _dispatch(model, example_inputs=inputs, target=target, capture=capture)
+    gm = result.model
+    gm.graph.lint()
+    with torch.no_grad():
+        ref, out = model(*inputs), gm(*inputs)
+    assert out.dtype == ref.dtype == torch.float32
+    assert rel_err(out, ref) < TOL[target]
+    assert_dtypes_consistent(gm, inputs)
+    kept = {k: d for k, d in result.log.decisions.items() if "type promotion" in d.reason}
+    assert len(kept) >= 3 and all(d.precision == Precision.FP32 for d in kept.values()), kept
+    fc1 = [d for k, d in result.log.decisions.items() if k.startswith("fc1/")]
+    assert len(fc1) == 1 and fc1[0].precision == Precision.LOW
+    again = _dispatch(gm, example_inputs=inputs, target=target)
+    assert not again.modified and again.model.code == gm.code
+
+
 def test_inplace_ops_read_later_are_rewired_or_refused():
     """``r = h.relu_(); ... h ...``: later readers of h read r (the same tensor), so a cast can feed
     relu and it becomes out of place. With a view of h alive, that is unsound: refused, with advice."""

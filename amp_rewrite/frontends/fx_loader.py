@@ -508,6 +508,7 @@ class _Builder:
         else:
             ir.input_groups = [self._input_group(name, s, v) for s, v in zip(slots, inputs)]
             ir.output_groups = [self._output_group(name, i, v) for i, v in enumerate(outputs)]
+            _split_promoted_types(ir)
         if is_inplace(node):
             ir.meta["fx.inplace"] = True
             self._check_aliasing(node)
@@ -654,3 +655,22 @@ def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
             return None
         obj = getattr(obj, atom)
     return obj
+
+
+def _split_promoted_types(node: Node) -> None:
+    """A torch op may read and write floats of different types (``x * fp64_buffer``,
+    ``softmax(x, dtype=torch.float64)``, ``linear(x) + fp16_tensor``, an autocast region):
+    torch's type promotion, not one type variable, decides its result. Each type then gets its own
+    group (the FP32 tensors keep ``T``, the group painting decides), so every group still has one
+    type, and the node keeps the types it was written with: lowering its FP32 tensors could change
+    what the promotion gives (FP16 with a BF16 tensor promotes to FP32)."""
+    groups = [*zip(node.input_groups, node.inputs), *zip(node.output_groups, node.outputs)]
+    types = {v.dtype for g, v in groups if g == "T" and v is not None}
+    if len(types) < 2:
+        return
+    split = lambda g, v: f"T.{v.dtype.short}" if g == "T" and v is not None and v.dtype != DType.FLOAT else g  # noqa: E731
+    node.input_groups = [split(g, v) for g, v in zip(node.input_groups, node.inputs)]
+    node.output_groups = [split(g, v) for g, v in zip(node.output_groups, node.outputs)]
+    listed = ", ".join(sorted(t.short for t in types))
+    node.meta["amp.keeps_types"] = (f"its float tensors have different types ({listed}): torch's type promotion "
+                                    f"decides its result, so it keeps the types it was written with")

@@ -9,7 +9,9 @@ Cases handled:
   (ConstantOfShape has no bfloat16 output below opset 20): the frontend records each group's types;
 - an input pinned FP32 that shares the painted type group keeps the node FP32;
 - control flow (If/Loop/Scan), Cast, Constant and nodes whose group has an unknown dtype do not
-  take part in painting: their types stay as they are.
+  take part in painting: their types stay as they are;
+- nor does a node the frontend marks ``amp.keeps_types`` (a torch op that mixes float types, whose
+  result torch's type promotion decides): it keeps the types it was written with.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) ->
         return
     if node.domain == "" and node.op_type in _SOURCES:
         meta["amp.precision"] = Precision.FP32
+        return
+    if "amp.keeps_types" in meta:  # a frontend's verdict: the op mixes float types (torch promotion)
+        _fix_fp32(node, category, meta["amp.keeps_types"], "frontend")
         return
     unknown = [v.name for i, v in enumerate(node.inputs) if v is not None and i < len(node.input_groups)
                and node.input_groups[i] == group and v.dtype is None]
