@@ -628,6 +628,40 @@ def test_tuple_getitem_is_not_an_op():
     assert any(n.target is operator.getitem for n in gm.graph.nodes)
 
 
+class TupleOut(nn.Module):
+    """Tuple-valued nodes used whole: returned as they are (nn.MultiheadAttention's (out, weights),
+    a split) and passed whole to torch.cat."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha, self.fc = nn.MultiheadAttention(16, 2, batch_first=True), nn.Linear(16, 16)
+
+    def forward(self, x):
+        parts = self.fc(x).split(8, -1)
+        return self.mha(x, x, x), parts, torch.cat(parts, -1).softmax(-1)
+
+
+def test_tuple_valued_nodes_used_whole_after_symbolic_trace():
+    """The elements get casts back to FP32, so the tuple is rebuilt from its elements. Under
+    symbolic_trace each element's metadata is a TensorMetadata NamedTuple, which the rebuild used
+    to walk into as if it were a tuple too: the output indexed the element's 7 fields
+    (``getitem_1[6]``) and failed at run time with "index 6 is out of bounds"."""
+    torch.manual_seed(0)
+    model, x = TupleOut().eval(), torch.randn(2, 4, 16)
+    for source in (model, fx.symbolic_trace(model)):
+        result = _dispatch(source, example_inputs=(x,), target="bf16", capture="symbolic_trace")
+        gm = result.model
+        gm.graph.lint()
+        with torch.no_grad():
+            out, ref = gm(x), model(x)
+        flat_out, flat_ref = torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(ref)
+        assert len(flat_out) == len(flat_ref) == 5
+        for a, b in zip(flat_out, flat_ref):
+            assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape
+            assert rel_err(a, b) < TOL["bf16"]
+        assert_dtypes_consistent(gm, (x,))
+
+
 def test_a_copying_no_op_cast_stays_where_the_copy_is_mutated():
     """``_to_copy`` to the dtype a tensor already has copies it. The rewrite removes no-op casts,
     but not in a graph that mutates tensors in place: reading the source instead of the copy would

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from ..decisions import DecisionLog
-from ..frontends.fx_loader import CAST_OP, DTYPE_TO_TORCH, FxSource, Slot, leaf_metas
+from ..frontends.fx_loader import CAST_OP, DTYPE_TO_TORCH, FxSource, Slot, is_tensor_meta, leaf_metas
 from ..ir import DType, Model, Node, Value
 
 SENTINEL = 1e8  # |x| at or above this (or inf) is a sentinel (masks), reported
@@ -264,7 +264,8 @@ class _Emitter:
         meta = _meta_obj(tuple_node)
 
         def build(sub: Any, path: tuple) -> Any:
-            if isinstance(sub, (tuple, list)):
+            # (symbolic_trace's TensorMetadata is a NamedTuple too: a leaf, not a tuple to walk into)
+            if isinstance(sub, (tuple, list)) and not is_tensor_meta(sub):
                 items = [build(x, path + (i,)) for i, x in enumerate(sub)]
                 return type(sub)(items) if isinstance(sub, list) else tuple(items)
             return leaves.get(path) or self._leaf_node(tuple_node, path)

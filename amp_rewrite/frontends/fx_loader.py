@@ -342,12 +342,12 @@ def _node_meta(node: fx.Node) -> Any:
     return None
 
 
-def _is_tensor_meta(m: Any) -> bool:
+def is_tensor_meta(m: Any) -> bool:
     return isinstance(m, torch.Tensor) or type(m).__name__ == "TensorMetadata"
 
 
 def _leaves(meta: Any, path: tuple) -> Iterator[tuple[tuple, Any]]:
-    if _is_tensor_meta(meta):
+    if is_tensor_meta(meta):
         yield path, meta
     elif isinstance(meta, (tuple, list)):
         for i, item in enumerate(meta):
