@@ -482,6 +482,27 @@ def test_existing_conversions_and_factories(capture):
     assert not _dispatch(gm, example_inputs=(x,), target="bf16").modified
 
 
+@pytest.mark.parametrize("target", ["bf16", "fp16"])
+def test_existing_conversions_after_decompositions(target):
+    """run_decompositions() keeps ``x.float()`` as ``_assert_tensor_metadata(x, None, None,
+    torch.float32)``, the dtype passed by position. The check must follow the type the rewrite gives
+    x; it only followed a keyword dtype, so the module failed at run time with "Tensor dtype
+    mismatch! Expected: Float, Got: c10::Half"."""
+    model, x = Conversions().eval(), torch.randn(2, 8)
+    ep = torch.export.export(model, (x,)).run_decompositions()
+    asserts = [n for n in ep.graph_module.graph.nodes if "assert_tensor_metadata" in str(n.target)]
+    assert any(len(n.args) > 3 and n.args[3] == torch.float32 for n in asserts)  # the positional form
+    for obj, options in ((ep, {}), (model, {"example_inputs": (x,), "decompose": True})):
+        result = _dispatch(obj, target=target, **options)
+        gm = result.model
+        gm.graph.lint()
+        with torch.no_grad():
+            out = gm(x)
+        assert out.dtype == torch.float32 and rel_err(out, model(x)) < TOL[target]
+        assert_dtypes_consistent(gm, (x,))
+        assert sum(d.precision == Precision.LOW for d in result.log.decisions.values()) >= 2
+
+
 class Promotes(nn.Module):
     """Ops whose float inputs and outputs differ in type: torch's type promotion decides each one's
     result (and an autocast region's output is BF16 whatever goes in)."""

@@ -353,15 +353,20 @@ class _Emitter:
         target = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
         if target is None:
             return
+        dtype_at = 3  # (a, size, stride, dtype, *, device, layout): decompositions pass it by position
         for node in self.graph.nodes:
             if node.op != "call_function" or node.target is not target.default or not node.args:
                 continue
             arg = node.args[0]
             metas = leaf_metas(arg) if isinstance(arg, fx.Node) else []
-            if len(metas) == 1 and isinstance(node.kwargs.get("dtype"), torch.dtype):
-                actual = getattr(metas[0][1], "dtype", None)
-                if actual is not None and actual != node.kwargs["dtype"]:
-                    node.kwargs = {**node.kwargs, "dtype": actual}
+            actual = getattr(metas[0][1], "dtype", None) if len(metas) == 1 else None
+            if actual is None:
+                continue
+            if isinstance(node.kwargs.get("dtype"), torch.dtype) and actual != node.kwargs["dtype"]:
+                node.kwargs = {**node.kwargs, "dtype": actual}
+            elif len(node.args) > dtype_at and isinstance(node.args[dtype_at], torch.dtype) \
+                    and actual != node.args[dtype_at]:
+                node.args = (*node.args[:dtype_at], actual, *node.args[dtype_at + 1:])
 
     def _tag(self) -> None:
         for node in self.ir.nodes:
