@@ -71,7 +71,7 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
         # torch.export's default IR keeps in-place ops; its decomposed IR is functional
         notes.append(f"{exc.message.split(';')[0]}: rewrote the functionalized graph of "
                      f"ExportedProgram.run_decompositions() instead")
-        gm = program.run_decompositions().module()
+        gm = _private_copy(program.run_decompositions().module())
         model = load_fx(gm, example_inputs=example_inputs, capture=how, example_kwargs=example_kwargs)
     if hasattr(gm, "_amp_exported_program"):
         del gm._amp_exported_program
@@ -156,10 +156,13 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
 
 
 def _module_of(program: Any, decompose: bool) -> fx.GraphModule:
-    """``program.module()``, remembering the program in case its graph needs functionalizing."""
+    """A private copy of ``program.module()``, remembering the program in case its graph needs
+    functionalizing. (``module()`` shares its parameters and buffers with the program, and an
+    exported nn.Module's program shares them with the module: a training step or a BatchNorm
+    update on the rewritten module would change the caller's.)"""
     if decompose:
-        return program.run_decompositions().module()
-    gm = program.module()
+        return _private_copy(program.run_decompositions().module())
+    gm = _private_copy(program.module())
     gm._amp_exported_program = program  # dropped below, once loaded
     return gm
 

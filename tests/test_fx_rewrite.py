@@ -395,6 +395,48 @@ def test_training_master_weights_loss_fp32_and_loss_scale(capture):
     assert low_node_count(result) >= 3  # the three linears
 
 
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x, y):
+        logits = self.bn(self.fc(x))
+        return logits, F.cross_entropy(logits, y)
+
+
+@pytest.mark.parametrize("source", ["module", "exported_program", "decompose"])
+def test_the_callers_state_is_never_shared(source):
+    """torch.export's ``ep.module()`` shares its tensors with the program, and an exported module's
+    program shares them with the module: the rewritten module used to hold the caller's own
+    parameters and buffers, so a training step on it moved the caller's weights and a train-mode
+    call moved the caller's BatchNorm statistics (symbolic_trace and GraphModules were copied)."""
+    torch.manual_seed(0)
+    model = BNNet().train()
+    x, y = torch.randn(4, 8), torch.randint(0, 8, (4,))
+    program = torch.export.export(model, (x, y)) if source == "exported_program" else None
+    obj = program if program is not None else model
+    options = {} if program is not None else {"example_inputs": (x, y), "decompose": source == "decompose"}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    held = {k: v.clone() for k, v in program.state_dict.items()} if program is not None else {}
+    gm = _dispatch(obj, target="bf16", training=True, **options).model
+    theirs = {t.data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    if program is not None:
+        theirs |= {t.data_ptr() for t in program.state_dict.values()}
+    assert not theirs & {t.data_ptr() for t in [*gm.parameters(), *gm.buffers()]}
+    _, loss = gm(x, y)  # train mode: BatchNorm updates its running statistics
+    assert not torch.equal(gm.get_buffer("bn.running_mean"), before["bn.running_mean"])
+    if source != "decompose":  # (torch's own decomposed train-mode BatchNorm graph cannot backprop:
+        optimiser = torch.optim.SGD(gm.parameters(), lr=0.5)  # its copy_ to running stats bumps a saved tensor)
+        loss.backward()
+        optimiser.step()
+        assert not torch.equal(gm.get_parameter("fc.weight"), before["fc.weight"])
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"the caller's {k} changed"
+    for k, v in held.items():
+        assert torch.equal(program.state_dict[k], v), f"the program's {k} changed"
+
+
 @pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
 def test_training_batchnorm_statistics(capture):
     """Rewriting runs nothing that touches the running statistics (symbolic_trace's dtype run restores
