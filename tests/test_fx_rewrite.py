@@ -725,6 +725,46 @@ def test_tuple_valued_nodes_used_whole_after_symbolic_trace():
         assert_dtypes_consistent(gm, (x,))
 
 
+class Optional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, bias=0.0, scale=1.0):
+        return self.fc2(self.fc1(x) + bias) * scale
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_example_kwargs_bind_by_name_past_a_skipped_default(traced):
+    """``example_kwargs={"scale": s}`` skips ``bias``. The metadata run (ShapeProp, positional
+    only) used to get s in bias's place: the rewrite cast bias as an FP32 tensor, and the module,
+    called as gm(x, scale=s) with bias at its default 0.0, failed ('float' object has no attribute
+    'to'). A keyword naming no parameter, or one that leaves a parameter without a default
+    unfilled, is a clear UsageError."""
+    torch.manual_seed(0)
+    model, x, s = Optional().eval(), torch.randn(2, 8), torch.linspace(1, 2, 8)
+    source = fx.symbolic_trace(model) if traced else model
+    gm = _dispatch(source, example_inputs=(x,), example_kwargs={"scale": s}, target="bf16",
+                   capture="symbolic_trace").model
+    gm.graph.lint()
+    with torch.no_grad():
+        assert rel_err(gm(x, scale=s), model(x, scale=s)) < TOL["bf16"]
+        assert rel_err(gm(x, 0.5, s), model(x, 0.5, s)) < TOL["bf16"]
+    assert "bias.to(" not in gm.code
+    with pytest.raises(UsageError, match="'shift'.*parameters: x, bias, scale"):
+        _dispatch(source, example_inputs=(x,), example_kwargs={"shift": s}, capture="symbolic_trace")
+
+
+def test_example_kwargs_cannot_skip_a_parameter_without_default():
+    class Two(nn.Module):
+        def forward(self, x, y, z=None):
+            return x + y
+
+    x = torch.randn(2)
+    with pytest.raises(UsageError, match="but not 'y'"):
+        _dispatch(fx.symbolic_trace(Two()), example_inputs=(), example_kwargs={"x": x, "z": x})
+
+
 def test_a_copying_no_op_cast_stays_where_the_copy_is_mutated():
     """``_to_copy`` to the dtype a tensor already has copies it. The rewrite removes no-op casts,
     but not in a graph that mutates tensors in place: reading the source instead of the copy would

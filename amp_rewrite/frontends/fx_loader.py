@@ -368,10 +368,7 @@ def _ensure_metadata(gm: fx.GraphModule, example_inputs: tuple | None, example_k
                          "example_inputs so amp-rewrite can run it once (ShapeProp) to learn every tensor's dtype")
     from torch.fx.passes.shape_prop import ShapeProp
 
-    args = tuple(example_inputs)
-    if example_kwargs:
-        placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-        args = args + tuple(example_kwargs[p] for p in placeholders[len(args):] if p in example_kwargs)
+    args = _positional(placeholders, tuple(example_inputs), example_kwargs or {})
     # the run must leave no trace: BatchNorm in training mode updates its running statistics
     saved = {name: buffer.detach().clone() for name, buffer in gm.named_buffers()}
     with torch.no_grad():
@@ -379,6 +376,29 @@ def _ensure_metadata(gm: fx.GraphModule, example_inputs: tuple | None, example_k
         for name, buffer in gm.named_buffers():
             if name in saved:
                 buffer.copy_(saved[name])
+
+
+def _positional(placeholders: list[fx.Node], args: tuple, kwargs: dict) -> tuple:
+    """The run's arguments by position (ShapeProp takes no keywords): each keyword at its
+    parameter's place, and a parameter skipped before it at its default (a traced placeholder
+    holds its default as its argument), not the next keyword slid into its place."""
+    names = [str(p.target) for p in placeholders]
+    unknown = sorted(set(kwargs) - set(names[len(args):]))
+    if unknown:
+        raise UsageError(f"example_kwargs names {', '.join(map(repr, unknown))}, which is not a parameter after "
+                         f"the {len(args)} example_inputs (parameters: {', '.join(names) or 'none'})")
+    wanted = [i for i, name in enumerate(names) if name in kwargs]
+    filled = list(args)
+    for node in placeholders[len(args):max(wanted, default=-1) + 1]:
+        name = str(node.target)
+        if name in kwargs:
+            filled.append(kwargs[name])
+        elif node.args:
+            filled.append(node.args[0])
+        else:
+            raise UsageError(f"example_kwargs gives {', '.join(n for n in names if n in kwargs)} but not "
+                             f"{name!r}, which comes before and has no default: pass it too")
+    return tuple(filled)
 
 
 def _produces_nothing(node: fx.Node) -> bool:
