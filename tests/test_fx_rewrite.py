@@ -765,6 +765,45 @@ def test_example_kwargs_cannot_skip_a_parameter_without_default():
         _dispatch(fx.symbolic_trace(Two()), example_inputs=(), example_kwargs={"x": x, "z": x})
 
 
+class Expanded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("shift", torch.ones(1).expand(8))  # stride 0: no element can be written
+
+    def forward(self, x):
+        return self.fc(x) + self.shift + torch.tensor([3.0]).expand(8)
+
+
+def test_an_expanded_buffer_survives_the_metadata_run():
+    """The metadata run restores every buffer afterwards (a train-mode BatchNorm would move its
+    statistics); writing an expanded buffer back raised torch's "more than one element of the
+    written-to tensor refers to a single memory location". Only what the run changed is restored."""
+    model, x = Expanded().eval(), torch.randn(2, 8)
+    gm = _dispatch(model, example_inputs=(x,), target="bf16", capture="symbolic_trace").model
+    gm.graph.lint()
+    with torch.no_grad():
+        assert rel_err(gm(x), model(x)) < TOL["bf16"]
+
+
+@pytest.mark.parametrize("target", ["bf16", "fp16"])
+def test_a_module_on_the_meta_device(target):
+    """A model's skeleton on the meta device (no data) is rewritten as its real twin is: same
+    graph, weights converted in type only (there is nothing to clamp or count); the conversion
+    used to read the weights' values and fail ("Tensor.item() cannot be called on meta tensors")."""
+    torch.manual_seed(0)
+    real, x = MLP().eval(), torch.randn(2, 16)
+    meta = copy.deepcopy(real).to("meta")
+    on_meta = _dispatch(meta, example_inputs=(x.to("meta"),), target=target)
+    on_cpu = _dispatch(real, example_inputs=(x,), target=target)
+    on_meta.model.graph.lint()
+    assert on_meta.model.code == on_cpu.model.code
+    assert {k: (p.dtype, p.device.type) for k, p in on_meta.model.named_parameters()} == \
+        {k: (p.dtype, "meta") for k, p in on_cpu.model.named_parameters()}
+    out = on_meta.model(x.to("meta"))
+    assert out.device.type == "meta" and out.dtype == torch.float32 and out.shape == (2, 8)
+
+
 def test_a_copying_no_op_cast_stays_where_the_copy_is_mutated():
     """``_to_copy`` to the dtype a tensor already has copies it. The rewrite removes no-op casts,
     but not in a graph that mutates tensors in place: reading the source instead of the copy would

@@ -407,7 +407,10 @@ class _Emitter:
 
 # -- weights ------------------------------------------------------------------------------------------------
 def convert_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int, int, dict | None]:
-    """FP32 → low with clamping at the true limits. Returns (tensor, clamped, flushed, sentinel)."""
+    """FP32 → low with clamping at the true limits. Returns (tensor, clamped, flushed, sentinel).
+    A tensor without data (the meta device) converts its type only: there is nothing to count."""
+    if tensor.is_meta:
+        return tensor.detach().to(dtype), 0, 0, None
     with torch.no_grad():
         data = tensor.detach().to(torch.float32)
         limit = torch.finfo(dtype).max

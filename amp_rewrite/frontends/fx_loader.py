@@ -374,7 +374,8 @@ def _ensure_metadata(gm: fx.GraphModule, example_inputs: tuple | None, example_k
     with torch.no_grad():
         ShapeProp(gm).propagate(*args)
         for name, buffer in gm.named_buffers():
-            if name in saved:
+            # (only what the run changed: an expanded buffer, stride 0, cannot be written to)
+            if name in saved and not buffer.is_meta and not torch.equal(buffer, saved[name]):
                 buffer.copy_(saved[name])
 
 
