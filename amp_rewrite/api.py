@@ -150,9 +150,12 @@ def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *
     with progress.stages(["load", "rewrite", "write"], desc=src_path.name) as stage:
         stage("load")
         model = load_onnx(src_path)
+        source_files = _input_files(model, src_path)
+        if dst_path.resolve() in source_files:
+            raise OutputError(f"{dst_path}: is a file the input reads its external data from; choose another -o "
+                              f"(the input is never modified)")
         stage("rewrite")
         modified = run_pipeline(model, ctx)
-        source_files = _input_files(model, src_path)
         use_external = external_data if external_data is not None else _needs_external(model, src_path)
         stage("write")
         if not modified:

@@ -604,6 +604,14 @@ def case_output_overwrites_external_data(d: Path) -> Case:
     return Case(["m.onnx", "-o", "out.onnx"], 6, r"input's external data", inputs=["m.onnx", "out.onnx.data"])
 
 
+def case_output_is_the_input_external_data(d: Path) -> Case:
+    """-o naming the input's own data file, with --overwrite: it used to be replaced by the output
+    (exit 0, the input's weights gone)."""
+    save_external(mlp(), d / "m.onnx", location="weights.bin")
+    return Case(["m.onnx", "-o", "weights.bin", "--overwrite"], 6, r"reads its external data from",
+                inputs=["m.onnx", "weights.bin"])
+
+
 def case_output_exists(d: Path) -> Case:
     save(mlp(), d / "m.onnx")
     (d / "out.onnx").write_bytes(b"keep me")

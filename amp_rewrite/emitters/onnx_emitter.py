@@ -435,6 +435,8 @@ def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[P
     be a file the input reads from."""
     dst = Path(dst)
     data_name = dst.name + ".data"
+    if dst.resolve() in source_files:
+        raise OutputError(f"{dst}: is a file the input reads its external data from; choose another -o")
     if external and (dst.parent / data_name).resolve() in source_files:
         raise OutputError(f"{dst.parent / data_name}: would overwrite the input's external data; choose another -o")
     try:
