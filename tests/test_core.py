@@ -418,3 +418,29 @@ def test_attention23_paints_q_k_and_v_as_one_type(with_mask):
     feeds = {"x": np.random.default_rng(0).standard_normal((2, 4, 8)).astype(np.float32),
              "mask": np.triu(np.full((4, 4), -1e9, np.float32), 1)}
     assert rel_err(run(model, feeds)["y"], run(out, feeds)["y"]) < 1e-2
+
+
+@pytest.mark.parametrize("keep_io_types", [True, False])
+def test_an_initializer_that_is_also_a_graph_output(keep_io_types):
+    """w is a graph output and a MatMul weight. With --no-keep-io-types its output took the low
+    type too, and the pass that gives low readers a converted copy tried to rewire the output
+    (no node) and died: "internal error: AttributeError: 'NoneType' object has no attribute
+    'set_input'". Now w is converted in place (an FP16 output, as no-keep-io-types asks), or,
+    keeping io types, the MatMul reads a converted copy and the output stays FP32."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,4] x) => (float[2,4] z, float[4,4] w) {
+          z = MatMul(x, w)
+        }""", {"w": (4, 4)})
+    out = rewrite(model, keep_io_types=keep_io_types).model
+    full_check(out)
+    types = value_types(out)
+    low = FP32 if keep_io_types else FP16
+    assert types["x"] == types["z"] == types["w"] == low
+    matmul = nodes_by_type(out, "MatMul")[0]
+    assert types[matmul.input[1]] == FP16
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    ref = run(model, {"x": x})
+    got = run(out, {"x": x.astype(np.float32 if keep_io_types else np.float16)})
+    assert rel_err(ref["z"], got["z"]) < 1e-2 and rel_err(ref["w"], got["w"]) < 1e-3
+    assert not rewrite(out, keep_io_types=keep_io_types).modified

@@ -200,7 +200,9 @@ class _Placer:
         training_param = self.ctx.options.training and value.is_initializer
         # A main-graph output keeps its type (the model's signature). A branch output needs the low
         # type only where its If took it: then the constant is converted, not cast in the branch.
-        fixed_output = value.is_graph_output and value.graph is self.model.graph
+        # (Unless the output itself takes the low type: --no-keep-io-types.)
+        output_low = any(u.node is None and u.need == self.low for u in uses)
+        fixed_output = value.is_graph_output and value.graph is self.model.graph and not output_low
         if needs == {self.low} and not training_param and not fixed_output:
             value.meta["amp.was"] = DType.FLOAT
             value.meta["amp.convert"] = True
@@ -211,7 +213,8 @@ class _Placer:
         if value.is_initializer and not training_param:
             copy = self._low_copy(value)
             for use in low_uses:
-                use.node.set_input(use.index, copy)
+                if use.node is not None:  # (a graph output that is this initializer keeps it)
+                    use.node.set_input(use.index, copy)
             self.ctx.log.weights.duplicated += 1
             self.modified = True
             return
