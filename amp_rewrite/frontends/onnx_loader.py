@@ -86,9 +86,40 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
             model.graph = build(None)
         except _Unsorted as exc:
             raise ModelLoadError(str(exc)) from None
+    if nested:
+        _unique_value_names(model.graph)
     model.meta["ir_version"] = ir_model.ir_version
     model.meta["functions"] = {(f.domain, f.name) for f in ir_model.functions.values()}
     return model
+
+
+def _unique_value_names(main: Graph) -> None:
+    """ONNX lets bodies that cannot see each other reuse a name (both If branches yield ``t``, two
+    Loop bodies name their counter ``i``) and checkers accept a body initializer shadowing an outer
+    one; the IR names each value once per model, as its verifier checks and the passes' names for
+    new values assume. A body value whose name an earlier scope took gets a fresh one in the IR
+    (``t__1``, never one the model uses); the main graph's names never change. Values are linked by
+    object, so nothing else moves: the output names it by the fresh name where it retypes it."""
+    scopes = list(main.scopes())
+    def values(g: Graph) -> list[Value]:  # (IR < 4 lists an initializer as an input too: once)
+        return list({id(v): v for v in [*g.inputs, *g.initializers.values(),
+                                        *(o for n in g.nodes for o in n.outputs)]}.values())
+
+    every = {v.name for g in scopes for v in values(g)}
+    taken: set[str] = set()
+    for graph in scopes:
+        renamed = False
+        for v in values(graph):
+            if v.name and v.name in taken:
+                k = 1
+                while f"{v.name}__{k}" in every:
+                    k += 1
+                v.name = f"{v.name}__{k}"
+                every.add(v.name)
+                renamed = True
+            taken.add(v.name)
+        if renamed:  # (initializers are keyed by name)
+            graph.initializers = {v.name: v for v in graph.initializers.values()}
 
 
 # -- reading ------------------------------------------------------------------------------------------
