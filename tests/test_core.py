@@ -444,3 +444,52 @@ def test_an_initializer_that_is_also_a_graph_output(keep_io_types):
     got = run(out, {"x": x.astype(np.float32 if keep_io_types else np.float16)})
     assert rel_err(ref["z"], got["z"]) < 1e-2 and rel_err(ref["w"], got["w"]) < 1e-3
     assert not rewrite(out, keep_io_types=keep_io_types).modified
+
+
+def _sequence_models():
+    """A low MatMul's output collected into a sequence and joined again; a sequence split from the
+    FP32 graph input read by SequenceAt before a MatMul."""
+    def graph(nodes, inputs, outputs):
+        g = onnx.helper.make_graph(nodes, "g", inputs, outputs, [onnx.numpy_helper.from_array(
+            np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32), "w"),
+            onnx.numpy_helper.from_array(np.array(0, np.int64), "zero")])
+        return onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
+
+    tensor = lambda name: onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [2, 4])  # noqa: E731
+    make = onnx.helper.make_node
+    collect = graph([make("MatMul", ["x", "w"], ["a"]), make("SequenceConstruct", ["a"], ["seq"]),
+                     make("ConcatFromSequence", ["seq"], ["z"], axis=0)], [tensor("x")],
+                    [onnx.helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, [2, 4])])
+    read = graph([make("SplitToSequence", ["x"], ["sq"], axis=0, keepdims=1), make("SequenceAt", ["sq", "zero"], ["a"]),
+                  make("MatMul", ["a", "w"], ["z"])], [tensor("x")],
+                 [onnx.helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, [1, 4])])
+    return {"collect": collect, "read": read}
+
+
+@pytest.mark.parametrize("rules", ["built-in", "user rule: sequence ops clear"])
+@pytest.mark.parametrize("case", ["collect", "read"])
+def test_sequence_element_types_stay_as_written(case, rules, tmp_path):
+    """No Cast converts a sequence, so its element type is fixed from producer to reader. With
+    SequenceConstruct and SequenceAt in the clear list, the first model's output was declared FP32
+    while FP16 flowed into it (the checker: "Inferred elem type differs from existing elem type:
+    (10) vs (1)"; onnxruntime refused to load it), and the second read an FP32 sequence as FP16.
+    A node that reads or makes a sequence keeps its types, whatever the rules say of the op."""
+    model = _sequence_models()[case]
+    options = {}
+    if rules != "built-in":
+        f = tmp_path / "r.toml"
+        f.write_text('[clear]\nSequenceAt = "user"\nSequenceConstruct = "user"\nConcatFromSequence = "user"\n')
+        options["rules"] = [str(f)]
+    result = rewrite(model, **options)
+    out = result.model
+    full_check(out)
+    types = value_types(out)
+    mm = nodes_by_type(out, "MatMul")[0]
+    assert types[mm.output[0]] == FP16  # the heavy op still runs low
+    seq_op = next(n for n in out.graph.node if n.op_type in ("SequenceConstruct", "SequenceAt"))
+    tensors = [v for v in [*seq_op.input, *seq_op.output] if types.get(v, 0) not in (0, onnx.TensorProto.INT64)]
+    assert tensors and all(types[v] == FP32 for v in tensors)
+    x = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
+    feeds = {"x": x}
+    assert rel_err(run(model, feeds)["z"], run(out, feeds)["z"]) < 1e-2
+    assert not rewrite(out, **options).modified

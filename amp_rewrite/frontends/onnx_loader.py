@@ -644,7 +644,30 @@ class _Builder:
                     node.subgraphs[attr_name] = [self.build_graph(sg, scope, node) for sg in attr.as_graphs()]
         schema_slots(op_type, domain, self.opsets.get("" if domain == "ai.onnx" else domain or ""),
                      len(inputs), len(outputs)).apply(node)
+        kind = self._container_kind(ir_inputs, ir_outputs)
+        if kind:
+            node.meta["amp.keeps_types"] = (f"it reads or makes a {kind}, whose element type no Cast can change: "
+                                            f"it keeps the types it was written with")
         return node
+
+    def _container_kind(self, inputs, outputs) -> str | None:
+        """"sequence" or "optional" where a node reads or writes one: the element type is fixed from
+        its producer to every reader, so painting either end would leave the other reading the
+        wrong type (whatever a rule file says of the op). From the value's own type, else from
+        shape inference's (an intermediate value usually has none of its own)."""
+        for v in (*inputs, *outputs):
+            if v is None:
+                continue
+            if v.type is not None:
+                kind = "sequence" if isinstance(v.type, ir.SequenceType) else \
+                    "optional" if isinstance(v.type, ir.OptionalType) else None
+            else:
+                info = self._types.get(v.name)
+                kind = info.type.WhichOneof("value") if info is not None else None
+                kind = {"sequence_type": "sequence", "optional_type": "optional"}.get(kind)
+            if kind:
+                return kind
+        return None
 
     @staticmethod
     def _unreachable_input(n: ir.Node, scope: dict[int, Value]) -> None:
