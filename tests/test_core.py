@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import pytest
 
+from amp_rewrite.decisions import Precision
 from amp_rewrite.report import Report
 from util import FP16, FP32, ROOT, full_check, make_model, nodes_by_type, rel_err, rewrite, run, value_types
 
@@ -493,3 +494,30 @@ def test_sequence_element_types_stay_as_written(case, rules, tmp_path):
     feeds = {"x": x}
     assert rel_err(run(model, feeds)["z"], run(out, feeds)["z"]) < 1e-2
     assert not rewrite(out, **options).modified
+
+
+@pytest.mark.parametrize("typed", [False, True])
+def test_a_custom_op_output_of_unknown_type_keeps_the_op_fp32(typed):
+    """onnx has no schema for com.microsoft ops, so shape inference leaves FusedMatMul's output
+    untyped. It used to be painted FP16 while its reader, seeing an unknown type, kept FP32 and got
+    no Cast (onnxruntime: "Type (tensor(float)) of output arg (z) ... does not match expected type
+    (tensor(float16))"). Untyped, the op keeps FP32 and says why; typed in value_info, it runs low."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17, "com.microsoft" : 1]>
+        g (float[2,4] x) => (float[2,4] z) {
+          y = com.microsoft.FusedMatMul<alpha = 0.5>(x, w)
+          z = Relu(y)
+        }""", {"w": (4, 4)})
+    if typed:
+        model.graph.value_info.append(onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 4]))
+    result = rewrite(model)
+    out = result.model
+    full_check(out)
+    decision = result.log.decisions[next(k for k in result.log.decisions if "FusedMatMul" in k)]
+    if typed:
+        assert decision.precision == Precision.LOW
+    else:
+        assert decision.precision == Precision.FP32 and "'y' is unknown" in decision.reason
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    assert rel_err(run(model, {"x": x})["z"], run(out, {"x": x})["z"]) < 1e-2
+    assert not rewrite(out).modified

@@ -8,7 +8,8 @@ Cases handled:
 - likewise an op whose own schema at this opset does not allow the low type for the painted group
   (ConstantOfShape has no bfloat16 output below opset 20): the frontend records each group's types;
 - an input pinned FP32 that shares the painted type group keeps the node FP32;
-- control flow (If/Loop/Scan), Cast, Constant and nodes whose group has an unknown dtype do not
+- control flow (If/Loop/Scan), Cast, Constant and nodes whose group has an unknown dtype (an
+  input, or an output something reads: a custom op shape inference has no schema for) do not
   take part in painting: their types stay as they are;
 - nor does a node the frontend marks ``amp.keeps_types`` (a torch op that mixes float types, whose
   result torch's type promotion decides): it keeps the types it was written with.
@@ -68,6 +69,13 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) ->
                and node.input_groups[i] == group and v.dtype is None]
     if unknown:
         _fix_fp32(node, category, f"dtype of {unknown[0]!r} is unknown, so the node keeps its types", "classify")
+        return
+    # An output of unknown type (a custom-domain op that shape inference has no schema for): were
+    # the node painted low, its readers could not tell they read the low type, and get no Cast.
+    unknown = [v.name for v, g in zip(node.outputs, node.output_groups) if g == group and v.dtype is None and v.uses()]
+    if unknown:
+        _fix_fp32(node, category, f"dtype of its output {unknown[0]!r} is unknown (no schema infers it), so its "
+                                  f"readers could not be given a Cast: the node keeps its types", "classify")
         return
     shared = [i for i in meta["amp.pinned"] if i < len(node.input_groups) and node.input_groups[i] == group
               and group != "?" and is_float32(node.inputs[i])]
