@@ -419,6 +419,9 @@ def test_attention23_paints_q_k_and_v_as_one_type(with_mask):
     feeds = {"x": np.random.default_rng(0).standard_normal((2, 4, 8)).astype(np.float32),
              "mask": np.triu(np.full((4, 4), -1e9, np.float32), 1)}
     assert rel_err(run(model, feeds)["y"], run(out, feeds)["y"]) < 1e-2
+    # rewriting it again changes nothing: with Q/K/V low the mask's FP32 group is not the next one
+    # to paint (it was: the second rewrite cast the mask to FP16, clamping -1e9 to -65504)
+    assert not rewrite(out).modified
 
 
 @pytest.mark.parametrize("keep_io_types", [True, False])
@@ -521,3 +524,24 @@ def test_a_custom_op_output_of_unknown_type_keeps_the_op_fp32(typed):
     x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
     assert rel_err(run(model, {"x": x})["z"], run(out, {"x": x})["z"]) < 1e-2
     assert not rewrite(out).modified
+
+
+def test_an_fp16_attention_keeps_its_fp32_mask():
+    """A partly FP16 model: its Attention already runs FP16 with an FP32 additive mask of -1e9.
+    Existing low-precision parts are left as they are; the mask used to be painted (the first
+    FP32 group the node had) and converted to FP16, -1e9 clamped to -65504."""
+    mask = np.triu(np.full((4, 4), -1e9, np.float32), 1)
+    model = make_model("""
+        <ir_version: 11, opset_import: ["" : 23]>
+        g (float16[2,4,8] q, float16[2,4,8] k, float16[2,4,8] v, float[2,4,8] x) => (float16[2,4,8] a, float[2,4,8] y) {
+          a = Attention<q_num_heads=2, kv_num_heads=2>(q, k, v, mask)
+          y = MatMul(x, w)
+        }""", {"mask": mask, "w": (8, 8)})
+    result = rewrite(model)
+    out = result.model
+    full_check(out)
+    stored = {t.name: t for t in out.graph.initializer}
+    assert stored["mask"].data_type == FP32
+    attention = nodes_by_type(out, "Attention")[0]
+    assert list(attention.input) == ["q", "k", "v", "mask"]
+    assert result.modified  # (the MatMul still went low)

@@ -83,15 +83,22 @@ def loss_tail(graph: Graph, loss: Value, rules: "RuleBook") -> list[Node]:
 
 # -- slots: which inputs/outputs of a node are painted together ------------------------------------
 def painted_group(node: Node) -> str | None:
-    """The type-constraint group painting decides for this node: the group of the first FP32
-    output, else of the first FP32 input. Other float groups (LayerNorm's U, BatchNorm-15's
-    statistics, Resize's roi/scales) keep their types."""
-    for group, value in zip(node.output_groups, node.outputs):
-        if group is not None and value.dtype == DType.FLOAT:
-            return group
-    for group, value in zip(node.input_groups, node.inputs):
-        if group is not None and value is not None and value.dtype == DType.FLOAT:
-            return group
+    """The type-constraint group painting decides for this node: the node's main group (that of
+    its first float output, else of its first float input) when that group is FP32, else none.
+    Other float groups (LayerNorm's U, BatchNorm-15's statistics, Resize's roi/scales,
+    Attention's additive mask) keep their types: once the main group is low (a model rewritten
+    before, or partly FP16 already), its FP32 mask is not the next group to paint.
+
+    A node that keeps the types it was written with (``amp.keeps_types``: a torch op mixing float
+    types) has no main group; its FP32 one is returned, so that its FP32 inputs stay FP32."""
+    keeps = "amp.keeps_types" in node.meta
+    for slots in (zip(node.output_groups, node.outputs), zip(node.input_groups, node.inputs)):
+        for group, value in slots:
+            if group is not None and value is not None and value.dtype is not None and value.dtype.is_float:
+                if value.dtype == DType.FLOAT:
+                    return group
+                if not keeps:
+                    return None
     return None
 
 
