@@ -392,6 +392,25 @@ def case_custom_domain_op(d: Path) -> Case:
     return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"], runtime=False)
 
 
+def case_unknown_op_in_the_default_domain(d: Path) -> Case:
+    """An ai.onnx node with no such operator: the input fails the checker ("No Op registered for
+    FooBarOp"), and so did the output the rewrite used to write with exit 0."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("FooBarOp", ["h"], ["y"], name="foo")]
+    save(model(nodes, [vi("x")], [vi("y")], [weight("w1")]), d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 3, r"'foo' \(FooBarOp\): ai\.onnx has no operator 'FooBarOp'.*own domain",
+                inputs=["m.onnx"])
+
+
+def case_op_newer_than_the_opset(d: Path) -> Case:
+    """LayerNormalization is an ai.onnx operator only from opset 17: at opset 13 it is not one."""
+    nodes = [helper.make_node("LayerNormalization", ["x", "g"], ["y"], name="ln")]
+    save(model(nodes, [vi("x")], [vi("y")], [numpy_helper.from_array(np.ones(4, np.float32), "g")], opset=13),
+         d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 3, r"'ln' \(LayerNormalization\).*only from opset 17.*opset 13",
+                inputs=["m.onnx"])
+
+
 def case_custom_domain_unknown_type(d: Path) -> Case:
     """No schema and no value_info: the custom op's output dtype is unknown; its consumers keep FP32."""
     nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),

@@ -72,8 +72,11 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     model = Model(graph=Graph(), frontend="onnx", opsets=_opsets(ir_model),
                   origin=OnnxSource(ir_model, path, data_files, proto))
 
+    functions = {(f.domain, f.name) for f in ir_model.functions.values()}
+
     def build(types):
-        return _Builder(model.opsets, ir_model.ir_version, types).build_graph(ir_model.graph, outer={})
+        return _Builder(model.opsets, ir_model.ir_version, types, functions=functions).build_graph(
+            ir_model.graph, outer={})
 
     try:
         # The builder finds an unsorted graph itself (a node reading a value produced later), so
@@ -553,9 +556,11 @@ class _Unsorted(Exception):
 
 class _Builder:
     def __init__(self, opsets: dict[str, int], ir_version: int | None = None,
-                 inferred: list[dict[str, onnx.ValueInfoProto]] | None = None) -> None:
+                 inferred: list[dict[str, onnx.ValueInfoProto]] | None = None, *,
+                 functions: set[tuple[str, str]] = frozenset()) -> None:
         self.opsets = opsets
         self.ir_version = ir_version
+        self.functions = functions  # (domain, name) of the model-local functions
         # shape inference's answer, one table per graph in the order build_graph meets them
         # (the graph, then each node's bodies in node and attribute order, depth first)
         self._tables = iter(inferred) if inferred is not None else None
@@ -642,8 +647,11 @@ class _Builder:
                     node.subgraphs[attr_name] = [self.build_graph(attr.as_graph(), scope, node)]
                 elif attr.type == ir.AttributeType.GRAPHS:
                     node.subgraphs[attr_name] = [self.build_graph(sg, scope, node) for sg in attr.as_graphs()]
-        schema_slots(op_type, domain, self.opsets.get("" if domain == "ai.onnx" else domain or ""),
-                     len(inputs), len(outputs)).apply(node)
+        opset = self.opsets.get("" if domain == "ai.onnx" else domain or "")
+        if domain in ("", "ai.onnx") and _schema(op_type, "", opset) is None \
+                and (domain, op_type) not in self.functions:
+            raise ModelLoadError(_unknown_op(n, opset))
+        schema_slots(op_type, domain, opset, len(inputs), len(outputs)).apply(node)
         kind = self._container_kind(ir_inputs, ir_outputs)
         if kind:
             node.meta["amp.keeps_types"] = (f"it reads or makes a {kind}, whose element type no Cast can change: "
@@ -682,6 +690,20 @@ class _Builder:
             raise ModelLoadError(
                 f"node {n.name or n.op_type!r} ({n.op_type}) reads {v.name!r} (input {i}), which nothing "
                 f"produces (a dangling input: no node, graph input or initializer has that name)")
+
+
+def _unknown_op(n: ir.Node, opset: int | None) -> str:
+    """Why an ai.onnx node has no operator: not one at the model's opset, or not one at all."""
+    label = f"node {n.name!r} ({n.op_type})" if n.name else f"a {n.op_type} node"
+    try:
+        since = onnx.defs.get_schema(n.op_type, onnx.defs.onnx_opset_version(), "").since_version
+    except onnx.defs.SchemaError:
+        since = None
+    if since is not None:
+        return (f"{label}: {n.op_type} is an ai.onnx operator only from opset {since}, and the model imports "
+                f"opset {opset}; convert the model (onnx.version_converter.convert_version) or fix the op")
+    return (f"{label}: ai.onnx has no operator {n.op_type!r} (onnx {onnx.__version__}); a custom op needs its "
+            f"own domain (e.g. domain=\"com.example\") with an opset import for it")
 
 
 def _parse_type(type_proto: onnx.TypeProto) -> tuple[DType | None, tuple | None]:
