@@ -387,11 +387,12 @@ _DDP_WORKER = textwrap.dedent("""
             params.append([p.detach().flatten().tolist() for p in model.parameters()])
         with open(os.path.join(out, f"rank{{rank}}.json"), "w") as f:
             json.dump({{"history": scaler.history, "params": params}}, f)
-        # Both ranks finish their collectives before either tears gloo down: without this the
-        # first to exit could abort the other ("terminate called without an active exception").
+        # Both ranks finish their collectives before either leaves. Then no teardown: gloo's
+        # destructors at exit still aborted a rank now and then under load ("terminate called
+        # without an active exception", exit -6) after all the work was done and written.
         dist.barrier()
-        del model, scaler
-        dist.destroy_process_group()
+        sys.stderr.flush()
+        os._exit(0)
 
     if __name__ == "__main__":
         main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
