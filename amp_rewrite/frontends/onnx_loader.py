@@ -92,7 +92,7 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     if nested:
         _unique_value_names(model.graph)
     model.meta["ir_version"] = ir_model.ir_version
-    model.meta["functions"] = {(f.domain, f.name) for f in ir_model.functions.values()}
+    model.meta["functions"] = functions
     return model
 
 
@@ -104,6 +104,7 @@ def _unique_value_names(main: Graph) -> None:
     (``t__1``, never one the model uses); the main graph's names never change. Values are linked by
     object, so nothing else moves: the output names it by the fresh name where it retypes it."""
     scopes = list(main.scopes())
+
     def values(g: Graph) -> list[Value]:  # (IR < 4 lists an initializer as an input too: once)
         return list({id(v): v for v in [*g.inputs, *g.initializers.values(),
                                         *(o for n in g.nodes for o in n.outputs)]}.values())

@@ -90,7 +90,8 @@ def painted_group(node: Node) -> str | None:
     before, or partly FP16 already), its FP32 mask is not the next group to paint.
 
     A node that keeps the types it was written with (``amp.keeps_types``: a torch op mixing float
-    types) has no main group; its FP32 one is returned, so that its FP32 inputs stay FP32."""
+    types, an ONNX sequence op) may have no FP32 main group; its first FP32 group is returned, so
+    that its FP32 inputs stay FP32."""
     keeps = "amp.keeps_types" in node.meta
     for slots in (zip(node.output_groups, node.outputs), zip(node.input_groups, node.inputs)):
         for group, value in slots:

@@ -11,8 +11,9 @@ Cases handled:
 - control flow (If/Loop/Scan), Cast, Constant and nodes whose group has an unknown dtype (an
   input, or an output something reads: a custom op shape inference has no schema for) do not
   take part in painting: their types stay as they are;
-- nor does a node the frontend marks ``amp.keeps_types`` (a torch op that mixes float types, whose
-  result torch's type promotion decides): it keeps the types it was written with.
+- nor does a node the frontend marks ``amp.keeps_types``: a torch op that mixes float types (torch's
+  type promotion decides its result), an ONNX node that reads or makes a sequence or optional (no
+  Cast changes their element type); it keeps the types it was written with.
 """
 
 from __future__ import annotations
