@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from .decisions import ALIGNMENT_OPS, Decision, DecisionLog, Precision
-from .errors import OutputError, UsageError
+from .errors import ModelLoadError, OutputError, UsageError
 from .ir import Model, verify
 from .passes.base import Context, Options, node_label, run_passes
 from .passes.classify import classify
@@ -58,6 +58,13 @@ def make_context(*, frontend: str, target: str = "fp16", rules: Iterable[str | o
 
     if placement is None:
         placement = "optimal" if frontend == "onnx" else "greedy"
+    flags = dict(keep_io_types=keep_io_types, training=training, verify_each=verify_each, fuse=fuse)
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise UsageError(f"{name}={value!r}: pass True or False")
+    # one name or path where a list is expected is that one item (a str is iterable letter by letter)
+    fp32_nodes, fp16_nodes, fp32_ops, fp16_ops = (_as_list(name, v) for name, v in (
+        ("fp32_nodes", fp32_nodes), ("fp16_nodes", fp16_nodes), ("fp32_ops", fp32_ops), ("fp16_ops", fp16_ops)))
     if target not in TARGETS:
         raise UsageError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}")
     if placement not in ("greedy", "optimal"):
@@ -65,11 +72,30 @@ def make_context(*, frontend: str, target: str = "fp16", rules: Iterable[str | o
     if isinstance(rules, RuleBook):
         book = rules
     else:
-        book = load_rules([str(r) for r in rules], frontend=frontend, target=target, fp32_ops=fp32_ops,
+        book = load_rules([str(r) for r in _as_list("rules", rules)], frontend=frontend, target=target, fp32_ops=fp32_ops,
                           low_ops=fp16_ops, fp32_nodes=fp32_nodes, low_nodes=fp16_nodes)
+        if frontend == "onnx":
+            from .frontends.onnx_loader import check_rule_input_names
+
+            check_rule_input_names(book)
     options = Options(target=target, keep_io_types=keep_io_types, training=training, placement=placement,
                       loss=loss, verify_each=verify_each, fuse=fuse)
     return Context(rules=book, options=options, log=DecisionLog(target=target))
+
+
+def _as_list(name: str, value: Any) -> list:
+    if isinstance(value, (str, os.PathLike)):
+        return [value]
+    if value is None:
+        return []
+    try:
+        items = list(value)
+    except TypeError:
+        raise UsageError(f"{name}={value!r}: pass a list (or one name)") from None
+    bad = [item for item in items if not isinstance(item, (str, os.PathLike))]
+    if bad:
+        raise UsageError(f"{name}: {bad[0]!r} is not a name or path")
+    return items
 
 
 def run_pipeline(model: Model, ctx: Context) -> bool:
@@ -140,8 +166,17 @@ def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *
     from .emitters.onnx_emitter import save_onnx
     from .frontends.onnx_loader import load_onnx
 
+    if options.get("training") and options.get("loss"):
+        # an ONNX training graph: the loss-scale (and unscale/all_finite) nodes go in too, as
+        # rewrite() does for a ModelProto
+        from .training_onnx import rewrite_training_onnx
+
+        options = {k: v for k, v in options.items() if k != "training"}
+        return rewrite_training_onnx(src, dst, overwrite=overwrite, external_data=external_data, **options)
     src_path = Path(src)
     target = options.get("target", "fp16")
+    if src_path.is_dir():  # (before naming the default output after it: "." has no name)
+        raise ModelLoadError(f"{src_path}: is a directory, expected an .onnx file")
     dst_path = Path(dst) if dst is not None else src_path.with_name(f"{src_path.stem}.{target}.onnx")
     _check_output(src_path, dst_path, overwrite)
     ctx = make_context(frontend="onnx", **options)
@@ -254,7 +289,12 @@ def _copy_unchanged(src: Path, dst: Path, model: Model, external: bool, source_f
         os.close(fd)
         try:
             shutil.copyfile(src, tmp)
-            os.replace(tmp, dst)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the output is an ordinary file
+            from .emitters.onnx_emitter import replace_into
+
+            replace_into(Path(tmp), dst)
         except OSError as exc:
             Path(tmp).unlink(missing_ok=True)
             raise OutputError(f"{dst}: writing failed ({exc.strerror or exc})") from exc

@@ -1,12 +1,13 @@
 """Command line: argument parsing, messages and exit codes. No graph logic lives here.
 
 Every failure is one line on stderr (``amp-rewrite: error: ...``) and a documented exit code;
-``--debug`` shows the traceback instead.
+``--debug`` shows the traceback instead of the line, with the same exit code.
 """
 
 from __future__ import annotations
 
 import sys
+import traceback
 from pathlib import Path
 from typing import List, Optional
 
@@ -61,9 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app(args=argv, prog_name="amp-rewrite", standalone_mode=False)
     except AmpRewriteError as exc:
-        if debug:
-            raise
-        print(f"amp-rewrite: error: {_one_line(exc.message)}", file=sys.stderr)
+        if debug:  # the traceback instead of the line; the exit code stays the documented one
+            traceback.print_exc()
+        else:
+            print(f"amp-rewrite: error: {_one_line(exc.message)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("amp-rewrite: interrupted; no output was written", file=sys.stderr)
@@ -81,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, click_aborts):
             return 1
         if debug:
-            raise
-        print(f"amp-rewrite: internal error: {type(exc).__name__}: {_one_line(str(exc))} (rerun with --debug for "
-              f"the traceback and please report it)", file=sys.stderr)
+            traceback.print_exc()
+        else:
+            print(f"amp-rewrite: internal error: {type(exc).__name__}: {_one_line(str(exc))} (rerun with --debug "
+                  f"for the traceback and please report it)", file=sys.stderr)
         return INTERNAL_ERROR
     return 0
 

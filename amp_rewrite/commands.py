@@ -3,12 +3,13 @@ argument parser stays declarative."""
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .errors import OutputError, UsageError
+from .errors import ModelLoadError, OutputError, UsageError
 
 
 @dataclass
@@ -39,9 +40,21 @@ class CliArgs:
 
     def options(self) -> dict:
         return dict(target=self.target, rules=[str(r) for r in self.rules], keep_io_types=self.keep_io_types,
-                    fp32_nodes=self.fp32_nodes, fp16_nodes=self.fp16_nodes, fp32_ops=self.fp32_ops,
-                    fp16_ops=self.fp16_ops, placement=self.placement, verify_each=self.debug,
+                    fp32_nodes=self.fp32_nodes, fp16_nodes=self.fp16_nodes, fp32_ops=_split(self.fp32_ops),
+                    fp16_ops=_split(self.fp16_ops), placement=self.placement, verify_each=self.debug,
                     fuse=self.fuse)
+
+    def output_path(self) -> Path:
+        """Where the model goes: -o, else the default the API picks next to the input."""
+        if self.output is not None:
+            return self.output
+        kind = ".train" if self.training else ""
+        return self.model.with_name(f"{self.model.stem}.{self.target}{kind}.onnx")
+
+
+def _split(ops: list[str]) -> list[str]:
+    """``--fp32-ops A,B`` as well as ``--fp32-ops A --fp32-ops B`` (op names hold no commas)."""
+    return [op.strip() for item in ops for op in item.split(",") if op.strip()]
 
 
 def say(args: CliArgs, text: str) -> None:
@@ -60,30 +73,34 @@ def run(args: CliArgs) -> None:
 
         say(args, explain_node(args.model, args.explain, **args.options()))
         return
-    if args.training:
-        from .training_onnx import rewrite_training_cli
+    from .emitters.onnx_emitter import previous_outputs_kept
 
-        result = rewrite_training_cli(args)
-    elif args.auto_fp32:
-        from .check import auto_fp32_cli
+    with previous_outputs_kept() as written:
+        if args.training:
+            from .training_onnx import rewrite_training_cli
 
-        result = auto_fp32_cli(args)
-    else:
-        from .api import rewrite_onnx
+            result = rewrite_training_cli(args)
+        elif args.auto_fp32:
+            from .check import auto_fp32_cli
 
-        result = rewrite_onnx(args.model, args.output, overwrite=args.overwrite, **args.options())
-    report = result.report
-    if not result.modified:
-        report.log.notes.append("nothing to rewrite: no FP32 op that the rules put in low precision; "
-                                "the output is a copy of the input")
-    if args.check and not args.auto_fp32:
-        from .check import check_cli
+            result = auto_fp32_cli(args)
+        else:
+            from .api import rewrite_onnx
 
-        check_cli(args, result, report)
-    if args.report is not None:
-        from .report import write_report
+            result = rewrite_onnx(args.model, args.output, overwrite=args.overwrite, **args.options())
+        written.extend(result.outputs)
+        report = result.report
+        if not result.modified:
+            report.log.notes.append("nothing to rewrite: no FP32 op that the rules put in low precision; "
+                                    "the output is a copy of the input")
+        if args.check and not args.auto_fp32:
+            from .check import check_cli
 
-        write_report(report, args.report)
+            check_cli(args, result, report)
+        if args.report is not None:
+            from .report import write_report
+
+            write_report(report, args.report)
     say(args, report.summary_text())
     if not result.modified:
         say(args, "nothing to rewrite: the model has no FP32 op that the rules put in low precision")
@@ -107,7 +124,18 @@ def _validate(args: CliArgs) -> None:
         raise UsageError("--training needs --loss NAME (the graph output holding the loss)")
     if args.inputs is not None and not args.inputs.exists():
         raise UsageError(f"--inputs {args.inputs}: no such file")
-    if args.tolerance <= 0:
-        raise UsageError("--tolerance must be positive")
-    if args.training and args.target == "bf16":
+    if not math.isfinite(args.tolerance) or args.tolerance <= 0:
+        raise UsageError(f"--tolerance {args.tolerance}: must be a positive number")
+    if args.model.is_dir():
+        raise ModelLoadError(f"{args.model}: is a directory, expected an .onnx file")
+    if args.report is not None and args.explain is None:
+        report, model, output = args.report.resolve(), args.model.resolve(), args.output_path().resolve()
+        if report in (model, output):
+            which = "the input model" if report == model else "the output model"
+            raise OutputError(f"--report {args.report}: is {which}; choose another report path")
+        if args.report.is_dir():
+            raise OutputError(f"--report {args.report}: is a directory")
+        if args.report.exists() and not args.overwrite:
+            raise OutputError(f"--report {args.report}: already exists; pass --overwrite to replace it")
+    if args.training and args.target == "bf16" and not args.quiet:
         print("amp-rewrite: note: bf16 needs no loss scaling; loss-scale nodes are still added", file=sys.stderr)

@@ -40,7 +40,7 @@ class RuleFileError(AmpRewriteError):
 
 
 class UnsupportedModelError(AmpRewriteError):
-    """A valid model this tool cannot rewrite (IR version or opset out of range, cycles, ...)."""
+    """A valid model this tool cannot rewrite (IR version or opset out of range, ...)."""
 
     exit_code = 5
 

@@ -45,7 +45,16 @@ def explain_node(model_path: str | os.PathLike, node_name: str, **options: Any) 
     report = Report.from_log(ctx.log, source=str(model_path))
     nodes = {node_label(n): n for n in model.graph.walk() if not n.meta.get("amp.inserted")}
     casts = {c.name: c for c in ctx.log.casts}
-    name = _resolve(node_name, nodes, casts, model_path)
+    fused = {member: record for record in ctx.log.fusions for member in record.members}
+    # (an unnamed member is labelled "Op:output": its output's name finds it too)
+    by_output = [m for m in fused if m.split(":", 1)[-1] == node_name and ":" in m]
+    member = node_name if node_name in fused else by_output[0] if len(by_output) == 1 else None
+    if member is not None and node_name not in nodes:
+        record = fused[member]
+        text = (f"{node_name}: fused, with the rest of its {record.pattern} pattern, into {record.node} ({record.op}): "
+                f"{record.reason} (--no-fuse keeps the pattern as it is)")
+        return text + ("\n\n" + explain_decision(report, record.node) if record.node in report.log.decisions else "")
+    name = _resolve(node_name, nodes, casts, model_path, also=list(fused))
     if name in casts:
         return _explain_cast(report, casts[name])
     if name not in report.log.decisions:
@@ -55,13 +64,14 @@ def explain_node(model_path: str | os.PathLike, node_name: str, **options: Any) 
     return explain_decision(report, name)
 
 
-def _resolve(query: str, nodes: dict, casts: dict, model_path) -> str:
+def _resolve(query: str, nodes: dict, casts: dict, model_path, also: list[str] = ()) -> str:
+    """``also``: names that are no node of the rewritten graph but can be explained (fused nodes)."""
     if query in nodes or query in casts:
         return query
     by_output = [label for label, n in nodes.items() if any(o.name == query for o in n.outputs)]
     if len(by_output) == 1:
         return by_output[0]
-    names = list(nodes) + list(casts)
+    names = list(nodes) + list(casts) + list(also)
     close = difflib.get_close_matches(query, names, n=5, cutoff=0.5)
     if not close:
         close = [n for n in names if query.lower() in n.lower()][:5]

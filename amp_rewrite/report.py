@@ -311,6 +311,7 @@ def write_report(report: Report, path) -> None:
         text = report_render.render(report, suffix)
         if text is None:
             raise UsageError(f"--report {path}: unknown format {suffix!r}; use .json, .html or .md")
+    tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=".amp-report-", dir=path.parent or ".")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -320,4 +321,6 @@ def write_report(report: Report, path) -> None:
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a report is an ordinary file
         os.replace(tmp, path)
     except OSError as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)  # (a failed write leaves nothing behind)
         raise OutputError(f"{path}: cannot write the report ({exc.strerror or exc})") from exc

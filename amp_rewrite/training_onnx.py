@@ -104,6 +104,10 @@ def rewrite_training_onnx(src: str | os.PathLike, dst: str | os.PathLike | None 
 
     src_path = Path(src)
     target = options.get("target", "fp16")
+    if src_path.is_dir():  # (before naming the default output after it: "." has no name)
+        from .errors import ModelLoadError
+
+        raise ModelLoadError(f"{src_path}: is a directory, expected an .onnx file")
     dst_path = Path(dst) if dst is not None else src_path.with_name(f"{src_path.stem}.{target}.train.onnx")
     _check_output(src_path, dst_path, overwrite)
     model = load_onnx(src_path)

@@ -631,6 +631,72 @@ def case_output_is_the_input_external_data(d: Path) -> Case:
                 inputs=["m.onnx", "weights.bin"])
 
 
+def case_report_is_the_input(d: Path) -> Case:
+    """--report naming the input model: the report replaced it (exit 0)."""
+    save(mlp(), d / "m.md")
+    return Case(["m.md", "-o", "out.onnx", "--report", "m.md"], 6, r"is the input model", inputs=["m.md"])
+
+
+def case_report_is_the_output(d: Path) -> Case:
+    """--report naming the -o path: the report replaced the model just written (exit 0)."""
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "-o", "r.json", "--report", "r.json"], 6, r"is the output model", inputs=["m.onnx"])
+
+
+def case_report_exists(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    (d / "r.json").write_text("keep me")
+    return Case(["m.onnx", "-o", "out.onnx", "--report", "r.json"], 6, r"r\.json: already exists; pass --overwrite",
+                inputs=["m.onnx", "r.json"])
+
+
+def case_report_is_a_directory(d: Path) -> Case:
+    """Found before any work; it used to fail after writing the model, leaving it and a temp file."""
+    save(mlp(), d / "m.onnx")
+    (d / "r.json").mkdir()
+    return Case(["m.onnx", "-o", "out.onnx", "--report", "r.json"], 6, r"r\.json: is a directory", inputs=["m.onnx"])
+
+
+def case_failed_check_keeps_the_previous_output(d: Path) -> Case:
+    """--overwrite, then --check fails: the rewritten model goes and the file it replaced comes back
+    (it used to be lost: the command left nothing at all)."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Softmax", ["h"], ["s"], name="softmax"),
+             helper.make_node("MatMul", ["s", "w2"], ["y"], name="mm2")]
+    save(model(nodes, [vi("x")], [vi("y")], [weight("w1"), weight("w2", seed=1)]), d / "m.onnx")  # (FP16 error > 0)
+    (d / "out.onnx").write_bytes(b"the previous output")
+    return Case(["m.onnx", "-o", "out.onnx", "--overwrite", "--check", "--tolerance", "1e-12"], 8,
+                r"check failed.*not kept", inputs=["m.onnx", "out.onnx"])
+
+
+def case_bad_inputs_keep_the_previous_output(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    (d / "out.onnx").write_bytes(b"the previous output")
+    np.savez(d / "bad.npz", z=feed())
+    return Case(["m.onnx", "-o", "out.onnx", "--overwrite", "--check", "--inputs", "bad.npz"], 2,
+                r"'z' is not an input of the model", inputs=["m.onnx", "out.onnx", "bad.npz"])
+
+
+def case_inputs_is_an_npy_file(d: Path) -> Case:
+    """np.load gives an .npy file as one array, not a context manager: it was an internal error."""
+    save(mlp(), d / "m.onnx")
+    np.save(d / "x.npy", feed())
+    return Case(["m.onnx", "-o", "out.onnx", "--check", "--inputs", "x.npy"], 2, r"\.npy file holds one unnamed array",
+                inputs=["m.onnx", "x.npy"])
+
+
+def case_input_is_the_current_directory(d: Path) -> Case:
+    """'.' has no name to make the default output's from: it was an internal error."""
+    save(mlp(), d / "m.onnx")
+    return Case(["."], 3, r"\.: is a directory", inputs=["m.onnx"])
+
+
+def case_tolerance_nan(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx", "--check", "--tolerance", "nan"], 2, r"--tolerance nan: must be a positive",
+                inputs=["m.onnx"])
+
+
 def case_output_exists(d: Path) -> Case:
     save(mlp(), d / "m.onnx")
     (d / "out.onnx").write_bytes(b"keep me")
@@ -773,3 +839,110 @@ def test_exit_codes_documented() -> None:
         assert re.search(rf"\|\s*{cls.exit_code}\s*\|\s*`{cls.__name__}`", text), cls.__name__
     for code in (0, 70, 130):
         assert re.search(rf"\|\s*{code}\s*\|", text), code
+
+
+# -- the CLI and API surface beyond exit codes -------------------------------------------------------------
+def test_debug_keeps_the_documented_exit_code(tmp_path: Path) -> None:
+    """--debug prints the traceback instead of the line; the exit code used to become 1 (Python's
+    for an uncaught exception) for every failure."""
+    (tmp_path / "m.onnx").write_bytes(b"")
+    assert run_cli(["m.onnx"], tmp_path).returncode == 3
+    proc = run_cli(["m.onnx", "--debug"], tmp_path)
+    assert proc.returncode == 3 and "Traceback" in proc.stderr
+    save(mlp(), tmp_path / "n.onnx")
+    assert run_cli(["n.onnx", "--target", "fp8", "--debug"], tmp_path).returncode == 2
+
+
+def test_quiet_prints_nothing_on_a_success(tmp_path: Path) -> None:
+    """-q printed a note about bf16 training on stderr."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("ReduceSum", ["h"], ["loss"], name="sum", keepdims=0)]
+    save(model(nodes, [vi("x")], [vi("loss", shape=())], [weight("w1")]), tmp_path / "t.onnx")
+    proc = run_cli(["t.onnx", "-o", "o.onnx", "--training", "--loss", "loss", "--target", "bf16", "-q"], tmp_path)
+    assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == "", proc.stderr
+    loud = run_cli(["t.onnx", "-o", "o2.onnx", "--training", "--loss", "loss", "--target", "bf16"], tmp_path)
+    assert "bf16 needs no loss scaling" in loud.stderr
+
+
+def test_fp32_ops_takes_a_comma_list(tmp_path: Path) -> None:
+    """rules/README.md documents --fp32-ops A,B; it was read as one op named 'Relu,MatMul'."""
+    save(mlp(), tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "-o", "out.onnx", "--fp32-ops", "Relu,MatMul"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = onnx.load(str(tmp_path / "out.onnx"))
+    assert not any(n.op_type == "Cast" for n in out.graph.node)  # nothing left to run low
+    assert "nothing to rewrite" in proc.stdout
+
+
+def test_an_unchanged_copy_has_ordinary_permissions(tmp_path: Path) -> None:
+    """The nothing-to-rewrite copy kept mkstemp's 0600, unlike every other output."""
+    nodes = [helper.make_node("Add", ["a", "b"], ["c"], name="add")]
+    ints = [helper.make_tensor_value_info(n, onnx.TensorProto.INT64, [2]) for n in ("a", "b", "c")]
+    save(model(nodes, ints[:2], ints[2:]), tmp_path / "i.onnx")
+    save(mlp(), tmp_path / "m.onnx")
+    old = os.umask(0o022)
+    try:
+        assert run_cli(["i.onnx", "-o", "copied.onnx"], tmp_path).returncode == 0
+        assert run_cli(["m.onnx", "-o", "rewritten.onnx"], tmp_path).returncode == 0
+    finally:
+        os.umask(old)
+    modes = {name: (tmp_path / name).stat().st_mode & 0o777 for name in ("copied.onnx", "rewritten.onnx")}
+    assert modes == {"copied.onnx": 0o644, "rewritten.onnx": 0o644}
+
+
+def test_explain_a_node_that_was_fused(tmp_path: Path) -> None:
+    """The decomposed LayerNorm's ReduceMean is fused away: --explain said there was no such node."""
+    import shutil
+
+    shutil.copy(ROOT / "models" / "transformer_block_op13.onnx", tmp_path / "t.onnx")
+    proc = run_cli(["t.onnx", "--explain", "ln1_mean"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ln1_mean: fused, with the rest of its LayerNorm pattern, into ")
+    assert "computes in" in proc.stdout  # and the fused node's own explanation follows
+    typo = run_cli(["t.onnx", "--explain", "ln1_maen"], tmp_path)
+    assert typo.returncode == 2 and "ln1_mean" in typo.stderr  # a fused member is among the suggestions
+
+
+def test_a_misspelt_fp32_input_name_is_a_rule_file_error(tmp_path: Path) -> None:
+    """fp32_inputs = ["rio"] pinned nothing, silently."""
+    save(mlp(), tmp_path / "m.onnx")
+    (tmp_path / "r.toml").write_text('[clear.Resize]\nreason = "coordinates"\nfp32_inputs = ["rio", "scales"]\n')
+    proc = run_cli(["m.onnx", "-o", "out.onnx", "--rules", "r.toml"], tmp_path)
+    assert proc.returncode == 4
+    assert re.search(r"r\.toml: clear\.Resize\.fp32_inputs: 'rio' is not an input of Resize .*did you mean 'roi'",
+                     proc.stderr), proc.stderr
+    (tmp_path / "r.toml").write_text('[clear.Resize]\nreason = "coordinates"\nfp32_inputs = ["roi", 2]\n')
+    assert run_cli(["m.onnx", "-o", "out.onnx", "--rules", "r.toml"], tmp_path).returncode == 0
+
+
+def test_api_options_of_the_wrong_shape(tmp_path: Path) -> None:
+    """A string where a list is expected was read letter by letter (fp32_ops="Softmax": "unknown
+    op 'S'"; fp32_nodes="/mm1": silently nothing; rules="r.toml": "/ is a directory"), and a
+    non-bool flag was taken as true. One name is now that one item; a non-bool flag is refused."""
+    from amp_rewrite import rewrite
+    from amp_rewrite.errors import UsageError
+
+    m = mlp()
+    one = rewrite(m, fp32_nodes="mm1", report=True)[1].log.decisions["mm1"]
+    assert one.precision.value == "fp32"
+    assert rewrite(m, fp32_ops="MatMul", report=True)[1].log.decisions["mm2"].precision.value == "fp32"
+    (tmp_path / "r.toml").write_text('[deny]\nMatMul = "test"\n')
+    assert rewrite(m, rules=str(tmp_path / "r.toml"), report=True)[1].log.decisions["mm1"].precision.value == "fp32"
+    with pytest.raises(UsageError, match="keep_io_types='no': pass True or False"):
+        rewrite(m, keep_io_types="no")
+    with pytest.raises(UsageError, match="fp32_ops: 3 is not a name"):
+        rewrite(m, fp32_ops=[3])
+
+
+def test_rewrite_onnx_of_a_training_graph_adds_the_loss_scale(tmp_path: Path) -> None:
+    """rewrite_onnx(..., training=True, loss=...) ignored the loss: no loss-scale nodes, unlike
+    rewrite() on the same ModelProto and the CLI."""
+    from amp_rewrite import rewrite_onnx
+
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("ReduceSum", ["h"], ["loss"], name="sum", keepdims=0)]
+    save(model(nodes, [vi("x")], [vi("loss", shape=())], [weight("w1")]), tmp_path / "t.onnx")
+    result = rewrite_onnx(tmp_path / "t.onnx", tmp_path / "o.onnx", training=True, loss="loss")
+    out = onnx.load(str(tmp_path / "o.onnx"))
+    assert any("scale" in o.name for o in out.graph.output), [o.name for o in out.graph.output]
+    assert result.modified

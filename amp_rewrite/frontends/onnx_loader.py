@@ -693,6 +693,41 @@ class _Builder:
                 f"produces (a dangling input: no node, graph input or initializer has that name)")
 
 
+def check_rule_input_names(book) -> None:
+    """A rule's ``fp32_inputs`` names must be inputs of its op (at some opset): a misspelt name
+    would pin nothing, silently. (The rule book itself imports no onnx; the ONNX edge checks.)"""
+    import difflib
+
+    from ..errors import RuleFileError
+
+    for entry in book.entries():
+        names = [item for item in entry.fp32_inputs if isinstance(item, str)]
+        known = _schema_input_names(entry.op, entry.domain) if names else ()
+        for name in names:
+            if known and name not in known:
+                shown, _, key = entry.source.partition(": ")
+                close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+                raise RuleFileError(shown, f"{key}.fp32_inputs", f"{name!r} is not an input of {entry.op} (its "
+                                    f"inputs: {', '.join(known)})", close[0] if close else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_input_names(op: str, domain: str) -> tuple[str, ...]:
+    """Every input name the op's schemas have had, oldest first; () for an op onnx has no schema for."""
+    names: list[str] = []
+    try:
+        newest = onnx.defs.get_schema(op, domain).since_version
+    except onnx.defs.SchemaError:
+        return ()
+    for version in range(1, newest + 1):
+        try:
+            schema = onnx.defs.get_schema(op, version, domain)
+        except onnx.defs.SchemaError:
+            continue
+        names += [f.name for f in schema.inputs if f.name not in names]
+    return tuple(names)
+
+
 def _unknown_op(n: ir.Node, opset: int | None) -> str:
     """Why an ai.onnx node has no operator: not one at the model's opset, or not one at all."""
     label = f"node {n.name!r} ({n.op_type})" if n.name else f"a {n.op_type} node"
