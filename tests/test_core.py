@@ -545,3 +545,30 @@ def test_an_fp16_attention_keeps_its_fp32_mask():
     attention = nodes_by_type(out, "Attention")[0]
     assert list(attention.input) == ["q", "k", "v", "mask"]
     assert result.modified  # (the MatMul still went low)
+
+
+@pytest.mark.parametrize("stored", ["int64", "double"])
+def test_a_cast_constant_past_the_fp16_range_is_clamped_not_cast(stored):
+    """Where(mask, MatMul, Cast(-100000, to=FLOAT)) before Softmax: the existing Cast was retargeted
+    to FP16, so the fill became -inf at run time and a fully masked row gave NaN (FP32: finite). The
+    constant is now converted offline, clamped to -65504 like an FP32 constant, and the Cast goes."""
+    fill = np.array(-100000, np.int64) if stored == "int64" else np.array(-1e5, np.float64)
+    model = make_model(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[3,8] x, bool[3,8] m) => (float[3,4] y) {{
+          s = MatMul(x, w)
+          neg = Cast<to=1>(fill)
+          sw = Where(m, s, neg)
+          p = Softmax<axis=-1>(sw)
+          y = MatMul(p, w2)
+        }}""", {"w": (8, 8), "w2": (8, 4), "fill": fill})
+    result = rewrite(model)
+    out = result.model
+    full_check(out)
+    mask = np.ones((3, 8), bool)
+    mask[1] = False  # a fully masked row
+    feeds = {"x": np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32), "m": mask}
+    ref, got = run(model, feeds)["y"], run(out, feeds)["y"]
+    assert np.isfinite(got).all() and rel_err(ref, got) < 1e-2
+    assert not [n for n in out.graph.node if n.op_type == "Cast" and n.input[0] == "fill"]
+    assert not rewrite(out).modified

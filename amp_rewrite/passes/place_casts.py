@@ -220,6 +220,14 @@ class _Placer:
             return
         self._insert_casts(value, uses)
 
+    def _convertible_constant(self, value: Value) -> bool:
+        """A stored initializer of numbers the offline conversion can read: not one a caller may
+        override (listed as a graph input) nor a training parameter."""
+        origin = value.origin
+        return (self.model.frontend == "onnx" and value.is_initializer and not value.is_graph_input
+                and not self.ctx.options.training and value.dtype is not None and value.dtype != DType.BOOL
+                and getattr(origin, "const_value", None) is not None)
+
     def _low_copy(self, value: Value) -> Value:
         scope = value.graph
         copy = Value(self.name(f"{value.name}/amp_{self.low.short}"), self.low, value.shape)
@@ -237,6 +245,19 @@ class _Placer:
         low_uses = [u for u in uses if u.need == self.low and u.node is not None]
         if not low_uses:
             return False
+        if len(low_uses) == len(uses) and source.dtype != self.low and self._convertible_constant(source):
+            # Cast(c, to=FLOAT) of a stored constant: retargeted, it would cast at run time, where a
+            # value past the low type's range becomes inf (an int64 -100000 mask fill: a NaN row
+            # after Softmax). Converted offline instead, it is clamped like an FP32 constant.
+            copy = self._low_copy(source)
+            for use in low_uses:
+                use.node.set_input(use.index, copy)
+            if not value.uses() and not value.is_graph_output:
+                self._drop_cast(cast, value, source, "existing Cast(to=FLOAT) of a stored constant read only in "
+                                "low precision: the constant is converted offline (clamped to the low type's "
+                                "range, as an FP32 one is) and the Cast removed")
+            self.modified = True
+            return True
         if len(low_uses) == len(uses) and source.dtype != self.low:
             cast.attrs["to"] = int(self.low)
             value.meta["amp.was"] = DType.FLOAT
