@@ -517,3 +517,25 @@ def test_bodies_that_reuse_value_names(case):
     main_names = lambda g: {v.name for v in [*g.input, *g.output]} | {o for n in g.node for o in n.output}  # noqa: E731
     assert main_names(model.graph) <= main_names(out.graph)
     assert any(n.op_type == "Cast" for _, g in scopes(out.graph) for n in g.node)  # (it was rewritten)
+
+
+@pytest.mark.parametrize("opset,low", [(13, False), (16, True)])
+def test_bf16_if_outputs_only_where_the_if_schema_allows_them(opset, low):
+    """If takes bfloat16 outputs only from opset 16. The optimal placement gave an opset-13 If
+    bfloat16 outputs (checker: "outputs has unsupported type tensor(bfloat16)"): the schema check
+    looked up the output's group "V#0" where the schema types "V"."""
+    then_g = body("then", [helper.make_node("MatMul", ["x", "w1"], ["t"], name="then_mm")], [], [vi("t")])
+    else_g = body("else", [helper.make_node("Exp", ["x"], ["e0"], name="else_exp"),
+                           helper.make_node("MatMul", ["e0", "w1"], ["e"], name="else_mm")], [], [vi("e")])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], name="rs", keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"], name="gt"),
+             helper.make_node("If", ["c"], ["o"], name="if", then_branch=then_g, else_branch=else_g),
+             helper.make_node("MatMul", ["o", "w2"], ["y"], name="mm_out")]
+    graph = helper.make_graph(nodes, "main", [vi("x")], [vi("y")], [weight("w1"), weight("w2"), scalar("zero", 0.0)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    out = rewrite_onnx_model(model, target="bf16").model
+    onnx.checker.check_model(out, full_check=True)
+    if_node = next(n for n in out.graph.node if n.op_type == "If")
+    branch_types = {a.g.output[0].type.tensor_type.elem_type for a in if_node.attribute}
+    assert branch_types == ({T.BFLOAT16} if low else {FP32})
+    assert not rewrite_onnx_model(out, target="bf16").modified

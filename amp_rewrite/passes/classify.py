@@ -144,7 +144,9 @@ def missing_low_kernel(ctx: Context, op: str, domain: str, opset: int | None) ->
 def _schema_refuses_low(node: Node, group: str, ctx: Context) -> str | None:
     """The op's own schema at this opset does not allow the low type for the painted group
     (ConstantOfShape below opset 20 has no bfloat16 output, for example): whatever the rules say."""
-    allowed = node.meta.get("group_types", {}).get(group)
+    types = node.meta.get("group_types", {})
+    # (a heterogeneous variadic slot is its own group, "V#0", typed by the schema's "V")
+    allowed = types.get(group) or types.get(group.split("#", 1)[0])
     low = "bfloat16" if ctx.low == DType.BFLOAT16 else "float16"
     if not allowed or low in allowed:
         return None
