@@ -213,6 +213,8 @@ def rewrite_onnx_model(proto: Any, **options: Any) -> RewriteResult:
     model = load_onnx(proto)
     modified = run_pipeline(model, ctx)
     if not modified:
+        if model.meta.get("onnx.sorted_on_load"):  # ONNX requires topological order: the sorted copy
+            return RewriteResult(to_proto(model.origin.model), ctx.log, False)
         out = type(proto)()
         out.CopyFrom(proto)
         return RewriteResult(out, ctx.log, False)
@@ -280,11 +282,12 @@ def _needs_external(model: Model, src: Path) -> bool:
 
 
 def _copy_unchanged(src: Path, dst: Path, model: Model, external: bool, source_files: set[Path]) -> list[Path]:
-    """Nothing to change: write the model as it is (byte-identical when it has no external data)."""
+    """Nothing to change: write the model as it is (byte-identical when it has no external data
+    and was in topological order, which ONNX requires: an unsorted input is written sorted)."""
     import shutil
     import tempfile
 
-    if not external:
+    if not external and not model.meta.get("onnx.sorted_on_load"):
         fd, tmp = tempfile.mkstemp(prefix=".amp-rewrite-", dir=dst.parent)
         os.close(fd)
         try:
@@ -301,4 +304,4 @@ def _copy_unchanged(src: Path, dst: Path, model: Model, external: bool, source_f
         return [dst]
     from .emitters.onnx_emitter import save_onnx
 
-    return save_onnx(model.origin.model, dst, external=True, source_files=source_files)
+    return save_onnx(model.origin.model, dst, external=external, source_files=source_files)

@@ -572,3 +572,32 @@ def test_a_cast_constant_past_the_fp16_range_is_clamped_not_cast(stored):
     assert np.isfinite(got).all() and rel_err(ref, got) < 1e-2
     assert not [n for n in out.graph.node if n.op_type == "Cast" and n.input[0] == "fill"]
     assert not rewrite(out).modified
+
+
+def test_an_unsorted_model_with_nothing_to_rewrite_comes_back_sorted(tmp_path):
+    """onnxruntime's float16 converter appends its IO Casts after the nodes that read them. Such a
+    model has nothing left to rewrite, and the no-op path returned it byte for byte, unsorted: the
+    checker refused the output ("Nodes in a graph must be topologically sorted"), through the API
+    and the CLI alike (exit 0)."""
+    from amp_rewrite import rewrite_onnx
+
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x16", "w"], ["h"], name="mm1"),
+         onnx.helper.make_node("Relu", ["h"], ["r"], name="relu"),
+         onnx.helper.make_node("MatMul", ["r", "w"], ["y16"], name="mm2"),
+         onnx.helper.make_node("Cast", ["x"], ["x16"], name="in_cast", to=onnx.TensorProto.FLOAT16),
+         onnx.helper.make_node("Cast", ["y16"], ["y"], name="out_cast", to=onnx.TensorProto.FLOAT)],
+        "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 4])],
+        [onnx.numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 4)).astype(np.float16), "w")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
+    result = rewrite(model)
+    assert not result.modified
+    full_check(result.model)
+    assert [n.name for n in result.model.graph.node] == ["in_cast", "mm1", "relu", "mm2", "out_cast"]
+    onnx.save(model, tmp_path / "m.onnx")
+    written = rewrite_onnx(tmp_path / "m.onnx", tmp_path / "o.onnx")
+    assert not written.modified
+    full_check(onnx.load(str(tmp_path / "o.onnx")))
+    x = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
+    assert rel_err(run(model, {"x": x})["y"], run(result.model, {"x": x})["y"]) < 1e-3

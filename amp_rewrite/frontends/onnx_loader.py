@@ -67,8 +67,10 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
         inferred = None  # (not expected: one table per graph)
     data_files = _bind_external_data(graphs, path) if path is not None else frozenset()
     _check_supported(ir_model, path)
+    unsorted = False
     if inferred is None:  # (types come from onnx-ir's pass, which wants the graph sorted first)
-        _sort_and_type(ir_model, path, infer_shapes, sort=not all(_is_sorted(g) for g in graphs))
+        unsorted = not all(_is_sorted(g) for g in graphs)
+        _sort_and_type(ir_model, path, infer_shapes, sort=unsorted)
     model = Model(graph=Graph(), frontend="onnx", opsets=_opsets(ir_model),
                   origin=OnnxSource(ir_model, path, data_files, proto))
 
@@ -84,11 +86,14 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
         # reads the nodes in order): the graph is sorted and typed by onnx-ir's pass instead.
         model.graph = build(inferred)
     except _Unsorted:
+        unsorted = True
         _sort_and_type(ir_model, path, infer_shapes)
         try:
             model.graph = build(None)
         except _Unsorted as exc:
             raise ModelLoadError(str(exc)) from None
+    # (even with nothing to rewrite, the output is then the sorted model, not a copy of the input)
+    model.meta["onnx.sorted_on_load"] = unsorted
     if nested:
         _unique_value_names(model.graph)
     model.meta["ir_version"] = ir_model.ir_version
