@@ -601,3 +601,23 @@ def test_an_unsorted_model_with_nothing_to_rewrite_comes_back_sorted(tmp_path):
     full_check(onnx.load(str(tmp_path / "o.onnx")))
     x = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
     assert rel_err(run(model, {"x": x})["y"], run(result.model, {"x": x})["y"]) < 1e-3
+
+
+def test_castlike_reads_any_float_type_without_a_cast():
+    """CastLike casts input 0 to input 1's type, so input 0 needs no Cast; one was inserted before
+    it (FP16 -> FP32) while the CastLike itself went low: an FP16 -> FP32 -> FP16 round trip."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[3,8] x) => (float[3,4] y) {
+          h = MatMul(x, w)
+          h2 = CastLike(h, like)
+          r = Relu(h2)
+          y = MatMul(r, w2)
+        }""", {"w": (8, 8), "w2": (8, 4), "like": np.zeros(1, np.float32)})
+    out = rewrite(model).model
+    full_check(out)
+    casts = nodes_by_type(out, "Cast")
+    assert len(casts) == 2 and {c.input[0] for c in casts} == {"x", "y/amp_fp16"}  # the graph's edges only
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    assert rel_err(run(model, {"x": x})["y"], run(out, {"x": x})["y"]) < 1e-2
+    assert not rewrite(out).modified

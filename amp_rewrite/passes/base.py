@@ -158,6 +158,9 @@ def is_float32(value: Value | None) -> bool:
 ANY_FLOAT_CONSUMERS = {"Cast", "Shape", "Size"}
 
 
-def accepts_any_float(node: Node) -> bool:
-    """Cast reads any type, Shape and Size read only metadata: none of them ever needs a cast."""
-    return node.domain == "" and node.op_type in ANY_FLOAT_CONSUMERS
+def accepts_any_float(node: Node, index: int | None = None) -> bool:
+    """Cast reads any type, Shape and Size read only metadata: none of them ever needs a cast.
+    Neither does CastLike's input 0 (``index``), which it casts to the type of input 1."""
+    if node.domain != "":
+        return False
+    return node.op_type in ANY_FLOAT_CONSUMERS or (node.op_type == "CastLike" and index == 0)

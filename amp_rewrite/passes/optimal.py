@@ -281,7 +281,7 @@ class Problem:
                     needs.add(_T)  # read inside a nested body not solved here: its boundary stays FP32
                 elif j is not None and k in self.group_in[j]:
                     consumers[j] = None
-                elif accepts_any_float(consumer):
+                elif accepts_any_float(consumer, k):
                     continue
                 else:
                     needs.add(_T)

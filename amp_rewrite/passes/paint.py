@@ -84,7 +84,7 @@ class _ScopePainter:
         for consumer, k in value.uses():
             if consumer.graph is not self.scope:
                 return True  # read inside a nested body, whose boundary is FP32
-            if accepts_any_float(consumer):
+            if accepts_any_float(consumer, k):
                 continue
             j = self.index.get(id(consumer))
             if j is None or k not in self.group_ins[j]:

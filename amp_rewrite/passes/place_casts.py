@@ -146,7 +146,7 @@ class _Placer:
 
     # -- what each use needs -----------------------------------------------------------------------
     def _need(self, consumer: Node, index: int, value: Value) -> DType | None:
-        if accepts_any_float(consumer):
+        if accepts_any_float(consumer, index):
             return None
         if participates(consumer) and index in self._painted_inputs(consumer):
             return self.low if precision(consumer) == Precision.LOW else DType.FLOAT
