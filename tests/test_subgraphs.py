@@ -539,3 +539,54 @@ def test_bf16_if_outputs_only_where_the_if_schema_allows_them(opset, low):
     branch_types = {a.g.output[0].type.tensor_type.elem_type for a in if_node.attribute}
     assert branch_types == ({T.BFLOAT16} if low else {FP32})
     assert not rewrite_onnx_model(out, target="bf16").modified
+
+
+def _cast_chains(graph: onnx.GraphProto) -> list[str]:
+    made = {o: n for n in graph.node for o in n.output}
+    return [n.name for n in graph.node if n.op_type == "Cast" and n.input[0] in made
+            and made[n.input[0]].op_type == "Cast"]
+
+
+def test_an_existing_cast_writing_a_branch_output_is_retargeted_not_chained():
+    """Branches that end in Cast(fp16 -> FLOAT), as a peer converter or a first rewrite leaves them:
+    where the If's outputs go low, a second Cast(to=FLOAT16) was chained after the existing one in
+    each branch (an FP16 -> FP32 -> FP16 trip) instead of retargeting it."""
+    w16 = numpy_helper.from_array((RNG.standard_normal((4, 4)) / 2).astype(np.float16), "w16")
+
+    def branch(name, tag):
+        return body(name, [helper.make_node("Cast", ["x"], [f"{tag}16in"], name=f"{tag}_in", to=FP16),
+                           helper.make_node("MatMul", [f"{tag}16in", "w16"], [f"{tag}16"], name=f"{tag}_mm"),
+                           helper.make_node("Cast", [f"{tag}16"], [tag], name=f"{tag}_out", to=FP32)], [], [vi(tag)])
+
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"], name="gt"),
+             helper.make_node("If", ["c"], ["o"], name="if", then_branch=branch("then", "t"),
+                              else_branch=branch("else", "e")),
+             helper.make_node("MatMul", ["o", "w2"], ["y"], name="out_mm")]
+    model = make(nodes, [vi("x")], [vi("y")], [w16, weight("w2"), scalar("zero", 0.0)])
+    out = rewrite_onnx_model(model).model
+    onnx.checker.check_model(out, full_check=True)
+    assert all(not _cast_chains(g) for _, g in scopes(out.graph))
+    if_node = next(n for n in out.graph.node if n.op_type == "If")
+    assert {a.g.output[0].type.tensor_type.elem_type for a in if_node.attribute} == {FP16}  # (the If went low)
+    for feeds in (feeds_x(1.0), feeds_x(-1.0)):
+        ref, got = run_onnx(model, feeds)["y"], run_onnx(out, feeds)["y"]
+        assert np.abs(got - ref).max() <= 2e-2 * (1 + np.abs(ref).max())
+    assert not rewrite_onnx_model(out).modified
+
+
+def test_an_existing_cast_writing_a_low_graph_output_is_retargeted():
+    """--no-keep-io-types: y = Cast(MatMul, to=FLOAT) became MatMul -> Cast(to=FLOAT) -> Cast(to=FLOAT16)."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["m"], name="mm"),
+             helper.make_node("Cast", ["m"], ["y"], name="cy", to=FP32)]
+    model = make(nodes, [vi("x")], [vi("y")], [weight("w1")])
+    out = rewrite_onnx_model(model, keep_io_types=False).model
+    onnx.checker.check_model(out, full_check=True)
+    assert not _cast_chains(out.graph)
+    assert [n.op_type for n in out.graph.node] == ["MatMul", "Cast"]
+    assert out.graph.output[0].type.tensor_type.elem_type == FP16
+    x = np.abs(RNG.standard_normal((2, 4))).astype(np.float32)
+    ref = run_onnx(model, {"x": x})["y"]
+    got = run_onnx(out, {"x": x.astype(np.float16)})["y"]
+    assert np.abs(got.astype(np.float32) - ref).max() <= 2e-2 * (1 + np.abs(ref).max())
+    assert not rewrite_onnx_model(out, keep_io_types=False).modified

@@ -220,6 +220,14 @@ class _Placer:
             return
         self._insert_casts(value, uses)
 
+    def _retarget(self, cast: Node, value: Value, uses: list[_Use], reason: str) -> None:
+        cast.attrs["to"] = int(self.low)
+        value.meta["amp.was"] = DType.FLOAT
+        value.dtype = self.low
+        cast.meta["amp.retargeted"] = True
+        self._record(cast.name or value.name, value, DType.FLOAT, self.low, uses, value.graph, reason, "retargeted")
+        self.modified = True
+
     def _convertible_constant(self, value: Value) -> bool:
         """A stored initializer of numbers the offline conversion can read: not one a caller may
         override (listed as a graph input) nor a training parameter."""
@@ -242,7 +250,14 @@ class _Placer:
         if cast is None or cast.op_type != "Cast" or cast.domain != "" or not cast.inputs or cast.inputs[0] is None:
             return False
         source = cast.inputs[0]
-        low_uses = [u for u in uses if u.need == self.low and u.node is not None]
+        # (a graph output that takes the low type counts: --no-keep-io-types, or an If's branch
+        # output where the If runs low; retargeted, the Cast serves it as well as the nodes)
+        all_low = [u for u in uses if u.need == self.low]
+        low_uses = [u for u in all_low if u.node is not None]
+        if len(all_low) == len(uses) and len(low_uses) < len(all_low):
+            self._retarget(cast, value, all_low, "existing Cast(to=FLOAT) writes an output that takes the low "
+                           "type, and feeds only low-precision readers: retargeted")
+            return True
         if not low_uses:
             return False
         if len(low_uses) == len(uses) and source.dtype != self.low and self._convertible_constant(source):
@@ -259,13 +274,8 @@ class _Placer:
             self.modified = True
             return True
         if len(low_uses) == len(uses) and source.dtype != self.low:
-            cast.attrs["to"] = int(self.low)
-            value.meta["amp.was"] = DType.FLOAT
-            value.dtype = self.low
-            cast.meta["amp.retargeted"] = True
-            self._record(cast.name or value.name, value, DType.FLOAT, self.low, low_uses, value.graph,
-                         "existing Cast(to=FLOAT) feeds only low-precision consumers: retargeted", "retargeted")
-            self.modified = True
+            self._retarget(cast, value, low_uses, "existing Cast(to=FLOAT) feeds only low-precision consumers: "
+                           "retargeted")
             return True
         rest = [u for u in uses if u.need != self.low or u.node is None]
         if source.dtype == self.low:
