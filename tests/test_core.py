@@ -621,3 +621,20 @@ def test_castlike_reads_any_float_type_without_a_cast():
     x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
     assert rel_err(run(model, {"x": x})["y"], run(out, {"x": x})["y"]) < 1e-2
     assert not rewrite(out).modified
+
+
+def test_a_graph_output_keeps_its_doc_metadata_and_denotations():
+    """With keep_io_types a Cast takes over writing the output y: its doc string and metadata went
+    to the inner value (value_info 'y/amp_fp16') and its denotations were dropped."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[N,8] x) => (float[N,4] y) { y = MatMul(x, w) }""", {"w": (8, 4)})
+    for v, key in ((model.graph.input[0], "in"), (model.graph.output[0], "out")):
+        v.doc_string = f"{key} doc"
+        v.metadata_props.add(key=key, value="kept")
+        v.type.denotation = "TENSOR"
+        v.type.tensor_type.shape.dim[0].denotation = "DATA_BATCH"
+    out = rewrite(model).model
+    full_check(out)
+    assert out.graph.output[0] == model.graph.output[0] and out.graph.input[0] == model.graph.input[0]
+    assert not [v.name for v in out.graph.value_info if v.doc_string or len(v.metadata_props)]

@@ -106,6 +106,20 @@ def _in_neutral_order(scope: Graph) -> bool:
     return len(ir_nodes) == len(scope.nodes) and all(a is n.origin for a, n in zip(ir_nodes, scope.nodes))
 
 
+def _move_output_info(old: ir.Value, new: ir.Value) -> None:
+    """A Cast now writes the graph output ``old`` wrote: the output's doc string, metadata and type
+    and dim denotations go with its name to ``new`` (the inner value keeps none of them)."""
+    new.doc_string, old.doc_string = old.doc_string, None
+    new.metadata_props.update(old.metadata_props)
+    old.metadata_props.clear()
+    if old.type is not None and new.type is not None and getattr(old.type, "denotation", None):
+        new.type = ir.TensorType(new.type.dtype, denotation=old.type.denotation)
+    if old.shape is not None and new.shape is not None and len(old.shape) == len(new.shape):
+        denotations = [old.shape.get_denotation(i) for i in range(len(old.shape))]
+        if any(denotations):
+            new.shape = ir.Shape(list(new.shape.dims), denotations=denotations)
+
+
 def to_proto(model: ir.Model) -> onnx.ModelProto:
     return ir.serde.serialize_model(model)
 
@@ -124,7 +138,11 @@ class _Patcher:
         if id(value) not in self.values:
             shape = ir.Shape(list(value.shape)) if value.shape is not None else None
             dtype = ir.TensorType(ir.DataType(int(value.dtype))) if value.dtype is not None else None
-            self.values[id(value)] = ir.Value(name=value.name, type=dtype, shape=shape)
+            new = ir.Value(name=value.name, type=dtype, shape=shape)
+            replaced = value.meta.get("amp.takes_output_of")
+            if replaced is not None and replaced.origin is not None:
+                _move_output_info(replaced.origin, new)
+            self.values[id(value)] = new
         return self.values[id(value)]
 
     def patch(self, graph: Graph) -> None:

@@ -314,6 +314,8 @@ class _Placer:
         else:
             out_name = self.name(f"{tensor}/amp_{need.short}")
         out = Value(out_name, need, value.shape)
+        if to_output:
+            out.meta["amp.takes_output_of"] = value  # (the emitter moves the output's doc and metadata)
         cast = Node("Cast", [value], name=self.name(f"amp_cast/{tensor}/to_{need.short}"), attrs={"to": int(need)},
                     outputs=[out])
         cast.input_groups, cast.output_groups = ["T1"], ["T2"]
