@@ -411,6 +411,16 @@ def case_op_newer_than_the_opset(d: Path) -> Case:
                 inputs=["m.onnx"])
 
 
+def case_stale_value_info_type(d: Path) -> Case:
+    """A value_info entry typing an FP32 intermediate as FP16 (peer converters leave such entries):
+    bad input, not "IR verification failed ... (a bug: please report)" with exit 7."""
+    proto = mlp()
+    proto.graph.value_info.append(helper.make_tensor_value_info("h", TensorProto.FLOAT16, [2, 4]))
+    save(proto, d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 3, r"node 'mm1' \(MatMul\) reads or writes 'x' as fp32 and 'h' as fp16",
+                inputs=["m.onnx"])
+
+
 def case_custom_domain_unknown_type(d: Path) -> Case:
     """No schema and no value_info: the custom op's output dtype is unknown; its consumers keep FP32."""
     nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),

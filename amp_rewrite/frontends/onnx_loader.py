@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..ir import DType, Graph, Model, Node, Value
+from ..ir.verifier import type_group_conflict
 
 MIN_OPSET = 7
 MIN_IR_VERSION = 3  # the first with opset imports
@@ -94,6 +95,12 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
             raise ModelLoadError(str(exc)) from None
     # (even with nothing to rewrite, the output is then the sorted model, not a copy of the input)
     model.meta["onnx.sorted_on_load"] = unsorted
+    # (not where the loader merged a schema's groups: Attention-23 may type V apart from Q and K)
+    conflict = type_group_conflict(model.graph, skip={op for _, op in _MERGED_GROUPS})
+    if conflict:
+        where = f"{path}: " if path else ""
+        raise ModelLoadError(f"{where}{conflict}; a value_info entry (or a graph input or output) that declares "
+                             f"the wrong type? onnx.checker.check_model(full_check=True) rejects the model too")
     if nested:
         _unique_value_names(model.graph)
     model.meta["ir_version"] = ir_model.ir_version
