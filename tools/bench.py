@@ -589,8 +589,8 @@ def render_markdown(results: dict) -> str:
              f"- load during the run: {meta.get('load', '?')} (shared machine: wall times are noisy; CPU time is "
              f"the steadier figure)", ""]
     lines += ["How each figure is measured: `tools/bench_metrics.py` and `tools/bench_worker.py` (module docstrings). "
-              "Conversion time is file to file (load, convert, save) in a fresh process per conversion, imports and "
-              "rule-file parsing excluded for every converter; peak RSS is that process's (Python, libraries and the "
+              "Conversion time is file to file (load, convert, save) in a fresh process per conversion, imports, "
+              "onnx's one-time operator schema registry and rule-file parsing excluded for every converter; peak RSS is that process's (Python, libraries and the "
               "model included). Cast bytes are measured at run time on the corpus feeds: the main graph's Casts and "
               "those of each If branch that ran; a \"+\" marks Casts in Loop/Scan bodies, counted but not measured. "
               f"Tolerance: max |a−b| / max |a| ≤ {TOLERANCE:g} on the logits (for an output made by a Softmax, its "
