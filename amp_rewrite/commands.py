@@ -122,6 +122,12 @@ def _validate(args: CliArgs) -> None:
         raise UsageError("--loss and --grads need --training")
     if args.training and not args.loss:
         raise UsageError("--training needs --loss NAME (the graph output holding the loss)")
+    if (args.inputs is not None or args.tolerance != CliArgs.tolerance) and not (args.check or args.auto_fp32):
+        raise UsageError("--inputs and --tolerance apply to --check and --auto-fp32; add --check")
+    if args.auto_fp32 and args.training:
+        raise UsageError("--auto-fp32 does not apply to --training graphs; run --check on the training rewrite instead")
+    if args.explain is not None and args.report is not None:
+        raise UsageError("--explain prints one node's reasons and writes nothing; drop --report (or --explain)")
     if args.inputs is not None and not args.inputs.exists():
         raise UsageError(f"--inputs {args.inputs}: no such file")
     if not math.isfinite(args.tolerance) or args.tolerance <= 0:

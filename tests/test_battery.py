@@ -707,6 +707,25 @@ def case_tolerance_nan(d: Path) -> Case:
                 inputs=["m.onnx"])
 
 
+def case_tolerance_without_check(d: Path) -> Case:
+    """--inputs / --tolerance without --check or --auto-fp32 did nothing, silently."""
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx", "--tolerance", "0.1"], 2, r"apply to --check and --auto-fp32",
+                inputs=["m.onnx"])
+
+
+def case_explain_with_report(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "--explain", "mm1", "--report", "r.json"], 2, r"--explain .* writes nothing; drop --report",
+                inputs=["m.onnx"])
+
+
+def case_auto_fp32_with_training(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx", "--training", "--loss", "y", "--auto-fp32"], 2,
+                r"--auto-fp32 does not apply to --training", inputs=["m.onnx"])
+
+
 def case_output_exists(d: Path) -> Case:
     save(mlp(), d / "m.onnx")
     (d / "out.onnx").write_bytes(b"keep me")
@@ -956,3 +975,10 @@ def test_rewrite_onnx_of_a_training_graph_adds_the_loss_scale(tmp_path: Path) ->
     out = onnx.load(str(tmp_path / "o.onnx"))
     assert any("scale" in o.name for o in out.graph.output), [o.name for o in out.graph.output]
     assert result.modified
+
+
+def test_version_flag(tmp_path: Path) -> None:
+    from amp_rewrite import __version__
+
+    proc = run_cli(["--version"], tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"amp-rewrite {__version__}" and proc.stderr == ""
