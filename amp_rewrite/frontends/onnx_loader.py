@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..ir import DType, Graph, Model, Node, Value
-from ..ir.verifier import type_group_conflict
+from ..ir.verifier import group_conflict
 
 MIN_OPSET = 7
 MIN_IR_VERSION = 3  # the first with opset imports
@@ -95,12 +95,6 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
             raise ModelLoadError(str(exc)) from None
     # (even with nothing to rewrite, the output is then the sorted model, not a copy of the input)
     model.meta["onnx.sorted_on_load"] = unsorted
-    # (not where the loader merged a schema's groups: Attention-23 may type V apart from Q and K)
-    conflict = type_group_conflict(model.graph, skip={op for _, op in _MERGED_GROUPS})
-    if conflict:
-        where = f"{path}: " if path else ""
-        raise ModelLoadError(f"{where}{conflict}; a value_info entry (or a graph input or output) that declares "
-                             f"the wrong type? onnx.checker.check_model(full_check=True) rejects the model too")
     if nested:
         _unique_value_names(model.graph)
     model.meta["ir_version"] = ir_model.ir_version
@@ -578,7 +572,10 @@ class _Builder:
         # (the graph, then each node's bodies in node and attribute order, depth first)
         self._tables = iter(inferred) if inferred is not None else None
         self._types: dict[str, onnx.ValueInfoProto] = {}
-        self._parsed: dict[bytes, tuple[DType | None, tuple | None]] = {}
+        self._parsed: dict[bytes, tuple[DType | None, tuple | None, str | None]] = {}
+        # the values that are a sequence or an optional (by id): their element type is fixed from
+        # producer to every reader, so a node reading or making one keeps its types
+        self._containers: dict[int, str] = {}
 
     def build_graph(self, g: ir.Graph, outer: dict[int, Value], parent: Node | None = None) -> Graph:
         enclosing = self._types
@@ -624,7 +621,12 @@ class _Builder:
         shape = v.shape
         if shape is not None:
             shape = tuple(d if isinstance(d, int) else (str(d) if d is not None and str(d) else None) for d in shape.dims)
-        return Value(v.name or "", _DTYPES.get(int(dtype)) if dtype is not None else None, shape, origin=v)
+        value = Value(v.name or "", _DTYPES.get(int(dtype)) if dtype is not None else None, shape, origin=v)
+        kind = "sequence" if isinstance(v.type, ir.SequenceType) else \
+            "optional" if isinstance(v.type, ir.OptionalType) else None
+        if kind:
+            self._containers[id(value)] = kind
+        return value
 
     def _inferred_value(self, v: ir.Value, info: onnx.ValueInfoProto) -> Value:
         """A value typed from shape inference's answer (the onnx-ir value has no type)."""
@@ -634,7 +636,10 @@ class _Builder:
         parsed = self._parsed.get(key)
         if parsed is None:
             parsed = self._parsed[key] = _parse_type(info.type)
-        return Value(v.name, parsed[0], parsed[1], origin=v)
+        value = Value(v.name, parsed[0], parsed[1], origin=v)
+        if parsed[2]:
+            self._containers[id(value)] = parsed[2]
+        return value
 
     def _node(self, n: ir.Node, scope: dict[int, Value]) -> Node:
         op_type, domain, ir_inputs, ir_outputs = n.op_type, n.domain, n.inputs, n.outputs
@@ -665,30 +670,17 @@ class _Builder:
                 and (domain, op_type) not in self.functions:
             raise ModelLoadError(_unknown_op(n, opset))
         schema_slots(op_type, domain, opset, len(inputs), len(outputs)).apply(node)
-        kind = self._container_kind(ir_inputs, ir_outputs)
-        if kind:
-            node.meta["amp.keeps_types"] = (f"it reads or makes a {kind}, whose element type no Cast can change: "
-                                            f"it keeps the types it was written with")
+        if (domain, op_type) not in _MERGED_GROUPS:  # (Attention-23 may type V apart from Q and K)
+            conflict = group_conflict(node)
+            if conflict:
+                raise ModelLoadError(_declared_type_conflict(node, *conflict))
+        if self._containers:
+            kind = next((self._containers[id(v)] for v in (*inputs, *outputs)
+                         if v is not None and id(v) in self._containers), None)
+            if kind:  # (painting either end would leave the other reading the wrong type, whatever the rules say)
+                node.meta["amp.keeps_types"] = (f"it reads or makes a {kind}, whose element type no Cast can "
+                                                f"change: it keeps the types it was written with")
         return node
-
-    def _container_kind(self, inputs, outputs) -> str | None:
-        """"sequence" or "optional" where a node reads or writes one: the element type is fixed from
-        its producer to every reader, so painting either end would leave the other reading the
-        wrong type (whatever a rule file says of the op). From the value's own type, else from
-        shape inference's (an intermediate value usually has none of its own)."""
-        for v in (*inputs, *outputs):
-            if v is None:
-                continue
-            if v.type is not None:
-                kind = "sequence" if isinstance(v.type, ir.SequenceType) else \
-                    "optional" if isinstance(v.type, ir.OptionalType) else None
-            else:
-                info = self._types.get(v.name)
-                kind = info.type.WhichOneof("value") if info is not None else None
-                kind = {"sequence_type": "sequence", "optional_type": "optional"}.get(kind)
-            if kind:
-                return kind
-        return None
 
     @staticmethod
     def _unreachable_input(n: ir.Node, scope: dict[int, Value]) -> None:
@@ -740,6 +732,16 @@ def _schema_input_names(op: str, domain: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _declared_type_conflict(node: Node, group: str, first: Value, other: Value) -> str:
+    """A model that declares a value's type wrongly (a stale value_info entry) is bad input, not an
+    internal failure: what the verifier would find after the passes, said of the input."""
+    label = node.name or f"{node.op_type}:{node.outputs[0].name if node.outputs else ''}"
+    return (f"node {label!r} ({node.qualified_op}) reads or writes {first.name!r} as {first.dtype.short} and "
+            f"{other.name!r} as {other.dtype.short}, which its schema types alike (type {group.split('#')[0]}); a "
+            f"value_info entry (or a graph input or output) that declares the wrong type? "
+            f"onnx.checker.check_model(full_check=True) rejects the model too")
+
+
 def _unknown_op(n: ir.Node, opset: int | None) -> str:
     """Why an ai.onnx node has no operator: not one at the model's opset, or not one at all."""
     label = f"node {n.name!r} ({n.op_type})" if n.name else f"a {n.op_type} node"
@@ -754,15 +756,19 @@ def _unknown_op(n: ir.Node, opset: int | None) -> str:
             f"own domain (e.g. domain=\"com.example\") with an opset import for it")
 
 
-def _parse_type(type_proto: onnx.TypeProto) -> tuple[DType | None, tuple | None]:
-    """A TypeProto's tensor dtype and shape (None where not a tensor, or not known)."""
+_CONTAINERS = {"sequence_type": "sequence", "optional_type": "optional"}
+
+
+def _parse_type(type_proto: onnx.TypeProto) -> tuple[DType | None, tuple | None, str | None]:
+    """A TypeProto's tensor dtype and shape (None where not a tensor, or not known), and
+    "sequence" or "optional" where it is one of those."""
     if not type_proto.HasField("tensor_type"):
-        return None, None
+        return None, None, _CONTAINERS.get(type_proto.WhichOneof("value"))
     tensor = type_proto.tensor_type
     shape = None
     if tensor.HasField("shape"):
         shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim)
-    return (_DTYPES.get(tensor.elem_type) if tensor.elem_type else None), shape
+    return (_DTYPES.get(tensor.elem_type) if tensor.elem_type else None), shape, None
 
 
 def _expand(formals, count: int, type_vars: set[str]) -> list[str | None]:

@@ -73,13 +73,22 @@ def _unique_value(graph: Graph, node: Node | None, value: Value, names: dict) ->
 
 
 def _check_groups(graph: Graph, node: Node) -> None:
-    bound: dict[str, object] = {}  # group -> the dtype of its first typed slot
+    if group_conflict(node) is not None:
+        _fail_mixed_group(graph, node)
+
+
+def group_conflict(node: Node) -> tuple[str, Value, Value] | None:
+    """The first type-constraint group of ``node`` bound to two dtypes: (group, its first typed
+    value, a value of another type); None if every group has one type."""
+    bound: dict[str, Value] = {}  # group -> its first typed value
     for groups, values in ((node.input_groups, node.inputs), (node.output_groups, node.outputs)):
         for group, value in zip(groups, values):
             if group is None or group == "?" or value is None or value.dtype is None:
                 continue
-            if bound.setdefault(group, value.dtype) != value.dtype:
-                _fail_mixed_group(graph, node)
+            first = bound.setdefault(group, value)
+            if first.dtype != value.dtype:
+                return group, first, value
+    return None
 
 
 def _fail_mixed_group(graph: Graph, node: Node) -> None:
@@ -94,25 +103,3 @@ def _fail_mixed_group(graph: Graph, node: Node) -> None:
         if len(dtypes) > 1:
             kinds = ", ".join(sorted(d.short for d in dtypes))
             _fail(graph, node, f"type group {group} of {node.qualified_op} is bound to different types ({kinds})")
-
-
-def type_group_conflict(graph: Graph, skip: set[str] = frozenset()) -> str | None:
-    """The first node (any scope) whose type group binds several dtypes, described for a user;
-    None if there is none (``skip``: op types not checked). For a loader: a model that declares a value's type wrongly (a stale
-    value_info entry) is bad input, not an internal failure."""
-    for scope in graph.scopes():
-        for node in scope.nodes:
-            if node.op_type in skip:
-                continue
-            bound: dict[str, object] = {}
-            for groups, values in ((node.input_groups, node.inputs), (node.output_groups, node.outputs)):
-                for group, value in zip(groups, values):
-                    if group is None or group == "?" or value is None or value.dtype is None:
-                        continue
-                    first = bound.setdefault(group, value)
-                    if first.dtype != value.dtype:
-                        label = node.name or f"{node.op_type}:{node.outputs[0].name if node.outputs else ''}"
-                        return (f"node {label!r} ({node.qualified_op}) reads or writes {first.name!r} as "
-                                f"{first.dtype.short} and {value.name!r} as {value.dtype.short}, which its "
-                                f"schema types alike (type {group.split('#')[0]})")
-    return None
