@@ -537,6 +537,9 @@ def schema_slots(op: str, domain: str, opset: int | None, n_in: int, n_out: int)
                    for tc in schema.type_constraints}
     ins = (None,) * n_in if op in _TYPE_AGNOSTIC_INPUTS else tuple(_expand(schema.inputs, n_in, type_vars))
     outs = tuple(_expand(schema.outputs, n_out, type_vars))
+    for group in (*ins, *outs):  # a heterogeneous variadic slot is a group of its own, "V#0", typed as "V"
+        if group is not None and "#" in group:
+            group_types.setdefault(group, group_types.get(group.split("#", 1)[0], frozenset()))
     merged = _MERGED_GROUPS.get((domain or "", op))
     if merged:
         ins = tuple(merged.get(g, g) for g in ins)

@@ -63,7 +63,7 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) ->
     if node.domain == "" and node.op_type in _SOURCES:
         meta["amp.precision"] = Precision.FP32
         return
-    if "amp.keeps_types" in meta:  # a frontend's verdict: the op mixes float types (torch promotion)
+    if "amp.keeps_types" in meta:  # a frontend's verdict (mixed float types, a sequence or optional)
         _fix_fp32(node, category, meta["amp.keeps_types"], "frontend")
         return
     unknown = [v.name for i, v in enumerate(node.inputs) if v is not None and i < len(node.input_groups)
@@ -144,9 +144,7 @@ def missing_low_kernel(ctx: Context, op: str, domain: str, opset: int | None) ->
 def _schema_refuses_low(node: Node, group: str, ctx: Context) -> str | None:
     """The op's own schema at this opset does not allow the low type for the painted group
     (ConstantOfShape below opset 20 has no bfloat16 output, for example): whatever the rules say."""
-    types = node.meta.get("group_types", {})
-    # (a heterogeneous variadic slot is its own group, "V#0", typed by the schema's "V")
-    allowed = types.get(group) or types.get(group.split("#", 1)[0])
+    allowed = node.meta.get("group_types", {}).get(group)
     low = "bfloat16" if ctx.low == DType.BFLOAT16 else "float16"
     if not allowed or low in allowed:
         return None
