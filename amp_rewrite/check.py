@@ -239,12 +239,9 @@ def load_inputs(path: str | Path, model: Any) -> tuple[dict[str, np.ndarray], li
     where = f"--inputs {path}"
     try:
         data = np.load(str(path), allow_pickle=False)
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise UsageError(f"{where}: not a readable .npz file ({exc})") from exc
-    if not hasattr(data, "files"):  # an .npy file: one unnamed array
-        raise UsageError(f"{where}: an .npy file holds one unnamed array; save the inputs by name in an .npz "
-                         f"(np.savez(path, <input name>=array, ...))")
-    try:
+        if not hasattr(data, "files"):  # an .npy file: one unnamed array
+            raise UsageError(f"{where}: an .npy file holds one unnamed array; save the inputs by name in an .npz "
+                             f"(np.savez(path, <input name>=array, ...))")
         with data:
             arrays = {k: np.asarray(data[k]) for k in data.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:

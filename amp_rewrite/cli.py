@@ -21,6 +21,13 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_
 INTERNAL_ERROR = 70
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        print(f"amp-rewrite {__version__}")
+        raise typer.Exit()
+
 @app.command()
 def _command(
     model: Path = typer.Argument(..., help="FP32 ONNX model to rewrite (never modified)."),
@@ -50,7 +57,7 @@ def _command(
     grads: Optional[str] = typer.Option(None, "--grads", help="Training: glob of gradient outputs to unscale."),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Print nothing but errors."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and verify the IR after every pass."),
-    version: bool = typer.Option(False, "--version", is_eager=True, callback=lambda v: _print_version(v),
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
                                  help="Print the version and exit."),
 ) -> None:
     """Rewrite an FP32 ONNX model to mixed precision: heavy math in FP16/BF16, fragile parts in FP32."""
@@ -58,13 +65,6 @@ def _command(
 
     commands.run(commands.CliArgs(**{k: v for k, v in locals().items() if k not in ("commands", "version")}))
 
-
-def _print_version(value: bool) -> None:
-    if value:
-        from . import __version__
-
-        print(f"amp-rewrite {__version__}")
-        raise typer.Exit()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,8 +75,7 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) ->
     # the node painted low, its readers could not tell they read the low type, and get no Cast.
     unknown = [v.name for v, g in zip(node.outputs, node.output_groups) if g == group and v.dtype is None and v.uses()]
     if unknown:
-        if category == Category.UNLISTED:  # (still one to classify: the summary lists it)
-            ctx.log.unlisted_ops[node.qualified_op] = ctx.log.unlisted_ops.get(node.qualified_op, 0) + 1
+        _count_unlisted(node, category, ctx)  # (still one to classify: the summary lists it)
         _fix_fp32(node, category, f"dtype of its output {unknown[0]!r} is unknown (no schema infers it), so its "
                                   f"readers could not be given a Cast: the node keeps its types", "classify")
         return
@@ -86,9 +85,13 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) ->
         name = _input_name(node, shared[0])
         meta["amp.category"] = Category.DENY
         meta["amp.reason"] = f"input {name} is pinned FP32 by the rules and shares type {group} with the rest"
+    _count_unlisted(node, category, ctx)
+    meta["amp.participates"] = True
+
+
+def _count_unlisted(node: Node, category: Category, ctx: Context) -> None:
     if category == Category.UNLISTED:
         ctx.log.unlisted_ops[node.qualified_op] = ctx.log.unlisted_ops.get(node.qualified_op, 0) + 1
-    meta["amp.participates"] = True
 
 
 def _fix_fp32(node: Node, category: Category, reason: str, source: str) -> None:

@@ -260,7 +260,11 @@ class _Placer:
             return True
         if not low_uses:
             return False
-        if len(low_uses) == len(uses) and source.dtype != self.low and self._convertible_constant(source):
+        if len(low_uses) == len(uses) and source.dtype != self.low:
+            if not self._convertible_constant(source):
+                self._retarget(cast, value, low_uses, "existing Cast(to=FLOAT) feeds only low-precision consumers: "
+                               "retargeted")
+                return True
             # Cast(c, to=FLOAT) of a stored constant: retargeted, it would cast at run time, where a
             # value past the low type's range becomes inf (an int64 -100000 mask fill: a NaN row
             # after Softmax). Converted offline instead, it is clamped like an FP32 constant.
@@ -272,10 +276,6 @@ class _Placer:
                                 "low precision: the constant is converted offline (clamped to the low type's "
                                 "range, as an FP32 one is) and the Cast removed")
             self.modified = True
-            return True
-        if len(low_uses) == len(uses) and source.dtype != self.low:
-            self._retarget(cast, value, low_uses, "existing Cast(to=FLOAT) feeds only low-precision consumers: "
-                           "retargeted")
             return True
         rest = [u for u in uses if u.need != self.low or u.node is None]
         if source.dtype == self.low:
