@@ -175,9 +175,7 @@ def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *
         return rewrite_training_onnx(src, dst, overwrite=overwrite, external_data=external_data, **options)
     src_path = Path(src)
     target = options.get("target", "fp16")
-    if src_path.is_dir():  # (before naming the default output after it: "." has no name)
-        raise ModelLoadError(f"{src_path}: is a directory, expected an .onnx file")
-    dst_path = Path(dst) if dst is not None else src_path.with_name(f"{src_path.stem}.{target}.onnx")
+    dst_path = Path(dst) if dst is not None else default_output(src_path, target)
     _check_output(src_path, dst_path, overwrite)
     ctx = make_context(frontend="onnx", **options)
     from . import progress
@@ -257,6 +255,15 @@ def _is_torch_module(obj: Any) -> bool:
 
 
 # -- file handling -------------------------------------------------------------------------------------
+def default_output(src: Path, target: str, kind: str = "") -> Path:
+    """``<stem>.<target><kind>.onnx`` next to ``src`` (``kind``: ".train" for training rewrites).
+    A directory names no model (and "." has no name to make one from)."""
+    if src.is_dir():
+        raise ModelLoadError(f"{src}: is a directory, expected an .onnx file")
+    return src.with_name(f"{src.stem}.{target}{kind}.onnx")
+
+
+
 def _check_output(src: Path, dst: Path, overwrite: bool) -> None:
     if not dst.parent.exists():
         raise OutputError(f"{dst.parent}: output folder does not exist")
@@ -287,16 +294,14 @@ def _copy_unchanged(src: Path, dst: Path, model: Model, external: bool, source_f
     import shutil
     import tempfile
 
+    from .files import ordinary_mode, replace_into
+
     if not external and not model.meta.get("onnx.sorted_on_load"):
         fd, tmp = tempfile.mkstemp(prefix=".amp-rewrite-", dir=dst.parent)
         os.close(fd)
         try:
             shutil.copyfile(src, tmp)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the output is an ordinary file
-            from .emitters.onnx_emitter import replace_into
-
+            ordinary_mode(tmp)
             replace_into(Path(tmp), dst)
         except OSError as exc:
             Path(tmp).unlink(missing_ok=True)

@@ -1100,11 +1100,11 @@ class CheckedRewriteResult(RewriteResult):
 def auto_fp32_cli(args: "CliArgs") -> RewriteResult:
     """``--auto-fp32``: find the pins, write the final rewrite, check the written model (printed
     and stored in the report with the pins)."""
-    from .api import _check_output, rewrite_onnx
+    from .api import _check_output, default_output, rewrite_onnx
 
     options = args.options()
     target = options.get("target", "fp16")
-    dst = args.output if args.output is not None else args.model.with_name(f"{args.model.stem}.{target}.onnx")
+    dst = args.output if args.output is not None else default_output(args.model, target)
     _check_output(args.model, dst, args.overwrite)  # fail before running anything
     runner = Runner()
     feeds, described = _cli_inputs(args)

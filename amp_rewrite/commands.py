@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .errors import ModelLoadError, OutputError, UsageError
+from .errors import OutputError, UsageError
 
 
 @dataclass
@@ -46,10 +46,10 @@ class CliArgs:
 
     def output_path(self) -> Path:
         """Where the model goes: -o, else the default the API picks next to the input."""
-        if self.output is not None:
-            return self.output
-        kind = ".train" if self.training else ""
-        return self.model.with_name(f"{self.model.stem}.{self.target}{kind}.onnx")
+        from .api import default_output
+
+        return self.output if self.output is not None else default_output(
+            self.model, self.target, ".train" if self.training else "")
 
 
 def _split(ops: list[str]) -> list[str]:
@@ -73,7 +73,7 @@ def run(args: CliArgs) -> None:
 
         say(args, explain_node(args.model, args.explain, **args.options()))
         return
-    from .emitters.onnx_emitter import previous_outputs_kept
+    from .files import previous_outputs_kept
 
     with previous_outputs_kept() as written:
         if args.training:
@@ -132,8 +132,6 @@ def _validate(args: CliArgs) -> None:
         raise UsageError(f"--inputs {args.inputs}: no such file")
     if not math.isfinite(args.tolerance) or args.tolerance <= 0:
         raise UsageError(f"--tolerance {args.tolerance}: must be a positive number")
-    if args.model.is_dir():
-        raise ModelLoadError(f"{args.model}: is a directory, expected an .onnx file")
     if args.report is not None and args.explain is None:
         report, model, output = args.report.resolve(), args.model.resolve(), args.output_path().resolve()
         if report in (model, output):

@@ -300,6 +300,7 @@ def write_report(report: Report, path) -> None:
     from pathlib import Path
 
     from .errors import OutputError, UsageError
+    from .files import ordinary_mode
 
     path = Path(path)
     suffix = path.suffix.lower()
@@ -316,9 +317,7 @@ def write_report(report: Report, path) -> None:
         fd, tmp = tempfile.mkstemp(prefix=".amp-report-", dir=path.parent or ".")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a report is an ordinary file
+        ordinary_mode(tmp)
         os.replace(tmp, path)
     except OSError as exc:
         if tmp is not None:

@@ -98,17 +98,13 @@ def rewrite_training_onnx(src: str | os.PathLike, dst: str | os.PathLike | None 
     ``<stem>.<target>.train.onnx``. ``grads``: glob pattern(s) over graph output names (comma-
     separated, or a list; ``re:`` for a regex). Scale options: growth_factor, backoff_factor,
     growth_interval, min_scale, max_scale, dynamic; other options are those of make_context."""
-    from .api import _check_output, _input_files, _needs_external
+    from .api import _check_output, _input_files, _needs_external, default_output
     from .emitters.onnx_emitter import save_onnx
     from .frontends.onnx_loader import load_onnx
 
     src_path = Path(src)
     target = options.get("target", "fp16")
-    if src_path.is_dir():  # (before naming the default output after it: "." has no name)
-        from .errors import ModelLoadError
-
-        raise ModelLoadError(f"{src_path}: is a directory, expected an .onnx file")
-    dst_path = Path(dst) if dst is not None else src_path.with_name(f"{src_path.stem}.{target}.train.onnx")
+    dst_path = Path(dst) if dst is not None else default_output(src_path, target, ".train")
     _check_output(src_path, dst_path, overwrite)
     model = load_onnx(src_path)
     ir_model, log, plan = _rewrite(model, loss=loss, grads=grads, loss_grad=loss_grad, options=options)

@@ -13,8 +13,6 @@ materialised.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import json
 import os
@@ -30,6 +28,7 @@ import onnx_ir as ir
 
 from ..decisions import CastRecord, DecisionLog, Precision
 from ..errors import OutputError
+from ..files import replace_into
 from ..ir import DType, Graph, Model, Node, Value
 from ..frontends.onnx_loader import OnnxSource
 from ..passes.base import node_label
@@ -482,42 +481,3 @@ def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[P
             leftover.unlink()
         tmp.rmdir()
     return written
-
-
-# -- replacing files, with the previous ones kept until the command succeeds -------------------------------
-_KEPT: contextvars.ContextVar[list | None] = contextvars.ContextVar("amp_rewrite_kept", default=None)
-
-
-@contextlib.contextmanager
-def previous_outputs_kept():
-    """For a command that may still fail after writing its model (a failed ``--check``, bad
-    ``--inputs``, an unwritable report): every file a write inside replaces is set aside (renamed in
-    its folder) at the moment it is replaced, not before, so the input is read as it is. On failure
-    the command's own outputs go and the previous files come back; on success they are dropped.
-    Yields the list the command adds its written paths to."""
-    kept: list[tuple[Path, Path]] = []
-    written: list[Path] = []
-    token = _KEPT.set(kept)
-    try:
-        yield written
-    except BaseException:
-        for path in written:
-            Path(path).unlink(missing_ok=True)
-        for dst, aside in reversed(kept):
-            os.replace(aside, dst)
-        raise
-    else:
-        for _, aside in kept:
-            aside.unlink(missing_ok=True)
-    finally:
-        _KEPT.reset(token)
-
-
-def replace_into(tmp: Path, dst: Path) -> None:
-    """``os.replace(tmp, dst)``; inside :func:`previous_outputs_kept`, the file at ``dst`` is kept aside."""
-    kept = _KEPT.get()
-    if kept is not None and dst.is_file():
-        aside = dst.with_name(f".{dst.name}.amp-rewrite-previous-{os.getpid()}-{len(kept)}")
-        os.replace(dst, aside)
-        kept.append((dst, aside))
-    os.replace(tmp, dst)
