@@ -944,6 +944,20 @@ def test_a_misspelt_fp32_input_name_is_a_rule_file_error(tmp_path: Path) -> None
     assert run_cli(["m.onnx", "-o", "out.onnx", "--rules", "r.toml"], tmp_path).returncode == 0
 
 
+def test_a_misspelt_fp32_input_name_of_a_contrib_op_is_a_rule_file_error(tmp_path: Path) -> None:
+    """onnx has no schema for com.microsoft ops, so their fp32_inputs names went unchecked; they are
+    checked against onnxruntime's own schemas."""
+    save(mlp(), tmp_path / "m.onnx")
+    rule = '[infer."com.microsoft:SkipLayerNormalization"]\nreason = "fused"\nfp32_inputs = [%s]\n'
+    (tmp_path / "r.toml").write_text(rule % '"gama"')
+    proc = run_cli(["m.onnx", "-o", "out.onnx", "--rules", "r.toml"], tmp_path)
+    assert proc.returncode == 4, proc.stderr
+    assert re.search(r"'gama' is not an input of SkipLayerNormalization .*did you mean 'gamma'", proc.stderr), \
+        proc.stderr
+    (tmp_path / "r.toml").write_text(rule % '"gamma", "beta"')
+    assert run_cli(["m.onnx", "-o", "out.onnx", "--rules", "r.toml"], tmp_path).returncode == 0
+
+
 def test_api_options_of_the_wrong_shape(tmp_path: Path) -> None:
     """A string where a list is expected was read letter by letter (fp32_ops="Softmax": "unknown
     op 'S'"; fp32_nodes="/mm1": silently nothing; rules="r.toml": "/ is a directory"), and a

@@ -720,17 +720,33 @@ def check_rule_input_names(book) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _schema_input_names(op: str, domain: str) -> tuple[str, ...]:
-    """Every input name the op's schemas have had, oldest first; () for an op onnx has no schema for."""
+    """Every input name the op's schemas have had, oldest first; for an op onnx has no schema for
+    (onnxruntime's contrib ops), onnxruntime's own schemas; () where neither knows the op."""
     names: list[str] = []
     try:
         newest = onnx.defs.get_schema(op, domain).since_version
     except onnx.defs.SchemaError:
-        return ()
+        return _runtime_schema_input_names(op, domain)
     for version in range(1, newest + 1):
         try:
             schema = onnx.defs.get_schema(op, version, domain)
         except onnx.defs.SchemaError:
             continue
+        names += [f.name for f in schema.inputs if f.name not in names]
+    return tuple(names)
+
+
+def _runtime_schema_input_names(op: str, domain: str) -> tuple[str, ...]:
+    """Input names of an op onnxruntime registers (com.microsoft and other contrib domains), oldest
+    schema first; () without onnxruntime or for an op it does not know either."""
+    try:
+        from onnxruntime.capi import _pybind_state
+
+        schemas = _pybind_state.get_all_operator_schema()
+    except (ImportError, AttributeError, RuntimeError):
+        return ()
+    names: list[str] = []
+    for schema in sorted((s for s in schemas if s.name == op and s.domain == domain), key=lambda s: s.since_version):
         names += [f.name for f in schema.inputs if f.name not in names]
     return tuple(names)
 
