@@ -13,6 +13,11 @@
   ``run_decompositions()``);
 - a ``torch.export.ExportedProgram`` (its ``.module()`` is rewritten).
 
+The bodies of higher-order ops (torch.cond's branches, while_loop's, a ``torch.no_grad()``
+block's) are GraphModules of their own: each is rewritten as a scope whose inputs and outputs keep
+their types, and its decisions join the report under the body's attribute path
+(``true_graph_0/linear``). A ``torch.autocast`` region is left as written.
+
 It returns a GraphModule (``RewriteResult.model``); the caller's module is never modified. The
 report is available as for ONNX (``rewrite(..., report=True)`` or ``RewriteResult.report``), and the
 decision log travels with the module in ``gm.meta["amp_rewrite.log"]``.
@@ -77,6 +82,7 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
         del gm._amp_exported_program
     loss_value = _loss_value(model, loss_output, notes) if training else None
     fp32_nodes = list(options.pop("fp32_nodes", ()) or ())
+    user_fp32_nodes = list(fp32_nodes)
     tail: list[str] = []
     if loss_value is not None:
         tail = _loss_tail(model, target, rules, loss_value)
@@ -97,6 +103,8 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
 
         insert_loss_scale(gm, _loss_output_index(model, loss_value), model.meta.get("fx.level", "torch"))
         modified = True
+    if _rewrite_bodies(gm, ctx.log, target=target, rules=rules, fp32_nodes=user_fp32_nodes, options=options):
+        modified = True
     if training:
         gm.amp_training = True
     gm.meta["amp_rewrite.log"] = ctx.log
@@ -113,6 +121,72 @@ def report_of(gm: fx.GraphModule):
     if log is None:
         raise UsageError("this module was not produced by amp_rewrite.rewrite()")
     return Report.from_log(log, source=type(gm).__name__)
+
+
+# -- bodies of higher-order ops ------------------------------------------------------------------------------
+def _rewrite_bodies(gm: fx.GraphModule, log: Any, *, target: str, rules: Any, fp32_nodes: list[str],
+                    options: dict[str, Any]) -> bool:
+    """Rewrite the body graphs of gm's higher-order ops (torch.cond branches, while_loop bodies, a
+    ``torch.no_grad()`` block) as scopes of their own, their inputs and outputs keeping their
+    types (the op itself keeps its types in gm), and merge their decisions into ``log`` under the
+    body's attribute path. A ``torch.autocast`` region is left as written: torch decides the
+    precision inside it. Nested bodies are rewritten by the recursive call."""
+    from .frontends.fx_loader import AUTOCAST_REGION, body_modules, hop_name
+
+    done: set[str] = set()
+    modified = False
+    for node in list(gm.graph.nodes):
+        bodies = body_modules(node, gm)
+        if not bodies or hop_name(node) == AUTOCAST_REGION:
+            continue
+        for path in bodies:
+            if path in done:
+                continue
+            done.add(path)
+            prefix, _, attr = path.rpartition(".")
+            owner = gm.get_submodule(prefix) if prefix else gm
+            result = rewrite_torch(getattr(owner, attr), target=target, rules=rules, keep_io_types=True,
+                                   fp32_nodes=fp32_nodes, **options)
+            body = result.model
+            body.meta.pop("amp_rewrite.log", None)
+            body.meta.pop("amp_rewrite.target", None)
+            setattr(owner, attr, body)
+            _merge_body_log(log, result.log, path)
+            modified = modified or result.modified
+    return modified
+
+
+def _merge_body_log(log: Any, body: Any, scope: str) -> None:
+    """Add a body's decisions to the enclosing graph's log, its names prefixed by the body's path."""
+    def name(label: str | None) -> str | None:
+        return label if label is None or label.startswith("<") else f"{scope}/{label}"
+
+    def scoped(inner: str) -> str:
+        return scope if inner == "main" else f"{scope}/{inner}"
+
+    offset = len(log.islands)
+    for island in body.islands:
+        log.islands.append(dataclasses.replace(island, id=island.id + offset, scope=scoped(island.scope),
+                                               members=[name(m) for m in island.members],
+                                               seeds=[name(m) for m in island.seeds]))
+    for label, decision in body.decisions.items():
+        log.decisions[name(label)] = dataclasses.replace(
+            decision, node=name(decision.node), via=name(decision.via),
+            island=None if decision.island is None else decision.island + offset)
+    for cast in body.casts:
+        log.casts.append(dataclasses.replace(cast, name=name(cast.name), tensor=name(cast.tensor),
+                                             producer=name(cast.producer),
+                                             consumers=[name(c) for c in cast.consumers], scope=scoped(cast.scope)))
+    for fusion in body.fusions:
+        log.fusions.append(dataclasses.replace(fusion, node=name(fusion.node),
+                                               members=[name(m) for m in fusion.members]))
+    for op, count in body.unlisted_ops.items():
+        log.unlisted_ops[op] = log.unlisted_ops.get(op, 0) + count
+    for field in dataclasses.fields(log.weights):
+        mine, theirs = getattr(log.weights, field.name), getattr(body.weights, field.name)
+        setattr(log.weights, field.name, mine + theirs)
+    log.notes.extend(f"{scope}: {note}" for note in body.notes)
+    log.operand_shapes.update({name(k): v for k, v in body.operand_shapes.items()})
 
 
 # -- capture --------------------------------------------------------------------------------------------------

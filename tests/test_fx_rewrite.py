@@ -825,3 +825,110 @@ def test_a_copying_no_op_cast_stays_where_the_copy_is_mutated():
     assert [c.kind for c in result.log.casts if c.kind == "removed"] == []
     with torch.no_grad():
         assert rel_err(result.model(x), model(x)) < TOL["bf16"]
+
+
+# -- higher-order ops: torch.no_grad() blocks, torch.cond, while_loop, autocast regions -------------------------
+class NoGradEncoder(nn.Module):
+    """A frozen encoder run under torch.no_grad(): torch.export keeps the block as a
+    wrap_with_set_grad_enabled op whose body is a GraphModule of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.head = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            h = torch.relu(self.enc(x))
+        return self.head(h)
+
+
+class Branches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda x: self.a(x).softmax(-1), lambda x: self.b(x), (x,))
+
+
+class FrozenRegion(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            h = self.a(x)
+        return self.b(h)
+
+
+def _attr(gm: nn.Module, target: str):
+    for atom in target.split("."):
+        gm = getattr(gm, atom)
+    return gm
+
+
+def _body_dtypes(gm: fx.GraphModule, body: str, op) -> list:
+    """The dtypes the body's ``op`` nodes compute in, from a run of the body's recorded metadata."""
+    return [n.meta["val"].dtype for n in getattr(gm, body).graph.nodes if n.op == "call_function" and n.target == op]
+
+
+def test_a_no_grad_block_is_rewritten_as_a_scope_of_its_own() -> None:
+    """The body of a torch.no_grad() block was left FP32 (its op listed as unlisted), so a frozen
+    encoder's matmuls never ran low, and the summary counted only the head's."""
+    torch.manual_seed(0)
+    model, x = NoGradEncoder(), torch.randn(2, 16)
+    gm, report = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", report=True)
+    gm.graph.lint()
+    bodies = [n.target for n in gm.graph.nodes if n.op == "get_attr" and isinstance(_attr(gm, n.target), fx.GraphModule)]
+    assert len(bodies) == 1
+    body = getattr(gm, bodies[0])
+    body.graph.lint()
+    assert _body_dtypes(gm, bodies[0], torch.ops.aten.linear.default) == [torch.bfloat16]
+    assert report.heavy_ops["low"] == report.heavy_ops["total"] == 2
+    assert report.log.unlisted_ops == {}
+    scoped = [c for c in report.log.casts if c.scope == bodies[0]]
+    assert scoped and all(c.name.startswith(f"{bodies[0]}/") for c in scoped)
+    wrap = [d for d in report.log.decisions.values() if d.op.endswith("wrap_with_set_grad_enabled")]
+    assert len(wrap) == 1 and "rewritten as scopes of their own" in wrap[0].reason
+    y, ref = gm(x), model(x)
+    assert y.dtype == torch.float32 and y.requires_grad  # the head still trains; the block does not
+    assert ((y - ref).abs().max() / ref.abs().max()).item() <= TOL["bf16"]
+    again = amp_rewrite.rewrite(gm, example_inputs=(x,), target="bf16")
+    assert again.code == gm.code and getattr(again, bodies[0]).code == body.code
+
+
+def test_both_branches_of_torch_cond_are_rewritten() -> None:
+    torch.manual_seed(0)
+    model, x = Branches(), torch.randn(2, 16)
+    gm, report = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", report=True)
+    for branch in ("true_graph_0", "false_graph_0"):
+        getattr(gm, branch).graph.lint()
+        assert _body_dtypes(gm, branch, torch.ops.aten.linear.default) == [torch.bfloat16]
+    # the softmax stays FP32 in its branch, and the branch still returns the cond's FP32 type
+    softmax = report.log.decisions["true_graph_0/softmax"]
+    assert softmax.precision == Precision.FP32
+    assert report.heavy_ops["low"] == report.heavy_ops["total"] == 2
+    for sign in (1.0, -1.0):  # each branch taken once
+        xs = sign * x.abs()
+        y, ref = gm(xs), model(xs)
+        assert y.dtype == torch.float32
+        assert ((y - ref).abs().max() / ref.abs().max()).item() <= TOL["bf16"]
+
+
+def test_an_autocast_region_is_left_as_written() -> None:
+    """torch decides the precision inside an autocast region at run time; enabled=False keeps it
+    FP32 on purpose, so its body is not rewritten (the code outside it is)."""
+    torch.manual_seed(0)
+    model, x = FrozenRegion(), torch.randn(2, 16)
+    program = torch.export.export(model, (x,), strict=False).module()
+    body = next(n.target for n in program.graph.nodes if n.op == "get_attr"
+                and isinstance(_attr(program, n.target), fx.GraphModule))
+    gm, report = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", report=True)
+    assert getattr(gm, body).code == getattr(program, body).code
+    assert _body_dtypes(gm, body, torch.ops.aten.linear.default) == [torch.float32]
+    region = [d for d in report.log.decisions.values() if d.op.endswith("wrap_with_autocast")]
+    assert len(region) == 1 and "left as written" in region[0].reason
+    assert report.heavy_ops == {"total": 1, "low": 1, "kept_fp32": []}
+    y, ref = gm(x), model(x)
+    assert ((y - ref).abs().max() / ref.abs().max()).item() <= TOL["bf16"]

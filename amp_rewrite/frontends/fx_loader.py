@@ -530,6 +530,9 @@ class _Builder:
             ir.input_groups = [self._input_group(name, s, v) for s, v in zip(slots, inputs)]
             ir.output_groups = [self._output_group(name, i, v) for i, v in enumerate(outputs)]
             _split_promoted_types(ir)
+        bodies = body_modules(node, self.gm)
+        if bodies is not None:
+            ir.meta["amp.keeps_types"] = _body_reason(node, bodies)
         if is_inplace(node):
             ir.meta["fx.inplace"] = True
             self._check_aliasing(node)
@@ -628,6 +631,37 @@ class _Builder:
         self.graph.meta["fx.output_slots"] = slots
         self.graph.meta["fx.loaded_outputs"] = list(self.graph.outputs)
         self.graph.meta["fx.output_node"] = node
+
+
+# -- higher-order ops -----------------------------------------------------------------------------------
+AUTOCAST_REGION = "wrap_with_autocast"
+
+
+def body_modules(node: fx.Node, gm: fx.GraphModule) -> list[str] | None:
+    """The attribute paths of the GraphModules a higher-order op runs (torch.cond's branches,
+    while_loop's condition and body, a ``torch.no_grad()`` block's
+    ``wrap_with_set_grad_enabled`` body, ...); None for any other node."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return None
+    found: list[str] = []
+    for _, arg in _walk_args(node.args, ()) + _walk_args(node.kwargs, ()):
+        if arg.op == "get_attr" and isinstance(_fetch_attr(gm, str(arg.target)), fx.GraphModule) \
+                and str(arg.target) not in found:
+            found.append(str(arg.target))
+    return found
+
+
+def hop_name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", None) or str(node.target)
+
+
+def _body_reason(node: fx.Node, bodies: list[str]) -> str:
+    listed = ", ".join(bodies) or "none"
+    if hop_name(node) == AUTOCAST_REGION:
+        return (f"a torch.autocast region (body {listed}): torch decides the precision inside it at run time "
+                f"(enabled=False keeps it FP32 on purpose), so it is left as written")
+    return (f"a higher-order op ({hop_name(node)}): its operands and results keep their types; its body graphs "
+            f"({listed}) are rewritten as scopes of their own")
 
 
 def _walk_args(obj: Any, prefix: tuple) -> list[tuple[tuple, fx.Node]]:
