@@ -188,7 +188,16 @@ def _make_plan(model: Any, ir_model: Any, loss: str, grads: Any, loss_grad: str 
     loss_value = outputs[loss]
     if loss_value.dtype is not None and int(loss_value.dtype) != 1:
         raise UsageError(f"--loss {loss!r}: the loss must be FP32, it is {loss_value.dtype.name}")
+    if loss_value.shape is not None and not all(d == 1 for d in loss_value.shape):
+        raise UsageError(f"--loss {loss!r}: the loss must be a scalar (one element), its shape is "
+                         f"[{', '.join(str(d) for d in loss_value.shape)}]; reduce it (mean or sum) inside the graph")
     grad_names = _match_grads(grads, [v.name for v in graph.outputs], loss)
+    for name in grad_names:
+        dtype = outputs[name].dtype
+        if dtype is None or int(dtype) != 1:
+            kind = dtype.name if dtype is not None else "of unknown type"
+            raise UsageError(f"--grads matches {name!r}, which is {kind}: gradients are unscaled in FP32 and must "
+                             f"come out FP32 (FP32 master weights); narrow --grads to the FP32 gradient outputs")
     seed = None
     if grad_names:
         seed = _find_seed(graph, ir_model, loss, loss_grad)
@@ -224,21 +233,31 @@ def _find_seed(graph: Any, ir_model: Any, loss: str, explicit: str | None) -> st
     if explicit is not None:
         if explicit not in inputs:
             raise UsageError(f"loss_grad={explicit!r}: no graph input has that name")
-        return explicit
+        return _read_seed(inputs[explicit])
     info = ir_model.metadata_props.get(GRAPH_INFO_KEY)
     if info:
         name = json.loads(info).get("loss_grad")
         if name in inputs:
-            return name
+            return _read_seed(inputs[name])
     for name in (f"{loss}_grad", f"{loss}.grad", f"grad_{loss}", "loss_grad"):
         value = inputs.get(name)
         if value is not None and value.dtype is not None and int(value.dtype) == 1 and \
                 (value.shape is None or all(d == 1 for d in value.shape)):
-            return name
+            return _read_seed(value)
     raise UsageError(
         "--grads: the graph has no input seeding the backward pass (the gradient of the loss, usually a "
         f"constant 1 folded into the graph), so its gradients cannot be loss-scaled; export it with "
         f"tools/make_training_graph.py, or give the seed input a name like '{loss}_grad'")
+
+
+def _read_seed(value: Any) -> str:
+    """The seed's name, if the backward pass starts from it: scaling a seed no node reads would scale
+    nothing, and the unscaled gradients would come out divided by the loss scale."""
+    if not value.consumers():
+        raise UsageError(f"--grads: the seed input {value.name!r} is read by no node, so the backward pass does not "
+                         f"start from it (a constant 1 folded into the graph?) and its gradients cannot be "
+                         f"loss-scaled; export the graph with tools/make_training_graph.py")
+    return value.name
 
 
 def _name_taken(graph: Any, name: str) -> bool:
@@ -338,9 +357,9 @@ class _LossScaleBuilder:
         self.taken.add(name)
         return v
 
-    def typed(self, value: Any, dtype: Any) -> Any:
+    def typed(self, value: Any, dtype: Any, shape: Any = None) -> Any:
         value.type = self.ir.TensorType(dtype)
-        value.shape = self.ir.Shape([])
+        value.shape = shape if shape is not None else self.ir.Shape([])
         return value
 
     def build(self) -> None:
@@ -354,7 +373,7 @@ class _LossScaleBuilder:
         loss_value = outputs[plan.loss][1]
         scaled = self.node("Mul", [loss_value, scale], "training: scaled_loss = loss (FP32) x loss_scale",
                            out=SCALED_LOSS)
-        self.typed(scaled, FLOAT)
+        self.typed(scaled, FLOAT, loss_value.shape)  # a scalar, or the loss's one-element shape
         graph.outputs.append(scaled)
         added = {"loss": plan.loss, "loss_scale": LOSS_SCALE, "scaled_loss": SCALED_LOSS}
         if plan.grads:
@@ -362,11 +381,17 @@ class _LossScaleBuilder:
             self._scale_seed(scale)
             inv = self.node("Reciprocal", [scale], "training: 1 / loss_scale, to unscale the gradients in FP32")
             sums = []
+            constant: set[str] = set()
             for name in plan.grads:
                 index, value = outputs[name]
+                if value.producer() is None and value.const_value is not None:
+                    # a constant gradient (an unused parameter's zero, folded by the exporter) never
+                    # went through the scaled backward pass: it leaves as it is
+                    constant.add(name)
+                    continue
                 if value.producer() is None:
-                    raise UsageError(f"gradient output {name!r} is a graph input or initializer, not computed by "
-                                     f"the graph: nothing to unscale")
+                    raise UsageError(f"gradient output {name!r} is a graph input, not computed by the graph: "
+                                     f"nothing to unscale; narrow --grads")
                 value.name = self.name(name + SCALED_SUFFIX)
                 unscaled = self.node("Mul", [value, inv], "training: gradient unscaled in FP32 (x 1/loss_scale)",
                                      out=name)
@@ -374,6 +399,9 @@ class _LossScaleBuilder:
                 graph.outputs[index] = unscaled
                 sums.append(self.node("ReduceSum", [unscaled], "training: inf/NaN check (sum of the gradient)",
                                       keepdims=0))
+            if not sums:
+                raise UsageError(f"--grads matches only constant outputs ({', '.join(plan.grads)}): no gradient "
+                                 f"is computed by the graph, so there is nothing to loss-scale")
             total = sums[0] if len(sums) == 1 else self.node("Sum", sums, "training: inf/NaN check (all gradients)")
             bad = self.node("Or", [self.node("IsInf", [total], "training: inf/NaN check"),
                                    self.node("IsNaN", [total], "training: inf/NaN check")], "training: inf/NaN check")
@@ -383,7 +411,7 @@ class _LossScaleBuilder:
             for v in (finite, next_scale, next_tracker):
                 graph.outputs.append(v)
             added.update({"growth_tracker": GROWTH_TRACKER, "loss_grad": plan.seed, "grads": plan.grads,
-                          "scaled_grads": [n + SCALED_SUFFIX for n in plan.grads], "all_finite": ALL_FINITE,
+                          "scaled_grads": [n + SCALED_SUFFIX for n in plan.grads if n not in constant], "all_finite": ALL_FINITE,
                           "next_loss_scale": NEXT_LOSS_SCALE, "next_growth_tracker": NEXT_GROWTH_TRACKER,
                           "config": asdict(plan.config)})
         self.model.metadata_props[TRAINING_KEY] = json.dumps(added)

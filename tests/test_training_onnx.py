@@ -384,3 +384,93 @@ def test_cli_training(setup, tmp_path):
     result = rewrite_training_onnx(src, tmp_path / "api.onnx", loss="loss", grads=GRADS)
     assert result.outputs == [tmp_path / "api.onnx"]
     assert [o.name for o in onnx.load(tmp_path / "api.onnx").graph.output] == [o.name for o in m.graph.output]
+
+
+# -- hand-built training graphs: what the rewrite refuses and what it passes through -------------------------
+def _hand_graph(*, loss_shape=(), grad_type=onnx.TensorProto.FLOAT, seed_read=True, constant_grad=False):
+    """loss = ReduceSum(x @ W) (shaped ``loss_shape``), grad.W = x^T @ broadcast(seed): a minimal
+    forward+backward graph; ``constant_grad`` adds an unused parameter's zero gradient, folded into
+    an initializer that is also a graph output (what the dynamo exporter writes)."""
+    from onnx import helper as h
+
+    T = onnx.TensorProto
+    W = onnx.numpy_helper.from_array(np.ones((4, 4), np.float32), "W")
+    nodes = [h.make_node("MatMul", ["x", "W"], ["y"]), h.make_node("ReduceSum", ["y"], ["total"], keepdims=0),
+             h.make_node("Reshape", ["total", "loss_shape"], ["loss"]), h.make_node("Shape", ["y"], ["ys"])]
+    if seed_read:
+        nodes.append(h.make_node("Expand", ["loss_grad", "ys"], ["gy"]))
+    else:
+        nodes.append(h.make_node("ConstantOfShape", ["ys"], ["gy"],
+                                 value=onnx.numpy_helper.from_array(np.array([1.0], np.float32))))
+    nodes.append(h.make_node("Gemm", ["x", "gy"], ["gW"], transA=1))
+    nodes.append(h.make_node("Cast", ["gW"], ["grad.W"], to=grad_type))
+    inits = [W, onnx.numpy_helper.from_array(np.array(loss_shape, np.int64), "loss_shape")]
+    outputs = [h.make_tensor_value_info("loss", T.FLOAT, list(loss_shape)),
+               h.make_tensor_value_info("grad.W", grad_type, [4, 4])]
+    if constant_grad:
+        inits.append(onnx.numpy_helper.from_array(np.zeros((3,), np.float32), "grad.unused"))
+        outputs.append(h.make_tensor_value_info("grad.unused", T.FLOAT, [3]))
+    graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, [2, 4]),
+                                      h.make_tensor_value_info("loss_grad", T.FLOAT, [])], outputs, initializer=inits)
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=10)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _grad_w(path, scale=1024.0):
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    feeds = {"x": x, "loss_grad": np.array(1.0, np.float32), LOSS_SCALE: np.array(scale, np.float32),
+             GROWTH_TRACKER: np.array(0, np.int64)}
+    return run_onnx(path, feeds), x.T @ np.ones((2, 4), np.float32)
+
+
+def test_hand_built_graph_unscales_exactly(tmp_path):
+    """The baseline the cases below vary: the seed is read, the gradient comes out exact."""
+    out = rewrite_training_onnx_model(_hand_graph(), loss="loss", grads=GRADS, target="fp16").model
+    onnx.checker.check_model(out, full_check=True)
+    onnx.save(out, tmp_path / "t.onnx")
+    got, want = _grad_w(tmp_path / "t.onnx")
+    np.testing.assert_allclose(got["grad.W"], want, rtol=1e-2)
+    assert bool(got[ALL_FINITE])
+
+
+def test_a_seed_no_node_reads_is_refused():
+    """The seed found by name was not read (the exporter folded a constant 1): the gradients were
+    computed unscaled, then divided by the scale, and came out 1/65536 of the truth."""
+    with pytest.raises(UsageError, match="seed input 'loss_grad' is read by no node"):
+        rewrite_training_onnx_model(_hand_graph(seed_read=False), loss="loss", grads=GRADS, target="fp16")
+
+
+@pytest.mark.parametrize("dtype", [onnx.TensorProto.INT64, onnx.TensorProto.FLOAT16])
+def test_a_gradient_output_that_is_not_fp32_is_refused(dtype):
+    """An int64 or FP16 output matched by --grads got Mul(grad, 1/scale): an invalid model."""
+    with pytest.raises(UsageError, match=r"--grads matches 'grad\.W', which is (INT64|FLOAT16)"):
+        rewrite_training_onnx_model(_hand_graph(grad_type=dtype), loss="loss", grads=GRADS, target="fp16")
+
+
+def test_the_loss_must_have_one_element(tmp_path):
+    """A [2, 2] loss was accepted and scaled_loss declared [] (checker: rank mismatch); a
+    one-element loss keeps its shape."""
+    with pytest.raises(UsageError, match=r"the loss must be a scalar \(one element\), its shape is \[2, 2\]"):
+        rewrite_training_onnx_model(_hand_graph(loss_shape=(2, 2)), loss="loss", grads=None, target="fp16")
+    for grads in (None, GRADS):
+        out = rewrite_training_onnx_model(_hand_graph(loss_shape=(1, 1)), loss="loss", grads=grads,
+                                          target="fp16").model
+        onnx.checker.check_model(out, full_check=True)
+        scaled = next(o for o in out.graph.output if o.name == SCALED_LOSS)
+        assert [d.dim_value for d in scaled.type.tensor_type.shape.dim] == [1, 1]
+
+
+def test_a_constant_gradient_passes_through(tmp_path):
+    """An unused parameter's zero gradient, an initializer wired to the output, made the rewrite
+    refuse graphs tools/make_training_graph.py writes; it never went through the scaled backward
+    pass, so it leaves unchanged while the computed gradient is unscaled."""
+    out = rewrite_training_onnx_model(_hand_graph(constant_grad=True), loss="loss", grads=GRADS,
+                                      target="fp16").model
+    onnx.checker.check_model(out, full_check=True)
+    info = training_info(out)
+    assert info["grads"] == ["grad.W", "grad.unused"] and info["scaled_grads"] == ["grad.W/amp_scaled"]
+    onnx.save(out, tmp_path / "t.onnx")
+    got, want = _grad_w(tmp_path / "t.onnx")
+    np.testing.assert_allclose(got["grad.W"], want, rtol=1e-2)
+    np.testing.assert_array_equal(got["grad.unused"], np.zeros(3, np.float32))
