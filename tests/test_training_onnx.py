@@ -474,3 +474,29 @@ def test_a_constant_gradient_passes_through(tmp_path):
     got, want = _grad_w(tmp_path / "t.onnx")
     np.testing.assert_allclose(got["grad.W"], want, rtol=1e-2)
     np.testing.assert_array_equal(got["grad.unused"], np.zeros(3, np.float32))
+
+
+def test_make_training_graph_never_returns_an_invalid_model():
+    """A .sum() loss: the TorchScript exporter wrote ReduceSum with FLOAT axes, which only the full
+    check (and onnxruntime) rejects; "auto" returned it. The full check now sends it to dynamo."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    proto = make_training_graph(model, (torch.randn(3, 4),), loss_fn=lambda out: out.sum())
+    onnx.checker.check_model(proto, full_check=True)
+    with pytest.raises(RuntimeError, match="the torchscript exporter wrote an invalid model"):
+        make_training_graph(model, (torch.randn(3, 4),), loss_fn=lambda out: out.sum(), exporter="torchscript")
+
+
+def test_make_training_graph_refuses_batchnorm_in_training_mode():
+    """Tracing a train-mode BatchNorm updated the caller's running statistics, and the graph's loss
+    and gradients matched neither mode."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    with pytest.raises(ValueError, match=r"1 would update running statistics .* call module\.eval\(\)"):
+        make_training_graph(model, (x,), (y,), loss_fn=F.mse_loss, exporter="torchscript")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    model.eval()
+    make_training_graph(model, (x,), (y,), loss_fn=F.mse_loss)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

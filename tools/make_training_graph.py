@@ -23,8 +23,9 @@ How: ``make_fx`` traces a function that calls the module functionally and return
 ``torch.onnx.export``: ``exporter="torchscript"`` (fast), ``"dynamo"`` (needs onnxscript), or
 ``"auto"`` (the default: TorchScript, falling back to dynamo where it fails or is gone).
 
-Limits: buffers (BatchNorm running statistics) are constants of the graph and are not updated;
-put such modules in eval mode. The module's output (or ``loss_fn``'s) must be a scalar.
+Limits: buffers (BatchNorm running statistics) are constants of the graph and are not updated:
+a module whose normalisation layers are in training mode is refused (call ``.eval()`` on them); the
+caller's module and buffers are never changed. The module's output (or ``loss_fn``'s) must be a scalar.
 
 Command line (for a module importable as ``pkg.mod:factory``)::
 
@@ -63,7 +64,14 @@ def make_training_graph(module: Any, inputs: Sequence[Any], targets: Sequence[An
     if not params:
         raise ValueError("the module has no trainable parameters")
     names = [n for n, _ in params]
-    buffers = dict(module.named_buffers())
+    updating = [name or type(m).__name__ for name, m in module.named_modules()
+                if m.training and getattr(m, "track_running_stats", False) and getattr(m, "running_mean", None) is not None]
+    if updating:
+        raise ValueError(f"{', '.join(updating[:3])}{' ...' if len(updating) > 3 else ''} would update running "
+                         f"statistics (training mode), which the graph cannot do: its loss and gradients would match "
+                         f"neither mode; call module.eval() on the normalisation layers (or the module) first")
+    # copies: tracing runs the module, and nothing it does may reach the caller's buffers
+    buffers = {n: b.clone() for n, b in module.named_buffers()}
     n_params, n_inputs = len(params), len(inputs)
     in_names = list(input_names or [f"input_{i}" for i in range(n_inputs)])
     tg_names = list(target_names or [f"target_{i}" for i in range(len(targets))])
@@ -137,6 +145,10 @@ def _export(gm: Any, example: tuple, input_names: list[str], output_names: list[
         proto = onnx.load_from_string(buf.getvalue())
     else:
         raise ValueError(f"exporter {exporter!r}: choose auto, dynamo or torchscript")
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:  # under "auto", the dynamo exporter is tried next
+        raise RuntimeError(f"the {exporter} exporter wrote an invalid model: {str(exc).splitlines()[0]}") from exc
     got_in = [i.name for i in proto.graph.input]
     got_out = [o.name for o in proto.graph.output]
     missing = [n for n in input_names if n not in got_in]
