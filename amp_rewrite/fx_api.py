@@ -80,6 +80,9 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
         model = load_fx(gm, example_inputs=example_inputs, capture=how, example_kwargs=example_kwargs)
     if hasattr(gm, "_amp_exported_program"):
         del gm._amp_exported_program
+    if training and not keep_io_types:
+        raise UsageError("training=True keeps graph inputs and outputs FP32 (the loss is scaled and its gradient "
+                         "enters the graph in FP32): drop keep_io_types=False")
     loss_value = _loss_value(model, loss_output, notes) if training else None
     fp32_nodes = list(options.pop("fp32_nodes", ()) or ())
     user_fp32_nodes = list(fp32_nodes)
@@ -105,12 +108,35 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
         modified = True
     if _rewrite_bodies(gm, ctx.log, target=target, rules=rules, fp32_nodes=user_fp32_nodes, options=options):
         modified = True
+    if how == "export":
+        _keep_captured_mode(gm, obj.training if isinstance(obj, torch.nn.Module) else gm.training)
     if training:
         gm.amp_training = True
     gm.meta["amp_rewrite.log"] = ctx.log
     gm.meta["amp_rewrite.target"] = target
     source = f"torch:{type(obj).__name__} (captured with {how})"
     return RewriteResult(gm, ctx.log, modified, source=source)
+
+
+def _keep_captured_mode(gm: fx.GraphModule, training: bool) -> None:
+    """torch.export bakes train/eval behaviour (dropout, BatchNorm statistics) into the graph:
+    ``gm.eval()`` on the rewritten module would change nothing, silently. Asking for the mode it was
+    captured in is fine; asking for the other one is an error that says what to do (torch's own
+    ``ExportedProgram.module()`` refuses both, and a deep copy loses that guard)."""
+    import types
+
+    captured = "training" if training else "eval"
+
+    def mode(self: torch.nn.Module, wanted: bool = True) -> torch.nn.Module:
+        if bool(wanted) != training:
+            raise NotImplementedError(
+                f"this module was captured by torch.export in {captured} mode, which is part of its graph "
+                f"(dropout, BatchNorm statistics): call model.{'eval' if wanted is False else 'train'}() on the "
+                f"original module and rewrite it again")
+        return self
+
+    gm.train = types.MethodType(mode, gm)  # type: ignore[method-assign]
+    gm.eval = types.MethodType(lambda self: mode(self, False), gm)  # type: ignore[method-assign]
 
 
 def report_of(gm: fx.GraphModule):
@@ -268,14 +294,14 @@ def _loss_value(model: Model, loss_output: int | str | None, notes: list[str]) -
         if isinstance(loss_output, int):
             if not 0 <= loss_output < len(outputs):
                 raise UsageError(f"loss_output={loss_output}: the graph has {len(outputs)} tensor outputs")
-            return outputs[loss_output]
+            return _checked_loss(outputs[loss_output], loss_output)
         for value in outputs:
             origin = value.origin
             names = {value.name}
             if isinstance(origin, tuple) and isinstance(origin[0], fx.Node):
                 names.add(origin[0].name)
             if loss_output in names:
-                return value
+                return _checked_loss(value, loss_output)
         raise UsageError(f"loss_output={loss_output!r} names no graph output (have: "
                          f"{', '.join(v.name for v in outputs)})")
     scalars = [v for v in outputs if v.shape == () and v.dtype == DType.FLOAT]
@@ -285,6 +311,17 @@ def _loss_value(model: Model, loss_output: int | str | None, notes: list[str]) -
         notes.append(f"several scalar float outputs; {scalars[0].name!r} taken as the loss (pass loss_output= to "
                      f"choose)")
     return scalars[0]
+
+
+def _checked_loss(value: Value, loss_output: int | str) -> Value:
+    """The output loss_output names, if it is a loss: a scalar FP32 value (an int output times the
+    scale, or a per-element tensor, would be silently scaled)."""
+    if value.dtype != DType.FLOAT or (value.shape is not None and any(d != 1 for d in value.shape)):
+        kind = value.dtype.name if value.dtype is not None else "of unknown type"
+        shape = "[" + ", ".join(map(str, value.shape)) + "]" if value.shape is not None else "of unknown shape"
+        raise UsageError(f"loss_output={loss_output!r} names {value.name!r}, {kind} {shape}: the loss must be a "
+                         f"scalar FP32 output (reduce it with mean or sum inside the module)")
+    return value
 
 
 def _loss_output_index(model: Model, loss_value: Value) -> int:

@@ -33,10 +33,16 @@ GradScaler's would go below ``min_scale`` or above ``max_scale``.
 **The in-graph scale.** A module rewritten with ``training=True`` multiplies its loss by its FP32
 buffer ``amp_loss_scale``. The scaler keeps every attached module's buffer equal to its scale
 (``LossScaler(module)``, :meth:`attach`; ``scaler.backward(loss)`` also finds the module by itself
-from the loss's autograd graph). :meth:`backward` makes sure the gradients carry exactly the
+from the loss's autograd graph). :meth:`backward` makes sure every gradient carries exactly the
 current scale, whatever the buffer held at forward time (the first step, before the scaler knew
-the module, ran with 1.0); a plain ``loss.backward()`` is fine once the module is attached: the
-scaler then unscales by the buffer's value. For a module without in-graph scale,
+the module, ran with 1.0), and whatever the loss adds outside the module (a regulariser, a second
+loss): it scales the whole loss and divides the gradient reaching each in-graph scale node by the
+scale that node applied. A plain ``loss.backward()`` is fine once the module is attached, when the
+loss is the module's output: the scaler then unscales by the buffer's value. Where the scale node
+is hidden from autograd (the module ran inside ``torch.compile`` or a reentrant checkpoint),
+:meth:`backward` refuses rather than scale twice. The optimizer must hold the rewritten module's
+parameters (``rewrite`` returns a copy): a step after :meth:`backward` that finds no gradient is
+an error. For a module without in-graph scale,
 :meth:`backward` / :meth:`scale` multiply the loss themselves, like GradScaler.
 
 **Gradient accumulation**: call :meth:`backward` on each micro-batch, then :meth:`step` once.
@@ -142,8 +148,10 @@ class LossScaler:
     def _sync(self, module: torch.nn.Module) -> None:
         buf = module._buffers.get(BUFFER)
         if buf is not None and float(buf) != self._scale:
-            with torch.no_grad():
-                buf.fill_(self._scale)
+            # through .data: a forward pass whose backward is still pending saved this buffer, and
+            # an in-place write autograd sees would make that backward fail; the pending pass then
+            # carries the new scale, which is the one _scale_nodes reads from the saved tensor
+            buf.data.fill_(self._scale)
 
     def _sync_all(self) -> None:
         for m in self._live_modules():
@@ -164,26 +172,59 @@ class LossScaler:
                     continue
         return found
 
-    def _graph_scale(self, loss: torch.Tensor) -> float:
-        """The in-graph scale ``loss`` was multiplied by: the buffer of an attached (or, once,
-        discovered) module found among the tensors saved by the loss's autograd graph; else 1."""
-        if loss.grad_fn is None:
-            return 1.0
+    def _known_modules(self) -> list[torch.nn.Module]:
         modules = self._live_modules()
         if not self._discovered:
             self._discovered = True
             known = {id(m) for m in modules}
             modules = modules + [m for m in self._candidates() if id(m) not in known]
-        if not modules:
-            return 1.0
+        return modules
+
+    def _scale_nodes(self, loss: torch.Tensor) -> list[tuple[Any, float]]:
+        """The in-graph loss-scale nodes of ``loss``'s autograd graph, with the scale each applied:
+        the Mul nodes that saved the buffer of an attached (or, once, discovered) module."""
+        if loss.grad_fn is None:
+            return []
+        modules = self._known_modules()
         by_ptr = {m._buffers[BUFFER].data_ptr(): m for m in modules if m._buffers.get(BUFFER) is not None}
-        for saved in _saved_scalars(loss.grad_fn):
+        found = []
+        for fn, saved in _saved_scalars(loss.grad_fn):
             module = by_ptr.get(saved.data_ptr())
             if module is not None:
                 if not any(ref() is module for ref in self._modules):
                     self._modules.append(weakref.ref(module))
-                return float(module._buffers[BUFFER])
-        return 1.0
+                found.append((fn, float(saved)))
+        if not found and modules:
+            self._refuse_hidden_scale(loss, modules)
+        return found
+
+    @staticmethod
+    def _refuse_hidden_scale(loss: torch.Tensor, modules: list[torch.nn.Module]) -> None:
+        """The loss reaches a rewritten module's parameters but no loss-scale node is visible: the
+        module ran inside torch.compile or a reentrant checkpoint, whose backward hides the Mul.
+        Scaling again would scale its gradients twice; not scaling would miss other terms."""
+        params = {id(p): m for m in modules if float(m._buffers[BUFFER]) != 1.0 for p in m.parameters()}
+        if not params:
+            return
+        seen: set[int] = set()
+        stack = [loss.grad_fn]
+        while stack and len(seen) < 200_000:
+            fn = stack.pop()
+            if fn is None or id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            variable = getattr(fn, "variable", None)
+            # a reentrant checkpoint's backward reaches the parameters only by running the module again
+            hidden = type(fn).__name__ == "CheckpointFunctionBackward"
+            if hidden or (variable is not None and id(variable) in params):
+                module = params[id(variable)] if not hidden else next(iter(params.values()))
+                raise RuntimeError(
+                    f"this loss reaches the parameters of {type(module).__name__} (rewritten with "
+                    f"training=True) but its in-graph loss scale is hidden from autograd (the module ran inside "
+                    f"torch.compile or a reentrant checkpoint), so the scaler cannot tell how its gradients are "
+                    f"scaled: call loss.backward() on the module's own output (the graph scaled it already, and "
+                    f"the attached scaler unscales by its buffer), or compile with backend='amp_rewrite' instead")
+            stack.extend(nxt for nxt, _ in getattr(fn, "next_functions", ()))
 
     # -- scaling ----------------------------------------------------------------------------------------------
     def get_scale(self) -> float:
@@ -199,13 +240,22 @@ class LossScaler:
         return self._growth_tracker
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` multiplied so that its gradients carry the current scale (taking into account a
-        scale the graph already applied). ``scaler.scale(loss).backward()`` == ``scaler.backward(loss)``."""
-        graph = self._graph_scale(loss)
+        """``loss`` multiplied so that every gradient carries the current scale exactly once.
+        ``scaler.scale(loss).backward()`` == ``scaler.backward(loss)``.
+
+        A rewritten module's output is already scaled in the graph, but the loss may add terms of its
+        own (a regulariser, a second loss): the whole loss is multiplied by the scale, and each in-graph
+        loss-scale node divides the gradient reaching it by the scale it applied (a pre-hook on that
+        autograd node), so that gradients through the module and through the other terms carry the
+        scale alike."""
+        nodes = self._scale_nodes(loss)
         want = self.get_scale()
         if self.enabled:
             self._note_scaled()
-        return loss if graph == want else loss * (want / graph)
+        for fn, applied in nodes:
+            if applied != 1.0:
+                fn.register_prehook(_divided_by(applied))
+        return loss * want if want != 1.0 else loss
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward pass with the gradients scaled by the current scale (accumulates, like
@@ -257,6 +307,11 @@ class LossScaler:
         if state.stage == _STEPPED:
             raise RuntimeError("unscale_() is being called after step(); call update() first (auto_update=False)")
         has_grads = any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+        if not has_grads and self._applied is not None:
+            raise RuntimeError("scaler.backward() ran in this step, but no parameter of this optimizer has a gradient: "
+                               "was the optimizer built on the original module's parameters? amp_rewrite.rewrite() "
+                               "returns a copy; build the optimizer on the rewritten module's parameters "
+                               "(gm.parameters())")
         applied = self._applied_scale() if has_grads else 1.0
         found = _unscale_grads(optimizer, 1.0 / applied)
         if self._is_distributed():
@@ -423,11 +478,24 @@ class LossScaler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (or a ``torch.amp.GradScaler`` one) and write the scale into
         the attached modules' buffers."""
+        if not state:
+            raise ValueError("load_state_dict got an empty state dict (a disabled GradScaler saves {}): nothing "
+                             "to restore")
         if "_growth_tracker" in state:  # GradScaler
             state = {"scale": state["scale"], "growth_tracker": state["_growth_tracker"],
                      "growth_factor": state["growth_factor"], "backoff_factor": state["backoff_factor"],
                      "growth_interval": state["growth_interval"]}
-        self._scale = float(state["scale"])
+        if "scale" not in state:
+            raise ValueError(f"load_state_dict: no 'scale' in the state dict (keys: {', '.join(map(str, state))}); "
+                             f"pass a LossScaler or torch.amp.GradScaler state_dict()")
+        low, high = float(state.get("min_scale", self.min_scale)), float(state.get("max_scale", self.max_scale))
+        scale = float(state["scale"])
+        if not low <= scale <= high:
+            # a GradScaler has no floor or ceiling: its scale may lie outside this scaler's range
+            warnings.warn(f"LossScaler.load_state_dict: scale {scale:g} is outside [min_scale, max_scale] = "
+                          f"[{low:g}, {high:g}]; clamped", RuntimeWarning, stacklevel=2)
+            scale = min(max(scale, low), high)
+        self._scale = scale
         self._growth_tracker = int(state.get("growth_tracker", 0))
         for key in ("growth_factor", "backoff_factor", "min_scale", "max_scale", "init_scale"):
             if key in state:
@@ -449,8 +517,14 @@ class LossScaler:
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------
-def _saved_scalars(root: Any) -> Iterable[torch.Tensor]:
-    """0-d tensors saved by Mul nodes near the root of an autograd graph (breadth first)."""
+def _divided_by(applied: float):
+    def hook(grad_outputs: tuple) -> tuple:
+        return tuple(None if g is None else g / applied for g in grad_outputs)
+    return hook
+
+
+def _saved_scalars(root: Any) -> Iterable[tuple[Any, torch.Tensor]]:
+    """(Mul node, 0-d tensor it saved) near the root of an autograd graph (breadth first)."""
     seen: set[int] = set()
     queue = [root]
     count = 0
@@ -467,7 +541,7 @@ def _saved_scalars(root: Any) -> Iterable[torch.Tensor]:
                 except (AttributeError, RuntimeError):
                     continue
                 if isinstance(saved, torch.Tensor) and saved.dim() == 0:
-                    yield saved
+                    yield fn, saved
         queue.extend(nxt for nxt, _ in getattr(fn, "next_functions", ()))
 
 

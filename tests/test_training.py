@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 import amp_rewrite  # noqa: E402
+from amp_rewrite.errors import UsageError
 from amp_rewrite.training import LossScaler  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -568,3 +569,135 @@ def test_training_200_steps_ends_near_fp32(regression, target):
     from amp_rewrite.fx_api import report_of
 
     assert scaler.summary_text() in report_of(gm).log.notes
+
+
+# -- found by a bug hunt: terms outside the graph, hidden scale nodes, modes, checkpoints ----------------------
+def _grads_by_name(module):
+    return {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def test_terms_added_outside_the_graph_get_the_same_scale():
+    """loss = gm(x, y) + reg: the scaler multiplied the whole loss by want/graph = 1, so the regulariser's
+    gradient came out unscaled and was then divided by the scale (1/65536 of the truth)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    model = MLPLoss()
+    gm = _rewrite_for_training(copy.deepcopy(model), (x, y), "bf16")
+    reg = lambda m: 10 * sum((p ** 2).sum() for p in m.parameters())  # noqa: E731
+    (model(x, y) + reg(model)).backward()
+    want = _grads_by_name(model)
+    scaler = LossScaler(gm)
+    opt = torch.optim.SGD(gm.parameters(), lr=0.0)
+    gm.zero_grad()
+    scaler.backward(gm(x, y) + reg(gm))
+    scaler.unscale_(opt)
+    for name, grad in _grads_by_name(gm).items():
+        torch.testing.assert_close(grad, want[name], rtol=3e-2, atol=1e-3 * want[name].abs().max().item())
+
+
+def test_a_hidden_scale_node_is_refused_not_scaled_twice():
+    """A reentrant checkpoint hides the in-graph Mul from autograd: the scaler took the graph scale
+    as 1 and multiplied again, so the gradients were scale x too large, and finite."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    gm = _rewrite_for_training(MLPLoss(), (x, y), "bf16")
+    scaler = LossScaler(gm, init_scale=1024.0)
+    x.requires_grad_(True)
+    loss = checkpoint(gm, x, y, use_reentrant=True)
+    with pytest.raises(RuntimeError, match="in-graph loss scale is hidden from autograd"):
+        scaler.backward(loss)
+    loss.backward()  # the documented way: the graph scaled it, the attached scaler unscales by its buffer
+    opt = torch.optim.SGD(gm.parameters(), lr=0.0)
+    scaler.unscale_(opt)
+    plain = MLPLoss()
+    plain.load_state_dict(gm.state_dict())
+    plain(x.detach(), y).backward()
+    for (name, grad), ref in zip(_grads_by_name(gm).items(), plain.parameters()):
+        torch.testing.assert_close(grad, ref.grad, rtol=3e-2, atol=1e-3 * ref.grad.abs().max().item())
+
+
+def test_attaching_a_scaler_between_forward_and_backward():
+    """The scaler wrote its buffer in place; a forward pass whose backward was pending failed with
+    "modified by an inplace operation"."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    gm = _rewrite_for_training(MLPLoss(), (x, y), "bf16")
+    loss = gm(x, y)  # the buffer still holds 1.0
+    scaler = LossScaler(gm)  # writes 65536 into it
+    scaler.backward(loss)
+    opt = torch.optim.SGD(gm.parameters(), lr=0.0)
+    scaler.step(opt)
+    assert scaler.history[-1]["skipped"] is False
+    assert all(torch.isfinite(p.grad).all() for p in gm.parameters())
+
+
+def test_eval_on_an_exported_rewrite_says_the_mode_is_in_the_graph():
+    """gm.eval() on a rewrite captured by torch.export did nothing: dropout stayed on and BatchNorm
+    kept updating its statistics."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5))
+    x = torch.randn(8, 4)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16")
+    assert gm.train() is gm  # the mode it was captured in: fine
+    with pytest.raises(NotImplementedError, match=r"captured by torch.export in training mode.*model\.eval\(\)"):
+        gm.eval()
+    model.eval()
+    frozen = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16")
+    assert frozen.eval() is frozen
+    with torch.no_grad():
+        assert torch.equal(frozen(x), frozen(x))  # no dropout, running statistics
+
+
+def test_rewritten_checkpoints_load_into_the_original_and_back():
+    """The amp_loss_scale buffer was persistent: state_dicts did not move between the two."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    model = MLPLoss()
+    gm = _rewrite_for_training(copy.deepcopy(model), (x, y), "bf16")
+    assert set(gm.state_dict()) == set(model.state_dict())
+    MLPLoss().load_state_dict(gm.state_dict())
+    gm.load_state_dict(model.state_dict())
+
+
+def test_training_options_that_would_scale_the_wrong_thing_are_refused():
+    class TwoOutputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 4)
+
+        def forward(self, x, y):
+            out = self.lin(x)
+            return F.mse_loss(out, y), out, out.argmax(-1)
+
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    with pytest.raises(UsageError, match=r"loss_output=2 names .*INT64.*must be a scalar FP32 output"):
+        amp_rewrite.rewrite(TwoOutputs(), example_inputs=(x, y), training=True, loss_output=2, target="bf16")
+    with pytest.raises(UsageError, match=r"loss_output=1 names .*FLOAT \[8, 4\]"):
+        amp_rewrite.rewrite(TwoOutputs(), example_inputs=(x, y), training=True, loss_output=1, target="bf16")
+    with pytest.raises(UsageError, match="drop keep_io_types=False"):
+        amp_rewrite.rewrite(TwoOutputs(), example_inputs=(x, y), training=True, keep_io_types=False, target="bf16")
+
+
+def test_load_state_dict_clamps_and_explains():
+    scaler = LossScaler()
+    with pytest.warns(RuntimeWarning, match="clamped"):
+        scaler.load_state_dict({"scale": 0.25, "_growth_tracker": 0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                "growth_interval": 2000})
+    assert scaler.get_scale() == 1.0
+    with pytest.raises(ValueError, match="empty state dict"):
+        scaler.load_state_dict({})
+
+
+def test_an_optimizer_on_the_original_parameters_is_an_error():
+    """rewrite() returns a copy: an optimizer built on the original module saw no gradients, and
+    every step counted as finite while nothing trained."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    model = MLPLoss()
+    gm = _rewrite_for_training(model, (x, y), "bf16")
+    scaler = LossScaler(gm)
+    scaler.backward(gm(x, y))
+    with pytest.raises(RuntimeError, match=r"build the optimizer on the rewritten module's parameters"):
+        scaler.step(torch.optim.SGD(model.parameters(), lr=0.1))

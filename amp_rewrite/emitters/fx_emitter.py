@@ -55,7 +55,9 @@ def insert_loss_scale(gm: fx.GraphModule, output_index: int, level: str) -> fx.N
     registered FP32 scalar buffer (initial value 1.0) that a LossScaler updates."""
     graph = gm.graph
     if not hasattr(gm, LOSS_SCALE_BUFFER):
-        gm.register_buffer(LOSS_SCALE_BUFFER, torch.ones((), dtype=torch.float32))
+        # not persistent: the scale is the LossScaler's state (its own state_dict), and a checkpoint
+        # of the rewritten module must load into the original and back
+        gm.register_buffer(LOSS_SCALE_BUFFER, torch.ones((), dtype=torch.float32), persistent=False)
     out_node = graph.output_node()
     flat = _flat_output_nodes(out_node)
     where, loss = flat[output_index]
