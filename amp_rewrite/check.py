@@ -149,6 +149,17 @@ def _shape_of(vi: onnx.ValueInfoProto, named: dict[str, int]) -> tuple[int, ...]
     return tuple(shape)
 
 
+def _through_pass_through(name: str, producers: dict[str, onnx.NodeProto]) -> str:
+    """The value behind ``name`` through Identity and Cast (a tied weight's Identity, an FP16 table's
+    Cast): the embedding table a Gather reads."""
+    seen: set[str] = set()
+    while name in producers and name not in seen and producers[name].op_type in ("Identity", "Cast") \
+            and producers[name].input:
+        seen.add(name)
+        name = producers[name].input[0]
+    return name
+
+
 def _vocab_for(model: onnx.ModelProto, name: str) -> int | None:
     """The number of rows of the embedding table a Gather reads with ``name`` as indices."""
     g = model.graph
@@ -156,6 +167,7 @@ def _vocab_for(model: onnx.ModelProto, name: str) -> int | None:
     for n in g.node:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
+    producers = {o: n for n in g.node for o in n.output}
     tables = {t.name: list(t.dims) for t in g.initializer}
     for n in g.node:
         if n.op_type == "Constant" and n.output:
@@ -169,9 +181,10 @@ def _vocab_for(model: onnx.ModelProto, name: str) -> int | None:
             continue
         seen.add(v)
         for n in consumers.get(v, []):
-            if n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == v and n.input[0] in tables:
+            table = _through_pass_through(n.input[0], producers) if n.op_type == "Gather" and n.input else None
+            if n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == v and table in tables:
                 axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
-                dims = tables[n.input[0]]
+                dims = tables[table]
                 if dims and -len(dims) <= axis < len(dims):
                     return int(dims[axis])
             elif n.op_type in _PASS_THROUGH and n.input and n.input[0] == v:
@@ -311,7 +324,7 @@ class Runner:
 
         ort = self.ort
         opts = ort.SessionOptions()
-        opts.log_severity_level = 3
+        opts.log_severity_level = 4  # its errors reach the user as one line of ours, not as its log
         if "CUDAExecutionProvider" not in self.providers:
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
         with tempfile.TemporaryDirectory(prefix="amp-check-") as tmp:

@@ -690,11 +690,14 @@ def _range_text(entry: RuleEntry) -> str:
 
 
 def _closest(word: str, choices: Iterable[str]) -> str | None:
-    matches = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    if matches:
-        return matches[0]
+    """The valid spelling meant: the same word in another case first ('relu' is Relu, not Selu),
+    else the closest fuzzy match."""
+    choices = list(choices)
     folded = {choice.lower(): choice for choice in choices}
-    return folded.get(word.lower())
+    if word.lower() in folded:
+        return folded[word.lower()]
+    matches = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return matches[0] if matches else None
 
 
 def _check_choice(what: str, value: str, choices: Sequence[str]) -> None:

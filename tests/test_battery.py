@@ -958,6 +958,14 @@ def test_a_misspelt_fp32_input_name_of_a_contrib_op_is_a_rule_file_error(tmp_pat
     assert run_cli(["m.onnx", "-o", "out.onnx", "--rules", "r.toml"], tmp_path).returncode == 0
 
 
+@pytest.mark.parametrize("typed, meant", [("relu", "Relu"), ("tanh", "Tanh"), ("gelu", "Gelu")])
+def test_an_op_in_the_wrong_case_is_suggested_in_the_right_one(tmp_path: Path, typed: str, meant: str) -> None:
+    """'relu' got "did you mean 'Selu'?": the fuzzy match ran before the case-insensitive one."""
+    save(mlp(), tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "-o", "out.onnx", "--fp32-ops", typed], tmp_path)
+    assert proc.returncode == 2 and f"did you mean {meant!r}?" in proc.stderr, proc.stderr
+
+
 def test_api_options_of_the_wrong_shape(tmp_path: Path) -> None:
     """A string where a list is expected was read letter by letter (fp32_ops="Softmax": "unknown
     op 'S'"; fp32_nodes="/mm1": silently nothing; rules="r.toml": "/ is a directory"), and a

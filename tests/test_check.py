@@ -293,5 +293,20 @@ def test_fp32_model_failing_on_generated_inputs_asks_for_inputs(tmp_path):
     assert "cannot run the FP32 model on the generated inputs" in proc.stderr
     assert "--inputs file.npz" in proc.stderr
     assert not (tmp_path / "m.fp16.onnx").exists()
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # onnxruntime's own log stays out of it
     np.savez(tmp_path / "in.npz", x=np.ones((2, 8), np.float32))
     assert run_cli(["m.onnx", "--check", "--inputs", "in.npz"], tmp_path).returncode == 0
+
+
+@pytest.mark.parametrize("via", ["Identity", "Cast"])
+def test_generated_ids_find_a_table_behind_identity_or_cast(via):
+    """A tied weight reaches its Gather through Identity, an FP16-stored table through Cast: the
+    table was not found and ids were drawn from [0, 100), out of range of a 50-row vocabulary."""
+    m = make_model(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (int64[batch, sequence] input_ids) => (float[batch, sequence, 4] e) {{
+          tied = {via}{"<to=1>" if via == "Cast" else ""}(emb)
+          e = Gather(tied, input_ids)
+        }}""", {"emb": (50, 4)})
+    feeds, described = ck.make_inputs(m)
+    assert described[0]["values"] == "ids in [0, 50)" and feeds["input_ids"].max() < 50
