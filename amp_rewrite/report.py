@@ -19,9 +19,16 @@ from .decisions import Category, Decision, DecisionLog, Precision
 from .passes.islands import describe
 
 SCHEMA_VERSION = "1.1"
-HEAVY_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "com.microsoft::Attention",
-             "com.microsoft::MultiHeadAttention", "Attention", "linear", "matmul", "mm", "bmm", "addmm", "conv1d",
-             "conv2d", "conv3d", "baddbmm", "scaled_dot_product_attention"}
+# The summary's "MatMul/Gemm/Conv/attention" headline: every op the built-in ONNX rule files allow
+# (a test keeps the two in step) and torch's GEMM, convolution and attention ops.
+_CONTRIB_HEAVY = ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention",
+                  "PackedMultiHeadAttention", "DecoderMaskedMultiHeadAttention", "DecoderMaskedSelfAttention",
+                  "LongformerAttention", "DecoderAttention", "SparseAttention", "PagedAttention", "FusedMatMul",
+                  "TransposeMatMul", "NhwcConv", "MatMulNBits", "MatMulBnb4", "MoE")
+HEAVY_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "Attention",
+             *(f"com.microsoft::{op}" for op in _CONTRIB_HEAVY),
+             "linear", "matmul", "mm", "bmm", "addmm", "conv1d", "conv2d", "conv3d", "baddbmm",
+             "scaled_dot_product_attention"}
 TENSOR_CORE_MULTIPLE = 8  # fp16/bf16 tensor cores want GEMM dims (M, N, K) and channels in multiples of 8
 _PRECISIONS = ("fp16", "bf16", "fp32", "unchanged")
 

@@ -47,8 +47,11 @@ def _num(value: Any) -> str:
 
 # -- Markdown ----------------------------------------------------------------------------------------------
 def _md(text: Any) -> str:
+    """Text for a Markdown table cell or line: one line (CommonMark ends a line at \\r as at \\n),
+    no raw HTML, no cell breaks. Node names are arbitrary strings."""
     s = "" if text is None else str(text)
-    return s.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ").replace("<", "&lt;")
+    s = s.replace("\r\n", " ").replace("\r", " ").replace("\n", " ")
+    return s.replace("\\", "\\\\").replace("|", "\\|").replace("&", "&amp;").replace("<", "&lt;").replace("`", "\\`")
 
 
 def _md_table(headers: list[str], rows: list[list[Any]]) -> list[str]:
@@ -66,7 +69,7 @@ def render_markdown(report: "Report") -> str:
     al = s["alignment"]
     lines = ["# amp-rewrite report", ""]
     if d["source"] or d["output"]:
-        lines += [f"`{d['source'] or '?'}` → `{d['output'] or '?'}`, target **{low}** "
+        lines += [f"{_md(d['source'] or '?')} → {_md(d['output'] or '?')}, target **{low}** "
                   f"(schema {d['schema_version']})", ""]
     lines += ["## Summary", ""]
     lines += _md_table(["", ""], [
@@ -83,7 +86,7 @@ def render_markdown(report: "Report") -> str:
         ["unlisted ops", ", ".join(f"{op} ×{n}" for op, n in s["unlisted_ops"].items()) or "none"],
     ])
     for k in heavy["kept_fp32"]:
-        lines.append(f"- kept FP32: `{k['node']}` ({k['op']}): {_md(k['reason'])}")
+        lines.append(f"- kept FP32: {_md(k['node'])} ({_md(k['op'])}): {_md(k['reason'])}")
     if d["check"] is not None:
         lines += ["", "## Accuracy check", ""]
         lines += _check_markdown(d["check"])
@@ -97,7 +100,7 @@ def render_markdown(report: "Report") -> str:
              "; ".join(f"{r['node']} ({r['source']})" for r in i["seed_rules"])] for i in d["islands"]])
         for i in d["islands"]:
             lines += ["", f"### Island {i['id']}: {i['description']}", "",
-                      "members: " + ", ".join(f"`{_md(m)}`" for m in i["members"])]
+                      "members: " + ", ".join(_md(m) for m in i["members"])]
     if d["casts"]:
         lines += ["", "## Casts", ""]
         lines += _md_table(["cast", "kind", "tensor", "direction", "producer → consumers", "shape", "elements",

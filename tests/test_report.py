@@ -354,3 +354,49 @@ def test_large_report_is_quick_to_build(tmp_path):
     write_report(result.report, tmp_path / "r.html")
     assert time.monotonic() - start < 10
     assert math.isclose(len(d["nodes"]), 3000, rel_tol=0.01)
+
+
+def test_every_allow_listed_onnx_op_counts_in_the_gemm_headline():
+    """FusedMatMul, GroupQueryAttention, MatMulNBits... are allow ops the headline did not count:
+    "1 of 1" for a model with three GEMMs, one of them pinned FP32."""
+    import tomllib
+
+    from amp_rewrite.report import HEAVY_OPS
+
+    for name in ("onnx-cuda-fp16.toml", "onnx-cuda-bf16.toml"):
+        allow = tomllib.loads((ROOT / "rules" / name).read_text()).get("allow", {})
+        missing = [op for op in allow if op.replace(":", "::") not in HEAVY_OPS]
+        assert not missing, f"{name}: allow ops missing from report.HEAVY_OPS: {missing}"
+
+
+def test_markdown_keeps_arbitrary_node_names_inert():
+    """A node name with raw HTML and a line break became a live <img onerror> tag and a heading
+    in the rendered .md (the "kept FP32" line left names unescaped), and a \\r split a table row."""
+    markdown_it = pytest.importorskip("markdown_it")
+    from amp_rewrite.report_render import render_markdown
+
+    evil = "<img src=x onerror=alert(1)>\r# injected `heading`"
+    m = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {
+          h = MatMul(x, w)
+          y = MatMul(h, w)
+        }""", {"w": (8, 8)})
+    m.graph.node[0].name = evil
+    m.graph.node[1].name = "plain"
+    import amp_rewrite
+
+    _, report = amp_rewrite.rewrite(m, fp32_nodes=[evil], report=True)
+    assert report.heavy_ops["kept_fp32"][0]["node"] == evil
+    tokens = markdown_it.MarkdownIt("commonmark").enable("table").parse(render_markdown(report))
+    assert not [t for t in tokens if t.type in ("html_block", "html_inline")]
+    assert not [t for t in tokens for c in (t.children or []) if c.type == "html_inline"]
+    headings = [tokens[i + 1].content for i, t in enumerate(tokens) if t.type == "heading_open"]
+    assert not [h for h in headings if "injected" in h]
+    body_rows = []  # rows of the last table (the node table)
+    for t in tokens:
+        if t.type == "tbody_open":
+            body_rows = []
+        elif t.type == "tr_open":
+            body_rows.append(t)
+    assert len(body_rows) == len(report.to_dict()["nodes"])
