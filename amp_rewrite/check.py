@@ -1,6 +1,6 @@
 """``--check`` and ``--auto-fp32``: run the FP32 and the rewritten model on the same inputs, compare
-their outputs, find intermediate low-precision values that overflowed, and pin the fewest nodes
-FP32 needed to pass.
+their outputs, find intermediate low-precision values that overflowed, and pin a short run of nodes
+FP32 until it passes.
 
 An edge module: it imports onnxruntime, numpy and onnx (tests/test_core.py lists it).
 
@@ -903,7 +903,8 @@ class AutoResult:
 
 def auto_fp32(model: Any, *, inputs: Mapping[str, np.ndarray] | str | Path | None = None, tolerance: float = 1e-2,
               runner: Runner | None = None, max_candidates: int | None = None, **options: Any) -> AutoResult:
-    """Rewrite ``model`` (path or ModelProto) and pin the fewest nodes FP32 needed to pass the check.
+    """Rewrite ``model`` (path or ModelProto) and pin nodes FP32 until it passes the check: the
+    shortest run of nodes in graph order (bisected: a prefix, then a suffix of it), not a minimum set.
 
     Returns the final in-memory rewrite with its check (outputs taken from the exposed copy: one
     evaluation per candidate) and what was pinned and why."""

@@ -51,7 +51,7 @@ def _command(
     check: bool = typer.Option(False, "--check", help="Run FP32 and rewritten models and compare outputs."),
     tolerance: float = typer.Option(1e-2, "--tolerance", help="Relative error allowed by --check."),
     inputs: Optional[Path] = typer.Option(None, "--inputs", help="Inputs for --check (.npz)."),
-    auto_fp32: bool = typer.Option(False, "--auto-fp32", help="Pin the fewest nodes FP32 needed to pass --check."),
+    auto_fp32: bool = typer.Option(False, "--auto-fp32", help="Pin nodes FP32 (a bisected run in graph order) until --check passes."),
     training: bool = typer.Option(False, "--training", help="Training graph: FP32 master weights, loss scaling."),
     loss: Optional[str] = typer.Option(None, "--loss", help="Training: name of the loss output."),
     grads: Optional[str] = typer.Option(None, "--grads", help="Training: glob of gradient outputs to unscale."),

@@ -113,8 +113,9 @@ def _validate(args: CliArgs) -> None:
         raise UsageError(f"--target {args.target!r}: choose fp16 or bf16")
     if args.placement not in ("greedy", "optimal"):
         raise UsageError(f"--placement {args.placement!r}: choose greedy or optimal")
-    if args.report is not None and args.report.suffix.lower() not in (".json", ".html", ".md"):
-        raise UsageError(f"--report {args.report}: the format comes from the extension: .json, .html or .md")
+    if args.report is not None and args.report.suffix.lower() not in (".json", ".html", ".htm", ".md", ".markdown"):
+        raise UsageError(f"--report {args.report}: the format comes from the extension: .json, .html (.htm) or "
+                         f".md (.markdown)")
     if args.report is not None and not args.report.parent.is_dir():
         # checked before any work: failing after the model is written would leave a stray output
         raise OutputError(f"--report {args.report}: folder {args.report.parent} does not exist")
@@ -128,6 +129,9 @@ def _validate(args: CliArgs) -> None:
         raise UsageError("--auto-fp32 does not apply to --training graphs; run --check on the training rewrite instead")
     if args.explain is not None and args.report is not None:
         raise UsageError("--explain prints one node's reasons and writes nothing; drop --report (or --explain)")
+    if args.explain is not None and (args.check or args.auto_fp32):
+        raise UsageError("--explain prints one node's reasons and runs nothing; drop --check/--auto-fp32 "
+                         "(or --explain)")
     if args.inputs is not None and not args.inputs.exists():
         raise UsageError(f"--inputs {args.inputs}: no such file")
     if not math.isfinite(args.tolerance) or args.tolerance <= 0:

@@ -23,7 +23,7 @@ _STEPS = {
     "between-allow": "sits between low-precision ops",
     "clear-spread": "moves data next to a low-precision op",
     "safety": "kept FP32 to avoid an FP32→low→FP32 round trip",
-    "override": "set by a node rule",
+    "optimal": "re-decided by the min-cut placement (fewest bytes cast or moved in FP32)",
 }
 
 

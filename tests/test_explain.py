@@ -111,3 +111,15 @@ def test_cli_explain_subprocess(block):
     assert "← ln_div" in proc.stdout and "← ln_sub" in proc.stdout and "← ln_mean" in proc.stdout
     assert proc.stderr == ""  # no progress bar when stderr is not a terminal
     assert not (block.parent / "block.fp16.onnx").exists()
+
+
+def test_explain_names_the_optimal_step():
+    """Nodes the min-cut placement decided printed '[optimal: optimal]': the step had no gloss."""
+    from amp_rewrite.explain import _STEPS
+
+    import amp_rewrite
+    import onnx
+
+    _, report = amp_rewrite.rewrite(onnx.load(str(ROOT / "models" / "tiny_bert.onnx")), report=True)
+    steps = {d.step for d in report.log.decisions.values()}
+    assert "optimal" in steps and steps <= set(_STEPS)

@@ -195,3 +195,16 @@ def test_long_rewrite_shows_a_bar_on_a_terminal_only(tmp_path):
     piped = subprocess.run([sys.executable, "-m", "amp_rewrite", str(src), "-o", str(tmp_path / "c.onnx")],
                            capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert piped.returncode == 0 and piped.stderr == ""
+
+
+def test_cli_report_takes_every_extension_the_renderer_knows(block, tmp_path, capsys):
+    """.htm and .markdown were refused by the CLI although the renderer writes them."""
+    for i, (name, marker) in enumerate((("r.htm", "<html"), ("r.markdown", "# amp-rewrite report"))):
+        assert main([str(block), "-o", str(tmp_path / f"o{i}.onnx"), "--report", str(tmp_path / name)]) == 0
+        assert marker in (tmp_path / name).read_text()
+    capsys.readouterr()
+
+
+def test_cli_explain_refuses_options_it_would_ignore(block, tmp_path, capsys):
+    assert main([str(block), "--explain", "x", "--check"]) == 2
+    assert "drop --check/--auto-fp32" in capsys.readouterr().err
