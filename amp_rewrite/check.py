@@ -335,7 +335,10 @@ class Runner:
                 names = [o.name for o in sess.get_outputs()]
                 feed = _adapt_feeds(sess, feeds)
                 self.evaluations += 1
-                values = sess.run(names, feed)
+                if any(o.type == "tensor(bfloat16)" for o in sess.get_outputs()):
+                    values = [_numpy_of(v) for v in sess.run_with_ort_values(names, feed)]
+                else:
+                    values = sess.run(names, feed)
             except Exception as exc:  # noqa: BLE001 (onnxruntime raises its own pybind types)
                 raise RuntimeError(f"{what}: {_one_line(str(exc))}") from exc
         return dict(zip(names, values))
@@ -399,11 +402,40 @@ def _adapt_feeds(sess: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, np.nda
                 out[i.name] = defaults[i.name]
             continue
         arr = np.asarray(feeds[i.name])
+        if i.type == "tensor(bfloat16)" and _kind(arr.dtype) == "float":
+            out[i.name] = _bf16_value(arr)  # numpy has no bfloat16: onnxruntime takes its bits
+            continue
         want = types.get(i.type)
         if want is not None and arr.dtype != want and _kind(arr.dtype) == "float":
             arr = arr.astype(want)
         out[i.name] = arr
     return out
+
+
+def _numpy_of(value: Any) -> Any:
+    """An output OrtValue as numpy; bfloat16 (which numpy lacks) widened to float32 exactly."""
+    if not value.is_tensor() or value.data_type() != "tensor(bfloat16)":
+        return value.numpy()
+    if value.device_name().lower() != "cpu":
+        raise RuntimeError(f"a bfloat16 output on {value.device_name()} cannot be read back")
+    import ctypes
+
+    shape = tuple(value.shape())
+    count = int(np.prod(shape, dtype=np.int64))
+    bits = np.ctypeslib.as_array((ctypes.c_uint16 * count).from_address(value.data_ptr())) if count else \
+        np.zeros(0, np.uint16)
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32).reshape(shape)
+
+
+def _bf16_value(arr: np.ndarray) -> Any:
+    """An onnxruntime OrtValue of type bfloat16 holding ``arr`` rounded to nearest even (a rewrite
+    with ``--target bf16 --no-keep-io-types`` takes BF16 inputs)."""
+    from onnxruntime import OrtValue
+
+    bits = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    rounded = np.where(np.isnan(arr), np.uint32(0x7FC0), rounded).astype(np.uint16)
+    return OrtValue.ortvalue_from_numpy_with_onnx_type(rounded, 16)  # onnx.TensorProto.BFLOAT16
 
 
 def _one_line(text: str) -> str:

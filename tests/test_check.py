@@ -310,3 +310,27 @@ def test_generated_ids_find_a_table_behind_identity_or_cast(via):
         }}""", {"emb": (50, 4)})
     feeds, described = ck.make_inputs(m)
     assert described[0]["values"] == "ids in [0, 50)" and feeds["input_ids"].max() < 50
+
+
+def test_check_feeds_and_reads_bf16_inputs_and_outputs(tmp_path):
+    """--target bf16 --no-keep-io-types: the rewritten model takes and gives bfloat16, which numpy
+    lacks; --check fed it float32 ("expected: (tensor(bfloat16))"), deleted the model and exited 8."""
+    from amp_rewrite.check import _bf16_value, _numpy_of
+
+    x = np.array([1.0, -2.5, 3.14159, 65504.0, 1e-3, np.inf], np.float32)
+    back = _numpy_of(_bf16_value(x))
+    assert back.dtype == np.float32 and back.shape == x.shape
+    torch = pytest.importorskip("torch")  # an independent rounding to bfloat16
+    np.testing.assert_array_equal(back, torch.from_numpy(x).to(torch.bfloat16).float().numpy())
+    # onnxruntime's CPU provider has no bfloat16 MatMul; its Transpose takes any type
+    save(make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,16] x) => (float[16,4] y) {
+          y = Transpose<perm=[1,0]>(x)
+        }"""), tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "-o", "o.onnx", "--target", "bf16", "--no-keep-io-types", "--fp16-ops", "Transpose",
+                    "--check"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = onnx.load(str(tmp_path / "o.onnx"))
+    assert out.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
+    assert "PASSED" in proc.stdout or "passed" in proc.stdout
