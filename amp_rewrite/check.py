@@ -1154,7 +1154,17 @@ def auto_fp32_cli(args: "CliArgs") -> RewriteResult:
     _check_output(args.model, dst, args.overwrite)  # fail before running anything
     runner = Runner()
     feeds, described = _cli_inputs(args)
-    auto = auto_fp32(args.model, inputs=feeds, tolerance=args.tolerance, runner=runner, **options)
+    try:
+        auto = auto_fp32(args.model, inputs=feeds, tolerance=args.tolerance, runner=runner, **options)
+    except CheckRunError as exc:  # a candidate onnxruntime cannot run: the report still records it
+        if args.report is None:
+            raise
+        from .api import rewrite_onnx_model
+
+        report = rewrite_onnx_model(str(args.model), **options).report
+        report.extra["check"] = {"passed": False, "tolerance": args.tolerance, "provider": runner.provider,
+                                 "evaluations": runner.evaluations, "notes": [exc.message]}
+        _fail(args, report, [], exc.message, type(exc))
     labels = [p["node"] for p in auto.pinned]
     final_options = dict(options, fp32_nodes=list(options.get("fp32_nodes", [])) + [_exact(lb) for lb in labels])
     result = rewrite_onnx(args.model, dst, overwrite=args.overwrite, **final_options)

@@ -334,3 +334,15 @@ def test_check_feeds_and_reads_bf16_inputs_and_outputs(tmp_path):
     out = onnx.load(str(tmp_path / "o.onnx"))
     assert out.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
     assert "PASSED" in proc.stdout or "passed" in proc.stdout
+
+
+def test_auto_fp32_writes_the_report_when_a_candidate_cannot_run(tmp_path):
+    """--check wrote the report recording onnxruntime's failure; --auto-fp32 exited 8 without one.
+    (onnxruntime's CPU provider has no bfloat16 MatMul: every candidate fails to run.)"""
+    save(benign_model(), tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "-o", "o.onnx", "--target", "bf16", "--auto-fp32", "--report", "r.json"], tmp_path)
+    assert proc.returncode == 8, proc.stderr
+    assert "onnxruntime cannot run the rewritten model" in proc.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["check"]["passed"] is False and "cannot run" in report["check"]["notes"][0]
+    assert not (tmp_path / "o.onnx").exists()
