@@ -400,3 +400,34 @@ def test_markdown_keeps_arbitrary_node_names_inert():
         elif t.type == "tr_open":
             body_rows.append(t)
     assert len(body_rows) == len(report.to_dict()["nodes"])
+
+
+def test_nodes_sharing_a_name_in_two_bodies_are_both_reported():
+    """ONNX names nodes uniquely per graph: both If branches may hold an 'mm'. The report keyed
+    nodes by name, so one of them vanished from its counts, its table and --explain."""
+    import amp_rewrite
+    from amp_rewrite.explain import explain_node
+
+    m = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (bool cond, float[4,8] x) => (float[4,8] y) {
+          y = If(cond) <
+            then_branch = t () => (float[4,8] r) { r = MatMul(x, w) },
+            else_branch = e () => (float[4,8] r2) { r2 = Exp(x) }
+          >
+        }""", {"w": (8, 8)})
+    branches = {a.name: a.g for a in m.graph.node[0].attribute}
+    branches["then_branch"].node[0].name = branches["else_branch"].node[0].name = "mm"
+    out, report = amp_rewrite.rewrite(m, report=True)
+    by_op = {n["op"]: n for n in report.to_dict()["nodes"]}
+    assert by_op["MatMul"]["node"] != by_op["Exp"]["node"]
+    assert by_op["MatMul"]["node"].endswith("/mm") and by_op["Exp"]["node"].endswith("/mm")
+    assert report.to_dict()["summary"]["nodes_total"] == 3
+    assert Report.from_model(out).to_dict()["nodes"] == report.to_dict()["nodes"]
+    assert [n.name for n in out.graph.node[0].attribute[0].g.node if n.op_type == "MatMul"] == ["mm"]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        onnx.save(m, f"{tmp}/m.onnx")
+        text = explain_node(f"{tmp}/m.onnx", by_op["Exp"]["node"])
+        assert "Exp" in text

@@ -97,9 +97,29 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     model.meta["onnx.sorted_on_load"] = unsorted
     if nested:
         _unique_value_names(model.graph)
+        _scoped_labels(model.graph)
     model.meta["ir_version"] = ir_model.ir_version
     model.meta["functions"] = functions
     return model
+
+
+def _scoped_labels(main: Graph) -> None:
+    """Node names are unique per graph, not per model: both If branches may name a node ``mm``. The
+    report, the tags and --explain key nodes by label, so a body node whose name another scope
+    uses too is labelled with its scope (``If:y.then_branch/mm``); its name in the model stays."""
+    from ..passes.base import scope_label
+
+    seen: dict[str, int] = {}
+    for graph in main.scopes():
+        for node in graph.nodes:
+            if node.name:
+                seen[node.name] = seen.get(node.name, 0) + 1
+    for graph in main.scopes():
+        if graph.parent is None:
+            continue
+        for node in graph.nodes:
+            if node.name and seen[node.name] > 1:
+                node.meta["amp.label"] = f"{scope_label(graph)}/{node.name}"
 
 
 def _unique_value_names(main: Graph) -> None:
