@@ -40,12 +40,17 @@ def explain_node(model_path: str | os.PathLike, node_name: str, **options: Any) 
     with progress.stages(["load", "rewrite"], desc=os.path.basename(str(model_path))) as stage:
         stage("load")
         model = load_onnx(model_path)
+        # tensor names as the user's model has them: the rewrite renames a value that goes low
+        # (y → y/amp_fp16) and fusion removes producers, and "an output tensor name works too"
+        producers = {o.name: n for n in model.graph.walk() for o in n.outputs if o is not None and o.name}
         stage("rewrite")
         run_pipeline(model, ctx)
     report = Report.from_log(ctx.log, source=str(model_path))
     nodes = {node_label(n): n for n in model.graph.walk() if not n.meta.get("amp.inserted")}
     casts = {c.name: c for c in ctx.log.casts}
     fused = {member: record for record in ctx.log.fusions for member in record.members}
+    if node_name not in nodes and node_name not in casts and node_name not in fused and node_name in producers:
+        node_name = node_label(producers[node_name])
     # (an unnamed member is labelled "Op:output": its output's name finds it too)
     by_output = [m for m in fused if m.split(":", 1)[-1] == node_name and ":" in m]
     member = node_name if node_name in fused else by_output[0] if len(by_output) == 1 else None

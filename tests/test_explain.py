@@ -123,3 +123,25 @@ def test_explain_names_the_optimal_step():
     _, report = amp_rewrite.rewrite(onnx.load(str(ROOT / "models" / "tiny_bert.onnx")), report=True)
     steps = {d.step for d in report.log.decisions.values()}
     assert "optimal" in steps and steps <= set(_STEPS)
+
+
+def test_explain_finds_a_node_by_its_output_name_as_the_model_has_it(tmp_path):
+    """The rewrite renames a graph output's producer's output (y → y/amp_fp16) and fusion removes
+    producers: --explain y, and --explain of a fused node's output, said there was no such node."""
+    import onnx
+
+    from amp_rewrite.explain import explain_node
+
+    m = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {
+          b = Relu(x)
+          y = MatMul(b, w)
+        }""", {"w": (8, 8)})
+    for node in m.graph.node:
+        node.name = {"Relu": "relu", "MatMul": "mm2"}[node.op_type]
+    onnx.save(m, tmp_path / "m.onnx")
+    assert explain_node(tmp_path / "m.onnx", "y").startswith("mm2 (MatMul) computes in fp16")
+    assert explain_node(tmp_path / "m.onnx", "b").startswith("relu (Relu)")
+    text = explain_node(ROOT / "models" / "transformer_block_op13.onnx", "ln1_var")  # made by an unnamed ReduceMean
+    assert ": fused, with the rest of its LayerNorm pattern" in text
