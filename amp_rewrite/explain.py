@@ -49,12 +49,12 @@ def explain_node(model_path: str | os.PathLike, node_name: str, **options: Any) 
     nodes = {node_label(n): n for n in model.graph.walk() if not n.meta.get("amp.inserted")}
     casts = {c.name: c for c in ctx.log.casts}
     fused = {member: record for record in ctx.log.fusions for member in record.members}
+    query = node_name
     if node_name not in nodes and node_name not in casts and node_name not in fused and node_name in producers:
         node_name = node_label(producers[node_name])
-    # (an unnamed member is labelled "Op:output": its output's name finds it too)
-    by_output = [m for m in fused if m.split(":", 1)[-1] == node_name and ":" in m]
-    member = node_name if node_name in fused else by_output[0] if len(by_output) == 1 else None
+    member = node_name if node_name in fused else None
     if member is not None and node_name not in nodes:
+        node_name = query  # (the text names what the user asked for)
         record = fused[member]
         text = (f"{node_name}: fused, with the rest of its {record.pattern} pattern, into {record.node} ({record.op}): "
                 f"{record.reason} (--no-fuse keeps the pattern as it is)")
