@@ -1004,3 +1004,70 @@ def test_version_flag(tmp_path: Path) -> None:
 
     proc = run_cli(["--version"], tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip() == f"amp-rewrite {__version__}" and proc.stderr == ""
+
+
+# -- found by a bug hunt on unusual ONNX constants -------------------------------------------------------------
+def _graph_model(nodes, inputs, outputs, inits=(), opset=17) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+@pytest.mark.parametrize("attr", [{"value_float": 0.5}, {"value_floats": [0.5, 1.0, 2.0, 3.0]}])
+def test_a_constant_written_with_value_float_is_converted(tmp_path: Path, attr: dict) -> None:
+    """Constant(value_float=...) between two MatMuls was an internal error (KeyError: 'value')."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "W")
+    model = _graph_model([helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Constant", [], ["c"], **attr),
+                          helper.make_node("Add", ["h", "c"], ["a"]), helper.make_node("MatMul", ["a", "W"], ["y"])],
+                         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], [w])
+    save(model, tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "-o", "out.onnx"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = onnx.load(str(tmp_path / "out.onnx"))
+    onnx.checker.check_model(out, full_check=True)
+    const = next(n for n in out.graph.node if n.op_type == "Constant")
+    assert [a.name for a in const.attribute] == ["value"] and const.attribute[0].t.data_type == TensorProto.FLOAT16
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    want = run_onnx(model, {"x": x})["y"]
+    got = run_onnx(out, {"x": x})["y"]
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+
+
+def test_constant_of_shape_value_is_clamped_like_any_constant(tmp_path: Path) -> None:
+    """ConstantOfShape(value=finfo(float32).min), what torch exports for masks, became -inf."""
+    fill = numpy_helper.from_array(np.array([np.finfo(np.float32).min], np.float32), "value")
+    w = numpy_helper.from_array(np.eye(4, dtype=np.float32), "W")
+    model = _graph_model([helper.make_node("Shape", ["x"], ["s"]),
+                          helper.make_node("ConstantOfShape", ["s"], ["m"], value=fill),
+                          helper.make_node("Where", ["keep", "x", "m"], ["masked"]),
+                          helper.make_node("MatMul", ["masked", "W"], ["h"]),
+                          helper.make_node("Softmax", ["h"], ["y"], axis=-1)],
+                         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+                          helper.make_tensor_value_info("keep", TensorProto.BOOL, [2, 4])],
+                         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], [w])
+    out, report = __import__("amp_rewrite").rewrite(model, report=True, fp16_ops=["Where", "ConstantOfShape"])
+    onnx.checker.check_model(out, full_check=True)
+    cos = next(n for n in out.graph.node if n.op_type == "ConstantOfShape")
+    value = numpy_helper.to_array(cos.attribute[0].t)
+    assert value.dtype == np.float16 and value.tolist() == [-65504.0]
+    assert report.log.weights.clamped >= 1
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    keep = np.array([[True, False, True, False], [False, False, False, True]])
+    got = run_onnx(out, {"x": x, "keep": keep})["y"]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, run_onnx(model, {"x": x, "keep": keep})["y"], atol=1e-2)
+
+
+def test_a_tensor_shorter_than_its_dims_is_a_load_error(tmp_path: Path) -> None:
+    """raw_data shorter than its dims (a corrupt model) was an internal error, exit 70."""
+    model = mlp()
+    weight = next(t for t in model.graph.initializer if len(t.dims) == 2)
+    weight.raw_data = weight.raw_data[:8]
+    save(model, tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "-o", "out.onnx"], tmp_path)
+    assert proc.returncode == 3, proc.stderr
+    assert f"tensor {weight.name!r}" in proc.stderr and "corrupt" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.onnx").exists()

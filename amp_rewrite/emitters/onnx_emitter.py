@@ -195,8 +195,7 @@ class _Patcher:
         if node.meta.get("amp.retargeted"):
             n.attributes["to"] = ir.AttrInt64("to", int(node.attrs["to"]))
         if node.op_type == "Constant" and node.domain == "" and node.outputs[0].meta.get("amp.convert"):
-            attr = n.attributes["value"]
-            n.attributes["value"] = ir.AttrTensor("value", self._convert(attr.as_tensor(), node.outputs[0].name,
+            n.attributes["value"] = ir.AttrTensor("value", self._convert(_constant_tensor(n), node.outputs[0].name,
                                                                           node.outputs[0].dtype))
         if node.op_type == "ConstantOfShape" and node.outputs[0].meta.get("amp.was") is not None:
             self._retype_constant_of_shape(n, node.outputs[0].dtype)
@@ -209,7 +208,11 @@ class _Patcher:
         """Its output type comes from the ``value`` attribute (default: float32 zero)."""
         attr = n.attributes.get("value")
         data = attr.as_tensor().numpy() if attr is not None else np.zeros((1,), np.float32)
-        n.attributes["value"] = ir.AttrTensor("value", ir.tensor(data.astype(_np_dtype(dtype))))
+        # clamped at the type's limits like any constant: torch exports fill masks with finfo.min,
+        # which a plain astype would turn into -inf (and the softmax after it into NaN)
+        name = n.outputs[0].name or "ConstantOfShape.value"
+        converted = self._convert(ir.tensor(np.asarray(data, np.float32)), name, dtype)
+        n.attributes["value"] = ir.AttrTensor("value", converted)
 
     def _tag(self, n: ir.Node, node: Node) -> None:
         meta = node.meta
@@ -367,6 +370,19 @@ def _model_tags(log: DecisionLog, deferred: list[tuple]) -> str:
 CHUNK_ELEMENTS = 4 << 20  # 16 MB of FP32 converted per step
 
 
+def _constant_tensor(n: ir.Node):
+    """A Constant node's float value as a tensor, whichever attribute holds it (``value``, or the
+    ``value_float``/``value_floats`` shorthands, which are removed: the converted tensor replaces them)."""
+    attr = n.attributes.get("value")
+    if attr is not None:
+        return attr.as_tensor()
+    if "value_float" in n.attributes:
+        data = np.array(n.attributes.pop("value_float").as_float(), np.float32)
+    else:
+        data = np.array(list(n.attributes.pop("value_floats").as_floats()), np.float32)
+    return ir.tensor(data)
+
+
 def _float32_chunks(tensor):
     """``(start, flat FP32 chunk)`` pairs. External data is read through the file, not a memory map:
     mapped pages stay resident (and count in RSS) until the map is closed, so a >2 GB model would
@@ -382,7 +398,19 @@ def _float32_chunks(tensor):
                     raise OSError(f"external data file {tensor.path!r} is shorter than tensor {tensor.name!r}")
                 yield start, chunk
         return
-    data = np.asarray(tensor.numpy(), dtype=np.float32).reshape(-1)
+    try:
+        data = np.asarray(tensor.numpy(), dtype=np.float32).reshape(-1)
+    except ValueError as exc:  # raw_data shorter or longer than its dims say: a corrupt model
+        from ..errors import ModelLoadError
+
+        raise ModelLoadError(f"tensor {tensor.name!r}: its data does not hold the {n} values its dims "
+                             f"{tuple(int(d) for d in tensor.shape.numpy())} need ({exc}); the model is corrupt "
+                             f"(onnx.checker.check_model rejects it too)") from None
+    if data.size != n:
+        from ..errors import ModelLoadError
+
+        raise ModelLoadError(f"tensor {tensor.name!r} holds {data.size} values where its dims need {n}; the model "
+                             f"is corrupt (onnx.checker.check_model rejects it too)")
     for start in range(0, n, CHUNK_ELEMENTS):
         yield start, data[start:start + CHUNK_ELEMENTS]
 
