@@ -1071,3 +1071,23 @@ def test_a_tensor_shorter_than_its_dims_is_a_load_error(tmp_path: Path) -> None:
     assert proc.returncode == 3, proc.stderr
     assert f"tensor {weight.name!r}" in proc.stderr and "corrupt" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.onnx").exists()
+
+
+def test_ir3_lists_a_shared_weights_low_copy_among_the_graph_inputs(tmp_path: Path) -> None:
+    """IR 3 lists every initializer as a graph input: the FP16 copy of a weight read by an FP16 and
+    an FP32 op was not listed, and the checker rejected the output."""
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32), "W")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["h"]),
+                               helper.make_node("ReduceSum", ["W"], ["s"], axes=[0], keepdims=1),
+                               helper.make_node("Add", ["h", "s"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+                               helper.make_tensor_value_info("W", TensorProto.FLOAT, [4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 8)], ir_version=3)
+    onnx.checker.check_model(model, full_check=True)
+    for placement in ("optimal", "greedy"):
+        out = __import__("amp_rewrite").rewrite(model, placement=placement)
+        copies = [t.name for t in out.graph.initializer if t.data_type == TensorProto.FLOAT16]
+        assert copies and all(name in [i.name for i in out.graph.input] for name in copies)
+        onnx.checker.check_model(out, full_check=True)
+        assert load_ok(out)

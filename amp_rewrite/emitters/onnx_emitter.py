@@ -263,6 +263,9 @@ class _Patcher:
         new = ir.Value(name=value.name, type=ir.TensorType(ir.DataType(int(value.dtype))),
                        shape=ir.Shape(list(tensor.shape.dims)), const_value=tensor)
         origin.register_initializer(new)
+        if any(v is source.origin for v in origin.inputs):
+            # IR < 4 lists every initializer among the graph inputs: the copy must be listed too
+            origin.inputs.append(new)
         value.origin = new
 
     # -- weights -----------------------------------------------------------------------------------
