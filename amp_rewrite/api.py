@@ -119,7 +119,12 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
     attach_cast_counts(ctx.log)
     _record_decisions(model, ctx)
     verify(model.graph)
-    return any(r.modified for r in results)
+    modified = any(r.modified for r in results)
+    if modified and model.meta.get("onnx.training_info"):
+        ctx.log.notes.append(f"dropped: the model's training_info ({model.meta['onnx.training_info']} "
+                             f"TrainingInfoProto) is not in the output: its algorithm binds the FP32 initializers the rewrite converts; "
+                             f"build it again for the rewritten model")
+    return modified
 
 
 def _record_decisions(model: Model, ctx: Context) -> None:

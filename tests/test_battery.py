@@ -1091,3 +1091,22 @@ def test_ir3_lists_a_shared_weights_low_copy_among_the_graph_inputs(tmp_path: Pa
         assert copies and all(name in [i.name for i in out.graph.input] for name in copies)
         onnx.checker.check_model(out, full_check=True)
         assert load_ok(out)
+
+
+def test_dropped_training_info_is_said(tmp_path: Path) -> None:
+    """ModelProto.training_info (onnx-ir does not carry it) vanished from the output without a word."""
+    model = mlp()
+    info = model.training_info.add()
+    weight = next(t for t in model.graph.initializer if len(t.dims) == 2)
+    info.algorithm.CopyFrom(helper.make_graph(
+        [helper.make_node("Mul", [weight.name, "lr"], ["updated"])], "sgd", [],
+        [helper.make_tensor_value_info("updated", TensorProto.FLOAT, list(weight.dims))],
+        [numpy_helper.from_array(np.array(0.9, np.float32), "lr")]))
+    binding = info.update_binding.add()
+    binding.key, binding.value = weight.name, "updated"
+    onnx.checker.check_model(model, full_check=True)
+    save(model, tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "-o", "out.onnx"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "dropped: the model's training_info (1 TrainingInfoProto)" in proc.stdout
+    assert len(onnx.load(str(tmp_path / "out.onnx")).training_info) == 0

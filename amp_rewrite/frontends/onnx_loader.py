@@ -99,6 +99,8 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
         _unique_value_names(model.graph)
         _scoped_labels(model.graph)
     model.meta["ir_version"] = ir_model.ir_version
+    if proto is not None and len(proto.training_info):
+        model.meta["onnx.training_info"] = len(proto.training_info)  # (onnx-ir does not carry it)
     model.meta["functions"] = functions
     return model
 
