@@ -1110,3 +1110,16 @@ def test_dropped_training_info_is_said(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "dropped: the model's training_info (1 TrainingInfoProto)" in proc.stdout
     assert len(onnx.load(str(tmp_path / "out.onnx")).training_info) == 0
+
+
+def test_a_converted_weight_keeps_its_doc_string_and_metadata(tmp_path: Path) -> None:
+    model = mlp()
+    weight = next(t for t in model.graph.initializer if len(t.dims) == 2)
+    weight.doc_string = "projection weight"
+    entry = weight.metadata_props.add()
+    entry.key, entry.value = "source", "layer0"
+    out = __import__("amp_rewrite").rewrite(model)
+    converted = next(t for t in out.graph.initializer if t.name == weight.name)
+    assert converted.data_type == TensorProto.FLOAT16
+    assert converted.doc_string == "projection weight"
+    assert [(p.key, p.value) for p in converted.metadata_props] == [("source", "layer0")]

@@ -300,7 +300,9 @@ class _Patcher:
             for part in parts():
                 flat[start:start + part.size] = part
                 start += part.size
-            return ir.Tensor(converted, name=tensor.name)
+            # the converted weight keeps what the model said of it (doc string, metadata)
+            return ir.Tensor(converted, name=tensor.name, doc_string=getattr(tensor, "doc_string", None),
+                             metadata_props=dict(getattr(tensor, "metadata_props", None) or {}) or None)
 
         if nbytes > LAZY_BYTES and isinstance(tensor, ir.ExternalTensor):
             self.deferred.append((tensor, target, name))
