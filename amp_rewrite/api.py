@@ -122,8 +122,8 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
     modified = any(r.modified for r in results)
     if modified and model.meta.get("onnx.training_info"):
         ctx.log.notes.append(f"dropped: the model's training_info ({model.meta['onnx.training_info']} "
-                             f"TrainingInfoProto) is not in the output: its algorithm binds the FP32 initializers the rewrite converts; "
-                             f"build it again for the rewritten model")
+                             f"TrainingInfoProto) is not in the output: its algorithm binds the FP32 initializers "
+                             f"the rewrite converts; build it again for the rewritten model")
     return modified
 
 

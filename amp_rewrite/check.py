@@ -181,10 +181,9 @@ def _vocab_for(model: onnx.ModelProto, name: str) -> int | None:
             continue
         seen.add(v)
         for n in consumers.get(v, []):
-            table = _through_pass_through(n.input[0], producers) if n.op_type == "Gather" and n.input else None
-            if n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == v and table in tables:
+            if n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == v:
+                dims = tables.get(_through_pass_through(n.input[0], producers))
                 axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
-                dims = tables[table]
                 if dims and -len(dims) <= axis < len(dims):
                     return int(dims[axis])
             elif n.op_type in _PASS_THROUGH and n.input and n.input[0] == v:

@@ -113,7 +113,9 @@ def _validate(args: CliArgs) -> None:
         raise UsageError(f"--target {args.target!r}: choose fp16 or bf16")
     if args.placement not in ("greedy", "optimal"):
         raise UsageError(f"--placement {args.placement!r}: choose greedy or optimal")
-    if args.report is not None and args.report.suffix.lower() not in (".json", ".html", ".htm", ".md", ".markdown"):
+    from .report_render import RENDERED_SUFFIXES
+
+    if args.report is not None and args.report.suffix.lower() not in (".json", *RENDERED_SUFFIXES):
         raise UsageError(f"--report {args.report}: the format comes from the extension: .json, .html (.htm) or "
                          f".md (.markdown)")
     if args.report is not None and not args.report.parent.is_dir():

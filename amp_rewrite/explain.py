@@ -49,17 +49,15 @@ def explain_node(model_path: str | os.PathLike, node_name: str, **options: Any) 
     nodes = {node_label(n): n for n in model.graph.walk() if not n.meta.get("amp.inserted")}
     casts = {c.name: c for c in ctx.log.casts}
     fused = {member: record for record in ctx.log.fusions for member in record.members}
-    query = node_name
-    if node_name not in nodes and node_name not in casts and node_name not in fused and node_name in producers:
-        node_name = node_label(producers[node_name])
-    member = node_name if node_name in fused else None
-    if member is not None and node_name not in nodes:
-        node_name = query  # (the text names what the user asked for)
-        record = fused[member]
+    label = node_name  # (the text names what the user asked for; lookups use the label)
+    if label not in nodes and label not in casts and label not in fused and label in producers:
+        label = node_label(producers[label])
+    if label in fused and label not in nodes:
+        record = fused[label]
         text = (f"{node_name}: fused, with the rest of its {record.pattern} pattern, into {record.node} ({record.op}): "
                 f"{record.reason} (--no-fuse keeps the pattern as it is)")
         return text + ("\n\n" + explain_decision(report, record.node) if record.node in report.log.decisions else "")
-    name = _resolve(node_name, nodes, casts, model_path, also=list(fused))
+    name = _resolve(label, nodes, casts, model_path, also=list(fused))
     if name in casts:
         return _explain_cast(report, casts[name])
     if name not in report.log.decisions:

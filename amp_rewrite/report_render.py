@@ -18,8 +18,11 @@ if TYPE_CHECKING:
     from .report import Report
 
 
+RENDERED_SUFFIXES = (".html", ".htm", ".md", ".markdown")  # (.json is Report.to_json)
+
+
 def render(report: "Report", suffix: str) -> str | None:
-    """The report as text in the format ``suffix`` names (".html", ".htm", ".md"); None if unknown."""
+    """The report as text in the format ``suffix`` names (RENDERED_SUFFIXES); None if unknown."""
     suffix = suffix.lower()
     if suffix in (".html", ".htm"):
         return render_html(report)

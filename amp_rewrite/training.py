@@ -213,11 +213,10 @@ class LossScaler:
             if fn is None or id(fn) in seen:
                 continue
             seen.add(id(fn))
+            # (a reentrant checkpoint's backward reaches the parameters only by running the module again)
             variable = getattr(fn, "variable", None)
-            # a reentrant checkpoint's backward reaches the parameters only by running the module again
-            hidden = type(fn).__name__ == "CheckpointFunctionBackward"
-            if hidden or (variable is not None and id(variable) in params):
-                module = params[id(variable)] if not hidden else next(iter(params.values()))
+            if type(fn).__name__ == "CheckpointFunctionBackward" or id(variable) in params:
+                module = params.get(id(variable), next(iter(params.values())))
                 raise RuntimeError(
                     f"this loss reaches the parameters of {type(module).__name__} (rewritten with "
                     f"training=True) but its in-graph loss scale is hidden from autograd (the module ran inside "

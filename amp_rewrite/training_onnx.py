@@ -380,19 +380,18 @@ class _LossScaleBuilder:
             tracker = self.scalar_input(GROWTH_TRACKER, INT64)
             self._scale_seed(scale)
             inv = self.node("Reciprocal", [scale], "training: 1 / loss_scale, to unscale the gradients in FP32")
-            sums = []
-            constant: set[str] = set()
+            sums, scaled_grads = [], []
             for name in plan.grads:
                 index, value = outputs[name]
                 if value.producer() is None and value.const_value is not None:
                     # a constant gradient (an unused parameter's zero, folded by the exporter) never
                     # went through the scaled backward pass: it leaves as it is
-                    constant.add(name)
                     continue
                 if value.producer() is None:
                     raise UsageError(f"gradient output {name!r} is a graph input, not computed by the graph: "
                                      f"nothing to unscale; narrow --grads")
                 value.name = self.name(name + SCALED_SUFFIX)
+                scaled_grads.append(value.name)
                 unscaled = self.node("Mul", [value, inv], "training: gradient unscaled in FP32 (x 1/loss_scale)",
                                      out=name)
                 unscaled.type, unscaled.shape = ir.TensorType(FLOAT), value.shape
@@ -411,7 +410,7 @@ class _LossScaleBuilder:
             for v in (finite, next_scale, next_tracker):
                 graph.outputs.append(v)
             added.update({"growth_tracker": GROWTH_TRACKER, "loss_grad": plan.seed, "grads": plan.grads,
-                          "scaled_grads": [n + SCALED_SUFFIX for n in plan.grads if n not in constant], "all_finite": ALL_FINITE,
+                          "scaled_grads": scaled_grads, "all_finite": ALL_FINITE,
                           "next_loss_scale": NEXT_LOSS_SCALE, "next_growth_tracker": NEXT_GROWTH_TRACKER,
                           "config": asdict(plan.config)})
         self.model.metadata_props[TRAINING_KEY] = json.dumps(added)

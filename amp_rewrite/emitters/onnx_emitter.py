@@ -403,19 +403,16 @@ def _float32_chunks(tensor):
                     raise OSError(f"external data file {tensor.path!r} is shorter than tensor {tensor.name!r}")
                 yield start, chunk
         return
-    try:
+    try:  # raw_data shorter or longer than its dims say: a corrupt model
         data = np.asarray(tensor.numpy(), dtype=np.float32).reshape(-1)
-    except ValueError as exc:  # raw_data shorter or longer than its dims say: a corrupt model
+        if data.size != n:
+            raise ValueError(f"it holds {data.size} values")
+    except ValueError as exc:
         from ..errors import ModelLoadError
 
         raise ModelLoadError(f"tensor {tensor.name!r}: its data does not hold the {n} values its dims "
                              f"{tuple(int(d) for d in tensor.shape.numpy())} need ({exc}); the model is corrupt "
                              f"(onnx.checker.check_model rejects it too)") from None
-    if data.size != n:
-        from ..errors import ModelLoadError
-
-        raise ModelLoadError(f"tensor {tensor.name!r} holds {data.size} values where its dims need {n}; the model "
-                             f"is corrupt (onnx.checker.check_model rejects it too)")
     for start in range(0, n, CHUNK_ELEMENTS):
         yield start, data[start:start + CHUNK_ELEMENTS]
 

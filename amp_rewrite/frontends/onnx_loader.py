@@ -109,16 +109,13 @@ def _scoped_labels(main: Graph) -> None:
     """Node names are unique per graph, not per model: both If branches may name a node ``mm``. The
     report, the tags and --explain key nodes by label, so a body node whose name another scope
     uses too is labelled with its scope (``If:y.then_branch/mm``); its name in the model stays."""
+    from collections import Counter
+
     from ..passes.base import scope_label
 
-    seen: dict[str, int] = {}
-    for graph in main.scopes():
-        for node in graph.nodes:
-            if node.name:
-                seen[node.name] = seen.get(node.name, 0) + 1
-    for graph in main.scopes():
-        if graph.parent is None:
-            continue
+    scopes = list(main.scopes())
+    seen = Counter(node.name for graph in scopes for node in graph.nodes if node.name)
+    for graph in scopes[1:]:  # (the main graph comes first; its names stay its labels)
         for node in graph.nodes:
             if node.name and seen[node.name] > 1:
                 node.meta["amp.label"] = f"{scope_label(graph)}/{node.name}"
