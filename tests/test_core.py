@@ -638,3 +638,21 @@ def test_a_graph_output_keeps_its_doc_metadata_and_denotations():
     full_check(out)
     assert out.graph.output[0] == model.graph.output[0] and out.graph.input[0] == model.graph.input[0]
     assert not [v.name for v in out.graph.value_info if v.doc_string or len(v.metadata_props)]
+
+
+def test_an_output_shape_inference_refines_keeps_its_denotations():
+    """ReduceSum's output dim is computed afresh by shape inference (N -> 1); the refined type
+    replaced the declared one and its dim and type denotations were lost."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[N,8] x) => (float[N,4] y, float[1,1] s) {
+          y = MatMul(x, w)
+          s = ReduceSum<keepdims=1>(x)
+        }""", {"w": (8, 4)})
+    for out in model.graph.output:
+        out.type.denotation = "TENSOR"
+        out.type.tensor_type.shape.dim[0].denotation = "DATA_BATCH"
+    out = rewrite(model).model
+    full_check(out)
+    assert [o.type.denotation for o in out.graph.output] == ["TENSOR", "TENSOR"]
+    assert [o.type.tensor_type.shape.dim[0].denotation for o in out.graph.output] == ["DATA_BATCH"] * 2

@@ -409,6 +409,28 @@ _INFER_PROTO_BELOW = 256 << 20
 _INFER_WITHOUT_DATA_ABOVE = 1024
 
 
+def _keep_denotations(declared: onnx.TypeProto, inferred: onnx.TypeProto) -> None:
+    """Put back the denotations shape inference drops where it refines a declared output type
+    (a dim it computes afresh comes back without the ``DATA_BATCH`` the model gave it)."""
+    if declared.denotation and not inferred.denotation:
+        inferred.denotation = declared.denotation
+    kind = declared.WhichOneof("value")
+    if kind is None or kind != inferred.WhichOneof("value"):
+        return
+    if kind in ("sequence_type", "optional_type"):
+        _keep_denotations(getattr(declared, kind).elem_type, getattr(inferred, kind).elem_type)
+        return
+    if kind == "map_type":
+        _keep_denotations(declared.map_type.value_type, inferred.map_type.value_type)
+        return
+    was, now = getattr(declared, kind), getattr(inferred, kind)
+    if not was.HasField("shape") or not now.HasField("shape") or len(was.shape.dim) != len(now.shape.dim):
+        return
+    for old, new in zip(was.shape.dim, now.shape.dim):
+        if old.denotation and not new.denotation:
+            new.denotation = old.denotation
+
+
 def _inferred_proto(proto: onnx.ModelProto, graphs: list[onnx.GraphProto], size: int, *, owned: bool
                     ) -> tuple[onnx.ModelProto, list[dict[str, onnx.ValueInfoProto]]] | None:
     """Shape inference on the proto already in hand (``graphs``: its graph and nested bodies,
@@ -441,8 +463,11 @@ def _inferred_proto(proto: onnx.ModelProto, graphs: list[onnx.GraphProto], size:
     tables = []
     for graph, inferred_graph in zip(graphs, _graph_protos(inferred.graph) if nested else [inferred.graph],
                                      strict=True):
+        declared = list(graph.output)
         del graph.output[:]  # refined output types (a graph output's type is part of the model)
         graph.output.extend(inferred_graph.output)
+        for before, after in zip(declared, graph.output, strict=True):
+            _keep_denotations(before.type, after.type)
         tables.append({info.name: info for info in inferred_graph.value_info})
     return proto, tables
 
