@@ -590,3 +590,28 @@ def test_an_existing_cast_writing_a_low_graph_output_is_retargeted():
     got = run_onnx(out, {"x": x.astype(np.float16)})["y"]
     assert np.abs(got.astype(np.float32) - ref).max() <= 2e-2 * (1 + np.abs(ref).max())
     assert not rewrite_onnx_model(out, keep_io_types=False).modified
+
+
+def test_a_body_value_shadowing_an_outer_name_is_typed_and_painted():
+    """A then-branch MatMul writes ``h2``, a name the main graph also uses (onnx.checker calls it an
+    SSA violation; onnxruntime runs it). onnx's shape inference leaves such a body value untyped:
+    the MatMul kept FP32 ("dtype of its output 'h2__1' is unknown") and Cast round trips, and a
+    second rewrite, reading it under its fresh name, painted it low: not idempotent."""
+    then_g = body("then", [helper.make_node("MatMul", ["h", "w2"], ["h2"], name="then_mm"),
+                           helper.make_node("Relu", ["h2"], ["t"], name="then_relu")], [], [vi("t")])
+    else_g = body("else", [helper.make_node("Sigmoid", ["h"], ["e"], name="else_sig")], [], [vi("e")])
+    model = make([helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+                  helper.make_node("Relu", ["h"], ["h2"], name="relu"),
+                  helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=0),
+                  helper.make_node("Greater", ["s", "zero"], ["c"], name="gt"),
+                  helper.make_node("If", ["c"], ["r"], name="if", then_branch=then_g, else_branch=else_g),
+                  helper.make_node("Add", ["r", "h2"], ["a"], name="add"),
+                  helper.make_node("MatMul", ["a", "w3"], ["y"], name="mm3")],
+                 [vi("x")], [vi("y")], [weight("w1"), weight("w2"), weight("w3"), scalar("zero", 0.0)])
+    result = rewrite_onnx_model(model)
+    assert result.log.decisions["then_mm"].precision.value == "low"
+    out = result.model
+    for feeds in (feeds_x(1.0), feeds_x(-1.0)):
+        ref, got = run_onnx(model, feeds)["y"], run_onnx(out, feeds)["y"]
+        assert np.abs(got.astype(np.float32) - ref).max() <= 2e-2 * (1 + np.abs(ref).max())
+    assert not rewrite_onnx_model(out).modified, "a second rewrite changed the model"

@@ -721,6 +721,8 @@ class _Builder:
             conflict = group_conflict(node)
             if conflict:
                 raise ModelLoadError(_declared_type_conflict(node, *conflict))
+            if any(v.dtype is None for v in outputs):
+                self._type_from_group(node)
         if self._containers:
             kind = next((self._containers[id(v)] for v in (*inputs, *outputs)
                          if v is not None and id(v) in self._containers), None)
@@ -728,6 +730,17 @@ class _Builder:
                 node.meta["amp.keeps_types"] = (f"it reads or makes a {kind}, whose element type no Cast can "
                                                 f"change: it keeps the types it was written with")
         return node
+
+    def _type_from_group(self, node: Node) -> None:
+        """Type an output shape inference left untyped from an input of its schema's type group (the
+        schema says they are one type). onnx's inference skips a body value that shadows an outer
+        name, as onnxruntime allows: untyped, the body's MatMul kept FP32 and a second rewrite,
+        which reads it renamed, painted it low."""
+        typed = {g: v.dtype for v, g in zip(node.inputs, node.input_groups)
+                 if v is not None and g not in (None, "?") and v.dtype is not None and id(v) not in self._containers}
+        for v, g in zip(node.outputs, node.output_groups):
+            if v.dtype is None and g in typed and id(v) not in self._containers:
+                v.dtype = typed[g]
 
     @staticmethod
     def _unreachable_input(n: ir.Node, scope: dict[int, Value]) -> None:
