@@ -459,6 +459,29 @@ def case_sparse_initializer(d: Path) -> Case:
     return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"], feeds={"x": feed()})
 
 
+def case_sparse_constant(d: Path) -> Case:
+    """A Constant's sparse_value (valid: the checker and onnxruntime take it), in the graph and in a
+    branch, was exit 3 "Error calling _deserialize_graph"; it is densified like an initializer."""
+    def sparse(name):
+        values = numpy_helper.from_array(np.array([2.0, -1.5], np.float32), name)
+        return helper.make_sparse_tensor(values, numpy_helper.from_array(np.array([1, 3], np.int64)), [4])
+    branch = lambda name, out: helper.make_graph(  # noqa: E731
+        [helper.make_node("Constant", [], [f"{name}_c"], name=f"{name}_const", sparse_value=sparse(f"{name}_v")),
+         helper.make_node("Add", ["h", f"{name}_c"], [out], name=f"{name}_add")], name, [], [vi(out)])
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Constant", [], ["c"], name="const", sparse_value=sparse("c_v")),
+             helper.make_node("Add", ["h", "c"], ["a"], name="add"),
+             helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["cond"], name="gt"),
+             helper.make_node("If", ["cond"], ["b"], name="if", then_branch=branch("then", "t"),
+                              else_branch=branch("else", "e")),
+             helper.make_node("Add", ["a", "b"], ["ab"], name="add2"),
+             helper.make_node("MatMul", ["ab", "w2"], ["y"], name="mm2")]
+    zero = numpy_helper.from_array(np.array(0.0, np.float32), "zero")
+    save(model(nodes, [vi("x")], [vi("y")], [weight("w1"), weight("w2"), zero]), d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"], feeds={"x": feed()})
+
+
 def case_string_tensors(d: Path) -> Case:
     labels = helper.make_tensor("labels", TensorProto.STRING, [2], [b"cat", b"dog"])
     nodes = [helper.make_node("MatMul", ["x", "w1"], ["y"], name="mm"),

@@ -164,7 +164,7 @@ def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: 
     graphs = _graph_protos(proto.graph)
     for graph in graphs:
         _check_names(graph, where)
-    sparse = any(graph.sparse_initializer for graph in graphs)
+    sparse = any(_has_sparse(graph) for graph in graphs)
     # (sparse initializers are made dense below; the onnx-ir pass infers the types then)
     early = _inferred_proto(proto, graphs, size, owned=owned) if infer_shapes and not sparse else None
     types = None
@@ -236,26 +236,45 @@ def _check_names(graph: onnx.GraphProto, where: str) -> None:
             produced[out] = label
 
 
-def _densify_sparse_initializers(graph: onnx.GraphProto, where: str) -> None:
-    """onnx-ir drops sparse initializers; they become dense ones (the output stores them dense)."""
-    from onnx import numpy_helper
+def _has_sparse(graph: onnx.GraphProto) -> bool:
+    return bool(graph.sparse_initializer) or any(
+        node.op_type == "Constant" and node.domain in ("", "ai.onnx") and
+        any(a.name == "sparse_value" for a in node.attribute) for node in graph.node)
 
+
+def _densify_sparse_initializers(graph: onnx.GraphProto, where: str) -> None:
+    """onnx-ir drops sparse initializers and cannot read a Constant's ``sparse_value``: they become
+    dense initializers and ``value`` attributes (the output stores them dense)."""
     for sparse in graph.sparse_initializer:
-        name = sparse.values.name
-        try:
-            values = numpy_helper.to_array(sparse.values)
-            indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
-            dims = [int(d) for d in sparse.dims]
-            dense = np.zeros(int(np.prod(dims, dtype=np.int64)), dtype=values.dtype)
-            flat = indices if indices.ndim == 1 else np.ravel_multi_index(tuple(indices.T), dims)
-            dense[flat] = values
-        except Exception as exc:
-            raise UnsupportedModelError(f"{where}sparse initializer {name!r} cannot be densified "
-                                        f"({_first_line(exc)}); store it as a dense initializer") from exc
-        graph.initializer.append(numpy_helper.from_array(dense.reshape(dims), name))
+        graph.initializer.append(_dense(sparse, where, f"sparse initializer {sparse.values.name!r}"))
     del graph.sparse_initializer[:]
+    for node in graph.node:
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+            continue
+        for i, attr in enumerate(node.attribute):
+            if attr.name == "sparse_value":
+                what = f"Constant {node.name or node.output[0]!r}: sparse_value"
+                dense = _dense(attr.sparse_tensor, where, what)
+                dense.name = ""
+                node.attribute[i].CopyFrom(onnx.helper.make_attribute("value", dense))
     for sub in _subgraphs(graph):
         _densify_sparse_initializers(sub, where)
+
+
+def _dense(sparse: onnx.SparseTensorProto, where: str, what: str) -> onnx.TensorProto:
+    from onnx import numpy_helper
+
+    try:
+        values = numpy_helper.to_array(sparse.values)
+        indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
+        dims = [int(d) for d in sparse.dims]
+        dense = np.zeros(int(np.prod(dims, dtype=np.int64)), dtype=values.dtype)
+        flat = indices if indices.ndim == 1 else np.ravel_multi_index(tuple(indices.T), dims)
+        dense[flat] = values
+    except Exception as exc:
+        raise UnsupportedModelError(f"{where}{what} cannot be densified ({_first_line(exc)}); "
+                                    f"store it as a dense tensor") from exc
+    return numpy_helper.from_array(dense.reshape(dims), sparse.values.name)
 
 
 def _read_path(path: Path, *, infer_shapes: bool = False
