@@ -71,6 +71,13 @@ def _resolve(query: str, nodes: dict, casts: dict, model_path, also: list[str] =
     """``also``: names that are no node of the rewritten graph but can be explained (fused nodes)."""
     if query in nodes or query in casts:
         return query
+    # a body node whose name another scope uses too is labelled with its scope (If:y.then_branch/mm)
+    scoped = [label for label, n in nodes.items() if n.name == query]
+    if len(scoped) == 1:
+        return scoped[0]
+    if scoped:
+        raise UsageError(f"--explain {query!r}: {len(scoped)} nodes of {model_path} have that name, in different "
+                         f"scopes; ask for one by its label: {', '.join(scoped)}")
     by_output = [label for label, n in nodes.items() if any(o.name == query for o in n.outputs)]
     if len(by_output) == 1:
         return by_output[0]

@@ -145,3 +145,22 @@ def test_explain_finds_a_node_by_its_output_name_as_the_model_has_it(tmp_path):
     assert explain_node(tmp_path / "m.onnx", "b").startswith("relu (Relu)")
     text = explain_node(ROOT / "models" / "transformer_block_op13.onnx", "ln1_var")  # made by an unnamed ReduceMean
     assert ": fused, with the rest of its LayerNorm pattern" in text
+
+
+def test_a_name_two_scopes_share_asks_for_one_of_their_labels(tmp_path):
+    """Both If branches hold a node 'mm'; the report labels each with its scope. --explain mm said
+    "no node of that name" while listing both labels as the closest."""
+    m = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (bool cond, float[4,8] x) => (float[4,8] y) {
+          y = If(cond) <
+            then_branch = t () => (float[4,8] r) { r = MatMul(x, w) },
+            else_branch = e () => (float[4,8] r2) { r2 = Exp(x) }
+          >
+        }""", {"w": (8, 8)})
+    branches = {a.name: a.g for a in m.graph.node[0].attribute}
+    branches["then_branch"].node[0].name = branches["else_branch"].node[0].name = "mm"
+    onnx.save(m, tmp_path / "m.onnx")
+    with pytest.raises(UsageError, match=r"2 nodes of .* have that name.*label: If:y\.t/mm, If:y\.e/mm$"):
+        explain_node(tmp_path / "m.onnx", "mm")
+    assert explain_node(tmp_path / "m.onnx", "If:y.t/mm").startswith("If:y.t/mm (MatMul) computes in fp16")
