@@ -233,3 +233,21 @@ def test_converted_weights_stream_into_the_file_never_whole(tmp_path, streaming,
     converted = weights_of(tmp_path / "out.onnx")
     for t in model.graph.initializer:
         np.testing.assert_array_equal(converted[t.name], numpy_helper.to_array(t).astype(np.float16))
+
+
+def test_a_streamed_weight_keeps_its_doc_string_and_metadata(tmp_path, streaming):
+    """A weight converted while it is written (over LAZY_BYTES, external) lost its doc string and
+    metadata; a weight converted in memory kept them."""
+    model = mlp()
+    weight = model.graph.initializer[0]
+    weight.doc_string = "projection weight"
+    entry = weight.metadata_props.add()
+    entry.key, entry.value = "source", "layer0"
+    save_external(model, tmp_path / "m.onnx")
+    api.rewrite_onnx(tmp_path / "m.onnx", tmp_path / "out.onnx")
+    assert weight.name in external_names(tmp_path / "out.onnx")  # (it took the streaming path)
+    out = onnx.load(str(tmp_path / "out.onnx"), load_external_data=False)
+    converted = next(t for t in out.graph.initializer if t.name == weight.name)
+    assert converted.data_type == TensorProto.FLOAT16
+    assert converted.doc_string == "projection weight"
+    assert [(p.key, p.value) for p in converted.metadata_props] == [("source", "layer0")]

@@ -293,6 +293,10 @@ class _Patcher:
                 if found:
                     stats.sentinels.append({"tensor": name, **found})
 
+        # the converted weight keeps what the model said of it (doc string, metadata)
+        said = {"name": tensor.name, "doc_string": getattr(tensor, "doc_string", None),
+                "metadata_props": dict(getattr(tensor, "metadata_props", None) or {}) or None}
+
         def convert() -> ir.Tensor:
             converted = np.empty(tuple(int(d) for d in tensor.shape.numpy()), dtype=target)
             flat = converted.reshape(-1)
@@ -300,14 +304,11 @@ class _Patcher:
             for part in parts():
                 flat[start:start + part.size] = part
                 start += part.size
-            # the converted weight keeps what the model said of it (doc string, metadata)
-            return ir.Tensor(converted, name=tensor.name, doc_string=getattr(tensor, "doc_string", None),
-                             metadata_props=dict(getattr(tensor, "metadata_props", None) or {}) or None)
+            return ir.Tensor(converted, **said)
 
         if nbytes > LAZY_BYTES and isinstance(tensor, ir.ExternalTensor):
             self.deferred.append((tensor, target, name))
-            return _ConvertingTensor(convert, parts, dtype=ir.DataType(int(dtype)), shape=tensor.shape,
-                                     name=tensor.name)
+            return _ConvertingTensor(convert, parts, dtype=ir.DataType(int(dtype)), shape=tensor.shape, **said)
         return convert()
 
 
@@ -477,6 +478,34 @@ def _np_dtype(dtype: DType):
 
 
 # -- saving ----------------------------------------------------------------------------------------------
+def _restore_tensor_docs(model: ir.Model, path: Path) -> None:
+    """onnx-ir's external-data writer drops a tensor's doc string and metadata; put them back in
+    the written proto (only read and written again when some weight has them)."""
+    said = {}
+    for graph in model.graphs():
+        for name, value in graph.initializers.items():
+            tensor = value.const_value
+            doc, meta = getattr(tensor, "doc_string", None), getattr(tensor, "metadata_props", None)
+            if doc or meta:
+                said[name] = (doc, dict(meta or {}))
+    if not said:
+        return
+    proto = onnx.load(str(path), load_external_data=False)
+    graphs = [proto.graph]
+    while graphs:
+        graph = graphs.pop()
+        for tensor in graph.initializer:
+            if tensor.name in said and not tensor.doc_string and not len(tensor.metadata_props):
+                doc, meta = said[tensor.name]
+                tensor.doc_string = doc or ""
+                for key, value in meta.items():
+                    tensor.metadata_props.add(key=key, value=value)
+        graphs.extend(a.g for n in graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH)
+        graphs.extend(g for n in graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPHS
+                      for g in a.graphs)
+    onnx.save_model(proto, str(path))
+
+
 def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[Path]) -> list[Path]:
     """Write atomically: into a temp folder beside ``dst``, then rename into place.
 
@@ -497,6 +526,7 @@ def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[P
     try:
         if external:
             ir.save(model, tmp / dst.name, external_data=data_name, size_threshold_bytes=1024)
+            _restore_tensor_docs(model, tmp / dst.name)
         else:
             ir.save(model, tmp / dst.name)
         if external and (tmp / data_name).exists():
