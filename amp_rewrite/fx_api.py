@@ -104,7 +104,7 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
     if training and loss_value is not None and not hasattr(gm, "amp_loss_scale"):  # once: rewriting again adds none
         from .emitters.fx_emitter import insert_loss_scale
 
-        insert_loss_scale(gm, _loss_output_index(model, loss_value), model.meta.get("fx.level", "torch"))
+        insert_loss_scale(gm, _loss_slot(model, loss_value), model.meta.get("fx.level", "torch"))
         modified = True
     if _rewrite_bodies(gm, ctx.log, target=target, rules=rules, fp32_nodes=user_fp32_nodes, options=options):
         modified = True
@@ -324,11 +324,13 @@ def _checked_loss(value: Value, loss_output: int | str) -> Value:
     return value
 
 
-def _loss_output_index(model: Model, loss_value: Value) -> int:
+def _loss_slot(model: Model, loss_value: Value) -> Any:
+    """Where the loss sits among the output node's arguments (the loader's slot for it: outputs
+    that are no tensor, like an int batch size, have none, so a flat index would miscount)."""
     loaded = model.graph.meta.get("fx.loaded_outputs", [])
-    for i, v in enumerate(loaded):
+    for slot, v in zip(model.graph.meta.get("fx.output_slots", []), loaded):
         if v is loss_value:
-            return i
+            return slot
     raise AssertionError("the loss is no graph output")
 
 

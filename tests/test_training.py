@@ -701,3 +701,51 @@ def test_an_optimizer_on_the_original_parameters_is_an_error():
     scaler.backward(gm(x, y))
     with pytest.raises(RuntimeError, match=r"build the optimizer on the rewritten module's parameters"):
         scaler.step(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+class _LossAfterAnInt(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        return x.shape[0], F.mse_loss(self.fc(x).squeeze(-1), y)
+
+
+class _LossAfterATuple(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(8, 8, batch_first=True)
+        self.fc = torch.nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        out, hc = self.lstm(x)
+        return hc, F.mse_loss(self.fc(out[:, -1]).squeeze(-1), y)
+
+
+@pytest.mark.parametrize("cls,shape", [(_LossAfterAnInt, (4, 8)), (_LossAfterATuple, (4, 3, 8))])
+def test_the_scale_goes_on_the_loss_whatever_precedes_it_in_the_output(cls, shape):
+    """The loss's place was counted among tensor outputs, the scale put on the output node's args
+    by that count: an int batch size before the loss got the scale (4 became 262144.) and the loss
+    none, so every gradient came out 1/65536 too small; an (h, c) tuple before it was an IndexError."""
+    torch.manual_seed(0)
+    model = cls()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(*shape), torch.randn(4)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x, y), training=True, target="bf16", capture="symbolic_trace")
+    scaler = LossScaler(gm)
+    first, loss = gm(x, y)
+    ref_first, ref_loss = ref(x, y)
+    if cls is _LossAfterAnInt:
+        assert first == 4 and isinstance(first, int)
+    else:
+        assert all(a.dtype == torch.float32 and a.shape == b.shape for a, b in zip(first, ref_first))
+    assert loss.item() == pytest.approx(ref_loss.item() * scaler.get_scale(), rel=2e-2)
+    opt, ref_opt = torch.optim.SGD(gm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    loss.backward()
+    scaler.step(opt)
+    ref_loss.backward()
+    ref_opt.step()
+    moved = (ref.fc.weight - model.fc.weight).abs().max().item()
+    assert moved > 1e-2  # (the step is large enough to tell a 1/65536 update apart)
+    assert (gm.fc.weight.detach() - ref.fc.weight.detach()).abs().max().item() < 0.1 * moved

@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 
 from ..decisions import DecisionLog
+from ..errors import UnsupportedModelError
 from ..frontends.fx_loader import CAST_OP, DTYPE_TO_TORCH, FxSource, Slot, is_tensor_meta, leaf_metas
 from ..ir import DType, Model, Node, Value
 
@@ -50,17 +51,21 @@ def emit_fx(model: Model, log: DecisionLog, *, training: bool = False) -> fx.Gra
     return emitter.gm
 
 
-def insert_loss_scale(gm: fx.GraphModule, output_index: int, level: str) -> fx.Node:
-    """``scaled = loss_fp32 * self.amp_loss_scale`` on the given (flat) output; the scale is a
-    registered FP32 scalar buffer (initial value 1.0) that a LossScaler updates."""
+def insert_loss_scale(gm: fx.GraphModule, slot: Slot, level: str) -> fx.Node:
+    """``scaled = loss_fp32 * self.amp_loss_scale`` on the output at ``slot`` (where the loader
+    found the loss among the output node's arguments); the scale is a registered FP32 scalar
+    buffer (initial value 1.0) that a LossScaler updates."""
     graph = gm.graph
+    out_node = graph.output_node()
+    loss = _get_at(out_node, slot.where)
+    if slot.leaf or not isinstance(loss, fx.Node):
+        raise UnsupportedModelError(
+            "training: the loss is an element of a tuple another node returns, so no scale node can be put "
+            "on it alone; return the loss as an output of its own")
     if not hasattr(gm, LOSS_SCALE_BUFFER):
         # not persistent: the scale is the LossScaler's state (its own state_dict), and a checkpoint
         # of the rewritten module must load into the original and back
         gm.register_buffer(LOSS_SCALE_BUFFER, torch.ones((), dtype=torch.float32), persistent=False)
-    out_node = graph.output_node()
-    flat = _flat_output_nodes(out_node)
-    where, loss = flat[output_index]
     with graph.inserting_before(out_node):
         scale = graph.get_attr(LOSS_SCALE_BUFFER)
         if level == "aten":
@@ -76,16 +81,10 @@ def insert_loss_scale(gm: fx.GraphModule, output_index: int, level: str) -> fx.N
     for key in ("stack_trace", "nn_module_stack"):
         if key in loss.meta:
             scaled.meta[key] = loss.meta[key]
-    out_node.args = _set_at(out_node.args, where[1:], scaled)
+    _replace_arg(out_node, slot.where, scaled)
     graph.lint()
     gm.recompile()
     return scaled
-
-
-def _flat_output_nodes(out_node: fx.Node) -> list[tuple[tuple, fx.Node]]:
-    from ..frontends.fx_loader import _walk_args
-
-    return _walk_args(out_node.args, ("args",))
 
 
 class _Emitter:
