@@ -84,7 +84,8 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
         raise UsageError("training=True keeps graph inputs and outputs FP32 (the loss is scaled and its gradient "
                          "enters the graph in FP32): drop keep_io_types=False")
     loss_value = _loss_value(model, loss_output, notes) if training else None
-    fp32_nodes = list(options.pop("fp32_nodes", ()) or ())
+    fp32_nodes = options.pop("fp32_nodes", None) or []
+    fp32_nodes = [fp32_nodes] if isinstance(fp32_nodes, str) else list(fp32_nodes)  # (one pattern, not its letters)
     user_fp32_nodes = list(fp32_nodes)
     tail: list[str] = []
     if loss_value is not None:
@@ -109,34 +110,89 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
     if _rewrite_bodies(gm, ctx.log, target=target, rules=rules, fp32_nodes=user_fp32_nodes, options=options):
         modified = True
     if how == "export":
-        _keep_captured_mode(gm, obj.training if isinstance(obj, torch.nn.Module) else gm.training)
+        _keep_captured_mode(gm, obj.training if isinstance(obj, torch.nn.Module) else _graph_mode(gm))
     if training:
-        gm.amp_training = True
+        _preserve(gm, "amp_training", True)
     gm.meta["amp_rewrite.log"] = ctx.log
     gm.meta["amp_rewrite.target"] = target
     source = f"torch:{type(obj).__name__} (captured with {how})"
     return RewriteResult(gm, ctx.log, modified, source=source)
 
 
-def _keep_captured_mode(gm: fx.GraphModule, training: bool) -> None:
+MIXED = "mixed"  # an ExportedProgram's ops captured in both modes (a submodule switched apart)
+
+
+def _keep_captured_mode(gm: fx.GraphModule, training: bool | str | None) -> None:
     """torch.export bakes train/eval behaviour (dropout, BatchNorm statistics) into the graph:
     ``gm.eval()`` on the rewritten module would change nothing, silently. Asking for the mode it was
-    captured in is fine; asking for the other one is an error that says what to do (torch's own
-    ``ExportedProgram.module()`` refuses both, and a deep copy loses that guard)."""
+    captured in is fine (and sets ``gm.training``); asking for the other one is an error that says
+    what to do. torch's own ``ExportedProgram.module()`` refuses both. ``training`` None: the graph
+    does nothing mode-dependent, so either mode is fine; MIXED: neither is. A deep copy keeps the
+    guard."""
+    gm.meta["amp_rewrite.captured_mode"] = training
+    _install_mode_guard(gm)
+    gm._register_deepcopy_hook(_install_mode_guard)
+
+
+def _install_mode_guard(gm: fx.GraphModule) -> None:
     import types
 
-    captured = "training" if training else "eval"
+    training = gm.meta.get("amp_rewrite.captured_mode")
 
     def mode(self: torch.nn.Module, wanted: bool = True) -> torch.nn.Module:
-        if bool(wanted) != training:
+        if training is not None and bool(wanted) is not training:
+            captured = "training" if training is True else "eval" if training is False else \
+                "a mix of training and eval"
             raise NotImplementedError(
                 f"this module was captured by torch.export in {captured} mode, which is part of its graph "
                 f"(dropout, BatchNorm statistics): call model.{'eval' if wanted is False else 'train'}() on the "
                 f"original module and rewrite it again")
-        return self
+        return torch.nn.Module.train(self, bool(wanted))
 
     gm.train = types.MethodType(mode, gm)  # type: ignore[method-assign]
     gm.eval = types.MethodType(lambda self: mode(self, False), gm)  # type: ignore[method-assign]
+    if isinstance(training, bool):
+        torch.nn.Module.train(gm, training)
+
+
+# aten ops whose behaviour depends on the mode, and the argument that says which it was captured in
+_MODE_ARGS = {"dropout": (2, "train"), "feature_dropout": (2, "train"), "alpha_dropout": (2, "train"),
+              "feature_alpha_dropout": (2, "train"), "native_dropout": (2, "train"),
+              "batch_norm": (5, "training"), "native_batch_norm": (5, "training"),
+              "_native_batch_norm_legit": (5, "training"), "_native_batch_norm_legit_functional": (5, "training"),
+              "instance_norm": (5, "use_input_stats")}
+
+
+def _graph_mode(gm: fx.GraphModule) -> bool | str | None:
+    """The mode an ExportedProgram was captured in, read from its mode-dependent ops (its
+    ``module()`` says ``training=True`` whatever it was): True/False, None where it does nothing
+    mode-dependent, MIXED where its ops were captured in both."""
+    modes = set()
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            name = getattr(getattr(node.target, "_overloadpacket", None), "__name__", None)
+            if node.op != "call_function" or name is None:
+                continue
+            if name == "_native_batch_norm_legit_no_training":
+                modes.add(False)
+            elif name in _MODE_ARGS:
+                index, key = _MODE_ARGS[name]
+                flag = node.args[index] if len(node.args) > index else node.kwargs.get(key)
+                if isinstance(flag, bool):
+                    modes.add(flag)
+    if len(modes) == 2:
+        return MIXED
+    return modes.pop() if modes else None
+
+
+def _preserve(gm: fx.GraphModule, name: str, value: Any) -> None:
+    """An attribute a deep copy of the module keeps (GraphModule's copy rebuilds the instance)."""
+    from torch.fx.graph_module import _USER_PRESERVED_ATTRIBUTES_KEY
+
+    setattr(gm, name, value)
+    gm.meta.setdefault(_USER_PRESERVED_ATTRIBUTES_KEY, {})[name] = value
 
 
 def report_of(gm: fx.GraphModule):

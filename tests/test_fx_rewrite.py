@@ -343,6 +343,31 @@ def test_weight_shared_by_fp32_and_low_uses_gets_a_low_copy():
         assert rel_err(gm(x), model(x)) < TOL["fp16"]
 
 
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_loading_a_state_dict_makes_the_low_copy_again(capture):
+    """The low copy of a weight read both low and FP32 is a buffer outside the state dict: after
+    gm.load_state_dict(new) the linear went on computing with the old weights (error 1.5)."""
+    torch.manual_seed(0)
+    model, x = SharedWeight().eval(), torch.randn(2, 8)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", capture=capture)
+    other = SharedWeight().eval()
+    gm.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        assert rel_err(gm(x), other(x)) < TOL["bf16"]
+    copied = copy.deepcopy(gm)
+    copied.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert rel_err(copied(x), model(x)) < TOL["bf16"] and rel_err(gm(x), other(x)) < TOL["bf16"]
+
+
+def test_fp32_nodes_given_as_one_string_is_one_pattern():
+    """fp32_nodes="fc1/*" was split into its letters, and the '*' among them pinned every node."""
+    model, x = MLP().eval(), torch.randn(2, 16)
+    as_str = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", fp32_nodes="fc1/*", report=True)[1]
+    as_list = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", fp32_nodes=["fc1/*"], report=True)[1]
+    assert as_str.heavy_ops == as_list.heavy_ops and as_str.heavy_ops["low"] == 2
+
+
 def test_weights_clamped_at_true_fp16_limits():
     model = nn.Sequential(nn.Linear(4, 4)).eval()
     with torch.no_grad():

@@ -650,6 +650,34 @@ def test_eval_on_an_exported_rewrite_says_the_mode_is_in_the_graph():
         assert torch.equal(frozen(x), frozen(x))  # no dropout, running statistics
 
 
+def test_the_mode_guard_reads_an_exported_program_sets_training_and_survives_a_deep_copy():
+    """An ExportedProgram's module() says training=True whatever it was captured in: a rewrite of an
+    eval-mode export refused gm.eval() (asking to re-export in eval) and accepted gm.train(). The
+    allowed call never set gm.training, and a deep copy lost the guard (dropout stayed on after
+    copy.deepcopy(gm).eval())."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5))
+    x = torch.randn(8, 4)
+    frozen = amp_rewrite.rewrite(torch.export.export(copy.deepcopy(model).eval(), (x,)), target="bf16")
+    assert frozen.training is False and frozen.eval() is frozen
+    with pytest.raises(NotImplementedError, match=r"captured by torch.export in eval mode"):
+        frozen.train()
+    live = amp_rewrite.rewrite(torch.export.export(copy.deepcopy(model).train(), (x,)), target="bf16")
+    assert live.training is True
+    with pytest.raises(NotImplementedError, match=r"in training mode"):
+        live.eval()
+    plain = amp_rewrite.rewrite(torch.export.export(torch.nn.Linear(4, 4), (x,)), target="bf16")
+    assert plain.eval() is plain and plain.training is False  # nothing in it depends on the mode
+    assert plain.train().training is True
+    from_module = amp_rewrite.rewrite(copy.deepcopy(model).eval(), example_inputs=(x,), target="bf16")
+    assert from_module.training is False
+    copied = copy.deepcopy(amp_rewrite.rewrite(copy.deepcopy(model).train(), example_inputs=(x,), target="bf16"))
+    with pytest.raises(NotImplementedError, match=r"in training mode"):
+        copied.eval()
+    trained = copy.deepcopy(_rewrite_for_training(MLPLoss(), (torch.randn(8, 8), torch.randn(8, 1)), "bf16"))
+    assert trained.amp_training is True  # (what LossScaler looks for)
+
+
 def test_rewritten_checkpoints_load_into_the_original_and_back():
     """The amp_loss_scale buffer was persistent: state_dicts did not move between the two."""
     torch.manual_seed(0)
@@ -657,6 +685,7 @@ def test_rewritten_checkpoints_load_into_the_original_and_back():
     model = MLPLoss()
     gm = _rewrite_for_training(copy.deepcopy(model), (x, y), "bf16")
     assert set(gm.state_dict()) == set(model.state_dict())
+    assert set(copy.deepcopy(gm).state_dict()) == set(model.state_dict())  # (a deep copy made it persistent)
     MLPLoss().load_state_dict(gm.state_dict())
     gm.load_state_dict(model.state_dict())
 

@@ -66,6 +66,7 @@ def insert_loss_scale(gm: fx.GraphModule, slot: Slot, level: str) -> fx.Node:
         # not persistent: the scale is the LossScaler's state (its own state_dict), and a checkpoint
         # of the rewritten module must load into the original and back
         gm.register_buffer(LOSS_SCALE_BUFFER, torch.ones((), dtype=torch.float32), persistent=False)
+        _keep_derived_buffers_out_of_copies(gm)
     with graph.inserting_before(out_node):
         scale = graph.get_attr(LOSS_SCALE_BUFFER)
         if level == "aten":
@@ -202,10 +203,16 @@ class _Emitter:
         while hasattr(owner, name):
             i += 1
             name = f"{attr}_amp_{value.dtype.short}_{i}"
-        # non-persistent: the state_dict keeps the model's own keys; the copy is derived data
+        # non-persistent: the state_dict keeps the model's own keys; the copy is derived data, made
+        # again from its original whenever a state dict is loaded
         owner.register_buffer(name, new, persistent=False)
         prefix = target.rsplit(".", 1)[0] + "." if "." in target else ""
         value.meta["fx.attr"] = prefix + name
+        copies = self.gm.meta.setdefault(LOW_COPIES, [])
+        if not copies:
+            self.gm.register_load_state_dict_post_hook(_refresh_low_copies)
+            _keep_derived_buffers_out_of_copies(self.gm)
+        copies.append((prefix + name, target))
 
     def _convert(self, tensor: torch.Tensor, name: str, dtype: DType) -> torch.Tensor:
         converted, clamped, flushed, sentinel = convert_tensor(tensor, DTYPE_TO_TORCH[dtype])
@@ -576,6 +583,39 @@ def _identifier(name: str) -> str:
 
     text = re.sub(r"[^0-9a-zA-Z_]+", "_", name).strip("_") or "amp_cast"
     return text if not text[0].isdigit() else f"_{text}"
+
+
+LOW_COPIES = "amp_rewrite.low_copies"  # gm.meta: (copy, original) attribute paths
+
+
+def _refresh_low_copies(module: torch.nn.Module, incompatible_keys: Any) -> None:
+    """load_state_dict post-hook: a weight read both low and FP32 keeps its FP32 original (in the
+    state dict) and a low copy (a buffer, not in it); loading new weights makes the copy again,
+    or the low readers would go on computing with the old ones."""
+    for copy_path, original in getattr(module, "meta", {}).get(LOW_COPIES, ()):
+        low = _fetch(module, copy_path)
+        source = _fetch(module, original)
+        if low is None or source is None or low.is_meta or source.is_meta:
+            continue
+        with torch.no_grad():
+            low.copy_(convert_tensor(source.detach(), low.dtype)[0])
+
+
+def _keep_derived_buffers_out_of_copies(gm: fx.GraphModule) -> None:
+    """A deep copy of a GraphModule registers every buffer again as persistent: the copy's state
+    dict would then ask for the low copies and the loss scale, which no checkpoint of the model has."""
+    if _restore_non_persistent not in getattr(gm, "_deepcopy_hooks", ()):
+        gm._register_deepcopy_hook(_restore_non_persistent)
+
+
+def _restore_non_persistent(gm: fx.GraphModule) -> None:
+    paths = [path for path, _ in gm.meta.get(LOW_COPIES, ())]
+    if hasattr(gm, LOSS_SCALE_BUFFER):
+        paths.append(LOSS_SCALE_BUFFER)
+    for path in paths:
+        owner, attr = _owner(gm, path)
+        if attr in owner._buffers:
+            owner._non_persistent_buffers_set.add(attr)
 
 
 def _owner(gm: torch.nn.Module, target: str) -> tuple[torch.nn.Module, str]:
