@@ -300,15 +300,17 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
                 notes.append(f"torch.export failed ({_first_line(exc)}); fell back to torch.fx.symbolic_trace")
                 warnings.warn(f"amp_rewrite: torch.export failed for {type(obj).__name__} ({_first_line(exc)}); "
                               f"falling back to torch.fx.symbolic_trace", stacklevel=3)
+    # Tracing runs forward on the module it is given: an attribute forward assigns (self.calls += 1)
+    # is set to a Proxy there, and the traced graph shares its submodules. It traces a private copy.
+    private = _private_copy(obj)
     try:
-        traced = fx.symbolic_trace(obj)
+        traced = fx.symbolic_trace(private)
     except Exception as exc:  # noqa: BLE001
         hint = ("; pass example_inputs so torch.export can capture it" if example_inputs is None and not example_kwargs
                 else f"; torch.export had failed first: {notes[-1]}" if notes else "")
         raise UnsupportedModelError(
             f"torch.fx.symbolic_trace could not trace {type(obj).__name__}: {_first_line(exc)}{hint}") from exc
-    # symbolic_trace shares submodules with the caller's model: patch a private copy.
-    return _private_copy(traced), "symbolic_trace"
+    return traced, "symbolic_trace"
 
 
 def _module_of(program: Any, decompose: bool) -> fx.GraphModule:
@@ -323,7 +325,7 @@ def _module_of(program: Any, decompose: bool) -> fx.GraphModule:
     return gm
 
 
-def _private_copy(gm: fx.GraphModule) -> fx.GraphModule:
+def _private_copy(gm: torch.nn.Module) -> Any:
     """A deep copy: the emitter replaces parameters and edits nodes, the caller's module stays as is."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree specs deprecations

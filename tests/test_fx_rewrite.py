@@ -9,6 +9,7 @@ tiny shapes (hidden <= 64, seq <= 8, batch <= 2) so FP16 on CPU stays fast.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
 
 import pytest
@@ -366,6 +367,61 @@ def test_fp32_nodes_given_as_one_string_is_one_pattern():
     as_str = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", fp32_nodes="fc1/*", report=True)[1]
     as_list = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", fp32_nodes=["fc1/*"], report=True)[1]
     assert as_str.heavy_ops == as_list.heavy_ops and as_str.heavy_ops["low"] == 2
+
+
+@dataclasses.dataclass
+class _Logits:
+    logits: torch.Tensor
+    norm: float
+
+
+class _ReturnsADataclass(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return _Logits(logits=y, norm=y.abs().max().item())
+
+
+def test_a_dataclass_the_module_returns_gets_fp32_tensors():
+    """torch.export refuses a dataclass output, so rewrite() traces symbolically; the node building
+    the dataclass makes no tensor and was skipped, so the low linear output went into it (and out
+    of the module) in BF16 despite keep_io_types, and .item() read the rounded value."""
+    torch.manual_seed(0)
+    model, x = _ReturnsADataclass().eval(), torch.randn(2, 8)
+    result = _dispatch(model, example_inputs=(x,), target="bf16")
+    gm = result.model
+    gm.graph.lint()
+    out, ref = gm(x), model(x)
+    assert out.logits.dtype == torch.float32 and rel_err(out.logits, ref.logits) < TOL["bf16"]
+    assert out.norm == out.logits.abs().max().item()  # read from the FP32 value
+    assert [d.precision for d in result.log.decisions.values() if d.op == "linear"] == [Precision.LOW]
+    assert not _dispatch(gm, example_inputs=(x,), target="bf16").modified
+
+
+class _CountsCalls(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("ema", torch.ones(8))
+
+    def forward(self, x):
+        self.calls += 1
+        self.ema.mul_(0.5)
+        return self.fc(x)
+
+
+def test_symbolic_tracing_leaves_the_callers_module_as_it_was():
+    """symbolic_trace ran on the caller's module (the private copy was made after): its buffer
+    updates in forward were applied to the caller's buffers, or replaced them."""
+    model = _CountsCalls().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    amp_rewrite.rewrite(model, example_inputs=(torch.randn(2, 8),), target="bf16", capture="symbolic_trace")
+    assert set(model._buffers) == {"calls", "ema"}
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
 def test_weights_clamped_at_true_fp16_limits():

@@ -503,7 +503,9 @@ class _Builder:
             return
         metas = leaf_metas(node)
         if not metas and not _is_setitem(node):
-            return  # reads metadata only (x.size(), _assert_tensor_metadata, guards)
+            if _reads_values(node):
+                self._value_reader(node)
+            return  # else it reads metadata only (x.size(), _assert_tensor_metadata, guards)
         domain, name = canonical_name(node, self.gm)
         slots, inputs = self._tensor_inputs(node)
         dtype = cast_target(node)
@@ -536,6 +538,25 @@ class _Builder:
         if is_inplace(node):
             ir.meta["fx.inplace"] = True
             self._check_aliasing(node)
+        self.graph.append(ir)
+
+    def _value_reader(self, node: fx.Node) -> None:
+        """A node that makes no tensor from the values it reads (a dataclass or namedtuple the module
+        returns, ``x.item()``): it reads them as the module wrote them. Unseen, a dataclass output
+        of a low value came back low despite keep_io_types."""
+        slots, inputs = self._tensor_inputs(node)
+        if not inputs:
+            return
+        domain, name = canonical_name(node, self.gm)
+        ir = Node(name, inputs, name=ir_node_name(node), domain=domain, outputs=[], origin=node)
+        ir.meta["fx.slots"] = slots
+        ir.meta["fx.loaded"] = list(inputs)
+        ir.meta["fx.torch_name"] = name
+        ir.meta["input_names"] = [_slot_label(s) for s in slots]
+        ir.input_groups = [self._input_group(name, s, v) for s, v in zip(slots, inputs)]
+        ir.output_groups = []
+        ir.meta["amp.keeps_types"] = ("it makes no tensor from the tensors it reads (an object the module returns, "
+                                      "a Python number): it reads them in the types the module wrote")
         self.graph.append(ir)
 
     def _try_tuple_getitem(self, node: fx.Node) -> bool:
@@ -662,6 +683,23 @@ def _body_reason(node: fx.Node, bodies: list[str]) -> str:
                 f"(enabled=False keeps it FP32 on purpose), so it is left as written")
     return (f"a higher-order op ({hop_name(node)}): its operands and results keep their types; its body graphs "
             f"({listed}) are rewritten as scopes of their own")
+
+
+# Tensor methods that turn values into Python objects
+_VALUE_METHODS = frozenset({"item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__"})
+
+
+def _reads_values(node: fx.Node) -> bool:
+    """Whether a node that makes no tensor reads its tensors' values (not only their metadata): a
+    class built from them (a dataclass, namedtuple or dict the module returns) or ``x.item()``."""
+    if node.op == "call_method":
+        return node.target in _VALUE_METHODS
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, type):
+        return True
+    return target in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
 
 
 def _walk_args(obj: Any, prefix: tuple) -> list[tuple[tuple, fx.Node]]:
