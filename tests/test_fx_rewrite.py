@@ -1013,3 +1013,14 @@ def test_an_autocast_region_is_left_as_written() -> None:
     assert report.heavy_ops == {"total": 1, "low": 1, "kept_fp32": []}
     y, ref = gm(x), model(x)
     assert ((y - ref).abs().max() / ref.abs().max()).item() <= TOL["bf16"]
+
+
+@pytest.mark.parametrize("bad", [(torch.randn(3, 5),), (3,)], ids=["wrong-width", "not-a-tensor"])
+def test_example_inputs_the_module_cannot_take_are_a_usage_error(bad, capfd):
+    """export fails on them and the fallback's ShapeProp raised its own RuntimeError, a dump of
+    fx node internals, after printing the traced code to stderr."""
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    with pytest.warns(UserWarning, match="fell back|falling back"):
+        with pytest.raises(UsageError, match=r"the example inputs do not run through the module \((RuntimeError|TypeError)"):
+            amp_rewrite.rewrite(model, example_inputs=bad, target="bf16")
+    assert "Traceback" not in capfd.readouterr().err

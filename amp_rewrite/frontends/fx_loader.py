@@ -38,6 +38,8 @@ mutated tensor is a graph input, a parameter or has live views) is refused with 
 from __future__ import annotations
 
 import builtins
+import contextlib
+import io
 import operator
 import re
 from dataclasses import dataclass, field
@@ -372,7 +374,15 @@ def _ensure_metadata(gm: fx.GraphModule, example_inputs: tuple | None, example_k
     # the run must leave no trace: BatchNorm in training mode updates its running statistics
     saved = {name: buffer.detach().clone() for name, buffer in gm.named_buffers()}
     with torch.no_grad():
-        ShapeProp(gm).propagate(*args)
+        try:
+            # (a traced module that raises prints its generated code to stderr first)
+            with contextlib.redirect_stderr(io.StringIO()):
+                ShapeProp(gm).propagate(*args)
+        except Exception as exc:  # noqa: BLE001 - the module's own error, about its inputs
+            cause = exc.__cause__ or exc  # (ShapeProp wraps it in a dump of the node's internals)
+            first = (str(cause).strip().splitlines() or [""])[0]
+            raise UsageError(f"the example inputs do not run through the module ({type(cause).__name__}: {first}); "
+                             f"pass example_inputs (and example_kwargs) it accepts") from exc
         for name, buffer in gm.named_buffers():
             # (only what the run changed: an expanded buffer, stride 0, cannot be written to)
             if name in saved and not buffer.is_meta and not torch.equal(buffer, saved[name]):
