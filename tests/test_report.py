@@ -369,6 +369,19 @@ def test_every_allow_listed_onnx_op_counts_in_the_gemm_headline():
         assert not missing, f"{name}: allow ops missing from report.HEAVY_OPS: {missing}"
 
 
+def test_every_allow_listed_torch_op_but_prelu_counts_in_the_gemm_headline():
+    """conv_transpose2d, einsum, aten convolution and multi_head_attention ran low but the headline
+    said "0 of 0": torch's list held only linear, matmul, mm, bmm, addmm, conv1-3d, baddbmm, sdpa."""
+    import tomllib
+
+    from amp_rewrite.report import HEAVY_OPS
+
+    for name in ("torch-fp16.toml", "torch-bf16.toml"):
+        allow = tomllib.loads((ROOT / "rules" / name).read_text()).get("allow", {})
+        missing = [op for op in allow if op not in HEAVY_OPS and op != "prelu"]
+        assert not missing, f"{name}: allow ops missing from report.HEAVY_OPS: {missing}"
+
+
 def test_markdown_keeps_arbitrary_node_names_inert():
     """A node name with raw HTML and a line break became a live <img onerror> tag and a heading
     in the rendered .md (the "kept FP32" line left names unescaped), and a \\r split a table row."""
