@@ -19,6 +19,7 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_
                   context_settings={"help_option_names": ["-h", "--help"]})
 
 INTERNAL_ERROR = 70
+INTERRUPTED = 130
 
 
 def _print_version(value: bool) -> None:
@@ -70,7 +71,10 @@ def _command(
 def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
-        app(args=argv, prog_name="amp-rewrite", standalone_mode=False)
+        code = app(args=argv, prog_name="amp-rewrite", standalone_mode=False)
+        # typer turns a KeyboardInterrupt into Exit(130), which click, not standalone, returns
+        if code == INTERRUPTED:
+            raise KeyboardInterrupt
     except AmpRewriteError as exc:
         if debug:  # the traceback instead of the line; the exit code stays the documented one
             traceback.print_exc()
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         print("amp-rewrite: interrupted; no output was written", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except SystemExit as exc:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 1
     except Exception as exc:  # click's usage errors and anything unforeseen
@@ -91,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"amp-rewrite: error: {message}{hint}", file=sys.stderr)
             return exc.exit_code
         if isinstance(exc, click_aborts):
+            if isinstance(exc.__cause__, KeyboardInterrupt):  # (click's own spelling of Ctrl-C)
+                print("amp-rewrite: interrupted; no output was written", file=sys.stderr)
+                return INTERRUPTED
             return 1
         if debug:
             traceback.print_exc()

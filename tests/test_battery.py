@@ -1146,3 +1146,24 @@ def test_a_converted_weight_keeps_its_doc_string_and_metadata(tmp_path: Path) ->
     assert converted.data_type == TensorProto.FLOAT16
     assert converted.doc_string == "projection weight"
     assert [(p.key, p.value) for p in converted.metadata_props] == [("source", "layer0")]
+
+
+def test_ctrl_c_is_exit_130_and_leaves_the_previous_output(tmp_path: Path, monkeypatch, capsys) -> None:
+    """typer turns a KeyboardInterrupt into Exit(130), which click (not standalone) returns: main()
+    ignored it and a Ctrl-C exited 0, silently. Interrupted after the model is written (here in
+    --check), the output is removed and the file --overwrite was replacing comes back."""
+    from amp_rewrite import check
+    from amp_rewrite.cli import main
+
+    save(mlp(), tmp_path / "m.onnx")
+    (tmp_path / "out.onnx").write_bytes(b"previous")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(check, "check_cli", interrupted)
+    code = main([str(tmp_path / "m.onnx"), "-o", str(tmp_path / "out.onnx"), "--overwrite", "--check"])
+    assert code == 130
+    assert capsys.readouterr().err.strip() == "amp-rewrite: interrupted; no output was written"
+    assert (tmp_path / "out.onnx").read_bytes() == b"previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "out.onnx"]
