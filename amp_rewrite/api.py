@@ -308,9 +308,11 @@ def _copy_unchanged(src: Path, dst: Path, model: Model, external: bool, source_f
             shutil.copyfile(src, tmp)
             ordinary_mode(tmp)
             replace_into(Path(tmp), dst)
-        except OSError as exc:
+        except BaseException as exc:  # (a Ctrl-C too: nothing is left behind)
             Path(tmp).unlink(missing_ok=True)
-            raise OutputError(f"{dst}: writing failed ({exc.strerror or exc})") from exc
+            if isinstance(exc, OSError):
+                raise OutputError(f"{dst}: writing failed ({exc.strerror or exc})") from exc
+            raise
         return [dst]
     from .emitters.onnx_emitter import save_onnx
 

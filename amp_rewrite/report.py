@@ -334,7 +334,9 @@ def write_report(report: Report, path) -> None:
             f.write(text)
         ordinary_mode(tmp)
         os.replace(tmp, path)
-    except OSError as exc:
+    except BaseException as exc:  # (a failed or interrupted write leaves nothing behind)
         if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)  # (a failed write leaves nothing behind)
-        raise OutputError(f"{path}: cannot write the report ({exc.strerror or exc})") from exc
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise OutputError(f"{path}: cannot write the report ({exc.strerror or exc})") from exc
+        raise

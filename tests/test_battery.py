@@ -1167,3 +1167,30 @@ def test_ctrl_c_is_exit_130_and_leaves_the_previous_output(tmp_path: Path, monke
     assert capsys.readouterr().err.strip() == "amp-rewrite: interrupted; no output was written"
     assert (tmp_path / "out.onnx").read_bytes() == b"previous"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "out.onnx"]
+
+
+@pytest.mark.parametrize("where", ["copy of an unchanged model", "report"])
+def test_an_interrupted_write_leaves_no_temporary_file(tmp_path: Path, monkeypatch, capsys, where) -> None:
+    """The unchanged-model copy and the report writer removed their temporary file on OSError only:
+    a Ctrl-C while they wrote left .amp-rewrite-* / .amp-report-* in the output folder."""
+    import shutil
+
+    from amp_rewrite import files
+    from amp_rewrite.cli import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if where == "report":
+        save(mlp(), tmp_path / "m.onnx")
+        monkeypatch.setattr(files, "ordinary_mode", interrupted)  # (called on the temp file before the rename)
+        argv = [str(tmp_path / "m.onnx"), "-o", str(tmp_path / "out.onnx"), "--report", str(tmp_path / "r.json")]
+    else:
+        nodes = [helper.make_node("Add", ["a", "b"], ["c"], name="add")]
+        save(model(nodes, [vi("a", TensorProto.INT64), vi("b", TensorProto.INT64)], [vi("c", TensorProto.INT64)]),
+             tmp_path / "m.onnx")
+        real = shutil.copyfile
+        monkeypatch.setattr(shutil, "copyfile", lambda src, dst, **kw: (real(src, dst, **kw), interrupted()))
+        argv = [str(tmp_path / "m.onnx"), "-o", str(tmp_path / "out.onnx")]
+    assert main([*argv, "-q"]) == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
