@@ -1194,3 +1194,39 @@ def test_an_interrupted_write_leaves_no_temporary_file(tmp_path: Path, monkeypat
         argv = [str(tmp_path / "m.onnx"), "-o", str(tmp_path / "out.onnx")]
     assert main([*argv, "-q"]) == 130
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+@pytest.mark.parametrize("kind", ["rewritten", "nothing to rewrite"])
+def test_a_constant_stored_in_external_data_is_read_from_the_model_folder(tmp_path: Path, kind) -> None:
+    """A Constant's value in external data (onnx's convert_attribute=True) was read relative to the
+    working directory: exit 70 from elsewhere, or an unrelated w.bin there silently used as the
+    weight; and an output written to another folder pointed at the input's data file."""
+    from onnx.external_data_helper import convert_model_to_external_data
+
+    rng = np.random.default_rng(0)
+    if kind == "rewritten":
+        w = numpy_helper.from_array((rng.standard_normal((4, 4)) / 2).astype(np.float32), "wc")
+        c = numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "cc")
+        nodes = [helper.make_node("Constant", [], ["w"], name="const_w", value=w),
+                 helper.make_node("Constant", [], ["c"], name="const_c", value=c),
+                 helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+                 helper.make_node("Exp", ["h"], ["e"], name="exp"),
+                 helper.make_node("Add", ["e", "c"], ["y"], name="add")]  # (c stays FP32, outside)
+        proto, feeds = model(nodes, [vi("x")], [vi("y")]), {"x": feed()}
+    else:
+        c = numpy_helper.from_array(np.arange(4, dtype=np.int64), "cc")
+        nodes = [helper.make_node("Constant", [], ["c"], name="const_c", value=c),
+                 helper.make_node("Add", ["x", "c"], ["y"], name="add")]
+        proto = model(nodes, [vi("x", TensorProto.INT64, [4])], [vi("y", TensorProto.INT64, [4])])
+        feeds = {"x": np.arange(4, dtype=np.int64)}
+    convert_model_to_external_data(proto, location="w.bin", size_threshold=0, convert_attribute=True)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "out").mkdir()
+    onnx.save(proto, str(tmp_path / "sub" / "m.onnx"))
+    np.full(64, 100.0, np.float32).tofile(tmp_path / "w.bin")  # an unrelated file of that name where it runs
+    proc = run_cli(["sub/m.onnx", "-o", "out/o.onnx", "-q"], tmp_path)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    onnx.checker.check_model(str(tmp_path / "out" / "o.onnx"), full_check=True)
+    ref = run_onnx(tmp_path / "sub" / "m.onnx", feeds)["y"]
+    got = run_onnx(tmp_path / "out" / "o.onnx", feeds)["y"]
+    assert np.abs(got.astype(np.float64) - ref).max() <= 1e-2 * np.abs(ref).max()

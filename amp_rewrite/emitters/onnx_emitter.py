@@ -478,6 +478,27 @@ def _np_dtype(dtype: DType):
 
 
 # -- saving ----------------------------------------------------------------------------------------------
+def _inline_external_attributes(model: ir.Model) -> None:
+    """A node attribute's tensor stored outside (a Constant's ``value``, onnx's
+    ``convert_attribute=True``) is read into the node: onnx-ir writes only initializers to the
+    output's data file, and the output would point at the input's file by a path relative to a
+    folder it is not in."""
+    for graph in model.graphs():
+        for node in graph:
+            for key, attr in list(node.attributes.items()):
+                if attr.type == ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
+                    node.attributes[key] = ir.AttrTensor(key, _in_memory(attr.value))
+                elif attr.type == ir.AttributeType.TENSORS and any(isinstance(t, ir.ExternalTensor)
+                                                                 for t in attr.value):
+                    node.attributes[key] = ir.AttrTensors(key, [_in_memory(t) if isinstance(t, ir.ExternalTensor)
+                                                                else t for t in attr.value])
+
+
+def _in_memory(tensor: ir.ExternalTensor) -> ir.Tensor:
+    return ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name, doc_string=tensor.doc_string,
+                     metadata_props=dict(tensor.metadata_props) or None)
+
+
 def _restore_tensor_docs(model: ir.Model, path: Path) -> None:
     """onnx-ir's external-data writer drops a tensor's doc string and metadata; put them back in
     the written proto (only read and written again when some weight has them)."""
@@ -523,6 +544,7 @@ def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[P
         raise OutputError(f"{dst.parent}: cannot write here ({exc.strerror or exc})") from exc
     tmp = Path(tmpdir)
     written = []
+    _inline_external_attributes(model)
     try:
         if external:
             ir.save(model, tmp / dst.name, external_data=data_name, size_threshold_bytes=1024)

@@ -305,33 +305,44 @@ def _first_line(exc: BaseException) -> str:
 
 def _bind_external_data(graphs: list[ir.Graph], path: Path) -> frozenset[Path]:
     """Resolve external data next to the model file and fail early, naming the file, when it is
-    missing or shorter than declared. Returns the data files (resolved)."""
+    missing or shorter than declared: initializers' and node attributes' (a Constant's ``value``
+    stored outside, onnx's ``convert_attribute=True``). Returns the data files (resolved)."""
     base_dir = str(path.parent)
     sizes: dict[str, int] = {}
     files: set[Path] = set()
+
+    def bind(tensor, name: str) -> None:
+        if not isinstance(tensor, ir.ExternalTensor):
+            return
+        tensor.base_dir = base_dir
+        location = Path(tensor.base_dir) / tensor.location
+        if tensor.location.startswith("/") or ".." in Path(tensor.location).parts:
+            raise ModelLoadError(f"{path}: external data location {tensor.location!r} escapes the model folder")
+        key = str(location)
+        if key not in sizes:
+            if not location.exists():
+                raise ModelLoadError(
+                    f"{path}: external data file {tensor.location!r} for tensor {name!r} is missing "
+                    f"(expected next to the model in {location.parent})")
+            _check_not_linked_out(location, Path(tensor.base_dir), tensor.location, path)
+            sizes[key] = location.stat().st_size
+            files.add(location.resolve())
+        need = (tensor.offset or 0) + (tensor.length if tensor.length is not None else tensor.nbytes)
+        if need > sizes[key]:
+            raise ModelLoadError(
+                f"{path}: external data file {tensor.location!r} is too short for tensor {name!r} "
+                f"(needs {need} bytes, has {sizes[key]}); the file is truncated")
+
     for graph in graphs:
         for value in graph.initializers.values():
-            tensor = value.const_value
-            if not isinstance(tensor, ir.ExternalTensor):
-                continue
-            tensor.base_dir = base_dir
-            location = Path(tensor.base_dir) / tensor.location
-            if tensor.location.startswith("/") or ".." in Path(tensor.location).parts:
-                raise ModelLoadError(f"{path}: external data location {tensor.location!r} escapes the model folder")
-            key = str(location)
-            if key not in sizes:
-                if not location.exists():
-                    raise ModelLoadError(
-                        f"{path}: external data file {tensor.location!r} for tensor {value.name!r} is missing "
-                        f"(expected next to the model in {location.parent})")
-                _check_not_linked_out(location, Path(tensor.base_dir), tensor.location, path)
-                sizes[key] = location.stat().st_size
-                files.add(location.resolve())
-            need = (tensor.offset or 0) + (tensor.length if tensor.length is not None else tensor.nbytes)
-            if need > sizes[key]:
-                raise ModelLoadError(
-                    f"{path}: external data file {tensor.location!r} is too short for tensor {value.name!r} "
-                    f"(needs {need} bytes, has {sizes[key]}); the file is truncated")
+            bind(value.const_value, value.name)
+        for node in graph:
+            for attr in node.attributes.values():
+                if attr.type == ir.AttributeType.TENSOR:
+                    bind(attr.value, f"{node.name or node.op_type}.{attr.name}")
+                elif attr.type == ir.AttributeType.TENSORS:
+                    for tensor in attr.value:
+                        bind(tensor, f"{node.name or node.op_type}.{attr.name}")
     return frozenset(files)
 
 
