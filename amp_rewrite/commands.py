@@ -145,7 +145,24 @@ def _validate(args: CliArgs) -> None:
             raise OutputError(f"--report {args.report}: is {which}; choose another report path")
         if args.report.is_dir():
             raise OutputError(f"--report {args.report}: is a directory")
+        if args.report.exists() and model.parent in report.parents and report in _external_data_files(args.model):
+            raise OutputError(f"--report {args.report}: is a file the input model reads its external data from; "
+                              f"choose another report path")
         if args.report.exists() and not args.overwrite:
             raise OutputError(f"--report {args.report}: already exists; pass --overwrite to replace it")
     if args.training and args.target == "bf16" and not args.quiet:
         print("amp-rewrite: note: bf16 needs no loss scaling; loss-scale nodes are still added", file=sys.stderr)
+
+
+def _external_data_files(model: Path) -> set[Path]:
+    """The files an ONNX model's external tensors are stored in (resolved); empty if it cannot be
+    read (the load says why, later)."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
+
+    try:
+        proto = onnx.load(str(model), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not this check's error to report
+        return set()
+    return {(model.parent / ExternalDataInfo(t).location).resolve()
+            for t in _get_all_tensors(proto) if uses_external_data(t)}

@@ -1230,3 +1230,13 @@ def test_a_constant_stored_in_external_data_is_read_from_the_model_folder(tmp_pa
     ref = run_onnx(tmp_path / "sub" / "m.onnx", feeds)["y"]
     got = run_onnx(tmp_path / "out" / "o.onnx", feeds)["y"]
     assert np.abs(got.astype(np.float64) - ref).max() <= 1e-2 * np.abs(ref).max()
+
+
+def test_report_may_not_overwrite_the_inputs_external_data(tmp_path: Path) -> None:
+    """--report weights.md --overwrite, with the input's tensors stored in weights.md, replaced the
+    data file with the report: exit 0, and the input no longer loaded."""
+    save_external(mlp(), tmp_path / "m.onnx", location="weights.md")
+    before = snapshot(tmp_path)
+    proc = run_cli(["m.onnx", "-o", "out.onnx", "--report", "weights.md", "--overwrite"], tmp_path)
+    assert proc.returncode == 6 and "external data" in proc.stderr, proc.stderr
+    assert snapshot(tmp_path) == before
