@@ -212,7 +212,16 @@ def _make_plan(model: Any, ir_model: Any, loss: str, grads: Any, loss_grad: str 
 def _match_grads(grads: Any, outputs: list[str], loss: str) -> list[str]:
     if not grads:
         return []
-    patterns = [p.strip() for p in (grads.split(",") if isinstance(grads, str) else grads) if p.strip()]
+    if isinstance(grads, str):
+        # comma-separated globs; a re: pattern is taken whole (a regex may hold commas: x{1,2})
+        grads = [grads] if grads.strip().startswith("re:") else grads.split(",")
+    patterns = [p.strip() for p in grads if p.strip()]
+    from .rulebook import _pattern_problem
+
+    for p in patterns:
+        problem = _pattern_problem(p)
+        if problem:
+            raise UsageError(f"--grads: {problem}")
     matched: list[str] = []
     for name in outputs:
         if name == loss:

@@ -500,3 +500,14 @@ def test_make_training_graph_refuses_batchnorm_in_training_mode():
     model.eval()
     make_training_graph(model, (x,), (y,), loss_fn=F.mse_loss)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_grads_regex_is_checked_and_taken_whole(setup):
+    """--grads 're:grad.(' was an internal error (exit 70; --fp32-nodes says it is not a regex), and a
+    regex holding a comma was cut in two at it."""
+    _, proto = setup
+    with pytest.raises(UsageError, match=r"--grads: invalid regular expression 're:grad\.\('"):
+        rewrite_training_onnx_model(proto, loss="loss", grads="re:grad.(")
+    grads = [o.name for o in proto.graph.output[1:]]
+    m = rewrite_training_onnx_model(proto, loss="loss", grads=r"re:grad\.l[0-9]{1,3}\..*", target="fp16").model
+    assert training_info(m)["grads"] == grads
