@@ -139,13 +139,15 @@ def _validate(args: CliArgs) -> None:
     if not math.isfinite(args.tolerance) or args.tolerance <= 0:
         raise UsageError(f"--tolerance {args.tolerance}: must be a positive number")
     if args.report is not None and args.explain is None:
+        from .frontends.onnx_loader import external_data_files
+
         report, model, output = args.report.resolve(), args.model.resolve(), args.output_path().resolve()
         if report in (model, output):
             which = "the input model" if report == model else "the output model"
             raise OutputError(f"--report {args.report}: is {which}; choose another report path")
         if args.report.is_dir():
             raise OutputError(f"--report {args.report}: is a directory")
-        if args.report.exists() and model.parent in report.parents and report in _external_data_files(args.model):
+        if args.report.exists() and model.parent in report.parents and report in external_data_files(args.model):
             raise OutputError(f"--report {args.report}: is a file the input model reads its external data from; "
                               f"choose another report path")
         if args.report.exists() and not args.overwrite:
@@ -153,16 +155,3 @@ def _validate(args: CliArgs) -> None:
     if args.training and args.target == "bf16" and not args.quiet:
         print("amp-rewrite: note: bf16 needs no loss scaling; loss-scale nodes are still added", file=sys.stderr)
 
-
-def _external_data_files(model: Path) -> set[Path]:
-    """The files an ONNX model's external tensors are stored in (resolved); empty if it cannot be
-    read (the load says why, later)."""
-    import onnx
-    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
-
-    try:
-        proto = onnx.load(str(model), load_external_data=False)
-    except Exception:  # noqa: BLE001 - not this check's error to report
-        return set()
-    return {(model.parent / ExternalDataInfo(t).location).resolve()
-            for t in _get_all_tensors(proto) if uses_external_data(t)}

@@ -132,6 +132,8 @@ class NodeRule:
     source: str
 
     def matches(self, name: str) -> bool:
+        if name == self.pattern:  # the exact name first: 'layer[0]/mm' is a name before it is a glob
+            return True
         if self.pattern.startswith(_REGEX_PREFIX):
             return _compiled(self.pattern[len(_REGEX_PREFIX) :]).fullmatch(name) is not None
         if _GLOB_CHARS.intersection(self.pattern):

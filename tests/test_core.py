@@ -84,6 +84,19 @@ def test_fp32_overrides_keep_nodes_fp32(option, value):
         assert not result.modified
 
 
+def test_a_node_pattern_naming_no_node_is_said_and_an_exact_name_wins_over_its_glob_reading():
+    """--fp32-nodes '/Decoder/*' (a typo) pinned nothing, silently; and a node really named
+    'layer[0]/mm' could not be pinned by the name the report prints: '[0]' made it a glob."""
+    m = _mlp()
+    for i, n in enumerate(m.graph.node):
+        n.name = f"layer[0]/{n.op_type.lower()}_{i}"
+    result = rewrite(m, fp32_nodes=["layer[0]/matmul_0", "/Layer/*"])
+    assert _precisions(result)["layer[0]/matmul_0"] == "fp32"
+    unmatched = [n for n in result.log.notes if n.startswith("unmatched:")]
+    assert len(unmatched) == 1 and "'/Layer/*' names no node" in unmatched[0]
+    assert unmatched[0] in Report.from_log(result.log).summary_text()
+
+
 def test_fp16_ops_override_moves_a_deny_op_low():
     m = make_model("""
         <ir_version: 8, opset_import: ["" : 17]>

@@ -303,6 +303,19 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def external_data_files(model: Path) -> set[Path]:
+    """The files an ONNX model's external tensors are stored in (resolved), read from the proto
+    alone; empty if it cannot be read (loading it says why)."""
+    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
+
+    try:
+        proto = onnx.load(str(model), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not this check's error to report
+        return set()
+    return {(Path(model).parent / ExternalDataInfo(t).location).resolve()
+            for t in _get_all_tensors(proto) if uses_external_data(t)}
+
+
 def _bind_external_data(graphs: list[ir.Graph], path: Path) -> frozenset[Path]:
     """Resolve external data next to the model file and fail early, naming the file, when it is
     missing or shorter than declared: initializers' and node attributes' (a Constant's ``value``

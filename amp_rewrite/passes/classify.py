@@ -18,6 +18,8 @@ Cases handled:
 
 from __future__ import annotations
 
+import difflib
+
 from ..decisions import Category, Precision
 from ..ir import DType, Model, Node
 from ..rulebook import RuleEntry
@@ -34,7 +36,22 @@ def classify(model: Model, ctx: Context) -> PassResult:
     verdicts: dict[tuple, _Verdict] = {}  # per (op, domain, opset): the same for every such node
     for node in model.graph.walk():
         _classify_node(node, ctx, verdicts)
+    _note_unmatched_node_rules(model, ctx)
     return PassResult("classify", modified=False)
+
+
+def _note_unmatched_node_rules(model: Model, ctx: Context) -> None:
+    """A node pattern that names no node (a typo, another model's names) pins nothing: say so."""
+    rules = ctx.rules.node_rules()
+    if not rules:
+        return
+    names = {n for node in model.graph.walk() for n in (node.name, node.meta.get("amp.label")) if n}
+    for rule in rules:
+        if not any(rule.matches(name) for name in names):
+            close = difflib.get_close_matches(rule.pattern, sorted(names), n=3, cutoff=0.6)
+            hint = f" (closest: {', '.join(close)})" if close else ""
+            ctx.log.notes.append(f"unmatched: {rule.source} {rule.pattern!r} names no node of this model, so it "
+                                 f"pins nothing{hint}")
 
 
 def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -> None:
@@ -100,7 +117,11 @@ def _fix_fp32(node: Node, category: Category, reason: str, source: str) -> None:
 
 
 def _lookup(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -> _Verdict:
-    node_rule = ctx.rules.node_rule(node.name or node_label(node))  # unnamed nodes match by label "Op:output"
+    # unnamed nodes match by label "Op:output"; a body node labelled with its scope, by either
+    label = node.meta.get("amp.label") or node_label(node)
+    node_rule = ctx.rules.node_rule(node.name or label)
+    if node_rule is None and node.name and label != node.name:
+        node_rule = ctx.rules.node_rule(label)
     if node_rule is not None:
         if node_rule.precision == Precision.FP32:
             return Category.DENY, f"node rule {node_rule.pattern!r} keeps it FP32", node_rule.source, None
