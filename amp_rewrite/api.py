@@ -274,10 +274,10 @@ def _check_output(src: Path, dst: Path, overwrite: bool) -> None:
         raise OutputError(f"{dst.parent}: output folder does not exist")
     if src.exists() and dst.exists() and dst.resolve() == src.resolve():
         raise OutputError(f"{dst}: the output would replace the input; choose another -o (the input is never modified)")
+    if dst.is_dir():  # (before "exists": --overwrite would not help)
+        raise OutputError(f"{dst}: is a directory; -o takes the output file's path (e.g. {dst / (src.stem + '.fp16.onnx')})")
     if dst.exists() and not overwrite:
         raise OutputError(f"{dst}: already exists; pass --overwrite to replace it")
-    if dst.exists() and dst.is_dir():
-        raise OutputError(f"{dst}: is a directory")
     if not os.access(dst.parent, os.W_OK):
         raise OutputError(f"{dst.parent}: not writable")
 

@@ -368,7 +368,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
         problem = "is a directory, not a rule file" if path.is_dir() else "file not found"
         raise RuleFileError(shown, "(file)", problem)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # (a byte-order mark, as some editors write, is no TOML)
     except (OSError, UnicodeDecodeError) as exc:
         raise RuleFileError(shown, "(file)", f"cannot read it: {exc}") from exc
     return _parse_text(text, shown)

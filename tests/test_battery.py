@@ -774,6 +774,27 @@ def case_output_is_directory(d: Path) -> Case:
     return Case(["m.onnx", "-o", "out.onnx", "--overwrite"], 6, r"is a directory", inputs=["m.onnx"])
 
 
+def case_output_is_directory_without_overwrite(d: Path) -> Case:
+    """It said "already exists; pass --overwrite", which then failed with "is a directory"."""
+    save(mlp(), d / "m.onnx")
+    (d / "out").mkdir()
+    return Case(["m.onnx", "-o", "out"], 6, r"out: is a directory; -o takes the output file's path", inputs=["m.onnx"])
+
+
+def case_input_is_a_fifo(d: Path) -> Case:
+    """A pipe reports size 0: it was "the file is empty"."""
+    os.mkfifo(d / "m.onnx")
+    return Case(["m.onnx"], 3, r"m\.onnx: is not a regular file")
+
+
+def case_rules_with_a_byte_order_mark(d: Path) -> Case:
+    """A UTF-8 byte-order mark (some editors write one) was "line 1: TOML syntax error"."""
+    save(mlp(), d / "m.onnx")
+    (d / "r.toml").write_bytes('\ufeff[deny]\nRelu = "kept FP32 here"\n'.encode("utf-8"))
+    return Case(["m.onnx", "--rules", "r.toml", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx", "r.toml"],
+                feeds={"x": feed()})
+
+
 def case_output_parent_is_file(d: Path) -> Case:
     save(mlp(), d / "m.onnx")
     (d / "afile").write_bytes(b"x")

@@ -286,6 +286,8 @@ def _read_path(path: Path, *, infer_shapes: bool = False
         raise ModelLoadError(f"{path}: is a directory, expected an .onnx file")
     if not os.access(path, os.R_OK):
         raise ModelLoadError(f"{path}: not readable (check permissions)")
+    if not path.is_file():  # a pipe (<(...)), a FIFO, a device: its size says nothing
+        raise ModelLoadError(f"{path}: is not a regular file (a pipe or device); save the model to a file first")
     if path.stat().st_size == 0:
         raise ModelLoadError(f"{path}: the file is empty")
     try:
