@@ -1002,6 +1002,19 @@ def test_a_misspelt_fp32_input_name_of_a_contrib_op_is_a_rule_file_error(tmp_pat
     assert run_cli(["m.onnx", "-o", "out.onnx", "--rules", "r.toml"], tmp_path).returncode == 0
 
 
+def test_an_fp32_input_index_past_the_ops_inputs_is_a_rule_file_error(tmp_path: Path) -> None:
+    """fp32_inputs = [5] on MatMul (inputs 0..1) pinned nothing, silently, while a misspelt name was
+    an error. Variadic ops (Concat) take any index."""
+    save(mlp(), tmp_path / "m.onnx")
+    (tmp_path / "r.toml").write_text('[allow.MatMul]\nreason = "gemm"\nfp32_inputs = [1, 5]\n')
+    proc = run_cli(["m.onnx", "-o", "out.onnx", "--rules", "r.toml"], tmp_path)
+    assert proc.returncode == 4, proc.stderr
+    assert re.search(r"r\.toml: allow\.MatMul\.fp32_inputs: input index 5 is out of range: MatMul takes at most 2 "
+                     r"inputs \(indices 0\.\.1\)", proc.stderr), proc.stderr
+    (tmp_path / "r.toml").write_text('[clear.Concat]\nreason = "joins"\nfp32_inputs = [7]\n')
+    assert run_cli(["m.onnx", "-o", "out.onnx", "--rules", "r.toml"], tmp_path).returncode == 0
+
+
 @pytest.mark.parametrize("typed, meant", [("relu", "Relu"), ("tanh", "Tanh"), ("gelu", "Gelu")])
 def test_an_op_in_the_wrong_case_is_suggested_in_the_right_one(tmp_path: Path, typed: str, meant: str) -> None:
     """'relu' got "did you mean 'Selu'?": the fuzzy match ran before the case-insensitive one."""

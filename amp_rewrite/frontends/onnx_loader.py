@@ -812,12 +812,41 @@ def check_rule_input_names(book) -> None:
     for entry in book.entries():
         names = [item for item in entry.fp32_inputs if isinstance(item, str)]
         known = _schema_input_names(entry.op, entry.domain) if names else ()
+        shown, _, key = entry.source.partition(": ")
         for name in names:
             if known and name not in known:
-                shown, _, key = entry.source.partition(": ")
                 close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
                 raise RuleFileError(shown, f"{key}.fp32_inputs", f"{name!r} is not an input of {entry.op} (its "
                                     f"inputs: {', '.join(known)})", close[0] if close else None)
+        indices = [item for item in entry.fp32_inputs if isinstance(item, int)]
+        most = _schema_max_inputs(entry.op, entry.domain) if indices else None
+        for index in indices:
+            if most is not None and index >= most:
+                raise RuleFileError(shown, f"{key}.fp32_inputs", f"input index {index} is out of range: {entry.op} "
+                                    f"takes at most {most} input{'s' if most != 1 else ''} (indices 0..{most - 1})")
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_max_inputs(op: str, domain: str) -> int | None:
+    """The most inputs any schema of the op has had (onnx's, else onnxruntime's); None where no
+    schema knows the op or one takes any number (a variadic last input)."""
+    try:
+        newest = onnx.defs.get_schema(op, domain).since_version
+        schemas = []
+        for version in range(1, newest + 1):
+            try:
+                schemas.append(onnx.defs.get_schema(op, version, domain))
+            except onnx.defs.SchemaError:
+                continue
+    except onnx.defs.SchemaError:
+        try:
+            from onnxruntime.capi import _pybind_state
+
+            schemas = [s for s in _pybind_state.get_all_operator_schema() if s.name == op and s.domain == domain]
+        except (ImportError, AttributeError, RuntimeError):
+            return None
+    most = max((s.max_input for s in schemas), default=None)
+    return None if most is None or most >= 2**31 - 1 else most
 
 
 @functools.lru_cache(maxsize=None)
