@@ -617,17 +617,20 @@ def _cli_layer(
 ) -> _Layer | None:
     if not (fp32_ops or low_ops or fp32_nodes or low_nodes):
         return None
-    both = sorted(set(fp32_ops) & set(low_ops))
-    if both:
-        raise UsageError(f"{', '.join(both)} named in both {_CLI_FP32_OPS} and {_CLI_LOW_OPS}")
     entries: dict[tuple[str, str], tuple[RuleEntry, ...]] = {}
+    spelt: dict[tuple[str, str], str] = {}
     for flag, category, names in (
         (_CLI_FP32_OPS, Category.DENY, fp32_ops),
         (_CLI_LOW_OPS, Category.ALLOW, low_ops),
     ):
         for name in names:
             entry = _cli_entry(frontend, flag, category, name)
-            entries[(entry.domain, entry.op)] = (entry,)
+            key = (entry.domain, entry.op)
+            if key in entries and entries[key][0].category is not category:  # (Softmax and ai.onnx:Softmax too)
+                raise UsageError(f"{spelt[key]} and {name} name the same op in both {_CLI_FP32_OPS} and {_CLI_LOW_OPS}"
+                                 if spelt[key] != name else f"{name} named in both {_CLI_FP32_OPS} and {_CLI_LOW_OPS}")
+            entries[key] = (entry,)
+            spelt[key] = name
     nodes = _cli_node_rules(fp32_nodes, Precision.FP32, _CLI_FP32_NODES)
     nodes += _cli_node_rules(low_nodes, Precision.LOW, _CLI_LOW_NODES)
     return _Layer(
@@ -646,6 +649,8 @@ def _cli_layer(
 
 def _cli_entry(frontend: str, flag: str, category: Category, name: str) -> RuleEntry:
     domain, _, op = name.rpartition(":")
+    if ":" in domain:
+        raise UsageError(f"{flag}: {name!r} is not an op: write OP or DOMAIN:OP (e.g. com.microsoft:FusedMatMul)")
     domain = _canonical_domain(domain)
     known = _known_ops(frontend)
     if not op or (not domain and op not in known):

@@ -329,6 +329,19 @@ def test_cli_op_in_both_lists_is_an_error():
         load_rules(fp32_ops=["Softmax"], low_ops=["Softmax"])
 
 
+@pytest.mark.parametrize("fp32, low", [("Softmax", "ai.onnx:Softmax"), (":Softmax", "Softmax")])
+def test_cli_op_in_both_lists_under_two_spellings_is_an_error(fp32, low):
+    """The check compared the raw strings: --fp32-ops Softmax --fp16-ops ai.onnx:Softmax passed and
+    the low entry won, silently."""
+    with pytest.raises(UsageError, match=r"name the same op in both --fp32-ops and --fp16-ops"):
+        load_rules(fp32_ops=[fp32], low_ops=[low])
+
+
+def test_cli_op_with_two_domain_separators_is_an_error():
+    with pytest.raises(UsageError, match=r"'a:b:Softmax' is not an op: write OP or DOMAIN:OP"):
+        load_rules(fp32_ops=["a:b:Softmax"])
+
+
 def test_cli_bad_regex_is_an_error():
     with pytest.raises(UsageError, match="--fp32-nodes"):
         load_rules(fp32_nodes=["re:(unclosed"])
