@@ -154,4 +154,3 @@ def _validate(args: CliArgs) -> None:
             raise OutputError(f"--report {args.report}: already exists; pass --overwrite to replace it")
     if args.training and args.target == "bf16" and not args.quiet:
         print("amp-rewrite: note: bf16 needs no loss scaling; loss-scale nodes are still added", file=sys.stderr)
-
