@@ -828,58 +828,44 @@ def check_rule_input_names(book) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _schema_max_inputs(op: str, domain: str) -> int | None:
-    """The most inputs any schema of the op has had (onnx's, else onnxruntime's); None where no
-    schema knows the op or one takes any number (a variadic last input)."""
-    try:
-        newest = onnx.defs.get_schema(op, domain).since_version
-        schemas = []
-        for version in range(1, newest + 1):
-            try:
-                schemas.append(onnx.defs.get_schema(op, version, domain))
-            except onnx.defs.SchemaError:
-                continue
-    except onnx.defs.SchemaError:
-        try:
-            from onnxruntime.capi import _pybind_state
-
-            schemas = [s for s in _pybind_state.get_all_operator_schema() if s.name == op and s.domain == domain]
-        except (ImportError, AttributeError, RuntimeError):
-            return None
-    most = max((s.max_input for s in schemas), default=None)
+    """The most inputs any schema of the op has had; None where no schema knows the op or one
+    takes any number (a variadic last input)."""
+    most = max((s.max_input for s in _all_schemas(op, domain)), default=None)
     return None if most is None or most >= 2**31 - 1 else most
 
 
 @functools.lru_cache(maxsize=None)
 def _schema_input_names(op: str, domain: str) -> tuple[str, ...]:
-    """Every input name the op's schemas have had, oldest first; for an op onnx has no schema for
-    (onnxruntime's contrib ops), onnxruntime's own schemas; () where neither knows the op."""
+    """Every input name the op's schemas have had, oldest first; () where no schema knows the op."""
     names: list[str] = []
+    for schema in _all_schemas(op, domain):
+        names += [f.name for f in schema.inputs if f.name not in names]
+    return tuple(names)
+
+
+@functools.lru_cache(maxsize=None)
+def _all_schemas(op: str, domain: str) -> tuple:
+    """Every schema the op has had, oldest first: onnx's, or for an op onnx has no schema for
+    (onnxruntime's contrib ops, com.microsoft and others) onnxruntime's own; () where neither knows it."""
     try:
         newest = onnx.defs.get_schema(op, domain).since_version
     except onnx.defs.SchemaError:
-        return _runtime_schema_input_names(op, domain)
+        try:
+            from onnxruntime.capi import _pybind_state
+
+            schemas = _pybind_state.get_all_operator_schema()
+        except (ImportError, AttributeError, RuntimeError):
+            return ()
+        return tuple(sorted((s for s in schemas if s.name == op and s.domain == domain), key=lambda s: s.since_version))
+    found = []
     for version in range(1, newest + 1):
         try:
             schema = onnx.defs.get_schema(op, version, domain)
         except onnx.defs.SchemaError:
             continue
-        names += [f.name for f in schema.inputs if f.name not in names]
-    return tuple(names)
-
-
-def _runtime_schema_input_names(op: str, domain: str) -> tuple[str, ...]:
-    """Input names of an op onnxruntime registers (com.microsoft and other contrib domains), oldest
-    schema first; () without onnxruntime or for an op it does not know either."""
-    try:
-        from onnxruntime.capi import _pybind_state
-
-        schemas = _pybind_state.get_all_operator_schema()
-    except (ImportError, AttributeError, RuntimeError):
-        return ()
-    names: list[str] = []
-    for schema in sorted((s for s in schemas if s.name == op and s.domain == domain), key=lambda s: s.since_version):
-        names += [f.name for f in schema.inputs if f.name not in names]
-    return tuple(names)
+        if not found or found[-1].since_version != schema.since_version:
+            found.append(schema)
+    return tuple(found)
 
 
 def _declared_type_conflict(node: Node, group: str, first: Value, other: Value) -> str:
