@@ -132,3 +132,19 @@ def overflow_model() -> onnx.ModelProto:
           y = ReduceMean<axes=[-1], keepdims=1>(c)
         }""", {"w": np.full((64, 64), 30000.0, np.float32), "w2": np.eye(64, dtype=np.float32)},
         ir_version=IR_VERSION)
+
+
+def branches_sharing_a_node_name() -> onnx.ModelProto:
+    """An If whose branches both hold a node named 'mm' (a MatMul, an Exp): valid ONNX, names are
+    unique per graph."""
+    m = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (bool cond, float[4,8] x) => (float[4,8] y) {
+          y = If(cond) <
+            then_branch = t () => (float[4,8] r) { r = MatMul(x, w) },
+            else_branch = e () => (float[4,8] r2) { r2 = Exp(x) }
+          >
+        }""", {"w": (8, 8)})
+    branches = {a.name: a.g for a in m.graph.node[0].attribute}
+    branches["then_branch"].node[0].name = branches["else_branch"].node[0].name = "mm"
+    return m

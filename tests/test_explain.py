@@ -8,7 +8,7 @@ import sys
 import onnx
 import pytest
 
-from report_models import LAYERNORM_NODES, block_model
+from report_models import LAYERNORM_NODES, block_model, branches_sharing_a_node_name
 from util import ROOT, make_model
 
 from amp_rewrite.cli import main
@@ -150,16 +150,7 @@ def test_explain_finds_a_node_by_its_output_name_as_the_model_has_it(tmp_path):
 def test_a_name_two_scopes_share_asks_for_one_of_their_labels(tmp_path):
     """Both If branches hold a node 'mm'; the report labels each with its scope. --explain mm said
     "no node of that name" while listing both labels as the closest."""
-    m = make_model("""
-        <ir_version: 9, opset_import: ["" : 17]>
-        g (bool cond, float[4,8] x) => (float[4,8] y) {
-          y = If(cond) <
-            then_branch = t () => (float[4,8] r) { r = MatMul(x, w) },
-            else_branch = e () => (float[4,8] r2) { r2 = Exp(x) }
-          >
-        }""", {"w": (8, 8)})
-    branches = {a.name: a.g for a in m.graph.node[0].attribute}
-    branches["then_branch"].node[0].name = branches["else_branch"].node[0].name = "mm"
+    m = branches_sharing_a_node_name()
     onnx.save(m, tmp_path / "m.onnx")
     with pytest.raises(UsageError, match=r"2 nodes of .* have that name.*label: If:y\.t/mm, If:y\.e/mm$"):
         explain_node(tmp_path / "m.onnx", "mm")

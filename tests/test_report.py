@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import pytest
 
-from report_models import LAYERNORM_NODES, block_model, block_with_mask_constant, chain_model
+from report_models import LAYERNORM_NODES, block_model, block_with_mask_constant, branches_sharing_a_node_name, chain_model
 from util import ROOT, make_model, rewrite
 
 from amp_rewrite.api import rewrite_onnx
@@ -421,16 +421,7 @@ def test_nodes_sharing_a_name_in_two_bodies_are_both_reported():
     import amp_rewrite
     from amp_rewrite.explain import explain_node
 
-    m = make_model("""
-        <ir_version: 9, opset_import: ["" : 17]>
-        g (bool cond, float[4,8] x) => (float[4,8] y) {
-          y = If(cond) <
-            then_branch = t () => (float[4,8] r) { r = MatMul(x, w) },
-            else_branch = e () => (float[4,8] r2) { r2 = Exp(x) }
-          >
-        }""", {"w": (8, 8)})
-    branches = {a.name: a.g for a in m.graph.node[0].attribute}
-    branches["then_branch"].node[0].name = branches["else_branch"].node[0].name = "mm"
+    m = branches_sharing_a_node_name()
     out, report = amp_rewrite.rewrite(m, report=True)
     by_op = {n["op"]: n for n in report.to_dict()["nodes"]}
     assert by_op["MatMul"]["node"] != by_op["Exp"]["node"]
