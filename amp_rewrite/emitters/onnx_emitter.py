@@ -483,8 +483,12 @@ def _inline_external_attributes(model: ir.Model) -> None:
     ``convert_attribute=True``) is read into the node: onnx-ir writes only initializers to the
     output's data file, and the output would point at the input's file by a path relative to a
     folder it is not in."""
+    from ..frontends.onnx_loader import _may_hold_tensors
+
     for graph in model.graphs():
         for node in graph:
+            if not _may_hold_tensors(node):
+                continue
             for key, attr in list(node.attributes.items()):
                 if attr.type == ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
                     node.attributes[key] = ir.AttrTensor(key, _in_memory(attr.value))

@@ -352,6 +352,8 @@ def _bind_external_data(graphs: list[ir.Graph], path: Path) -> frozenset[Path]:
         for value in graph.initializers.values():
             bind(value.const_value, value.name)
         for node in graph:
+            if not _may_hold_tensors(node):
+                continue
             for attr in node.attributes.values():
                 if attr.type == ir.AttributeType.TENSOR:
                     bind(attr.value, f"{node.name or node.op_type}.{attr.name}")
@@ -359,6 +361,12 @@ def _bind_external_data(graphs: list[ir.Graph], path: Path) -> frozenset[Path]:
                     for tensor in attr.value:
                         bind(tensor, f"{node.name or node.op_type}.{attr.name}")
     return frozenset(files)
+
+
+def _may_hold_tensors(node: ir.Node) -> bool:
+    """Whether a node's attributes may hold a tensor: in the default domain only Constant's and
+    ConstantOfShape's do (checked by op type: walking every attribute of a 100k-node graph costs)."""
+    return node.op_type in ("Constant", "ConstantOfShape") or node.domain not in ("", "ai.onnx")
 
 
 def _check_not_linked_out(location: Path, folder: Path, written: str, path: Path) -> None:
