@@ -62,6 +62,11 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
         raise UsageError(f"rewrite() got unknown option(s) {', '.join(unknown)} for a torch model")
     if capture not in CAPTURES:
         raise UsageError(f"unknown capture {capture!r}: choose one of {', '.join(CAPTURES)}")
+    if loss_output is not None and not training:
+        raise UsageError("loss_output names the loss to scale for training: pass training=True with it (or drop it)")
+    if decompose and capture == "symbolic_trace":
+        raise UsageError("decompose=True decomposes a torch.export capture into aten ops; symbolic_trace makes "
+                         "no such graph: use capture='export' (or 'auto'), or drop decompose")
     example_inputs = _as_tuple(example_inputs)
     notes: list[str] = []
     gm, how = capture_graph(obj, example_inputs, example_kwargs, capture=capture, decompose=decompose, notes=notes)

@@ -707,6 +707,11 @@ def test_training_options_that_would_scale_the_wrong_thing_are_refused():
         amp_rewrite.rewrite(TwoOutputs(), example_inputs=(x, y), training=True, loss_output=1, target="bf16")
     with pytest.raises(UsageError, match="drop keep_io_types=False"):
         amp_rewrite.rewrite(TwoOutputs(), example_inputs=(x, y), training=True, keep_io_types=False, target="bf16")
+    # (accepted silently before: no loss was scaled, and no decomposition happened)
+    with pytest.raises(UsageError, match=r"loss_output names the loss to scale for training: pass training=True"):
+        amp_rewrite.rewrite(TwoOutputs(), example_inputs=(x, y), loss_output=0, target="bf16")
+    with pytest.raises(UsageError, match=r"decompose=True decomposes a torch.export capture"):
+        amp_rewrite.rewrite(TwoOutputs(), example_inputs=(x, y), capture="symbolic_trace", decompose=True)
 
 
 def test_load_state_dict_clamps_and_explains():
