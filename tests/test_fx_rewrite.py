@@ -997,6 +997,17 @@ def test_both_branches_of_torch_cond_are_rewritten() -> None:
         assert ((y - ref).abs().max() / ref.abs().max()).item() <= TOL["bf16"]
 
 
+def test_a_node_pattern_naming_only_a_branch_node_is_not_called_unmatched() -> None:
+    """Node patterns also apply inside the bodies; one that named only a branch's node pinned it
+    but was reported as naming no node, since the main graph's check had not seen the bodies."""
+    model, x = Branches(), torch.randn(2, 16)
+    _, report = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", report=True,
+                                    fp32_nodes=["linear", "no_such_node"])
+    assert report.log.decisions["true_graph_0/linear"].precision == Precision.FP32
+    unmatched = [n for n in report.log.notes if n.startswith("unmatched:")]
+    assert len(unmatched) == 1 and "'no_such_node'" in unmatched[0]
+
+
 def test_an_autocast_region_is_left_as_written() -> None:
     """torch decides the precision inside an autocast region at run time; enabled=False keeps it
     FP32 on purpose, so its body is not rewritten (the code outside it is)."""
