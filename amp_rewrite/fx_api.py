@@ -269,18 +269,19 @@ def _merge_body_log(log: Any, body: Any, scope: str) -> None:
                                                members=[name(m) for m in fusion.members]))
     for op, count in body.unlisted_ops.items():
         log.unlisted_ops[op] = log.unlisted_ops.get(op, 0) + count
-    # a node pattern is unmatched only if it names no node in the graph nor in any body
+    for field in dataclasses.fields(log.weights):
+        mine, theirs = getattr(log.weights, field.name), getattr(body.weights, field.name)
+        setattr(log.weights, field.name, mine + theirs)
+    # a node pattern is unmatched only if it names no node in the graph nor in any body (the
+    # enclosing graph's note says so once; the body's own is not repeated)
     still = {_unmatched_rule(n) for n in body.notes if n.startswith("unmatched:")}
     log.notes[:] = [n for n in log.notes if not n.startswith("unmatched:") or _unmatched_rule(n) in still]
+    log.notes.extend(f"{scope}: {note}" for note in body.notes if not note.startswith("unmatched:"))
+    log.operand_shapes.update({name(k): v for k, v in body.operand_shapes.items()})
 
 
 def _unmatched_rule(note: str) -> str:
     return note.split(" names no node", 1)[0]  # ("unmatched: <source> '<pattern>'")
-    for field in dataclasses.fields(log.weights):
-        mine, theirs = getattr(log.weights, field.name), getattr(body.weights, field.name)
-        setattr(log.weights, field.name, mine + theirs)
-    log.notes.extend(f"{scope}: {note}" for note in body.notes)
-    log.operand_shapes.update({name(k): v for k, v in body.operand_shapes.items()})
 
 
 # -- capture --------------------------------------------------------------------------------------------------
