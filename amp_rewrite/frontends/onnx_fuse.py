@@ -53,7 +53,7 @@ from typing import Any
 
 from ..decisions import Category, FusionRecord
 from ..ir import DType, Graph, Model, Node, Value
-from ..passes.base import Context, PassResult, node_label
+from ..passes.base import Context, PassResult, node_label, node_rule_of
 from ..passes.classify import missing_low_kernel
 from ..passes.place_casts import Namer
 from .onnx_loader import schema_slots
@@ -353,7 +353,7 @@ def _closed(match: _Match) -> bool:
 
 
 def _pinned(match: _Match, ctx: Context) -> bool:
-    return any(ctx.rules.node_rule(n.name or node_label(n)) is not None for n in match.members)
+    return any(node_rule_of(ctx.rules, n) is not None for n in match.members)
 
 
 def _residual_operands(x: Value, shapes: "SymbolicShapes") -> list[Value] | None:

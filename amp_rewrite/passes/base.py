@@ -131,6 +131,16 @@ def participates(node: Node) -> bool:
     return bool(node.meta.get("amp.participates"))
 
 
+def node_rule_of(rules, node: Node):
+    """The node rule forcing ``node``: by its name (an unnamed node by its label "Op:output"), or
+    for a body node labelled with its scope (``If:y.then_branch/mm``) by that label too."""
+    label = node_label(node)
+    rule = rules.node_rule(node.name or label)
+    if rule is None and node.name and label != node.name:
+        rule = rules.node_rule(label)
+    return rule
+
+
 def node_label(node: Node) -> str:
     """A stable identifier for reports: the node name, else op and first output name (as it was
     before the rewrite renamed anything: classify fixes it in ``amp.label``)."""

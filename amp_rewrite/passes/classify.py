@@ -23,7 +23,7 @@ import difflib
 from ..decisions import Category, Precision
 from ..ir import DType, Model, Node
 from ..rulebook import RuleEntry
-from .base import Context, PassResult, is_float32, node_label, painted_group
+from .base import Context, PassResult, is_float32, node_label, node_rule_of, painted_group
 
 _CONTROL = "control flow: its boundary types are kept and each body is rewritten as a scope of its own"
 _SOURCES = {"Cast", "Constant"}  # handled by cast folding and weight conversion, not painting
@@ -117,11 +117,7 @@ def _fix_fp32(node: Node, category: Category, reason: str, source: str) -> None:
 
 
 def _lookup(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -> _Verdict:
-    # unnamed nodes match by label "Op:output"; a body node labelled with its scope, by either
-    label = node.meta.get("amp.label") or node_label(node)
-    node_rule = ctx.rules.node_rule(node.name or label)
-    if node_rule is None and node.name and label != node.name:
-        node_rule = ctx.rules.node_rule(label)
+    node_rule = node_rule_of(ctx.rules, node)
     if node_rule is not None:
         if node_rule.precision == Precision.FP32:
             return Category.DENY, f"node rule {node_rule.pattern!r} keeps it FP32", node_rule.source, None
