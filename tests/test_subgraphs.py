@@ -615,3 +615,29 @@ def test_a_body_value_shadowing_an_outer_name_is_typed_and_painted():
         ref, got = run_onnx(model, feeds)["y"], run_onnx(out, feeds)["y"]
         assert np.abs(got.astype(np.float32) - ref).max() <= 2e-2 * (1 + np.abs(ref).max())
     assert not rewrite_onnx_model(out).modified, "a second rewrite changed the model"
+
+
+def test_cast_names_do_not_depend_on_memory_addresses(monkeypatch):
+    """Casts of one value for several scopes (an If's two branches and the main graph) were ordered
+    by id(scope), a memory address: the ``_1``/``_2`` suffixes moved between runs, so the same
+    command wrote a different model each time and --explain could describe another Cast than the
+    report. Reversing the address order must not change the output."""
+    import builtins
+
+    import amp_rewrite.passes.place_casts as pc
+
+    def branch(tag):
+        return body(f"{tag}_g", [helper.make_node("MatMul", ["x", "w"], [f"m_{tag}"], name="mm"),
+                                 helper.make_node("Relu", [f"m_{tag}"], [f"o_{tag}"], name="relu")],
+                    [], [vi(f"o_{tag}", shape=(2, 4))])
+
+    model = make([helper.make_node("MatMul", ["x", "w"], ["top"], name="top"),
+                  helper.make_node("If", ["c"], ["ifo"], name="the_if", then_branch=branch("then"),
+                                   else_branch=branch("else")),
+                  helper.make_node("Add", ["ifo", "top"], ["y"], name="add")],
+                 [vi("x"), vi("c", T.BOOL, ())], [vi("y")], [weight("w")])
+    outputs = []
+    for sign in (1, -1):
+        monkeypatch.setattr(pc, "id", lambda o, s=sign: s * builtins.id(o), raising=False)
+        outputs.append(rewrite_onnx_model(model).model.SerializeToString())
+    assert outputs[0] == outputs[1]

@@ -302,7 +302,9 @@ class _Placer:
             scope = use.node.graph if use.node is not None else value.graph
             scopes[id(scope)] = scope
             groups.setdefault((use.need, id(scope)), []).append(use)
-        for (need, scope_id), members in sorted(groups.items(), key=lambda kv: (int(kv[0][0]), kv[0][1])):
+        # by type, then in the order the uses came (stable): never by id(scope), a memory address that
+        # would make the Cast names (and so the written model) differ from run to run
+        for (need, scope_id), members in sorted(groups.items(), key=lambda kv: int(kv[0][0])):
             self._insert_one(value, need, scopes[scope_id], members, replaces)
 
     def _insert_one(self, value: Value, need: DType, scope: Graph, uses: list[_Use], replaces: Value | None) -> None:
