@@ -435,3 +435,43 @@ def test_nodes_sharing_a_name_in_two_bodies_are_both_reported():
         onnx.save(m, f"{tmp}/m.onnx")
         text = explain_node(f"{tmp}/m.onnx", by_op["Exp"]["node"])
         assert "Exp" in text
+
+
+def test_branches_whose_graphs_share_a_name_keep_every_node_apart():
+    """Both If branches may be graphs of the same name (valid ONNX): the scope label came from the
+    graph's name, so the then-branch's nodes took the else-branch's labels and dropped out of the
+    report. The label names the attribute (then_branch/else_branch) instead."""
+    import amp_rewrite
+
+    m = branches_sharing_a_node_name()
+    branches = [a.g for a in m.graph.node[0].attribute]
+    for g in branches:
+        g.name = "br"
+    out, report = amp_rewrite.rewrite(m, report=True)
+    labels = sorted(n["node"] for n in report.to_dict()["nodes"] if n["op"] != "If")
+    assert labels == ["If:y.else_branch/mm", "If:y.then_branch/mm"]
+    assert report.to_dict()["summary"]["nodes_total"] == 3
+    assert Report.from_model(out).to_dict()["nodes"] == report.to_dict()["nodes"]
+
+
+def test_a_name_equal_to_another_nodes_made_up_label_keeps_both_nodes():
+    """An unnamed node is labelled ``Op:first-output``; a node really named that took the same label,
+    so one of the two vanished from the report and its alignment table broke the schema. The named
+    node keeps its name; the unnamed one takes ``#2``."""
+    import amp_rewrite
+
+    m = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[1,1] y) {
+          a = MatMul(x, w)
+          c = Relu(a)
+          y = ReduceSum<keepdims=1>(c)
+        }""", {"w": (8, 8)})
+    m.graph.node[0].name = "Relu:c"
+    out, report = amp_rewrite.rewrite(m, report=True)
+    d = report.to_dict()
+    validate(d)
+    ops = {n["node"]: n["op"] for n in d["nodes"]}
+    assert ops == {"Relu:c": "MatMul", "Relu:c#2": "Relu", "ReduceSum:y": "ReduceSum"}
+    assert d["summary"]["nodes_total"] == 3
+    assert Report.from_model(out).to_dict()["nodes"] == d["nodes"]

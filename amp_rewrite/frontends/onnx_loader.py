@@ -97,7 +97,7 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     model.meta["onnx.sorted_on_load"] = unsorted
     if nested:
         _unique_value_names(model.graph)
-        _scoped_labels(model.graph)
+    _unique_labels(model.graph)
     model.meta["ir_version"] = ir_model.ir_version
     if proto is not None and len(proto.training_info):
         model.meta["onnx.training_info"] = len(proto.training_info)  # (onnx-ir does not carry it)
@@ -105,13 +105,14 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     return model
 
 
-def _scoped_labels(main: Graph) -> None:
-    """Node names are unique per graph, not per model: both If branches may name a node ``mm``. The
-    report, the tags and --explain key nodes by label, so a body node whose name another scope
-    uses too is labelled with its scope (``If:y.then_branch/mm``); its name in the model stays."""
+def _unique_labels(main: Graph) -> None:
+    """The report, the tags and --explain key nodes by label, so every node needs one of its own.
+    Node names are unique per graph, not per model: both If branches may name a node ``mm``, so a
+    body node whose name another scope uses too is labelled with its scope
+    (``If:y.then_branch/mm``); its name in the model stays."""
     from collections import Counter
 
-    from ..passes.base import scope_label
+    from ..passes.base import node_label, scope_label
 
     scopes = list(main.scopes())
     seen = Counter(node.name for graph in scopes for node in graph.nodes if node.name)
@@ -119,6 +120,19 @@ def _scoped_labels(main: Graph) -> None:
         for node in graph.nodes:
             if node.name and seen[node.name] > 1:
                 node.meta["amp.label"] = f"{scope_label(graph)}/{node.name}"
+    # A label made up for an unnamed node (``Relu:c``) may be another node's real name, and two
+    # odd names may still meet: every node gets a label of its own, named nodes first, so a
+    # node with a name keeps it and the later one takes ``#2``.
+    nodes = [node for graph in scopes for node in graph.nodes]
+    used: set[str] = set()
+    for node in sorted(nodes, key=lambda n: not n.name):  # (stable: named first, each in scope order)
+        label = node_label(node)
+        if label in used:
+            k = 2
+            while f"{label}#{k}" in used or seen[f"{label}#{k}"]:
+                k += 1
+            label = node.meta["amp.label"] = f"{label}#{k}"
+        used.add(label)
 
 
 def _unique_value_names(main: Graph) -> None:

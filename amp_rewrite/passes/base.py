@@ -153,12 +153,23 @@ def node_label(node: Node) -> str:
 
 
 def scope_label(graph: Graph) -> str:
+    """``main``, or the path of holder nodes and attribute names down to a body
+    (``loop.body/If:y.then_branch``). The attribute, not the body graph's own name: both branches of
+    an If may carry the same graph name."""
     parts = []
     g: Graph | None = graph
     while g is not None and g.parent is not None:
-        parts.append(f"{node_label(g.parent)}.{g.name or 'body'}")
+        parts.append(f"{node_label(g.parent)}.{_attribute_of(g)}")
         g = g.parent.graph
     return "/".join(reversed(parts)) or "main"
+
+
+def _attribute_of(graph: Graph) -> str:
+    for name, graphs in graph.parent.subgraphs.items():
+        for i, sub in enumerate(graphs):
+            if sub is graph:
+                return name if len(graphs) == 1 else f"{name}[{i}]"
+    return graph.name or "body"
 
 
 def is_float32(value: Value | None) -> bool:
