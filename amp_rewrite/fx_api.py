@@ -25,7 +25,7 @@ decision log travels with the module in ``gm.meta["amp_rewrite.log"]``.
 Training (``training=True``): parameters stay FP32 and are cast at use (gradients land in FP32);
 the loss and whatever feeds it after the last allow op stay FP32; when the module returns a loss (a
 scalar float output, or the output ``loss_output`` names: its index among the flattened outputs or
-its fx node name) the output becomes ``loss * self.amp_loss_scale``, an FP32 scalar buffer starting
+its fx node name; with several scalar float outputs it must be named) the output becomes ``loss * self.amp_loss_scale``, an FP32 scalar buffer starting
 at 1.0 that :class:`amp_rewrite.LossScaler` updates, and ``gm.amp_training`` is True.
 """
 
@@ -379,8 +379,12 @@ def _loss_value(model: Model, loss_output: int | str | None, notes: list[str]) -
     if not scalars:
         return None
     if len(scalars) > 1:
-        notes.append(f"several scalar float outputs; {scalars[0].name!r} taken as the loss (pass loss_output= to "
-                     f"choose)")
+        # Taking the first would scale another output (an auxiliary mean) and leave the loss's
+        # gradients 1/scale of the truth: the caller has to say.
+        index = {id(v): i for i, v in enumerate(outputs)}
+        named = ", ".join(f"{index[id(v)]}: {v.name!r}" for v in scalars)
+        raise UsageError(f"training=True: the module returns {len(scalars)} scalar float outputs ({named}); "
+                         f"say which is the loss with loss_output= (its index or name)")
     return scalars[0]
 
 

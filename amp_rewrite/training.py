@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import gc
 import math
+from collections import deque
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -71,7 +72,6 @@ from .loss_scale import BACKOFF_FACTOR, GROWTH_FACTOR, GROWTH_INTERVAL, INIT_SCA
 BUFFER = "amp_loss_scale"
 
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
-_SEARCH_LIMIT = 256  # autograd nodes looked at when finding the in-graph scale of a loss
 
 
 @dataclass
@@ -159,7 +159,10 @@ class LossScaler:
 
     @staticmethod
     def _candidates() -> list[torch.nn.Module]:
-        """Modules in this process rewritten for training (``amp_training`` and the buffer)."""
+        """Modules in this process rewritten for training (``amp_training`` and the buffer). Garbage
+        is collected first: a module dropped but not yet collected (GraphModules hold reference
+        cycles) would count as a second candidate."""
+        gc.collect()
         found = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # isinstance() on deprecated module-level objects warns
@@ -188,12 +191,11 @@ class LossScaler:
         modules = self._known_modules()
         by_ptr = {m._buffers[BUFFER].data_ptr(): m for m in modules if m._buffers.get(BUFFER) is not None}
         found = []
-        for fn, saved in _saved_scalars(loss.grad_fn):
-            module = by_ptr.get(saved.data_ptr())
-            if module is not None:
-                if not any(ref() is module for ref in self._modules):
-                    self._modules.append(weakref.ref(module))
-                found.append((fn, float(saved)))
+        for fn, saved in _scale_muls(loss.grad_fn, by_ptr) if by_ptr else ():
+            module = by_ptr[saved.data_ptr()]
+            if not any(ref() is module for ref in self._modules):
+                self._modules.append(weakref.ref(module))
+            found.append((fn, float(saved)))
         if not found and modules:
             self._refuse_hidden_scale(loss, modules)
         return found
@@ -522,26 +524,38 @@ def _divided_by(applied: float):
     return hook
 
 
-def _saved_scalars(root: Any) -> Iterable[tuple[Any, torch.Tensor]]:
-    """(Mul node, 0-d tensor it saved) near the root of an autograd graph (breadth first)."""
+def _scale_muls(root: Any, by_ptr: dict[int, Any]) -> list[tuple[Any, torch.Tensor]]:
+    """(Mul node, the loss-scale buffer it saved) for each in-graph loss-scale node of an autograd
+    graph, breadth first from its root. The whole graph outside the scaled modules is searched (a
+    loss summed with many terms puts the module's scale node deep: a search cut at a fixed count
+    missed it); below a scale node lies its module's own graph, which is not."""
     seen: set[int] = set()
-    queue = [root]
-    count = 0
-    while queue and count < _SEARCH_LIMIT:
-        fn = queue.pop(0)
+    queue = deque([root])
+    found = []
+    while queue:
+        fn = queue.popleft()
         if fn is None or id(fn) in seen:
             continue
         seen.add(id(fn))
-        count += 1
-        if type(fn).__name__.startswith("MulBackward"):
-            for attr in ("_saved_other", "_saved_self"):
-                try:
-                    saved = getattr(fn, attr)
-                except (AttributeError, RuntimeError):
-                    continue
-                if isinstance(saved, torch.Tensor) and saved.dim() == 0:
-                    yield fn, saved
+        saved = _saved_buffer(fn, by_ptr)
+        if saved is not None:
+            found.append((fn, saved))
+            continue
         queue.extend(nxt for nxt, _ in getattr(fn, "next_functions", ()))
+    return found
+
+
+def _saved_buffer(fn: Any, by_ptr: dict[int, Any]) -> torch.Tensor | None:
+    if not type(fn).__name__.startswith("MulBackward"):
+        return None
+    for attr in ("_saved_other", "_saved_self"):
+        try:
+            saved = getattr(fn, attr)
+        except (AttributeError, RuntimeError):
+            continue
+        if isinstance(saved, torch.Tensor) and saved.dim() == 0 and saved.data_ptr() in by_ptr:
+            return saved
+    return None
 
 
 def _unscale_grads(optimizer: torch.optim.Optimizer, inv_scale: float) -> torch.Tensor:

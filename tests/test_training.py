@@ -783,3 +783,96 @@ def test_the_scale_goes_on_the_loss_whatever_precedes_it_in_the_output(cls, shap
     moved = (ref.fc.weight - model.fc.weight).abs().max().item()
     assert moved > 1e-2  # (the step is large enough to tell a 1/65536 update apart)
     assert (gm.fc.weight.detach() - ref.fc.weight.detach()).abs().max().item() < 0.1 * moved
+
+
+def test_a_loss_summed_with_many_terms_still_finds_the_modules_scale():
+    """The scale node was looked for among the first 256 autograd nodes from the loss: with the
+    module's output first in a sum of ~60 regulariser terms it lay deeper, and a correct loss was
+    refused as if torch.compile had hidden the scale."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(30)]
+    model = torch.nn.Sequential(*layers)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = model
+
+        def forward(self, x, y):
+            return F.mse_loss(self.body(x), y)
+
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    net = Net()
+    ref = copy.deepcopy(net)
+    gm = _rewrite_for_training(net, (x, y), "bf16")
+    scaler = LossScaler(gm)
+
+    def with_terms(m, loss):
+        for p in m.parameters():
+            loss = loss + 1e-4 * p.pow(2).sum()
+        return loss
+
+    gm.zero_grad()
+    scaler.backward(with_terms(gm, gm(x, y)))
+    scaler.unscale_(torch.optim.SGD(gm.parameters(), lr=0.0))
+    with_terms(ref, ref(x, y)).backward()
+    want = _grads_by_name(ref)
+    for name, grad in _grads_by_name(gm).items():
+        torch.testing.assert_close(grad, want[name], rtol=5e-2, atol=2e-2 * want[name].abs().max().item())
+
+
+def test_several_scalar_outputs_need_loss_output():
+    """With an auxiliary scalar (a mean) returned before the loss, the first scalar was scaled as
+    the loss, noted only in the report: the loss's gradients came out 1/scale of the truth."""
+    class AuxFirst(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 4)
+
+        def forward(self, x, y):
+            h = self.lin(x)
+            return h.mean(), F.mse_loss(h, y)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    with pytest.raises(UsageError, match=r"2 scalar float outputs \(0: .*, 1: .*\); say which is the loss with "
+                                         r"loss_output="):
+        amp_rewrite.rewrite(AuxFirst(), example_inputs=(x, y), training=True, target="bf16")
+    model = AuxFirst()
+    ref = copy.deepcopy(model)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x, y), training=True, target="bf16", loss_output=1)
+    scaler = LossScaler(gm)
+    aux, loss = gm(x, y)
+    assert aux.item() == pytest.approx(ref(x, y)[0].item(), rel=2e-2)  # not scaled
+    scaler.backward(loss)
+    scaler.unscale_(torch.optim.SGD(gm.parameters(), lr=0.0))
+    ref(x, y)[1].backward()
+    torch.testing.assert_close(gm.lin.weight.grad, ref.lin.weight.grad, rtol=3e-2,
+                               atol=2e-2 * ref.lin.weight.grad.abs().max().item())
+
+
+def test_a_dropped_rewrite_not_yet_collected_is_no_second_candidate():
+    """A scaler with no module finds the rewritten ones among live objects; a rewrite dropped a
+    moment ago (GraphModules hold reference cycles, so only the collector frees them) counted as a
+    second one: "2 modules rewritten for training exist and none is attached"."""
+    import gc
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+
+    def throwaway():
+        return float(amp_rewrite.rewrite(MLPLoss(), example_inputs=(x, y), training=True)(x, y))
+
+    gc.collect()
+    gc.disable()
+    try:
+        gm = _rewrite_for_training(MLPLoss(), (x, y), "bf16")
+        throwaway()
+        scaler = LossScaler()
+        opt = torch.optim.SGD(gm.parameters(), lr=0.1)
+        gm(x, y).backward()  # (the scaler meets the module first at step)
+        scaler.step(opt)
+    finally:
+        gc.enable()
+    assert scaler.history[-1]["skipped"] is False
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in gm.parameters())
