@@ -876,3 +876,34 @@ def test_a_dropped_rewrite_not_yet_collected_is_no_second_candidate():
         gc.enable()
     assert scaler.history[-1]["skipped"] is False
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in gm.parameters())
+
+
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_a_sparse_embedding_trains_and_its_table_is_never_cast(target):
+    """Training casts weights at use on every step. An embedding followed its low Linear, so the
+    whole table went through a cast each forward, and nn.Embedding(sparse=True) failed in backward
+    ("to(options) doesn't support converting to a different layout"). As under autocast, the
+    gather now reads the FP32 table and its rows are cast."""
+    class Emb(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = torch.nn.Embedding(20, 8, sparse=True)
+            self.l = torch.nn.Linear(8, 4)
+
+        def forward(self, t, y):
+            return F.cross_entropy(self.l(self.e(t)), y)
+
+    torch.manual_seed(0)
+    model = Emb()
+    ref = copy.deepcopy(model)
+    t, y = torch.randint(0, 20, (6,)), torch.randint(0, 4, (6,))
+    gm = amp_rewrite.rewrite(model, example_inputs=(t, y), training=True, target=target)
+    embedding = next(n for n in gm.graph.nodes if "embedding" in str(n.target))
+    assert embedding.args[0].op in ("placeholder", "get_attr"), embedding.format_node()
+    scaler = LossScaler(gm)
+    scaler.backward(gm(t, y))
+    scaler.unscale_(torch.optim.SGD(gm.parameters(), lr=0.0))
+    ref(t, y).backward()
+    assert gm.e.weight.grad.layout == torch.sparse_coo
+    torch.testing.assert_close(gm.e.weight.grad.to_dense(), ref.e.weight.grad.to_dense(), rtol=5e-2,
+                               atol=2e-2 * ref.e.weight.grad.to_dense().abs().max().item())

@@ -155,7 +155,19 @@ class _ScopePainter:
             self.via[j] = came_from
 
         self._dfs(sorted(allow), lambda i: self.preds[i] | self.succs[i],
-                  lambda j: j not in allow and j not in deny and self.cat[j] == Category.CLEAR, visit)
+                  lambda j: j not in allow and j not in deny and self.cat[j] == Category.CLEAR
+                  and not self._reads_master_weight(j), visit)
+
+    def _reads_master_weight(self, i: int) -> bool:
+        """Training keeps the weights FP32 (master weights, cast at use on every step). A clear op
+        reading one (an embedding's gather, a weight's transpose) then stays FP32 instead of
+        following a low neighbour, as under torch.autocast: a cast after it moves no more bytes (after
+        a gather, the rows read, not the whole table), and the weight's gradient flows through the
+        op's own backward (a sparse embedding gradient cannot pass a cast)."""
+        if not self.ctx.options.training:
+            return False
+        node = self.nodes[i]
+        return any(node.inputs[k] is not None and node.inputs[k].is_initializer for k in self.group_ins[i])
 
     def _remove_round_trips(self, allow: set[int]) -> None:
         changed = True
