@@ -25,6 +25,13 @@ Running
     provider at graph optimisation level EXTENDED (the CPU-only level-ALL layout optimisers can
     crash on valid FP16 graphs). Every ``InferenceSession.run`` is one *evaluation*.
 
+    The CPU provider runs FP16 nodes it has no kernel for with FP32 kernels and drops the casts
+    between them, so the values in between are never rounded (nor overflow), and it has no BF16
+    arithmetic kernels at all. There the rewritten model runs as its emulation
+    (:mod:`amp_rewrite.emulate`): every FP16/BF16 value rounded where it is made and carried as
+    FP32, as a GPU's kernels compute. Where the emulation cannot be built or run, the model runs as
+    it is, with a note.
+
 Comparison (per graph output)
     max abs error and max relative error ``max|a-b| / max|a|`` over the elements finite in both,
     cosine similarity, and NaN/Inf counts in each model. An output fails when its relative error
@@ -33,8 +40,8 @@ Comparison (per graph output)
 
 Overflow localisation (PRECISION.md pitfall 11)
     Every FP16/BF16 value of the rewritten model's *main graph* (If/Loop/Scan bodies are not
-    looked into) is exposed as an extra output of a copy of the model, through a Cast to FP32,
-    and compared with the FP32 model's value of the same name (the rewrite keeps names; its
+    looked into; what overflows in them shows in the outputs) is exposed as an extra output of a
+    copy of the model (of its emulation on the CPU provider), and compared with the FP32 model's value of the same name (the rewrite keeps names; its
     low-precision copies are named ``<name>/amp_fp16``). Nodes whose low-precision output has
     NaN/Inf where the FP32 value is finite are *overflowing*; the first of them in topological
     order whose inputs did not already overflow are the *roots*. An overflow fails the check
@@ -843,13 +850,17 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, np.ndarray] | str 
         ref = _reference_for(fp32, inputs, runner)
     low_proto = _as_proto(low)
     target = target or _target_of(low_proto)
+    notes = list(ref.notes)
+    run_model: Any = low if isinstance(low, (str, Path)) else low_proto
+    rounded: set[str] | None = None
+    if runner.providers[0] != "CUDAExecutionProvider":
+        run_model, rounded = _emulated(runner, low_proto, ref.feeds, target, notes)
     outputs: dict[str, Any] = {}
     if plain_run or not localise:
-        outputs = _run_low(runner, low if isinstance(low, (str, Path)) else low_proto, ref.feeds)
+        outputs = _run_low(runner, run_model, ref.feeds)
     overflow, total, near, sentinels = [], 0, [], []
-    notes = list(ref.notes)
     if localise:
-        copy, exposed = _exposed_copy(low_proto)
+        copy, exposed = _exposed_copy(low_proto) if rounded is None else _exposed_names(run_model, rounded)
         try:
             values = runner.run(copy, ref.feeds, what="running the rewritten model with its intermediates exposed")
         except RuntimeError:
@@ -882,6 +893,46 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, np.ndarray] | str 
     return CheckResult(passed=passed, tolerance=tolerance, target=target, provider=runner.provider, outputs=stats,
                        overflow=overflow, overflow_total=total, near_limit=near, inputs=ref.inputs,
                        evaluations=runner.evaluations, localised=localise, notes=notes)
+
+
+def _emulated(runner: Runner, low_proto: onnx.ModelProto, feeds: Mapping[str, np.ndarray], target: str,
+              notes: list[str]) -> tuple[Any, set[str] | None]:
+    """On the CPU provider: the FP32 emulation of the rewritten model (amp_rewrite.emulate), and
+    the names of its low-precision values; the model itself (and None) where the emulation cannot
+    be built or run, with a note saying the rounding is not emulated."""
+    from .emulate import emulate_low
+
+    low_type = onnx.TensorProto.BFLOAT16 if target == "bf16" else onnx.TensorProto.FLOAT16
+    try:
+        model, rounded = emulate_low(low_proto, low_type)
+        runner.run(model, feeds, what="running the emulated rewritten model")
+        runner.evaluations -= 1  # (a trial: the evaluations counted are the check's own)
+    except Exception as exc:  # noqa: BLE001 - the plain run below still checks what it can
+        notes.append(f"the {target} rounding could not be emulated on the CPU provider ({_one_line(str(exc))}): "
+                     f"onnxruntime computes its FP32-kernel nodes unrounded, so precision loss and overflow "
+                     f"between them go unseen")
+        return low_proto, None
+    notes.append(f"CPU provider: every {target} value is rounded to {target} where it is made and carried as FP32 "
+                 f"between nodes, as a GPU computes (onnxruntime's CPU kernels alone skip those roundings)")
+    return model, rounded
+
+
+def _exposed_names(model: onnx.ModelProto, names: set[str]) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """A copy of the emulated model with each of its main-graph rounded values (FP32 now) also a
+    graph output. Returns the copy and extra output → value name."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    g = copy.graph
+    have = {o.name for o in g.output}
+    exposed = {}
+    for n in g.node:
+        for out in n.output:
+            if out in names:
+                if out not in have:
+                    g.output.append(onnx.helper.make_tensor_value_info(out, onnx.TensorProto.FLOAT, None))
+                    have.add(out)
+                exposed[out] = out
+    return copy, exposed
 
 
 def _run_low(runner: Runner, model: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, Any]:

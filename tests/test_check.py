@@ -336,13 +336,116 @@ def test_check_feeds_and_reads_bf16_inputs_and_outputs(tmp_path):
     assert "PASSED" in proc.stdout or "passed" in proc.stdout
 
 
-def test_auto_fp32_writes_the_report_when_a_candidate_cannot_run(tmp_path):
+def test_auto_fp32_writes_the_report_when_a_candidate_cannot_run(tmp_path, monkeypatch, capsys):
     """--check wrote the report recording onnxruntime's failure; --auto-fp32 exited 8 without one.
-    (onnxruntime's CPU provider has no bfloat16 MatMul: every candidate fails to run.)"""
+    (Every run of a rewritten candidate fails here; the FP32 reference runs.)"""
+    from amp_rewrite.cli import main
+
+    real = ck.Runner.run
+
+    def refuse_rewritten(self, model, feeds, *, what, fp32=False):
+        if "rewritten" in what:
+            raise RuntimeError(f"{what}: NOT_IMPLEMENTED : could not find an implementation for MatMul(13)")
+        return real(self, model, feeds, what=what, fp32=fp32)
+
+    monkeypatch.setattr(ck.Runner, "run", refuse_rewritten)
     save(benign_model(), tmp_path / "m.onnx")
-    proc = run_cli(["m.onnx", "-o", "o.onnx", "--target", "bf16", "--auto-fp32", "--report", "r.json"], tmp_path)
-    assert proc.returncode == 8, proc.stderr
-    assert "onnxruntime cannot run the rewritten model" in proc.stderr
+    monkeypatch.chdir(tmp_path)
+    assert main(["m.onnx", "-o", "o.onnx", "--target", "bf16", "--auto-fp32", "--report", "r.json"]) == 8
+    assert "onnxruntime cannot run the rewritten model" in capsys.readouterr().err
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["check"]["passed"] is False and "cannot run" in report["check"]["notes"][0]
     assert not (tmp_path / "o.onnx").exists()
+
+
+# -- FP16/BF16 numerics on the CPU provider ------------------------------------------------------------
+def _add_sub_model() -> onnx.ModelProto:
+    """d = (x@w + 3000) - 3000, then d@w: in FP16 the sum is rounded to a spacing of 2, so d keeps
+    little of x@w (relative error ~0.4 at the output). Add and Sub have no FP16 CPU kernels."""
+    rng = np.random.default_rng(0)
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x) => (float[2,8] y) {
+          h = MatMul(x, w)
+          z = Add(h, c)
+          d = Sub(z, c)
+          y = MatMul(d, w)
+        }""", {"w": rng.standard_normal((8, 8)).astype(np.float32), "c": np.array(3000.0, np.float32)})
+    return m
+
+
+def test_check_on_the_cpu_provider_sees_fp16_rounding_between_fp32_kernel_nodes():
+    """onnxruntime's CPU provider runs FP16 Add/Sub with FP32 kernels and drops the casts between
+    them, so nothing in between was rounded: --check passed at 4e-4 a model whose real FP16 error
+    is 0.37. The check now runs an emulation that rounds every FP16 value where it is made."""
+    m = _add_sub_model()
+    out = rewrite(m).model
+    assert all(n.op_type != "Cast" or n.input[0] in ("x", "y/amp_fp16") for n in out.graph.node)  # all FP16
+    result = ck.check_models(m, out, runner=ck.Runner(["CPUExecutionProvider"]))
+    assert not result.passed
+    assert result.outputs[0].max_rel > 0.1
+    assert any("rounded to fp16 where it is made" in n for n in result.notes)
+
+
+def test_check_on_the_cpu_provider_sees_an_overflow_inside_an_if_branch():
+    """An If branch multiplying by 3e4 in FP16 overflows on a GPU; the CPU provider computed it in
+    FP32 and the check passed."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x, bool c) => (float[2,8] y) {
+          a = MatMul(x, w)
+          r = If(c) <
+            then_branch = t () => (float[2,8] tb) { big = Mul(a, k)  tm = MatMul(big, w)  tb = Mul(tm, s) },
+            else_branch = e () => (float[2,8] eb) { eb = Identity(a) }
+          >
+          y = MatMul(r, w)
+        }""", {"w": (np.random.default_rng(0).standard_normal((8, 8))).astype(np.float32),
+               "k": np.array(3e4, np.float32), "s": np.array(1e-4, np.float32)})
+    out = rewrite(m).model
+    x = np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32) * 2
+    result = ck.check_models(m, out, inputs={"x": x, "c": np.array(True)}, runner=ck.Runner(["CPUExecutionProvider"]))
+    assert not result.passed
+    assert result.outputs[0].new_nonfinite > 0
+
+
+def test_a_bf16_check_runs_on_the_cpu_provider(tmp_path):
+    """onnxruntime's CPU provider has no bfloat16 MatMul: --target bf16 --check always ended in exit
+    8 "cannot run". The emulation runs it, with bf16's rounding."""
+    save(benign_model(), tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "-o", "o.onnx", "--target", "bf16", "--check"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "rounded to bf16 where it is made" in proc.stdout and "check passed" in proc.stdout
+    assert onnx.load(str(tmp_path / "o.onnx")).graph.initializer[0].data_type == onnx.TensorProto.BFLOAT16
+
+
+def test_emulate_low_rounds_like_numpy_float16_and_keeps_names():
+    """Every FP16 value is rounded where it is made (a low graph input where it enters), FP16
+    constants become their exact FP32 values, Cast(to=FLOAT) of a low value is an Identity; names
+    stay, and the emulation is a valid FP32 model."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from amp_rewrite.emulate import emulate_low
+
+    c = numpy_helper.from_array(np.array([3000.0, 0.1], np.float16), "c")
+    nodes = [helper.make_node("Constant", [], ["k"], value=numpy_helper.from_array(np.array(1.5, np.float16))),
+             helper.make_node("Add", ["x", "c"], ["z"]),
+             helper.make_node("Mul", ["z", "k"], ["m"]),
+             helper.make_node("Sub", ["m", "c"], ["d"]),
+             helper.make_node("Cast", ["d"], ["y"], to=TensorProto.FLOAT)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2]),
+                               helper.make_tensor_value_info("m", TensorProto.FLOAT16, [2])], [c])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    emulated, rounded = emulate_low(model)
+    onnx.checker.check_model(emulated, full_check=True)
+    assert rounded == {"x", "k", "z", "m", "d"}
+    assert {v.name: v.type.tensor_type.elem_type for v in emulated.graph.output} == {"y": 1, "m": 1}
+    x = np.array([1.3, 50000.0], np.float32)
+    got = ck.Runner(["CPUExecutionProvider"]).run(emulated, {"x": x}, what="emulation")
+    low_c = numpy_helper.to_array(c)
+    with np.errstate(over="ignore"):  # numpy rounds each float16 operation's result to float16
+        want_m = (x.astype(np.float16) + low_c) * np.float16(1.5)
+        want_d = want_m - low_c
+    np.testing.assert_array_equal(got["m"], want_m.astype(np.float32))
+    np.testing.assert_array_equal(got["y"], want_d.astype(np.float32))
+    assert np.isinf(got["m"][1])  # 50000 * 1.5 overflows FP16

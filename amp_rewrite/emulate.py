@@ -1,0 +1,177 @@
+"""An FP32 model that computes what a mixed FP16/BF16 model computes on a GPU, for checks on a CPU.
+
+onnxruntime's CPU provider has few FP16 kernels and no BF16 arithmetic ones. It runs an FP16 model
+by giving the nodes it lacks kernels for FP32 ones and, where the casts it inserts around them
+meet (FP32 → FP16 → FP32), removing both: the values between such nodes are never rounded to FP16
+and never overflow. A check run there passes models that lose precision or overflow on a GPU. A BF16
+model does not load at all (no BF16 MatMul).
+
+:func:`emulate_low` rewrites the model so the CPU provider computes the GPU's numerics, the way
+GPU kernels read and write 16-bit tensors and compute in FP32 inside (cuBLAS GEMMs with FP32
+accumulation, elementwise kernels that convert on load and store):
+
+- low-precision initializers and Constant / ConstantOfShape tensors become their exact FP32 values,
+  and every low type declared (graph inputs and outputs, value_info, sequence and optional element
+  types, in every body) becomes FP32;
+- every value the model holds in the low type is rounded to it where it is made — a
+  ``Cast(to=low)`` then ``Cast(to=FLOAT)`` written in the model, which the CPU provider runs as
+  written — and carried as FP32: every rounding (and overflow to ±inf) the model does happens, and
+  no other; a low graph input is rounded where it enters;
+- a ``Cast(to=low)`` keeps its rounding and gains the ``Cast(to=FLOAT)`` after it; a
+  ``Cast(to=FLOAT)`` of a former low value becomes an Identity.
+
+Value names do not change (a value's rounded copy carries its name), so the FP32 model's values
+and the emulated ones compare by name. An edge module: it imports onnx and numpy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import AttributeProto, TensorProto, helper, numpy_helper
+
+FLOAT = TensorProto.FLOAT
+LOW_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
+def emulate_low(model: onnx.ModelProto, low: int | None = None) -> tuple[onnx.ModelProto, set[str]]:
+    """(the FP32 emulation of ``model``, the names of the values it holds in the low type).
+
+    ``low``: TensorProto.FLOAT16 or BFLOAT16; by default whichever the model uses (FP16 if both)."""
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    types: dict[str, int] = {}
+    for g in _graphs(inferred.graph):  # (value names are unique model-wide in a rewritten model)
+        for vi in [*g.input, *g.output, *g.value_info]:
+            if vi.type.HasField("tensor_type"):
+                types[vi.name] = vi.type.tensor_type.elem_type
+        for t in g.initializer:
+            types[t.name] = t.data_type
+        for n in g.node:
+            if n.op_type == "Cast" and n.domain in ("", "ai.onnx") and n.output:
+                types[n.output[0]] = _attr(n, "to")
+    if low is None:
+        used = set(types.values())
+        low = next((t for t in LOW_TYPES if t in used), TensorProto.FLOAT16)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    rounded: set[str] = set()
+    taken = {name for g in _graphs(out.graph) for name in _names(g)}
+    _Rewriter(types, low, rounded, taken).graph(out.graph)
+    return out, rounded
+
+
+class _Rewriter:
+    def __init__(self, types: dict[str, int], low: int, rounded: set[str], taken: set[str]) -> None:
+        self.types, self.low, self.rounded, self.taken = types, low, rounded, taken
+        self.counter = 0
+
+    def fresh(self, base: str) -> str:
+        while True:
+            self.counter += 1
+            name = f"{base}/amp_emu{self.counter}"
+            if name not in self.taken:
+                self.taken.add(name)
+                return name
+
+    def graph(self, graph: onnx.GraphProto) -> None:
+        for t in graph.initializer:
+            if t.data_type == self.low:
+                t.CopyFrom(_widened(t))
+        for vi in [*graph.output, *graph.value_info]:
+            _widen_type(vi.type, self.low)
+        nodes: list[onnx.NodeProto] = []
+        for vi in graph.input:  # a low input is rounded where it enters, then carried as FP32
+            if _widen_type(vi.type, self.low) and vi.type.HasField("tensor_type"):
+                nodes.extend(self._round_in_place(vi.name, graph))
+        for node in graph.node:
+            nodes.extend(self.node(node))
+        del graph.node[:]
+        graph.node.extend(nodes)
+
+    def _round_in_place(self, name: str, graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+        """Round graph input ``name``: its readers read a rounded copy under a fresh name."""
+        if any(out.name == name for out in graph.output):
+            return []  # an input passed straight through is left as it came
+        fresh = self.fresh(name)
+        for g in _graphs(graph):  # (bodies read it too, as an outer-scope value)
+            for node in g.node:
+                for i, x in enumerate(node.input):
+                    if x == name:
+                        node.input[i] = fresh
+        self.rounded.add(name)
+        mid = self.fresh(name)
+        return [helper.make_node("Cast", [name], [mid], to=self.low, name=self.fresh("amp_emu_round")),
+                helper.make_node("Cast", [mid], [fresh], to=FLOAT, name=self.fresh("amp_emu_back"))]
+
+    def node(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+        for attr in node.attribute:
+            if attr.type == AttributeProto.GRAPH:
+                self.graph(attr.g)
+            elif attr.type == AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    self.graph(g)
+            elif attr.type == AttributeProto.TENSOR and attr.t.data_type == self.low:
+                attr.t.CopyFrom(_widened(attr.t))
+            elif attr.type == AttributeProto.SPARSE_TENSOR and attr.sparse_tensor.values.data_type == self.low:
+                attr.sparse_tensor.values.CopyFrom(_widened(attr.sparse_tensor.values))
+        is_cast = node.op_type == "Cast" and node.domain in ("", "ai.onnx")
+        if is_cast and _attr(node, "to") == FLOAT and self.types.get(node.input[0]) == self.low:
+            return [helper.make_node("Identity", [node.input[0]], list(node.output), name=node.name)]
+        low_outputs = [o for o in node.output if o and self.types.get(o) == self.low]
+        if not low_outputs:
+            return [node]
+        renamed = {o: self.fresh(o) for o in low_outputs}
+        made = onnx.NodeProto()
+        made.CopyFrom(node)
+        del made.output[:]
+        made.output.extend(renamed.get(o, o) for o in node.output)
+        nodes = [made]
+        for o in low_outputs:
+            self.rounded.add(o)
+            if is_cast:  # Cast(to=low) rounds already: back to FLOAT
+                nodes.append(helper.make_node("Cast", [renamed[o]], [o], to=FLOAT, name=self.fresh("amp_emu_back")))
+                continue
+            mid = self.fresh(o)
+            nodes.append(helper.make_node("Cast", [renamed[o]], [mid], to=self.low, name=self.fresh("amp_emu_round")))
+            nodes.append(helper.make_node("Cast", [mid], [o], to=FLOAT, name=self.fresh("amp_emu_back")))
+        return nodes
+
+
+def _widened(t: TensorProto) -> TensorProto:
+    return numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name)
+
+
+def _widen_type(tp: onnx.TypeProto, low: int) -> bool:
+    """Make the low element type of ``tp`` (a tensor, or inside a sequence/optional/map) FLOAT;
+    whether it had one."""
+    which = tp.WhichOneof("value")
+    if which == "tensor_type" and tp.tensor_type.elem_type == low:
+        tp.tensor_type.elem_type = FLOAT
+        return True
+    if which == "sequence_type":
+        return _widen_type(tp.sequence_type.elem_type, low)
+    if which == "optional_type":
+        return _widen_type(tp.optional_type.elem_type, low)
+    if which == "map_type":
+        return _widen_type(tp.map_type.value_type, low)
+    return False
+
+
+def _attr(node: onnx.NodeProto, name: str) -> int | None:
+    return next((a.i for a in node.attribute if a.name == name), None)
+
+
+def _names(graph: onnx.GraphProto) -> set[str]:
+    return ({n.name for n in graph.node} | {o for n in graph.node for o in n.output}
+            | {v.name for v in graph.input} | {t.name for t in graph.initializer})
+
+
+def _graphs(graph: onnx.GraphProto):
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == AttributeProto.GRAPH:
+                yield from _graphs(attr.g)
+            elif attr.type == AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _graphs(g)
