@@ -69,6 +69,36 @@ def test_no_keep_io_types_makes_float_io_low():
     assert run(out, {"x": x})["y"].dtype == np.float16
 
 
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+def test_no_keep_io_types_leaves_sequence_and_optional_io_alone(placement):
+    """--no-keep-io-types declared a sequence and an optional output FP16 and fed each through a
+    Cast, which takes tensors only (the checker refused the output; exit 0), and made a sequence
+    input sequence(tensor(float16)). Only tensors change type: no Cast converts a container."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.eye(8, dtype=np.float32), "W")
+    zero = numpy_helper.from_array(np.array(0, np.int64), "zero")
+    nodes = [helper.make_node("SequenceAt", ["sq", "zero"], ["x"]), helper.make_node("MatMul", ["x", "W"], ["y"]),
+             helper.make_node("SequenceConstruct", ["y", "x"], ["seq"]), helper.make_node("Optional", ["y"], ["opt"])]
+    graph = helper.make_graph(
+        nodes, "containers", [helper.make_tensor_sequence_value_info("sq", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8]),
+         helper.make_tensor_sequence_value_info("seq", TensorProto.FLOAT, [2, 8]),
+         helper.make_value_info("opt", helper.make_optional_type_proto(
+             helper.make_tensor_type_proto(TensorProto.FLOAT, [2, 8])))], [w, zero])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    result = rewrite(m, keep_io_types=False, placement=placement)
+    out = result.model
+    full_check(out)
+    io = {v.name: v.type for v in [*out.graph.input, *out.graph.output]}
+    assert io["sq"].sequence_type.elem_type.tensor_type.elem_type == FP32
+    assert io["seq"].sequence_type.elem_type.tensor_type.elem_type == FP32
+    assert io["opt"].optional_type.elem_type.tensor_type.elem_type == FP32
+    assert io["y"].tensor_type.elem_type == FP16
+    assert nodes_by_type(out, "MatMul")[0].input[0] != "x"  # (the MatMul runs low: x is cast)
+    assert not rewrite(out, keep_io_types=False, placement=placement).modified
+
+
 @pytest.mark.parametrize("option, value", [("fp32_nodes", ["MatMul_*"]), ("fp32_nodes", ["re:Mat.*_1"]),
                                            ("fp32_ops", ["MatMul"])])
 def test_fp32_overrides_keep_nodes_fp32(option, value):

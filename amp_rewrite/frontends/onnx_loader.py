@@ -740,6 +740,7 @@ class _Builder:
             "optional" if isinstance(v.type, ir.OptionalType) else None
         if kind:
             self._containers[id(value)] = kind
+            value.meta["onnx.container"] = kind
         return value
 
     def _inferred_value(self, v: ir.Value, info: onnx.ValueInfoProto) -> Value:
@@ -753,6 +754,7 @@ class _Builder:
         value = Value(v.name, parsed[0], parsed[1], origin=v)
         if parsed[2]:
             self._containers[id(value)] = parsed[2]
+            value.meta["onnx.container"] = parsed[2]
         return value
 
     def _node(self, n: ir.Node, scope: dict[int, Value]) -> Node:

@@ -172,6 +172,12 @@ def _attribute_of(graph: Graph) -> str:
     return graph.name or "body"
 
 
+def retypable_io(value: Value) -> bool:
+    """Whether --no-keep-io-types may give this graph input or output the low type: a tensor. A
+    sequence or optional keeps its element type (no Cast converts one)."""
+    return "onnx.container" not in value.meta
+
+
 def is_float32(value: Value | None) -> bool:
     return value is not None and value.dtype == DType.FLOAT
 

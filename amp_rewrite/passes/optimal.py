@@ -88,7 +88,8 @@ import networkx as nx
 
 from ..decisions import Category, Precision
 from ..ir import DType, Graph, Model, Node, Value
-from .base import Context, PassResult, accepts_any_float, category, group_inputs, group_outputs, node_label, participates
+from .base import Context, PassResult, accepts_any_float, category, group_inputs, group_outputs, node_label, participates, \
+    retypable_io
 
 BATCH_DIM = 1
 SYMBOLIC_DIM = 128
@@ -289,7 +290,7 @@ class Problem:
                 if id(value) in branch_of:
                     consumers[branch_of[id(value)]] = None  # a branch output: its If reads it
                 else:
-                    needs.add(_T if keep_io else _S)
+                    needs.add(_T if keep_io or not retypable_io(value) else _S)
             if isinstance(producer, int):
                 if _T in needs:
                     self.fp32_sink[producer] = True
@@ -316,7 +317,7 @@ class Problem:
             return j, False
         if value.is_constant:
             return (_T if (self.ctx.options.training and value.is_initializer) else None), False
-        if value.is_graph_input and is_main and not keep_io:
+        if value.is_graph_input and is_main and not keep_io and retypable_io(value):
             return _S, False
         if value.dtype != DType.FLOAT:
             return None, False

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from ..decisions import Category, Precision
 from ..ir import DType, Graph, Model, Node, Value
-from .base import Context, PassResult, accepts_any_float, category, group_inputs, group_outputs, node_label, participates
+from .base import Context, PassResult, accepts_any_float, category, group_inputs, group_outputs, node_label, participates, \
+    retypable_io
 
 _LOW_OK = (Category.CLEAR, Category.INFER)
 
@@ -74,12 +75,12 @@ class _ScopePainter:
     def _flexible_source(self, value: Value, keep_io: bool) -> bool:
         if value.is_constant:
             return True  # converted offline to whatever its consumers need
-        if value.is_graph_input and value.graph is self.scope and not keep_io:
+        if value.is_graph_input and value.graph is self.scope and not keep_io and retypable_io(value):
             return True
         return value.dtype != DType.FLOAT
 
     def _has_fixed_use(self, value: Value, keep_io: bool) -> bool:
-        if value.is_graph_output and keep_io:
+        if value.is_graph_output and (keep_io or not retypable_io(value)):
             return True
         for consumer, k in value.uses():
             if consumer.graph is not self.scope:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from ..decisions import CastRecord, Precision
 from ..ir import DType, Graph, Model, Node, Value
 from .base import (Context, PassResult, accepts_any_float, group_inputs, group_outputs, node_label,
-                   participates, precision, scope_label)
+                   participates, precision, retypable_io, scope_label)
 
 
 # from -> the types that represent each of its values exactly (a cast there and back is the identity)
@@ -132,7 +132,7 @@ class _Placer:
         if self.ctx.options.keep_io_types:
             return
         for value in self.model.graph.inputs:
-            if value.dtype == DType.FLOAT and not value.is_initializer:
+            if value.dtype == DType.FLOAT and not value.is_initializer and retypable_io(value):
                 value.meta["amp.was"] = DType.FLOAT
                 value.dtype = self.low
                 self.ctx.log.io_changed.append(value.name)
@@ -166,7 +166,7 @@ class _Placer:
                 uses.append(_Use(consumer, k, need))
         if value.is_graph_output:
             main = value.graph is self.model.graph
-            need = self.low if (main and not self.ctx.options.keep_io_types) else DType.FLOAT
+            need = self.low if (main and not self.ctx.options.keep_io_types and retypable_io(value)) else DType.FLOAT
             if not main and self._branch_output_low(value):
                 need = self.low
             uses.append(_Use(None, -1, need))
