@@ -147,7 +147,7 @@ def _shape_of(vi: onnx.ValueInfoProto, named: dict[str, int]) -> tuple[int, ...]
         return (BATCH_DIM, SEQUENCE_DIM)  # rank unknown: a guess, stated in the inputs description
     shape = []
     for axis, d in enumerate(tt.shape.dim):
-        if d.HasField("dim_value") and d.dim_value > 0:
+        if d.HasField("dim_value"):  # (0 included: an empty KV cache is [1, 0, 8])
             shape.append(d.dim_value)
         elif d.HasField("dim_param") and d.dim_param:
             shape.append(named.setdefault(d.dim_param, _dim_value(d.dim_param, axis)))
@@ -282,12 +282,19 @@ def load_inputs(path: str | Path, model: Any) -> tuple[dict[str, np.ndarray], li
         if vi is not None and vi.type.HasField("tensor_type"):
             want = _np_dtype(vi.type.tensor_type.elem_type)
             if _kind(arr.dtype) != _kind(want):
-                raise UsageError(f"{where}: {name!r} is {arr.dtype}, the model wants {want}")
-            arr = arr.astype(want) if arr.dtype != want else arr
+                wants = "strings" if _kind(want) == "string" else want
+                raise UsageError(f"{where}: {name!r} is {arr.dtype}, the model wants {wants}")
+            if arr.dtype != want:
+                with np.errstate(over="ignore", invalid="ignore"):
+                    cast = arr.astype(want)
+                if _kind(want) == "float" and np.count_nonzero(np.isfinite(arr)) != np.count_nonzero(np.isfinite(cast)):
+                    raise UsageError(f"{where}: {name!r} holds values beyond {want}'s range (max |x| "
+                                     f"{float(np.nanmax(np.abs(arr[np.isfinite(arr)]))):.4g}), the model's input type")
+                arr = cast
             tt = vi.type.tensor_type
             if tt.HasField("shape"):
                 dims = list(tt.shape.dim)
-                bad = len(dims) != arr.ndim or any(d.HasField("dim_value") and d.dim_value > 0 and d.dim_value != s
+                bad = len(dims) != arr.ndim or any(d.HasField("dim_value") and d.dim_value != s
                                                    for d, s in zip(dims, arr.shape))
                 if bad:
                     want_shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
@@ -302,6 +309,8 @@ def _kind(dtype: np.dtype) -> str:
         return "float"
     if dtype.kind in "iu":
         return "int"
+    if dtype.kind in "USO":  # (a STRING input is an object array; an .npz holds str or bytes arrays)
+        return "string"
     return dtype.kind
 
 
@@ -413,7 +422,10 @@ def _adapt_feeds(sess: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, np.nda
             continue
         want = types.get(i.type)
         if want is not None and arr.dtype != want and _kind(arr.dtype) == "float":
-            arr = arr.astype(want)
+            with np.errstate(over="ignore"):  # (beyond FP16's range: check_models notes it)
+                arr = arr.astype(want)
+        elif i.type == "tensor(string)" and arr.dtype != object:
+            arr = arr.astype(str).astype(object)
         out[i.name] = arr
     return out
 
@@ -444,9 +456,11 @@ def _bf16_value(arr: np.ndarray) -> Any:
     return OrtValue.ortvalue_from_numpy_with_onnx_type(rounded, 16)  # onnx.TensorProto.BFLOAT16
 
 
-def _one_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1] if len(lines) == 1 else (lines[0] if lines else text)
+def _one_line(text: str, limit: int = 400) -> str:
+    """onnxruntime's message on one line: its lines joined (the first alone dropped the detail, such
+    as which index of which input was wrong), cut at ``limit`` characters."""
+    joined = " ".join(ln.strip() for ln in text.strip().splitlines() if ln.strip()) or text
+    return joined if len(joined) <= limit else joined[:limit - 1] + "…"
 
 
 # ===================================================================================================
@@ -701,7 +715,9 @@ def compare_output(name: str, ref: Any, got: Any, tolerance: float) -> OutputSta
     if a.dtype.kind not in "fc" and a.dtype.name != "bfloat16":
         same_shape = a.shape == b.shape
         frac = float(np.mean(a != b)) if same_shape and a.size else (0.0 if same_shape else 1.0)
-        diff = float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max()) if same_shape and a.size else 0.0
+        numeric = a.dtype.kind in "iub" and b.dtype.kind in "iub"
+        diff = float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max()) if numeric and same_shape and a.size \
+            else float(frac > 0)  # (strings: no distance, only equal or not)
         return OutputStats(name, diff, frac, None, 0, 0, 0, 0, 0, frac <= tolerance, "mismatch fraction")
     a = a.astype(np.float64)
     b = b.astype(np.float64)
@@ -850,7 +866,7 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, np.ndarray] | str 
         ref = _reference_for(fp32, inputs, runner)
     low_proto = _as_proto(low)
     target = target or _target_of(low_proto)
-    notes = list(ref.notes)
+    notes = list(ref.notes) + _inputs_beyond_range(low_proto, ref.feeds, target)
     run_model: Any = low if isinstance(low, (str, Path)) else low_proto
     rounded: set[str] | None = None
     if runner.providers[0] != "CUDAExecutionProvider":
@@ -893,6 +909,25 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, np.ndarray] | str 
     return CheckResult(passed=passed, tolerance=tolerance, target=target, provider=runner.provider, outputs=stats,
                        overflow=overflow, overflow_total=total, near_limit=near, inputs=ref.inputs,
                        evaluations=runner.evaluations, localised=localise, notes=notes)
+
+
+def _inputs_beyond_range(low_proto: onnx.ModelProto, feeds: Mapping[str, np.ndarray], target: str) -> list[str]:
+    """Notes for inputs the rewritten model takes in the low type (--no-keep-io-types) whose values
+    that type cannot hold: they enter as ±inf, whatever the rewrite did."""
+    limit = LIMITS[target]
+    notes = []
+    for vi in low_proto.graph.input:
+        if vi.type.tensor_type.elem_type not in _LOW_TYPES or vi.name not in feeds:
+            continue
+        arr = np.asarray(feeds[vi.name])
+        if _kind(arr.dtype) != "float" or not arr.size:
+            continue
+        finite = arr[np.isfinite(arr)]
+        peak = float(np.abs(finite).max()) if finite.size else 0.0
+        if peak > limit:
+            notes.append(f"input {vi.name!r} holds values beyond {target}'s range (max |x| {peak:.4g}); the rewritten "
+                         f"model takes it in {target} (--no-keep-io-types), so they enter as ±inf")
+    return notes
 
 
 def _emulated(runner: Runner, low_proto: onnx.ModelProto, feeds: Mapping[str, np.ndarray], target: str,

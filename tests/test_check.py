@@ -449,3 +449,61 @@ def test_emulate_low_rounds_like_numpy_float16_and_keeps_names():
     np.testing.assert_array_equal(got["m"], want_m.astype(np.float32))
     np.testing.assert_array_equal(got["y"], want_d.astype(np.float32))
     assert np.isinf(got["m"][1])  # 50000 * 1.5 overflows FP16
+
+
+# -- inputs ----------------------------------------------------------------------------------------------
+def test_string_inputs_can_be_given_in_an_npz(tmp_path):
+    """A STRING input asked for --inputs, but a str or bytes array was "<U1, the model wants object"
+    (and an object array cannot be loaded without pickle): no string model could be checked."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x, string[2] s) => (float[2,8] y, string[2] t) {
+          y = MatMul(x, w)
+          t = Identity(s)
+        }""", {"w": (8, 8)})
+    x = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
+    for strings in (np.array(["a", "bc"]), np.array([b"a", b"bc"])):
+        np.savez(tmp_path / "in.npz", x=x, s=strings)
+        feeds, _ = ck.load_inputs(tmp_path / "in.npz", m)
+        result = ck.check_models(m, rewrite(m).model, inputs=feeds, runner=ck.Runner(["CPUExecutionProvider"]))
+        assert result.passed, result.table()
+    np.savez(tmp_path / "in.npz", x=x, s=np.array([1, 2]))
+    with pytest.raises(ck.UsageError, match="'s' is int64, the model wants strings"):
+        ck.load_inputs(tmp_path / "in.npz", m)
+
+
+def test_a_zero_dim_is_kept_and_values_beyond_the_input_type_are_refused(tmp_path):
+    """A declared dim of 0 (an empty KV cache) was generated as 8, so the FP32 model refused the
+    inputs; a float64 array beyond float32's range silently became inf (with numpy's warning on
+    stderr)."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1,0,8] past, float[1,4,8] x) => (float[1,4,8] y) {
+          c = Concat<axis=1>(past, x)
+          y = MatMul(c, w)
+        }""", {"w": (8, 8)})
+    feeds, _ = ck.make_inputs(m)
+    assert feeds["past"].shape == (1, 0, 8)
+    assert ck.check_models(m, rewrite(m).model, inputs=feeds, runner=ck.Runner(["CPUExecutionProvider"])).passed
+    np.savez(tmp_path / "in.npz", past=np.zeros((1, 0, 8)), x=np.full((1, 4, 8), 1e39))
+    with pytest.raises(ck.UsageError, match=r"'x' holds values beyond float32's range \(max \|x\| 1e\+39\)"):
+        ck.load_inputs(tmp_path / "in.npz", m)
+
+
+def test_an_input_beyond_fp16_range_is_named_and_stderr_is_one_line(tmp_path):
+    """--no-keep-io-types with an input value of 1e5: numpy's overflow warning reached stderr next to
+    the error line, and the failure blamed the MatMul, not the input FP16 cannot hold."""
+    save(benign_model(), tmp_path / "m.onnx")
+    x = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
+    x[0, 0] = 1e5
+    np.savez(tmp_path / "in.npz", x=x)
+    proc = run_cli(["m.onnx", "-o", "o.onnx", "--check", "--no-keep-io-types", "--inputs", "in.npz"], tmp_path)
+    assert proc.returncode == 8
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "input 'x' holds values beyond fp16's range (max |x| 1e+05)" in proc.stdout
+
+
+def test_onnxruntime_messages_keep_their_detail_on_one_line():
+    text = "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions for input: past\n index: 1 Got: 8 Expected: 0\n"
+    line = ck._one_line(text)
+    assert "\n" not in line and "index: 1 Got: 8 Expected: 0" in line
