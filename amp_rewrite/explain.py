@@ -36,6 +36,8 @@ def explain_node(model_path: str | os.PathLike, node_name: str, **options: Any) 
 
     from . import progress
 
+    if not str(node_name).strip():
+        raise UsageError("--explain needs a node name (or the name of a tensor it writes); got an empty one")
     ctx = make_context(frontend="onnx", **options)
     with progress.stages(["load", "rewrite"], desc=os.path.basename(str(model_path))) as stage:
         stage("load")

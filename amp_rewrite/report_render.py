@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -51,10 +52,16 @@ def _num(value: Any) -> str:
 # -- Markdown ----------------------------------------------------------------------------------------------
 def _md(text: Any) -> str:
     """Text for a Markdown table cell or line: one line (CommonMark ends a line at \\r as at \\n),
-    no raw HTML, no cell breaks. Node names are arbitrary strings."""
+    no raw HTML, no cell breaks, no inline syntax (a name with ``![x](url)`` would load an image,
+    ``__add__`` would turn bold). Node names are arbitrary strings."""
     s = "" if text is None else str(text)
     s = s.replace("\r\n", " ").replace("\r", " ").replace("\n", " ")
-    return s.replace("\\", "\\\\").replace("|", "\\|").replace("&", "&amp;").replace("<", "&lt;").replace("`", "\\`")
+    s = s.replace("&", "&amp;").replace("<", "&lt;")
+    return _MD_SPECIAL.sub(lambda m: "\\" + m.group(0), s)
+
+
+# (an underscore inside a word, as in ln_div, opens no emphasis in CommonMark: left as it is)
+_MD_SPECIAL = re.compile(r"[\\|`*\[\]!~]|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
 
 
 def _md_table(headers: list[str], rows: list[list[Any]]) -> list[str]:

@@ -155,3 +155,10 @@ def test_a_name_two_scopes_share_asks_for_one_of_their_labels(tmp_path):
     with pytest.raises(UsageError, match=r"2 nodes of .* have that name.*label: If:y\.then_branch/mm, If:y\.else_branch/mm$"):
         explain_node(tmp_path / "m.onnx", "mm")
     assert explain_node(tmp_path / "m.onnx", "If:y.then_branch/mm").startswith("If:y.then_branch/mm (MatMul) computes in fp16")
+
+
+def test_an_empty_name_is_refused():
+    """--explain '' matched every unnamed node ("3 nodes have that name, in different scopes", all in
+    the main graph), or silently explained the only one."""
+    with pytest.raises(UsageError, match="--explain needs a node name"):
+        explain_node(ROOT / "models" / "transformer_block_op13.onnx", "")

@@ -415,6 +415,31 @@ def test_markdown_keeps_arbitrary_node_names_inert():
     assert len(body_rows) == len(report.to_dict()["nodes"])
 
 
+def test_markdown_shows_names_literally_not_as_inline_syntax():
+    """A name holding ``![x](url)`` rendered as a remote image, ``__add__`` and ``**b**`` as bold:
+    only \\, |, `, & and < were escaped."""
+    markdown_it = pytest.importorskip("markdown_it")
+    from amp_rewrite.report_render import render_markdown
+
+    m = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {
+          h = MatMul(x, w)
+          y = MatMul(h, w)
+        }""", {"w": (8, 8)})
+    names = ["mm ![img](http://evil.invalid/x.png) [link](http://x.invalid)", "__add__ **b** ~~s~~"]
+    for node, name in zip(m.graph.node, names):
+        node.name = name
+    import amp_rewrite
+
+    _, report = amp_rewrite.rewrite(m, fp32_nodes=[names[0]], report=True)
+    tokens = markdown_it.MarkdownIt("commonmark").enable(["table", "strikethrough"]).parse(render_markdown(report))
+    inline = [c for t in tokens for c in (t.children or [])]
+    assert not [c for c in inline if c.type in ("image", "link_open", "strong_open", "em_open", "s_open")]
+    text = "".join(c.content for c in inline if c.type == "text")
+    assert all(name in text for name in names)
+
+
 def test_nodes_sharing_a_name_in_two_bodies_are_both_reported():
     """ONNX names nodes uniquely per graph: both If branches may hold an 'mm'. The report keyed
     nodes by name, so one of them vanished from its counts, its table and --explain."""
@@ -475,3 +500,62 @@ def test_a_name_equal_to_another_nodes_made_up_label_keeps_both_nodes():
     assert ops == {"Relu:c": "MatMul", "Relu:c#2": "Relu", "ReduceSum:y": "ReduceSum"}
     assert d["summary"]["nodes_total"] == 3
     assert Report.from_model(out).to_dict()["nodes"] == d["nodes"]
+
+
+def _float_bytes(model: onnx.ModelProto) -> int:
+    from onnx import numpy_helper
+
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    total = sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer if t.data_type in floats)
+    return total + sum(numpy_helper.to_array(a.t).nbytes for n in model.graph.node if n.op_type == "Constant"
+                       for a in n.attribute if a.name == "value" and a.t.data_type in floats)
+
+
+def test_weight_counts_are_the_written_models():
+    """The weight figures left out Constant tensors (a 256-byte Constant made FP16: "0 B → 0 B,
+    converted 0", yet its clamping was counted), counted a fused pattern's eps and exponent after
+    the emitter dropped them, and said 0 B → 0 B for a model with nothing to rewrite. A Constant
+    converted to FP16 was reported as computing in FP32."""
+    import amp_rewrite
+    from onnx import helper, numpy_helper
+
+    w = np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32)
+    const = helper.make_node("Constant", [], ["cw"], value=numpy_helper.from_array(w), name="const_w")
+    mm = helper.make_node("MatMul", ["x", "cw"], ["y"], name="mm")
+    graph = helper.make_graph([const, mm], "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 8])])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    out, report = amp_rewrite.rewrite(m, report=True)
+    weights = report.to_dict()["summary"]["weights"]
+    assert (weights["bytes_before"], weights["bytes_after"], weights["converted"]) == (256, 128, 1)
+    assert weights["bytes_after"] == _float_bytes(out)
+    assert {n["node"]: n["precision"] for n in report.to_dict()["nodes"]}["const_w"] == "fp16"
+    assert Report.from_model(out).to_dict()["nodes"] == report.to_dict()["nodes"]
+
+    ln = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x) => (float[2,8] y) {
+          mu = ReduceMean<axes=[-1]>(x)
+          d = Sub(x, mu)
+          d2 = Pow(d, two)
+          var = ReduceMean<axes=[-1]>(d2)
+          ve = Add(var, eps)
+          sd = Sqrt(ve)
+          n = Div(d, sd)
+          g1 = Mul(n, gamma)
+          b1 = Add(g1, beta)
+          y = MatMul(b1, w)
+        }""", {"w": (8, 8), "gamma": np.ones(8, np.float32), "beta": np.zeros(8, np.float32),
+                "eps": np.array(1e-5, np.float32), "two": np.array(2.0, np.float32)})
+    out, report = amp_rewrite.rewrite(ln, report=True)
+    assert [n.op_type for n in out.graph.node if n.op_type == "LayerNormalization"]
+    assert report.to_dict()["summary"]["weights"]["bytes_after"] == _float_bytes(out)
+
+    plain = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x) => (float[2,8] y) {
+          y = Add(x, b)
+        }""", {"b": (8,)})
+    out, report = amp_rewrite.rewrite(plain, report=True)
+    weights = report.to_dict()["summary"]["weights"]
+    assert weights["bytes_before"] == weights["bytes_after"] == _float_bytes(out) == 32

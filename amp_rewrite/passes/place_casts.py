@@ -101,6 +101,7 @@ class _Placer:
     def run(self) -> None:
         scopes = list(self.model.graph.scopes())
         if not any(precision(n) == Precision.LOW for s in scopes for n in s.nodes):
+            self._weight_bytes(scopes)  # (what there is, unchanged)
             return  # nothing painted low anywhere: the model is left exactly as it is
         self._retype_low_outputs(scopes)
         self._retype_io()
@@ -208,6 +209,11 @@ class _Placer:
             value.meta["amp.convert"] = True
             value.dtype = self.low
             self.modified = True
+            literal = value.producer
+            if literal is not None and literal.meta.get("amp.category") is not None:  # a Constant node
+                literal.meta["amp.precision"] = Precision.LOW
+                literal.meta["amp.reason"] = (f"a literal, converted offline to {self.low.short}: every reader "
+                                              f"computes in {self.low.short}")
             return
         low_uses = [u for u in uses if u.need == self.low]
         if value.is_initializer and not training_param:
@@ -425,10 +431,14 @@ class _Placer:
         self.modified = True
 
     def _weight_bytes(self, scopes: list[Graph]) -> None:
+        """Bytes of the float initializers and Constant tensors before and after, and how many were
+        converted (those a fused pattern alone read leave with it, in the emitter)."""
         w = self.ctx.log.weights
         for scope in scopes:
-            for value in scope.initializers.values():
-                if value.const_numel is None or value.dtype is None:
+            constants = [n.outputs[0] for n in scope.nodes
+                         if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.outputs]
+            for value in [*scope.initializers.values(), *constants]:
+                if value.const_numel is None or value.dtype is None or value.meta.get("amp.dropped_with_pattern"):
                     continue
                 if "amp.copy_of" not in value.meta:
                     w.bytes_before += int(value.const_numel * value.meta.get("amp.was", value.dtype).itemsize)
