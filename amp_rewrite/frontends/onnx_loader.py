@@ -767,6 +767,9 @@ class _Builder:
         outputs = [self._value(v) for v in ir_outputs]
         node = Node(op_type, inputs, name=n.name or "", domain=domain, outputs=outputs, origin=n)
         node.opset = self.opsets.get(node.domain)
+        props = n.metadata_props
+        if props and props.get("amp_rewrite.category") == "deny" and props.get("amp_rewrite.precision") == "fp32":
+            node.meta["onnx.kept_fp32_by"] = props.get("amp_rewrite.source", "")  # (an earlier rewrite's tags)
         attributes = n.attributes
         if attributes or op_type == "ConstantOfShape":  # (most nodes have no attributes)
             node.attrs = _interesting_attrs(n)

@@ -19,6 +19,7 @@ Cases handled:
 from __future__ import annotations
 
 import difflib
+import functools
 
 from ..decisions import Category, Precision
 from ..ir import DType, Model, Node
@@ -122,10 +123,25 @@ def _lookup(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -> _Verdi
         if node_rule.precision == Precision.FP32:
             return Category.DENY, f"node rule {node_rule.pattern!r} keeps it FP32", node_rule.source, None
         return Category.ALLOW, f"node rule {node_rule.pattern!r} makes it low precision", node_rule.source, None
+    earlier = node.meta.get("onnx.kept_fp32_by")
+    if earlier and _user_pin(earlier):
+        return (Category.DENY, f"kept FP32: an earlier rewrite of this model pinned it ({earlier}), as its tags say",
+                earlier, None)
     key = (node.op_type, node.domain, node.opset)
     if key not in verdicts:
         verdicts[key] = _op_verdict(node, ctx)
     return verdicts[key]
+
+
+@functools.lru_cache(maxsize=256)
+def _user_pin(source: str) -> bool:
+    """Whether an earlier rewrite's deny came from the user (--fp32-nodes, --fp32-ops, --auto-fp32's
+    pins, a rule file of their own), which rewriting its output again must keep; a built-in rule
+    set's deny is decided afresh by the rules of this run."""
+    from ..rulebook import builtin_names
+
+    first = source.split(":", 1)[0].strip()
+    return source.startswith("--") or (first.endswith(".toml") and first[:-len(".toml")] not in builtin_names())
 
 
 def _op_verdict(node: Node, ctx: Context) -> _Verdict:
