@@ -52,7 +52,8 @@ Overflow localisation (PRECISION.md pitfall 11)
 Auto FP32
     Rewrite, check (with localisation), and while it fails: pin the root overflowing nodes FP32
     (for an overflowing Cast, its low-precision consumers) and rewrite again; when no overflow
-    explains the failure, bisect over the low-precision nodes in topological order (the shortest
+    explains the failure, bisect over the low-precision nodes in topological order (a body's nodes
+    where their If/Loop/Scan runs) (the shortest
     prefix that passes, then the shortest suffix of that prefix). At most ``2*ceil(log2(N+1))+5``
     candidate runs for N low-precision nodes, plus one FP32 reference run and one run of the
     final written model.
@@ -998,8 +999,21 @@ def _exact(label: str) -> str:
 
 
 def _low_nodes(proto: onnx.ModelProto) -> list[tuple[str, str]]:
-    """(label, op) of the main graph's low-precision nodes, in topological order."""
-    return [(node_label(n), n.op_type) for n in proto.graph.node if _tags(n).get("precision") == "low"]
+    """(label, op) of the low-precision nodes in graph order, those of an If/Loop/Scan body where
+    their holder runs (an accuracy loss inside a branch is bisected for like any other)."""
+    out: list[tuple[str, str]] = []
+
+    def walk(graph: onnx.GraphProto) -> None:
+        for n in graph.node:
+            for attr in n.attribute:
+                for body in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else
+                             list(attr.graphs) if attr.type == onnx.AttributeProto.GRAPHS else []):
+                    walk(body)
+            if _tags(n).get("precision") == "low":
+                out.append((node_label(n), n.op_type))
+
+    walk(proto.graph)
+    return out
 
 
 @dataclass
@@ -1069,8 +1083,8 @@ def auto_fp32(model: Any, *, inputs: Mapping[str, np.ndarray] | str | Path | Non
             break
     result = AutoResult(res, cr, pinned, runner.evaluations, state["candidates"], budget, history, ref)
     if not cr.passed:
-        cr.notes.append(f"--auto-fp32 stopped after {state['candidates']} candidates (budget {budget}) without "
-                        f"passing")
+        why = state.get("stopped") or f"its budget of {budget} candidates ran out"
+        cr.notes.append(f"--auto-fp32 stopped after {state['candidates']} candidates without passing: {why}")
     return result
 
 
@@ -1097,6 +1111,7 @@ def _bisect(res: RewriteResult, cr: CheckResult, labels: list[str], pinned: list
     order) whose pinning passes: the shortest passing prefix, then the shortest suffix of it."""
     nodes = [(lb, op) for lb, op in _low_nodes(res.model) if lb not in labels]
     if not nodes:
+        state["stopped"] = "no low-precision node is left to pin"
         return res, cr
     w = cr.worst
     why = (f"accuracy: output {w.name!r} " + (f"relative error {_fmt(w.max_rel)} > {cr.tolerance:g}"
@@ -1114,6 +1129,8 @@ def _bisect(res: RewriteResult, cr: CheckResult, labels: list[str], pinned: list
     try:
         lo, hi = 0, len(nodes)  # prefix length: lo fails, hi assumed to pass (everything pinned)
         if not ok(0, hi):  # even pinning every one of them fails: keep the pins so far, report failure
+            state["stopped"] = (f"even with all {len(nodes)} low-precision nodes pinned FP32 the check fails (the "
+                                f"rest is FP32 already: the difference lies elsewhere, e.g. the casts at the inputs)")
             return res, cr
         best = (0, hi)
         while hi - lo > 1:

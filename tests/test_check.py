@@ -507,3 +507,33 @@ def test_onnxruntime_messages_keep_their_detail_on_one_line():
     text = "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions for input: past\n index: 1 Got: 8 Expected: 0\n"
     line = ck._one_line(text)
     assert "\n" not in line and "index: 1 Got: 8 Expected: 0" in line
+
+
+def test_auto_fp32_bisects_into_if_branches():
+    """The bisection looked only at main-graph nodes: an accuracy loss in an If branch (a MatMul
+    by a table of ~1000s after a centring one) pinned nothing and said the "budget" ran out, though
+    --fp32-nodes on the branch's MatMul passes."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array((rng.standard_normal((8, 8)) / np.sqrt(8)).astype(np.float32), "W")
+    p = numpy_helper.from_array((np.eye(8) - np.ones((8, 8)) / 8).astype(np.float32), "P")
+    b = numpy_helper.from_array((1000 * np.ones((8, 8)) + rng.standard_normal((8, 8))).astype(np.float32), "B")
+    then = helper.make_graph([helper.make_node("MatMul", ["a", "P"], ["p"], name="t_mmP"),
+                              helper.make_node("MatMul", ["p", "B"], ["t_out"], name="t_mmB")], "then", [],
+                             [helper.make_tensor_value_info("t_out", TensorProto.FLOAT, [2, 8])])
+    other = helper.make_graph([helper.make_node("Identity", ["a"], ["e_out"], name="e_id")], "else", [],
+                              [helper.make_tensor_value_info("e_out", TensorProto.FLOAT, [2, 8])])
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["a"], name="mm1"),
+             helper.make_node("If", ["cond"], ["r"], name="if", then_branch=then, else_branch=other),
+             helper.make_node("MatMul", ["r", "W"], ["y"], name="mm3")]
+    graph = helper.make_graph(nodes, "ifacc", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8]),
+                                               helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])], [w, p, b])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    feeds = {"x": rng.standard_normal((2, 8)).astype(np.float32), "cond": np.array(True)}
+    runner = ck.Runner(["CPUExecutionProvider"])
+    auto = ck.auto_fp32(m, inputs=feeds, runner=runner)
+    assert auto.check.passed, auto.check.table()
+    assert {"t_mmP", "t_mmB"} & {p["node"] for p in auto.pinned}
+
