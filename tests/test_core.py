@@ -408,7 +408,7 @@ def test_numerics_of_mlp_within_tolerance():
 # -- module edges -------------------------------------------------------------------------------------
 FRAMEWORK = {"onnx", "onnx_ir", "onnxruntime", "torch", "google"}
 EDGE_DIRS = {"frontends", "emitters"}
-EDGE_MODULES = {"training.py", "fx_api.py", "compile_backend.py", "check.py", "training_onnx.py"}
+EDGE_MODULES = {"training.py", "fx_api.py", "compile_backend.py", "check.py", "emulate.py", "training_onnx.py"}
 
 
 def test_only_edge_modules_import_frameworks():
