@@ -52,9 +52,9 @@ Overflow localisation (PRECISION.md pitfall 11)
 Auto FP32
     Rewrite, check (with localisation), and while it fails: pin the root overflowing nodes FP32
     (for an overflowing Cast, its low-precision consumers) and rewrite again; when no overflow
-    explains the failure, bisect over the low-precision nodes in topological order (a body's nodes
-    where their If/Loop/Scan runs) (the shortest
-    prefix that passes, then the shortest suffix of that prefix). At most ``2*ceil(log2(N+1))+5``
+    explains the failure, bisect over the low-precision nodes in topological order, a body's nodes
+    where their If/Loop/Scan runs (the shortest prefix that passes, then the shortest suffix of that
+    prefix). At most ``2*ceil(log2(N+1))+5``
     candidate runs for N low-precision nodes, plus one FP32 reference run and one run of the
     final written model.
 """
