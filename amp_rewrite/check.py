@@ -870,27 +870,46 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, np.ndarray] | str 
     notes = list(ref.notes) + _inputs_beyond_range(low_proto, ref.feeds, target)
     run_model: Any = low if isinstance(low, (str, Path)) else low_proto
     rounded: set[str] | None = None
+    feeds = ref.feeds
+    emulation: _Emulation | None = None
     if runner.providers[0] != "CUDAExecutionProvider":
-        run_model, rounded = _emulated(runner, low_proto, ref.feeds, target, notes)
+        feeds = _rounded_feeds(low_proto, ref.feeds, target)
+        emulation = _Emulation.build(low_proto, target, notes)
+        if emulation is not None:
+            run_model = emulation.model
     outputs: dict[str, Any] = {}
+
+    def plain() -> dict[str, Any]:
+        nonlocal run_model, emulation
+        if emulation is not None:
+            try:
+                return runner.run(run_model, feeds, what="running the emulated rewritten model")
+            except RuntimeError as exc:
+                emulation.failed(exc, notes)
+                emulation, run_model = None, low_proto
+        return _run_low(runner, run_model, feeds)
+
     if plain_run or not localise:
-        outputs = _run_low(runner, run_model, ref.feeds)
+        outputs = plain()
     overflow, total, near, sentinels = [], 0, [], []
     if localise:
-        copy, exposed = _exposed_copy(low_proto) if rounded is None else _exposed_names(run_model, rounded)
+        copy, exposed = _exposed_copy(low_proto) if emulation is None else _exposed_names(run_model, emulation.rounded)
         try:
-            values = runner.run(copy, ref.feeds, what="running the rewritten model with its intermediates exposed")
+            values = runner.run(copy, feeds, what="running the rewritten model with its intermediates exposed")
         except RuntimeError:
             values = None
             localise = False
             notes.append("onnxruntime could not run the rewritten model with its intermediate values exposed: "
                          "overflow is not localised")
             if not outputs:
-                outputs = _run_low(runner, low_proto, ref.feeds)
+                outputs = plain()
         if values is not None:
             if not outputs:
                 outputs = {k: v for k, v in values.items() if k in set(ref.outputs)}
             overflow, total, near, sentinels = _localise(low_proto, values, exposed, ref.values, target)
+    if emulation is not None:
+        notes.append(f"CPU provider: every {target} value is rounded to {target} where it is made and carried as "
+                     f"FP32 between nodes, as a GPU computes (onnxruntime's CPU kernels alone skip those roundings)")
     stats = []
     if sentinels:
         first = sentinels[0]
@@ -931,26 +950,57 @@ def _inputs_beyond_range(low_proto: onnx.ModelProto, feeds: Mapping[str, np.ndar
     return notes
 
 
-def _emulated(runner: Runner, low_proto: onnx.ModelProto, feeds: Mapping[str, np.ndarray], target: str,
-              notes: list[str]) -> tuple[Any, set[str] | None]:
-    """On the CPU provider: the FP32 emulation of the rewritten model (amp_rewrite.emulate), and
-    the names of its low-precision values; the model itself (and None) where the emulation cannot
-    be built or run, with a note saying the rounding is not emulated."""
-    from .emulate import emulate_low
+@dataclass
+class _Emulation:
+    """The FP32 emulation of a rewritten model for the CPU provider (amp_rewrite.emulate) and the
+    names of the values it rounds to the low type."""
 
-    low_type = onnx.TensorProto.BFLOAT16 if target == "bf16" else onnx.TensorProto.FLOAT16
-    try:
-        model, rounded = emulate_low(low_proto, low_type)
-        runner.run(model, feeds, what="running the emulated rewritten model")
-        runner.evaluations -= 1  # (a trial: the evaluations counted are the check's own)
-    except Exception as exc:  # noqa: BLE001 - the plain run below still checks what it can
+    model: onnx.ModelProto
+    rounded: set[str]
+    target: str
+
+    @classmethod
+    def build(cls, low_proto: onnx.ModelProto, target: str, notes: list[str]) -> "_Emulation | None":
+        from .emulate import emulate_low
+
+        low_type = onnx.TensorProto.BFLOAT16 if target == "bf16" else onnx.TensorProto.FLOAT16
+        try:
+            model, rounded = emulate_low(low_proto, low_type)
+        except Exception as exc:  # noqa: BLE001 - the model itself is run instead, and the note says so
+            cls.note_failure(target, exc, notes)
+            return None
+        return cls(model, rounded, target)
+
+    def failed(self, exc: BaseException, notes: list[str]) -> None:
+        self.note_failure(self.target, exc, notes)
+
+    @staticmethod
+    def note_failure(target: str, exc: BaseException, notes: list[str]) -> None:
         notes.append(f"the {target} rounding could not be emulated on the CPU provider ({_one_line(str(exc))}): "
                      f"onnxruntime computes its FP32-kernel nodes unrounded, so precision loss and overflow "
                      f"between them go unseen")
-        return low_proto, None
-    notes.append(f"CPU provider: every {target} value is rounded to {target} where it is made and carried as FP32 "
-                 f"between nodes, as a GPU computes (onnxruntime's CPU kernels alone skip those roundings)")
-    return model, rounded
+
+
+def _rounded_feeds(low_proto: onnx.ModelProto, feeds: Mapping[str, np.ndarray], target: str) -> dict[str, np.ndarray]:
+    """The feeds, with those of inputs the rewritten model declares low (--no-keep-io-types)
+    rounded to the low type and widened back: what the model receives, also where it passes an
+    input straight to an output."""
+    low = {vi.name for vi in low_proto.graph.input if vi.type.tensor_type.elem_type in _LOW_TYPES}
+    out = dict(feeds)
+    for name in low & set(feeds):
+        arr = np.asarray(feeds[name])
+        if _kind(arr.dtype) != "float":
+            continue
+        with np.errstate(over="ignore"):
+            out[name] = (arr.astype(np.float16) if target == "fp16" else _bf16_round(arr)).astype(np.float32)
+    return out
+
+
+def _bf16_round(arr: np.ndarray) -> np.ndarray:
+    """``arr`` rounded to bfloat16 (nearest even), as float32."""
+    bits = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)) << np.uint32(16)
+    return np.where(np.isnan(arr), np.float32(np.nan), rounded.view(np.float32))
 
 
 def _exposed_names(model: onnx.ModelProto, names: set[str]) -> tuple[onnx.ModelProto, dict[str, str]]:

@@ -11,8 +11,9 @@ GPU kernels read and write 16-bit tensors and compute in FP32 inside (cuBLAS GEM
 accumulation, elementwise kernels that convert on load and store):
 
 - low-precision initializers and Constant / ConstantOfShape tensors become their exact FP32 values,
-  and every low type declared (graph inputs and outputs, value_info, sequence and optional element
-  types, in every body) becomes FP32;
+  every low type declared (graph inputs and outputs, value_info, sequence and optional element
+  types, in every body) becomes FP32, and so does a ``dtype`` attribute naming it (EyeLike,
+  RandomNormal, SequenceEmpty...);
 - every value the model holds in the low type is rounded to it where it is made — a
   ``Cast(to=low)`` then ``Cast(to=FLOAT)`` written in the model, which the CPU provider runs as
   written — and carried as FP32: every rounding (and overflow to ±inf) the model does happens, and
@@ -89,9 +90,8 @@ class _Rewriter:
         graph.node.extend(nodes)
 
     def _round_in_place(self, name: str, graph: onnx.GraphProto) -> list[onnx.NodeProto]:
-        """Round graph input ``name``: its readers read a rounded copy under a fresh name."""
-        if any(out.name == name for out in graph.output):
-            return []  # an input passed straight through is left as it came
+        """Round graph input ``name``: its readers read a rounded copy under a fresh name. (An input
+        that is also a graph output passes through as fed: the check feeds it rounded.)"""
         fresh = self.fresh(name)
         for g in _graphs(graph):  # (bodies read it too, as an outer-scope value)
             for node in g.node:
@@ -114,6 +114,10 @@ class _Rewriter:
                 attr.t.CopyFrom(_widened(attr.t))
             elif attr.type == AttributeProto.SPARSE_TENSOR and attr.sparse_tensor.values.data_type == self.low:
                 attr.sparse_tensor.values.CopyFrom(_widened(attr.sparse_tensor.values))
+            elif attr.type == AttributeProto.INT and attr.name == "dtype" and attr.i == self.low:
+                attr.i = FLOAT  # EyeLike, RandomNormal, SequenceEmpty...: made FP32, rounded after
+            elif attr.type == AttributeProto.TYPE_PROTO:
+                _widen_type(attr.tp, self.low)  # Optional(type=...)
         is_cast = node.op_type == "Cast" and node.domain in ("", "ai.onnx")
         if is_cast and _attr(node, "to") == FLOAT and self.types.get(node.input[0]) == self.low:
             return [helper.make_node("Identity", [node.input[0]], list(node.output), name=node.name)]

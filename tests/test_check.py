@@ -537,3 +537,27 @@ def test_auto_fp32_bisects_into_if_branches():
     assert auto.check.passed, auto.check.table()
     assert {"t_mmP", "t_mmB"} & {p["node"] for p in auto.pinned}
 
+
+
+def test_emulation_widens_dtype_attributes_and_rounds_a_passed_through_input():
+    """EyeLike(dtype=FLOAT16) kept its FP16 output in the FP32 emulation (NOT_IMPLEMENTED on the CPU:
+    the check fell back to the unrounded model); an FP16 input also returned as an output was not
+    rounded for its readers (70000 * 0.5 came out 35000, FP16 gives inf)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from amp_rewrite.emulate import emulate_low
+
+    nodes = [helper.make_node("EyeLike", ["xh"], ["e"], dtype=TensorProto.FLOAT16),
+             helper.make_node("Mul", ["xh", "half"], ["m"]), helper.make_node("Add", ["m", "e"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("xh", TensorProto.FLOAT16, [2, 2])],
+                              [helper.make_tensor_value_info("xh", TensorProto.FLOAT16, [2, 2]),
+                               helper.make_tensor_value_info("y", TensorProto.FLOAT16, [2, 2])],
+                              [numpy_helper.from_array(np.array(0.5, np.float16), "half")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    emulated, _ = emulate_low(model)
+    onnx.checker.check_model(emulated, full_check=True)
+    x = np.array([[1.0, 70000.0], [3.0, 4.0]], np.float32)
+    got = ck.Runner(["CPUExecutionProvider"]).run(emulated, {"xh": x}, what="emulation")
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16) * np.float16(0.5) + np.eye(2, dtype=np.float16)
+    np.testing.assert_array_equal(got["y"], want.astype(np.float32))

@@ -119,6 +119,21 @@ def test_rewriting_an_output_again_keeps_the_users_pins(option, tmp_path):
     assert "an earlier rewrite of this model pinned it" in again.log.decisions[pinned].reason
 
 
+def test_an_earlier_pin_yields_to_this_runs_flags_and_keeps_its_pattern_unfused():
+    """This run's --fp16-ops lost to an earlier --fp32-ops pin (only --fp16-nodes won), and the fuse
+    pass, which asked only this run's node rules, fused the LayerNorm pattern an earlier
+    --fp32-nodes had kept apart, so the second rewrite changed the model."""
+    m = onnx.load(str(ROOT / "models" / "tiny_bert.onnx"))
+    first = rewrite(m, fp32_ops=["MatMul"]).model
+    again = rewrite(first, fp16_ops=["MatMul"])
+    assert {d.precision.value for d in again.log.decisions.values() if d.op == "MatMul"} == {"low"}
+
+    block = onnx.load(str(ROOT / "models" / "transformer_block_op13.onnx"))
+    first = rewrite(block, fp32_nodes=["ReduceMean:ln1_mean"]).model
+    assert [n.op_type for n in first.graph.node].count("ReduceMean") >= 1
+    assert not rewrite(first).modified
+
+
 @pytest.mark.parametrize("option, value", [("fp32_nodes", ["MatMul_*"]), ("fp32_nodes", ["re:Mat.*_1"]),
                                            ("fp32_ops", ["MatMul"])])
 def test_fp32_overrides_keep_nodes_fp32(option, value):

@@ -53,7 +53,7 @@ from typing import Any
 
 from ..decisions import Category, FusionRecord
 from ..ir import DType, Graph, Model, Node, Value
-from ..passes.base import Context, PassResult, node_label, node_rule_of
+from ..passes.base import Context, PassResult, earlier_pin, node_label, node_rule_of
 from ..passes.classify import missing_low_kernel
 from ..passes.place_casts import Namer
 from .onnx_loader import schema_slots
@@ -356,7 +356,8 @@ def _closed(match: _Match) -> bool:
 
 
 def _pinned(match: _Match, ctx: Context) -> bool:
-    return any(node_rule_of(ctx.rules, n) is not None for n in match.members)
+    """A node rule names a member, or an earlier rewrite pinned one FP32 (its pattern stayed unfused)."""
+    return any(node_rule_of(ctx.rules, n) is not None or earlier_pin(n) for n in match.members)
 
 
 def _residual_operands(x: Value, shapes: "SymbolicShapes") -> list[Value] | None:

@@ -6,6 +6,8 @@ whole pipeline on its own output can be checked to report ``modified=False``.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable
 
@@ -139,6 +141,24 @@ def node_rule_of(rules, node: Node):
     if rule is None and node.name and label != node.name:
         rule = rules.node_rule(label)
     return rule
+
+
+def earlier_pin(node: Node) -> str | None:
+    """The source of the FP32 pin an earlier rewrite of this model gave the node (read from its
+    tags: ``--fp32-nodes``, ``--fp32-ops``, ``--auto-fp32``'s pins, a rule file of the user's), which
+    rewriting the output again keeps; None for none, or for a built-in rule's deny (decided afresh)."""
+    source = node.meta.get("onnx.kept_fp32_by")
+    return source if source and is_user_source(source) else None
+
+
+@functools.lru_cache(maxsize=256)
+def is_user_source(source: str) -> bool:
+    """Whether a decision's source is the user's: a command-line flag or a rule file that is not a
+    built-in set."""
+    from ..rulebook import builtin_names
+
+    first = source.split(": ", 1)[0].strip()
+    return source.startswith("--") or (first.endswith(".toml") and first[:-len(".toml")] not in builtin_names())
 
 
 def node_label(node: Node) -> str:

@@ -19,12 +19,11 @@ Cases handled:
 from __future__ import annotations
 
 import difflib
-import functools
 
 from ..decisions import Category, Precision
 from ..ir import DType, Model, Node
 from ..rulebook import RuleEntry
-from .base import Context, PassResult, is_float32, node_label, node_rule_of, painted_group
+from .base import Context, PassResult, earlier_pin, is_float32, is_user_source, node_label, node_rule_of, painted_group
 
 _CONTROL = "control flow: its boundary types are kept and each body is rewritten as a scope of its own"
 _SOURCES = {"Cast", "Constant"}  # handled by cast folding and weight conversion, not painting
@@ -123,25 +122,15 @@ def _lookup(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -> _Verdi
         if node_rule.precision == Precision.FP32:
             return Category.DENY, f"node rule {node_rule.pattern!r} keeps it FP32", node_rule.source, None
         return Category.ALLOW, f"node rule {node_rule.pattern!r} makes it low precision", node_rule.source, None
-    earlier = node.meta.get("onnx.kept_fp32_by")
-    if earlier and _user_pin(earlier):
-        return (Category.DENY, f"kept FP32: an earlier rewrite of this model pinned it ({earlier}), as its tags say",
-                earlier, None)
     key = (node.op_type, node.domain, node.opset)
     if key not in verdicts:
         verdicts[key] = _op_verdict(node, ctx)
-    return verdicts[key]
-
-
-@functools.lru_cache(maxsize=256)
-def _user_pin(source: str) -> bool:
-    """Whether an earlier rewrite's deny came from the user (--fp32-nodes, --fp32-ops, --auto-fp32's
-    pins, a rule file of their own), which rewriting its output again must keep; a built-in rule
-    set's deny is decided afresh by the rules of this run."""
-    from ..rulebook import builtin_names
-
-    first = source.split(":", 1)[0].strip()
-    return source.startswith("--") or (first.endswith(".toml") and first[:-len(".toml")] not in builtin_names())
+    verdict = verdicts[key]
+    earlier = earlier_pin(node)
+    if earlier and not is_user_source(verdict[2]):  # (this run's --fp16-ops or rule file wins)
+        return (Category.DENY, f"kept FP32: an earlier rewrite of this model pinned it ({earlier}), as its tags say",
+                earlier, None)
+    return verdict
 
 
 def _op_verdict(node: Node, ctx: Context) -> _Verdict:
