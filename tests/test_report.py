@@ -382,6 +382,15 @@ def test_every_allow_listed_torch_op_but_prelu_counts_in_the_gemm_headline():
         assert not missing, f"{name}: allow ops missing from report.HEAVY_OPS: {missing}"
 
 
+def _two_matmuls() -> onnx.ModelProto:
+    return make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {
+          h = MatMul(x, w)
+          y = MatMul(h, w)
+        }""", {"w": (8, 8)})
+
+
 def test_markdown_keeps_arbitrary_node_names_inert():
     """A node name with raw HTML and a line break became a live <img onerror> tag and a heading
     in the rendered .md (the "kept FP32" line left names unescaped), and a \\r split a table row."""
@@ -389,12 +398,7 @@ def test_markdown_keeps_arbitrary_node_names_inert():
     from amp_rewrite.report_render import render_markdown
 
     evil = "<img src=x onerror=alert(1)>\r# injected `heading`"
-    m = make_model("""
-        <ir_version: 9, opset_import: ["" : 17]>
-        g (float[4,8] x) => (float[4,8] y) {
-          h = MatMul(x, w)
-          y = MatMul(h, w)
-        }""", {"w": (8, 8)})
+    m = _two_matmuls()
     m.graph.node[0].name = evil
     m.graph.node[1].name = "plain"
     import amp_rewrite
@@ -421,12 +425,7 @@ def test_markdown_shows_names_literally_not_as_inline_syntax():
     markdown_it = pytest.importorskip("markdown_it")
     from amp_rewrite.report_render import render_markdown
 
-    m = make_model("""
-        <ir_version: 9, opset_import: ["" : 17]>
-        g (float[4,8] x) => (float[4,8] y) {
-          h = MatMul(x, w)
-          y = MatMul(h, w)
-        }""", {"w": (8, 8)})
+    m = _two_matmuls()
     names = ["mm ![img](http://evil.invalid/x.png) [link](http://x.invalid)", "__add__ **b** ~~s~~"]
     for node, name in zip(m.graph.node, names):
         node.name = name
