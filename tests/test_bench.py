@@ -75,6 +75,8 @@ def test_json_carries_the_raw_figures(tiny_run):
     for key in ("casts", "cast_bytes", "flops_low_share", "weights_low_share", "checker", "loads", "max_rel_err",
                 "new_nonfinite"):
         assert key in rec
+    # the error is the GPU numerics' (the emulation ran), the plain CPU run's kept beside it
+    assert rec["emulated"] is True and rec["max_rel_err"] is not None and "max_rel_err_cpu" in rec
     assert rec["convert"]["ok"] and rec["convert"]["peak_rss_mib"] > 0 and rec["convert"]["seconds"] > 0
     assert not data["gpu"]["available"] or data["gpu"]["rows"]
     for row in data["scaling"]:  # each conversion ran 3 times; the row is the median run

@@ -563,6 +563,7 @@ def _err(r: dict) -> str:
     s = f"{e:.1e}"
     tol = tolerance_of(r.get("model", ""))
     s = s if e <= tol else f"**{s}**"
+    s = s if r.get("emulated", True) else f"{s} (cpu)"
     return s if tol == TOLERANCE else f"{s} (≤ {tol:g})"
 
 
@@ -596,7 +597,12 @@ def render_markdown(results: dict) -> str:
               f"Tolerance: max |a−b| / max |a| ≤ {TOLERANCE:g} on the logits (for an output made by a Softmax, its "
               f"input, as `tests/test_e2e_corpus.py` compares), "
               + ", ".join(f"{m} ≤ {t:g}" for m, t in STATED_TOLERANCE.items())
-              + " as that test states (deep random-weight CNNs: every FP16 converter lands near 4e-2).", ""]
+              + " as that test states (deep random-weight CNNs: every FP16 converter lands near 4e-2). "
+              "Errors and NaN/Inf are those of the model's GPU numerics: onnxruntime's CPU provider computes FP16 "
+              "nodes that lack FP16 kernels in FP32 and drops the casts between them, so each converted model also "
+              "runs as `amp_rewrite.emulate.emulate_low` makes it (every FP16 value rounded where it is made, FP32 in "
+              "between), as `--check` does; a model whose emulation cannot run keeps its plain CPU figure, marked "
+              "\"(cpu)\".", ""]
     conds = results.get("conditions") or evaluate(results)
     lines += ["## Done-conditions", ""]
     rows = []

@@ -211,12 +211,36 @@ def runtime_metrics(path: str | os.PathLike, feeds: dict, ref: dict, logits: lis
         inst.unlink(missing_ok=True)
     out["loads"] = out["runs"] = True
     out.update(_errors(ref, got, logits))
+    out["max_rel_err_cpu"], out["new_nonfinite_cpu"] = out["max_rel_err"], out["new_nonfinite"]
+    out.update(_emulated_errors(path, feeds, ref, logits, timeout))
     shapes = {k: (list(v.shape), v.dtype) for k, v in got.items()}
     shapes.update({k: (list(np.asarray(v).shape), np.asarray(v).dtype) for k, v in feeds.items()})
     out.update(_cast_bytes(plan, shapes))
     out["casts_in_branches_measured"] = plan["branch_casts"]
     out.update(_flop_share(plan, shapes))
     return out
+
+
+def _emulated_errors(path: Path, feeds: dict, ref: dict, logits: list[str], timeout: float) -> dict:
+    """The errors of the model's GPU numerics: onnxruntime's CPU provider runs FP16 nodes that lack
+    FP16 kernels in FP32 and drops the casts between them, so the plain run above rounds little.
+    The model runs again as ``amp_rewrite.emulate.emulate_low`` makes it (every FP16 value rounded
+    where it is made, FP32 in between, as GPU kernels compute); its errors replace the plain run's,
+    which stay as ``*_cpu``. Where the emulation cannot run, the plain figures stand and
+    ``emulated`` is False."""
+    from amp_rewrite.emulate import emulate_low
+    from tools.ortrun import run_onnx
+
+    try:
+        model = onnx.load(str(path))
+        emulated, rounded = emulate_low(with_outputs(model, logits), onnx.TensorProto.FLOAT16)
+        if not rounded:
+            return {"emulated": False, "emulation_error": "no FP16 value"}
+        got = run_onnx(emulated, feeds, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - a measurement: the plain run's figures stand
+        return {"emulated": False, "emulation_error": _first_line(exc)}
+    errors = _errors(ref, got, logits)
+    return {"emulated": True, "max_rel_err": errors["max_rel_err"], "new_nonfinite": errors["new_nonfinite"]}
 
 
 def _errors(ref: dict, got: dict, logits: list[str]) -> dict:
