@@ -110,6 +110,11 @@ class Value:
         """A snapshot: safe to iterate while editing."""
         return list(self._uses.values())
 
+    def has_uses(self) -> bool:
+        """Whether any node reads it (without the snapshot ``uses`` copies: a shared weight has
+        thousands)."""
+        return bool(self._uses)
+
     def consumers(self) -> list["Node"]:
         seen: dict[int, Node] = {}
         for node, _ in self._uses.values():
