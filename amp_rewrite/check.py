@@ -869,7 +869,6 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, np.ndarray] | str 
     target = target or _target_of(low_proto)
     notes = list(ref.notes) + _inputs_beyond_range(low_proto, ref.feeds, target)
     run_model: Any = low if isinstance(low, (str, Path)) else low_proto
-    rounded: set[str] | None = None
     feeds = ref.feeds
     emulation: _Emulation | None = None
     if runner.providers[0] != "CUDAExecutionProvider":

@@ -25,8 +25,9 @@ decision log travels with the module in ``gm.meta["amp_rewrite.log"]``.
 Training (``training=True``): parameters stay FP32 and are cast at use (gradients land in FP32);
 the loss and whatever feeds it after the last allow op stay FP32; when the module returns a loss (a
 scalar float output, or the output ``loss_output`` names: its index among the flattened outputs or
-its fx node name; with several scalar float outputs it must be named) the output becomes ``loss * self.amp_loss_scale``, an FP32 scalar buffer starting
-at 1.0 that :class:`amp_rewrite.LossScaler` updates, and ``gm.amp_training`` is True.
+its fx node name; with several scalar float outputs it must be named) the output becomes
+``loss * self.amp_loss_scale``, an FP32 scalar buffer starting at 1.0 that
+:class:`amp_rewrite.LossScaler` updates, and ``gm.amp_training`` is True.
 """
 
 from __future__ import annotations

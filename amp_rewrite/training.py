@@ -59,9 +59,9 @@ from __future__ import annotations
 
 import gc
 import math
-from collections import deque
 import warnings
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 

@@ -7,7 +7,6 @@ whole pipeline on its own output can be checked to report ``modified=False``.
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable
 
