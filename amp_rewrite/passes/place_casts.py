@@ -431,7 +431,7 @@ class _Placer:
         self.modified = True
 
     def _weight_bytes(self, scopes: list[Graph]) -> None:
-        """Bytes of the float initializers and Constant tensors before and after, and how many were
+        """Bytes of the initializers and Constant tensors before and after, and how many were
         converted (those a fused pattern alone read leave with it, in the emitter)."""
         w = self.ctx.log.weights
         for scope in scopes:
