@@ -25,7 +25,8 @@ decision log travels with the module in ``gm.meta["amp_rewrite.log"]``.
 Training (``training=True``): parameters stay FP32 and are cast at use (gradients land in FP32);
 the loss and whatever feeds it after the last allow op stay FP32; when the module returns a loss (a
 scalar float output, or the output ``loss_output`` names: its index among the flattened outputs or
-its fx node name; with several scalar float outputs it must be named) the output becomes
+its fx node name; of several scalar float outputs, the one a gradient reaches, else it must be
+named) the output becomes
 ``loss * self.amp_loss_scale``, an FP32 scalar buffer starting at 1.0 that
 :class:`amp_rewrite.LossScaler` updates, and ``gm.amp_training`` is True.
 """
@@ -380,6 +381,13 @@ def _loss_value(model: Model, loss_output: int | str | None, notes: list[str]) -
     if not scalars:
         return None
     if len(scalars) > 1:
+        # A metric returned beside the loss (an accuracy, a detached copy) carries no gradient:
+        # with one scalar that does, it is the loss.
+        graded = [v for v in scalars if _requires_grad(v)]
+        if len(graded) == 1:
+            notes.append(f"the loss is {graded[0].name!r}: of the {len(scalars)} scalar float outputs only it carries "
+                         f"a gradient (pass loss_output= to choose another)")
+            return graded[0]
         # Taking the first would scale another output (an auxiliary mean) and leave the loss's
         # gradients 1/scale of the truth: the caller has to say.
         index = {id(v): i for i, v in enumerate(outputs)}
@@ -387,6 +395,28 @@ def _loss_value(model: Model, loss_output: int | str | None, notes: list[str]) -
         raise UsageError(f"training=True: the module returns {len(scalars)} scalar float outputs ({named}); "
                          f"say which is the loss with loss_output= (its index or name)")
     return scalars[0]
+
+
+_NO_GRADIENT_OPS = {"detach", "detach_", "stop_gradient"}
+
+
+def _requires_grad(value: Value) -> bool:
+    """Whether a gradient can reach a parameter from this output: a path back to a weight through
+    float values only, not through ``detach`` (an accuracy's argmax and comparison make integers and
+    booleans, which carry none)."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        if v.is_initializer:
+            return True
+        node = v.producer
+        if node is None or node.op_type in _NO_GRADIENT_OPS:
+            continue
+        stack.extend(x for x in node.inputs if x is not None and x.dtype is not None and x.dtype.is_float)
+    return False
 
 
 def _checked_loss(value: Value, loss_output: int | str) -> Value:

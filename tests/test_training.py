@@ -907,3 +907,30 @@ def test_a_sparse_embedding_trains_and_its_table_is_never_cast(target):
     assert gm.e.weight.grad.layout == torch.sparse_coo
     torch.testing.assert_close(gm.e.weight.grad.to_dense(), ref.e.weight.grad.to_dense(), rtol=5e-2,
                                atol=2e-2 * ref.e.weight.grad.to_dense().abs().max().item())
+
+
+def test_a_metric_beside_the_loss_is_not_taken_for_it():
+    """(loss, accuracy, loss.detach()): three scalar float outputs, of which only the loss carries a
+    gradient; it is taken as the loss (the accuracy and the detached copy stay unscaled)."""
+    class WithMetrics(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 4)
+
+        def forward(self, x, y):
+            out = self.lin(x)
+            loss = F.cross_entropy(out, y)
+            return loss, (out.argmax(-1) == y).float().mean(), loss.detach()
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    for capture in ("export", "symbolic_trace"):
+        model = WithMetrics()
+        ref = copy.deepcopy(model)
+        gm = amp_rewrite.rewrite(model, example_inputs=(x, y), training=True, target="bf16", capture=capture)
+        scaler = LossScaler(gm)
+        loss, acc, plain = gm(x, y)
+        ref_loss, _, _ = ref(x, y)
+        assert loss.item() == pytest.approx(ref_loss.item() * scaler.get_scale(), rel=2e-2), capture
+        assert 0.0 <= acc.item() <= 1.0  # (bf16 logits may flip an argmax, but a scaled accuracy is 65536x)
+        assert plain.item() == pytest.approx(ref_loss.item(), rel=2e-2)
