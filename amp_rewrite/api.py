@@ -83,6 +83,28 @@ def make_context(*, frontend: str, target: str = "fp16", rules: Iterable[str | o
     return Context(rules=book, options=options, log=DecisionLog(target=target))
 
 
+def context_for(frontend: str, options: dict[str, Any], where: str) -> Context:
+    """``make_context`` with the caller's keyword options, where a name it does not take is a
+    UsageError naming the closest one (not Python's TypeError from deep inside)."""
+    import difflib
+    import inspect
+
+    known = [p for p in inspect.signature(make_context).parameters if p != "frontend"]
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else f"; it takes: {', '.join(known)}"
+        raise UsageError(f"{where} got an unknown option {unknown[0]!r}{hint}")
+    return make_context(frontend=frontend, **options)
+
+
+def flag(name: str, value: Any, *, none: bool = False) -> Any:
+    """A True/False option (None too where ``none``); anything else is a UsageError ("no" is truthy)."""
+    if isinstance(value, bool) or (none and value is None):
+        return value
+    raise UsageError(f"{name}={value!r}: pass True or False" + (" (or None)" if none else ""))
+
+
 def _as_list(name: str, value: Any) -> list:
     if isinstance(value, (str, os.PathLike)):
         return [value]
@@ -171,23 +193,30 @@ def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *
     from .emitters.onnx_emitter import save_onnx
     from .frontends.onnx_loader import load_onnx
 
-    if options.get("training") and options.get("loss"):
+    flag("overwrite", overwrite)
+    flag("external_data", external_data, none=True)
+    if _training_graph(options):
         # an ONNX training graph: the loss-scale (and unscale/all_finite) nodes go in too, as
         # rewrite() does for a ModelProto
         from .training_onnx import rewrite_training_onnx
 
         options = {k: v for k, v in options.items() if k != "training"}
         return rewrite_training_onnx(src, dst, overwrite=overwrite, external_data=external_data, **options)
+    for name, value in (("src", src), ("dst", dst)):
+        if not isinstance(value, (str, os.PathLike)) and not (name == "dst" and value is None):
+            raise UsageError(f"rewrite_onnx: {name} must be a path, got {type(value).__name__}"
+                             + (" (for a ModelProto use rewrite())" if name == "src" else ""))
     src_path = Path(src)
     target = options.get("target", "fp16")
     dst_path = Path(dst) if dst is not None else default_output(src_path, target)
     _check_output(src_path, dst_path, overwrite)
-    ctx = make_context(frontend="onnx", **options)
+    ctx = context_for("onnx", options, "rewrite_onnx()")
     from . import progress
 
     with progress.stages(["load", "rewrite", "write"], desc=src_path.name) as stage:
         stage("load")
         model = load_onnx(src_path)
+        _refuse_retarget(model, ctx)
         source_files = _input_files(model, src_path)
         if dst_path.resolve() in source_files:
             raise OutputError(f"{dst_path}: is a file the input reads its external data from; choose another -o "
@@ -212,8 +241,9 @@ def rewrite_onnx_model(proto: Any, **options: Any) -> RewriteResult:
     from .emitters.onnx_emitter import emit_onnx, to_proto
     from .frontends.onnx_loader import load_onnx
 
-    ctx = make_context(frontend="onnx", **options)
+    ctx = context_for("onnx", options, "rewrite()")
     model = load_onnx(proto)
+    _refuse_retarget(model, ctx)
     modified = run_pipeline(model, ctx)
     if not modified:
         if model.meta.get("onnx.sorted_on_load"):  # ONNX requires topological order: the sorted copy
@@ -227,14 +257,43 @@ def rewrite_onnx_model(proto: Any, **options: Any) -> RewriteResult:
 def rewrite(obj: Any, *, report: bool = False, **options: Any) -> Any:
     """Rewrite an ``onnx.ModelProto`` (returns a ModelProto) or a torch ``nn.Module`` /
     ``fx.GraphModule`` (returns a GraphModule). ``report=True`` returns ``(model, Report)``."""
+    flag("report", report)
     result = _dispatch(obj, **options)
     return (result.model, result.report) if report else result.model
+
+
+def _training_graph(options: dict[str, Any]) -> bool:
+    """Whether ONNX options ask for a training graph (the loss-scale nodes go in): ``training``
+    with ``loss``. ``loss`` alone, or not a name, is a UsageError; ``training`` alone keeps the
+    weights FP32 (cast at use) and adds no loss scaling."""
+    loss = options.get("loss")
+    if loss is not None and not isinstance(loss, str):
+        raise UsageError(f"loss={loss!r}: pass the name of the loss output")
+    if loss is not None and not options.get("training"):
+        raise UsageError("loss names the output to scale for training: pass training=True with it (or drop it)")
+    return bool(options.get("training") and loss)
+
+
+def _refuse_retarget(model: Any, ctx: Context) -> None:
+    """A model amp-rewrite already rewrote to one low type, asked for the other: its low nodes
+    would stay as they are, and a .bf16 file would hold FP16. Say so instead."""
+    import json
+
+    origin = getattr(model, "origin", None)
+    props = getattr(getattr(origin, "model", None), "metadata_props", None) or {}
+    try:
+        before = json.loads(props.get("amp_rewrite.report", "{}")).get("target")
+    except (ValueError, AttributeError):
+        return
+    if before and before != ctx.options.target:
+        raise UsageError(f"this model was rewritten to {before} already (its amp_rewrite metadata says so); "
+                         f"rewrite the FP32 original for {ctx.options.target}")
 
 
 def _dispatch(obj: Any, **options: Any) -> RewriteResult:
     kind = type(obj).__module__
     if kind.startswith("onnx") and type(obj).__name__ == "ModelProto":
-        if options.get("training") and options.get("loss"):
+        if _training_graph(options):
             # an ONNX training graph: the loss-scale (and unscale/all_finite) nodes go in too
             from .training_onnx import rewrite_training_onnx_model
 

@@ -352,7 +352,9 @@ class Runner:
                 feed = _adapt_feeds(sess, feeds)
                 self.evaluations += 1
                 if any(o.type == "tensor(bfloat16)" for o in sess.get_outputs()):
-                    values = [_numpy_of(v) for v in sess.run_with_ort_values(names, feed)]
+                    ort_feed = {k: v if isinstance(v, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(v)
+                                for k, v in feed.items()}
+                    values = [_numpy_of(v) for v in sess.run_with_ort_values(names, ort_feed)]
                 else:
                     values = sess.run(names, feed)
             except Exception as exc:  # noqa: BLE001 (onnxruntime raises its own pybind types)
@@ -834,8 +836,19 @@ def _reference_for(fp32, inputs, runner):
 
 def reference(fp32: Any, feeds: Mapping[str, np.ndarray], runner: Runner,
               inputs: list[dict[str, Any]] | None = None, *, user_inputs: bool = False) -> Reference:
-    proto = _as_proto(fp32)
+    proto = original = _as_proto(fp32)
     notes = []
+    if runner.providers[0] != "CUDAExecutionProvider" and _holds_low_values(proto):
+        # the input model computes in FP16/BF16 somewhere itself: its GPU numerics, as the rewrite's
+        from .emulate import emulate_all
+
+        try:
+            proto = emulate_all(proto)[0]
+            feeds = _rounded_feeds(original, feeds)
+            notes.append("the input model holds FP16/BF16 values itself: it is checked as a GPU computes them too "
+                         "(rounded where they are made)")
+        except Exception as exc:  # noqa: BLE001 - it runs as it is, with a note
+            notes.append(f"the input model's own FP16/BF16 values could not be emulated ({_one_line(str(exc))})")
     try:
         values = runner.run(_reference_copy(proto), feeds, what="running the FP32 model", fp32=True)
     except RuntimeError:
@@ -850,6 +863,21 @@ def reference(fp32: Any, feeds: Mapping[str, np.ndarray], runner: Runner,
     values = {k: np.asarray(v) for k, v in values.items() if isinstance(v, np.ndarray)}
     values.update({k: np.asarray(v) for k, v in feeds.items()})
     return Reference([o.name for o in proto.graph.output], values, dict(feeds), inputs or [], notes)
+
+
+def _holds_low_values(proto: onnx.ModelProto) -> bool:
+    """Whether a model declares or casts to FP16/BF16 anywhere (a quick look: types, initializers,
+    Cast targets)."""
+    from .emulate import _graphs
+
+    for g in _graphs(proto.graph):
+        if any(t.data_type in _LOW_TYPES for t in g.initializer):
+            return True
+        if any(v.type.tensor_type.elem_type in _LOW_TYPES for v in [*g.input, *g.output, *g.value_info]):
+            return True
+        if any(n.op_type == "Cast" and any(a.name == "to" and a.i in _LOW_TYPES for a in n.attribute) for n in g.node):
+            return True
+    return False
 
 
 def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, np.ndarray] | str | Path | None = None,
@@ -867,12 +895,12 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, np.ndarray] | str 
         ref = _reference_for(fp32, inputs, runner)
     low_proto = _as_proto(low)
     target = target or _target_of(low_proto)
-    notes = list(ref.notes) + _inputs_beyond_range(low_proto, ref.feeds, target)
+    notes = list(ref.notes) + _inputs_beyond_range(_as_proto(fp32, load_data=False), low_proto, ref.feeds)
     run_model: Any = low if isinstance(low, (str, Path)) else low_proto
     feeds = ref.feeds
     emulation: _Emulation | None = None
     if runner.providers[0] != "CUDAExecutionProvider":
-        feeds = _rounded_feeds(low_proto, ref.feeds, target)
+        feeds = _rounded_feeds(low_proto, ref.feeds)
         emulation = _Emulation.build(low_proto, target, notes)
         if emulation is not None:
             run_model = emulation.model
@@ -930,22 +958,27 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, np.ndarray] | str 
                        evaluations=runner.evaluations, localised=localise, notes=notes)
 
 
-def _inputs_beyond_range(low_proto: onnx.ModelProto, feeds: Mapping[str, np.ndarray], target: str) -> list[str]:
-    """Notes for inputs the rewritten model takes in the low type (--no-keep-io-types) whose values
-    that type cannot hold: they enter as ±inf, whatever the rewrite did."""
-    limit = LIMITS[target]
+def _inputs_beyond_range(fp32_proto: onnx.ModelProto, low_proto: onnx.ModelProto,
+                         feeds: Mapping[str, np.ndarray]) -> list[str]:
+    """Notes for inputs the rewritten model takes in FP16/BF16 whose values that type cannot hold:
+    they enter as ±inf, whatever the rewrite did. The rewrite's doing (--no-keep-io-types) where
+    the FP32 model took them in another type."""
+    before = {vi.name: vi.type.tensor_type.elem_type for vi in fp32_proto.graph.input}
     notes = []
     for vi in low_proto.graph.input:
-        if vi.type.tensor_type.elem_type not in _LOW_TYPES or vi.name not in feeds:
+        elem = vi.type.tensor_type.elem_type
+        if elem not in _LOW_TYPES or vi.name not in feeds:
             continue
         arr = np.asarray(feeds[vi.name])
         if _kind(arr.dtype) != "float" or not arr.size:
             continue
+        kind = _LOW_TYPES[elem]
         finite = arr[np.isfinite(arr)]
         peak = float(np.abs(finite).max()) if finite.size else 0.0
-        if peak > limit:
-            notes.append(f"input {vi.name!r} holds values beyond {target}'s range (max |x| {peak:.4g}); the rewritten "
-                         f"model takes it in {target} (--no-keep-io-types), so they enter as ±inf")
+        if peak > LIMITS[kind]:
+            why = " (--no-keep-io-types)" if before.get(vi.name) != elem else ""
+            notes.append(f"input {vi.name!r} holds values beyond {kind}'s range (max |x| {peak:.4g}); the rewritten "
+                         f"model takes it in {kind}{why}, so they enter as ±inf")
     return notes
 
 
@@ -960,11 +993,10 @@ class _Emulation:
 
     @classmethod
     def build(cls, low_proto: onnx.ModelProto, target: str, notes: list[str]) -> "_Emulation | None":
-        from .emulate import emulate_low
+        from .emulate import emulate_all
 
-        low_type = onnx.TensorProto.BFLOAT16 if target == "bf16" else onnx.TensorProto.FLOAT16
         try:
-            model, rounded = emulate_low(low_proto, low_type)
+            model, rounded = emulate_all(low_proto)
         except Exception as exc:  # noqa: BLE001 - the model itself is run instead, and the note says so
             cls.note_failure(target, exc, notes)
             return None
@@ -980,18 +1012,23 @@ class _Emulation:
                      f"between them go unseen")
 
 
-def _rounded_feeds(low_proto: onnx.ModelProto, feeds: Mapping[str, np.ndarray], target: str) -> dict[str, np.ndarray]:
-    """The feeds, with those of inputs the rewritten model declares low (--no-keep-io-types)
-    rounded to the low type and widened back: what the model receives, also where it passes an
-    input straight to an output."""
-    low = {vi.name for vi in low_proto.graph.input if vi.type.tensor_type.elem_type in _LOW_TYPES}
+def _rounded_feeds(proto: onnx.ModelProto, feeds: Mapping[str, np.ndarray], target: str | None = None
+                   ) -> dict[str, np.ndarray]:
+    """The feeds, those of inputs the model declares FP16/BF16 rounded to that type and widened back:
+    what the model receives, also where it passes an input straight to an output. (``target`` is
+    unused: each input is rounded to its own declared type.)"""
+    low = {vi.name: vi.type.tensor_type.elem_type for vi in proto.graph.input
+           if vi.type.tensor_type.elem_type in _LOW_TYPES}
     out = dict(feeds)
-    for name in low & set(feeds):
+    for name, elem in low.items():
+        if name not in feeds:
+            continue
         arr = np.asarray(feeds[name])
         if _kind(arr.dtype) != "float":
             continue
         with np.errstate(over="ignore"):
-            out[name] = (arr.astype(np.float16) if target == "fp16" else _bf16_round(arr)).astype(np.float32)
+            out[name] = (arr.astype(np.float16) if elem == onnx.TensorProto.FLOAT16 else _bf16_round(arr)
+                         ).astype(np.float32)
     return out
 
 

@@ -61,6 +61,16 @@ def emulate_low(model: onnx.ModelProto, low: int | None = None) -> tuple[onnx.Mo
     return out, rounded
 
 
+def emulate_all(model: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
+    """:func:`emulate_low` for each low type the model holds (a BF16 rewrite of a model with FP16
+    parts of its own holds both); the names rounded to either."""
+    rounded: set[str] = set()
+    for low in LOW_TYPES:
+        model, names = emulate_low(model, low)
+        rounded |= names
+    return model, rounded
+
+
 class _Rewriter:
     def __init__(self, types: dict[str, int], low: int, rounded: set[str], taken: set[str]) -> None:
         self.types, self.low, self.rounded, self.taken = types, low, rounded, taken

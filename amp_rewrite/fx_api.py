@@ -66,6 +66,9 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
         raise UsageError(f"unknown capture {capture!r}: choose one of {', '.join(CAPTURES)}")
     if loss_output is not None and not training:
         raise UsageError("loss_output names the loss to scale for training: pass training=True with it (or drop it)")
+    from .api import flag
+
+    flag("decompose", decompose)
     if decompose and capture == "symbolic_trace":
         raise UsageError("decompose=True decomposes a torch.export capture into aten ops; symbolic_trace makes "
                          "no such graph: use capture='export' (or 'auto'), or drop decompose")
@@ -91,8 +94,9 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
         raise UsageError("training=True keeps graph inputs and outputs FP32 (the loss is scaled and its gradient "
                          "enters the graph in FP32): drop keep_io_types=False")
     loss_value = _loss_value(model, loss_output, notes) if training else None
-    fp32_nodes = options.pop("fp32_nodes", None) or []
-    fp32_nodes = [fp32_nodes] if isinstance(fp32_nodes, str) else list(fp32_nodes)  # (one pattern, not its letters)
+    from .api import _as_list
+
+    fp32_nodes = _as_list("fp32_nodes", options.pop("fp32_nodes", None))  # (one pattern, not its letters)
     user_fp32_nodes = list(fp32_nodes)
     tail: list[str] = []
     if loss_value is not None:
@@ -445,8 +449,10 @@ def _loss_tail(model: Model, target: str, rules: Any, loss: Value) -> list[str]:
     from .passes.base import loss_tail
     from .rulebook import RuleBook, load_rules
 
-    book = rules if isinstance(rules, RuleBook) else load_rules([str(r) for r in rules], frontend="torch",
-                                                                target=target)
+    from .api import _as_list
+
+    book = rules if isinstance(rules, RuleBook) else load_rules([str(r) for r in _as_list("rules", rules)],
+                                                                frontend="torch", target=target)
     return [n.name for n in loss_tail(model.graph, loss, book) if n.op_type != "Cast" and n.name]
 
 

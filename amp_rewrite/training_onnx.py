@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from .api import RewriteResult, make_context, run_pipeline
+from .api import RewriteResult, _as_list, context_for, run_pipeline
 from .errors import UsageError
 from .loss_scale import BACKOFF_FACTOR, GROWTH_FACTOR, GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE
 from .loss_scale import INIT_SCALE  # noqa: F401  (the value a caller feeds as the first loss_scale)
@@ -155,8 +155,8 @@ def _rewrite(model: Any, *, loss: str, grads: Any, loss_grad: str | None, option
     ir_model = model.origin.model
     plan = _make_plan(model, ir_model, loss, grads, loss_grad, config, _rule_book(options))
     pins = ["re:" + re.escape(name) for name in plan.tail]
-    options["fp32_nodes"] = list(options.get("fp32_nodes", ()) or ()) + pins
-    ctx = make_context(frontend="onnx", training=True, loss=loss, **options)
+    options["fp32_nodes"] = _as_list("fp32_nodes", options.get("fp32_nodes")) + pins
+    ctx = context_for("onnx", {**options, "training": True, "loss": loss}, "rewrite(training=True)")
     ctx.log.notes.extend(_notes(plan))
     from .rulebook import RuleBook
 
@@ -281,11 +281,14 @@ def _rule_book(options: dict) -> Any:
     """The rules the pipeline will use (op overrides included), to find the allow ops."""
     from .rulebook import RuleBook, load_rules
 
+    from .api import _as_list
+
     rules = options.get("rules", ())
     if isinstance(rules, RuleBook):
         return rules
-    return load_rules([str(r) for r in rules], frontend="onnx", target=options.get("target", "fp16"),
-                      fp32_ops=options.get("fp32_ops", ()), low_ops=options.get("fp16_ops", ()))
+    return load_rules([str(r) for r in _as_list("rules", rules)], frontend="onnx", target=options.get("target", "fp16"),
+                      fp32_ops=_as_list("fp32_ops", options.get("fp32_ops")),
+                      low_ops=_as_list("fp16_ops", options.get("fp16_ops")))
 
 
 def _loss_tail(loss: Any, graph: Any, book: Any) -> list[str]:

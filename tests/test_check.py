@@ -561,3 +561,38 @@ def test_emulation_widens_dtype_attributes_and_rounds_a_passed_through_input():
     with np.errstate(over="ignore"):
         want = x.astype(np.float16) * np.float16(0.5) + np.eye(2, dtype=np.float16)
     np.testing.assert_array_equal(got["y"], want.astype(np.float32))
+
+
+def test_an_input_model_with_fp16_or_bf16_of_its_own_is_checked_as_a_gpu_runs_it():
+    """The reference ran raw on the CPU provider, which skips FP16 rounding: a model with nothing
+    to rewrite whose own FP16 chain overflows "failed" against itself and blamed the wrong node.
+    A BF16 input was rounded to FP16 (the target) and a BF16 output crashed the run
+    ("'numpy.ndarray' object has no attribute '_get_c_value'")."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    def model(nodes, inputs, outputs, inits):
+        g = helper.make_graph(nodes, "g", inputs, outputs, inits)
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+    vi = helper.make_tensor_value_info
+    runner = ck.Runner(["CPUExecutionProvider"])
+    own_fp16 = model([helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16),
+                      helper.make_node("Mul", ["h", "big"], ["m"]), helper.make_node("Mul", ["m", "small"], ["n"]),
+                      helper.make_node("Cast", ["n"], ["o"], to=TensorProto.FLOAT)],
+                     [vi("x", TensorProto.FLOAT, [2, 8])], [vi("o", TensorProto.FLOAT, [2, 8])],
+                     [numpy_helper.from_array(np.array(60000, np.float16), "big"),
+                      numpy_helper.from_array(np.array(1 / 60000, np.float16), "small")])
+    result = ck.check_models(own_fp16, rewrite(own_fp16).model, runner=runner)
+    assert result.passed and result.outputs[0].max_rel == 0, result.table()
+
+    bf16_in = model([helper.make_node("Cast", ["x"], ["f"], to=TensorProto.FLOAT), helper.make_node("Relu", ["f"], ["o"])],
+                    [vi("x", TensorProto.BFLOAT16, [2, 8])], [vi("o", TensorProto.FLOAT, [2, 8])], [])
+    feeds = {"x": np.full((2, 8), 1e5, np.float32)}
+    result = ck.check_models(bf16_in, rewrite(bf16_in).model, inputs=feeds, runner=runner)
+    assert result.passed and not [n for n in result.notes if "beyond" in n], result.table()
+
+    bf16_out = model([helper.make_node("MatMul", ["x", "w"], ["y"]),
+                      helper.make_node("Cast", ["y"], ["o"], to=TensorProto.BFLOAT16)],
+                     [vi("x", TensorProto.FLOAT, [2, 8])], [vi("o", TensorProto.BFLOAT16, [2, 8])],
+                     [numpy_helper.from_array(np.eye(8, dtype=np.float32), "w")])
+    assert ck.check_models(bf16_out, rewrite(bf16_out).model, runner=runner).passed

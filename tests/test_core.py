@@ -734,3 +734,29 @@ def test_an_output_shape_inference_refines_keeps_its_denotations():
     full_check(out)
     assert [o.type.denotation for o in out.graph.output] == ["TENSOR", "TENSOR"]
     assert [o.type.tensor_type.shape.dim[0].denotation for o in out.graph.output] == ["DATA_BATCH"] * 2
+
+
+def test_python_api_options_are_checked_like_the_clis():
+    """Unknown keywords were Python's TypeError from make_context; a string where the training path
+    wanted a list was split into letters ('*' pinned every node); loss without training was
+    ignored; "no" counted as True; a FP16 output rewritten with target='bf16' came back FP16."""
+    import amp_rewrite
+    from amp_rewrite.errors import UsageError
+
+    m = _mlp()
+    with pytest.raises(UsageError, match=r"unknown option 'tagret' \(did you mean 'target'\?\)"):
+        amp_rewrite.rewrite(m, tagret="bf16")
+    with pytest.raises(UsageError, match="loss names the output to scale for training"):
+        amp_rewrite.rewrite(m, loss="y")
+    with pytest.raises(UsageError, match="report='no': pass True or False"):
+        amp_rewrite.rewrite(m, report="no")
+    with pytest.raises(UsageError, match="src must be a path, got ModelProto"):
+        amp_rewrite.rewrite_onnx(m, "out.onnx")
+    out = amp_rewrite.rewrite(m)
+    with pytest.raises(UsageError, match="rewritten to fp16 already"):
+        amp_rewrite.rewrite(out, target="bf16")
+    assert not rewrite(out).modified  # (the same target: nothing to do, as before)
+    from amp_rewrite.training_onnx import _rule_book
+
+    book = _rule_book({"fp32_ops": "Relu"})  # one op name, not the letters R, e, l, u
+    assert book.lookup("Relu", "", 17).category.value == "deny"
