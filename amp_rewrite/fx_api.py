@@ -74,6 +74,10 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
                          "no such graph: use capture='export' (or 'auto'), or drop decompose")
     example_inputs = _as_tuple(example_inputs)
     notes: list[str] = []
+    before = getattr(getattr(obj, "meta", None), "get", lambda _k: None)("amp_rewrite.log")
+    if before is not None and getattr(before, "target", target) != target:
+        raise UsageError(f"this module was rewritten to {before.target} already (its amp_rewrite log says so); "
+                         f"rewrite the FP32 original for {target}")
     gm, how = capture_graph(obj, example_inputs, example_kwargs, capture=capture, decompose=decompose, notes=notes)
     from .frontends.fx_loader import load_fx
 
@@ -356,6 +360,8 @@ def _as_tuple(example_inputs: Any) -> tuple | None:
         return None
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,)
+    if isinstance(example_inputs, (str, bytes)) or not hasattr(example_inputs, "__iter__"):
+        raise UsageError(f"example_inputs={example_inputs!r}: pass a tuple of the module's inputs (or one tensor)")
     return tuple(example_inputs)
 
 

@@ -1035,3 +1035,21 @@ def test_example_inputs_the_module_cannot_take_are_a_usage_error(bad, capfd):
         with pytest.raises(UsageError, match=r"the example inputs do not run through the module \((RuntimeError|TypeError)"):
             amp_rewrite.rewrite(model, example_inputs=bad, target="bf16")
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_torch_api_refuses_a_retarget_and_wrong_argument_types():
+    """A BF16-rewritten GraphModule rewritten with target='fp16' kept its BF16 weights silently;
+    example_inputs=3 and Report.from_model(None) were Python TypeErrors from deep inside."""
+    from amp_rewrite.report import Report
+
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    x = torch.randn(2, 8)
+    gm = amp_rewrite.rewrite(m, example_inputs=(x,), target="bf16")
+    with pytest.raises(UsageError, match="rewritten to bf16 already"):
+        amp_rewrite.rewrite(gm, example_inputs=(x,), target="fp16")
+    again = amp_rewrite.rewrite(gm, example_inputs=(x,), target="bf16")
+    torch.testing.assert_close(again(x), gm(x))
+    with pytest.raises(UsageError, match="example_inputs=3: pass a tuple"):
+        amp_rewrite.rewrite(m, example_inputs=3, target="bf16")
+    with pytest.raises(UsageError, match="Report.from_model takes a path"):
+        Report.from_model(None)

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import onnx
 
 from ..decisions import CastRecord, Category, Decision, DecisionLog, FusionRecord, Island, Precision, WeightStats
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, UsageError
 
 TAG = "amp_rewrite."
 
@@ -40,7 +40,9 @@ def read_log(model: Any) -> tuple[DecisionLog, str | None]:
 
         proto = ir.serde.serialize_model(model)
     else:
-        raise TypeError(f"expected a path, an onnx.ModelProto or an onnx_ir.Model, got {type(model).__name__}")
+        raise UsageError(f"Report.from_model takes a path, an onnx.ModelProto or an onnx_ir.Model written by "
+                         f"amp-rewrite, not a {type(model).__name__} (a rewritten torch module carries its report in "
+                         f"gm.meta['amp_rewrite.log']: Report.from_log(...))")
     meta = {p.key: p.value for p in proto.metadata_props}
     if TAG + "report" not in meta:
         where = f"{path}: " if path else ""
