@@ -453,10 +453,14 @@ def _bf16_value(arr: np.ndarray) -> Any:
     with ``--target bf16 --no-keep-io-types`` takes BF16 inputs)."""
     from onnxruntime import OrtValue
 
+    return OrtValue.ortvalue_from_numpy_with_onnx_type(_bf16_bits(arr), 16)  # onnx.TensorProto.BFLOAT16
+
+
+def _bf16_bits(arr: np.ndarray) -> np.ndarray:
+    """The bfloat16 bit patterns of ``arr`` rounded to nearest even (NaN stays NaN)."""
     bits = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
     rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-    rounded = np.where(np.isnan(arr), np.uint32(0x7FC0), rounded).astype(np.uint16)
-    return OrtValue.ortvalue_from_numpy_with_onnx_type(rounded, 16)  # onnx.TensorProto.BFLOAT16
+    return np.where(np.isnan(arr), np.uint32(0x7FC0), rounded).astype(np.uint16)
 
 
 def _one_line(text: str, limit: int = 400) -> str:
@@ -819,6 +823,7 @@ class Reference:
     feeds: dict[str, np.ndarray]
     inputs: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
+    input_types: dict[str, int] = field(default_factory=dict)  # element type by graph input name
 
 
 
@@ -862,15 +867,16 @@ def reference(fp32: Any, feeds: Mapping[str, np.ndarray], runner: Runner,
                      "overflow is not localised")
     values = {k: np.asarray(v) for k, v in values.items() if isinstance(v, np.ndarray)}
     values.update({k: np.asarray(v) for k, v in feeds.items()})
-    return Reference([o.name for o in proto.graph.output], values, dict(feeds), inputs or [], notes)
+    return Reference([o.name for o in proto.graph.output], values, dict(feeds), inputs or [], notes,
+                     {vi.name: vi.type.tensor_type.elem_type for vi in original.graph.input})
 
 
 def _holds_low_values(proto: onnx.ModelProto) -> bool:
     """Whether a model declares or casts to FP16/BF16 anywhere (a quick look: types, initializers,
     Cast targets)."""
-    from .emulate import _graphs
+    from .frontends.onnx_loader import _graph_protos
 
-    for g in _graphs(proto.graph):
+    for g in _graph_protos(proto.graph):
         if any(t.data_type in _LOW_TYPES for t in g.initializer):
             return True
         if any(v.type.tensor_type.elem_type in _LOW_TYPES for v in [*g.input, *g.output, *g.value_info]):
@@ -895,7 +901,7 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, np.ndarray] | str 
         ref = _reference_for(fp32, inputs, runner)
     low_proto = _as_proto(low)
     target = target or _target_of(low_proto)
-    notes = list(ref.notes) + _inputs_beyond_range(_as_proto(fp32, load_data=False), low_proto, ref.feeds)
+    notes = list(ref.notes) + _inputs_beyond_range(ref.input_types, low_proto, ref.feeds)
     run_model: Any = low if isinstance(low, (str, Path)) else low_proto
     feeds = ref.feeds
     emulation: _Emulation | None = None
@@ -958,12 +964,11 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, np.ndarray] | str 
                        evaluations=runner.evaluations, localised=localise, notes=notes)
 
 
-def _inputs_beyond_range(fp32_proto: onnx.ModelProto, low_proto: onnx.ModelProto,
+def _inputs_beyond_range(before: Mapping[str, int], low_proto: onnx.ModelProto,
                          feeds: Mapping[str, np.ndarray]) -> list[str]:
     """Notes for inputs the rewritten model takes in FP16/BF16 whose values that type cannot hold:
     they enter as ±inf, whatever the rewrite did. The rewrite's doing (--no-keep-io-types) where
-    the FP32 model took them in another type."""
-    before = {vi.name: vi.type.tensor_type.elem_type for vi in fp32_proto.graph.input}
+    the FP32 model took them (``before``: its input types) in another type."""
     notes = []
     for vi in low_proto.graph.input:
         elem = vi.type.tensor_type.elem_type
@@ -1012,11 +1017,9 @@ class _Emulation:
                      f"between them go unseen")
 
 
-def _rounded_feeds(proto: onnx.ModelProto, feeds: Mapping[str, np.ndarray], target: str | None = None
-                   ) -> dict[str, np.ndarray]:
+def _rounded_feeds(proto: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The feeds, those of inputs the model declares FP16/BF16 rounded to that type and widened back:
-    what the model receives, also where it passes an input straight to an output. (``target`` is
-    unused: each input is rounded to its own declared type.)"""
+    what the model receives, also where it passes an input straight to an output."""
     low = {vi.name: vi.type.tensor_type.elem_type for vi in proto.graph.input
            if vi.type.tensor_type.elem_type in _LOW_TYPES}
     out = dict(feeds)
@@ -1033,10 +1036,8 @@ def _rounded_feeds(proto: onnx.ModelProto, feeds: Mapping[str, np.ndarray], targ
 
 
 def _bf16_round(arr: np.ndarray) -> np.ndarray:
-    """``arr`` rounded to bfloat16 (nearest even), as float32."""
-    bits = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
-    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)) << np.uint32(16)
-    return np.where(np.isnan(arr), np.float32(np.nan), rounded.view(np.float32))
+    """``arr`` rounded to bfloat16, as float32."""
+    return (_bf16_bits(arr).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def _exposed_names(model: onnx.ModelProto, names: set[str]) -> tuple[onnx.ModelProto, dict[str, str]]:

@@ -31,6 +31,8 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
+from .frontends.onnx_loader import _graph_protos
+
 FLOAT = TensorProto.FLOAT
 LOW_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
@@ -39,9 +41,24 @@ def emulate_low(model: onnx.ModelProto, low: int | None = None) -> tuple[onnx.Mo
     """(the FP32 emulation of ``model``, the names of the values it holds in the low type).
 
     ``low``: TensorProto.FLOAT16 or BFLOAT16; by default whichever the model uses (FP16 if both)."""
+    types = _value_types(model)
+    if low is None:
+        used = set(types.values())
+        low = next((t for t in LOW_TYPES if t in used), TensorProto.FLOAT16)
+    return _emulate(model, types, {low})
+
+
+def emulate_all(model: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
+    """:func:`emulate_low` for every low type the model holds at once (a BF16 rewrite of a model
+    with FP16 parts of its own holds both); the names rounded to either."""
+    return _emulate(model, _value_types(model), set(LOW_TYPES))
+
+
+def _value_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type by value name, model-wide (names are unique in a rewritten model)."""
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     types: dict[str, int] = {}
-    for g in _graphs(inferred.graph):  # (value names are unique model-wide in a rewritten model)
+    for g in _graph_protos(inferred.graph):
         for vi in [*g.input, *g.output, *g.value_info]:
             if vi.type.HasField("tensor_type"):
                 types[vi.name] = vi.type.tensor_type.elem_type
@@ -50,30 +67,21 @@ def emulate_low(model: onnx.ModelProto, low: int | None = None) -> tuple[onnx.Mo
         for n in g.node:
             if n.op_type == "Cast" and n.domain in ("", "ai.onnx") and n.output:
                 types[n.output[0]] = _attr(n, "to")
-    if low is None:
-        used = set(types.values())
-        low = next((t for t in LOW_TYPES if t in used), TensorProto.FLOAT16)
+    return types
+
+
+def _emulate(model: onnx.ModelProto, types: dict[str, int], lows: set[int]) -> tuple[onnx.ModelProto, set[str]]:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     rounded: set[str] = set()
-    taken = {name for g in _graphs(out.graph) for name in _names(g)}
-    _Rewriter(types, low, rounded, taken).graph(out.graph)
+    taken = {name for g in _graph_protos(out.graph) for name in _names(g)}
+    _Rewriter(types, lows, rounded, taken).graph(out.graph)
     return out, rounded
 
 
-def emulate_all(model: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
-    """:func:`emulate_low` for each low type the model holds (a BF16 rewrite of a model with FP16
-    parts of its own holds both); the names rounded to either."""
-    rounded: set[str] = set()
-    for low in LOW_TYPES:
-        model, names = emulate_low(model, low)
-        rounded |= names
-    return model, rounded
-
-
 class _Rewriter:
-    def __init__(self, types: dict[str, int], low: int, rounded: set[str], taken: set[str]) -> None:
-        self.types, self.low, self.rounded, self.taken = types, low, rounded, taken
+    def __init__(self, types: dict[str, int], lows: set[int], rounded: set[str], taken: set[str]) -> None:
+        self.types, self.lows, self.rounded, self.taken = types, lows, rounded, taken
         self.counter = 0
 
     def fresh(self, base: str) -> str:
@@ -86,31 +94,32 @@ class _Rewriter:
 
     def graph(self, graph: onnx.GraphProto) -> None:
         for t in graph.initializer:
-            if t.data_type == self.low:
+            if t.data_type in self.lows:
                 t.CopyFrom(_widened(t))
         for vi in [*graph.output, *graph.value_info]:
-            _widen_type(vi.type, self.low)
+            _widen_type(vi.type, self.lows)
         nodes: list[onnx.NodeProto] = []
         for vi in graph.input:  # a low input is rounded where it enters, then carried as FP32
-            if _widen_type(vi.type, self.low) and vi.type.HasField("tensor_type"):
-                nodes.extend(self._round_in_place(vi.name, graph))
+            low = _widen_type(vi.type, self.lows)
+            if low is not None and vi.type.HasField("tensor_type"):
+                nodes.extend(self._round_in_place(vi.name, low, graph))
         for node in graph.node:
             nodes.extend(self.node(node))
         del graph.node[:]
         graph.node.extend(nodes)
 
-    def _round_in_place(self, name: str, graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    def _round_in_place(self, name: str, low: int, graph: onnx.GraphProto) -> list[onnx.NodeProto]:
         """Round graph input ``name``: its readers read a rounded copy under a fresh name. (An input
         that is also a graph output passes through as fed: the check feeds it rounded.)"""
         fresh = self.fresh(name)
-        for g in _graphs(graph):  # (bodies read it too, as an outer-scope value)
+        for g in _graph_protos(graph):  # (bodies read it too, as an outer-scope value)
             for node in g.node:
                 for i, x in enumerate(node.input):
                     if x == name:
                         node.input[i] = fresh
         self.rounded.add(name)
         mid = self.fresh(name)
-        return [helper.make_node("Cast", [name], [mid], to=self.low, name=self.fresh("amp_emu_round")),
+        return [helper.make_node("Cast", [name], [mid], to=low, name=self.fresh("amp_emu_round")),
                 helper.make_node("Cast", [mid], [fresh], to=FLOAT, name=self.fresh("amp_emu_back"))]
 
     def node(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
@@ -120,18 +129,18 @@ class _Rewriter:
             elif attr.type == AttributeProto.GRAPHS:
                 for g in attr.graphs:
                     self.graph(g)
-            elif attr.type == AttributeProto.TENSOR and attr.t.data_type == self.low:
+            elif attr.type == AttributeProto.TENSOR and attr.t.data_type in self.lows:
                 attr.t.CopyFrom(_widened(attr.t))
-            elif attr.type == AttributeProto.SPARSE_TENSOR and attr.sparse_tensor.values.data_type == self.low:
+            elif attr.type == AttributeProto.SPARSE_TENSOR and attr.sparse_tensor.values.data_type in self.lows:
                 attr.sparse_tensor.values.CopyFrom(_widened(attr.sparse_tensor.values))
-            elif attr.type == AttributeProto.INT and attr.name == "dtype" and attr.i == self.low:
+            elif attr.type == AttributeProto.INT and attr.name == "dtype" and attr.i in self.lows:
                 attr.i = FLOAT  # EyeLike, RandomNormal, SequenceEmpty...: made FP32, rounded after
             elif attr.type == AttributeProto.TYPE_PROTO:
-                _widen_type(attr.tp, self.low)  # Optional(type=...)
+                _widen_type(attr.tp, self.lows)  # Optional(type=...)
         is_cast = node.op_type == "Cast" and node.domain in ("", "ai.onnx")
-        if is_cast and _attr(node, "to") == FLOAT and self.types.get(node.input[0]) == self.low:
+        if is_cast and _attr(node, "to") == FLOAT and self.types.get(node.input[0]) in self.lows:
             return [helper.make_node("Identity", [node.input[0]], list(node.output), name=node.name)]
-        low_outputs = [o for o in node.output if o and self.types.get(o) == self.low]
+        low_outputs = [o for o in node.output if o and self.types.get(o) in self.lows]
         if not low_outputs:
             return [node]
         renamed = {o: self.fresh(o) for o in low_outputs}
@@ -146,7 +155,7 @@ class _Rewriter:
                 nodes.append(helper.make_node("Cast", [renamed[o]], [o], to=FLOAT, name=self.fresh("amp_emu_back")))
                 continue
             mid = self.fresh(o)
-            nodes.append(helper.make_node("Cast", [renamed[o]], [mid], to=self.low, name=self.fresh("amp_emu_round")))
+            nodes.append(helper.make_node("Cast", [renamed[o]], [mid], to=self.types[o], name=self.fresh("amp_emu_round")))
             nodes.append(helper.make_node("Cast", [mid], [o], to=FLOAT, name=self.fresh("amp_emu_back")))
         return nodes
 
@@ -155,20 +164,21 @@ def _widened(t: TensorProto) -> TensorProto:
     return numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name)
 
 
-def _widen_type(tp: onnx.TypeProto, low: int) -> bool:
+def _widen_type(tp: onnx.TypeProto, lows: set[int]) -> int | None:
     """Make the low element type of ``tp`` (a tensor, or inside a sequence/optional/map) FLOAT;
-    whether it had one."""
+    the low type it had, or None."""
     which = tp.WhichOneof("value")
-    if which == "tensor_type" and tp.tensor_type.elem_type == low:
+    if which == "tensor_type" and tp.tensor_type.elem_type in lows:
+        low = tp.tensor_type.elem_type
         tp.tensor_type.elem_type = FLOAT
-        return True
+        return low
     if which == "sequence_type":
-        return _widen_type(tp.sequence_type.elem_type, low)
+        return _widen_type(tp.sequence_type.elem_type, lows)
     if which == "optional_type":
-        return _widen_type(tp.optional_type.elem_type, low)
+        return _widen_type(tp.optional_type.elem_type, lows)
     if which == "map_type":
-        return _widen_type(tp.map_type.value_type, low)
-    return False
+        return _widen_type(tp.map_type.value_type, lows)
+    return None
 
 
 def _attr(node: onnx.NodeProto, name: str) -> int | None:
@@ -178,14 +188,3 @@ def _attr(node: onnx.NodeProto, name: str) -> int | None:
 def _names(graph: onnx.GraphProto) -> set[str]:
     return ({n.name for n in graph.node} | {o for n in graph.node for o in n.output}
             | {v.name for v in graph.input} | {t.name for t in graph.initializer})
-
-
-def _graphs(graph: onnx.GraphProto):
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == AttributeProto.GRAPH:
-                yield from _graphs(attr.g)
-            elif attr.type == AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from _graphs(g)

@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from .api import RewriteResult, make_context, run_pipeline
+from .api import RewriteResult, _as_list, flag, make_context, run_pipeline
 from .decisions import Category
 from .errors import UnsupportedModelError, UsageError
 from .ir import DType, Model, Value
@@ -66,8 +66,6 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
         raise UsageError(f"unknown capture {capture!r}: choose one of {', '.join(CAPTURES)}")
     if loss_output is not None and not training:
         raise UsageError("loss_output names the loss to scale for training: pass training=True with it (or drop it)")
-    from .api import flag
-
     flag("decompose", decompose)
     if decompose and capture == "symbolic_trace":
         raise UsageError("decompose=True decomposes a torch.export capture into aten ops; symbolic_trace makes "
@@ -98,8 +96,6 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
         raise UsageError("training=True keeps graph inputs and outputs FP32 (the loss is scaled and its gradient "
                          "enters the graph in FP32): drop keep_io_types=False")
     loss_value = _loss_value(model, loss_output, notes) if training else None
-    from .api import _as_list
-
     fp32_nodes = _as_list("fp32_nodes", options.pop("fp32_nodes", None))  # (one pattern, not its letters)
     user_fp32_nodes = list(fp32_nodes)
     tail: list[str] = []
@@ -454,8 +450,6 @@ def _loss_tail(model: Model, target: str, rules: Any, loss: Value) -> list[str]:
     """Names of the nodes feeding the loss with no allow op between them and the loss."""
     from .passes.base import loss_tail
     from .rulebook import RuleBook, load_rules
-
-    from .api import _as_list
 
     book = rules if isinstance(rules, RuleBook) else load_rules([str(r) for r in _as_list("rules", rules)],
                                                                 frontend="torch", target=target)

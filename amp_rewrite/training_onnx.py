@@ -281,8 +281,6 @@ def _rule_book(options: dict) -> Any:
     """The rules the pipeline will use (op overrides included), to find the allow ops."""
     from .rulebook import RuleBook, load_rules
 
-    from .api import _as_list
-
     rules = options.get("rules", ())
     if isinstance(rules, RuleBook):
         return rules
