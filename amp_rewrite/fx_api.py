@@ -297,8 +297,15 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
     notes = notes if notes is not None else []
     exported = getattr(torch.export, "ExportedProgram", None)
     if exported is not None and isinstance(obj, exported):
+        if capture == "symbolic_trace":
+            raise UsageError("capture='symbolic_trace' asks to trace an nn.Module; an ExportedProgram is already "
+                             "captured by torch.export: drop capture (or pass the nn.Module itself)")
         return _module_of(obj, decompose), "export"
     if isinstance(obj, fx.GraphModule):
+        if capture != "auto" or decompose:
+            given = f"capture={capture!r}" if capture != "auto" else "decompose=True"
+            raise UsageError(f"{given} applies to capturing an nn.Module; a GraphModule is already a graph and is "
+                             f"rewritten as it is: drop {given.split('=')[0]} (or pass the nn.Module itself)")
         return _private_copy(obj), "graph_module"
     if not isinstance(obj, torch.nn.Module):
         raise UsageError(f"rewrite_torch takes an nn.Module, a GraphModule or an ExportedProgram, "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import operator
+import re
 
 import pytest
 
@@ -738,6 +739,22 @@ def test_graph_module_without_metadata_needs_example_inputs():
     with pytest.raises(UsageError, match="example_inputs"):
         _dispatch(gm, target="bf16")
     assert _dispatch(gm, example_inputs=(torch.randn(2, 16),), target="bf16").modified
+
+
+def test_capture_options_on_an_already_captured_graph_are_refused():
+    """capture=/decompose= say how to capture an nn.Module: given a GraphModule (or symbolic_trace
+    for an ExportedProgram) they would be ignored silently, so they are usage errors."""
+    x = torch.randn(2, 16)
+    gm = fx.symbolic_trace(MLP())
+    for options, named in (({"capture": "export"}, "capture='export'"),
+                           ({"capture": "symbolic_trace"}, "capture='symbolic_trace'"),
+                           ({"decompose": True}, "decompose=True")):
+        with pytest.raises(UsageError, match=f"{re.escape(named)} applies to capturing an nn.Module"):
+            _dispatch(gm, example_inputs=(x,), target="bf16", **options)
+    ep = torch.export.export(MLP(), (x,))
+    with pytest.raises(UsageError, match="ExportedProgram is already captured"):
+        _dispatch(ep, capture="symbolic_trace", target="bf16")
+    assert _dispatch(ep, capture="export", decompose=True, target="bf16").modified
 
 
 def test_keep_io_types_off_takes_and_returns_low():
