@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from .decisions import ALIGNMENT_OPS, Decision, DecisionLog, Precision
 from .errors import ModelLoadError, OutputError, UsageError
 from .ir import Model, verify
-from .passes.base import Context, Options, node_label, run_passes
+from .passes.base import Context, Options, given_low_type, node_label, run_passes
 from .passes.classify import classify
 from .passes.islands import attach_cast_counts, find_islands
 from .passes.paint import paint
@@ -150,9 +150,19 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
 
 
 def _record_decisions(model: Model, ctx: Context) -> None:
+    from collections import Counter
+
+    from .report import HEAVY_OPS
+
+    given: Counter = Counter()  # nodes that compute in a low type already: (type, heavy) → count
     for node in model.graph.walk():
         meta = node.meta
-        if meta.get("amp.inserted") or meta.get("amp.category") is None:
+        if meta.get("amp.inserted"):
+            continue
+        if meta.get("amp.category") is None:
+            low = given_low_type(node)
+            if low is not None and not (node.domain == "" and node.op_type in ("Cast", "Constant")):
+                given[low.short, node.qualified_op in HEAVY_OPS] += 1
             continue
         precision = meta.get("amp.precision", Precision.NONE)
         ctx.log.decide(Decision(
@@ -162,6 +172,13 @@ def _record_decisions(model: Model, ctx: Context) -> None:
         if node.domain == "" and node.op_type in ALIGNMENT_OPS:
             ctx.log.operand_shapes[node_label(node)] = [
                 list(v.shape) if v is not None and v.shape is not None else None for v in node.inputs[:2]]
+    # A model that is partly (or wholly: an output rewritten again) low precision already: those
+    # nodes take no decision, so the summary's counts would leave them out without a word.
+    for low in sorted({t for t, _ in given}):
+        total, heavy = given[low, False] + given[low, True], given[low, True]
+        ctx.log.notes.append(f"as given: {total} nodes already compute in {low}"
+                             + (f" ({heavy} of them MatMul/Gemm/Conv/attention)" if heavy else "")
+                             + "; they keep their types")
 
 
 def _gc_paused(func):

@@ -203,7 +203,7 @@ class Report:
                      + (f", retargeted: {s['casts_retargeted']}" if s["casts_retargeted"] else "")
                      + (f", removed: {s['casts_removed']}" if s["casts_removed"] else ""))
         # --placement optimal: cast bytes and FP32 traffic per run at the default shapes, vs greedy's
-        lines += [n for n in self.log.notes if n.startswith(("optimal placement", "dropped:", "unmatched:"))]
+        lines += [n for n in self.log.notes if n.startswith(("optimal placement", "dropped:", "unmatched:", "as given:"))]
         if self.log.fusions:
             lines.append(f"fused: {_fusion_counts(self.log.fusions)} (now low precision, no FP32 island)")
         lines.append(f"FP32 islands: {s['islands']}")

@@ -342,6 +342,22 @@ def test_rewriting_an_output_again_changes_nothing():
         assert second.model.SerializeToString() == first.model.SerializeToString()
 
 
+def test_summary_of_a_rewritten_output_counts_the_nodes_it_was_given_low():
+    """Rewritten again, an output's low nodes take no decision: the summary says how many compute
+    low already (and how many of them are heavy) instead of reading "nodes: 2 fp32" alone."""
+    first = rewrite(onnx.load(ROOT / "models" / "tiny_bert.onnx"))
+    decided = [d for d in first.log.decisions.values()
+               if d.precision == Precision.LOW and d.op not in ("Constant", "Cast")]
+    heavy = first.report.heavy_ops["low"]
+    assert heavy > 0
+    second = rewrite(first.model)
+    assert not second.modified
+    expected = (f"as given: {len(decided)} nodes already compute in fp16 ({heavy} of them "
+                f"MatMul/Gemm/Conv/attention); they keep their types")
+    assert expected in second.report.summary_text().splitlines()
+    assert not any(n.startswith("as given:") for n in first.log.notes)
+
+
 def test_identity_rewrite_preserves_names_metadata_and_functions():
     m = _mlp()
     m.doc_string = "model doc"

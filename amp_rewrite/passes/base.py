@@ -104,6 +104,16 @@ def painted_group(node: Node) -> str | None:
     return None
 
 
+def given_low_type(node: Node) -> DType | None:
+    """The low float type (FP16/BF16) of the node's main group when the input model already
+    computes it in that type (the group painting leaves alone), else None."""
+    for slots in (zip(node.output_groups, node.outputs), zip(node.input_groups, node.inputs)):
+        for group, value in slots:
+            if group is not None and value is not None and value.dtype is not None and value.dtype.is_float:
+                return value.dtype if value.dtype in (DType.FLOAT16, DType.BFLOAT16) else None
+    return None
+
+
 def group_inputs(node: Node) -> list[int]:
     group = node.meta.get("amp.group")
     if group is None:
