@@ -94,6 +94,25 @@ def test_compile_dynamic_shapes_and_inplace_ops():
         assert rel_err(compiled(x), model(x)) < TOL["bf16"]
 
 
+def test_compile_dynamic_shapes_rewrite_once_for_every_size():
+    """A symbolic dim stays symbolic: reading it with int() guards on its value, so every new
+    batch size recompiled, and after dynamo's recompile limit the model ran plain FP32."""
+    model, inputs = make("encoder")
+    compiled = torch.compile(model, backend="amp_rewrite", options={"target": "bf16", "backend": "aot_eager"},
+                             dynamic=True)
+    backend.last_reports.clear()  # (it keeps the last 32: counts must start from none)
+    compiles = []
+    with torch.no_grad():
+        for batch in range(2, 12):  # (a size of 1 is specialised by dynamo itself)
+            ids = inputs[0][:1].repeat(batch, 1)[:, : 4 + batch % 4]
+            out, ref = compiled(ids), model(ids)
+            compiles.append(len(backend.last_reports))
+            assert rel_err(out, ref) < TOL["bf16"]
+            assert not torch.equal(out, ref)  # (the bf16 graph ran, not a fallback to FP32)
+    assert compiles == compiles[:1] * len(compiles), compiles  # all compiled at the first call
+    assert any(r.heavy_ops["low"] > 0 for r in backend.last_reports)
+
+
 @pytest.mark.slow
 def test_compile_inductor_matches_eager():
     """Inductor on CPU needs a C++ compiler (g++ is here); the first compile takes tens of seconds."""

@@ -743,8 +743,14 @@ def _is_setitem(node: fx.Node) -> bool:
 
 
 def _dim(d: Any) -> int | str | None:
+    """A dim of a captured tensor's shape: an int, or the name of a symbolic size. A SymInt is
+    read without ``int()``, which under torch.compile installs a guard that specialises the graph
+    to this size (one recompile per batch size, then dynamo's recompile limit and plain FP32)."""
     if isinstance(d, int):
         return d
+    if isinstance(d, torch.SymInt):
+        value = d.node.maybe_as_int()
+        return int(value) if value is not None else str(d)
     try:
         return int(d)
     except Exception:  # noqa: BLE001 - symbolic sizes stay symbolic
