@@ -16,8 +16,10 @@ the package is installed, ``backend="amp_rewrite"`` works without any import. Im
 Options (``options=`` of torch.compile, or keyword arguments of :func:`make_backend`): ``target``
 ("fp16" | "bf16", default "fp16"), ``backend`` (the compiler that gets the rewritten graph:
 "inductor" by default, any registered dynamo backend name, or a callable), ``rules``,
-``keep_io_types`` and the other options of :func:`amp_rewrite.rewrite`, plus ``inner_options`` passed
-to the inner backend (e.g. inductor's options).
+and the other options of :func:`amp_rewrite.rewrite` (not ``keep_io_types=False``: the graph's
+inputs include the FP32 parameters), plus ``inner_options`` passed to the inner backend (e.g.
+inductor's options). ``torch.compile(..., mode="max-autotune")`` (torch takes ``mode`` or
+``options``, not both) applies that mode's inductor settings, as inductor itself would.
 
 Dynamo hands the backend a torch-level graph whose parameters are graph inputs (dynamo lifts them),
 so weights are cast at use (as torch.autocast does); the inner compiler (inductor) fuses those
@@ -40,26 +42,37 @@ _MAX_REPORTS = 32
 def make_backend(*, target: str = "fp16", backend: str | Callable = "inductor", inner_options: dict | None = None,
                  **rewrite_options: Any) -> Callable:
     """A backend callable with fixed options (for ``torch.compile(model, backend=make_backend(...))``)."""
+    _refuse_low_io(rewrite_options)
 
     def compile_fn(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
         options = dict(kwargs.pop("options", None) or {})
         merged = {"target": target, "backend": backend, "inner_options": inner_options, **rewrite_options, **options}
-        return _compile(gm, example_inputs, merged)
+        return _compile(gm, example_inputs, merged, mode=kwargs.get("mode"))
 
     return compile_fn
 
 
 def amp_rewrite_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
-    """The registered backend: ``torch.compile(model, backend="amp_rewrite", options={...})``."""
-    return _compile(gm, example_inputs, dict(kwargs.get("options") or {}))
+    """The registered backend: ``torch.compile(model, backend="amp_rewrite", options={...})``, or
+    with ``mode=`` (torch.compile takes one of the two): the FP16 rewrite, then inductor in that mode."""
+    return _compile(gm, example_inputs, dict(kwargs.get("options") or {}), mode=kwargs.get("mode"))
 
 
-def _compile(gm: torch.fx.GraphModule, example_inputs: list, options: dict) -> Callable:
+def _compile(gm: torch.fx.GraphModule, example_inputs: list, options: dict, mode: str | None = None) -> Callable:
+    from .errors import UsageError
     from .fx_api import rewrite_torch
 
     inner = options.pop("backend", "inductor") or "inductor"
     inner_options = options.pop("inner_options", None)
     options.setdefault("target", "fp16")
+    _refuse_low_io(options)
+    if mode is not None:
+        if inner != "inductor":
+            raise UsageError(f"mode={mode!r} configures inductor; the inner backend here is {inner!r}: drop mode, "
+                             f"or pass that backend's own settings in inner_options")
+        from torch._inductor import list_mode_options
+
+        inner_options = {**list_mode_options(mode), **(inner_options or {})}
     result = rewrite_torch(gm, example_inputs=tuple(example_inputs), **options)
     last_reports.append(result.report)
     del last_reports[:-_MAX_REPORTS]
@@ -68,6 +81,17 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, options: dict) -> C
     if inner_options:
         return compiler(rewritten, list(example_inputs), options=inner_options)
     return compiler(rewritten, list(example_inputs))
+
+
+def _refuse_low_io(options: dict) -> None:
+    """Dynamo lifts the parameters into graph inputs: low graph inputs would declare the FP32
+    weights low, and the graph would run in FP32 while its report said otherwise."""
+    from .errors import UsageError
+
+    if options.get("keep_io_types") is False:
+        raise UsageError("keep_io_types=False does not apply under torch.compile: dynamo passes the parameters in "
+                         "as graph inputs, which must stay FP32; cast your inputs yourself, or use "
+                         "amp_rewrite.rewrite(model, keep_io_types=False) for low-precision inputs and outputs")
 
 
 def _inner_compiler(inner: str | Callable) -> Callable:

@@ -113,6 +113,69 @@ def test_compile_dynamic_shapes_rewrite_once_for_every_size():
     assert any(r.heavy_ops["low"] > 0 for r in backend.last_reports)
 
 
+def test_compile_mode_reaches_inductor(monkeypatch):
+    """torch.compile(mode=...) hands the backend the mode (not options): inductor gets that mode's
+    settings, as it would compiling alone; a mode for another inner backend is refused."""
+    import torch._inductor.compile_fx as compile_fx_module
+    from torch._inductor import list_mode_options
+
+    seen = []
+
+    def spy(gm, example_inputs, config_patches=None, **kwargs):
+        seen.append(config_patches)
+        return gm.forward  # (no C++ compile: the settings are what is checked)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    model, inputs = make("mlp")
+    mode = "max-autotune-no-cudagraphs"
+    with torch.no_grad():
+        torch.compile(model, backend="amp_rewrite", mode=mode)(*inputs)
+    assert seen == [list_mode_options(mode)] and seen[0]
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="mode='max-autotune-no-cudagraphs' configures inductor"):
+        torch.compile(model, backend=backend.make_backend(target="bf16", backend="aot_eager"), mode=mode)(*inputs)
+
+
+def test_compile_refuses_low_graph_inputs():
+    """Dynamo's graph inputs include the FP32 parameters: keep_io_types=False would declare them
+    low and leave the whole graph FP32 under a report saying bf16."""
+    from amp_rewrite.errors import UsageError
+
+    with pytest.raises(UsageError, match="keep_io_types=False does not apply under torch.compile"):
+        backend.make_backend(target="bf16", keep_io_types=False)
+    model, inputs = make("mlp")
+    compiled = torch.compile(model, backend="amp_rewrite",
+                             options={"target": "bf16", "backend": "aot_eager", "keep_io_types": False})
+    with pytest.raises(Exception, match="keep_io_types=False does not apply under torch.compile"):
+        compiled(*inputs)
+
+
+@pytest.mark.parametrize("kind", ["sequential", "renamed_self"])
+def test_compile_node_rules_match_module_paths(kind):
+    """Dynamo roots module paths at the compiled frame's local (L['fn'] for an nn.Sequential,
+    L['s'] for a forward(s, x)): --fp32-nodes patterns name paths below the compiled module."""
+    if kind == "sequential":
+        model, pattern = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)), "0/*"
+    else:
+        class Net(torch.nn.Module):
+            def __init__(s):
+                super().__init__()
+                s.enc, s.dec = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+            def forward(s, x):
+                return s.dec(torch.relu(s.enc(x)))
+
+        model, pattern = Net(), "enc/*"
+    backend.last_reports.clear()
+    compiled = torch.compile(model, backend="amp_rewrite",
+                             options={"target": "bf16", "backend": "aot_eager", "fp32_nodes": [pattern]})
+    with torch.no_grad():
+        compiled(torch.randn(2, 8))
+    report = backend.last_reports[-1]
+    assert report.heavy_ops["total"] == 2 and report.heavy_ops["low"] == 1
+    assert not any(n.startswith("unmatched:") for n in report.log.notes)
+
+
 @pytest.mark.slow
 def test_compile_inductor_matches_eager():
     """Inductor on CPU needs a C++ compiler (g++ is here); the first compile takes tens of seconds."""

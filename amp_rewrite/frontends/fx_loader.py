@@ -206,8 +206,10 @@ def module_path(node: fx.Node) -> str:
     if stack:
         path = list(stack.values())[-1][0]
         path = str(path)
-        # dynamo spells paths as L['self'].layers[0].fc
-        path = re.sub(r"^L\['self'\]\.?", "", path)
+        # dynamo spells paths from the compiled frame's local that holds the module: L['self'].layers[0].fc,
+        # L['fn'].0 (an nn.Sequential, whose forward torch.compile calls through a wrapper), L['s'].fc
+        # (a forward whose first parameter is not named self); the path starts below that module
+        path = re.sub(r"^L\['[^']+'\]\.?", "", path)
         path = re.sub(r"\[(\d+)\]", r".\1", path)
         path = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", path)
         return path.strip(".")
