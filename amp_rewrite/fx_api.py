@@ -302,8 +302,8 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
                              "captured by torch.export: drop capture (or pass the nn.Module itself)")
         return _module_of(obj, decompose), "export"
     if isinstance(obj, fx.GraphModule):
-        if capture != "auto" or decompose:
-            given = f"capture={capture!r}" if capture != "auto" else "decompose=True"
+        if capture == "export" or decompose:  # (symbolic_trace: a GraphModule is such a graph already)
+            given = f"capture={capture!r}" if capture == "export" else "decompose=True"
             raise UsageError(f"{given} applies to capturing an nn.Module; a GraphModule is already a graph and is "
                              f"rewritten as it is: drop {given.split('=')[0]} (or pass the nn.Module itself)")
         return _private_copy(obj), "graph_module"

@@ -742,13 +742,12 @@ def test_graph_module_without_metadata_needs_example_inputs():
 
 
 def test_capture_options_on_an_already_captured_graph_are_refused():
-    """capture=/decompose= say how to capture an nn.Module: given a GraphModule (or symbolic_trace
-    for an ExportedProgram) they would be ignored silently, so they are usage errors."""
+    """capture=/decompose= say how to capture an nn.Module: given a GraphModule, capture='export'
+    and decompose=True (and symbolic_trace for an ExportedProgram) would be ignored silently, so
+    they are usage errors (capture='symbolic_trace' describes a GraphModule as it is)."""
     x = torch.randn(2, 16)
     gm = fx.symbolic_trace(MLP())
-    for options, named in (({"capture": "export"}, "capture='export'"),
-                           ({"capture": "symbolic_trace"}, "capture='symbolic_trace'"),
-                           ({"decompose": True}, "decompose=True")):
+    for options, named in (({"capture": "export"}, "capture='export'"), ({"decompose": True}, "decompose=True")):
         with pytest.raises(UsageError, match=f"{re.escape(named)} applies to capturing an nn.Module"):
             _dispatch(gm, example_inputs=(x,), target="bf16", **options)
     ep = torch.export.export(MLP(), (x,))
