@@ -47,7 +47,9 @@ an error. For a module without in-graph scale,
 
 **Gradient accumulation**: call :meth:`backward` on each micro-batch, then :meth:`step` once.
 **Several optimizers**: ``LossScaler(auto_update=False)``, ``step()`` each, then :meth:`update`
-once (with ``auto_update`` on, ``step()`` updates the scale itself). **Distributed**: when
+once (with ``auto_update`` on, ``step()`` updates the scale itself, so a second optimizer's
+``step()`` on the same gradients is an error; alternating optimizers, each after its own backward
+pass, need no flag). **Distributed**: when
 ``torch.distributed`` is initialised with more than one rank, the overflow flag is all-reduced
 (MAX) so that every rank skips the same steps and keeps the same scale. **Checkpoints**:
 :meth:`state_dict` / :meth:`load_state_dict` (which also reads a GradScaler state dict).
@@ -120,6 +122,13 @@ class LossScaler:
         self._modules: list[weakref.ref] = []
         self._opt: dict[int, _OptState] = {}
         self._applied: float | None = None  # the scale the current gradients carry, when known
+        # in-graph scale nodes given their dividing pre-hook this step (held, so that an id is not
+        # reused by another node while the step lasts): one hook per node, however many backward
+        # passes run through it (retain_graph)
+        self._hooked: dict[int, Any] = {}
+        # the gradients as step() left them when it updated the scale itself (auto_update), or None:
+        # a second optimizer stepped on those same gradients would unscale them by the new scale
+        self._auto_updated: dict[int, tuple[Any, int]] | None = None
         self._discovered = False
         if module is not None:
             self.attach(*(module if not isinstance(module, torch.nn.Module) else [module]))
@@ -254,8 +263,9 @@ class LossScaler:
         if self.enabled:
             self._note_scaled()
         for fn, applied in nodes:
-            if applied != 1.0:
+            if applied != 1.0 and self._hooked.get(id(fn)) is not fn:
                 fn.register_prehook(_divided_by(applied))
+                self._hooked[id(fn)] = fn
         return loss * want if want != 1.0 else loss
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -264,6 +274,7 @@ class LossScaler:
         self.scale(loss).backward(**kwargs)
 
     def _note_scaled(self) -> None:
+        self._auto_updated = None
         if self._applied is not None and self._applied != self._scale:
             raise RuntimeError("the scale changed between two backward passes of one step")
         self._applied = self._scale
@@ -308,6 +319,8 @@ class LossScaler:
         if state.stage == _STEPPED:
             raise RuntimeError("unscale_() is being called after step(); call update() first (auto_update=False)")
         has_grads = any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+        if has_grads:
+            self._refuse_stale_gradients(optimizer)
         if not has_grads and self._applied is not None:
             raise RuntimeError("scaler.backward() ran in this step, but no parameter of this optimizer has a gradient: "
                                "was the optimizer built on the original module's parameters? amp_rewrite.rewrite() "
@@ -321,6 +334,22 @@ class LossScaler:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
         state.found_inf = found
         state.stage = _UNSCALED
+
+    def _refuse_stale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """A GradScaler-style ``step(opt_a); step(opt_b); update()`` with ``auto_update`` on:
+        ``step(opt_a)`` updated the scale already, and opt_b's gradients, made before that, would be
+        unscaled by the new scale (and the scale would grow once per optimizer). Say so."""
+        before = self._auto_updated
+        if before is None:
+            return
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if self._live_modules() and any(not _unchanged(g, before) for g in grads):
+            self._auto_updated = None  # a backward pass made these since (the in-graph scale, no scale() call)
+            return
+        raise RuntimeError("step() on a second optimizer after step() updated the scale (auto_update=True): its "
+                           "gradients were made at the old scale. With several optimizers stepped on one backward "
+                           "pass, use LossScaler(..., auto_update=False), step() each, then update() once (as "
+                           "with torch.amp.GradScaler)")
 
     def _is_distributed(self) -> bool:
         if self.distributed is False:
@@ -350,7 +379,10 @@ class LossScaler:
         result = None if skipped else optimizer.step(*args, **kwargs)
         state.stage = _STEPPED
         if self.auto_update:
+            params = [p for s in (self._live_modules(), [optimizer]) for p in _parameters_of(s)]
             self.update()
+            self._auto_updated = {id(p.grad): (weakref.ref(p.grad), p.grad._version)
+                                  for p in params if p.grad is not None}
         return result
 
     def update(self, new_scale: float | None = None) -> None:
@@ -388,6 +420,7 @@ class LossScaler:
     def _finish_step(self) -> None:
         self._opt.clear()
         self._applied = None
+        self._hooked.clear()
         self._sync_all()
 
     def _record(self, before: float, skipped: bool) -> None:
@@ -518,6 +551,22 @@ class LossScaler:
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------
+def _parameters_of(holders: list) -> Iterable[torch.nn.Parameter]:
+    """The parameters of modules, or of optimizers' parameter groups."""
+    for holder in holders:
+        if isinstance(holder, torch.nn.Module):
+            yield from holder.parameters()
+        else:
+            for group in holder.param_groups:
+                yield from group["params"]
+
+
+def _unchanged(grad: torch.Tensor, before: dict[int, tuple[Any, int]]) -> bool:
+    """The gradient tensor is the one recorded, not written to since."""
+    ref, version = before.get(id(grad), (None, None))
+    return ref is not None and ref() is grad and grad._version == version
+
+
 def _divided_by(applied: float):
     def hook(grad_outputs: tuple) -> tuple:
         return tuple(None if g is None else g / applied for g in grad_outputs)

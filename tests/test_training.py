@@ -272,6 +272,61 @@ def test_several_optimizers():
     assert scaler.get_scale() == 32.0 and scaler.steps == 1
 
 
+@pytest.mark.parametrize("module", [ScaledLinear, Plain])
+def test_several_optimizers_with_auto_update_are_refused_not_unscaled_wrong(module):
+    """GradScaler's loop, step(a); step(b); update(), with auto_update on: step(a) updated the scale
+    (here it grows every step), and b's gradients, made before, were unscaled by the new one
+    (half size, silently). It is an error naming auto_update=False."""
+    x, y = _data()
+    model = module()
+    scaler = LossScaler(init_scale=64.0, growth_interval=1)
+    opt_w = torch.optim.SGD([model.lin.weight], lr=0.1)
+    opt_b = torch.optim.SGD([model.lin.bias], lr=0.1)
+    scaler.backward(model(x, y))
+    scaler.step(opt_w)
+    assert scaler.get_scale() == 128.0
+    with pytest.raises(RuntimeError, match="second optimizer.*auto_update=False"):
+        scaler.step(opt_b)
+
+
+def test_alternating_optimizers_each_after_its_own_backward_need_no_flag():
+    """A GAN-like loop steps a different optimizer after each backward: with auto_update on that
+    is one step per update, whether the backward went through the scaler or the in-graph scale."""
+    x, y = _data()
+    model = ScaledLinear()
+    ref = copy.deepcopy(model)
+    scaler = LossScaler(model, init_scale=64.0, growth_interval=1)
+    opt_w = torch.optim.SGD([model.lin.weight], lr=0.0)
+    opt_b = torch.optim.SGD([model.lin.bias], lr=0.0)
+    ref(x, y).backward()
+    for opt in (opt_w, opt_b, opt_w, opt_b):
+        model.zero_grad()
+        model(x, y).backward()  # the graph's own scale, no scaler call
+        scaler.unscale_(opt)
+        torch.testing.assert_close(_grads(model)[0 if opt is opt_w else 1], _grads(ref)[0 if opt is opt_w else 1])
+        scaler.step(opt)
+    assert scaler.get_scale() == 64.0 * 2 ** 4
+
+
+def test_a_retained_graph_backward_twice_divides_the_in_graph_scale_once_per_pass():
+    """scaler.backward(loss, retain_graph=True) twice: each pass's gradients carry the scale once
+    (the dividing pre-hook went on the scale node once per call: the second pass was divided twice)."""
+    x, y = _data()
+    model = ScaledLinear()
+    ref = copy.deepcopy(model)
+    ref(x, y).backward()
+    scaler = LossScaler(model, init_scale=1024.0)
+    loss = model(x, y) + 0.0 * model.lin.weight.sum()  # a term outside the graph: the scaler scales the sum
+    scaler.backward(loss, retain_graph=True)
+    first = _grads(model)
+    scaler.backward(loss)
+    second = [g - f for g, f in zip(_grads(model), first)]
+    for got, want in zip(second, first):
+        torch.testing.assert_close(got, want)
+    for got, want in zip(first, _grads(ref)):
+        torch.testing.assert_close(got / 1024.0, want)
+
+
 def test_checkpoint_restore_resumes_the_same_scale(tmp_path):
     flags = [False, False, True, False, False, False, True, False]
     a = LossScaler(init_scale=2.0 ** 10, growth_interval=2)
