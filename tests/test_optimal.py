@@ -234,12 +234,30 @@ def test_deny_and_island_nodes_stay_fp32_even_when_low_would_save_bytes():
             assert _precisions(best)[name] == "fp32"
 
 
-def test_round_trip_through_free_nodes_is_refused():
-    # x → Concat(x, C) → MatMul, and Concat → Tile (8× bigger) → Exp. Greedy spreads low through
-    # both clear ops: casts x in and the big Tile output back out. The plain cut keeps the Concat
-    # low (casting small x beats moving the weight-laden Concat in FP32) but runs the Tile FP32
-    # (cast its 8× smaller input): then the low Concat sits between the FP32 input and the FP32
-    # Tile, an FP32 → fp16 → FP32 trip for x. Safety pins the Concat FP32 and cuts again.
+def _single_node_round_trips(self, allow):
+    """Greedy's safety as it was (each node alone): a path of two clear ops between FP32 ops stayed
+    low. The optimum must repair such a trip whatever greedy hands it."""
+    changed = True
+    while changed:
+        changed = False
+        for i in sorted(allow):
+            if self.cat[i] != Category.ALLOW \
+                    and (self.fp32_source[i] or any(p not in allow for p in self.preds[i])) \
+                    and (self.fp32_sink[i] or any(s not in allow for s in self.succs[i])):
+                allow.discard(i)
+                self.step[i] = "safety"
+                changed = True
+
+
+def test_round_trip_through_free_nodes_is_refused(monkeypatch):
+    # x → Concat(x, C) → MatMul, and Concat → Tile (8× bigger) → Exp. Greedy spread low through
+    # both clear ops when it checked each node alone: casts x in and the big Tile output back out.
+    # The plain cut keeps the Concat low (casting small x beats moving the weight-laden Concat in
+    # FP32) but runs the Tile FP32 (cast its 8× smaller input): then the low Concat sits between
+    # the FP32 input and the FP32 Tile, an FP32 → fp16 → FP32 trip for x. Safety pins the Concat
+    # FP32 and cuts again. (Greedy now keeps that clear path FP32 itself: the placement is the same.)
+    from amp_rewrite.passes import paint as paint_module
+
     m = make_model("""
         <ir_version: 8, opset_import: ["" : 17]>
         g (float[1,64] x) => (float[8,64] y, float[64,64] z) {
@@ -248,20 +266,23 @@ def test_round_trip_through_free_nodes_is_refused():
           t = Tile(r, reps)
           z = Exp(t)
         }""", {"w": (64, 64), "c": (7, 64), "reps": np.array([8, 1], np.int64)})
-    problem = _problem(m)
+    with monkeypatch.context() as patched:
+        patched.setattr(paint_module._ScopePainter, "_remove_round_trips", _single_node_round_trips)
+        problem = _problem(m)
     concat = next(i for i, n in enumerate(problem.nodes) if n.op_type == "Concat")
     assert problem.greedy[concat]
     unconstrained = problem.min_cut(problem.fixed)
     assert problem.round_trip_nodes(unconstrained) == {concat}  # the plain optimum would round-trip
     labels, outcome = problem.solve()
     assert not problem.round_trip_nodes(labels) and outcome.repaired == [concat]
-    best = rewrite(m, placement="optimal")
-    p = _precisions(best)
-    assert p["Concat:r"] == "fp32" and p["Tile:t"] == "fp32"
-    assert best.log.decisions["Concat:r"].step == "safety"
-    assert _cast_bytes(best) < _cast_bytes(rewrite(m, placement="greedy"))
-    got = run(best.model, {"x": np.full((1, 64), 0.3, np.float32)})
-    assert np.array_equal(got["z"][0], np.exp(np.full(64, 0.3, np.float32)))  # x's path never saw fp16
+    assert not labels[concat] and not labels[next(i for i, n in enumerate(problem.nodes) if n.op_type == "Tile")]
+    for placement in ("optimal", "greedy"):
+        result = rewrite(m, placement=placement)
+        p = _precisions(result)
+        assert p["Concat:r"] == "fp32" and p["Tile:t"] == "fp32"
+        assert result.log.decisions["Concat:r"].step == "safety"
+        got = run(result.model, {"x": np.full((1, 64), 0.3, np.float32)})
+        assert np.array_equal(got["z"][0], np.exp(np.full(64, 0.3, np.float32)))  # x's path never saw fp16
 
 
 # -- seeded random DAGs -----------------------------------------------------------------------------------

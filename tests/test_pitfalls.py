@@ -134,6 +134,32 @@ def test_large_values_between_fp32_ops_never_pass_through_fp16():
     np.testing.assert_allclose(got["s"], run(m, {"x": x})["s"], rtol=1e-6)
 
 
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
+def test_a_round_trip_longer_than_one_node_is_kept_fp32(placement):
+    # Identity reads x and feeds a MatMul (clear-spread paints it low) and a Pow (FP32): safety keeps
+    # it FP32. Transpose → Reshape, painted low from it, then ran x through FP16 on a path of two
+    # non-allow nodes between FP32 ops: each node checked alone read or fed a low one, and stayed low.
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,4] x) => (float[4,4] mm, float[4,4] p, float[4,4] e) {
+          i = Identity(x)
+          mm = MatMul(i, w)
+          p = Pow(i, two)
+          t = Transpose<perm=[1,0]>(i)
+          r = Reshape(t, shape)
+          s = Mul(r, k)
+          e = Exp(s)
+        }""", {"w": np.full((4, 4), 1e-6, np.float32), "two": np.array(2.0, np.float32),
+               "k": np.array(1e-5, np.float32), "shape": np.array([4, 4], np.int64)})
+    result = rewrite(m, placement=placement)
+    full_check(result.model)
+    precision = {d.node: d.precision.value for d in result.log.decisions.values()}
+    assert precision["Transpose:t"] == precision["Reshape:r"] == "fp32"
+    assert precision["MatMul:mm"] == "low"
+    x = np.full((4, 4), 1e5, np.float32)
+    np.testing.assert_allclose(run(result.model, {"x": x})["e"], run(m, {"x": x})["e"], rtol=1e-6)
+
+
 # 6. Inserted casts: unique names even against colliding user names; topologically sorted.
 def test_inserted_names_unique_and_sorted():
     m = make_model("""

@@ -171,19 +171,32 @@ class _ScopePainter:
         return any(node.inputs[k] is not None and node.inputs[k].is_initializer for k in self.group_ins[i])
 
     def _remove_round_trips(self, allow: set[int]) -> None:
-        changed = True
-        while changed:
-            changed = False
-            for i in sorted(allow):
-                if self.cat[i] == Category.ALLOW:
-                    continue
-                reads_fp32 = self.fp32_source[i] or any(p not in allow for p in self.preds[i])
-                feeds_fp32 = self.fp32_sink[i] or any(s not in allow for s in self.succs[i])
-                if reads_fp32 and feeds_fp32:
-                    allow.discard(i)
-                    self.step[i] = "safety"
-                    self.via.pop(i, None)
-                    changed = True
+        """Keep FP32 every non-allow node that reads an FP32 tensor and feeds an FP32 consumer, and
+        every clear op (data movement: Transpose, Reshape, Identity...) on a low path of clear ops
+        from one that reads FP32 to one that feeds FP32 (Transpose → Reshape between two FP32
+        ops): either would carry an FP32 value through the low type and back unchanged (an
+        overflow above 65504) with no low compute to gain. (A longer path through an infer op
+        painted between allow ops is not such a trip: that op mixes in an allow op's low result.)
+        A node kept FP32 makes its low neighbours read or feed FP32 in turn: this runs to a fixed
+        point."""
+        while True:
+            between = {i for i in allow if self.cat[i] != Category.ALLOW}
+            reads = {i for i in between if self.fp32_source[i] or any(p not in allow for p in self.preds[i])}
+            feeds = {i for i in between if self.fp32_sink[i] or any(s not in allow for s in self.succs[i])}
+            trips = reads & feeds
+            clear = {i for i in between if self.cat[i] == Category.CLEAR}
+            from_fp32, to_fp32 = reads & clear, feeds & clear
+            self._dfs(sorted(from_fp32), lambda i: self.succs[i], lambda j: j in clear and j not in from_fp32,
+                      lambda j, _: from_fp32.add(j))
+            self._dfs(sorted(to_fp32), lambda i: self.preds[i], lambda j: j in clear and j not in to_fp32,
+                      lambda j, _: to_fp32.add(j))
+            trips |= from_fp32 & to_fp32
+            if not trips:
+                return
+            for i in trips:
+                allow.discard(i)
+                self.step[i] = "safety"
+                self.via.pop(i, None)
 
     # -- recording ---------------------------------------------------------------------------------
     def _finish(self, allow: set[int], deny: set[int], *, none_allowed: bool) -> None:
@@ -207,8 +220,9 @@ class _ScopePainter:
             elif step == "clear-spread":
                 meta["amp.reason"] = f"moves data next to {low_name} op {meta['amp.via']}, so it follows it"
             elif step == "safety":
-                meta["amp.reason"] = (f"kept FP32: in {low_name} it would sit between an FP32 producer and an "
-                                      f"FP32 consumer (an FP32→{low_name}→FP32 round trip overflows above 65504)")
+                meta["amp.reason"] = (f"kept FP32: in {low_name} it would lie on a path from an FP32 producer to an "
+                                      f"FP32 consumer with no {low_name} compute on it (an FP32→{low_name}→FP32 "
+                                      f"round trip overflows above 65504)")
             elif not low and self.cat[i] in _LOW_OK:
                 meta["amp.reason"] = (f"{self.cat[i].value} op not between {low_name} ops: stays FP32 "
                                       f"({meta['amp.reason']})")
