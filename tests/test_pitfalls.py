@@ -160,6 +160,30 @@ def test_a_round_trip_longer_than_one_node_is_kept_fp32(placement):
     np.testing.assert_allclose(run(result.model, {"x": x})["e"], run(m, {"x": x})["e"], rtol=1e-6)
 
 
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
+def test_a_round_trip_ending_in_an_existing_cast_to_float_is_kept_fp32(placement):
+    # x → Split → {MatMul, Transpose → Cast(to=FLOAT) → Mul → Exp}. A Cast reads any type, so it
+    # was no end of a round trip: Split and Transpose went low, and the model's own Cast took x
+    # (1e5) from FP16 (inf) back to FP32. The readers behind the Cast decide.
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,4] x) => (float[2,2] e, float[2,2] mm) {
+          a, b = Split<axis=1>(x, sp)
+          mm = MatMul(b, w)
+          t = Transpose<perm=[1,0]>(a)
+          c = Cast<to=1>(t)
+          s = Mul(c, k)
+          e = Exp(s)
+        }""", {"w": np.full((2, 2), 1e-6, np.float32), "sp": np.array([2, 2], np.int64),
+               "k": np.array(1e-5, np.float32)})
+    result = rewrite(m, placement=placement)
+    full_check(result.model)
+    precision = {d.node: d.precision.value for d in result.log.decisions.values()}
+    assert precision["Split:a"] == precision["Transpose:t"] == "fp32" and precision["MatMul:mm"] == "low"
+    x = np.array([[1e5, 2e5, 1e-3, 1e-3], [3e5, 1e5, 1e-3, 1e-3]], np.float32)
+    np.testing.assert_allclose(run(result.model, {"x": x})["e"], run(m, {"x": x})["e"], rtol=1e-6)
+
+
 # 6. Inserted casts: unique names even against colliding user names; topologically sorted.
 def test_inserted_names_unique_and_sorted():
     m = make_model("""

@@ -214,6 +214,22 @@ def is_float32(value: Value | None) -> bool:
 ANY_FLOAT_CONSUMERS = {"Cast", "Shape", "Size"}
 
 
+def read_through_casts(value: Value, low: DType) -> list[tuple[Node, int] | None]:
+    """The readers behind each Cast of ``value`` out of the low type (``Cast(to=FLOAT)``, a cast to
+    an integer), with None for such a Cast that writes a graph output. A Cast reads any type and
+    needs no inserted Cast, but a value painted low on its way to one of these readers passes
+    through the low type and out again: round-trip checks look through the Cast to them."""
+    found: list[tuple[Node, int] | None] = []
+    for cast, _ in value.uses():
+        if cast.domain != "" or cast.op_type != "Cast" or cast.attrs.get("to") == int(low) or not cast.outputs:
+            continue
+        out = cast.outputs[0]
+        found.extend(out.uses())
+        if out.is_graph_output:
+            found.append(None)
+    return found
+
+
 def accepts_any_float(node: Node, index: int | None = None) -> bool:
     """Cast reads any type, Shape and Size read only metadata: none of them ever needs a cast.
     Neither does CastLike's input 0 (``index``), which it casts to the type of input 1."""

@@ -89,7 +89,7 @@ import networkx as nx
 from ..decisions import Category, Precision
 from ..ir import DType, Graph, Model, Node, Value
 from .base import Context, PassResult, accepts_any_float, category, group_inputs, group_outputs, node_label, participates, \
-    retypable_io
+    read_through_casts, retypable_io
 
 BATCH_DIM = 1
 SYMBOLIC_DIM = 128
@@ -232,6 +232,7 @@ class Problem:
         # uses as the cost terms: group edges, FP32 sources read, FP32 consumers fed.
         self.preds: list[set[int]] = [set() for _ in nodes]
         self.succs: list[set[int]] = [set() for _ in nodes]
+        self.trip_succs: list[set[int]] = [set() for _ in nodes]  # readers behind a Cast out of the low type
         self.fp32_source = [False] * len(nodes)
         self.fp32_sink = [False] * len(nodes)
         self._numel: dict[int, int] = {}
@@ -294,6 +295,12 @@ class Problem:
             if isinstance(producer, int):
                 if _T in needs:
                     self.fp32_sink[producer] = True
+                for reader in read_through_casts(value, self.ctx.low):
+                    j = index.get(id(reader[0])) if reader is not None and id(reader[0].graph) in scope_ids else None
+                    if j is not None and reader[1] in self.group_in[j]:
+                        self.trip_succs[producer].add(j)
+                    elif reader is None or not accepts_any_float(*reader):
+                        self.fp32_sink[producer] = True
                 for c in consumers:
                     self.succs[producer].add(c)
                     self.preds[c].add(producer)
@@ -572,7 +579,8 @@ class Problem:
         candidates = range(len(labels)) if within is None else within
         low = {i for i in candidates if labels[i] and self.cat[i] != Category.ALLOW}
         readers = [i for i in low if self.fp32_source[i] or any(not labels[p] for p in self.preds[i])]
-        feeders = [i for i in low if self.fp32_sink[i] or any(not labels[s] for s in self.succs[i])]
+        feeders = [i for i in low if self.fp32_sink[i]
+                   or any(not labels[s] for s in (*self.succs[i], *self.trip_succs[i]))]
         if not readers or not feeders:
             return set()
         forward = _reach(readers, self.succs, low)

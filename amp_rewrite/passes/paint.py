@@ -22,7 +22,7 @@ from __future__ import annotations
 from ..decisions import Category, Precision
 from ..ir import DType, Graph, Model, Node, Value
 from .base import Context, PassResult, accepts_any_float, category, group_inputs, group_outputs, node_label, participates, \
-    retypable_io
+    read_through_casts, retypable_io
 
 _LOW_OK = (Category.CLEAR, Category.INFER)
 
@@ -47,6 +47,9 @@ class _ScopePainter:
         self.succs: list[set[int]] = [set() for _ in self.nodes]
         self.fp32_source = [False] * len(self.nodes)  # reads an FP32 tensor painting cannot change
         self.fp32_sink = [False] * len(self.nodes)  # feeds a consumer that needs FP32
+        # readers behind a Cast out of the low type (Cast(to=FLOAT) → Mul): no paint edge, but a
+        # round trip through the low type ends there if they are FP32
+        self.trip_succs: list[set[int]] = [set() for _ in self.nodes]
         self.step: dict[int, str] = {}
         self.via: dict[int, int] = {}
         self._wire()
@@ -67,6 +70,12 @@ class _ScopePainter:
             for k in self.group_outs[i]:
                 if self._has_fixed_use(node.outputs[k], keep_io):
                     self.fp32_sink[i] = True
+                for reader in read_through_casts(node.outputs[k], self.ctx.low):
+                    j = self.index.get(id(reader[0])) if reader is not None and reader[0].graph is self.scope else None
+                    if j is not None and reader[1] in self.group_ins[j]:
+                        self.trip_succs[i].add(j)
+                    elif reader is None or not accepts_any_float(*reader):
+                        self.fp32_sink[i] = True
 
     def _group_producer(self, value: Value) -> int | None:
         j = self.index.get(id(value.producer)) if value.producer is not None else None
@@ -182,7 +191,8 @@ class _ScopePainter:
         while True:
             between = {i for i in allow if self.cat[i] != Category.ALLOW}
             reads = {i for i in between if self.fp32_source[i] or any(p not in allow for p in self.preds[i])}
-            feeds = {i for i in between if self.fp32_sink[i] or any(s not in allow for s in self.succs[i])}
+            feeds = {i for i in between if self.fp32_sink[i]
+                     or any(s not in allow for s in (*self.succs[i], *self.trip_succs[i]))}
             trips = reads & feeds
             clear = {i for i in between if self.cat[i] == Category.CLEAR}
             from_fp32, to_fp32 = reads & clear, feeds & clear
