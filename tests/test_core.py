@@ -358,6 +358,28 @@ def test_summary_of_a_rewritten_output_counts_the_nodes_it_was_given_low():
     assert not any(n.startswith("as given:") for n in first.log.notes)
 
 
+@pytest.mark.parametrize("op,attr,extra", [("RandomNormalLike", "dtype", {"dtype": 1, "scale": 1e-6}),
+                                           ("RandomUniformLike", "dtype", {"dtype": 1, "high": 1e-6}),
+                                           ("RandomNormal", "dtype", {"shape": [4, 4], "scale": 1e-6})])
+def test_an_output_type_attribute_follows_a_node_made_low(op, attr, extra):
+    """--fp16-ops on an op whose attribute says its output type: the attribute followed nothing,
+    so the output was declared FP16 and computed FP32 (checker and onnxruntime refused the model,
+    exit 0). RandomNormal has no dtype here: its default, FLOAT, is what changes."""
+    node = onnx.helper.make_node(op, [] if op == "RandomNormal" else ["h"], ["r"], name="gen", **extra)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w"], ["h"]), node, onnx.helper.make_node("Add", ["h", "r"], ["o"]),
+         onnx.helper.make_node("MatMul", ["o", "w"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 4])],
+        [onnx.numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")])
+    m = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)], ir_version=10)
+    result = rewrite(m, fp16_ops=[op])
+    full_check(result.model)
+    gen = next(n for n in result.model.graph.node if n.op_type == op)
+    assert value_types(result.model)["r"] == FP16
+    assert {a.name: a.i for a in gen.attribute}[attr] == FP16
+
+
 def test_identity_rewrite_preserves_names_metadata_and_functions():
     m = _mlp()
     m.doc_string = "model doc"

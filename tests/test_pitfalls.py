@@ -7,6 +7,7 @@ import numpy as np
 import onnx
 import pytest
 
+from amp_rewrite.decisions import Precision
 from util import BF16, FP16, FP32, full_check, make_model, nodes_by_type, rel_err, rewrite, run, value_types
 
 
@@ -267,6 +268,26 @@ def test_op_without_fp16_kernel_stays_fp32(tmp_path):
     assert types[nodes_by_type(out, "GridSample")[0].output[0]] == FP32
     decision = next(d for d in result.log.decisions.values() if d.op == "GridSample")
     assert "no float16 kernel" in decision.reason
+
+
+@pytest.mark.parametrize("force", ["fp16_ops", "fp16_nodes"])
+def test_forcing_low_never_skips_the_kernel_table(force):
+    # --fp16-nodes returned before the kernel table was read, and an op CUDA runs in no float type
+    # at all (Det, Hardmax) counted as unknown to the table: both went low with no kernel.
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 20]>
+        g (float[1,2,4,4] x, float[1,4,4,2] grid, float[2,3,3] a) => (float[1,2,4,4] y, float[2] d) {
+          c = Conv<pads=[1,1,1,1]>(x, w)
+          s = GridSample(c, grid)
+          y = Conv<pads=[1,1,1,1]>(s, w)
+          d = Det(a)
+        }""", {"w": (2, 2, 3, 3)})
+    options = {"fp16_ops": ["GridSample", "Det"]} if force == "fp16_ops" else {"fp16_nodes": ["GridSample:s", "Det:d"]}
+    result = rewrite(m, **options)
+    full_check(result.model)
+    for op, why in (("GridSample", "no float16 kernel for GridSample"), ("Det", "no kernel for Det at opset 20")):
+        decision = next(d for d in result.log.decisions.values() if d.op == op)
+        assert decision.precision == Precision.FP32 and why in decision.reason, decision
 
 
 # 12. A decomposed LayerNorm (Pow/ReduceMean) overflows in FP16. Where no fused op can take it (here

@@ -199,6 +199,11 @@ class _Patcher:
                                                                           node.outputs[0].dtype))
         if node.op_type == "ConstantOfShape" and node.outputs[0].meta.get("amp.was") is not None:
             self._retype_constant_of_shape(n, node.outputs[0].dtype)
+        type_attr = _OUTPUT_TYPE_ATTRS.get(node.op_type) if node.domain == "" else None
+        if type_attr and node.outputs[0].meta.get("amp.was") is not None and node.outputs[0].dtype is not None \
+                and (type_attr in n.attributes or not node.op_type.endswith("Like")):
+            # the attribute, not the input, says the output type (a *Like op without it follows its input)
+            n.attributes[type_attr] = ir.AttrInt64(type_attr, int(node.outputs[0].dtype))
         if node.meta.get("amp.category") is not None:
             self._tag(n, node)
         if node.meta.get("amp.retargeted"):
@@ -471,6 +476,13 @@ def _zeros(values: np.ndarray) -> int:
     """How many elements of a 16-bit float array (FP16, BF16) are ±0: all bits but the sign clear.
     (Read as integers: comparing FP16 values converts every element.)"""
     return int(np.count_nonzero((values.view(np.uint16) & 0x7FFF) == 0))
+
+
+# ops whose output type an attribute gives (default FLOAT, or the input's type for a *Like op)
+_OUTPUT_TYPE_ATTRS = {"RandomNormal": "dtype", "RandomUniform": "dtype", "RandomNormalLike": "dtype",
+                      "RandomUniformLike": "dtype", "EyeLike": "dtype", "Bernoulli": "dtype",
+                      "HannWindow": "output_datatype", "HammingWindow": "output_datatype",
+                      "BlackmanWindow": "output_datatype", "MelWeightMatrix": "output_datatype"}
 
 
 def _np_dtype(dtype: DType):

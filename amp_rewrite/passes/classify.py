@@ -121,6 +121,10 @@ def _lookup(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -> _Verdi
     if node_rule is not None:
         if node_rule.precision == Precision.FP32:
             return Category.DENY, f"node rule {node_rule.pattern!r} keeps it FP32", node_rule.source, None
+        missing = missing_low_kernel(ctx, node.op_type, node.domain, node.opset)
+        if missing:  # (the kernel table is a safety net under node rules too)
+            return Category.DENY, f"{missing}, so node rule {node_rule.pattern!r} cannot make it low", \
+                "kernel table", None
         return Category.ALLOW, f"node rule {node_rule.pattern!r} makes it low precision", node_rule.source, None
     key = (node.op_type, node.domain, node.opset)
     if key not in verdicts:
@@ -158,11 +162,15 @@ def missing_low_kernel(ctx: Context, op: str, domain: str, opset: int | None) ->
     if not kernels.knows_provider(provider):
         return None  # a provider outside the bundled table (e.g. TensorRT): the rules decide
     low = "bfloat16" if ctx.low == DType.BFLOAT16 else "float16"
-    if not kernels.has_kernel(provider, op, opset, "float", domain):
-        return None  # unknown to the provider's table (custom op, function): the rules decide
     if kernels.has_kernel(provider, op, opset, low, domain):
         return None
     qualified = f"{domain}::{op}" if domain else op
+    if not kernels.has_kernel(provider, op, opset, "float", domain):
+        if domain or op not in kernels.known_ops(""):
+            return None  # unknown to the provider's table (custom op, function): the rules decide
+        # a standard op the provider runs in no float type (Det, Hardmax on CUDA): onnxruntime
+        # places it on the CPU provider, whose low kernels the table does not promise either
+        return f"{provider} has no kernel for {qualified} at opset {opset} (it runs on the CPU provider)"
     return f"{provider} has no {low} kernel for {qualified} at opset {opset}"
 
 
