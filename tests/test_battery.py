@@ -411,6 +411,28 @@ def case_op_newer_than_the_opset(d: Path) -> Case:
                 inputs=["m.onnx"])
 
 
+def case_op_newer_than_the_opset_names_its_first_opset(d: Path) -> Case:
+    """GroupNormalization exists from opset 18 (and again from 21): the message named the newest
+    version, 21, and an unnamed node read "a Attention node"."""
+    nodes = [helper.make_node("GroupNormalization", ["x", "g", "g"], ["y"], num_groups=2)]
+    save(model(nodes, [vi("x")], [vi("y")], [numpy_helper.from_array(np.ones(2, np.float32), "g")], opset=17),
+         d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 3, r"a GroupNormalization node: .*only from opset 18, .*opset 17",
+                inputs=["m.onnx"])
+
+
+def case_duplicate_initializer_names(d: Path) -> Case:
+    """Two initializers named W (onnxruntime reads the first): the rewrite kept the last, so the
+    output computed with other weights than the input, silently."""
+    proto = mlp()
+    extra = onnx.TensorProto()
+    extra.CopyFrom(proto.graph.initializer[0])
+    proto.graph.initializer.append(extra)
+    save(proto, d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 3, rf"two initializers are named '{extra.name}'.*rename",
+                inputs=["m.onnx"])
+
+
 def case_stale_value_info_type(d: Path) -> Case:
     """A value_info entry typing an FP32 intermediate as FP16 (peer converters leave such entries):
     bad input, not "IR verification failed ... (a bug: please report)" with exit 7."""

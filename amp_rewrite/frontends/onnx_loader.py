@@ -233,6 +233,13 @@ def _check_names(graph: onnx.GraphProto, where: str) -> None:
     nodes = graph.node
     names = [node.name for node in nodes if node.name]
     written = [out for node in nodes for out in node.output if out] + [v.name for v in graph.input]
+    weights = [t.name for t in graph.initializer] + [t.values.name for t in graph.sparse_initializer]
+    if len(set(weights)) != len(weights):
+        # (onnxruntime loads such a model and reads the first; kept silently, the last one won)
+        seen: set[str] = set()
+        twice = next(name for name in weights if name in seen or seen.add(name))
+        raise ModelLoadError(f"{where}graph {graph.name!r}: two initializers are named {twice!r}; initializer names "
+                             f"must be unique (onnx.checker rejects the model): remove or rename one")
     if len(set(names)) == len(names) and len(set(written)) == len(written):
         return  # the usual case, in bulk; otherwise find the first clash to name it
     produced: dict[str, str] = {v.name: "a graph input" for v in graph.input}
@@ -910,11 +917,11 @@ def _declared_type_conflict(node: Node, group: str, first: Value, other: Value) 
 
 def _unknown_op(n: ir.Node, opset: int | None) -> str:
     """Why an ai.onnx node has no operator: not one at the model's opset, or not one at all."""
-    label = f"node {n.name!r} ({n.op_type})" if n.name else f"a {n.op_type} node"
-    try:
-        since = onnx.defs.get_schema(n.op_type, onnx.defs.onnx_opset_version(), "").since_version
-    except onnx.defs.SchemaError:
-        since = None
+    article = "an" if n.op_type[:1].lower() in "aeiou" else "a"
+    label = f"node {n.name!r} ({n.op_type})" if n.name else f"{article} {n.op_type} node"
+    # the first opset that has the op (get_schema at the newest opset gives its newest version)
+    since = min((s.since_version for s in onnx.defs.get_all_schemas_with_history()
+                 if s.name == n.op_type and s.domain == ""), default=None)
     if since is not None:
         return (f"{label}: {n.op_type} is an ai.onnx operator only from opset {since}, and the model imports "
                 f"opset {opset}; convert the model (onnx.version_converter.convert_version) or fix the op")
