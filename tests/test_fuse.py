@@ -317,6 +317,18 @@ def test_node_rule_on_a_member_blocks_fusion():
     assert value_types(result.model)["sd"] == FP32
 
 
+@pytest.mark.parametrize("pin", [{"fp32_nodes": ["Sqrt:sd"]}, {"fp16_nodes": ["Add:ln"]}])
+def test_a_pattern_a_pin_kept_unfused_stays_so_in_a_rewrite_of_the_output(pin):
+    """--fp16-nodes on the LayerNorm's last Add kept the pattern unfused, with a Cast before that
+    Add; rewriting the output without the flag found a smaller LayerNorm (up to the Cast) and
+    fused it. The members are tagged, and a rewrite of the output keeps them as they are."""
+    first = rewrite(residual_block(LAYERNORM, 17), **pin)
+    assert not first.log.fusions
+    again = rewrite(first.model)
+    assert not again.log.fusions and not again.modified
+    assert again.model.SerializeToString() == first.model.SerializeToString()
+
+
 def test_no_allow_op_means_no_fusion():
     text = """
     <ir_version: 8, opset_import: ["" : 17]>

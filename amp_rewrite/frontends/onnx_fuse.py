@@ -91,8 +91,12 @@ def fuse(model: Model, ctx: Context) -> PassResult:
             if id(node) in gone:
                 continue
             match = _match_at(node)
-            if match is None or match.x.dtype != DType.FLOAT or not _closed(match) or _pinned(match, ctx):
+            if match is None or match.x.dtype != DType.FLOAT or not _closed(match):
                 continue  # only FP32 patterns: an FP16 one is the user's own, and typed to match
+            if _pinned(match, ctx):
+                for member in match.members:  # (tagged: rewriting the output keeps the pattern unfused)
+                    member.meta["amp.unfused_by_pin"] = True
+                continue
             namer = namer or Namer.for_model(model)
             removed = _replace(model, scope, match, ctx, namer, position, shapes)
             gone.update(id(n) for n in removed)
@@ -356,8 +360,10 @@ def _closed(match: _Match) -> bool:
 
 
 def _pinned(match: _Match, ctx: Context) -> bool:
-    """A node rule names a member, or an earlier rewrite pinned one FP32 (its pattern stayed unfused)."""
-    return any(node_rule_of(ctx.rules, n) is not None or earlier_pin(n) for n in match.members)
+    """A node rule names a member, an earlier rewrite pinned one FP32, or an earlier rewrite left
+    the pattern (or a larger one around it) unfused for such a pin: it stays unfused."""
+    return any(node_rule_of(ctx.rules, n) is not None or earlier_pin(n) or n.meta.get("onnx.unfused")
+               for n in match.members)
 
 
 def _residual_operands(x: Value, shapes: "SymbolicShapes") -> list[Value] | None:

@@ -780,6 +780,8 @@ class _Builder:
         props = n.metadata_props
         if props and props.get("amp_rewrite.category") == "deny" and props.get("amp_rewrite.precision") == "fp32":
             node.meta["onnx.kept_fp32_by"] = props.get("amp_rewrite.source", "")  # (an earlier rewrite's tags)
+        if props and props.get("amp_rewrite.unfused"):
+            node.meta["onnx.unfused"] = True  # an earlier rewrite left its pattern unfused for a user's pin
         attributes = n.attributes
         if attributes or op_type == "ConstantOfShape":  # (most nodes have no attributes)
             node.attrs = _interesting_attrs(n)
