@@ -47,6 +47,33 @@ def test_existing_cast_to_float_is_retargeted_not_chained():
     assert not any(c.input[0] == retargeted[0].output[0] and c.attribute[0].i == FP16 for c in casts)
 
 
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
+def test_an_existing_cast_serves_the_readers_that_need_its_type(placement):
+    # v = MatMul (low) is read by Exp (FP32) and by the model's own Cast(v, to=FLOAT): the rewrite
+    # added a second Cast(v, to=FLOAT) for Exp beside it; likewise a Cast(u, to=FLOAT16) the model
+    # has beside a MatMul that needs u in FP16. One Cast per value and type.
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,4] x) => (float[2,4] vl, float[2,4] e, float[2,4] uf, float[2,4] mm) {
+          v = MatMul(x, w)
+          vc = Cast<to=1>(v)
+          e = Exp(v)
+          vl = Log(vc)
+          u = Exp(x)
+          uh = Cast<to=10>(u)
+          uf = Cast<to=1>(uh)
+          mm = MatMul(u, w)
+        }""", {"w": np.full((4, 4), 0.25, np.float32)})
+    result = rewrite(m, placement=placement)
+    full_check(result.model)
+    casts = [(n.input[0], n.attribute[0].i) for n in nodes_by_type(result.model, "Cast")]
+    assert len(casts) == len(set(casts)), casts
+    x = np.random.default_rng(0).uniform(0.5, 1.0, (2, 4)).astype(np.float32)
+    got, want = run(result.model, {"x": x}), run(m, {"x": x})
+    for name in want:
+        assert rel_err(want[name], got[name]) < 1e-2
+
+
 def test_constant_of_shape_without_value_follows_its_consumers():
     m = make_model("""
         <ir_version: 8, opset_import: ["" : 17]>

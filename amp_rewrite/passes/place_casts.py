@@ -315,6 +315,12 @@ class _Placer:
 
     def _insert_one(self, value: Value, need: DType, scope: Graph, uses: list[_Use], replaces: Value | None) -> None:
         to_output = any(u.node is None for u in uses)
+        existing = None if to_output else self._existing_cast(value, need, scope)
+        if existing is not None:  # the model's own Cast of this value to this type: one per value and type
+            for use in uses:
+                use.node.set_input(use.index, existing.outputs[0])
+            self.modified = True
+            return
         tensor = (replaces or value).name
         if to_output:
             out_name = value.name
@@ -341,6 +347,16 @@ class _Placer:
         self._record(cast.name, replaces or value, value.dtype, need, uses, scope, reason, "inserted")
         cast.meta["amp.reason"] = reason
         self.modified = True
+
+    @staticmethod
+    def _existing_cast(value: Value, need: DType, scope: Graph) -> Node | None:
+        """A Cast the model already has in ``scope`` that turns ``value`` into ``need``."""
+        for node, index in value.uses():
+            if index == 0 and node.graph is scope and node.op_type == "Cast" and node.domain == "" \
+                    and not node.meta.get("amp.inserted") and node.attrs.get("to") == int(need) \
+                    and node.outputs and node.outputs[0].dtype == need:
+                return node
+        return None
 
     def _cast_reason(self, value: Value, need: DType, uses: list[_Use]) -> str:
         if any(u.node is None for u in uses):
