@@ -446,6 +446,41 @@ def test_outer_low_value_read_by_a_deny_op_in_a_body():
     assert m_casts == [("main/if.else_branch", FP32), ("main/if.then_branch", FP32)], m_casts
 
 
+def test_an_outer_value_read_fp32_in_a_body_and_outside_is_cast_once():
+    """The main graph and a branch both read a low MatMul's output in FP32: the branch cast it again
+    although the main graph's Cast had made the FP32 copy (optimal placement then cast more bytes
+    than greedy, whose cost model counts one Cast). One Cast, in the main graph."""
+    then_g = body("then", [helper.make_node("Exp", ["m"], ["ex"], name="then_exp")], [], [vi("ex")])
+    else_g = body("else", [helper.make_node("Tanh", ["m"], ["tn"], name="else_tanh")], [], [vi("tn")])
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["m"], name="mm"),
+             helper.make_node("MatMul", ["m", "w2"], ["m2"], name="mm2"),
+             helper.make_node("Exp", ["m"], ["e"], name="main_exp"),
+             helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"], name="gt"),
+             helper.make_node("If", ["c"], ["y"], name="if", then_branch=then_g, else_branch=else_g)]
+    model = make(nodes, [vi("x")], [vi("y"), vi("m2"), vi("e")], [weight("w1"), weight("w2"), scalar("zero", 0.0)])
+    out = rewrite_and_check(model, [feeds_x(1.0), feeds_x(-1.0)])
+    assert types(out)["m"] == FP16
+    assert sorted((path, to) for path, name, to in casts(out) if name == "m") == [("main", FP32)]
+
+
+def test_an_outer_value_read_fp32_in_a_loop_body_is_cast_before_the_loop():
+    """In a Loop body the Cast would run on every iteration: it goes before the loop."""
+    loop_body = body("loop_body", [
+        helper.make_node("Exp", ["m"], ["em"], name="body_exp"),
+        helper.make_node("Add", ["h", "em"], ["h_next"], name="body_add"),
+        helper.make_node("Identity", ["cond_in"], ["cond_out"], name="body_cond"),
+    ], [vi("i", T.INT64, []), vi("cond_in", T.BOOL, []), vi("h")], [vi("cond_out", T.BOOL, []), vi("h_next")])
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["m"], name="mm"),
+             helper.make_node("MatMul", ["m", "w2"], ["m2"], name="mm2"),
+             helper.make_node("Loop", ["trips", "", "x"], ["h_final"], name="loop", body=loop_body)]
+    model = make(nodes, [vi("x")], [vi("h_final"), vi("m2")],
+                 [weight("w1"), weight("w2"), numpy_helper.from_array(np.array(3, np.int64), "trips")])
+    out = rewrite_and_check(model, [feeds_x(1.0)])
+    assert types(out)["m"] == FP16
+    assert sorted((path, to) for path, name, to in casts(out) if name == "m") == [("main", FP32)]
+
+
 def test_initializer_of_a_body_converted_in_its_own_scope():
     """A weight stored inside the branch (a subgraph initializer) used only by a low op is converted
     offline, in the branch; the main graph gets no copy of it."""

@@ -86,6 +86,18 @@ def place_casts(model: Model, ctx: Context) -> PassResult:
     return PassResult("place_casts", modified=placer.modified)
 
 
+def _in_loop_body(scope: Graph, home: Graph) -> bool:
+    """Whether ``scope`` lies inside a Loop or Scan body below ``home``."""
+    while scope is not None and scope is not home:
+        owner = scope.parent
+        if owner is None:
+            return False
+        if owner.op_type in ("Loop", "Scan"):
+            return True
+        scope = owner.graph
+    return False
+
+
 class _Placer:
     def __init__(self, model: Model, ctx: Context) -> None:
         self.model = model
@@ -302,10 +314,19 @@ class _Placer:
         produced = value.dtype
         groups: dict[tuple[DType, int], list[_Use]] = {}
         scopes: dict[int, Graph] = {}
+        home = value.graph
+        home_fp32 = any(u.need == DType.FLOAT and (u.node is None or u.node.graph is home) for u in uses)
         for use in uses:
             if use.need == produced:
                 continue
             scope = use.node.graph if use.node is not None else value.graph
+            if use.need == DType.FLOAT and home is not None and scope is not home \
+                    and (home_fp32 or _in_loop_body(scope, home)):
+                # An outer value a body reads in FP32 takes the Cast its own scope makes anyway (a
+                # second one in the body cast it again), and a Loop/Scan body's reader takes one
+                # before the loop (in the body it would run every iteration). An If branch's
+                # reader alone keeps its Cast in the branch, which runs only when taken.
+                scope = home
             scopes[id(scope)] = scope
             groups.setdefault((use.need, id(scope)), []).append(use)
         # by type, then in the order the uses came (stable): never by id(scope), a memory address that
