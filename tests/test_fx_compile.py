@@ -176,6 +176,32 @@ def test_compile_node_rules_match_module_paths(kind):
     assert not any(n.startswith("unmatched:") for n in report.log.notes)
 
 
+def test_compile_an_input_mutated_in_place_says_what_works_under_compile():
+    """Dynamo keeps x.add_(1) on an input; the loader's advice (decompose=True) was for rewrite() on
+    an nn.Module, which torch.compile does not call. The message says what to do under compile,
+    and the decompose route it names does work."""
+    class Mutates(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 8)
+
+        def forward(self, x):
+            x.add_(1.0)
+            return self.fc(x)
+
+    model, x = Mutates(), torch.randn(4, 16)
+    compiled = torch.compile(model, backend="amp_rewrite", options={"target": "bf16", "backend": "aot_eager"})
+    with pytest.raises(Exception, match=r"Under torch\.compile .*make the operation out of place"):
+        compiled(x.clone())
+    import amp_rewrite
+
+    gm = amp_rewrite.rewrite(model, example_inputs=(x.clone(),), target="bf16", decompose=True)
+    a, b = x.clone(), x.clone()
+    with torch.no_grad():
+        assert rel_err(gm(a), model(b)) < TOL["bf16"]
+    assert torch.equal(a, b)  # the input was mutated alike
+
+
 @pytest.mark.slow
 def test_compile_inductor_matches_eager():
     """Inductor on CPU needs a C++ compiler (g++ is here); the first compile takes tens of seconds."""
