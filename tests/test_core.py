@@ -380,6 +380,40 @@ def test_an_output_type_attribute_follows_a_node_made_low(op, attr, extra):
     assert {a.name: a.i for a in gen.attribute}[attr] == FP16
 
 
+def test_contrib_ops_without_value_info_are_typed_and_rewritten():
+    """A BERT block as onnxruntime's transformer optimizer writes it (com.microsoft Attention,
+    SkipLayerNormalization, FastGelu) with no value_info: onnx's shape inference has no schema for
+    those ops, so their outputs and everything after them were untyped and kept FP32 (1 MatMul of
+    5 low). onnxruntime's symbolic shape inference types them."""
+    from onnx import helper as oh
+    rng = np.random.default_rng(0)
+
+    def w(name, *shape):
+        return onnx.numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name)
+
+    ms = "com.microsoft"
+    nodes = [oh.make_node("MatMul", ["X", "Win"], ["x0"], name="proj_in"),
+             oh.make_node("Attention", ["x0", "Wqkv", "Bqkv"], ["att"], name="attention", domain=ms, num_heads=2),
+             oh.make_node("MatMul", ["att", "Wo"], ["ao"], name="attn_out"),
+             oh.make_node("SkipLayerNormalization", ["ao", "x0", "g1", "b1"], ["ln1"], name="skipln1", domain=ms),
+             oh.make_node("MatMul", ["ln1", "Wf1"], ["f1"], name="ffn1"),
+             oh.make_node("FastGelu", ["f1", "bf1"], ["g"], name="gelu", domain=ms),
+             oh.make_node("MatMul", ["g", "Wf2"], ["f2"], name="ffn2"),
+             oh.make_node("SkipLayerNormalization", ["f2", "ln1", "g2", "b2"], ["Y"], name="skipln2", domain=ms)]
+    inits = [w("Win", 8, 8), w("Wqkv", 8, 24), w("Bqkv", 24), w("Wo", 8, 8), w("g1", 8), w("b1", 8),
+             w("Wf1", 8, 16), w("bf1", 16), w("Wf2", 16, 8), w("g2", 8), w("b2", 8)]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("X", FP32, ["b", "s", 8])],
+                          [oh.make_tensor_value_info("Y", FP32, ["b", "s", 8])], inits)
+    m = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid(ms, 1)], ir_version=10)
+    result = rewrite(m)
+    assert result.report.heavy_ops["low"] == result.report.heavy_ops["total"] == 5
+    assert all(d.precision == Precision.LOW for d in result.log.decisions.values())
+    full_check(result.model)
+    x = {"X": rng.standard_normal((2, 4, 8)).astype(np.float32)}
+    assert rel_err(run(m, x)["Y"], run(result.model, x)["Y"]) < 1e-2
+    assert not rewrite(result.model).modified
+
+
 def test_identity_rewrite_preserves_names_metadata_and_functions():
     m = _mlp()
     m.doc_string = "model doc"

@@ -98,11 +98,47 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     if nested:
         _unique_value_names(model.graph)
     _unique_labels(model.graph)
+    _type_custom_outputs(model)
     model.meta["ir_version"] = ir_model.ir_version
     if proto is not None and len(proto.training_info):
         model.meta["onnx.training_info"] = len(proto.training_info)  # (onnx-ir does not carry it)
     model.meta["functions"] = functions
     return model
+
+
+def _type_custom_outputs(model: Model) -> None:
+    """Types for what onnx's shape inference leaves untyped behind a custom-domain op: it has no
+    schema for com.microsoft's Attention, SkipLayerNormalization, FastGelu... (the ops
+    onnxruntime's transformer optimizer writes), so their outputs and everything downstream had no
+    dtype and kept FP32. onnxruntime's symbolic shape inference knows those ops; it runs on the
+    model's structure (weights as inputs of their shape), only when such an output is read."""
+    main = model.graph
+    if not any(v.dtype is None and v.uses() for node in main.nodes if node.domain not in ("", "ai.onnx")
+               for v in node.outputs):
+        return
+    source = model.origin
+    proto = structure_proto(source) if isinstance(source, OnnxSource) else None
+    if proto is None:
+        return
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    except ImportError:
+        return
+    import logging
+
+    from .onnx_fuse import _symbolic_inference
+
+    logging.getLogger("onnxruntime.tools.symbolic_shape_infer").setLevel(logging.CRITICAL)
+    inferred, _ = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=True)  # (partial is sound)
+    if inferred is None:
+        return
+    types = {info.name: info.type.tensor_type.elem_type for info in [*inferred.value_info, *inferred.output]
+             if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type}
+    known = {int(d) for d in DType}
+    for node in main.nodes:
+        for value in node.outputs:
+            if value.dtype is None and types.get(value.name) in known:
+                value.dtype = DType(types[value.name])
 
 
 def _unique_labels(main: Graph) -> None:
