@@ -391,6 +391,7 @@ class _LossScaleBuilder:
             self._scale_seed(scale)
             inv = self.node("Reciprocal", [scale], "training: 1 / loss_scale, to unscale the gradients in FP32")
             sums, scaled_grads = [], []
+            scaled_of: dict[str, Any] = {}  # gradient output name -> its scaled value
             for name in plan.grads:
                 index, value = outputs[name]
                 if value.producer() is None and value.const_value is not None:
@@ -402,15 +403,22 @@ class _LossScaleBuilder:
                                      f"nothing to unscale; narrow --grads")
                 value.name = self.name(name + SCALED_SUFFIX)
                 scaled_grads.append(value.name)
+                scaled_of[name] = value
+                readers = list(value.uses())
                 unscaled = self.node("Mul", [value, inv], "training: gradient unscaled in FP32 (x 1/loss_scale)",
                                      out=name)
                 unscaled.type, unscaled.shape = ir.TensorType(FLOAT), value.shape
                 graph.outputs[index] = unscaled
+                # what the graph computes from the gradient (an in-graph SGD step, a gradient norm)
+                # reads it unscaled too: loss scaling must change no value but the backward pass's own
+                for user, slot in readers:
+                    user.replace_input_with(slot, unscaled)
                 sums.append(self.node("ReduceSum", [unscaled], "training: inf/NaN check (sum of the gradient)",
                                       keepdims=0))
             if not sums:
                 raise UsageError(f"--grads matches only constant outputs ({', '.join(plan.grads)}): no gradient "
                                  f"is computed by the graph, so there is nothing to loss-scale")
+            self._refuse_scaled_leftovers(plan.seed, scaled_of)
             total = sums[0] if len(sums) == 1 else self.node("Sum", sums, "training: inf/NaN check (all gradients)")
             bad = self.node("Or", [self.node("IsInf", [total], "training: inf/NaN check"),
                                    self.node("IsNaN", [total], "training: inf/NaN check")], "training: inf/NaN check")
@@ -419,11 +427,45 @@ class _LossScaleBuilder:
             next_scale, next_tracker = self._update(scale, tracker, finite)
             for v in (finite, next_scale, next_tracker):
                 graph.outputs.append(v)
+            from onnx_ir.passes.common import TopologicalSortPass
+
+            TopologicalSortPass()(self.model)  # (an unscale Mul, appended last, may feed nodes before it)
             added.update({"growth_tracker": GROWTH_TRACKER, "loss_grad": plan.seed, "grads": plan.grads,
                           "scaled_grads": scaled_grads, "all_finite": ALL_FINITE,
                           "next_loss_scale": NEXT_LOSS_SCALE, "next_growth_tracker": NEXT_GROWTH_TRACKER,
                           "config": asdict(plan.config)})
         self.model.metadata_props[TRAINING_KEY] = json.dumps(added)
+
+    def _refuse_scaled_leftovers(self, seed_name: str, scaled_of: dict[str, Any]) -> None:
+        """Graph outputs computed from the scaled backward pass without an unscale on the way (a
+        gradient --grads does not name) would leave scaled; a --grads output the pass does not
+        reach is no gradient of the loss, and dividing it by the scale would be wrong. Both are
+        usage errors, named."""
+        seed = next(v for v in self.graph.inputs if v.name == seed_name)
+        reached: set[int] = set()
+        stack = [seed]
+        scaled = {id(v) for v in scaled_of.values()}
+        unscale = {id(n) for n in self.new_nodes if n.op_type == "Mul" and n.inputs[0] is not None
+                   and id(n.inputs[0]) in scaled}
+        while stack:
+            value = stack.pop()
+            if id(value) in reached:
+                continue
+            reached.add(id(value))
+            for user, _ in value.uses():
+                if id(user) not in unscale:
+                    stack.extend(user.outputs)
+        outputs = [v for v in self.graph.outputs if v.name not in (SCALED_LOSS,)]
+        leftover = [v.name for v in outputs if id(v) in reached and v.name not in self.plan.grads]
+        if leftover:
+            raise UsageError(f"output(s) {', '.join(map(repr, leftover))} are computed from the backward pass but --grads "
+                             f"does not name them: they would come out multiplied by the loss scale; add them to "
+                             f"--grads (they are gradients) or compute them from the named gradients")
+        unreached = [name for name, v in scaled_of.items() if id(v) not in reached]
+        if unreached:
+            raise UsageError(f"--grads names {', '.join(map(repr, unreached))}, which the backward pass from the loss "
+                             f"gradient seed does not reach: not a gradient of the loss, so it is not loss-scaled; "
+                             f"narrow --grads")
 
     def _scale_seed(self, scale: Any) -> None:
         seed = next(v for v in self.graph.inputs if v.name == self.plan.seed)

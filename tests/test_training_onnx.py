@@ -434,6 +434,52 @@ def test_hand_built_graph_unscales_exactly(tmp_path):
     assert bool(got[ALL_FINITE])
 
 
+def _with_gradient_readers(model, *outputs):
+    """The hand graph plus nodes reading grad.W inside the graph: an SGD step (affine in the
+    gradient), its squared norm (quadratic) and, as given, more outputs."""
+    from onnx import helper as h
+
+    T = onnx.TensorProto
+    g = model.graph
+    g.initializer.append(onnx.numpy_helper.from_array(np.array(0.1, np.float32), "lr"))
+    g.node.extend([h.make_node("Mul", ["grad.W", "lr"], ["step"]), h.make_node("Sub", ["W", "step"], ["new_W"]),
+                   h.make_node("ReduceSumSquare", ["grad.W"], ["grad_norm_sq"], keepdims=0)])
+    g.output.extend([h.make_tensor_value_info("new_W", T.FLOAT, [4, 4]),
+                     h.make_tensor_value_info("grad_norm_sq", T.FLOAT, [])])
+    for name in outputs:
+        g.output.append(h.make_tensor_value_info(name, T.FLOAT, None))
+    return model
+
+
+def test_nodes_reading_a_gradient_in_the_graph_read_it_unscaled(tmp_path):
+    """Only the gradient output was rewired to the unscaled value: an in-graph SGD step and a
+    gradient norm read the scaled gradient (new_W off by 1024x lr, the norm by 1024²)."""
+    model = _with_gradient_readers(_hand_graph())
+    out = rewrite_training_onnx_model(model, loss="loss", grads=GRADS, target="fp16").model
+    onnx.checker.check_model(out, full_check=True)
+    onnx.save(out, tmp_path / "t.onnx")
+    got, want = _grad_w(tmp_path / "t.onnx")
+    np.testing.assert_allclose(got["grad.W"], want, rtol=1e-2)
+    np.testing.assert_allclose(got["new_W"], 1.0 - 0.1 * want, rtol=1e-2)
+    np.testing.assert_allclose(got["grad_norm_sq"], float((want ** 2).sum()), rtol=1e-2)
+
+
+def test_scaled_outputs_grads_does_not_name_and_grads_the_pass_does_not_reach_are_refused():
+    """An output the backward pass computes but --grads does not name would leave multiplied by the
+    scale (here gy, the loss gradient broadcast); a --grads output the pass does not reach would
+    be divided by it."""
+    model = _with_gradient_readers(_hand_graph(), "gy")
+    with pytest.raises(UsageError, match=r"'gy' are computed from the backward pass but --grads does not name"):
+        rewrite_training_onnx_model(model, loss="loss", grads=GRADS, target="fp16")
+    from onnx import helper as h
+
+    model = _hand_graph()
+    model.graph.node.append(h.make_node("Relu", ["y"], ["grad.act"]))
+    model.graph.output.append(h.make_tensor_value_info("grad.act", onnx.TensorProto.FLOAT, None))
+    with pytest.raises(UsageError, match=r"--grads names 'grad.act', which the backward pass .* does not reach"):
+        rewrite_training_onnx_model(model, loss="loss", grads=GRADS, target="fp16")
+
+
 def test_a_seed_no_node_reads_is_refused():
     """The seed found by name was not read (the exporter folded a constant 1): the gradients were
     computed unscaled, then divided by the scale, and came out 1/65536 of the truth."""
