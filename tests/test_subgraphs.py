@@ -481,6 +481,45 @@ def test_an_outer_value_read_fp32_in_a_loop_body_is_cast_before_the_loop():
     assert sorted((path, to) for path, name, to in casts(out) if name == "m") == [("main", FP32)]
 
 
+def _outer_ln_read_by_a_branch_ln():
+    ln = [helper.make_node("MatMul", ["x", "w1"], ["x1"]), helper.make_node("ReduceMean", ["x1"], ["m"], axes=[-1]),
+          helper.make_node("Sub", ["x1", "m"], ["d"]), helper.make_node("Pow", ["d", "two"], ["p"]),
+          helper.make_node("ReduceMean", ["p"], ["v"], axes=[-1]), helper.make_node("Add", ["v", "eps"], ["ve"]),
+          helper.make_node("Sqrt", ["ve"], ["sd"]), helper.make_node("Div", ["d", "sd"], ["n"]),
+          helper.make_node("Mul", ["n", "g"], ["nm"]), helper.make_node("Add", ["nm", "b"], ["ln_out"])]
+    inner = [helper.make_node("ReduceMean", ["ln_out"], ["im"], axes=[-1]), helper.make_node("Sub", ["ln_out", "im"], ["id"]),
+             helper.make_node("Pow", ["id", "two"], ["ip"]), helper.make_node("ReduceMean", ["ip"], ["iv"], axes=[-1]),
+             helper.make_node("Add", ["iv", "eps"], ["ive"]), helper.make_node("Sqrt", ["ive"], ["isd"]),
+             helper.make_node("Div", ["id", "isd"], ["in_"]), helper.make_node("Mul", ["in_", "g"], ["t"])]
+    then_g = body("then", inner, [], [vi("t")])
+    else_g = body("else", [helper.make_node("Identity", ["x"], ["e"])], [], [vi("e")])
+    nodes = ln + [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+                  helper.make_node("Greater", ["s", "zero"], ["c"]),
+                  helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g)]
+    return make(nodes, [vi("x")], [vi("y")], [weight("w1"), scalar("two", 2.0), scalar("eps", 1e-5),
+                                               numpy_helper.from_array(np.ones(4, np.float32), "g"),
+                                               numpy_helper.from_array(np.zeros(4, np.float32), "b"), scalar("zero", 0.0)])
+
+
+def _outer_cast_pair_read_by_a_branch():
+    then_g = body("then", [helper.make_node("Cast", ["x32"], ["t16"], to=T.FLOAT16), helper.make_node("Relu", ["t16"], ["r16"]),
+                           helper.make_node("Cast", ["r16"], ["t"], to=T.FLOAT)], [], [vi("t")])
+    else_g = body("else", [helper.make_node("Identity", ["x"], ["e"])], [], [vi("e")])
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["m"]), helper.make_node("Cast", ["m"], ["x16"], to=T.FLOAT16),
+             helper.make_node("Cast", ["x16"], ["x32"], to=T.FLOAT), helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"]),
+             helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g)]
+    return make(nodes, [vi("x")], [vi("y")], [weight("w1"), scalar("zero", 0.0)])
+
+
+@pytest.mark.parametrize("build", [_outer_ln_read_by_a_branch_ln, _outer_cast_pair_read_by_a_branch])
+def test_a_removed_outer_node_read_by_a_removed_body_node(build):
+    """A fused LayerNorm (or the model's folded Cast pair) in the main graph whose output a branch
+    reads with a pattern that is removed too: the main graph's removal ran first and onnx-ir refused
+    it (the body node still read the value): a ValueError from the emitter, no model."""
+    rewrite_and_check(build(), [feeds_x(1.0), feeds_x(-1.0)])
+
+
 def test_initializer_of_a_body_converted_in_its_own_scope():
     """A weight stored inside the branch (a subgraph initializer) used only by a low op is converted
     offline, in the branch; the main graph gets no copy of it."""

@@ -77,8 +77,21 @@ def _remove(nodes: list[Node]) -> None:
         if origin is not None and origin.graph is not None:
             by_graph.setdefault(id(origin.graph), (origin.graph, []))[1].append(origin)
             read.update((id(v), v) for v in origin.inputs if v is not None)
-    for graph, origins in by_graph.values():
-        graph.remove(origins, safe=True)
+    # A graph's removal checks that nothing left reads what it removes, and a removed body node may
+    # read a removed outer node's output (a fused pattern in a branch reading a fused pattern's
+    # result outside): a graph whose removal is refused waits until the others are done.
+    pending = list(by_graph.values())
+    while pending:
+        refused = []
+        for graph, origins in pending:
+            try:
+                graph.remove(origins, safe=True)
+            except ValueError:
+                refused.append((graph, origins))
+        if len(refused) == len(pending):
+            graph, origins = refused[0]
+            graph.remove(origins, safe=True)  # no progress: let its error through
+        pending = refused
     # A constant only the removed nodes read (a fused pattern's eps, its exponent 2) goes with them.
     # An initializer the input model already left unread is kept: it is not ours to drop.
     for value in read.values():
