@@ -74,6 +74,25 @@ def test_an_existing_cast_serves_the_readers_that_need_its_type(placement):
         assert rel_err(want[name], got[name]) < 1e-2
 
 
+def test_the_models_own_cast_of_a_graph_output_reads_the_outputs_cast():
+    # y = MatMul (low) is a graph output and the model casts it to FLOAT for an Exp: the output's
+    # Cast back to FP32 and the model's own Cast both cast y's low value to FLOAT.
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,4] x) => (float[2,4] y, float[2,4] z) {
+          y = MatMul(x, w)
+          yc = Cast<to=1>(y)
+          z = Exp(yc)
+        }""", {"w": np.full((4, 4), 0.25, np.float32)})
+    result = rewrite(m)
+    full_check(result.model)
+    casts = [(n.input[0], n.attribute[0].i) for n in nodes_by_type(result.model, "Cast")]
+    assert len(casts) == len(set(casts)) == 2, casts  # x in, y out
+    x = np.random.default_rng(0).uniform(0.5, 1.0, (2, 4)).astype(np.float32)
+    got, want = run(result.model, {"x": x}), run(m, {"x": x})
+    assert rel_err(want["z"], got["z"]) < 1e-2
+
+
 def test_constant_of_shape_without_value_follows_its_consumers():
     m = make_model("""
         <ir_version: 8, opset_import: ["" : 17]>

@@ -520,6 +520,28 @@ def test_a_removed_outer_node_read_by_a_removed_body_node(build):
     rewrite_and_check(build(), [feeds_x(1.0), feeds_x(-1.0)])
 
 
+def test_a_nested_body_reads_the_cast_of_the_scope_around_it():
+    """A branch casts an outer low value to FP32 for its own reader; an If nested in that branch
+    cast the same value again instead of reading the enclosing branch's Cast, which it sees."""
+    inner_then = body("inner_then", [helper.make_node("Exp", ["v2"], ["it"])], [], [vi("it", shape=(2, 4))])
+    inner_else = body("inner_else", [helper.make_node("Identity", ["x"], ["ie"])], [], [vi("ie", shape=(2, 4))])
+    outer_then = body("outer_then", [helper.make_node("ReduceSum", ["v2"], ["rs"], keepdims=1),
+                                     helper.make_node("If", ["c2"], ["inner"], name="inner_if", then_branch=inner_then,
+                                                      else_branch=inner_else),
+                                     helper.make_node("Add", ["inner", "rs"], ["ot"])], [], [vi("ot", shape=(2, 4))])
+    outer_else = body("outer_else", [helper.make_node("Identity", ["x"], ["oe"])], [], [vi("oe", shape=(2, 4))])
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["v2"], name="mm"),
+             helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0), helper.make_node("Greater", ["s", "zero"], ["c1"]),
+             helper.make_node("Less", ["s", "one"], ["c2"]),
+             helper.make_node("If", ["c1"], ["y"], name="outer_if", then_branch=outer_then, else_branch=outer_else),
+             helper.make_node("Relu", ["v2"], ["r"]), helper.make_node("MatMul", ["r", "w2"], ["z"], name="mm2")]
+    model = make(nodes, [vi("x")], [vi("y"), vi("z")],
+                 [weight("w1"), weight("w2"), scalar("zero", 0.0), scalar("one", 1.0)])
+    out = rewrite_and_check(model, [feeds_x(1.0), feeds_x(-1.0)])
+    assert types(out)["v2"] == FP16
+    assert sorted((path, to) for path, name, to in casts(out) if name == "v2") == [("main/outer_if.then_branch", FP32)]
+
+
 def test_initializer_of_a_body_converted_in_its_own_scope():
     """A weight stored inside the branch (a subgraph initializer) used only by a low op is converted
     offline, in the branch; the main graph gets no copy of it."""

@@ -86,6 +86,20 @@ def place_casts(model: Model, ctx: Context) -> PassResult:
     return PassResult("place_casts", modified=placer.modified)
 
 
+def _outermost_among(scope: Graph, home: Graph, chosen: set[int]) -> Graph:
+    """The outermost scope enclosing ``scope`` (up to ``home``) whose id is in ``chosen``, else
+    ``scope`` itself."""
+    best, current = scope, scope
+    while current is not None and current is not home:
+        owner = current.parent
+        if owner is None:
+            break
+        current = owner.graph
+        if current is not None and id(current) in chosen:
+            best = current
+    return best
+
+
 def _in_loop_body(scope: Graph, home: Graph) -> bool:
     """Whether ``scope`` lies inside a Loop or Scan body below ``home``."""
     while scope is not None and scope is not home:
@@ -316,6 +330,7 @@ class _Placer:
         scopes: dict[int, Graph] = {}
         home = value.graph
         home_fp32 = any(u.need == DType.FLOAT and (u.node is None or u.node.graph is home) for u in uses)
+        placed: list[tuple[_Use, Graph]] = []
         for use in uses:
             if use.need == produced:
                 continue
@@ -327,6 +342,16 @@ class _Placer:
                 # before the loop (in the body it would run every iteration). An If branch's
                 # reader alone keeps its Cast in the branch, which runs only when taken.
                 scope = home
+            placed.append((use, scope))
+        # a body nested in a scope that casts the value to FP32 anyway reads that Cast (it is visible
+        # there): the outermost such scope serves every FP32 reader below it
+        fp32_scopes = {id(scope) for use, scope in placed if use.need == DType.FLOAT}
+        for k, (use, scope) in enumerate(placed):
+            if use.need == DType.FLOAT and home is not None:
+                outer = _outermost_among(scope, home, fp32_scopes)
+                if outer is not scope:
+                    placed[k] = (use, outer)
+        for use, scope in placed:
             scopes[id(scope)] = scope
             groups.setdefault((use.need, id(scope)), []).append(use)
         # by type, then in the order the uses came (stable): never by id(scope), a memory address that
@@ -364,6 +389,11 @@ class _Placer:
                 scope.outputs = [out if v is value else v for v in scope.outputs]
             else:
                 use.node.set_input(use.index, out)
+        if to_output:
+            # the model's own Cast of this value to the same type reads the output's Cast instead
+            # (a Cast to the type it already has, removed below): not a second Cast beside ours
+            while (own := self._existing_cast(value, need, scope)) is not None:
+                own.set_input(0, out)
         reason = self._cast_reason(value, need, uses)
         self._record(cast.name, replaces or value, value.dtype, need, uses, scope, reason, "inserted")
         cast.meta["amp.reason"] = reason
