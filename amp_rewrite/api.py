@@ -283,6 +283,8 @@ def _training_graph(options: dict[str, Any]) -> bool:
     """Whether ONNX options ask for a training graph (the loss-scale nodes go in): ``training``
     with ``loss``. ``loss`` alone, or not a name, is a UsageError; ``training`` alone keeps the
     weights FP32 (cast at use) and adds no loss scaling."""
+    if "training" in options:
+        flag("training", options["training"])
     loss = options.get("loss")
     if loss is not None and not isinstance(loss, str):
         raise UsageError(f"loss={loss!r}: pass the name of the loss output")

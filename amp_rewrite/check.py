@@ -1271,9 +1271,12 @@ def _fail(args: "CliArgs", report: "Report", outputs: Iterable[Path], message: s
           exc_type: type[AmpRewriteError] = CheckFailedError) -> None:
     """Write the report (it records the failure), remove the rewritten model (a failed command
     leaves nothing in the output folder: docs/exit-codes.md) and raise."""
+    outputs = list(outputs)
     if args.report is not None:
         from .report import write_report
 
+        if report.output is not None and any(str(p) == str(report.output) for p in outputs):
+            report.output = None  # (removed below: the report names no file that is not there)
         write_report(report, args.report)
     removed = _remove(outputs)
     raise exc_type(message + ("; the rewritten model was not kept" if removed else ""))
@@ -1313,8 +1316,10 @@ def check_cli(args: "CliArgs", result: RewriteResult, report: "Report") -> Check
     report.extra["check"] = cr.to_dict()
     _say(args, cr.table())
     if not cr.passed:
-        hint = ("; try --auto-fp32" + (f" or --fp32-nodes {_exact(cr.roots[0].node)!r}"
-                                      if cr.roots and not cr.roots[0].inserted else "")) if not args.auto_fp32 else ""
+        pin = (f"--fp32-nodes {_exact(cr.roots[0].node)!r}" if cr.roots and not cr.roots[0].inserted else "")
+        # (--auto-fp32 does not take --training graphs: only the pin applies there)
+        suggestions = [s for s in ("--auto-fp32" if not args.training else "", pin) if s]
+        hint = f"; try {' or '.join(suggestions)}" if suggestions and not args.auto_fp32 else ""
         _fail(args, report, outputs, cr.failure_message() + hint)
     return cr
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import numbers
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -76,6 +77,18 @@ class ScaleConfig:
     dynamic: bool = True
 
     def __post_init__(self) -> None:
+        for key in ("growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            number = getattr(self, key)
+            if isinstance(number, bool) or not isinstance(number, numbers.Real):
+                raise UsageError(f"{key}={number!r}: pass a number")
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, numbers.Integral):
+            raise UsageError(f"growth_interval={self.growth_interval!r}: pass a whole number of steps")
+        if not isinstance(self.dynamic, bool):
+            raise UsageError(f"dynamic={self.dynamic!r}: pass True or False")
+        # plain Python numbers (a numpy int64 would not go into the model's JSON metadata)
+        for key in ("growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            object.__setattr__(self, key, float(getattr(self, key)))
+        object.__setattr__(self, "growth_interval", int(self.growth_interval))
         if not self.growth_factor > 1.0:
             raise UsageError(f"growth_factor={self.growth_factor}: must be > 1")
         if not 0.0 < self.backoff_factor < 1.0:
@@ -212,6 +225,9 @@ def _make_plan(model: Any, ir_model: Any, loss: str, grads: Any, loss_grad: str 
 def _match_grads(grads: Any, outputs: list[str], loss: str) -> list[str]:
     if not grads:
         return []
+    if not isinstance(grads, str) and not (isinstance(grads, (list, tuple)) and all(isinstance(g, str) for g in grads)):
+        raise UsageError(f"grads={grads!r}: pass glob patterns over output names (a string, comma-separated, or a "
+                         f"list of strings)")
     if isinstance(grads, str):
         # comma-separated globs; a re: pattern is taken whole (a regex may hold commas: x{1,2})
         grads = [grads] if grads.strip().startswith("re:") else grads.split(",")
@@ -261,7 +277,14 @@ def _find_seed(graph: Any, ir_model: Any, loss: str, explicit: str | None) -> st
 
 def _read_seed(value: Any) -> str:
     """The seed's name, if the backward pass starts from it: scaling a seed no node reads would scale
-    nothing, and the unscaled gradients would come out divided by the loss scale."""
+    nothing, and the unscaled gradients would come out divided by the loss scale. It is the
+    gradient of a scalar loss: an FP32 input of one element (scaling a data input would scale the
+    forward pass)."""
+    one_element = value.shape is None or all(d == 1 for d in value.shape)
+    if value.dtype is None or int(value.dtype) != 1 or not one_element:
+        raise UsageError(f"loss_grad={value.name!r}: the seed of the backward pass is the loss's gradient, an FP32 "
+                         f"input of one element; {value.name!r} is {getattr(value.dtype, 'name', value.dtype)} "
+                         f"{list(value.shape or [])}")
     if not value.consumers():
         raise UsageError(f"--grads: the seed input {value.name!r} is read by no node, so the backward pass does not "
                          f"start from it (a constant 1 folded into the graph?) and its gradients cannot be "

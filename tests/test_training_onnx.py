@@ -367,6 +367,54 @@ def test_errors(setup):
         rewrite_training_onnx_model(twice, loss="loss", grads=GRADS)
 
 
+def test_training_options_are_checked(setup):
+    """training="yes" with loss/grads, dynamic="no" (built the dynamic update), growth_interval=2.7
+    (recorded 2.7, built 2), growth_factor="2" and grads=3 (raw TypeErrors), and a loss_grad that
+    is a data input (the forward pass ran on x × scale) are usage errors."""
+    import amp_rewrite
+
+    _, proto = setup
+    for bad, match in (({"training": "yes"}, "training='yes': pass True or False"),
+                       ({"dynamic": "no"}, "dynamic='no': pass True or False"),
+                       ({"growth_interval": 2.7}, "growth_interval=2.7: pass a whole number"),
+                       ({"growth_factor": "2"}, "growth_factor='2': pass a number"),
+                       ({"grads": 3}, "grads=3: pass glob patterns"),
+                       ({"loss_grad": "input_0"}, "loss_grad='input_0': the seed of the backward pass .* FP32 input of one element")):
+        options = {"training": True, "loss": "loss", "grads": GRADS, **bad}
+        with pytest.raises(UsageError, match=match):
+            amp_rewrite.rewrite(proto, **options)
+    assert training_info(amp_rewrite.rewrite(proto, training=True, loss="loss", grads=GRADS,
+                                             growth_interval=np.int64(3)))["config"]["growth_interval"] == 3
+
+
+def test_a_failed_training_check_suggests_what_applies_and_its_report_names_no_removed_file(tmp_path):
+    """The hint said "try --auto-fp32", which --training refuses; the report of the failed check
+    named the output file it had just removed."""
+    from onnx import helper as h
+
+    from amp_rewrite.cli import main
+
+    T = onnx.TensorProto
+    rng = np.random.default_rng(0)
+    w = onnx.numpy_helper.from_array((rng.standard_normal((8, 8)) * 0.1).astype(np.float32), "W")
+    graph = h.make_graph([h.make_node("MatMul", ["x", "W"], ["y"], name="mm"),
+                          h.make_node("ReduceMean", ["y"], ["loss"], keepdims=0),
+                          h.make_node("Expand", ["loss_grad", "shp"], ["dy"]), h.make_node("Transpose", ["x"], ["xT"]),
+                          h.make_node("MatMul", ["xT", "dy"], ["grad.W"], name="bmm")], "g",
+                         [h.make_tensor_value_info("x", T.FLOAT, [4, 8]), h.make_tensor_value_info("loss_grad", T.FLOAT, [])],
+                         [h.make_tensor_value_info("loss", T.FLOAT, []), h.make_tensor_value_info("grad.W", T.FLOAT, [8, 8])],
+                         [w, onnx.numpy_helper.from_array(np.array([4, 8], np.int64), "shp")])
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=8), tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", x=(rng.standard_normal((4, 8)) * 3e4).astype(np.float32),
+             loss_grad=np.array(1, np.float32))
+    out, report = tmp_path / "out.onnx", tmp_path / "r.json"
+    rc = main([str(tmp_path / "m.onnx"), "--training", "--loss", "loss", "--grads", GRADS, "--check", "--inputs",
+               str(tmp_path / "in.npz"), "-o", str(out), "--report", str(report), "-q"])
+    assert rc == 8 and not out.exists()
+    written = json.loads(report.read_text())
+    assert written["output"] is None and written["check"]["passed"] is False
+
+
 def test_cli_training(setup, tmp_path):
     from amp_rewrite.cli import main
 
