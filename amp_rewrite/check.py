@@ -793,9 +793,12 @@ def _localise(low_proto: onnx.ModelProto, low_values: Mapping[str, np.ndarray], 
             if new.any():
                 total += 1
                 bad_values.add(out)
-                root = not any(i in bad_values for i in n.input)
                 tags = _tags(n)
                 inserted = tags.get("inserted") == "cast" or n.op_type == "Cast"
+                # A Cast of values that stay within the low type's range in FP32 cannot overflow
+                # itself: its input was bad already (an FP32 value behind an If/Loop or the model's
+                # own Cast carries an earlier overflow, and such values are not exposed)
+                root = not any(i in bad_values for i in n.input) and not (n.op_type == "Cast" and ref_max < limit)
                 users = [(node_label(c), c.op_type) for c in consumers.get(out, []) if _tags(c).get("precision") == "low"]
                 if len(found) < _MAX_LISTED or root:
                     found.append(Overflow(

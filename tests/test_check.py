@@ -148,6 +148,27 @@ def test_auto_fp32_pins_the_matmul_and_the_written_model_passes(tmp_path):
     assert again.passed and not again.overflow
 
 
+def test_auto_fp32_does_not_blame_a_cast_for_an_overflow_carried_through_fp32(tmp_path):
+    """mm_big overflows; the model's own Cast(to=FLOAT) and an FP32 Mul carry its inf (not exposed:
+    they are FP32) to the Cast into mm2, which was taken for a second root: mm2 was pinned too and
+    nothing stayed FP16. A Cast of values within FP16's range cannot overflow itself."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] out) {
+          y = MatMul(x, wbig)
+          yc = Cast<to=1>(y)
+          ys = Mul(yc, tiny)
+          out = MatMul(ys, w)
+        }""", {"wbig": np.full((8, 8), 1e5, np.float32), "tiny": np.array(1e-6, np.float32),
+               "w": (np.random.default_rng(0).standard_normal((8, 8)) * 0.3).astype(np.float32)})
+    save(m, tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "--auto-fp32", "-o", "out.onnx", "--report", "r.json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    pinned = [p["node"] for p in json.loads((tmp_path / "r.json").read_text())["auto_fp32"]["pinned"]]
+    assert pinned == ["MatMul:y"], pinned
+    assert "MatMul/Gemm/Conv/attention in fp16: 1 of 2" in proc.stdout
+
+
 def test_check_on_a_benign_model_passes_and_prints_the_table(tmp_path):
     save(benign_model(), tmp_path / "m.onnx")
     proc = run_cli(["m.onnx", "--check", "--report", "r.md"], tmp_path)
