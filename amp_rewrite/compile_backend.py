@@ -59,7 +59,7 @@ def amp_rewrite_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs
 
 
 def _compile(gm: torch.fx.GraphModule, example_inputs: list, options: dict, mode: str | None = None) -> Callable:
-    from .errors import UnsupportedModelError, UsageError
+    from .errors import InPlaceMutationError, UsageError
     from .fx_api import rewrite_torch
 
     inner = options.pop("backend", "inductor") or "inductor"
@@ -75,16 +75,12 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, options: dict, mode
         inner_options = {**list_mode_options(mode), **(inner_options or {})}
     try:
         result = rewrite_torch(gm, example_inputs=tuple(example_inputs), **options)
-    except UnsupportedModelError as exc:
-        if " in place and " not in str(exc):
-            raise
-        # (its advice, rewrite(..., decompose=True), is for an nn.Module rewritten on its own)
-        message = str(exc).split(". Capture the model", 1)[0]
-        raise UnsupportedModelError(
-            f"{message}. Under torch.compile the amp_rewrite backend gets dynamo's graph, which keeps in-place "
-            f"ops: make the operation out of place (x = x + 1 for x.add_(1)), or rewrite the module first with "
-            f"amp_rewrite.rewrite(model, example_inputs=..., decompose=True) and compile that with another "
-            f"backend") from exc
+    except InPlaceMutationError as exc:  # (its advice, decompose=True, is for rewrite() on an nn.Module)
+        raise InPlaceMutationError(
+            exc.finding, "Under torch.compile the amp_rewrite backend gets dynamo's graph, which keeps in-place "
+            "ops: make the operation out of place (x = x + 1 for x.add_(1)), or rewrite the module first with "
+            "amp_rewrite.rewrite(model, example_inputs=..., decompose=True) and compile that with another "
+            "backend") from exc
     last_reports.append(result.report)
     del last_reports[:-_MAX_REPORTS]
     rewritten = result.model

@@ -45,6 +45,15 @@ class UnsupportedModelError(AmpRewriteError):
     exit_code = 5
 
 
+class InPlaceMutationError(UnsupportedModelError):
+    """A torch graph mutates a tensor in place where casts would break the aliasing. ``finding``
+    says what mutates what; the message adds the way out, which depends on how the graph came."""
+
+    def __init__(self, finding: str, advice: str) -> None:
+        super().__init__(f"{finding}. {advice}")
+        self.finding = finding
+
+
 class OutputError(AmpRewriteError):
     """The output cannot be written (exists without --overwrite, equals the input, unwritable)."""
 

@@ -48,7 +48,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
-from ..errors import UnsupportedModelError, UsageError
+from ..errors import InPlaceMutationError, UnsupportedModelError, UsageError
 from ..ir import DType, Graph, Model, Node, Value
 
 # -- dtypes -----------------------------------------------------------------------------------------------
@@ -648,11 +648,11 @@ class _Builder:
         if observers or _is_setitem(node):
             seen = f"{', '.join(sorted(set(observers)))} read{'s' if len(set(observers)) == 1 else ''} it afterwards" \
                 if observers else "the result is only visible through aliasing"
-            raise UnsupportedModelError(
+            raise InPlaceMutationError(
                 f"node {node.name!r} ({node.format_node()}) mutates {target.name!r} in place and {seen}; casts "
-                f"would break that aliasing. Capture the model with torch.export and run_decompositions(), which "
-                f"functionalizes it (rewrite(model, example_inputs=..., decompose=True)), or make the operation "
-                f"out of place")
+                f"would break that aliasing",
+                "Capture the model with torch.export and run_decompositions(), which functionalizes it "
+                "(rewrite(model, example_inputs=..., decompose=True)), or make the operation out of place")
 
     # -- outputs -------------------------------------------------------------------------------------------
     def _output(self, node: fx.Node) -> None:
