@@ -48,7 +48,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
-from ..errors import InPlaceMutationError, UnsupportedModelError, UsageError
+from ..errors import InPlaceMutationError, UsageError
 from ..ir import DType, Graph, Model, Node, Value
 
 # -- dtypes -----------------------------------------------------------------------------------------------
