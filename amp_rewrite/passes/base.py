@@ -214,20 +214,27 @@ def is_float32(value: Value | None) -> bool:
 ANY_FLOAT_CONSUMERS = {"Cast", "Shape", "Size"}
 
 
-def read_through_casts(value: Value, low: DType) -> list[tuple[Node, int] | None]:
-    """The readers behind each Cast of ``value`` out of the low type (``Cast(to=FLOAT)``, a cast to
-    an integer), with None for such a Cast that writes a graph output. A Cast reads any type and
-    needs no inserted Cast, but a value painted low on its way to one of these readers passes
-    through the low type and out again: round-trip checks look through the Cast to them."""
-    found: list[tuple[Node, int] | None] = []
+def read_through_casts(value: Value, low: DType, painted: Callable[[Node, int], int | None]
+                       ) -> tuple[set[int], bool]:
+    """Who reads ``value`` behind a Cast out of the low type (``Cast(to=FLOAT)``, a cast to an
+    integer): (the painted nodes among them, by ``painted(node, slot)``'s index; whether any other
+    reader, or a graph output, takes the Cast's result as it is). A Cast reads any type and needs no
+    inserted Cast, but a value painted low on its way to one of these readers passes through the
+    low type and out again: round-trip checks look through the Cast to them."""
+    nodes: set[int] = set()
+    fixed = False
     for cast, _ in value.uses():
         if cast.domain != "" or cast.op_type != "Cast" or cast.attrs.get("to") == int(low) or not cast.outputs:
             continue
         out = cast.outputs[0]
-        found.extend(out.uses())
-        if out.is_graph_output:
-            found.append(None)
-    return found
+        fixed = fixed or out.is_graph_output
+        for reader, slot in out.uses():
+            j = painted(reader, slot)
+            if j is not None:
+                nodes.add(j)
+            elif not accepts_any_float(reader, slot):
+                fixed = True
+    return nodes, fixed
 
 
 def accepts_any_float(node: Node, index: int | None = None) -> bool:

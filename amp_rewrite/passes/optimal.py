@@ -295,12 +295,9 @@ class Problem:
             if isinstance(producer, int):
                 if _T in needs:
                     self.fp32_sink[producer] = True
-                for reader in read_through_casts(value, self.ctx.low):
-                    j = index.get(id(reader[0])) if reader is not None and id(reader[0].graph) in scope_ids else None
-                    if j is not None and reader[1] in self.group_in[j]:
-                        self.trip_succs[producer].add(j)
-                    elif reader is None or not accepts_any_float(*reader):
-                        self.fp32_sink[producer] = True
+                behind, fixed = read_through_casts(value, self.ctx.low, self._painted_reader)
+                self.trip_succs[producer] |= behind
+                self.fp32_sink[producer] = self.fp32_sink[producer] or fixed
                 for c in consumers:
                     self.succs[producer].add(c)
                     self.preds[c].add(producer)
@@ -312,6 +309,10 @@ class Problem:
             if consumers or (isinstance(producer, int) and needs):
                 terms.append(_ValueTerm(value, producer, list(consumers), needs, self.numel(value)))
         return terms
+
+    def _painted_reader(self, reader: Node, slot: int) -> int | None:
+        j = self.index.get(id(reader)) if id(reader.graph) in self.scope_ids else None
+        return j if j is not None and slot in self.group_in[j] else None
 
     def _producer(self, value: Value, keep_io: bool, is_main: bool) -> tuple[int | str | None, bool]:
         """The producer's label for the cost — a node index, a fixed terminal, or None for a free

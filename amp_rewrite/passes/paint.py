@@ -70,12 +70,13 @@ class _ScopePainter:
             for k in self.group_outs[i]:
                 if self._has_fixed_use(node.outputs[k], keep_io):
                     self.fp32_sink[i] = True
-                for reader in read_through_casts(node.outputs[k], self.ctx.low):
-                    j = self.index.get(id(reader[0])) if reader is not None and reader[0].graph is self.scope else None
-                    if j is not None and reader[1] in self.group_ins[j]:
-                        self.trip_succs[i].add(j)
-                    elif reader is None or not accepts_any_float(*reader):
-                        self.fp32_sink[i] = True
+                behind, fixed = read_through_casts(node.outputs[k], self.ctx.low, self._painted_reader)
+                self.trip_succs[i] |= behind
+                self.fp32_sink[i] = self.fp32_sink[i] or fixed
+
+    def _painted_reader(self, reader: Node, slot: int) -> int | None:
+        j = self.index.get(id(reader)) if reader.graph is self.scope else None
+        return j if j is not None and slot in self.group_ins[j] else None
 
     def _group_producer(self, value: Value) -> int | None:
         j = self.index.get(id(value.producer)) if value.producer is not None else None

@@ -329,22 +329,18 @@ class _Placer:
         groups: dict[tuple[DType, int], list[_Use]] = {}
         scopes: dict[int, Graph] = {}
         home = value.graph
-        home_fp32 = any(u.need == DType.FLOAT and (u.node is None or u.node.graph is home) for u in uses)
         placed: list[tuple[_Use, Graph]] = []
         for use in uses:
             if use.need == produced:
                 continue
             scope = use.node.graph if use.node is not None else value.graph
-            if use.need == DType.FLOAT and home is not None and scope is not home \
-                    and (home_fp32 or _in_loop_body(scope, home)):
-                # An outer value a body reads in FP32 takes the Cast its own scope makes anyway (a
-                # second one in the body cast it again), and a Loop/Scan body's reader takes one
-                # before the loop (in the body it would run every iteration). An If branch's
-                # reader alone keeps its Cast in the branch, which runs only when taken.
-                scope = home
+            if use.need == DType.FLOAT and home is not None and scope is not home and _in_loop_body(scope, home):
+                scope = home  # (in a Loop/Scan body the Cast would run on every iteration)
             placed.append((use, scope))
-        # a body nested in a scope that casts the value to FP32 anyway reads that Cast (it is visible
-        # there): the outermost such scope serves every FP32 reader below it
+        # An outer value a body reads in FP32 takes the Cast a scope around it makes anyway (its own
+        # scope, or a branch it is nested in: a second Cast would cast the value again); the
+        # outermost such scope serves every FP32 reader below it. An If branch's reader alone
+        # keeps its Cast in the branch, which runs only when taken.
         fp32_scopes = {id(scope) for use, scope in placed if use.need == DType.FLOAT}
         for k, (use, scope) in enumerate(placed):
             if use.need == DType.FLOAT and home is not None:
