@@ -25,7 +25,7 @@ from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Collection, Iterable, Mapping, Sequence
 
 from amp_rewrite import kernels
 from amp_rewrite.decisions import Category, Precision
@@ -131,9 +131,14 @@ class NodeRule:
     precision: Precision
     source: str
 
-    def matches(self, name: str) -> bool:
+    def matches(self, name: str, names: Collection[str] = ()) -> bool:
+        """Whether the pattern names ``name``. ``names``: every node name (and label) of the model.
+        A pattern that is one of them is that node's name, not a glob: 'layer[0]/mm' pins the node
+        of that name and not also ``layer0/mm``."""
         if name == self.pattern:  # the exact name first: 'layer[0]/mm' is a name before it is a glob
             return True
+        if self.pattern in names:
+            return False
         if self.pattern.startswith(_REGEX_PREFIX):
             return _compiled(self.pattern[len(_REGEX_PREFIX) :]).fullmatch(name) is not None
         if _GLOB_CHARS.intersection(self.pattern):
@@ -168,9 +173,12 @@ class RuleBook:
         entry = self.lookup(op, domain, opset)
         return Category.UNLISTED if entry is None else entry.category
 
-    def node_rule(self, name: str) -> NodeRule | None:
-        """The rule forcing node ``name``; FP32 rules win because keeping FP32 is the safe side."""
-        matching = [rule for rule in self._node_rules if rule.matches(name)]
+    def node_rule(self, name: str | Sequence[str], names: Collection[str] = ()) -> NodeRule | None:
+        """The rule forcing the node called ``name`` (or any of several names for one node: its name
+        and its scope label); FP32 rules win because keeping FP32 is the safe side. ``names``: all
+        node names of the model (see :meth:`NodeRule.matches`)."""
+        aliases = (name,) if isinstance(name, str) else tuple(name)
+        matching = [rule for rule in self._node_rules if any(rule.matches(a, names) for a in aliases)]
         for rule in matching:
             if rule.precision is Precision.FP32:
                 return rule

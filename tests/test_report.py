@@ -461,6 +461,19 @@ def test_nodes_sharing_a_name_in_two_bodies_are_both_reported():
         assert "Exp" in text
 
 
+def test_an_fp32_pin_by_scope_label_wins_over_a_low_pin_by_the_bare_name():
+    """Both If branches hold an 'mm'. ``--fp16-nodes mm --fp32-nodes If:y.then_branch/mm``: the
+    label was looked up only when the bare name matched nothing, so the low pin won and the node
+    the user kept FP32 ran low (rules/README.md: "fp32 wins")."""
+    import amp_rewrite
+
+    m = branches_sharing_a_node_name()
+    _, report = amp_rewrite.rewrite(m, report=True, fp16_nodes=["mm"], fp32_nodes=["If:y.then_branch/mm"])
+    precision = {n["node"]: n["precision"] for n in report.to_dict()["nodes"]}
+    assert precision["If:y.then_branch/mm"] == "fp32"
+    assert precision["If:y.else_branch/mm"] == "fp16"  # the low pin still holds where fp32 does not
+
+
 def test_branches_whose_graphs_share_a_name_keep_every_node_apart():
     """Both If branches may be graphs of the same name (valid ONNX): the scope label came from the
     graph's name, so the then-branch's nodes took the else-branch's labels and dropped out of the

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from util import make_model
 
 from amp_rewrite.decisions import Category, Precision
 from amp_rewrite.errors import RuleFileError, UsageError
@@ -282,6 +283,28 @@ def test_torch_user_file_and_custom_domain(tmp_path):
 )
 def test_node_rule_matching(pattern, name, expected):
     assert NodeRule(pattern, Precision.FP32, "test").matches(name) is expected
+
+
+def test_a_pattern_that_is_a_node_name_names_that_node_only():
+    """README: node patterns are "exact first, then glob". 'layer[0]/mm' is the name of a node, so
+    it pins that node; read also as a glob it pinned ``layer0/mm`` too."""
+    import amp_rewrite
+
+    m = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[2,8] x) => (float[2,8] y) {
+          a = MatMul(x, w)
+          b = MatMul(a, w)
+          y = MatMul(b, w)
+        }""", {"w": (8, 8)})
+    for node, name in zip(m.graph.node, ["layer[0]/mm", "layer0/mm", "last"]):
+        node.name = name
+    _, report = amp_rewrite.rewrite(m, report=True, fp32_nodes=["layer[0]/mm"])
+    precision = {n["node"]: n["precision"] for n in report.to_dict()["nodes"]}
+    assert precision == {"layer[0]/mm": "fp32", "layer0/mm": "fp16", "last": "fp16"}
+    # a glob that is no node's name still globs
+    _, report = amp_rewrite.rewrite(m, report=True, fp32_nodes=["layer?/mm"])
+    assert {n["node"]: n["precision"] for n in report.to_dict()["nodes"]}["layer0/mm"] == "fp32"
 
 
 def test_fp32_node_rules_win_over_low(tmp_path):

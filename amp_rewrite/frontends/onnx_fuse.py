@@ -53,7 +53,7 @@ from typing import Any
 
 from ..decisions import Category, FusionRecord
 from ..ir import DType, Graph, Model, Node, Value
-from ..passes.base import Context, PassResult, earlier_pin, node_label, node_rule_of
+from ..passes.base import Context, PassResult, earlier_pin, node_label, node_names, node_rule_of
 from ..passes.classify import missing_low_kernel
 from ..passes.place_casts import Namer
 from .onnx_loader import schema_slots
@@ -81,6 +81,7 @@ def fuse(model: Model, ctx: Context) -> PassResult:
             or not _has_allow_op(model, ctx)):
         return PassResult("fuse", modified=False)
     namer: Namer | None = None  # built at the first fusion: most models have nothing to fuse
+    names: frozenset[str] | None = None
     shapes = SymbolicShapes(model)
     changed = False
     for scope in list(model.graph.scopes()):
@@ -93,7 +94,9 @@ def fuse(model: Model, ctx: Context) -> PassResult:
             match = _match_at(node)
             if match is None or match.x.dtype != DType.FLOAT or not _closed(match):
                 continue  # only FP32 patterns: an FP16 one is the user's own, and typed to match
-            if _pinned(match, ctx):
+            if names is None:  # (node patterns match against every name of the input model)
+                names = node_names(model) if ctx.rules.node_rules() else frozenset()
+            if _pinned(match, ctx, names):
                 for member in match.members:  # (tagged: rewriting the output keeps the pattern unfused)
                     member.meta["amp.unfused_by_pin"] = True
                 continue
@@ -359,10 +362,10 @@ def _closed(match: _Match) -> bool:
     return True
 
 
-def _pinned(match: _Match, ctx: Context) -> bool:
+def _pinned(match: _Match, ctx: Context, names: frozenset[str]) -> bool:
     """A node rule names a member, an earlier rewrite pinned one FP32, or an earlier rewrite left
     the pattern (or a larger one around it) unfused for such a pin: it stays unfused."""
-    return any(node_rule_of(ctx.rules, n) is not None or earlier_pin(n) or n.meta.get("onnx.unfused")
+    return any(node_rule_of(ctx.rules, n, names) is not None or earlier_pin(n) or n.meta.get("onnx.unfused")
                for n in match.members)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Collection, Iterable
 
 from ..decisions import Category, DecisionLog, Precision
 from ..ir import DType, Graph, Model, Node, Value, verify
@@ -142,14 +142,18 @@ def participates(node: Node) -> bool:
     return bool(node.meta.get("amp.participates"))
 
 
-def node_rule_of(rules, node: Node):
+def node_rule_of(rules, node: Node, names: Collection[str] = ()):
     """The node rule forcing ``node``: by its name (an unnamed node by its label "Op:output"), or
-    for a body node labelled with its scope (``If:y.then_branch/mm``) by that label too."""
+    for a body node labelled with its scope (``If:y.then_branch/mm``) by that label too; an FP32
+    rule matching either wins over a low one matching the other. ``names``: :func:`node_names`."""
     label = node_label(node)
-    rule = rules.node_rule(node.name or label)
-    if rule is None and node.name and label != node.name:
-        rule = rules.node_rule(label)
-    return rule
+    return rules.node_rule((node.name or label, label), names)
+
+
+def node_names(model: Model) -> frozenset[str]:
+    """Every node's name and label in ``model``: a node pattern equal to one of them is that
+    node's name, not a glob (``RuleBook.node_rule``)."""
+    return frozenset(n for node in model.graph.walk() for n in (node.name, node_label(node)) if n)
 
 
 def earlier_pin(node: Node) -> str | None:

@@ -23,7 +23,8 @@ import difflib
 from ..decisions import Category, Precision
 from ..ir import DType, Model, Node
 from ..rulebook import RuleEntry
-from .base import Context, PassResult, earlier_pin, is_float32, is_user_source, node_label, node_rule_of, painted_group
+from .base import (Context, PassResult, earlier_pin, is_float32, is_user_source, node_label, node_names,
+                   node_rule_of, painted_group)
 
 _CONTROL = "control flow: its boundary types are kept and each body is rewritten as a scope of its own"
 _SOURCES = {"Cast", "Constant"}  # handled by cast folding and weight conversion, not painting
@@ -34,8 +35,9 @@ _Verdict = tuple[Category, str, str, RuleEntry | None]
 
 def classify(model: Model, ctx: Context) -> PassResult:
     verdicts: dict[tuple, _Verdict] = {}  # per (op, domain, opset): the same for every such node
+    names = node_names(model) if ctx.rules.node_rules() else frozenset()
     for node in model.graph.walk():
-        _classify_node(node, ctx, verdicts)
+        _classify_node(node, ctx, verdicts, names)
     _note_unmatched_node_rules(model, ctx)
     return PassResult("classify", modified=False)
 
@@ -47,14 +49,14 @@ def _note_unmatched_node_rules(model: Model, ctx: Context) -> None:
         return
     names = {n for node in model.graph.walk() for n in (node.name, node.meta.get("amp.label")) if n}
     for rule in rules:
-        if not any(rule.matches(name) for name in names):
+        if not any(rule.matches(name, names) for name in names):
             close = difflib.get_close_matches(rule.pattern, sorted(names), n=3, cutoff=0.6)
             hint = f" (closest: {', '.join(close)})" if close else ""
             ctx.log.notes.append(f"unmatched: {rule.source} {rule.pattern!r} names no node of this model, so it "
                                  f"pins nothing{hint}")
 
 
-def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -> None:
+def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], names: frozenset[str]) -> None:
     meta = node.meta
     meta["amp.label"] = node_label(node)
     group = painted_group(node)
@@ -64,7 +66,7 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) ->
     if group is None:
         meta["amp.category"], meta["amp.reason"], meta["amp.source"] = None, "no FP32 float tensor to paint", "classify"
         return
-    category, reason, source, entry = _lookup(node, ctx, verdicts)
+    category, reason, source, entry = _lookup(node, ctx, verdicts, names)
     refused = _schema_refuses_low(node, group, ctx)
     if refused and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
         category, reason, source = Category.DENY, refused, "op schema"
@@ -116,8 +118,8 @@ def _fix_fp32(node: Node, category: Category, reason: str, source: str) -> None:
                       "amp.precision": Precision.FP32, "amp.participates": False})
 
 
-def _lookup(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -> _Verdict:
-    node_rule = node_rule_of(ctx.rules, node)
+def _lookup(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], names: frozenset[str]) -> _Verdict:
+    node_rule = node_rule_of(ctx.rules, node, names)
     if node_rule is not None:
         if node_rule.precision == Precision.FP32:
             return Category.DENY, f"node rule {node_rule.pattern!r} keeps it FP32", node_rule.source, None
