@@ -286,7 +286,13 @@ def _file_chain(path: Path, frontend: str, target: str, seen: tuple[str, ...]) -
     identity = str(path.resolve())
     if identity in seen:
         raise RuleFileError(shown, "ruleset.extends", "extends cycle: this file extends itself")
-    layer = _parse_layer(_read_toml(path), shown, path.stem, identity, shown)
+    # Decisions name their file by its base name, which must not pass for a built-in set's (a copy
+    # of onnx-cuda-fp16.toml edited by the user): a rewrite of the output would take the user's
+    # pins for built-in rules and decide them afresh. Such a file is named by its path.
+    source = Path(shown).name
+    if source[: -len(".toml")] in builtin_names() and source.endswith(".toml"):
+        source = shown if Path(shown).parent != Path(".") else f"./{shown}"
+    layer = _parse_layer(_read_toml(path), shown, path.stem, identity, shown, source)
     _check_matches_request(layer, frontend, target)
     below = _extended_layers(layer, path, frontend, target, seen + (identity,))
     known_extra = set().union(*(lower.op_names() for lower in below))
@@ -391,13 +397,15 @@ def _parse_text(text: str, shown: str) -> dict[str, Any]:
         raise RuleFileError(shown, key, f"TOML syntax error: {exc}") from exc
 
 
-def _parse_layer(data: dict[str, Any], shown: str, stem: str, identity: str, path: str) -> _Layer:
-    """Structure and value types of one file; op names are checked later, against its chain."""
+def _parse_layer(data: dict[str, Any], shown: str, stem: str, identity: str, path: str,
+                 source: str | None = None) -> _Layer:
+    """Structure and value types of one file; op names are checked later, against its chain.
+    ``source``: how its entries name the file (its base name by default)."""
     for key in data:
         if key not in TOP_LEVEL_KEYS:
             raise RuleFileError(shown, key, "unknown table", _closest(key, TOP_LEVEL_KEYS))
     header = _parse_ruleset(_table_at(data, "ruleset", shown), shown)
-    base_name = Path(shown).name
+    base_name = source or Path(shown).name
     entries: list[RuleEntry] = []
     for list_name, category in LISTS.items():
         table = _table_at(data, list_name, shown)

@@ -99,19 +99,21 @@ def test_no_keep_io_types_leaves_sequence_and_optional_io_alone(placement):
     assert not rewrite(out, keep_io_types=False, placement=placement).modified
 
 
-@pytest.mark.parametrize("option", ["fp32_nodes", "fp32_ops", "rules"])
+@pytest.mark.parametrize("option", ["fp32_nodes", "fp32_ops", "rules", "rules named like a built-in set"])
 def test_rewriting_an_output_again_keeps_the_users_pins(option, tmp_path):
     """An output rewritten with --fp32-nodes (or --auto-fp32's pins, --fp32-ops, a rule file of the
     user's) kept its pinned MatMul FP32 and said so in its tags; rewriting it again without the
-    flag made that MatMul FP16, undoing the fix for an overflow. A built-in deny is decided afresh."""
+    flag made that MatMul FP16, undoing the fix for an overflow. A built-in deny is decided afresh.
+    A user's file named like a built-in set (an edited copy of onnx-cuda-fp16.toml) passed for the
+    built-in set: its pins were decided afresh."""
     m = _mlp()
     for i, n in enumerate(m.graph.node):
         n.name = f"{n.op_type}_{i}"
     pinned = m.graph.node[-1].name if option != "fp32_ops" else "Relu_2"
-    rule_file = tmp_path / "mine.toml"
+    rule_file = tmp_path / ("mine.toml" if option == "rules" else "onnx-cuda-fp16.toml")
     rule_file.write_text(f'[nodes]\nfp32 = ["{pinned}"]\n')
-    value = {"fp32_nodes": [pinned], "fp32_ops": ["Relu"], "rules": [str(rule_file)]}[option]
-    first = rewrite(m, **{option: value})
+    value = {"fp32_nodes": [pinned], "fp32_ops": ["Relu"]}.get(option, [str(rule_file)])
+    first = rewrite(m, **{option.split()[0]: value})
     assert _precisions(first)[pinned] == "fp32"
     again = rewrite(first.model)
     assert not again.modified
