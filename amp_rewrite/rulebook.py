@@ -395,6 +395,9 @@ def _parse_text(text: str, shown: str) -> dict[str, Any]:
         line = re.search(r"at line (\d+)", str(exc))
         key = f"line {line.group(1)}" if line else "(syntax)"
         raise RuleFileError(shown, key, f"TOML syntax error: {exc}") from exc
+    except RecursionError:  # (tomllib parses nested arrays and tables recursively)
+        raise RuleFileError(shown, "(syntax)", "values nested too deeply to parse; a rule file needs at "
+                                               "most an array of tables") from None
 
 
 def _parse_layer(data: dict[str, Any], shown: str, stem: str, identity: str, path: str,

@@ -477,6 +477,15 @@ def test_toml_syntax_error_names_the_line(tmp_path):
     assert "line 3" in message and "syntax" in message
 
 
+def test_values_nested_too_deeply_are_a_rule_file_error(tmp_path):
+    """tomllib parses nested arrays recursively: 3000 levels raised RecursionError, which the CLI
+    reported as an internal error (exit 70) instead of a bad rule file (exit 4)."""
+    path = write(tmp_path, "[deny]\nExp = " + "[" * 3000 + "]" * 3000 + "\n")
+    with pytest.raises(RuleFileError, match="nested too deeply") as caught:
+        load_rules([path])
+    assert str(path) in str(caught.value)
+
+
 def test_missing_file(tmp_path):
     path = tmp_path / "nope.toml"
     with pytest.raises(RuleFileError) as caught:
