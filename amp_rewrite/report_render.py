@@ -321,18 +321,23 @@ def render_html(report: "Report") -> str:
     sub = (f"{_e(d['source'] or '?')} → {_e(d['output'] or '?')} · target <b>{_e(s['target'])}</b> · "
            f"schema {_e(d['schema_version'])}")
     notes = "".join(f"<li>{_e(n)}</li>" for n in d["notes"])
-    page = (_TEMPLATE
-            .replace("%%TITLE%%", _e(title))
-            .replace("%%SUBTITLE%%", sub)
-            .replace("%%TARGET%%", _e(s["target"]))
-            .replace("%%SUMMARY%%", _summary_html(d))
-            .replace("%%WEIGHTS%%", _weights_html(d))
-            .replace("%%CHECK%%", _check_html(d["check"]) + _auto_fp32_html(d.get("auto_fp32")))
-            .replace("%%NOTES%%", f"<ul>{notes}</ul>" if notes else '<p class="muted">none</p>')
-            .replace("%%CSS%%", _CSS)
-            .replace("%%JS%%", _JS))
-    # The data goes in last: report text must never be scanned for the placeholders above.
-    return page.replace("%%DATA%%", _script_json(_payload(d)))
+    parts = {
+        "TITLE": _e(title),
+        "SUBTITLE": sub,
+        "TARGET": _e(s["target"]),
+        "SUMMARY": _summary_html(d),
+        "WEIGHTS": _weights_html(d),
+        "CHECK": _check_html(d["check"]) + _auto_fp32_html(d.get("auto_fp32")),
+        "NOTES": f"<ul>{notes}</ul>" if notes else '<p class="muted">none</p>',
+        "CSS": _CSS,
+        "JS": _JS,
+        "DATA": _script_json(_payload(d)),
+    }
+    # One pass over the template: text filled in (a node named %%JS%%) is never scanned again.
+    return _PLACEHOLDER.sub(lambda m: parts[m.group(1)], _TEMPLATE)
+
+
+_PLACEHOLDER = re.compile(r"%%([A-Z]+)%%")
 
 
 _TEMPLATE = """<!DOCTYPE html>

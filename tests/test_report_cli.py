@@ -95,6 +95,21 @@ def test_html_is_self_contained_and_escapes_names(tmp_path):
     assert json.loads(data)["nodes"]["name"][0] == model.graph.node[0].name
 
 
+def test_html_fills_its_placeholders_once(tmp_path):
+    """The page was filled by chained replaces, each scanning the text the one before had put in:
+    a node named %%JS%% (shown in the "kept FP32" table and its reason) got the page's whole script
+    pasted in its place, twice."""
+    model = block_model()
+    model.graph.node[0].name = "%%JS%%"
+    src = tmp_path / "m.onnx"
+    onnx.save(model, src)
+    assert main([str(src), "-q", "--fp32-nodes", "%%JS%%", "--report", str(tmp_path / "r.html")]) == 0
+    text = (tmp_path / "r.html").read_text()
+    assert text.count('"use strict"') == 1
+    assert "%%JS%%" in text  # the name itself, shown as it is
+    assert not re.search(r"%%(TITLE|SUBTITLE|TARGET|SUMMARY|WEIGHTS|CHECK|NOTES|CSS|DATA)%%", text)
+
+
 def test_markdown_escapes_table_cells(tmp_path):
     from amp_rewrite.report_render import render_markdown
     from util import rewrite
