@@ -821,8 +821,11 @@ class Problem:
         if outcome.kept_greedy:
             extra.append(f"greedy's answer kept in {outcome.kept_greedy} component(s) where the round-trip-safe cut "
                          f"cast more")
-        return (head + f"{_fmt(c.cast_bytes)} cast + {_fmt(c.fp32_bytes)} FP32 traffic per run against greedy's "
-                f"{_fmt(g.cast_bytes)} + {_fmt(g.fp32_bytes)} ({c.casts} casts against {g.casts}; symbolic dims "
+        # (the cut's own figures: cast placement then folds and retargets the model's own casts, so
+        # the casts it inserts, and their bytes, are what the summary's "casts inserted" line says)
+        return (head + f"cost model: {_fmt(c.cast_bytes)} cast + {_fmt(c.fp32_bytes)} FP32 traffic per run against "
+                f"greedy's {_fmt(g.cast_bytes)} + {_fmt(g.fp32_bytes)} ({c.casts} crossings against {g.casts}, before "
+                f"the model's own casts are folded; symbolic dims "
                 f"counted as {SYMBOLIC_DIM}, batch (named, or an unnamed leading dim) as {BATCH_DIM}; {len(self.free)} free nodes in "
                 f"{outcome.components} independent cut(s)" + "".join(f"; {e}" for e in extra) + ")")
 
