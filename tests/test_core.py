@@ -60,10 +60,13 @@ def test_infer_op_after_last_allow_op_stays_fp32():
 
 
 def test_no_keep_io_types_makes_float_io_low():
-    out = rewrite(_mlp(), keep_io_types=False).model
+    result = rewrite(_mlp(), keep_io_types=False)
+    out = result.model
     full_check(out)
     types = value_types(out)
     assert types["x"] == FP16 and types["y"] == FP16
+    # the report names both: a caller now passes x and reads y in FP16 (the outputs were left out)
+    assert sorted(result.log.io_changed) == ["x", "y"]
     assert not nodes_by_type(out, "Cast")
     x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float16)
     assert run(out, {"x": x})["y"].dtype == np.float16

@@ -129,11 +129,15 @@ class _Placer:
         if not any(precision(n) == Precision.LOW for s in scopes for n in s.nodes):
             self._weight_bytes(scopes)  # (what there is, unchanged)
             return  # nothing painted low anywhere: the model is left exactly as it is
+        outputs_before = [(v.name, v.dtype) for v in self.model.graph.outputs]
         self._retype_low_outputs(scopes)
         self._retype_io()
         for scope in scopes:
             for value in self._float_values(scope):
                 self._settle(value)
+        for (name, before), value in zip(outputs_before, self.model.graph.outputs):
+            if before == DType.FLOAT and value.dtype == self.low and name not in self.ctx.log.io_changed:
+                self.ctx.log.io_changed.append(name)  # (--no-keep-io-types: a caller now reads it low)
         self._remove_identity_casts(scopes)
         for scope in scopes:
             scope.sort()
