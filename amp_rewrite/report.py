@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -230,7 +231,11 @@ class Report:
             lines.append(f"unlisted ops kept FP32: {ops} — classify them in a rule file (--rules, see rules/README.md)")
         if self.output:
             lines.append(f"output: {self.output}")
-        return "\n".join(lines)
+        # one line per item: a node named with a newline must not break the summary's lines
+        return "\n".join(_CONTROL_CHARS.sub(lambda m: repr(m.group())[1:-1], line) for line in lines)
+
+
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _fusion_counts(fusions) -> str:

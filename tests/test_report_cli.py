@@ -120,6 +120,18 @@ def test_markdown_escapes_table_cells(tmp_path):
     assert "| a\\|b | MatMul |" in md
 
 
+def test_a_name_with_a_newline_keeps_the_summary_one_line_per_item(tmp_path, capsys):
+    """A node named "a\\nb" split its "kept FP32" line in two in the terminal summary."""
+    model = block_model()
+    model.graph.node[0].name = "mm\nrest\tof"
+    src = tmp_path / "m.onnx"
+    onnx.save(model, src)
+    assert main([str(src), "-o", str(tmp_path / "o.onnx"), "--fp32-nodes", "mm\nrest\tof"]) == 0
+    out = capsys.readouterr().out
+    assert "mm\\nrest\\tof" in out
+    assert all(not line.startswith("rest") for line in out.splitlines())
+
+
 def test_quiet_prints_nothing(block, tmp_path, capsys):
     assert main([str(block), "-q", "-o", str(tmp_path / "o.onnx")]) == 0
     captured = capsys.readouterr()
