@@ -285,7 +285,10 @@ def _file_chain(path: Path, frontend: str, target: str, seen: tuple[str, ...]) -
     shown = str(path)
     identity = str(path.resolve())
     if identity in seen:
-        raise RuleFileError(shown, "ruleset.extends", "extends cycle: this file extends itself")
+        chain = " -> ".join(Path(p).name for p in (*seen[seen.index(identity):], identity))
+        problem = ("this file extends itself" if seen[-1] == identity else
+                   f"this file is reached again through its own extends chain ({chain})")
+        raise RuleFileError(shown, "ruleset.extends", f"extends cycle: {problem}")
     # Decisions name their file by its base name, which must not pass for a built-in set's (a copy
     # of onnx-cuda-fp16.toml edited by the user): a rewrite of the output would take the user's
     # pins for built-in rules and decide them afresh. Such a file is named by its path.
@@ -379,7 +382,8 @@ def _is_toml(item: Traversable) -> bool:
 def _read_toml(path: Path) -> dict[str, Any]:
     shown = str(path)
     if not path.is_file():
-        problem = "is a directory, not a rule file" if path.is_dir() else "file not found"
+        problem = ("is a directory, not a rule file" if path.is_dir() else
+                   "is not a regular file" if path.exists() else "file not found")
         raise RuleFileError(shown, "(file)", problem)
     try:
         text = path.read_text(encoding="utf-8-sig")  # (a byte-order mark, as some editors write, is no TOML)

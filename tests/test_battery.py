@@ -999,15 +999,17 @@ def test_explain_a_node_that_was_fused(tmp_path: Path) -> None:
 
 
 def test_a_misspelt_fp32_input_name_is_a_rule_file_error(tmp_path: Path) -> None:
-    """fp32_inputs = ["rio"] pinned nothing, silently."""
+    """fp32_inputs = ["rio"] pinned nothing, silently. The error names the file as given (it gave
+    only its base name, unlike every other rule-file error)."""
     save(mlp(), tmp_path / "m.onnx")
-    (tmp_path / "r.toml").write_text('[clear.Resize]\nreason = "coordinates"\nfp32_inputs = ["rio", "scales"]\n')
-    proc = run_cli(["m.onnx", "-o", "out.onnx", "--rules", "r.toml"], tmp_path)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "r.toml").write_text('[clear.Resize]\nreason = "coordinates"\nfp32_inputs = ["rio", "scales"]\n')
+    proc = run_cli(["m.onnx", "-o", "out.onnx", "--rules", "sub/r.toml"], tmp_path)
     assert proc.returncode == 4
-    assert re.search(r"r\.toml: clear\.Resize\.fp32_inputs: 'rio' is not an input of Resize .*did you mean 'roi'",
-                     proc.stderr), proc.stderr
-    (tmp_path / "r.toml").write_text('[clear.Resize]\nreason = "coordinates"\nfp32_inputs = ["roi", 2]\n')
-    assert run_cli(["m.onnx", "-o", "out.onnx", "--rules", "r.toml"], tmp_path).returncode == 0
+    assert re.search(r"^amp-rewrite: error: sub/r\.toml: clear\.Resize\.fp32_inputs: 'rio' is not an input of Resize .*did you mean 'roi'",
+                     proc.stderr, re.M), proc.stderr
+    (tmp_path / "sub" / "r.toml").write_text('[clear.Resize]\nreason = "coordinates"\nfp32_inputs = ["roi", 2]\n')
+    assert run_cli(["m.onnx", "-o", "out.onnx", "--rules", "sub/r.toml"], tmp_path).returncode == 0
 
 
 def test_a_misspelt_fp32_input_name_of_a_contrib_op_is_a_rule_file_error(tmp_path: Path) -> None:

@@ -508,8 +508,16 @@ def test_extends_missing_file(tmp_path):
 def test_extends_cycle(tmp_path):
     write(tmp_path, '[ruleset]\nextends = "b.toml"\n', "a.toml")
     write(tmp_path, '[ruleset]\nextends = "a.toml"\n', "b.toml")
-    with pytest.raises(RuleFileError, match="cycle"):
-        load_rules([tmp_path / "a.toml"])
+    with pytest.raises(RuleFileError, match=r"cycle: .*own extends chain \(a\.toml -> b\.toml -> a\.toml\)"):
+        load_rules([tmp_path / "a.toml"])  # (it said "this file extends itself": neither does)
+    write(tmp_path, '[ruleset]\nextends = "c.toml"\n', "c.toml")
+    with pytest.raises(RuleFileError, match="this file extends itself"):
+        load_rules([tmp_path / "c.toml"])
+
+
+def test_a_file_that_is_not_a_regular_file_is_not_called_missing():
+    with pytest.raises(RuleFileError, match="/dev/null: .*is not a regular file"):
+        load_rules(["/dev/null"])
 
 
 def test_extending_a_builtin_for_another_target(tmp_path):
