@@ -1069,3 +1069,47 @@ def test_torch_api_refuses_a_retarget_and_wrong_argument_types():
         amp_rewrite.rewrite(m, example_inputs=3, target="bf16")
     with pytest.raises(UsageError, match="Report.from_model takes a path"):
         Report.from_model(None)
+
+
+class _ReadBeforeOwnCast(nn.Module):
+    """log_softmax reads h (FP32) before the model's own h.float(): cast placement hands it that
+    conversion, which the fx graph computes later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.log_softmax(h, -1) + h.float()
+
+
+class _LossThenLogits(nn.Module):
+    """A common training head: the loss first, then ``logits.float()`` for the caller."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, h, y):
+        logits = self.head(h)
+        return F.cross_entropy(logits, y), logits.float()
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_reader_handed_the_models_own_later_cast_runs(capture):
+    """The reader was rewired to the model's own conversion, computed after it in the fx graph:
+    rewrite() died in graph.lint() ("used before it has been defined")."""
+    torch.manual_seed(0)
+    model, x = _ReadBeforeOwnCast().eval(), torch.randn(2, 16)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", capture=capture)
+    gm.graph.lint()
+    assert rel_err(gm(x), model(x)) < TOL["bf16"]
+    head, y = _LossThenLogits(), torch.tensor([1, 2])
+    trained = amp_rewrite.rewrite(head, example_inputs=(x, y), training=True, target="bf16", capture=capture)
+    trained.graph.lint()
+    loss, logits = trained(x, y)
+    ref_loss, ref_logits = head(x, y)
+    assert logits.dtype == torch.float32
+    assert abs(loss.item() - ref_loss.item()) < 3e-2 * abs(ref_loss.item())
+    assert rel_err(logits, ref_logits) < TOL["bf16"]

@@ -257,6 +257,7 @@ class _Emitter:
                 continue
             changed = True
             desired = self.node_for(value)
+            self._move_before(desired, fx_node)
             if slot.where[0] == "param":
                 self.overrides.setdefault(fx_node, {})[slot.where[1]] = desired
             elif slot.leaf:
@@ -267,6 +268,19 @@ class _Emitter:
             _replace_arg(fx_node, where, self._rebuilt_tuple(_get_at(fx_node, where), leaves))
         if changed and node.meta.get("fx.inplace"):
             _make_out_of_place(fx_node, self.gm)
+
+    def _move_before(self, node: fx.Node, reader: fx.Node) -> None:
+        """Cast placement may hand a reader the model's own conversion of a value (``h.float()``)
+        that the graph computes after that reader (``log_softmax(h) + h.float()``): the IR is
+        ordered by data flow, the fx graph by the program. Such a conversion moves up to just
+        before the reader; what it reads is computed before the reader anyway."""
+        at, here = self.position.get(node), self.position.get(reader)
+        if at is None or here is None or at < here:
+            return
+        if any(self.position.get(arg, here) >= here for arg in node.all_input_nodes):
+            return  # (not a plain conversion of an earlier value: left for lint to name)
+        reader.prepend(node)
+        self.position[node] = here - 0.5
 
     def _rebuilt_tuple(self, tuple_node: fx.Node, leaves: dict[tuple, fx.Node]) -> Any:
         meta = _meta_obj(tuple_node)
