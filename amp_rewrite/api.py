@@ -240,15 +240,16 @@ def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *
                               f"(the input is never modified)")
         stage("rewrite")
         modified = run_pipeline(model, ctx)
-        use_external = external_data if external_data is not None else _needs_external(model, src_path)
         stage("write")
         if not modified:
-            written = _copy_unchanged(src_path, dst_path, model, use_external, source_files)
+            use_external = external_data if external_data is not None else _needs_external(model, src_path)
+            written = _copy_unchanged(src_path, dst_path, model, use_external, source_files, overwrite)
             return RewriteResult(model.origin.model, ctx.log, False, written, source=str(src_path))
         from .emitters.onnx_emitter import emit_onnx
 
         ir_model = emit_onnx(model, ctx.log)
-        written = save_onnx(ir_model, dst_path, external=use_external, source_files=source_files)
+        use_external = external_data if external_data is not None else _needs_external(model, src_path, ir_model)
+        written = save_onnx(ir_model, dst_path, external=use_external, source_files=source_files, overwrite=overwrite)
     return RewriteResult(ir_model, ctx.log, True, written, source=str(src_path))
 
 
@@ -341,13 +342,33 @@ def _is_torch_module(obj: Any) -> bool:
 def default_output(src: Path, target: str, kind: str = "") -> Path:
     """``<stem>.<target><kind>.onnx`` next to ``src`` (``kind``: ".train" for training rewrites).
     A directory names no model (and "." has no name to make one from)."""
+    check_input_path(src)
     if src.is_dir():
         raise ModelLoadError(f"{src}: is a directory, expected an .onnx file")
     return src.with_name(f"{src.stem}.{target}{kind}.onnx")
 
 
 
+def check_input_path(src: Path) -> None:
+    """A path the file system refuses to look up at all (a name too long, a loop of links) is a
+    bad input, said as such; a missing file is left for the loader to report."""
+    try:
+        src.stat()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise ModelLoadError(f"{src}: cannot be opened ({exc.strerror or exc})") from None
+
+
 def _check_output(src: Path, dst: Path, overwrite: bool) -> None:
+    check_input_path(src)
+    try:
+        _check_output_path(src, dst, overwrite)
+    except OSError as exc:  # a name too long for the file system, a loop of links...
+        raise OutputError(f"{dst}: cannot be written ({exc.strerror or exc})") from None
+
+
+def _check_output_path(src: Path, dst: Path, overwrite: bool) -> None:
     if not dst.parent.exists():
         raise OutputError(f"{dst.parent}: output folder does not exist")
     if src.exists() and dst.exists() and dst.resolve() == src.resolve():
@@ -366,20 +387,28 @@ def _input_files(model: Model, src: Path) -> set[Path]:
     return input_files(model, src)
 
 
-def _needs_external(model: Model, src: Path) -> bool:
-    """External data when the input used it, or when the output could pass protobuf's 2 GB limit."""
-    return len(_input_files(model, src)) > 1 or src.stat().st_size > EXTERNAL_DATA_ABOVE
+def _needs_external(model: Model, src: Path, output: Any = None) -> bool:
+    """External data when the input used it, or when the output could pass protobuf's 2 GB limit:
+    the input's size, or the written weights' (``output``, the emitted model: a weight both types
+    read is stored twice, so a 1.5 GB input can make a 2.2 GB output)."""
+    if len(_input_files(model, src)) > 1 or src.stat().st_size > EXTERNAL_DATA_ABOVE:
+        return True
+    from .emitters.onnx_emitter import tensor_bytes
+
+    return output is not None and tensor_bytes(output) > EXTERNAL_DATA_ABOVE
 
 
-def _copy_unchanged(src: Path, dst: Path, model: Model, external: bool, source_files: set[Path]) -> list[Path]:
+def _copy_unchanged(src: Path, dst: Path, model: Model, external: bool, source_files: set[Path],
+                    overwrite: bool) -> list[Path]:
     """Nothing to change: write the model as it is (byte-identical when it has no external data
-    and was in topological order, which ONNX requires: an unsorted input is written sorted)."""
+    and was in topological order, which ONNX requires: an unsorted input is written sorted; one with
+    external data written without is written with its weights read in)."""
     import shutil
     import tempfile
 
     from .files import ordinary_mode, replace_into
 
-    if not external and not model.meta.get("onnx.sorted_on_load"):
+    if not external and not model.meta.get("onnx.sorted_on_load") and len(source_files) == 1:
         fd, tmp = tempfile.mkstemp(prefix=".amp-rewrite-", dir=dst.parent)
         os.close(fd)
         try:
@@ -394,4 +423,4 @@ def _copy_unchanged(src: Path, dst: Path, model: Model, external: bool, source_f
         return [dst]
     from .emitters.onnx_emitter import save_onnx
 
-    return save_onnx(model.origin.model, dst, external=external, source_files=source_files)
+    return save_onnx(model.origin.model, dst, external=external, source_files=source_files, overwrite=overwrite)

@@ -122,8 +122,8 @@ def rewrite_training_onnx(src: str | os.PathLike, dst: str | os.PathLike | None 
     model = load_onnx(src_path)
     ir_model, log, plan = _rewrite(model, loss=loss, grads=grads, loss_grad=loss_grad, options=options)
     source_files = _input_files(model, src_path)
-    use_external = external_data if external_data is not None else _needs_external(model, src_path)
-    written = save_onnx(ir_model, dst_path, external=use_external, source_files=source_files)
+    use_external = external_data if external_data is not None else _needs_external(model, src_path, ir_model)
+    written = save_onnx(ir_model, dst_path, external=use_external, source_files=source_files, overwrite=overwrite)
     return RewriteResult(ir_model, log, True, written, source=str(src_path))
 
 

@@ -251,3 +251,182 @@ def test_a_streamed_weight_keeps_its_doc_string_and_metadata(tmp_path, streaming
     assert converted.data_type == TensorProto.FLOAT16
     assert converted.doc_string == "projection weight"
     assert [(p.key, p.value) for p in converted.metadata_props] == [("source", "layer0")]
+
+
+# -- defects found by a file-handling hunt -----------------------------------------------------------------------
+def test_an_existing_data_file_is_not_replaced_without_overwrite(tmp_path):
+    """Another model kept its weights in out.onnx.data; `-o out.onnx` (no --overwrite, out.onnx
+    itself absent) replaced that file and broke the other model, exit 0."""
+    from amp_rewrite.errors import OutputError
+
+    model = mlp()
+    src = tmp_path / "m.onnx"
+    save_external(model, src)
+    other = tmp_path / "out.onnx.data"
+    other.write_bytes(b"another model's weights")
+    with pytest.raises(OutputError, match=r"out\.onnx\.data: already exists .*--overwrite"):
+        api.rewrite_onnx(src, tmp_path / "out.onnx")
+    assert other.read_bytes() == b"another model's weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.weights", "out.onnx.data"]
+    api.rewrite_onnx(src, tmp_path / "out.onnx", overwrite=True)  # asked for: replaced
+    check_runs_like(model, tmp_path / "out.onnx")
+
+
+def test_an_output_over_the_limit_from_an_inline_input_gets_external_data(tmp_path, monkeypatch):
+    """The choice went by the input's size: an inline input whose weights are each read by both
+    types (an FP32 original and a low copy) grew past protobuf's 2 GB limit in the output, and the
+    write died in serialisation (exit 70). Threshold lowered to 60 KiB: 48 KiB of weights in, 48 KiB
+    of FP32 originals plus 24 KiB of low copies out."""
+    monkeypatch.setattr(api, "EXTERNAL_DATA_ABOVE", 60 * 1024)
+    model = mlp()
+    sums = [helper.make_node("ReduceSum", [w], [f"s{w}"], keepdims=0, name=f"sum_{w}") for w in ("w0", "w1", "w2")]
+    model.graph.node.extend(sums)
+    model.graph.output.extend(helper.make_tensor_value_info(f"s{w}", TensorProto.FLOAT, []) for w in ("w0", "w1", "w2"))
+    src = tmp_path / "m.onnx"
+    onnx.save(model, str(src))
+    assert src.stat().st_size < 60 * 1024
+    result = api.rewrite_onnx(src, tmp_path / "out.onnx")
+    assert sorted(p.name for p in result.outputs) == ["out.onnx", "out.onnx.data"]
+    check_runs_like(model, tmp_path / "out.onnx")
+
+
+@pytest.mark.parametrize("modified", [True, False])
+def test_without_external_data_the_inputs_file_weights_are_read_in(tmp_path, modified):
+    """rewrite_onnx(..., external_data=False) on an external-data input left the tensors it did
+    not convert pointing at the input's file, by a path relative to the output's folder: the
+    output did not load elsewhere (and silently depended on the input's file beside it)."""
+    model = mlp()
+    src = tmp_path / "m.onnx"
+    save_external(model, src)
+    (tmp_path / "out").mkdir()
+    pins = {} if modified else {"fp32_ops": ["MatMul"]}  # (nothing low: the nothing-to-rewrite copy)
+    result = api.rewrite_onnx(src, tmp_path / "out" / "o.onnx", external_data=False, **pins)
+    assert result.modified is modified
+    assert [p.name for p in result.outputs] == ["o.onnx"]
+    assert external_names(tmp_path / "out" / "o.onnx") == {}
+    onnx.checker.check_model(str(tmp_path / "out" / "o.onnx"), full_check=True)
+    check_runs_like(model, tmp_path / "out" / "o.onnx")
+
+
+def test_no_empty_data_file_is_written(tmp_path):
+    """An external-data input whose output tensors all stay inline (each under the 1 KiB threshold)
+    left an empty, unreferenced out.onnx.data."""
+    rng = np.random.default_rng(0)
+    weights = {f"w{i}": rng.standard_normal((8, 8)).astype(np.float32) for i in range(3)}
+    model = mlp(weights)
+    for inp in [*model.graph.input, *model.graph.output]:
+        inp.type.tensor_type.shape.dim[1].dim_value = 8
+    src = tmp_path / "m.onnx"
+    save_external(model, src)
+    result = api.rewrite_onnx(src, tmp_path / "out.onnx")
+    assert [p.name for p in result.outputs] == ["out.onnx"]
+    assert not (tmp_path / "out.onnx.data").exists()
+    assert external_names(tmp_path / "out.onnx") == {}
+
+
+def test_a_function_constant_kept_outside_is_read_into_the_output(tmp_path):
+    """A model-local function's Constant with its tensor in a file: the loader and the emitter
+    walked the graphs only, so the output pointed at the input's file from another folder (exit 0,
+    the checker and onnxruntime refused it)."""
+    w = (np.random.default_rng(0).standard_normal((H, H)) / 8).astype(np.float32)
+    const = helper.make_node("Constant", [], ["w"], value=numpy_helper.from_array(w, "fw"))
+    fn = helper.make_function("local", "Proj", ["a"], ["b"], [const, helper.make_node("MatMul", ["a", "w"], ["b"])],
+                              [helper.make_opsetid("", 17)])
+    nodes = [helper.make_node("Proj", ["x"], ["p"], domain="local", name="proj"),
+             helper.make_node("MatMul", ["p", "v"], ["y"], name="mm")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, H])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, H])],
+                              [numpy_helper.from_array(w, "v")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("local", 1)],
+                              ir_version=8, functions=[fn])
+    src = tmp_path / "m.onnx"
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    onnx.save_model(copy, str(src), save_as_external_data=True, all_tensors_to_one_file=True, location="fw.bin",
+                    size_threshold=0, convert_attribute=True)
+    assert any(a.t.data_location == TensorProto.EXTERNAL for a in onnx.load(str(src), load_external_data=False)
+               .functions[0].node[0].attribute)
+    (tmp_path / "out").mkdir()
+    api.rewrite_onnx(src, tmp_path / "out" / "o.onnx")
+    onnx.checker.check_model(str(tmp_path / "out" / "o.onnx"), full_check=True)
+    check_runs_like(model, tmp_path / "out" / "o.onnx")
+
+
+def test_sparse_external_data_is_read_beside_the_model_not_in_the_working_directory(tmp_path, monkeypatch):
+    """A sparse initializer's values kept in a file were read relative to the working directory:
+    from elsewhere the model failed to load, and an unrelated file of that name there was read as
+    its weights (exit 0)."""
+    rng = np.random.default_rng(0)
+    dense = (rng.standard_normal((H, H)) / 8).astype(np.float32)
+    dense[dense < 0] = 0
+    idx = np.flatnonzero(dense).astype(np.int64)
+    values = numpy_helper.from_array(dense.reshape(-1)[idx], "w0")
+    indices = numpy_helper.from_array(idx, "w0_idx")
+    model = mlp()
+    model.graph.initializer.remove(next(t for t in model.graph.initializer if t.name == "w0"))
+    src = tmp_path / "model" / "m.onnx"
+    src.parent.mkdir()
+    (src.parent / "w.bin").write_bytes(values.raw_data + indices.raw_data)
+    offset = 0
+    for tensor in (values, indices):  # (onnx.save keeps sparse tensors inline: moved out by hand)
+        size = len(tensor.raw_data)
+        tensor.ClearField("raw_data")
+        tensor.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", "w.bin"), ("offset", str(offset)), ("length", str(size))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        offset += size
+    model.graph.sparse_initializer.append(helper.make_sparse_tensor(values, indices, [H, H]))
+    onnx.save(model, str(src))
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    (elsewhere / "w.bin").write_bytes(np.full(1 << 16, 7, np.float32).tobytes())  # an unrelated file
+    monkeypatch.chdir(elsewhere)
+    api.rewrite_onnx(src, tmp_path / "o.onnx")
+    out = weights_of(tmp_path / "o.onnx")["w0"]
+    np.testing.assert_allclose(out.astype(np.float32), dense, atol=1e-3)
+
+
+def test_a_model_in_memory_with_unloaded_external_data_is_refused():
+    """rewrite(ModelProto) whose tensors still name their files (onnx.load(...,
+    load_external_data=False)): a raw FileNotFoundError, or, with a file of that name in the
+    working directory, that file's bytes as weights."""
+    import tempfile
+
+    import amp_rewrite
+    from amp_rewrite.errors import ModelLoadError
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_external(mlp(), Path(tmp) / "m.onnx")
+        proto = onnx.load(str(Path(tmp) / "m.onnx"), load_external_data=False)
+    with pytest.raises(ModelLoadError, match=r"keeps its data in the file 'm\.onnx\.weights'.*onnx\.load\(path\)"):
+        amp_rewrite.rewrite(proto)
+
+
+@pytest.mark.parametrize("defect, message", [
+    ("short length", r"declares 100 bytes, but a tensor of its type and shape takes 16384"),
+    ("directory", r"external data location 'd' of tensor 'w0' is not a file"),
+    ("empty location", r"names no file"),
+])
+def test_inconsistent_external_data_is_a_load_error(tmp_path, defect, message):
+    """A declared length shorter than the tensor was read past (onnxruntime refuses the model); a
+    directory as the location said 'has 2 hard links'; an empty location said the file was a link
+    outside the model folder."""
+    from amp_rewrite.errors import ModelLoadError
+
+    src = tmp_path / "m.onnx"
+    save_external(mlp(), src)
+    proto = onnx.load(str(src), load_external_data=False)
+    w0 = next(t for t in proto.graph.initializer if t.name == "w0")
+    entries = {e.key: e for e in w0.external_data}
+    if defect == "short length":
+        entries["length"].value = "100"
+    elif defect == "directory":
+        (tmp_path / "d").mkdir()
+        entries["location"].value = "d"
+    else:
+        entries["location"].value = ""
+    onnx.save(proto, str(src))
+    with pytest.raises(ModelLoadError, match=message):
+        api.rewrite_onnx(src, tmp_path / "out.onnx")
+    assert not (tmp_path / "out.onnx").exists()

@@ -506,6 +506,28 @@ def _np_dtype(dtype: DType):
 
 
 # -- saving ----------------------------------------------------------------------------------------------
+def tensor_bytes(model: ir.Model) -> int:
+    """Bytes of the initializers of every graph of ``model``: what its weights take in a file."""
+    return sum(value.const_value.nbytes for graph in model.graphs() for value in graph.initializers.values()
+               if value.const_value is not None)
+
+
+def _inline_external_initializers(model: ir.Model, dst: Path) -> None:
+    """An output written without external data holds every weight itself: one the input kept in a
+    file would otherwise name that file, relative to a folder the output may not be in."""
+    from ..api import EXTERNAL_DATA_ABOVE
+
+    external = [value for graph in model.graphs() for value in graph.initializers.values()
+                if isinstance(value.const_value, ir.ExternalTensor)]
+    if not external:
+        return
+    if tensor_bytes(model) > EXTERNAL_DATA_ABOVE:
+        raise OutputError(f"{dst}: its weights take {tensor_bytes(model) / (1 << 30):.2f} GiB, over protobuf's 2 GB "
+                          f"limit for a file without external data; write it with external data")
+    for value in external:
+        value.const_value = _in_memory(value.const_value)
+
+
 def _inline_external_attributes(model: ir.Model) -> None:
     """A node attribute's tensor stored outside (a Constant's ``value``, onnx's
     ``convert_attribute=True``) is read into the node: onnx-ir writes only initializers to the
@@ -513,7 +535,7 @@ def _inline_external_attributes(model: ir.Model) -> None:
     folder it is not in."""
     from ..frontends.onnx_loader import _may_hold_tensors
 
-    for graph in model.graphs():
+    for graph in [*model.graphs(), *(function.graph for function in model.functions.values())]:
         for node in graph:
             if not _may_hold_tensors(node):
                 continue
@@ -559,17 +581,21 @@ def _restore_tensor_docs(model: ir.Model, path: Path) -> None:
     onnx.save_model(proto, str(path))
 
 
-def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[Path]) -> list[Path]:
+def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[Path], overwrite: bool) -> list[Path]:
     """Write atomically: into a temp folder beside ``dst``, then rename into place.
 
     External data, when used, goes to a fresh ``<dst name>.data`` next to the output; it must not
-    be a file the input reads from."""
+    be a file the input reads from, nor (without ``overwrite``) any file already there: another
+    model's weights may live in it. Without external data, tensors the input kept in files are
+    read into the output (which names no file then)."""
     dst = Path(dst)
     data_name = dst.name + ".data"
     if dst.resolve() in source_files:
         raise OutputError(f"{dst}: is a file the input reads its external data from; choose another -o")
     if external and (dst.parent / data_name).resolve() in source_files:
         raise OutputError(f"{dst.parent / data_name}: would overwrite the input's external data; choose another -o")
+    if not external:
+        _inline_external_initializers(model, dst)
     try:
         tmpdir = tempfile.mkdtemp(prefix=".amp-rewrite-", dir=dst.parent)
     except OSError as exc:
@@ -583,7 +609,11 @@ def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[P
             _restore_tensor_docs(model, tmp / dst.name)
         else:
             ir.save(model, tmp / dst.name)
-        if external and (tmp / data_name).exists():
+        # (onnx-ir makes the data file even when every tensor stayed inline: an empty file is no output)
+        if external and (tmp / data_name).exists() and (tmp / data_name).stat().st_size > 0:
+            if (dst.parent / data_name).exists() and not overwrite:
+                raise OutputError(f"{dst.parent / data_name}: already exists (the output's external data goes "
+                                  f"there); pass --overwrite to replace it, or choose another -o")
             replace_into(tmp / data_name, dst.parent / data_name)
             written.append(dst.parent / data_name)
         replace_into(tmp / dst.name, dst)

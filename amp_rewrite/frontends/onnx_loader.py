@@ -57,6 +57,7 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     """Load a path or ModelProto into the neutral IR (never modifies the input)."""
     if isinstance(source, onnx.ModelProto):
         path = None
+        _refuse_unloaded_external_data(source)
         ir_model, inferred, nested, proto = _read_proto(source, None, source.ByteSize(), owned=False,
                                                         infer_shapes=infer_shapes)
     else:
@@ -66,7 +67,9 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     graphs = list(ir_model.graphs()) if nested else [ir_model.graph]
     if inferred is not None and len(inferred) != len(graphs):
         inferred = None  # (not expected: one table per graph)
-    data_files = _bind_external_data(graphs, path) if path is not None else frozenset()
+    # (a model-local function's Constant may keep its tensor outside too)
+    bodies = graphs + [function.graph for function in ir_model.functions.values()]
+    data_files = _bind_external_data(bodies, path) if path is not None else frozenset()
     _check_supported(ir_model, path)
     unsorted = False
     if inferred is None:  # (types come from onnx-ir's pass, which wants the graph sorted first)
@@ -225,7 +228,7 @@ def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: 
         (proto, types), owned = early, True
     if sparse:
         proto = proto if owned else _copy(proto)
-        _densify_sparse_initializers(proto.graph, where)
+        _densify_sparse_initializers(proto.graph, where, str(path.parent) if path is not None else "")
     try:
         with _quiet_onnx_ir():
             return ir.serde.deserialize_model(proto), types, len(graphs) > 1, proto
@@ -302,11 +305,12 @@ def _has_sparse(graph: onnx.GraphProto) -> bool:
         any(a.name == "sparse_value" for a in node.attribute) for node in graph.node)
 
 
-def _densify_sparse_initializers(graph: onnx.GraphProto, where: str) -> None:
+def _densify_sparse_initializers(graph: onnx.GraphProto, where: str, base_dir: str) -> None:
     """onnx-ir drops sparse initializers and cannot read a Constant's ``sparse_value``: they become
-    dense initializers and ``value`` attributes (the output stores them dense)."""
+    dense initializers and ``value`` attributes (the output stores them dense). ``base_dir``: the
+    model's folder, where their external data lies (not the working directory)."""
     for sparse in graph.sparse_initializer:
-        graph.initializer.append(_dense(sparse, where, f"sparse initializer {sparse.values.name!r}"))
+        graph.initializer.append(_dense(sparse, where, f"sparse initializer {sparse.values.name!r}", base_dir))
     del graph.sparse_initializer[:]
     for node in graph.node:
         if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
@@ -314,19 +318,19 @@ def _densify_sparse_initializers(graph: onnx.GraphProto, where: str) -> None:
         for i, attr in enumerate(node.attribute):
             if attr.name == "sparse_value":
                 what = f"Constant {node.name or node.output[0]!r}: sparse_value"
-                dense = _dense(attr.sparse_tensor, where, what)
+                dense = _dense(attr.sparse_tensor, where, what, base_dir)
                 dense.name = ""
                 node.attribute[i].CopyFrom(onnx.helper.make_attribute("value", dense))
     for sub in _subgraphs(graph):
-        _densify_sparse_initializers(sub, where)
+        _densify_sparse_initializers(sub, where, base_dir)
 
 
-def _dense(sparse: onnx.SparseTensorProto, where: str, what: str) -> onnx.TensorProto:
+def _dense(sparse: onnx.SparseTensorProto, where: str, what: str, base_dir: str) -> onnx.TensorProto:
     from onnx import numpy_helper
 
     try:
-        values = numpy_helper.to_array(sparse.values)
-        indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
+        values = numpy_helper.to_array(sparse.values, base_dir=base_dir)
+        indices = numpy_helper.to_array(sparse.indices, base_dir=base_dir).astype(np.int64)
         dims = [int(d) for d in sparse.dims]
         dense = np.zeros(int(np.prod(dims, dtype=np.int64)), dtype=values.dtype)
         flat = indices if indices.ndim == 1 else np.ravel_multi_index(tuple(indices.T), dims)
@@ -378,6 +382,37 @@ def external_data_files(model: Path) -> set[Path]:
             for t in _get_all_tensors(proto) if uses_external_data(t)}
 
 
+def _refuse_unloaded_external_data(proto: onnx.ModelProto) -> None:
+    """A ModelProto in memory has no folder: a tensor whose data it left in a file (``onnx.load``
+    with ``load_external_data=False``, or a proto built by hand) would be read relative to the
+    working directory, another model's file of that name included. Say what to do instead."""
+    def tensors():
+        for graph in _graph_protos(proto.graph):
+            yield from graph.initializer
+            yield from (s.values for s in graph.sparse_initializer)
+            for node in graph.node:
+                yield from _attribute_tensors(node)
+        for function in proto.functions:
+            for node in function.node:
+                yield from _attribute_tensors(node)
+
+    for tensor in tensors():
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            location = next((e.value for e in tensor.external_data if e.key == "location"), "?")
+            raise ModelLoadError(f"tensor {tensor.name!r} keeps its data in the file {location!r}, which a model in "
+                                 f"memory cannot locate: load it with onnx.load(path) (which reads external data), or "
+                                 f"rewrite the file with rewrite_onnx(path, ...)")
+
+
+def _attribute_tensors(node: onnx.NodeProto):
+    for attr in node.attribute:
+        if attr.HasField("t"):
+            yield attr.t
+        yield from attr.tensors
+        if attr.HasField("sparse_tensor"):
+            yield attr.sparse_tensor.values
+
+
 def _bind_external_data(graphs: list[ir.Graph], path: Path) -> frozenset[Path]:
     """Resolve external data next to the model file and fail early, naming the file, when it is
     missing or shorter than declared: initializers' and node attributes' (a Constant's ``value``
@@ -391,14 +426,29 @@ def _bind_external_data(graphs: list[ir.Graph], path: Path) -> frozenset[Path]:
             return
         tensor.base_dir = base_dir
         location = Path(tensor.base_dir) / tensor.location
+        if not tensor.location or Path(tensor.location) in (Path("."), Path("")):
+            raise ModelLoadError(f"{path}: tensor {name!r} is stored as external data but names no file "
+                                 f"(its 'location' is empty)")
         if tensor.location.startswith("/") or ".." in Path(tensor.location).parts:
             raise ModelLoadError(f"{path}: external data location {tensor.location!r} escapes the model folder")
+        if (tensor.offset or 0) < 0 or (tensor.length is not None and tensor.length < 0):
+            raise ModelLoadError(f"{path}: external data of tensor {name!r} has a negative offset or length")
+        if tensor.length is not None and tensor.length < tensor.nbytes:
+            raise ModelLoadError(
+                f"{path}: external data of tensor {name!r} declares {tensor.length} bytes, but a tensor of its "
+                f"type and shape takes {tensor.nbytes}; the model is inconsistent (onnxruntime refuses it too)")
         key = str(location)
         if key not in sizes:
             if not location.exists():
                 raise ModelLoadError(
                     f"{path}: external data file {tensor.location!r} for tensor {name!r} is missing "
                     f"(expected next to the model in {location.parent})")
+            if not location.is_file():
+                raise ModelLoadError(f"{path}: external data location {tensor.location!r} of tensor {name!r} is not "
+                                     f"a file")
+            if not os.access(location, os.R_OK):
+                raise ModelLoadError(f"{path}: external data file {tensor.location!r} cannot be read (permission "
+                                     f"denied)")
             _check_not_linked_out(location, Path(tensor.base_dir), tensor.location, path)
             sizes[key] = location.stat().st_size
             files.add(location.resolve())
