@@ -6,7 +6,9 @@ Every failure is one line on stderr (``amp-rewrite: error: ...``) and a document
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import List, Optional
@@ -20,6 +22,7 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_
 
 INTERNAL_ERROR = 70
 INTERRUPTED = 130
+TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process SIGTERM ended
 
 
 def _print_version(value: bool) -> None:
@@ -31,7 +34,8 @@ def _print_version(value: bool) -> None:
 
 @app.command()
 def _command(
-    model: Path = typer.Argument(..., help="FP32 ONNX model to rewrite (never modified)."),
+    # (readable=False: the loader says why a file cannot be read, with exit 3, as for every bad input)
+    model: Path = typer.Argument(..., help="FP32 ONNX model to rewrite (never modified).", readable=False),
     output: Optional[Path] = typer.Option(None, "-o", "--output",
                                           help="Output path (default: <model>.fp16.onnx next to the input)."),
     target: str = typer.Option("fp16", "--target", help="Low-precision type: fp16 or bf16."),
@@ -69,6 +73,26 @@ def _command(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command, with a SIGTERM (a job scheduler's, ``timeout``'s, ``kill``'s) handled like
+    Ctrl-C: temporary files and the files ``--overwrite`` set aside are cleaned up, not left."""
+    terminated: list[int] = []
+
+    def on_sigterm(signum, frame) -> None:
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        code = _main(argv)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return TERMINATED if terminated and code == INTERRUPTED else code
+
+
+def _main(argv: list[str] | None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
         code = app(args=argv, prog_name="amp-rewrite", standalone_mode=False)

@@ -227,7 +227,7 @@ def case_external_data_symlink_in_folder(d: Path) -> Case:
     save_external(mlp(), d / "m.onnx")
     (d / "weights.bin").rename(d / "real.bin")
     (d / "weights.bin").symlink_to("real.bin")
-    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx", "out.onnx.data"], inputs=["m.onnx", "real.bin"],
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx", "real.bin"],
                 feeds={"x": feed()})
 
 
@@ -574,7 +574,8 @@ def overridable_initializer(d: Path) -> Case:
 
 def case_external_data_input(d: Path) -> Case:
     save_external(mlp(), d / "m.onnx")
-    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx", "out.onnx.data"],
+    # (its weights are tiny: each output tensor stays inline, and no empty out.onnx.data is written)
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"],
                 inputs=["m.onnx", "weights.bin"], feeds={"x": feed()})
 
 
@@ -1225,6 +1226,54 @@ def test_ctrl_c_is_exit_130_and_leaves_the_previous_output(tmp_path: Path, monke
     assert capsys.readouterr().err.strip() == "amp-rewrite: interrupted; no output was written"
     assert (tmp_path / "out.onnx").read_bytes() == b"previous"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "out.onnx"]
+
+
+def test_sigterm_cleans_up_like_ctrl_c_and_exits_143(tmp_path: Path, monkeypatch, capsys) -> None:
+    """SIGTERM (kill, timeout, a job scheduler) had no handler: the process died where it stood,
+    leaving its temporary folder (a partial data file) and the files --overwrite had set aside.
+    Now it unwinds like Ctrl-C; the previous handler is back afterwards."""
+    import signal
+
+    from amp_rewrite import check
+    from amp_rewrite.cli import main
+
+    save(mlp(), tmp_path / "m.onnx")
+    (tmp_path / "out.onnx").write_bytes(b"previous")
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not stop the command")
+
+    monkeypatch.setattr(check, "check_cli", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    code = main([str(tmp_path / "m.onnx"), "-o", str(tmp_path / "out.onnx"), "--overwrite", "--check"])
+    assert code == 143
+    assert "no output was written" in capsys.readouterr().err
+    assert (tmp_path / "out.onnx").read_bytes() == b"previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "out.onnx"]
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_name_too_long_for_the_file_system_is_a_clear_error(tmp_path: Path) -> None:
+    """A 260-character file name (over NAME_MAX) raised OSError from Path.exists(): exit 70."""
+    save(mlp(), tmp_path / "m.onnx")
+    long = "a" * 260 + ".onnx"
+    out = run_cli(["m.onnx", "-o", long], tmp_path)
+    assert out.returncode == 6 and "cannot be written (File name too long)" in out.stderr, out.stderr
+    for argv in ([long], [long, "-o", "x.onnx"]):
+        proc = run_cli(argv, tmp_path)
+        assert proc.returncode == 3 and "cannot be opened (File name too long)" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_an_unreadable_model_is_a_load_error(tmp_path: Path) -> None:
+    """click's readable check answered first: exit 2 ("Invalid value for 'model'"), where the
+    docs give 3 for an input that cannot be read."""
+    save(mlp(), tmp_path / "m.onnx")
+    (tmp_path / "m.onnx").chmod(0)
+    proc = run_cli(["m.onnx", "-o", "out.onnx"], tmp_path)
+    assert proc.returncode == 3, proc.stderr
 
 
 @pytest.mark.parametrize("where", ["copy of an unchanged model", "report"])
