@@ -80,7 +80,7 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
     from .frontends.fx_loader import load_fx
 
     try:
-        model = load_fx(gm, example_inputs=example_inputs, capture=how, example_kwargs=example_kwargs)
+        model = load_fx(gm, example_inputs=example_inputs, capture=how, example_kwargs=example_kwargs, target=target)
     except UnsupportedModelError as exc:
         program = getattr(gm, "_amp_exported_program", None)
         if program is None or "in place" not in exc.message:
@@ -89,7 +89,7 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
         notes.append(f"{exc.message.split(';')[0]}: rewrote the functionalized graph of "
                      f"ExportedProgram.run_decompositions() instead")
         gm = _private_copy(program.run_decompositions().module())
-        model = load_fx(gm, example_inputs=example_inputs, capture=how, example_kwargs=example_kwargs)
+        model = load_fx(gm, example_inputs=example_inputs, capture=how, example_kwargs=example_kwargs, target=target)
     if hasattr(gm, "_amp_exported_program"):
         del gm._amp_exported_program
     if training and not keep_io_types:

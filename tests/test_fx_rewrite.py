@@ -1113,3 +1113,111 @@ def test_a_reader_handed_the_models_own_later_cast_runs(capture):
     assert logits.dtype == torch.float32
     assert abs(loss.item() - ref_loss.item()) < 3e-2 * abs(ref_loss.item())
     assert rel_err(logits, ref_logits) < TOL["bf16"]
+
+
+class _RunningBias(nn.Module):
+    """A buffer the forward updates in place (a running sum), read by low-precision ops before and
+    after the update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.register_buffer("acc", torch.linspace(-1.0, 1.0, 16))
+
+    def forward(self, x):
+        h = self.a(x)
+        before = self.b(h * self.acc)
+        self.acc.add_(h.mean(0))
+        return before + self.b(h + self.acc)
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_buffer_the_forward_updates_is_read_as_it_is_now(capture, training):
+    """The low readers read a low copy of the buffer made once at rewrite time (inference), or a
+    cast placed at the top of the graph, before the update (training; symbolic_trace reads
+    ``self.acc`` through a get_attr node per access, so the read after the update looked like the
+    one before): outputs silently drifted further from the FP32 module's with every call. Now the
+    buffer is cast at each low use, a read after the update casts the updated tensor, and the
+    update itself stays in place in FP32."""
+    torch.manual_seed(0)
+    model, x = _RunningBias(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    result = _dispatch(copy.deepcopy(model), example_inputs=(x,), target="bf16", capture=capture,
+                       training=training)
+    gm = result.model
+    gm.graph.lint()
+    assert not [name for name, _ in gm.named_buffers() if "_amp_" in name]  # no frozen low copy
+    for _ in range(3):
+        with torch.no_grad():
+            assert rel_err(gm(x), reference(x)) < TOL["bf16"]
+        torch.testing.assert_close(gm.acc, reference.acc, atol=1e-2, rtol=1e-2)
+    assert gm.acc.dtype == torch.float32
+    update = result.log.decisions["add_"]
+    assert update.precision == Precision.FP32 and "writes the module's 'acc' in place" in update.reason
+
+
+class _Picks(nn.Module):
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.a, self.b, self.op = nn.Linear(16, 16), nn.Linear(4, 4), op
+
+    def forward(self, x):
+        y = self.a(x)
+        if self.op == "topk":
+            v = torch.topk(y, 4, dim=-1).values
+        elif self.op == "sort":
+            v = torch.sort(y, dim=-1).values[..., :4]
+        else:
+            v = y.view(2, 4, 4).max(dim=-1).values
+        return self.b(v)
+
+
+@pytest.mark.parametrize("op", ["topk", "sort", "max"])
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_named_tuple_field_selects_an_output(capture, op):
+    """symbolic_trace keeps ``torch.topk(y, k).values`` as ``getattr(topk, "values")``: it was taken
+    for an unlisted op reading the whole tuple, which the emitter rebuilt as a plain tuple
+    ('tuple' object has no attribute 'values' on every call). A field of a named tuple now selects
+    that output, as getitem does (export spells it so)."""
+    torch.manual_seed(0)
+    model, x = _Picks(op).eval(), torch.randn(2, 16)
+    result = _dispatch(model, example_inputs=(x,), target="bf16", capture=capture)
+    gm = result.model
+    gm.graph.lint()
+    with torch.no_grad():
+        assert rel_err(gm(x), model(x)) < TOL["bf16"]
+    assert not [op for op in result.log.unlisted_ops if "getattr" in op]
+    assert not [k for k in result.log.decisions if "getattr" in k]
+
+
+class _MaskFill(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.l, self.l2, self.how = nn.Linear(16, 16), nn.Linear(16, 16), how
+
+    def forward(self, x, mask):
+        h = self.l(x)
+        fill = h.new_full(h.shape, -1e9) if self.how == "new_full" else torch.full_like(h, -1e9)
+        return self.l2(torch.softmax(torch.where(mask, fill, h), -1))
+
+
+@pytest.mark.parametrize("how", ["new_full", "full_like"])
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_fill_the_low_type_cannot_hold_keeps_fp32(capture, how):
+    """A mask fill of -1e9 made from a low tensor (``h.new_full(s, -1e9)``, ``full_like(h, -1e9)``)
+    took the low type: in FP16 torch raised 'value cannot be converted to type c10::Half without
+    overflow' on every call. A node with a number argument the target type cannot hold now keeps
+    FP32 and says why; in BF16, which holds -1e9, the rule does not apply."""
+    torch.manual_seed(0)
+    model, x = _MaskFill(how).eval(), torch.randn(2, 16)
+    mask = torch.zeros(2, 16, dtype=torch.bool)
+    mask[:, 8:] = True
+    result = _dispatch(model, example_inputs=(x, mask), target="fp16", capture=capture)
+    result.model.graph.lint()
+    with torch.no_grad():
+        assert rel_err(result.model(x, mask), model(x, mask)) < TOL["fp16"]
+    (fill,) = [d for k, d in result.log.decisions.items() if how in k]
+    assert fill.precision == Precision.FP32 and "outside fp16's finite range" in fill.reason
+    bf16 = _dispatch(model, example_inputs=(x, mask), target="bf16", capture=capture)
+    assert not [d for d in bf16.log.decisions.values() if "finite range" in d.reason]

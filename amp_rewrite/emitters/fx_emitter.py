@@ -16,8 +16,8 @@ module's code generator (torch.export's pytree in/out specs) survive:
   a non-persistent buffer (inference) or a cast is made at each use (training: parameters stay FP32
   so gradients land in FP32). A ``call_module`` whose own parameters need a cast is called through
   ``torch.func.functional_call`` with the cast tensors;
-- in-place ops fed through a cast become out of place (the loader refused those whose input is
-  read again, where that would change results);
+- in-place ops whose written tensor comes through a cast become out of place (the loader refused
+  those whose input is read again, where that would change results);
 - ``node.meta`` dtypes (``val`` / ``example_value`` / ``tensor_meta``) are updated to the new
   types so the output can be rewritten again (and must then change nothing); decisions are tagged
   in ``node.meta["amp_rewrite"]`` so the report can be rebuilt from the module alone.
@@ -251,11 +251,11 @@ class _Emitter:
         loaded: list[Value] = node.meta.get("fx.loaded", [])
         slots: list[Slot] = node.meta.get("fx.slots", [])
         tuple_edits: dict[tuple, dict[tuple, fx.Node]] = {}
-        changed = False
+        recast_target = False
         for i, (slot, value) in enumerate(zip(slots, node.inputs)):
             if value is None or (i < len(loaded) and loaded[i] is value):
                 continue
-            changed = True
+            recast_target = recast_target or slot.where == ("args", 0)
             desired = self.node_for(value)
             self._move_before(desired, fx_node)
             if slot.where[0] == "param":
@@ -266,7 +266,8 @@ class _Emitter:
                 _replace_arg(fx_node, slot.where, desired)
         for where, leaves in tuple_edits.items():
             _replace_arg(fx_node, where, self._rebuilt_tuple(_get_at(fx_node, where), leaves))
-        if changed and node.meta.get("fx.inplace"):
+        if recast_target and node.meta.get("fx.inplace"):
+            # (only the tensor it writes matters: ``acc.add_(m.float())`` still updates acc)
             _make_out_of_place(fx_node, self.gm)
 
     def _move_before(self, node: fx.Node, reader: fx.Node) -> None:

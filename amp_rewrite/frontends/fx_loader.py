@@ -25,14 +25,18 @@ Dtypes and shapes come from ``node.meta["val"]`` (torch.export FakeTensors),
 ``example_inputs`` when the graph carries no metadata).
 
 Not modelled, on purpose: nodes that produce no tensor (``x.size()``, ``_assert_tensor_metadata``,
-export's ``_guards_fn``) read metadata only; ``operator.getitem`` on a tuple result only selects
-which output a consumer reads.
+export's ``_guards_fn``) read metadata only; ``operator.getitem`` on a tuple result, or a named
+tuple's field (``torch.topk(x, k).values``), only selects which output a consumer reads.
 
 In-place ops are modelled as their out-of-place op, and the emitter makes them out of place where
-a cast feeds them. First, readers of a tensor after an in-place op on it are rewired to read the
-op's result (the same tensor), so the data flow shows the mutation. What that cannot fix (the
-mutated tensor is a graph input, a parameter or has live views) is refused with an explanation;
-``rewrite()`` then falls back to torch.export's functional (decomposed) graph where it has one.
+a cast feeds the tensor they write. First, readers of a tensor after an in-place op on it are
+rewired to read the op's result (the same tensor), so the data flow shows the mutation. A module
+attribute the forward writes in place (a running sum, a cache) is rewired the same way through
+every get_attr node of it; the op keeps its types, so the write reaches the module's tensor, and
+that tensor is marked ``amp.mutable``: cast placement casts it at each low use rather than making
+a low copy once, which would go stale. What that cannot fix (the mutated tensor is a graph input
+or has live views) is refused with an explanation; ``rewrite()`` then falls back to torch.export's
+functional (decomposed) graph where it has one.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import io
+import math
 import operator
 import re
 from dataclasses import dataclass, field
@@ -171,8 +176,10 @@ class Slot:
 
 # -- public ---------------------------------------------------------------------------------------------
 def load_fx(gm: fx.GraphModule, *, example_inputs: tuple | None = None, capture: str = "graph_module",
-            example_kwargs: dict | None = None) -> Model:
-    """Build the IR from ``gm`` (which the caller owns and the emitter will patch)."""
+            example_kwargs: dict | None = None, target: str | None = None) -> Model:
+    """Build the IR from ``gm`` (which the caller owns and the emitter will patch). ``target``
+    ("fp16" / "bf16"), the type the rewrite lowers to, keeps FP32 any node with a number argument
+    that type cannot hold (see ``_scalar_out_of_range``)."""
     if not isinstance(gm, fx.GraphModule):
         raise UsageError(f"load_fx takes a torch.fx.GraphModule, got {type(gm).__name__}")
     _ensure_metadata(gm, example_inputs, example_kwargs)
@@ -180,7 +187,7 @@ def load_fx(gm: fx.GraphModule, *, example_inputs: tuple | None = None, capture:
     level = "aten" if any(isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
                           for n in gm.graph.nodes if n.op == "call_function") else "torch"
     source = FxSource(gm=gm, level=level, capture=capture)
-    graph = _Builder(gm, source).build()
+    graph = _Builder(gm, source, _LOW_TYPES.get(target)).build()
     model = Model(graph=graph, frontend="torch", origin=source)
     model.meta["fx.level"] = level
     return model
@@ -303,23 +310,52 @@ _VIEW_OPS = frozenset({"view", "view_as", "reshape", "reshape_as", "_unsafe_view
 def _read_mutated_values_through_the_mutation(gm: fx.GraphModule) -> None:
     """``r = h.relu_(); y = h + 1`` reads ``h`` after it was mutated: make later readers read ``r``
     (the same tensor), so the graph's data flow shows the mutation and the in-place op can be made
-    out of place where a cast must feed it. Graph inputs and parameters (mutations visible outside)
-    and tensors with views (which would observe the mutation) are left alone; the loader refuses
-    those if they need it."""
+    out of place where a cast must feed it. A module attribute (``self.acc.add_(m); ... self.acc``)
+    is read through every get_attr node of it (symbolic_trace makes one per access): each read after
+    the mutation reads its result too, so a cast for a low reader comes after the update, not
+    before it (the op itself keeps its types and stays in place: the module's tensor must change).
+    Graph inputs (mutations visible outside) and tensors with views (which would observe the
+    mutation) are left alone; the loader refuses those if they need it."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    attributes = _attribute_nodes(gm)
     for node in list(gm.graph.nodes):
         if node.op not in ("call_function", "call_method", "call_module") or not is_inplace(node):
             continue
         if node.op == "call_function" and node.target is operator.setitem:
             continue
         target = node.args[0] if node.args else None
-        if not isinstance(target, fx.Node) or target.op in ("placeholder", "get_attr"):
+        if not isinstance(target, fx.Node) or target.op == "placeholder":
             continue
-        if _has_aliases(target, node, gm, order):
+        names = attributes[str(target.target)] if target.op == "get_attr" else [target]
+        if any(_has_aliases(name, node, gm, order) for name in names):
             continue
-        for user in list(target.users):
-            if user is not node and order.get(user, -1) > order[node]:
-                user.replace_input_with(target, node)
+        for name in names:
+            for user in list(name.users):
+                if user is not node and order.get(user, -1) > order[node]:
+                    user.replace_input_with(name, node)
+
+
+def _attribute_nodes(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """The get_attr nodes of each module attribute: all of them read the same tensor."""
+    found: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            found.setdefault(str(node.target), []).append(node)
+    return found
+
+
+def _mutated_attribute(node: fx.Node, gm: fx.GraphModule) -> str | None:
+    """The module attribute (a buffer, a parameter) an in-place op writes, directly, through a
+    view of it or through an earlier in-place op's result (the same tensor); None for any other."""
+    if not is_inplace(node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    tensor = node.args[0]
+    while tensor.op != "get_attr":
+        if not (_is_view(tensor, gm) or is_inplace(tensor)) or not tensor.args \
+                or not isinstance(tensor.args[0], fx.Node):
+            return None
+        tensor = tensor.args[0]
+    return str(tensor.target)
 
 
 def _has_aliases(value: fx.Node, mutation: fx.Node, gm: fx.GraphModule, order: dict) -> bool:
@@ -443,15 +479,18 @@ def _dtype_in_args(node: fx.Node) -> torch.dtype | None:
 
 # -- building ------------------------------------------------------------------------------------------------
 class _Builder:
-    def __init__(self, gm: fx.GraphModule, source: FxSource) -> None:
+    def __init__(self, gm: fx.GraphModule, source: FxSource, low: torch.dtype | None) -> None:
         self.gm = gm
         self.source = source
+        self.low = low
         self.graph = Graph(name=type(gm).__name__, origin=gm)
         self.values: dict[tuple[fx.Node, tuple], Value] = {}  # (fx node, leaf path) → value
         self.by_root: dict[fx.Node, list[tuple[tuple, Value]]] = {}
         self.tuples: dict[fx.Node, tuple[fx.Node, tuple]] = {}  # getitem result that is itself a tuple → (root, path)
         self.attrs: dict[str, Value] = {}
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.attribute_nodes = _attribute_nodes(gm)
+        self.mutated = {_mutated_attribute(n, gm) for n in gm.graph.nodes if n.op.startswith("call_")} - {None}
 
     def build(self) -> Graph:
         for node in self.gm.graph.nodes:
@@ -484,6 +523,7 @@ class _Builder:
         value = Value(target, TORCH_TO_DTYPE.get(tensor.dtype), tuple(tensor.shape), origin=("attr", target))
         value.const_numel = tensor.numel()
         value.meta["fx.attr"] = target
+        self._mark_mutable(value, target)
         self.graph.add_initializer(value)
         self.attrs[target] = value
         self.values[(node, ())] = value
@@ -496,9 +536,17 @@ class _Builder:
         value.const_numel = tensor.numel()
         value.meta["fx.attr"] = qual
         value.meta["fx.module_param"] = (module_target, local)
+        self._mark_mutable(value, qual)
         self.graph.add_initializer(value)
         self.attrs[qual] = value
         return value
+
+    def _mark_mutable(self, value: Value, target: str) -> None:
+        """A module tensor the forward writes in place (a running sum, a cache) changes from call to
+        call: cast placement casts it at each low use instead of making a low copy once, which
+        the low readers would go on reading after the tensor moved on."""
+        if target in self.mutated:
+            value.meta["amp.mutable"] = True
 
     def _new_value(self, node: fx.Node, path: tuple, m: Any) -> Value:
         name = node.name if not path else f"{node.name}#{'.'.join(str(p) for p in path)}"
@@ -544,12 +592,24 @@ class _Builder:
             ir.input_groups = [self._input_group(name, s, v) for s, v in zip(slots, inputs)]
             ir.output_groups = [self._output_group(name, i, v) for i, v in enumerate(outputs)]
             _split_promoted_types(ir)
+            big = _scalar_out_of_range(node, self.low) if self.low is not None else None
+            if big is not None:
+                short = TORCH_TO_DTYPE[self.low].short
+                ir.meta.setdefault("amp.keeps_types", (
+                    f"its argument {big:g} is outside {short}'s finite range (±{torch.finfo(self.low).max:g}): "
+                    f"in {short} torch would refuse it ('cannot be converted without overflow') or make it "
+                    f"±inf, so it keeps its types"))
         bodies = body_modules(node, self.gm)
         if bodies is not None:
             ir.meta["amp.keeps_types"] = _body_reason(node, bodies)
         if is_inplace(node):
             ir.meta["fx.inplace"] = True
             self._check_aliasing(node)
+            attribute = _mutated_attribute(node, self.gm)
+            if attribute is not None:
+                ir.meta.setdefault("amp.keeps_types", (
+                    f"it writes the module's {attribute!r} in place: it keeps its types, so the update reaches "
+                    f"the tensor the module holds (through a cast it would update a copy)"))
         self.graph.append(ir)
 
     def _value_reader(self, node: fx.Node) -> None:
@@ -572,15 +632,20 @@ class _Builder:
         self.graph.append(ir)
 
     def _try_tuple_getitem(self, node: fx.Node) -> bool:
-        """``getitem`` on a tuple result selects an output: no op, just a name for that output."""
-        if node.op != "call_function" or node.target is not operator.getitem:
+        """``getitem`` on a tuple result selects an output: no op, just a name for that output. So
+        does a named tuple's field (``torch.topk(x, k).values``, ``x.max(-1).indices``), which
+        symbolic_trace keeps as ``getattr`` (torch.export spells it as a getitem already)."""
+        if node.op != "call_function" or node.target not in (operator.getitem, builtins.getattr) \
+                or len(node.args) != 2:
             return False
         src, index = node.args[0], node.args[1]
         if not isinstance(src, fx.Node):
             return False
         root, path = self.tuples.get(src, (src, ()))
         if root is src and (src, ()) in self.values:
-            return False  # getitem on a tensor: indexing, a real op
+            return False  # getitem on a tensor: indexing, a real op (getattr: x.T, x.mT)
+        if node.target is builtins.getattr:
+            index = _field_index(src, index, self.gm)
         if not isinstance(index, (int, str)):
             return False
         path = path + (index,)
@@ -639,12 +704,13 @@ class _Builder:
         if not isinstance(target, fx.Node):
             return
         after = lambda n: self.order.get(n, -1) > self.order[node]  # noqa: E731
-        observers = [u.name for u in target.users if u is not node and after(u)]
-        for view in target.users:
+        same = self._same_tensor(target)
+        observers = [u.name for t in same for u in t.users if u is not node and after(u)]
+        for view in (v for t in same for v in t.users):
             if view is not node and not after(view) and _is_view(view, self.gm):
                 observers += [u.name for u in view.users if after(u)]
         if _is_view(target, self.gm) and isinstance(target.args[0], fx.Node):
-            observers += [u.name for u in target.args[0].users if after(u)]
+            observers += [u.name for t in self._same_tensor(target.args[0]) for u in t.users if after(u)]
         if observers or _is_setitem(node):
             seen = f"{', '.join(sorted(set(observers)))} read{'s' if len(set(observers)) == 1 else ''} it afterwards" \
                 if observers else "the result is only visible through aliasing"
@@ -653,6 +719,10 @@ class _Builder:
                 f"would break that aliasing",
                 "Capture the model with torch.export and run_decompositions(), which functionalizes it "
                 "(rewrite(model, example_inputs=..., decompose=True)), or make the operation out of place")
+
+    def _same_tensor(self, node: fx.Node) -> list[fx.Node]:
+        """The nodes that yield ``node``'s tensor: every get_attr node of a module attribute."""
+        return self.attribute_nodes[str(node.target)] if node.op == "get_attr" else [node]
 
     # -- outputs -------------------------------------------------------------------------------------------
     def _output(self, node: fx.Node) -> None:
@@ -712,6 +782,49 @@ def _reads_values(node: fx.Node) -> bool:
     if isinstance(target, type):
         return True
     return target in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+
+
+_LOW_TYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _scalar_out_of_range(node: fx.Node, low: torch.dtype) -> float | None:
+    """A float argument of ``node`` that ``low`` cannot hold, or None. A mask fill (``new_full(s,
+    -1e9)``, ``full_like(x, -1e9)``, ``masked_fill(m, -1e9)`` in FP16; ``finfo(float32).min`` in
+    BF16) or a ``clamp(min=-1e9)`` is converted to the op's type when it runs: in the low type torch
+    raises 'value cannot be converted ... without overflow' on every call (other ops make it
+    ±inf). The node computes in FP32 as written, whatever type its tensors take around it."""
+    limit = torch.finfo(low).max
+    for arg in _numbers(node.args) + _numbers(node.kwargs):
+        if math.isfinite(arg) and abs(arg) > limit:
+            return arg
+    return None
+
+
+def _numbers(obj: Any) -> list[float]:
+    """The Python floats in (nested) args or kwargs."""
+    if isinstance(obj, float):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [x for item in obj for x in _numbers(item)]
+    if isinstance(obj, dict):
+        return [x for item in obj.values() for x in _numbers(item)]
+    return []
+
+
+def _field_index(node: fx.Node, field: Any, gm: fx.GraphModule) -> int | None:
+    """Where the field named ``field`` sits in the named tuple ``node`` yields (``values`` is item
+    0 of torch.topk's result), or None. symbolic_trace's metadata holds a plain tuple: the type is
+    then torch's return type named after the op (``torch.return_types.topk``)."""
+    if not isinstance(field, str):
+        return None
+    kinds = [type(_node_meta(node))]
+    if node.op in ("call_function", "call_method"):
+        kinds.append(getattr(torch.return_types, canonical_name(node, gm)[1], None))
+    for kind in kinds:
+        fields = getattr(kind, "__match_args__", ()) if isinstance(kind, type) and issubclass(kind, tuple) else ()
+        if field in fields:
+            return fields.index(field)
+    return None
 
 
 def _walk_args(obj: Any, prefix: tuple) -> list[tuple[tuple, fx.Node]]:

@@ -228,13 +228,16 @@ class _Placer:
         needs = {u.need for u in uses}
         if needs == {DType.FLOAT}:
             return
-        training_param = self.ctx.options.training and value.is_initializer
+        # A training parameter stays FP32 (its gradient lands there), and a buffer the model updates
+        # as it runs (``amp.mutable``: a running sum its forward adds to in place) has no fixed value
+        # to convert offline: a low copy made now would go stale. Their low readers cast at each use.
+        at_use = (self.ctx.options.training or value.meta.get("amp.mutable", False)) and value.is_initializer
         # A main-graph output keeps its type (the model's signature). A branch output needs the low
         # type only where its If took it: then the constant is converted, not cast in the branch.
         # (Unless the output itself takes the low type: --no-keep-io-types.)
         output_low = any(u.node is None and u.need == self.low for u in uses)
         fixed_output = value.is_graph_output and value.graph is self.model.graph and not output_low
-        if needs == {self.low} and not training_param and not fixed_output:
+        if needs == {self.low} and not at_use and not fixed_output:
             value.meta["amp.was"] = DType.FLOAT
             value.meta["amp.convert"] = True
             value.dtype = self.low
@@ -246,7 +249,7 @@ class _Placer:
                                               f"computes in {self.low.short}")
             return
         low_uses = [u for u in uses if u.need == self.low]
-        if value.is_initializer and not training_param:
+        if value.is_initializer and not at_use:
             copy = self._low_copy(value)
             for use in low_uses:
                 if use.node is not None:  # (a graph output that is this initializer keeps it)
