@@ -292,9 +292,9 @@ def _file_chain(path: Path, frontend: str, target: str, seen: tuple[str, ...]) -
     # Decisions name their file by its base name, which must not pass for a built-in set's (a copy
     # of onnx-cuda-fp16.toml edited by the user): a rewrite of the output would take the user's
     # pins for built-in rules and decide them afresh. Such a file is named by its path.
-    source = Path(shown).name
-    if source[: -len(".toml")] in builtin_names() and source.endswith(".toml"):
-        source = shown if Path(shown).parent != Path(".") else f"./{shown}"
+    source = path.name
+    if path.suffix == ".toml" and path.stem in builtin_names():
+        source = shown if path.parent != Path(".") else f"./{shown}"
     layer = _parse_layer(_read_toml(path), shown, path.stem, identity, shown, source)
     _check_matches_request(layer, frontend, target)
     below = _extended_layers(layer, path, frontend, target, seen + (identity,))

@@ -521,8 +521,9 @@ def _inline_external_initializers(model: ir.Model, dst: Path) -> None:
                 if isinstance(value.const_value, ir.ExternalTensor)]
     if not external:
         return
-    if tensor_bytes(model) > EXTERNAL_DATA_ABOVE:
-        raise OutputError(f"{dst}: its weights take {tensor_bytes(model) / (1 << 30):.2f} GiB, over protobuf's 2 GB "
+    size = tensor_bytes(model)
+    if size > EXTERNAL_DATA_ABOVE:
+        raise OutputError(f"{dst}: its weights take {size / (1 << 30):.2f} GiB, over protobuf's 2 GB "
                           f"limit for a file without external data; write it with external data")
     for value in external:
         value.const_value = _in_memory(value.const_value)

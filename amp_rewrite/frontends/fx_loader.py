@@ -794,21 +794,9 @@ def _scalar_out_of_range(node: fx.Node, low: torch.dtype) -> float | None:
     raises 'value cannot be converted ... without overflow' on every call (other ops make it
     ±inf). The node computes in FP32 as written, whatever type its tensors take around it."""
     limit = torch.finfo(low).max
-    for arg in _numbers(node.args) + _numbers(node.kwargs):
-        if math.isfinite(arg) and abs(arg) > limit:
-            return arg
-    return None
-
-
-def _numbers(obj: Any) -> list[float]:
-    """The Python floats in (nested) args or kwargs."""
-    if isinstance(obj, float):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [x for item in obj for x in _numbers(item)]
-    if isinstance(obj, dict):
-        return [x for item in obj.values() for x in _numbers(item)]
-    return []
+    numbers: list[float] = []
+    fx.node.map_aggregate((node.args, node.kwargs), lambda x: numbers.append(x) if isinstance(x, float) else None)
+    return next((x for x in numbers if math.isfinite(x) and abs(x) > limit), None)
 
 
 def _field_index(node: fx.Node, field: Any, gm: fx.GraphModule) -> int | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 from dataclasses import dataclass
@@ -386,31 +387,16 @@ def _refuse_unloaded_external_data(proto: onnx.ModelProto) -> None:
     """A ModelProto in memory has no folder: a tensor whose data it left in a file (``onnx.load``
     with ``load_external_data=False``, or a proto built by hand) would be read relative to the
     working directory, another model's file of that name included. Say what to do instead."""
-    def tensors():
-        for graph in _graph_protos(proto.graph):
-            yield from graph.initializer
-            yield from (s.values for s in graph.sparse_initializer)
-            for node in graph.node:
-                yield from _attribute_tensors(node)
-        for function in proto.functions:
-            for node in function.node:
-                yield from _attribute_tensors(node)
+    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
 
-    for tensor in tensors():
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            location = next((e.value for e in tensor.external_data if e.key == "location"), "?")
-            raise ModelLoadError(f"tensor {tensor.name!r} keeps its data in the file {location!r}, which a model in "
-                                 f"memory cannot locate: load it with onnx.load(path) (which reads external data), or "
-                                 f"rewrite the file with rewrite_onnx(path, ...)")
-
-
-def _attribute_tensors(node: onnx.NodeProto):
-    for attr in node.attribute:
-        if attr.HasField("t"):
-            yield attr.t
-        yield from attr.tensors
-        if attr.HasField("sparse_tensor"):
-            yield attr.sparse_tensor.values
+    sparse = (s.values for graph in _graph_protos(proto.graph)  # (onnx's walk leaves sparse tensors out)
+              for s in [*graph.sparse_initializer,
+                        *(a.sparse_tensor for n in graph.node for a in n.attribute if a.HasField("sparse_tensor"))])
+    for tensor in itertools.chain(_get_all_tensors(proto), sparse):
+        if uses_external_data(tensor):
+            raise ModelLoadError(f"tensor {tensor.name!r} keeps its data in the file {ExternalDataInfo(tensor).location!r}, "
+                                 f"which a model in memory cannot locate: load it with onnx.load(path) (which reads "
+                                 f"external data), or rewrite the file with rewrite_onnx(path, ...)")
 
 
 def _bind_external_data(graphs: list[ir.Graph], path: Path) -> frozenset[Path]:
@@ -426,7 +412,7 @@ def _bind_external_data(graphs: list[ir.Graph], path: Path) -> frozenset[Path]:
             return
         tensor.base_dir = base_dir
         location = Path(tensor.base_dir) / tensor.location
-        if not tensor.location or Path(tensor.location) in (Path("."), Path("")):
+        if Path(tensor.location) == Path("."):  # (also the empty location)
             raise ModelLoadError(f"{path}: tensor {name!r} is stored as external data but names no file "
                                  f"(its 'location' is empty)")
         if tensor.location.startswith("/") or ".." in Path(tensor.location).parts:

@@ -38,17 +38,14 @@ def classify(model: Model, ctx: Context) -> PassResult:
     names = node_names(model) if ctx.rules.node_rules() else frozenset()
     for node in model.graph.walk():
         _classify_node(node, ctx, verdicts, names)
-    _note_unmatched_node_rules(model, ctx)
+    _note_unmatched_node_rules(ctx, names)
     return PassResult("classify", modified=False)
 
 
-def _note_unmatched_node_rules(model: Model, ctx: Context) -> None:
-    """A node pattern that names no node (a typo, another model's names) pins nothing: say so."""
-    rules = ctx.rules.node_rules()
-    if not rules:
-        return
-    names = {n for node in model.graph.walk() for n in (node.name, node.meta.get("amp.label")) if n}
-    for rule in rules:
+def _note_unmatched_node_rules(ctx: Context, names: frozenset[str]) -> None:
+    """A node pattern that names no node (a typo, another model's names) pins nothing: say so.
+    ``names``: every node's name and label (:func:`node_names`)."""
+    for rule in ctx.rules.node_rules():
         if not any(rule.matches(name, names) for name in names):
             close = difflib.get_close_matches(rule.pattern, sorted(names), n=3, cutoff=0.6)
             hint = f" (closest: {', '.join(close)})" if close else ""
