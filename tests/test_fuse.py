@@ -394,7 +394,7 @@ def test_shape_proof_writes_nothing_to_the_working_directory(tmp_path, monkeypat
 
 
 def test_shape_proof_reads_the_structure_not_the_weights(monkeypatch):
-    """The skip proof hands onnxruntime's symbolic inference the model as read with its weights as
+    """The skip proof hands shape inference the model as read with its weights as
     graph inputs of their type and shape (the tool copies its input whole): the model is not
     serialised again, no weight data reaches the tool, and the proof holds whatever the weights
     weigh (before, the model was serialised for it, and one over 256 MB of weights never fused)."""
@@ -414,16 +414,16 @@ def test_shape_proof_reads_the_structure_not_the_weights(monkeypatch):
                "eps": np.array(1e-5, np.float32)}
     model = make_model(text, weights)
     seen: list[onnx.ModelProto] = []
-    real = onnx_fuse._symbolic_inference
+    real = onnx_fuse.SymbolicShapes._structure
 
-    def recording(engine, proto, auto_merge):
-        seen.append(proto)
-        return real(engine, proto, auto_merge)
+    def recording(self):
+        seen.append(real(self))
+        return seen[-1]
 
     def no_serialise(*args, **kwargs):
         raise AssertionError("the model was serialised for the shape proof")
 
-    monkeypatch.setattr(onnx_fuse, "_symbolic_inference", recording)
+    monkeypatch.setattr(onnx_fuse.SymbolicShapes, "_structure", recording)
     from amp_rewrite.api import make_context
     from amp_rewrite.frontends.onnx_loader import load_onnx
 
@@ -442,6 +442,83 @@ def test_shape_proof_reads_the_structure_not_the_weights(monkeypatch):
     full_check(result.model)
     x = {"x": np.random.default_rng(0).standard_normal((2, 4, 64)).astype(np.float32)}
     assert rel_err(run(result.model, x)["y"], run(model, x)["y"]) < 1e-2
+
+
+# input_ids -> Reshape(ids, [-1, seq]) -> embedding Gather, as GPT-2's TorchScript export does: onnx
+# cannot say what the -1 is (a fresh symbol), onnxruntime's symbolic inference works out "batch"
+RESHAPED_EMBEDDING = """
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (int64[batch,seq] ids, float[batch,seq,8] h) => (float[batch,seq,8] y) {
+      shape = Shape(ids)
+      second = Constant<value = int64 {1}>()
+      s = Gather<axis=0>(shape, second)
+      zero = Constant<value = int64[1] {0}>()
+      s1 = Unsqueeze(s, zero)
+      minus = Constant<value = int64[1] {-1}>()
+      target = Concat<axis=0>(minus, s1)
+      flat = Reshape(ids, target)
+      e = Gather<axis=0>(emb, flat)
+      q = MatMul(e, wq)
+      r = Add(q, h)""" + LAYERNORM + """
+      y = MatMul(ln, wo)
+    }"""
+
+
+def _proof_engines(monkeypatch, *, onnxruntime: bool = True) -> list[str]:
+    """Record which shape inferences the skip proof ran; ``onnxruntime=False``: its finds nothing."""
+    from amp_rewrite.frontends import onnx_fuse
+
+    ran: list[str] = []
+    first, second = onnx_fuse.SymbolicShapes._onnx_inference, onnx_fuse.SymbolicShapes._onnxruntime_inference
+
+    def by_onnx(self):
+        ran.append("onnx")
+        return first(self)
+
+    def by_onnxruntime(self):
+        ran.append("onnxruntime")
+        return second(self) if onnxruntime else {}
+
+    monkeypatch.setattr(onnx_fuse.SymbolicShapes, "_onnx_inference", by_onnx)
+    monkeypatch.setattr(onnx_fuse.SymbolicShapes, "_onnxruntime_inference", by_onnxruntime)
+    return ran
+
+
+def test_shape_proof_by_onnx_inference_needs_no_onnxruntime_run(monkeypatch):
+    """Where onnx's inference (with data propagation, in C++) proves the residual operands equal,
+    onnxruntime's symbolic inference (tens of milliseconds of sympy even on a small model) is not
+    run: the dynamo exporter's graphs and the opset-17 RMSNorm models are proven this way."""
+    model = residual_block(LAYERNORM, 13, outputs="float[batch,seq,8] y")
+    for dim, name in zip(model.graph.input[0].type.tensor_type.shape.dim, ("batch", "seq")):
+        dim.dim_param = name  # symbolic batch and sequence, as exporters write them
+    ran = _proof_engines(monkeypatch)
+    result = rewrite(model)
+    only(result.model, "SkipLayerNormalization", "com.microsoft")
+    assert ran == ["onnx"]
+    check_fused(model, result)
+
+
+def test_shape_proof_falls_back_to_onnxruntime_inference(monkeypatch):
+    """onnx cannot name the embedding's batch dim (a Reshape to -1), so the residual operands
+    (?, seq, 8) and (batch, seq, 8) are not proven equal by it; onnxruntime's symbolic inference
+    works the -1 out as batch and the skip op is made. Without that second inference nothing is
+    proven and the normalisation stays an FP32 island."""
+    model = make_model(RESHAPED_EMBEDDING, {**W, "emb": (16, 8)})
+    ran = _proof_engines(monkeypatch)
+    result = rewrite(model)
+    assert ran == ["onnx", "onnxruntime"]
+    only(result.model, "SkipLayerNormalization", "com.microsoft")
+    full_check(result.model)
+    rng = np.random.default_rng(0)
+    feeds = {"ids": rng.integers(0, 16, (2, 4)).astype(np.int64),
+             "h": rng.standard_normal((2, 4, 8)).astype(np.float32)}
+    assert rel_err(run(model, feeds)["y"], run(result.model, feeds)["y"]) < 1e-2
+    assert not rewrite(result.model).modified
+    monkeypatch.undo()
+    ran = _proof_engines(monkeypatch, onnxruntime=False)
+    unproven = rewrite(model)
+    assert ran == ["onnx", "onnxruntime"]
+    assert not nodes_by_type(unproven.model, "SkipLayerNormalization") and unproven.log.islands
 
 
 def test_the_source_proto_is_let_go_after_the_passes():

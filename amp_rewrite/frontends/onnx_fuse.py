@@ -51,6 +51,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import onnx
+
 from ..decisions import Category, FusionRecord
 from ..ir import DType, Graph, Model, Node, Value
 from ..passes.base import Context, PassResult, earlier_pin, node_label, node_names, node_rule_of
@@ -382,58 +384,87 @@ def _residual_operands(x: Value, shapes: "SymbolicShapes") -> list[Value] | None
     if a is None or b is None or (a.is_constant and b.is_constant) \
             or a.dtype != DType.FLOAT or b.dtype != DType.FLOAT:
         return None
-    for big, small in ((a, b), (b, a)):
-        shape, other = shapes.of(big), shapes.of(small)
-        if shape is None or other is None or big.is_constant or len(shape) not in (2, 3):
-            continue
-        if other == shape or (len(shape) == 3 and other in ((1, *shape[1:]), shape[1:])):
-            return [big, small]
+    for table in shapes.tables():  # (symbols mean the same only within one table)
+        for big, small in ((a, b), (b, a)):
+            shape, other = table.of(big), table.of(small)
+            if shape is None or other is None or big.is_constant or len(shape) not in (2, 3):
+                continue
+            if other == shape or (len(shape) == 3 and other in ((1, *shape[1:]), shape[1:])):
+                return [big, small]
     return None
 
 
 class SymbolicShapes:
     """Shapes of the main graph's values with symbolic dims that mean the same thing across the
-    graph, from onnxruntime's symbolic shape inference (run once, only when a skip fusion needs it).
+    graph, for the skip proofs: tables from two inferences, tried in turn (computed only when a
+    proof asks, the second only when the first proves nothing for it).
 
-    onnx's own inference names every dim it cannot compute afresh (``unk__7``), so two residual
-    operands of shape (batch, sequence, H) look unrelated; the symbolic pass carries ``batch`` and
-    ``sequence`` through Shape/Gather/Concat/Reshape. It runs first with ``auto_merge=False``, which
-    never assumes two symbols equal, so equal shapes are a proof. Where that stops at two symbols an
-    op broadcasts together (BERT's ``Min(64, sequence)`` position slice against ``sequence``), it
-    runs again with ``auto_merge=True``, which takes them as equal: a broadcast between them is
-    only valid if they are, or if one is 1 at run time, and onnxruntime's skip kernels check the
-    shapes and fail loudly rather than compute wrong values in that case (onnxruntime's own
-    transformer optimizer fuses on the same assumption). Where neither finishes (or onnxruntime is
-    not installed), nothing is proven and no skip op is made.
+    onnx's own inference as the loader runs it names every dim it cannot compute afresh
+    (``unk__7``), so two residual operands of shape (batch, sequence, H) look unrelated.
 
-    It reads the model's structure only: the proto as read, its large initializers turned into
-    graph inputs of their type and shape (the tool copies its input whole, so a 440 MB BERT-base
-    would otherwise be serialised and copied for a proof about shapes)."""
+    1. onnx's inference with data propagation (``data_prop=True``): it carries the values of
+       Shape/Gather/Concat through to Reshape, so ``batch`` and ``sequence`` survive where the
+       dynamo exporter and opset-17 exports reshape. A few milliseconds, in C++. A symbol it
+       shares between two values was carried, never assumed: a broadcast of two different symbols
+       gets a fresh one.
+    2. onnxruntime's symbolic shape inference, which reasons about more ops (the TorchScript
+       exporter's opset-13 graphs, where step 1 proves nothing). It runs first with
+       ``auto_merge=False``, which never assumes two symbols equal, so equal shapes are a proof.
+       Where that stops at two symbols an op broadcasts together (BERT's ``Min(64, sequence)``
+       position slice against ``sequence``), it runs again with ``auto_merge=True``, which takes
+       them as equal: a broadcast between them is only valid if they are, or if one is 1 at run
+       time, and onnxruntime's skip kernels check the shapes and fail loudly rather than compute
+       wrong values in that case (onnxruntime's own transformer optimizer fuses on the same
+       assumption). Tens of milliseconds even on a small model (Python and sympy).
+
+    Where neither finishes (or onnxruntime is not installed), nothing is proven and no skip op is
+    made. Both read the model's structure only: the proto as read, its large initializers turned
+    into graph inputs of their type and shape (the tool copies its input whole, so a 440 MB
+    BERT-base would otherwise be serialised and copied for a proof about shapes)."""
 
     def __init__(self, model: Model) -> None:
         self.model = model
-        self._shapes: dict[str, tuple] | None = None
+        self._tables: list[ShapeTable] = []
+        self._pending = [self._onnx_inference, self._onnxruntime_inference]
+        self._ort: ShapeTable | None = None
+
+    def tables(self):
+        """The tables in order, each inferred at the first ask for it."""
+        i = 0
+        while i < len(self._tables) or self._pending:
+            if i == len(self._tables):
+                self._tables.append(ShapeTable(self._pending.pop(0)()))
+            yield self._tables[i]
+            i += 1
 
     @property
     def computed(self) -> dict[str, tuple]:
-        """The table, if a proof has asked for it (empty otherwise: nothing is inferred for it)."""
-        return self._shapes or {}
+        """For the optimal placement's size estimates: onnxruntime's table where it ran (the most
+        ops reasoned about), else onnx's, else empty (no proof asked for one)."""
+        if self._ort is not None:
+            return self._ort.shapes
+        return self._tables[0].shapes if self._tables else {}
 
-    def of(self, value: Value) -> tuple | None:
-        if self._shapes is None:
-            self._shapes = self._infer()
-        shape = self._shapes.get(value.name)
-        if shape is None and value.is_constant and value.shape is not None:
-            shape = value.shape  # a constant's shape is static
-        return shape if shape is not None and all(d not in (None, "", 0) for d in shape) else None
-
-    def _infer(self) -> dict[str, tuple]:
-        import logging
-
+    def _structure(self):
         from .onnx_loader import OnnxSource, structure_proto
 
         source = self.model.origin
-        proto = structure_proto(source) if isinstance(source, OnnxSource) else None
+        return structure_proto(source) if isinstance(source, OnnxSource) else None
+
+    def _onnx_inference(self) -> dict[str, tuple]:
+        proto = self._structure()
+        if proto is None:
+            return {}
+        try:
+            inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
+        except Exception:  # noqa: BLE001 - inference is best effort: nothing proven by it
+            return {}
+        return _shape_table(inferred.graph)
+
+    def _onnxruntime_inference(self) -> dict[str, tuple]:
+        import logging
+
+        proto = self._structure()
         if proto is None:
             return {}
         try:
@@ -443,11 +474,27 @@ class SymbolicShapes:
         logging.getLogger("onnxruntime.tools.symbolic_shape_infer").setLevel(logging.CRITICAL)
         strict, complete = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=False)
         if complete:
-            return _shape_table(strict)
-        # the merged run's symbols are consistent with each other; the strict run's partial result
-        # only fills in what the merged run did not reach
-        merged, _ = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=True)
-        return {**_shape_table(strict), **_shape_table(merged)}
+            shapes = _shape_table(strict)
+        else:
+            # the merged run's symbols are consistent with each other; the strict run's partial
+            # result only fills in what the merged run did not reach
+            merged, _ = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=True)
+            shapes = {**_shape_table(strict), **_shape_table(merged)}
+        self._ort = ShapeTable(shapes)
+        return shapes
+
+
+class ShapeTable:
+    """One inference's shapes: symbols are consistent within it, not across tables."""
+
+    def __init__(self, shapes: dict[str, tuple]) -> None:
+        self.shapes = shapes
+
+    def of(self, value: Value) -> tuple | None:
+        shape = self.shapes.get(value.name)
+        if shape is None and value.is_constant and value.shape is not None:
+            shape = value.shape  # a constant's shape is static
+        return shape if shape is not None and all(d not in (None, "", 0) for d in shape) else None
 
 
 def _shape_table(graph) -> dict[str, tuple]:

@@ -31,8 +31,9 @@ Cost model (bytes moved per run; one model run at the default shapes below):
   their cast cost the tiny-BERT model 1.5 GiB per run where the batch-1 figure is 12 MiB); any
   other symbolic or unknown dimension counts :data:`SYMBOLIC_DIM` (128, a typical sequence length
   / feature-map side). Where the fuse pass ran
-  onnxruntime's symbolic shape inference (for a skip proof), its shapes count too, the smaller
-  estimate winning: it carries ``batch`` and ``sequence`` where onnx names a fresh dim. Where the producer's
+  a shape inference for a skip proof (onnxruntime's symbolic one where it ran, else onnx's with
+  data propagation: ``onnx_fuse.SymbolicShapes``), its shapes count too, the smaller estimate
+  winning: it carries ``batch`` and ``sequence`` where the loader's inference names a fresh dim. Where the producer's
   op ties the count to its inputs, the smaller estimate wins: a reshape, transpose, unary
   elementwise op or normalisation keeps its data input's count, a broadcasting elementwise op has
   at least its largest input's (so an attention Reshape to four unknown dims is not counted 128^4
