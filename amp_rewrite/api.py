@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from .decisions import ALIGNMENT_OPS, Decision, DecisionLog, Precision
+from .decisions import ALIGNMENT_OPS, HEAVY_OPS, Decision, DecisionLog, Precision
 from .errors import ModelLoadError, OutputError, UsageError
 from .ir import Model, verify
 from .passes.base import Context, Options, given_low_type, node_label, run_passes
@@ -151,8 +151,6 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
 
 def _record_decisions(model: Model, ctx: Context) -> None:
     from collections import Counter
-
-    from .report import HEAVY_OPS
 
     given: Counter = Counter()  # nodes that compute in a low type already: (type, heavy) → count
     for node in model.graph.walk():

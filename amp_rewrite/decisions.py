@@ -18,6 +18,25 @@ class Category(str, enum.Enum):
     UNLISTED = "unlisted"  # no rule names the op: treated as deny and reported
 
 
+# The summary's "MatMul/Gemm/Conv/attention" headline: every op the built-in ONNX rule files allow
+# (a test keeps the two in step) and torch's GEMM, convolution and attention ops.
+_CONTRIB_HEAVY = ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention",
+                  "PackedMultiHeadAttention", "DecoderMaskedMultiHeadAttention", "DecoderMaskedSelfAttention",
+                  "LongformerAttention", "DecoderAttention", "SparseAttention", "PagedAttention", "FusedMatMul",
+                  "TransposeMatMul", "NhwcConv", "MatMulNBits", "MatMulBnb4", "MoE")
+# torch: every op the built-in torch rule files allow except prelu (a per-channel multiply), and
+# the whole-sequence RNNs (their gate GEMMs)
+_TORCH_HEAVY = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "addr", "mv", "chain_matmul",
+                "multi_dot", "linalg_multi_dot", "linalg_vecdot", "einsum", "conv1d", "conv2d", "conv3d", "conv_tbc",
+                "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "convolution", "_convolution",
+                "cudnn_convolution", "cudnn_convolution_transpose", "scaled_dot_product_attention",
+                "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                "_scaled_dot_product_cudnn_attention", "multi_head_attention", "_native_multi_head_attention",
+                "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "_thnn_fused_lstm_cell",
+                "_thnn_fused_gru_cell", "lstm", "gru", "rnn_tanh", "rnn_relu")
+HEAVY_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "Attention",
+             *(f"com.microsoft::{op}" for op in _CONTRIB_HEAVY), *_TORCH_HEAVY}
+
 # Ops whose low-precision speed depends on dims being multiples of 8 (tensor cores).
 ALIGNMENT_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose")
 

@@ -69,6 +69,7 @@ def _prepare(converter: str):
         import amp_rewrite.frontends.onnx_loader  # noqa: F401
         import onnxruntime.tools.symbolic_shape_infer  # noqa: F401  (sympy: the fuse pass's shape proofs)
         import sympy.tensor.tensor  # noqa: F401  (sympy's Add imports it at its first call)
+        import sympy.assumptions.wrapper  # noqa: F401  (and this one at its first assumption query)
         import amp_rewrite.progress  # noqa: F401
         import amp_rewrite.passes.optimal  # noqa: F401
         from amp_rewrite.api import rewrite_onnx
