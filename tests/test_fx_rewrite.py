@@ -1221,3 +1221,94 @@ def test_a_fill_the_low_type_cannot_hold_keeps_fp32(capture, how):
     assert fill.precision == Precision.FP32 and "outside fp16's finite range" in fill.reason
     bf16 = _dispatch(model, example_inputs=(x, mask), target="bf16", capture=capture)
     assert not [d for d in bf16.log.decisions.values() if "finite range" in d.reason]
+
+
+class _SinusoidalPositions(nn.Module):
+    """Sinusoidal positions made in the hidden state's type: ``arange(..., dtype=h.dtype)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l, self.l2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.l(x)
+        pos = torch.arange(h.shape[1], dtype=h.dtype, device=h.device)
+        inv = torch.exp(torch.arange(0, 16, 2, dtype=h.dtype) * (-9.21 / 16))
+        ang = pos[:, None] * inv[None, :]
+        return self.l2(h + torch.cat([ang.sin(), ang.cos()], -1))
+
+
+class _RuntimeTypes(fx.Interpreter):
+    """Runs a GraphModule and lists the nodes whose tensor is not of the type its meta says."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.wrong: list[str] = []
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        metas = leaf_metas(n)
+        if isinstance(out, torch.Tensor) and len(metas) == 1 and metas[0][0] == ():
+            meta = metas[0][1]
+            if getattr(meta, "dtype", out.dtype) != out.dtype:
+                self.wrong.append(f"{n.name}: meta {meta.dtype}, runs {out.dtype}")
+        return out
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_dtype_read_at_run_time_answers_the_source_models_type(capture):
+    """symbolic_trace keeps ``h.dtype`` as a node read at run time: with ``h`` made low, the
+    positions' arange followed it into FP16 while the IR and the report said FP32, so the deny
+    ops on them (exp, sin, cos) silently ran in FP16 (positions up to 1500: rel err 3e-2 instead
+    of 4e-4). The read now answers FP32, as in the source model, and every node runs in the type
+    its metadata (and the report) gives it."""
+    torch.manual_seed(0)
+    model, x = _SinusoidalPositions().eval(), torch.randn(1, 12, 16)
+    result = _dispatch(model, example_inputs=(x,), target="fp16", capture=capture)
+    gm = result.model
+    gm.graph.lint()
+    assert not [n for n in gm.graph.nodes if n.target is getattr and n.args[1:] == ("dtype",)]
+    spy = _RuntimeTypes(gm)
+    with torch.no_grad():
+        y = spy.run(x)
+        assert rel_err(y, model(x)) < TOL["fp16"]
+    assert spy.wrong == []
+    sin = [d for k, d in result.log.decisions.items() if k.endswith("sin")]
+    assert [d.precision for d in sin] == [Precision.FP32]
+    heavy = [d for d in result.log.decisions.values() if d.op == "linear"]
+    assert heavy and all(d.precision == Precision.LOW for d in heavy)
+    assert not _dispatch(gm, example_inputs=(x,), target="fp16").modified
+
+
+class _ConvertsToItsType(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l, self.l2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.l(x)
+        p = torch.softmax(h.float(), -1).to(h.dtype)  # back to the hidden state's type
+        z = torch.ones(3, 16, dtype=self.l.weight.dtype)  # made in the weights' type
+        return self.l2(p) + z.sum()
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_conversion_to_a_tensors_dtype_is_a_cast_to_the_source_models_type(capture):
+    """``y.to(h.dtype)`` under symbolic_trace is a conversion to FP32 (h's type in the source
+    model), which cast placement folds with the cast it needs there: one conversion, to FP16,
+    where the module ran two; a factory given a converted weight's dtype is made as the IR
+    says (FP32 here, where it used to follow the weight into FP16 against its metadata)."""
+    torch.manual_seed(0)
+    model, x = _ConvertsToItsType().eval(), torch.randn(3, 16)
+    result = _dispatch(model, example_inputs=(x,), target="fp16", capture=capture)
+    gm = result.model
+    gm.graph.lint()
+    spy = _RuntimeTypes(gm)
+    with torch.no_grad():
+        assert rel_err(spy.run(x), model(x)) < TOL["fp16"]
+    assert spy.wrong == []
+    to_fp16 = [n for n in gm.graph.nodes if n.op.startswith("call") and "assert" not in str(n.target)
+               and torch.float16 in (*n.args, *n.kwargs.values())]
+    # x into the first linear, softmax's output into the second: no second conversion after it
+    assert len(to_fp16) == 2, gm.code
+    assert not _dispatch(gm, example_inputs=(x,), target="fp16").modified

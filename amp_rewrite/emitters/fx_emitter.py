@@ -103,8 +103,10 @@ class _Emitter:
         self.first_compute = next((n for n in self.graph.nodes if n.op not in ("placeholder", "get_attr")), None)
         self.position = {n: i for i, n in enumerate(self.graph.nodes)}
         self.first_index = self.position.get(self.first_compute, len(self.position))
+        self.unread_attrs: list[fx.Node] = []
 
     def run(self) -> None:
+        self._pin_dtype_reads()
         self._weights()
         for node in self.ir.nodes:
             if node.meta.get("amp.inserted"):
@@ -123,8 +125,44 @@ class _Emitter:
         self._fix_asserts()
         self._tag()
         self._functional_calls()
+        for attr_node in self.unread_attrs:
+            if not attr_node.users and attr_node.graph is self.graph:
+                self.graph.erase_node(attr_node)
         self.graph.lint()
         self.gm.recompile()
+
+    def _pin_dtype_reads(self) -> None:
+        """``h.dtype`` read at run time (symbolic_trace keeps ``getattr(h, "dtype")`` as a node, as
+        in ``torch.arange(n, dtype=h.dtype)``) answers with the type the source model gave ``h``
+        wherever the rewrite changed that type: the IR, built from the source model's types, has
+        the factory (or conversion) reading it make that type, and painting decided from there.
+        Left to run, it would follow ``h`` into low precision, so ops the report shows FP32 (the
+        sin/cos/exp of sinusoidal positions) would silently run low. torch.export resolves such
+        reads while tracing, so only symbolic_trace graphs have them."""
+        was: dict[fx.Node, torch.dtype] = {}
+        for value in self._all_values():
+            if "amp.was" not in value.meta:
+                continue
+            dtype = DTYPE_TO_TORCH.get(value.meta["amp.was"])
+            origin = value.origin
+            if isinstance(origin, tuple) and len(origin) == 2 and isinstance(origin[0], fx.Node):
+                node = origin[0] if not origin[1] else self.source.leaf_nodes.get(origin)
+                if node is not None:  # (a tuple output's leaf: the getitem that selects it)
+                    was[node] = dtype
+            elif value.meta.get("fx.attr"):
+                for attr_node in self.source.attr_nodes.get(value.meta["fx.attr"], []):
+                    was[attr_node] = dtype
+        for node in list(self.graph.nodes):
+            if node.op != "call_function" or node.target is not getattr or len(node.args) != 2 \
+                    or node.args[1] != "dtype" or was.get(node.args[0]) is None:
+                continue
+            dtype, tensor = was[node.args[0]], node.args[0]
+            for user in list(node.users):
+                user.args = fx.node.map_arg(user.args, lambda a, n=node: dtype if a is n else a)
+                user.kwargs = fx.node.map_arg(user.kwargs, lambda a, n=node: dtype if a is n else a)
+            self.graph.erase_node(node)
+            if tensor.op == "get_attr" and not tensor.users:
+                self.unread_attrs.append(tensor)  # (a weight read for its dtype only: erased at the end)
 
     # -- where each IR value lives in the fx graph ---------------------------------------------------------
     def node_for(self, value: Value) -> fx.Node:

@@ -460,12 +460,27 @@ def _strip_inplace(name: str) -> str:
     return name
 
 
+def dtype_read(arg: Any) -> torch.dtype | None:
+    """A dtype argument: a ``torch.dtype``, or ``h.dtype`` read at run time (symbolic_trace keeps
+    ``getattr(h, "dtype")`` as a node), taken as the type the source model gives ``h``: the
+    emitter pins such a read to that type wherever the rewrite changes ``h``'s."""
+    if isinstance(arg, torch.dtype):
+        return arg
+    if isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target is builtins.getattr \
+            and len(arg.args) == 2 and arg.args[1] == "dtype" and isinstance(arg.args[0], fx.Node):
+        metas = leaf_metas(arg.args[0])
+        if len(metas) == 1 and metas[0][0] == ():
+            return torch_dtype_of(metas[0][1])
+    return None
+
+
 def _dtype_in_args(node: fx.Node) -> torch.dtype | None:
-    if isinstance(node.kwargs.get("dtype"), torch.dtype):
-        return node.kwargs["dtype"]
+    given = dtype_read(node.kwargs.get("dtype"))
+    if given is not None:
+        return given
     for a in node.args[1:]:
-        if isinstance(a, torch.dtype):
-            return a
+        if dtype_read(a) is not None:
+            return dtype_read(a)
         if isinstance(a, fx.Node):  # x.to(other) / x.type_as(other): the other tensor's dtype
             metas = leaf_metas(a)
             if len(metas) == 1 and metas[0][0] == ():
