@@ -124,9 +124,10 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
     """Run the passes on the IR; returns whether anything changed. Verifies the IR at the end."""
     passes = [classify, paint, find_islands]
     if model.frontend == "onnx":
+        from .frontends.onnx_constants import mark_out_of_range_constants
         from .frontends.onnx_fuse import fuse
 
-        passes.insert(0, fuse)
+        passes[:0] = [fuse, mark_out_of_range_constants]
     if ctx.options.placement == "optimal":
         from .passes.optimal import optimise_placement
 

@@ -688,3 +688,56 @@ def test_painter_reason_kept_only_where_its_whole_via_chain_kept_its_label():
     assert intact(moved=["b"]) == {"c", "g"}  # a's chain, and so h's, passes through b
     assert intact(moved=["a"]) == {"b", "c", "g"}  # h cites a
     assert intact(repaired=["c"]) == {"g"}  # a repair counts as a move
+
+
+def _reads_a_big_constant(kind: str, big: float) -> onnx.ModelProto:
+    """h = MatMul(x, w); z = h (+|*) a constant holding ``big``; y = ReduceSum(z): the elementwise
+    op is free to go either way, and the optimal placement's cost model finds low cheaper."""
+    w = numpy_helper.from_array((np.random.default_rng(0).standard_normal((8, 8)) * 0.5).astype(np.float32), "w")
+    inits, nodes = [w], [helper.make_node("MatMul", ["x", "w"], ["h"])]
+    if kind == "ConstantOfShape":
+        nodes += [helper.make_node("Shape", ["h"], ["sh"]),
+                  helper.make_node("ConstantOfShape", ["sh"], ["c"],
+                                   value=numpy_helper.from_array(np.array([big], np.float32))),
+                  helper.make_node("Add", ["h", "c"], ["z"])]
+    elif kind == "OneHot":
+        inits += [numpy_helper.from_array(np.array([[0, 1, 2, 3]], np.int64), "ix"),
+                  numpy_helper.from_array(np.array(8, np.int64), "depth"),
+                  numpy_helper.from_array(np.array([0.0, big], np.float32), "vals")]
+        nodes += [helper.make_node("OneHot", ["ix", "depth", "vals"], ["c"]), helper.make_node("Mul", ["h", "c"], ["z"])]
+    else:  # a Constant node's value_float
+        nodes += [helper.make_node("Constant", [], ["c"], value_float=big), helper.make_node("Add", ["h", "c"], ["z"])]
+    nodes.append(helper.make_node("ReduceSum", ["z"], ["y"], keepdims=0))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+@pytest.mark.parametrize("kind", ["ConstantOfShape", "OneHot", "Constant"])
+def test_an_op_reading_a_constant_fp16_cannot_hold_keeps_fp32(kind, placement):
+    """The optimal placement made ``h + ConstantOfShape(1e5)`` FP16 (cheaper by its cost model),
+    which clamped the constant to 65504: 34% error; with ``OneHot(values=[0, 1e5])`` the output was
+    inf. Greedy kept them FP32 only because they were not between FP16 ops. An infer or clear op
+    reading a constant beyond FP16's range now keeps FP32 under both placements, with the reason."""
+    model = _reads_a_big_constant(kind, 1e5)
+    result = rewrite(model, placement=placement)
+    full_check(result.model)
+    reader = {"ConstantOfShape": "Add:z", "OneHot": "Mul:z", "Constant": "Add:z"}[kind]
+    decision = result.log.decisions[reader]
+    assert decision.precision == Precision.FP32 and "100000" in decision.reason and "fp16" in decision.reason
+    assert result.log.weights.clamped == 0
+    feeds = {"x": np.random.default_rng(1).standard_normal((1, 4, 8)).astype(np.float32)}
+    ref, got = run(model, feeds)["y"], run(result.model, feeds)["y"]
+    assert np.isfinite(got).all() and rel_err(ref, got) < 1e-2
+    assert not rewrite(result.model, placement=placement).modified
+    # in BF16, which holds 1e5, nothing is kept FP32 for it
+    bf16 = rewrite(model, placement=placement, target="bf16")
+    assert "100000" not in bf16.log.decisions[reader].reason
+
+
+def test_a_mask_sentinel_constant_does_not_keep_its_reader_fp32():
+    """-1e9 (and finfo(float32).min) mask sentinels saturate and still mask; keeping every mask op
+    FP32 for them would cast around every attention block. The optimal placement still chooses."""
+    result = rewrite(_reads_a_big_constant("Constant", -1e9), placement="optimal")
+    assert "beyond fp16" not in result.log.decisions["Add:z"].reason

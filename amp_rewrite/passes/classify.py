@@ -79,6 +79,10 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
     if node.domain == "" and node.op_type in _SOURCES:
         meta["amp.precision"] = Precision.FP32
         return
+    if "amp.exact_constant" in meta and category in (Category.INFER, Category.CLEAR):
+        # a frontend found it reads a constant the low type cannot hold (onnx_constants)
+        _fix_fp32(node, category, meta["amp.exact_constant"], "classify")
+        return
     if "amp.keeps_types" in meta:  # a frontend's verdict (mixed float types, a sequence or optional)
         _fix_fp32(node, category, meta["amp.keeps_types"], "frontend")
         return

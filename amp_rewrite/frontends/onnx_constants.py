@@ -1,0 +1,126 @@
+"""Constants the low type cannot hold, read by ops that would otherwise be free to go low.
+
+A weight of a MatMul/Gemm/Conv (an allow op) is converted offline with clamping at the type's true
+limit (±65504 for FP16), and the report counts every clamped value: that is the contract for
+weights. An infer or clear op is different: it goes low only where painting (or the optimal
+placement's cost model) finds it cheaper, and nothing in that choice looks at the constant it
+reads. ``Add(h, ConstantOfShape(value=1e5))`` or ``Mul(h, OneHot(values=[0, 1e5]))`` made FP16
+clamp the constant to 65504 (34% error) or overflow to inf, where leaving the op FP32 is exact.
+
+So before classify, every non-allow node of the ONNX graph that reads, in a float slot, a constant
+(an initializer or Constant node, a ConstantOfShape's fill or a OneHot's values, as read or
+reshaped, expanded or tiled) with a finite value beyond the target's finite range is marked; classify keeps such an infer or clear op FP32, saying
+which constant and value. Infinities are left alone (the low types hold them), and so are mask
+sentinels of magnitude 1e8 and more (-1e9, finfo(float32).min): saturated, they still mask, which
+the report counts and ``--check`` expects; keeping every mask op FP32 for them would add casts to
+every attention block for nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..decisions import Category
+from ..ir import DType, Model, Node, Value
+from ..passes.base import Context, PassResult
+
+LIMITS = {DType.FLOAT16: 65504.0, DType.BFLOAT16: 3.3895313892515355e38}
+# |x| at or above this is a mask sentinel (-1e9, finfo(float32).min): it saturates to the low
+# type's limit or infinity and still masks (exp of it is 0), as the report and --check expect
+SENTINEL = 1e8
+META = "amp.exact_constant"
+
+
+def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
+    limit = LIMITS.get(ctx.low)
+    if limit is None:
+        return PassResult("out-of-range constants", modified=False)
+    for node in model.graph.walk():
+        if node.domain == "" and node.op_type in ("Cast", "Constant", "Identity"):
+            continue
+        if ctx.rules.category_of(node.op_type, node.domain, node.opset) == Category.ALLOW:
+            continue  # weights of heavy ops: converted with clamping, counted in the report
+        found = _beyond(node, limit)
+        if found is not None:
+            where, value = found
+            short = ctx.low.short
+            node.meta[META] = (f"reads {where} holding {value:g}, beyond {short}'s finite range (±{limit:g}): in "
+                               f"{short} it would be clamped or overflow, so the node keeps FP32")
+    return PassResult("out-of-range constants", modified=False)
+
+
+def _beyond(node: Node, limit: float) -> tuple[str, float] | None:
+    """(what, value) of the first float constant the node reads with a value the low type cannot
+    hold (and no mask sentinel), or None."""
+    if node.domain == "" and node.op_type == "ConstantOfShape":
+        big = _largest(_attribute(node, "value"), limit)
+        if big is not None:
+            return "its value attribute", big
+    for value in node.inputs:
+        big = _held(value, limit)
+        if big is not None:
+            return f"{value.name!r}", big
+    return None
+
+
+# ops whose output holds (some of) their first input's values unchanged
+_COPIES = {"Identity", "Reshape", "Expand", "Tile", "Squeeze", "Unsqueeze", "Flatten", "Transpose"}
+
+
+def _held(value: Value | None, limit: float, depth: int = 0) -> float | None:
+    """A value beyond the limit that ``value`` holds as a constant: its own data, a ConstantOfShape's
+    fill, a OneHot's on/off values, or those of a constant reshaped, expanded or tiled."""
+    if value is None or value.dtype != DType.FLOAT or depth > 8:
+        return None
+    if value.is_constant:
+        return _largest(_data(value), limit)
+    producer = value.producer
+    if producer is None or producer.domain != "":
+        return None
+    if producer.op_type == "ConstantOfShape":
+        return _largest(_attribute(producer, "value"), limit)
+    if producer.op_type == "OneHot" and len(producer.inputs) > 2:
+        return _held(producer.inputs[2], limit, depth + 1)
+    if producer.op_type in _COPIES and producer.inputs:
+        return _held(producer.inputs[0], limit, depth + 1)
+    return None
+
+
+def _attribute(node: Node, name: str):
+    attr = node.origin.attributes.get(name) if node.origin is not None else None
+    try:
+        return attr.as_tensor().numpy() if attr is not None else None
+    except Exception:  # noqa: BLE001 - unreadable data is the loader's concern, not this check's
+        return None
+
+
+def _largest(data, limit: float) -> float | None:
+    """The largest |value| between ``limit`` and :data:`SENTINEL` (signed), or None."""
+    if data is None or data.dtype.kind != "f" or data.size == 0:
+        return None
+    magnitude = np.abs(data.reshape(-1))
+    between = np.flatnonzero((magnitude > limit) & (magnitude < SENTINEL))
+    if between.size == 0:
+        return None
+    return float(data.reshape(-1)[between[int(np.argmax(magnitude[between]))]])
+
+
+def _data(value: Value | None):
+    """A float constant's data (an initializer or a Constant node's), or None."""
+    if value.is_initializer:
+        tensor = value.origin.const_value if value.origin is not None else None
+    else:
+        origin = value.producer.origin
+        attrs = origin.attributes if origin is not None else {}
+        if "value" in attrs:
+            tensor = attrs["value"].as_tensor()
+        elif "value_float" in attrs:
+            return np.asarray([attrs["value_float"].as_float()], np.float32)
+        elif "value_floats" in attrs:
+            return np.asarray(attrs["value_floats"].as_floats(), np.float32)
+        else:
+            tensor = None
+    try:
+        return tensor.numpy() if tensor is not None else None
+    except Exception:  # noqa: BLE001 - unreadable data is the loader's concern, not this check's
+        return None
