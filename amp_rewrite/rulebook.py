@@ -41,7 +41,7 @@ LISTS: Mapping[str, Category] = MappingProxyType(
 )
 TOP_LEVEL_KEYS = ("ruleset", *LISTS, "nodes")
 RULESET_KEYS = ("name", "frontend", "target", "provider", "description", "extends", "replace")
-ENTRY_KEYS = ("reason", "since", "until", "fp32_inputs", "accumulates_fp32", "bounded_output")
+ENTRY_KEYS = ("reason", "since", "until", "fp32_inputs", "accumulates_fp32", "bounded_output", "fp32_argument")
 NODE_KEYS = ("fp32", "low")
 FRONTENDS = ("onnx", "torch")
 TARGETS = ("fp16", "bf16")
@@ -110,6 +110,10 @@ class RuleEntry:
     # deny ops only: the op must compute in FP32, but its output is bounded (Sin, Cos: [-1, 1]), so
     # deny paint does not spread from it; its readers are decided as if it were any other input.
     bounded_output: bool = False
+    # deny ops only: the op needs a precise argument (Sin, Cos: fp16 spacing is 1.0 at 1024), so
+    # where that argument is computed from integers and constants only (positions), the nodes
+    # computing it keep FP32 too, whatever their own rule (a rotary MatMul included).
+    fp32_argument: bool = False
 
     def covers(self, opset: int) -> bool:
         """Whether the entry applies at ``opset`` (open ends cover everything on that side)."""
@@ -518,6 +522,10 @@ def _parse_entry(
     if bounded and category != Category.DENY:
         raise RuleFileError(shown, f"{key}.bounded_output",
                             f"only a deny entry can have a bounded output (this one is {category.value})")
+    argument = _bool(spec.get("fp32_argument", False), shown, f"{key}.fp32_argument")
+    if argument and category != Category.DENY:
+        raise RuleFileError(shown, f"{key}.fp32_argument",
+                            f"only a deny entry can keep its argument FP32 (this one is {category.value})")
     return RuleEntry(
         op=op,
         domain=domain,
@@ -529,6 +537,7 @@ def _parse_entry(
         fp32_inputs=_fp32_inputs(spec.get("fp32_inputs", []), shown, f"{key}.fp32_inputs"),
         accumulates_fp32=_bool(spec.get("accumulates_fp32", False), shown, f"{key}.accumulates_fp32"),
         bounded_output=bounded,
+        fp32_argument=argument,
     )
 
 

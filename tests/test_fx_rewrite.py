@@ -1312,3 +1312,33 @@ def test_a_conversion_to_a_tensors_dtype_is_a_cast_to_the_source_models_type(cap
     # x into the first linear, softmax's output into the second: no second conversion after it
     assert len(to_fp16) == 2, gm.code
     assert not _dispatch(gm, example_inputs=(x,), target="fp16").modified
+
+
+class _Rotary(nn.Module):
+    """HF Llama's rotary table: inv_freq[:, None] @ position_ids[None, :].float(), then cos."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l, self.l2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
+
+    def forward(self, x, position_ids):
+        freqs = (self.inv_freq[:, None] @ position_ids[None, :].float()).t()
+        cos = torch.cat([freqs, freqs], -1).cos()
+        return self.l2(self.l(x) * cos)
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_rotary_angles_from_positions_stay_fp32_in_torch(capture):
+    """The angle matmul of a rotary table reads positions and a constant buffer only: it keeps
+    FP32 so cos gets a precise argument (positions 4000+); the linears stay low."""
+    torch.manual_seed(0)
+    model = _Rotary().eval()
+    x, pos = torch.randn(16, 8), torch.arange(4000, 4016)
+    result = _dispatch(model, example_inputs=(x, pos), target="fp16", capture=capture)
+    matmul = [d for d in result.log.decisions.values() if d.op == "matmul"]
+    assert matmul and all(d.precision == Precision.FP32 and "integers and constants" in d.reason for d in matmul)
+    linears = [d for d in result.log.decisions.values() if d.op == "linear"]
+    assert linears and all(d.precision == Precision.LOW for d in linears)
+    with torch.no_grad():
+        assert rel_err(result.model(x, pos), model(x, pos)) < TOL["fp16"]

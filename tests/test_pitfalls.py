@@ -440,3 +440,57 @@ def test_weight_conversion_counts_match_an_element_by_element_reference(target):
         want = _reference_conversion(data, dtype)
         assert np.array_equal(got[0].view(np.uint16), want[0].view(np.uint16)), data
         assert got[1:] == want[1:], (data, got[1:], want[1:])
+
+
+def _rotary(angle_from: str) -> onnx.ModelProto:
+    """An in-graph rotary table as HF Llama exports it: inv_freq @ positions -> Transpose -> Concat
+    -> Cos, multiplied into the activations. ``angle_from``: "positions" (an int64 input cast to
+    float) or "features" (a float graph input: Fourier features)."""
+    source = "int64[1,1,16] pid" if angle_from == "positions" else "float[1,1,16] pid"
+    cast = "pf = Cast<to=1>(pid)" if angle_from == "positions" else "pf = Identity(pid)"
+    text = f"""
+    <ir_version: 10, opset_import: ["" : 17]>
+    g (float[1,16,8] x, {source}) => (float[1,16,8] y) {{
+      {cast}
+      fr = MatMul(invf, pf)
+      frt = Transpose<perm=[0, 2, 1]>(fr)
+      emb = Concat<axis=-1>(frt, frt)
+      c = Cos(emb)
+      h = MatMul(x, w)
+      hc = Mul(h, c)
+      y = MatMul(hc, w2)
+    }}"""
+    invf = (1.0 / (10000 ** (np.arange(0, 8, 2) / 8))).astype(np.float32).reshape(4, 1)
+    return make_model(text, {"invf": invf, "w": (8, 8), "w2": (8, 8)})
+
+
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_rotary_angles_from_positions_are_computed_in_fp32(placement, target):
+    """Cos is kept FP32 for its argument's precision, but the angle inv_freq @ positions was an
+    allow MatMul made low (and the positions' Cast retargeted to it): the angle arrived rounded
+    (positions 4000-4015: rel err 0.83 in FP16). The nodes computing a Sin/Cos argument from
+    integers and constants only now keep FP32; the model's other MatMuls stay low."""
+    from amp_rewrite.emulate import emulate_low
+
+    model = _rotary("positions")
+    result = rewrite(model, placement=placement, target=target)
+    full_check(result.model)
+    decisions = result.log.decisions
+    for name in ("MatMul:fr", "Transpose:frt", "Concat:emb"):
+        assert decisions[name].precision == Precision.FP32, name
+        assert "from integers and constants only" in decisions[name].reason
+    assert decisions["MatMul:h"].precision == decisions["MatMul:y"].precision == Precision.LOW
+    assert value_types(result.model)["pf"] == FP32  # the positions' Cast is not retargeted
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 16, 8)).astype(np.float32),
+             "pid": (np.arange(16) + 4000).reshape(1, 1, 16).astype(np.int64)}
+    emulated, _ = emulate_low(result.model, FP16 if target == "fp16" else BF16)
+    assert rel_err(run(model, feeds)["y"], run(emulated, feeds)["y"]) < (1e-2 if target == "fp16" else 5e-2)
+    assert not rewrite(result.model, placement=placement, target=target).modified
+
+
+def test_angles_from_a_float_input_are_left_to_painting():
+    """Fourier features of a float input: nothing says the input is a position, so the rule does
+    not apply and the MatMul follows its own (allow) rule."""
+    result = rewrite(_rotary("features"))
+    assert result.log.decisions["MatMul:fr"].precision == Precision.LOW

@@ -587,3 +587,15 @@ def test_bounded_output_only_on_deny_entries(tmp_path):
     with pytest.raises(RuleFileError) as err:
         load_rules([str(f)], frontend="onnx", target="fp16")
     assert "infer.Add.bounded_output" in str(err.value) and str(f) in str(err.value)
+
+
+def test_fp32_argument_only_on_deny_entries_and_set_on_the_trig_ops(tmp_path):
+    f = tmp_path / "r.toml"
+    f.write_text('[clear]\nTranspose = { reason = "x", fp32_argument = true }\n')
+    with pytest.raises(RuleFileError) as err:
+        load_rules([str(f)], frontend="onnx", target="fp16")
+    assert "clear.Transpose.fp32_argument" in str(err.value) and "deny" in str(err.value)
+    for frontend, target, ops in (("onnx", "fp16", ("Sin", "Cos")), ("onnx", "bf16", ("Sin", "Cos")),
+                                  ("torch", "fp16", ("sin", "cos")), ("torch", "bf16", ("sin", "cos"))):
+        book = load_rules([], frontend=frontend, target=target)
+        assert all(book.lookup(op, "", 17).fp32_argument for op in ops), (frontend, target)

@@ -38,6 +38,7 @@ def classify(model: Model, ctx: Context) -> PassResult:
     names = node_names(model) if ctx.rules.node_rules() else frozenset()
     for node in model.graph.walk():
         _classify_node(node, ctx, verdicts, names)
+    _keep_position_arguments_fp32(model, ctx)
     _note_unmatched_node_rules(ctx, names)
     return PassResult("classify", modified=False)
 
@@ -70,6 +71,7 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
     meta["amp.category"], meta["amp.reason"], meta["amp.source"] = category, reason, source
     meta["amp.pinned"] = _pinned_inputs(node, entry)
     meta["amp.bounded_output"] = category == Category.DENY and entry is not None and entry.bounded_output
+    meta["amp.fp32_argument"] = category == Category.DENY and entry is not None and entry.fp32_argument
     if node.all_subgraphs():
         # what the rules (node rules, the kernel table, the schema) say of the op itself: the
         # optimal placement may give an If's outputs the low type only where they allow it
@@ -107,6 +109,60 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
         meta["amp.reason"] = f"input {name} is pinned FP32 by the rules and shares type {group} with the rest"
     _count_unlisted(node, category, ctx)
     meta["amp.participates"] = True
+
+
+_CONE_LIMIT = 64  # nodes: an argument computed by more than this is no position encoding
+
+
+def _keep_position_arguments_fp32(model: Model, ctx: Context) -> None:
+    """A deny op whose rule marks its argument precise (``fp32_argument``: Sin, Cos) keeps FP32 the
+    nodes computing that argument where they compute it from integers and constants only: the
+    angles of rotary and sinusoidal position encodings (``inv_freq @ position_ids``). An allow
+    MatMul there would otherwise round the angle to the low type before the FP32 Sin/Cos reads it
+    (fp16: positions 4000-4015 gave rel err 0.83; 0-511 gave 0.014); HF computes these with
+    autocast disabled for the same reason. An argument that depends on a float activation or graph
+    input (Fourier features, a SIREN layer) is left to painting."""
+    low = ctx.low.short if ctx.low is not None else "the low type"
+    for node in model.graph.walk():
+        if not node.meta.get("amp.fp32_argument"):
+            continue
+        for member in _position_cone(node):
+            category = member.meta.get("amp.category")
+            if member.meta.get("amp.participates") and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
+                _fix_fp32(member, category, (
+                    f"computes the argument of {node_label(node)} from integers and constants only (positions): "
+                    f"kept FP32, as {low} would round the angle before the FP32 {node.op_type} reads it (fp16 "
+                    f"spacing is 1.0 at 1024; HF computes rotary angles with autocast disabled)"), "classify")
+
+
+def _position_cone(node: Node) -> list[Node]:
+    """The nodes computing ``node``'s float inputs, if every source they reach is an integer tensor
+    (through its conversion to float), a constant or a factory; else (a float graph input, an
+    outer-scope value, a control-flow node, more than :data:`_CONE_LIMIT` nodes) none."""
+    cone: list[Node] = []
+    seen: set[int] = set()
+    stack = [v for v in node.inputs if v is not None]
+    while stack:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if value.dtype is None or not value.dtype.is_float:
+            if value.dtype is None:
+                return []
+            continue  # integer data: positions, shapes, indices
+        if value.is_constant:
+            continue
+        producer = value.producer
+        if producer is None or producer.graph is not node.graph or producer.all_subgraphs():
+            return []  # a float graph input or outer-scope value: an activation, not positions
+        if id(producer) not in seen:
+            seen.add(id(producer))
+            cone.append(producer)
+            if len(cone) > _CONE_LIMIT:
+                return []
+            stack.extend(v for v in producer.inputs if v is not None)
+    return cone
 
 
 def _count_unlisted(node: Node, category: Category, ctx: Context) -> None:
