@@ -186,6 +186,23 @@ def test_unlisted_retargeted_and_removed_casts():
     assert "unlisted ops kept FP32: custom.ops::Weird ×1" in report.summary_text()
 
 
+def test_every_unlisted_op_of_a_chain_is_counted():
+    """The second of two chained custom ops reads a value of unknown type (no schema types the
+    first's output): it was kept FP32 without being counted, so the summary said ×1 for two."""
+    model = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17, "custom.ops" : 1]>
+    g (float[2,8] x) => (float[2,8] y) {
+      h = MatMul(x, w)
+      a = custom.ops.Weird(h)
+      b = custom.ops.Weird(a)
+      y = MatMul(b, w)
+    }""")
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.eye(8, dtype=np.float32), "w"))
+    report = rewrite(model).report
+    assert report.summary()["unlisted_ops"] == {"custom.ops::Weird": 2}
+    assert "custom.ops::Weird ×2" in report.summary_text()
+
+
 def test_tensor_core_alignment():
     report = rewrite(block_model(), fuse=False).report
     align = {a["node"]: a for a in report.alignment()}

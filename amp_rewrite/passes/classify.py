@@ -63,6 +63,9 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
     meta["amp.precision"] = Precision.NONE
     if group is None:
         meta["amp.category"], meta["amp.reason"], meta["amp.source"] = None, "no FP32 float tensor to paint", "classify"
+        if any(v is not None and v.dtype is None for v in (*node.inputs, *node.outputs)):
+            # types unknown (an unlisted op reading another's untyped output): still one to classify
+            _count_unlisted(node, _lookup(node, ctx, verdicts, names)[0], ctx)
         return
     category, reason, source, entry = _lookup(node, ctx, verdicts, names)
     refused = _schema_refuses_low(node, group, ctx)
@@ -91,6 +94,7 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
     unknown = [v.name for i, v in enumerate(node.inputs) if v is not None and i < len(node.input_groups)
                and node.input_groups[i] == group and v.dtype is None]
     if unknown:
+        _count_unlisted(node, category, ctx)  # (an unlisted op after another: still one to classify)
         _fix_fp32(node, category, f"dtype of {unknown[0]!r} is unknown, so the node keeps its types", "classify")
         return
     # An output of unknown type (a custom-domain op that shape inference has no schema for): were
