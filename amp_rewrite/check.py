@@ -361,6 +361,29 @@ class Runner:
                 raise RuntimeError(f"{what}: {_one_line(str(exc))}") from exc
         return dict(zip(names, values))
 
+    def load(self, model: Any, *, what: str) -> None:
+        """Create (and drop) a CPU-provider session for ``model``: onnxruntime checks every node's
+        declared types against its schema when it loads a model, which an emulation of the model
+        (FP32 throughout) does not show. RuntimeError with onnxruntime's message where it refuses
+        the model; a node the CPU provider merely has no kernel for (every BF16 GEMM) is not a
+        failure: the GPU providers have those kernels."""
+        import tempfile
+
+        ort = self.ort
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 4
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        try:
+            from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as not_implemented
+        except ImportError:  # (an onnxruntime that names it otherwise: every refusal counts)
+            not_implemented = ()
+        with tempfile.TemporaryDirectory(prefix="amp-check-") as tmp:
+            try:
+                ort.InferenceSession(_session_source(model, tmp), opts, providers=["CPUExecutionProvider"])
+            except not_implemented:
+                return
+            except Exception as exc:  # noqa: BLE001 (onnxruntime raises its own pybind types)
+                raise RuntimeError(f"{what}: {_one_line(str(exc))}") from exc
 
     def _session(self, source: Any, opts: Any, fp32: bool) -> Any:
         ort = self.ort
@@ -912,6 +935,11 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, np.ndarray] | str 
         feeds = _rounded_feeds(low_proto, ref.feeds)
         emulation = _Emulation.build(low_proto, target, notes)
         if emulation is not None:
+            # (what runs is the emulation, FP32 throughout: the model itself must still load)
+            try:
+                runner.load(run_model, what="loading the rewritten model")
+            except RuntimeError as exc:
+                raise CheckRunError(f"check failed: onnxruntime cannot load the rewritten model ({exc})") from exc
             run_model = emulation.model
     outputs: dict[str, Any] = {}
 

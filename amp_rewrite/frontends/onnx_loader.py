@@ -111,15 +111,28 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
 
 
 def _type_custom_outputs(model: Model) -> None:
-    """Types for what onnx's shape inference leaves untyped behind a custom-domain op: it has no
-    schema for com.microsoft's Attention, SkipLayerNormalization, FastGelu... (the ops
-    onnxruntime's transformer optimizer writes), so their outputs and everything downstream had no
-    dtype and kept FP32. onnxruntime's symbolic shape inference knows those ops; it runs on the
-    model's structure (weights as inputs of their shape), only when such an output is read."""
+    """Types for what onnx's shape inference leaves untyped behind a contrib op: it has no schema
+    for com.microsoft's Attention, SkipLayerNormalization, FastGelu... (the ops onnxruntime's
+    transformer optimizer writes), nor for those onnxruntime registers in the default domain
+    (LayerNormalization below opset 17, SimplifiedLayerNormalization), so their outputs and
+    everything downstream had no dtype and kept FP32. onnxruntime's symbolic shape inference knows
+    most of those ops; it runs on the model's structure (weights as inputs of their shape), only
+    when such an output is read. What it leaves untyped (it has no FusedMatMul handler) is typed
+    from onnxruntime's schemas, in graph order: an output of a type group an input shares takes
+    that input's type, one whose group allows a single type takes that type."""
     main = model.graph
-    if not any(v.dtype is None and v.uses() for node in main.nodes if node.domain not in ("", "ai.onnx")
-               for v in node.outputs):
+    if not any(v.dtype is None and v.uses() and (node.domain not in ("", "ai.onnx")
+                                                 or has_ort_schema_only(node.op_type, "", node.opset))
+               for node in main.nodes for v in node.outputs):
         return
+    _type_by_symbolic_inference(model)
+    for node in main.nodes:  # (in order: an output typed here types its readers' outputs)
+        if any(v.dtype is None for v in node.outputs) and node.output_groups:
+            _type_from_schema(node)
+
+
+def _type_by_symbolic_inference(model: Model) -> None:
+    main = model.graph
     source = model.origin
     proto = structure_proto(source) if isinstance(source, OnnxSource) else None
     if proto is None:
@@ -143,6 +156,22 @@ def _type_custom_outputs(model: Model) -> None:
         for value in node.outputs:
             if value.dtype is None and types.get(value.name) in known:
                 value.dtype = DType(types[value.name])
+
+
+def _type_from_schema(node: Node, containers: "dict[int, str] | None" = None) -> None:
+    """Type the node's untyped outputs from its schema: an output of a type group that a typed
+    input shares takes that input's type; an output of a contrib op whose schema allows one type
+    (SkipLayerNormalization's mean, U: float only) takes that type. (A sequence or optional keeps
+    what it has. ``containers``: the builder's ids of those; else the values' own marks.)"""
+    def plain(v: Value) -> bool:
+        return id(v) not in containers if containers is not None else "onnx.container" not in v.meta
+
+    typed = {g: v.dtype for v, g in zip(node.inputs, node.input_groups)
+             if v is not None and g not in (None, "?") and v.dtype is not None and plain(v)}
+    fixed = node.meta.get("onnx.output_types", ())
+    for k, (v, g) in enumerate(zip(node.outputs, node.output_groups)):
+        if v.dtype is None and plain(v):
+            v.dtype = typed.get(g) or (fixed[k] if k < len(fixed) else None)
 
 
 def _unique_labels(main: Graph) -> None:
@@ -709,18 +738,70 @@ class Slots(NamedTuple):
     outputs: tuple[str | None, ...]
     input_names: tuple[str, ...]  # the schema's formal input names
     group_types: dict[str, frozenset[str]]  # per group, the element types the schema allows ("float16", ...)
+    # (onnxruntime's schemas) per (group, main group): a float group the node paints with its main
+    # group where the model types both alike, as the kernels take them (see ``_joinable``)
+    joins: tuple[tuple[str, str], ...] = ()
+    # (onnxruntime's schemas) per output: the one element type its schema allows, else None
+    output_types: tuple[DType | None, ...] = ()
 
     def apply(self, node: Node) -> None:
-        node.input_groups, node.output_groups = list(self.inputs), list(self.outputs)
+        ins, outs, group_types = self.inputs, self.outputs, self.group_types
+        if self.joins:
+            ins, outs, group_types = _join_groups(node, self)
+        node.input_groups, node.output_groups = list(ins), list(outs)
         node.meta["input_names"] = self.input_names
-        node.meta["group_types"] = self.group_types
+        node.meta["group_types"] = group_types
+        if self.output_types:
+            node.meta["onnx.output_types"] = self.output_types
+
+
+def _join_groups(node: Node, slots: Slots) -> tuple[tuple, tuple, dict[str, frozenset[str]]]:
+    """The node's groups once each joinable group whose values the model types alike with its
+    main group's (one float type between them, or none known) is painted as the main group: a
+    GroupQueryAttention's FP32 KV cache goes low with its query (the CUDA kernel takes one type for
+    both), an int8 cache keeps its own group."""
+    ins, outs, group_types = slots.inputs, slots.outputs, slots.group_types
+    for group, main in slots.joins:
+        dtypes = {v.dtype for groups, values in ((ins, node.inputs), (outs, node.outputs))
+                  for g, v in zip(groups, values) if g in (group, main) and v is not None and v.dtype is not None}
+        if len(dtypes) > 1 or any(not d.is_float for d in dtypes):
+            continue
+        ins = tuple(main if g == group else g for g in ins)
+        outs = tuple(main if g == group else g for g in outs)
+        group_types = {**group_types, main: group_types[main] & group_types[group]}
+        del group_types[group]
+    return ins, outs, group_types
+
+
+_LOW_TYPES = frozenset({"float16", "bfloat16"})
+
+
+def _joinable(group_types: dict[str, frozenset[str]], ins: tuple, outs: tuple) -> tuple[tuple[str, str], ...]:
+    """onnxruntime's contrib schemas list apart float groups that their kernels take in one type
+    (GroupQueryAttention's KV cache T_CACHE and its query T, MatMulNBits' float zero points,
+    SimplifiedLayerNormalization's X and scale): before these ops had groups, all their slots were
+    painted together. They still are, except for groups whose schema pins them to types without a
+    low one (LayerNorm statistics U: float only; k_scale; Attention's int32 mask_index): those keep
+    their types. Returns (group, main group) pairs; the main group is that of the first output
+    that may be a float, else of the first input."""
+    floats = {"float", *_LOW_TYPES}
+    slots = [g for g in (*outs, *ins) if g is not None]
+    main = next((g for g in slots if group_types.get(g, frozenset()) & floats), None)
+    if main is None:
+        return ()
+    joins = []
+    for group in dict.fromkeys(slots):
+        allowed = group_types.get(group, frozenset())
+        if group != main and "float" in allowed and allowed & _LOW_TYPES and group_types[main] & allowed:
+            joins.append((group, main))
+    return tuple(joins)
 
 
 @functools.lru_cache(maxsize=None)
 def schema_slots(op: str, domain: str, opset: int | None, n_in: int, n_out: int) -> Slots:
     """Per slot: the type-constraint name (a group painted together) or None (a fixed type). An op
-    with no schema (custom domain, model-local function) is one group, "?". Cached: every node of
-    an op and arity shares one (read-only) answer."""
+    with no schema, onnx's or onnxruntime's (a custom domain, a model-local function), is one
+    group, "?". Cached: every node of an op and arity shares one (read-only) answer."""
     schema = _schema(op, domain or "", opset)
     if schema is None:
         return Slots(("?",) * n_in, ("?",) * n_out, (), {})
@@ -740,17 +821,101 @@ def schema_slots(op: str, domain: str, opset: int | None, n_in: int, n_out: int)
         for old, into in merged.items():
             if old in group_types and into in group_types:  # (a later opset may name them otherwise)
                 group_types[into] = group_types[into] & group_types.pop(old)
-    return Slots(ins, outs, tuple(f.name for f in schema.inputs), group_types)
+    if not isinstance(schema, _OrtSchema):
+        return Slots(ins, outs, tuple(f.name for f in schema.inputs), group_types)
+    single = {tc.type_param_str: _dtype_of(tc.allowed_type_strs[0]) for tc in schema.type_constraints
+              if len(tc.allowed_type_strs) == 1}
+    output_types = tuple(single.get(g) if g is not None else _dtype_of(f.type_str) if f is not None else None
+                         for g, f in zip(outs, _formals(schema.outputs, n_out)))
+    return Slots(ins, outs, tuple(f.name for f in schema.inputs), group_types,
+                 _joinable(group_types, ins, outs), output_types if any(output_types) else ())
+
+
+def _formals(formals, count: int) -> list:
+    """The formal parameter of each of ``count`` slots (a variadic last one repeats), or None."""
+    out = []
+    for i in range(count):
+        if not formals or (i >= len(formals)
+                           and formals[-1].option != onnx.defs.OpSchema.FormalParameterOption.Variadic):
+            out.append(None)
+        else:
+            out.append(formals[min(i, len(formals) - 1)])
+    return out
+
+
+def _dtype_of(type_str: str) -> DType | None:
+    """``tensor(float)`` -> DType.FLOAT; None for anything else (a sequence, a type variable)."""
+    if not (type_str.startswith("tensor(") and type_str.endswith(")")):
+        return None
+    return DType.__members__.get(type_str[len("tensor("):-1].upper())
 
 
 @functools.lru_cache(maxsize=None)
 def _schema(op: str, domain: str, opset: int | None):
+    """The op's schema at ``opset``: onnx's, else onnxruntime's (its contrib ops: com.microsoft's,
+    and those it registers in the default domain, such as LayerNormalization below opset 17 and
+    SimplifiedLayerNormalization, which its optimizers write and it loads); None where neither
+    has one."""
     if opset is None:
         return None
     try:
         return onnx.defs.get_schema(op, opset, domain)
     except onnx.defs.SchemaError:
-        return None
+        pass
+    versions = [s for s in _ort_schemas().get(("" if domain == "ai.onnx" else domain, op), ())
+                if s.since_version <= opset]
+    return _OrtSchema.of(versions[-1]) if versions else None
+
+
+def has_ort_schema_only(op: str, domain: str, opset: int | None) -> bool:
+    """Whether only onnxruntime knows the op at this opset (a contrib op, in any domain)."""
+    return isinstance(_schema(op, domain or "", opset), _OrtSchema)
+
+
+@functools.lru_cache(maxsize=1)
+def _ort_schemas() -> dict[tuple[str, str], tuple]:
+    """onnxruntime's registered schemas per (domain, op), oldest first; {} without onnxruntime."""
+    try:
+        from onnxruntime.capi import _pybind_state
+
+        schemas = _pybind_state.get_all_operator_schema()
+    except (ImportError, AttributeError, RuntimeError):
+        return {}
+    index: dict[tuple[str, str], list] = {}
+    for s in schemas:
+        index.setdefault((s.domain, s.name), []).append(s)
+    return {key: tuple(sorted(found, key=lambda s: s.since_version)) for key, found in index.items()}
+
+
+class _Formal(NamedTuple):
+    """An onnxruntime formal parameter, spelt as onnx's (``type_str``, ``option``, ``is_homogeneous``)."""
+
+    name: str
+    type_str: str
+    option: Any
+    is_homogeneous: bool
+
+
+class _OrtSchema(NamedTuple):
+    """An onnxruntime schema with onnx's attribute names, as the slot code reads them."""
+
+    name: str
+    domain: str
+    since_version: int
+    inputs: tuple[_Formal, ...]
+    outputs: tuple[_Formal, ...]
+    type_constraints: tuple
+    max_input: int
+
+    @staticmethod
+    def of(schema) -> "_OrtSchema":
+        option = onnx.defs.OpSchema.FormalParameterOption
+
+        def formals(params):
+            return tuple(_Formal(f.name, f.typeStr, option(int(f.option)), f.isHomogeneous) for f in params)
+
+        return _OrtSchema(schema.name, schema.domain, schema.since_version, formals(schema.inputs),
+                          formals(schema.outputs), tuple(schema.type_constraints), schema.max_input)
 
 
 class _Unsorted(Exception):
@@ -892,11 +1057,7 @@ class _Builder:
         schema says they are one type). onnx's inference skips a body value that shadows an outer
         name, as onnxruntime allows: untyped, the body's MatMul kept FP32 and a second rewrite,
         which reads it renamed, painted it low."""
-        typed = {g: v.dtype for v, g in zip(node.inputs, node.input_groups)
-                 if v is not None and g not in (None, "?") and v.dtype is not None and id(v) not in self._containers}
-        for v, g in zip(node.outputs, node.output_groups):
-            if v.dtype is None and g in typed and id(v) not in self._containers:
-                v.dtype = typed[g]
+        _type_from_schema(node, self._containers)
 
     @staticmethod
     def _unreachable_input(n: ir.Node, scope: dict[int, Value]) -> None:
@@ -964,13 +1125,7 @@ def _all_schemas(op: str, domain: str) -> tuple:
     try:
         newest = onnx.defs.get_schema(op, domain).since_version
     except onnx.defs.SchemaError:
-        try:
-            from onnxruntime.capi import _pybind_state
-
-            schemas = _pybind_state.get_all_operator_schema()
-        except (ImportError, AttributeError, RuntimeError):
-            return ()
-        return tuple(sorted((s for s in schemas if s.name == op and s.domain == domain), key=lambda s: s.since_version))
+        return _ort_schemas().get((domain, op), ())
     found = []
     for version in range(1, newest + 1):
         try:
