@@ -494,3 +494,27 @@ def test_angles_from_a_float_input_are_left_to_painting():
     not apply and the MatMul follows its own (allow) rule."""
     result = rewrite(_rotary("features"))
     assert result.log.decisions["MatMul:fr"].precision == Precision.LOW
+
+
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+def test_a_castlike_of_integers_read_in_fp32_is_no_round_trip(placement):
+    """CastLike(ids, h) takes h's type: with h FP16 its output was FP16 and cast back to FP32 for
+    the ReduceSum, an int -> FP16 -> FP32 trip (ids above 65504 became inf). A CastLike of a
+    non-float input now counts as reading FP32 data, so the round-trip rule keeps it FP32."""
+    model = make_model("""
+    <ir_version: 10, opset_import: ["" : 17]>
+    g (float[4,8] x, int64[4,8] ids) => (float y, float[4,8] z) {
+      h = MatMul(x, w)
+      c = CastLike(ids, h)
+      y = ReduceSum<keepdims=0>(c)
+      z = MatMul(h, w)
+    }""", {"w": (8, 8)})
+    result = rewrite(model, placement=placement)
+    full_check(result.model)
+    assert result.log.decisions["CastLike:c"].precision == Precision.FP32
+    assert result.log.decisions["MatMul:h"].precision == Precision.LOW
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32),
+             "ids": (np.arange(32).reshape(4, 8) * 10000).astype(np.int64)}
+    ref, got = run(model, feeds)["y"], run(result.model, feeds)["y"]
+    assert np.isfinite(got).all() and rel_err(ref, got) < 1e-6
+    assert not rewrite(result.model, placement=placement).modified

@@ -241,6 +241,14 @@ def read_through_casts(value: Value, low: DType, painted: Callable[[Node, int], 
     return nodes, fixed
 
 
+def converts_non_float(node: Node) -> bool:
+    """A CastLike of a non-float tensor (ids, counts) to its float input's type: its output holds
+    values FP32 has exactly and the low type may not (FP16 overflows above 65504), like an FP32
+    tensor read, so the round-trip rule counts it as reading one."""
+    data = node.inputs[0] if node.domain == "" and node.op_type == "CastLike" and node.inputs else None
+    return data is not None and data.dtype is not None and not data.dtype.is_float
+
+
 def accepts_any_float(node: Node, index: int | None = None) -> bool:
     """Cast reads any type, Shape and Size read only metadata: none of them ever needs a cast.
     Neither does CastLike's input 0 (``index``), which it casts to the type of input 1."""

@@ -89,7 +89,7 @@ import networkx as nx
 
 from ..decisions import Category, Precision
 from ..ir import DType, Graph, Model, Node, Value
-from .base import Context, PassResult, accepts_any_float, category, group_inputs, group_outputs, node_label, participates, \
+from .base import Context, PassResult, accepts_any_float, category, converts_non_float, group_inputs, group_outputs, node_label, participates, \
     read_through_casts, retypable_io
 
 BATCH_DIM = 1
@@ -238,6 +238,9 @@ class Problem:
         self.fp32_sink = [False] * len(nodes)
         self._numel: dict[int, int] = {}
         self.terms = self._value_terms()
+        for i, node in enumerate(nodes):
+            if converts_non_float(node):
+                self.fp32_source[i] = True
         self.requires = self._only_downstream()
         self.free = [i for i in range(len(nodes)) if i not in self.fixed]
         self.node_bytes = [0] * len(nodes)

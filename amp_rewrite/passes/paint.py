@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from ..decisions import Category, Precision
 from ..ir import DType, Graph, Model, Node, Value
-from .base import Context, PassResult, accepts_any_float, category, group_inputs, group_outputs, node_label, participates, \
-    read_through_casts, retypable_io
+from .base import Context, PassResult, accepts_any_float, category, converts_non_float, group_inputs, group_outputs, \
+    node_label, participates, read_through_casts, retypable_io
 
 _LOW_OK = (Category.CLEAR, Category.INFER)
 
@@ -67,6 +67,8 @@ class _ScopePainter:
                     self.succs[j].add(i)
                 elif not self._flexible_source(value, keep_io):
                     self.fp32_source[i] = True
+            if converts_non_float(node):
+                self.fp32_source[i] = True
             for k in self.group_outs[i]:
                 if self._has_fixed_use(node.outputs[k], keep_io):
                     self.fp32_sink[i] = True
