@@ -479,8 +479,8 @@ def _dtype_in_args(node: fx.Node) -> torch.dtype | None:
     if given is not None:
         return given
     for a in node.args[1:]:
-        if dtype_read(a) is not None:
-            return dtype_read(a)
+        if (given := dtype_read(a)) is not None:
+            return given
         if isinstance(a, fx.Node):  # x.to(other) / x.type_as(other): the other tensor's dtype
             metas = leaf_metas(a)
             if len(metas) == 1 and metas[0][0] == ():

@@ -426,7 +426,7 @@ class SymbolicShapes:
         self.model = model
         self._tables: list[ShapeTable] = []
         self._pending = [self._onnx_inference, self._onnxruntime_inference]
-        self._ort: ShapeTable | None = None
+        self._proto: onnx.ModelProto | None = ...  # (the structure proto, made once: ... until then)
 
     def tables(self):
         """The tables in order, each inferred at the first ask for it."""
@@ -441,15 +441,16 @@ class SymbolicShapes:
     def computed(self) -> dict[str, tuple]:
         """For the optimal placement's size estimates: onnxruntime's table where it ran (the most
         ops reasoned about), else onnx's, else empty (no proof asked for one)."""
-        if self._ort is not None:
-            return self._ort.shapes
-        return self._tables[0].shapes if self._tables else {}
+        return self._tables[-1].shapes if self._tables else {}  # (onnxruntime's is the second)
 
     def _structure(self):
-        from .onnx_loader import OnnxSource, structure_proto
+        """The model's structure proto, made once for both inferences (neither edits it)."""
+        if self._proto is ...:
+            from .onnx_loader import OnnxSource, structure_proto
 
-        source = self.model.origin
-        return structure_proto(source) if isinstance(source, OnnxSource) else None
+            source = self.model.origin
+            self._proto = structure_proto(source) if isinstance(source, OnnxSource) else None
+        return self._proto
 
     def _onnx_inference(self) -> dict[str, tuple]:
         proto = self._structure()
@@ -474,14 +475,11 @@ class SymbolicShapes:
         logging.getLogger("onnxruntime.tools.symbolic_shape_infer").setLevel(logging.CRITICAL)
         strict, complete = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=False)
         if complete:
-            shapes = _shape_table(strict)
-        else:
-            # the merged run's symbols are consistent with each other; the strict run's partial
-            # result only fills in what the merged run did not reach
-            merged, _ = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=True)
-            shapes = {**_shape_table(strict), **_shape_table(merged)}
-        self._ort = ShapeTable(shapes)
-        return shapes
+            return _shape_table(strict)
+        # the merged run's symbols are consistent with each other; the strict run's partial result
+        # only fills in what the merged run did not reach
+        merged, _ = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=True)
+        return {**_shape_table(strict), **_shape_table(merged)}
 
 
 class ShapeTable:

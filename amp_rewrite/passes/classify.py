@@ -36,9 +36,12 @@ _Verdict = tuple[Category, str, str, RuleEntry | None]
 def classify(model: Model, ctx: Context) -> PassResult:
     verdicts: dict[tuple, _Verdict] = {}  # per (op, domain, opset): the same for every such node
     names = node_names(model) if ctx.rules.node_rules() else frozenset()
+    angles = []  # deny ops whose argument must be precise (Sin, Cos)
     for node in model.graph.walk():
         _classify_node(node, ctx, verdicts, names)
-    _keep_position_arguments_fp32(model, ctx)
+        if node.meta.get("amp.fp32_argument"):
+            angles.append(node)
+    _keep_position_arguments_fp32(angles, ctx)
     _note_unmatched_node_rules(ctx, names)
     return PassResult("classify", modified=False)
 
@@ -118,7 +121,7 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
 _CONE_LIMIT = 64  # nodes: an argument computed by more than this is no position encoding
 
 
-def _keep_position_arguments_fp32(model: Model, ctx: Context) -> None:
+def _keep_position_arguments_fp32(angles: list[Node], ctx: Context) -> None:
     """A deny op whose rule marks its argument precise (``fp32_argument``: Sin, Cos) keeps FP32 the
     nodes computing that argument where they compute it from integers and constants only: the
     angles of rotary and sinusoidal position encodings (``inv_freq @ position_ids``). An allow
@@ -127,9 +130,7 @@ def _keep_position_arguments_fp32(model: Model, ctx: Context) -> None:
     autocast disabled for the same reason. An argument that depends on a float activation or graph
     input (Fourier features, a SIREN layer) is left to painting."""
     low = ctx.low.short if ctx.low is not None else "the low type"
-    for node in model.graph.walk():
-        if not node.meta.get("amp.fp32_argument"):
-            continue
+    for node in angles:
         for member in _position_cone(node):
             category = member.meta.get("amp.category")
             if member.meta.get("amp.participates") and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
@@ -151,9 +152,9 @@ def _position_cone(node: Node) -> list[Node]:
         if id(value) in seen:
             continue
         seen.add(id(value))
-        if value.dtype is None or not value.dtype.is_float:
-            if value.dtype is None:
-                return []
+        if value.dtype is None:
+            return []
+        if not value.dtype.is_float:
             continue  # integer data: positions, shapes, indices
         if value.is_constant:
             continue
