@@ -736,6 +736,32 @@ def test_an_op_reading_a_constant_fp16_cannot_hold_keeps_fp32(kind, placement):
     assert "100000" not in bf16.log.decisions[reader].reason
 
 
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+def test_a_constant_an_if_branch_returns_counts_as_read(placement):
+    """``s = If(c)`` returning a Constant 1e5 from one branch, then ``z = h / s`` between FP16
+    MatMuls: the Div went FP16 (the check looked at the Div's inputs, not through the If), clamping
+    s to 65504: 53% error. The value an If returns is now looked up in its branches."""
+    w = ",".join(["100.0"] * 64)
+    model = make_model(f"""<ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x, bool c) => (float[4,8] y) {{
+          w = Constant<value = float[8,8] {{{w}}}>()
+          h = MatMul(x, w)
+          s = If(c) <
+            then_branch = t () => (float[1] a) {{ a = Constant<value = float[1] {{100000.0}}>() }},
+            else_branch = e () => (float[1] b) {{ b = Constant<value = float[1] {{2.0}}>() }}
+          >
+          z = Div(h, s)
+          y = MatMul(z, w)
+        }}""")
+    result = rewrite(model, placement=placement)
+    full_check(result.model)
+    decision = result.log.decisions["Div:z"]
+    assert decision.precision == Precision.FP32 and "100000" in decision.reason
+    feeds = {"x": np.random.default_rng(1).uniform(0, 1, (4, 8)).astype(np.float32), "c": np.array(True)}
+    ref, got = run(model, feeds)["y"], run(result.model, feeds)["y"]
+    assert rel_err(ref, got) < 1e-2
+
+
 def test_a_mask_sentinel_constant_does_not_keep_its_reader_fp32():
     """-1e9 (and finfo(float32).min) mask sentinels saturate and still mask; keeping every mask op
     FP32 for them would cast around every attention block. The optimal placement still chooses."""

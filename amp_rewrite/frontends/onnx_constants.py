@@ -9,7 +9,7 @@ clamp the constant to 65504 (34% error) or overflow to inf, where leaving the op
 
 So before classify, every non-allow node of the ONNX graph that reads, in a float slot, a constant
 (an initializer or Constant node, a ConstantOfShape's fill or a OneHot's values, as read or
-reshaped, expanded or tiled) with a finite value beyond the target's finite range is marked; classify keeps such an infer or clear op FP32, saying
+reshaped, expanded or tiled, or as an If branch returns it) with a finite value beyond the target's finite range is marked; classify keeps such an infer or clear op FP32, saying
 which constant and value. Infinities are left alone (the low types hold them), and so are mask
 sentinels of magnitude 1e8 and more (-1e9, finfo(float32).min): saturated, they still mask, which
 the report counts and ``--check`` expects; keeping every mask op FP32 for them would add casts to
@@ -69,7 +69,8 @@ _COPIES = {"Identity", "Reshape", "Expand", "Tile", "Squeeze", "Unsqueeze", "Fla
 
 def _held(value: Value | None, limit: float, depth: int = 0) -> float | None:
     """A value beyond the limit that ``value`` holds as a constant: its own data, a ConstantOfShape's
-    fill, a OneHot's on/off values, or those of a constant reshaped, expanded or tiled."""
+    fill, a OneHot's on/off values, or those of a constant reshaped, expanded or tiled, or returned
+    by a branch of an If."""
     if value is None or value.dtype != DType.FLOAT or depth > 8:
         return None
     if value.is_constant:
@@ -83,6 +84,12 @@ def _held(value: Value | None, limit: float, depth: int = 0) -> float | None:
         return _held(producer.inputs[2], limit, depth + 1)
     if producer.op_type in _COPIES and producer.inputs:
         return _held(producer.inputs[0], limit, depth + 1)
+    if producer.op_type == "If":  # what either branch returns in this slot
+        index = producer.outputs.index(value)
+        for branch in producer.all_subgraphs():
+            big = _held(branch.outputs[index], limit, depth + 1) if index < len(branch.outputs) else None
+            if big is not None:
+                return big
     return None
 
 
