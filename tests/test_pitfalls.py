@@ -131,6 +131,48 @@ def test_shared_initializer_never_mismatches():
     np.testing.assert_allclose(ref["t"], got["t"], rtol=1e-6)  # the FP32 consumer saw exact weights
 
 
+@pytest.mark.parametrize("scope", ["main", "branch", "main-ir3"])
+def test_shared_constant_node_is_copied_clamped_not_cast_at_run_time(scope):
+    """A Constant node (not an initializer) read by an FP16 MatMul and an FP32 reduction got a
+    run-time Cast for the MatMul: its 1e5 became inf there, and so did the outputs. Shared like an
+    initializer, it now gives the FP16 reader a copy converted offline (clamped to 65504 and
+    counted), in a branch too, and at IR 3 (where the copy is listed among the graph inputs)."""
+    w = ",".join(["100000.0"] + ["0.1"] * 63)
+    body = f"""w = Constant<value = float[8,8] {{{w}}}>()
+               h = MatMul(x, w)
+               r = ReduceSum<keepdims=1, axes=[0]>(w)"""
+    if scope == "branch":
+        text = f"""<ir_version: 8, opset_import: ["" : 12]>
+            g (float[4,8] x, bool c) => (float[4,8] y, float[1,8] t) {{
+              y, t = If(c) <
+                then_branch = a () => (float[4,8] h, float[1,8] r) {{ {body} }},
+                else_branch = b () => (float[4,8] h2, float[1,8] r2) {{ h2 = Identity(x)
+                                                                         r2 = ReduceSum<keepdims=1, axes=[0]>(x) }}
+              >
+            }}"""
+    else:
+        text = f"""<ir_version: 8, opset_import: ["" : 12]>
+            g (float[4,8] x) => (float[4,8] y, float[1,8] t) {{
+              {body}
+              y = Identity(h)
+              t = Identity(r)
+            }}"""
+    model = make_model(text, ir_version=3 if scope == "main-ir3" else 8)
+    result = rewrite(model)
+    out = result.model
+    full_check(out)
+    graphs = [out.graph] + [a.g for n in out.graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH]
+    assert not any(n.op_type == "Cast" and n.input[0] == "w" for g in graphs for n in g.node)
+    assert result.log.weights.clamped == 1
+    feeds = {"x": np.random.default_rng(0).uniform(0, 0.5, (4, 8)).astype(np.float32)}
+    if scope == "branch":
+        feeds["c"] = np.array(True)
+    ref, got = run(model, feeds), run(out, feeds)
+    assert np.isfinite(got["y"]).all()  # (was inf: the run-time Cast of 1e5)
+    np.testing.assert_array_equal(ref["t"], got["t"])  # the FP32 reader saw the exact constant
+    assert not rewrite(out).modified
+
+
 # 4. Resize roi/scales (float control inputs) stay FP32.
 def test_resize_scales_stay_fp32():
     m = make_model("""

@@ -55,7 +55,7 @@ TAG_UNFUSED = TAG + "unfused"  # a member of a pattern a user's pin kept unfused
 def emit_onnx(model: Model, log: DecisionLog) -> ir.Model:
     """Apply the IR's changes to the onnx-ir model and return it."""
     source: OnnxSource = model.origin
-    patcher = _Patcher(log)
+    patcher = _Patcher(log, source.model.ir_version)
     patcher.patch(model.graph)
     _remove(model.meta.get("amp.removed_nodes", []))
     for domain, version in model.opsets.items():
@@ -138,8 +138,9 @@ def to_proto(model: ir.Model) -> onnx.ModelProto:
 
 
 class _Patcher:
-    def __init__(self, log: DecisionLog) -> None:
+    def __init__(self, log: DecisionLog, ir_version: int | None = None) -> None:
         self.log = log
+        self.ir_version = ir_version
         self.values: dict[int, ir.Value] = {}
         self.deferred: list[tuple] = []  # (tensor, target, name) converted at save time
         self.order = {name: i for i, name in enumerate(log.decisions)}
@@ -280,11 +281,15 @@ class _Patcher:
 
     def _add_copy(self, origin: ir.Graph, value: Value) -> None:
         source: Value = value.meta["amp.copy_of"]
-        tensor = self._convert(source.origin.const_value, value.name, value.dtype)
+        if source.is_initializer:
+            tensor = source.origin.const_value
+        else:  # a Constant node's value, shared with FP32 readers (its node keeps it as it is)
+            tensor = _constant_tensor(source.origin.producer(), keep=True)
+        tensor = self._convert(tensor, value.name, value.dtype)
         new = ir.Value(name=value.name, type=ir.TensorType(ir.DataType(int(value.dtype))),
                        shape=ir.Shape(list(tensor.shape.dims)), const_value=tensor)
         origin.register_initializer(new)
-        if any(v is source.origin for v in origin.inputs):
+        if any(v is source.origin for v in origin.inputs) or (self.ir_version or 4) < 4:
             # IR < 4 lists every initializer among the graph inputs: the copy must be listed too
             origin.inputs.append(new)
         value.origin = new
@@ -397,16 +402,18 @@ def _model_tags(log: DecisionLog, deferred: list[tuple]) -> str:
 CHUNK_ELEMENTS = 4 << 20  # 16 MB of FP32 converted per step
 
 
-def _constant_tensor(n: ir.Node):
+def _constant_tensor(n: ir.Node, keep: bool = False):
     """A Constant node's float value as a tensor, whichever attribute holds it (``value``, or the
-    ``value_float``/``value_floats`` shorthands, which are removed: the converted tensor replaces them)."""
+    ``value_float``/``value_floats`` shorthands, which are removed unless ``keep``: the converted
+    tensor replaces them)."""
     attr = n.attributes.get("value")
     if attr is not None:
         return attr.as_tensor()
+    take = n.attributes.get if keep else n.attributes.pop
     if "value_float" in n.attributes:
-        data = np.array(n.attributes.pop("value_float").as_float(), np.float32)
+        data = np.array(take("value_float").as_float(), np.float32)
     else:
-        data = np.array(list(n.attributes.pop("value_floats").as_floats()), np.float32)
+        data = np.array(list(take("value_floats").as_floats()), np.float32)
     return ir.tensor(data)
 
 

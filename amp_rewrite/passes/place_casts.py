@@ -249,7 +249,14 @@ class _Placer:
                                               f"computes in {self.low.short}")
             return
         low_uses = [u for u in uses if u.need == self.low]
-        if value.is_initializer and not at_use:
+        # A constant shared with FP32 readers: the low readers get a copy converted offline (clamped
+        # to the low type's range and counted, as every converted weight is), never a run-time Cast,
+        # which turns a value past the range into inf. (A Constant node's copy is an initializer;
+        # below IR 4 every initializer is also a graph input, which a subgraph's signature cannot
+        # take, so there a subgraph's literal keeps the Cast.)
+        literal = (not value.is_initializer and self.model.frontend == "onnx"
+                   and ((self.model.meta.get("ir_version") or 4) >= 4 or value.graph is self.model.graph))
+        if (value.is_initializer and not at_use) or literal:
             copy = self._low_copy(value)
             for use in low_uses:
                 if use.node is not None:  # (a graph output that is this initializer keeps it)
