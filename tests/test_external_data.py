@@ -407,11 +407,13 @@ def test_a_model_in_memory_with_unloaded_external_data_is_refused():
     ("short length", r"declares 100 bytes, but a tensor of its type and shape takes 16384"),
     ("directory", r"external data location 'd' of tensor 'w0' is not a file"),
     ("empty location", r"names no file"),
+    ("negative offset", r"offset must be non-negative, got -16 for tensor 'w0'"),
 ])
 def test_inconsistent_external_data_is_a_load_error(tmp_path, defect, message):
     """A declared length shorter than the tensor was read past (onnxruntime refuses the model); a
     directory as the location said 'has 2 hard links'; an empty location said the file was a link
-    outside the model folder."""
+    outside the model folder; a negative offset said only 'Error calling _deserialize_graph with: g'
+    (onnx-ir's wrapper around the real error)."""
     from amp_rewrite.errors import ModelLoadError
 
     src = tmp_path / "m.onnx"
@@ -424,6 +426,10 @@ def test_inconsistent_external_data_is_a_load_error(tmp_path, defect, message):
     elif defect == "directory":
         (tmp_path / "d").mkdir()
         entries["location"].value = "d"
+    elif defect == "negative offset":
+        if "offset" not in entries:
+            entries["offset"] = w0.external_data.add(key="offset")
+        entries["offset"].value = "-16"
     else:
         entries["location"].value = ""
     onnx.save(proto, str(src))

@@ -263,7 +263,7 @@ def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: 
         with _quiet_onnx_ir():
             return ir.serde.deserialize_model(proto), types, len(graphs) > 1, proto
     except Exception as exc:  # onnx-ir raises many kinds on malformed protos
-        raise ModelLoadError(f"{where}the model could not be read: {_first_line(exc)}") from exc
+        raise ModelLoadError(f"{where}the model could not be read: {_first_line(_root_cause(exc))}") from exc
 
 
 @contextlib.contextmanager
@@ -392,6 +392,19 @@ def _read_path(path: Path, *, infer_shapes: bool = False
     if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
         raise ModelLoadError(f"{path}: not a valid ONNX model (no graph); is this an ONNX file?")
     return _read_proto(proto, path, path.stat().st_size, owned=True, infer_shapes=infer_shapes)
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The exception at the bottom of ``exc``'s chain: onnx-ir wraps what went wrong (``External
+    data offset must be non-negative, got -16 for tensor 'w'``) in ``Error calling
+    _deserialize_graph with: g``, which names no tensor and no fix."""
+    seen = {id(exc)}
+    while True:
+        inner = exc.__cause__ or exc.__context__
+        if inner is None or id(inner) in seen:
+            return exc
+        seen.add(id(inner))
+        exc = inner
 
 
 def _first_line(exc: BaseException) -> str:
