@@ -541,12 +541,21 @@ def _parse_entry(
     )
 
 
-def _split_op_key(op_key: str, shown: str, key: str) -> tuple[str, str]:
-    """``"com.microsoft:Attention"`` -> (domain, op); a bare name is in the default domain."""
-    domain, _, op = op_key.rpartition(":")
-    if not op or ":" in domain or (op_key.count(":") and not domain):
-        raise RuleFileError(shown, key, "malformed op name: write Op or \"domain:Op\"")
+def _split_op_name(name: str) -> tuple[str, str] | None:
+    """``"com.microsoft:Attention"`` -> (domain, op); a bare name, or one with an empty domain
+    (``":Softmax"``), is in the default domain. None when malformed. (Rule files and the command
+    line's --fp16-ops / --fp32-ops read op names alike.)"""
+    domain, _, op = name.rpartition(":")
+    if not op or ":" in domain:
+        return None
     return _canonical_domain(domain), op
+
+
+def _split_op_key(op_key: str, shown: str, key: str) -> tuple[str, str]:
+    split = _split_op_name(op_key)
+    if split is None:
+        raise RuleFileError(shown, key, "malformed op name: write Op or \"domain:Op\"")
+    return split
 
 
 def _group_checked(entries: list[RuleEntry], shown: str) -> dict[tuple[str, str], tuple[RuleEntry, ...]]:
@@ -680,10 +689,10 @@ def _cli_layer(
 
 
 def _cli_entry(frontend: str, flag: str, category: Category, name: str) -> RuleEntry:
-    domain, _, op = name.rpartition(":")
-    if ":" in domain:
+    split = _split_op_name(name)
+    if split is None and name.count(":") > 1:
         raise UsageError(f"{flag}: {name!r} is not an op: write OP or DOMAIN:OP (e.g. com.microsoft:FusedMatMul)")
-    domain = _canonical_domain(domain)
+    domain, op = split or ("", "")
     known = _known_ops(frontend)
     if not op or (not domain and op not in known):
         suggestion = _closest(op, known)

@@ -599,3 +599,14 @@ def test_fp32_argument_only_on_deny_entries_and_set_on_the_trig_ops(tmp_path):
                                   ("torch", "fp16", ("sin", "cos")), ("torch", "bf16", ("sin", "cos"))):
         book = load_rules([], frontend=frontend, target=target)
         assert all(book.lookup(op, "", 17).fp32_argument for op in ops), (frontend, target)
+
+
+@pytest.mark.parametrize("key", [":Softmax", "ai.onnx:Softmax", "Softmax"])
+def test_rule_files_read_op_names_as_the_command_line_does(tmp_path, key):
+    """``--fp32-ops :Softmax`` (an empty domain: the default one) was accepted while the same key
+    in a rule file was refused as malformed; every spelling the command line takes now loads."""
+    path = write(tmp_path, f'[deny]\n"{key}" = "kept FP32 here"\n')
+    from_file = load_rules([path], frontend="onnx")
+    from_cli = load_rules(fp32_ops=[key])
+    for book in (from_file, from_cli):
+        assert book.category_of("Softmax", "", 17) == Category.DENY
