@@ -1223,6 +1223,61 @@ def test_a_fill_the_low_type_cannot_hold_keeps_fp32(capture, how):
     assert not [d for d in bf16.log.decisions.values() if "finite range" in d.reason]
 
 
+class _IntScalars(nn.Module):
+    """Out-of-range scalars the check missed: an int literal (``clamp(min=-100000)``,
+    ``h * 100000 / 100000``) and a leaf module's attribute (``nn.ConstantPad1d(..., -1e9)``, kept
+    as a call_module by symbolic_trace), next to an int that is a size (``view(-1, 70000 // 1000)``
+    must not count)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.l, self.l2, self.how = nn.Linear(16, 16), nn.Linear(16, 16), how
+        self.pad = nn.ConstantPad1d((0, 2), -1e9)
+
+    def forward(self, x):
+        h = self.l(x)
+        if self.how == "clamp":
+            h = torch.clamp(h, min=-100000)
+        elif self.how == "scale":
+            h = h * 100000 / 100000
+        else:  # "pad": TF-style SAME pooling pads with a huge negative
+            h = torch.nn.functional.max_pool1d(self.pad(h), 3, 1)
+        return self.l2(h)
+
+
+@pytest.mark.parametrize("how", ["clamp", "scale", "pad"])
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_int_and_module_scalars_the_low_type_cannot_hold_keep_fp32(capture, how):
+    """``clamp(h, min=-100000)`` crashed in FP16 ('cannot be converted to type c10::Half without
+    overflow') where ``min=-1e5`` was kept FP32; ``h * 100000`` overflowed to inf; symbolic_trace's
+    ``nn.ConstantPad1d(value=-1e9)`` crashed. Int scalars of value ops, and a leaf module's scalar
+    attributes, now count as the float ones do."""
+    torch.manual_seed(0)
+    model, x = _IntScalars(how).eval(), torch.randn(2, 4, 16)
+    result = _dispatch(model, example_inputs=(x,), target="fp16", capture=capture)
+    result.model.graph.lint()
+    with torch.no_grad():
+        out = result.model(x)
+        assert torch.isfinite(out).all() and rel_err(out, model(x)) < TOL["fp16"]
+    assert [d for d in result.log.decisions.values() if "outside fp16's finite range" in d.reason]
+
+
+def test_an_int_size_argument_is_not_a_value():
+    """``view(-1, 70000)`` names a size: it stays free to run low (no 'finite range' reason)."""
+
+    class Vocab(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(8, 70000)
+
+        def forward(self, x):
+            return self.l(x).view(-1, 70000)
+
+    x = torch.randn(1, 2, 8)
+    result = _dispatch(Vocab().eval(), example_inputs=(x,), target="fp16", capture="symbolic_trace")
+    assert not [d for d in result.log.decisions.values() if "finite range" in d.reason]
+
+
 class _SinusoidalPositions(nn.Module):
     """Sinusoidal positions made in the hidden state's type: ``arange(..., dtype=h.dtype)``."""
 

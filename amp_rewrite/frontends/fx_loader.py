@@ -607,7 +607,7 @@ class _Builder:
             ir.input_groups = [self._input_group(name, s, v) for s, v in zip(slots, inputs)]
             ir.output_groups = [self._output_group(name, i, v) for i, v in enumerate(outputs)]
             _split_promoted_types(ir)
-            big = _scalar_out_of_range(node, self.low) if self.low is not None else None
+            big = _scalar_out_of_range(node, self.low, self.gm) if self.low is not None else None
             if big is not None:
                 short = TORCH_TO_DTYPE[self.low].short
                 ir.meta.setdefault("amp.keeps_types", (
@@ -802,16 +802,42 @@ def _reads_values(node: fx.Node) -> bool:
 _LOW_TYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _scalar_out_of_range(node: fx.Node, low: torch.dtype) -> float | None:
-    """A float argument of ``node`` that ``low`` cannot hold, or None. A mask fill (``new_full(s,
+# ops whose scalar arguments are values combined with their tensors' (an int there, ``-100000``,
+# overflows like the float ``-1e5``); elsewhere an int is a size or an index (a 128256-word
+# vocabulary in ``view(-1, 128256)``) and never becomes a value of the low type
+_VALUE_SCALAR_OPS = frozenset({
+    "add", "sub", "rsub", "mul", "div", "true_divide", "floor_divide", "remainder", "fmod", "clamp", "clamp_min",
+    "clamp_max", "clip", "masked_fill", "fill", "full", "full_like", "new_full", "where", "threshold", "hardtanh",
+    "maximum", "minimum", "addcmul", "addcdiv", "lerp", "nan_to_num", "pad", "constant_pad_nd", "index_fill",
+    "scatter", "pow", "float_power", "eq", "ne", "lt", "le", "gt", "ge",
+})
+# the scalars a call_module leaf holds as attributes (nn.ConstantPad2d's value, nn.Threshold's,
+# nn.Hardtanh's bounds), which symbolic_trace does not put among the node's arguments
+_MODULE_SCALARS = ("value", "threshold", "min_val", "max_val")
+
+
+def _scalar_out_of_range(node: fx.Node, low: torch.dtype, gm: fx.GraphModule | None = None) -> float | None:
+    """A scalar argument of ``node`` that ``low`` cannot hold, or None. A mask fill (``new_full(s,
     -1e9)``, ``full_like(x, -1e9)``, ``masked_fill(m, -1e9)`` in FP16; ``finfo(float32).min`` in
     BF16) or a ``clamp(min=-1e9)`` is converted to the op's type when it runs: in the low type torch
     raises 'value cannot be converted ... without overflow' on every call (other ops make it
-    ±inf). The node computes in FP32 as written, whatever type its tensors take around it."""
+    ±inf). The node computes in FP32 as written, whatever type its tensors take around it. Floats
+    count wherever they are; ints where the op combines them with its values
+    (:data:`_VALUE_SCALAR_OPS`); a leaf module's scalar attributes too (:data:`_MODULE_SCALARS`)."""
     limit = torch.finfo(low).max
+    name = canonical_name(node, gm)[1] if gm is not None and node.op != "call_module" else None
+    ints = name in _VALUE_SCALAR_OPS
+
+    def number(x) -> bool:
+        return isinstance(x, float) or (ints and isinstance(x, int) and not isinstance(x, bool))
+
     numbers: list[float] = []
-    fx.node.map_aggregate((node.args, node.kwargs), lambda x: numbers.append(x) if isinstance(x, float) else None)
-    return next((x for x in numbers if math.isfinite(x) and abs(x) > limit), None)
+    fx.node.map_aggregate((node.args, node.kwargs), lambda x: numbers.append(x) if number(x) else None)
+    if node.op == "call_module" and gm is not None:
+        module = gm.get_submodule(str(node.target))
+        numbers += [v for v in (getattr(module, a, None) for a in _MODULE_SCALARS)
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return next((float(x) for x in numbers if math.isfinite(x) and abs(x) > limit), None)
 
 
 def _field_index(node: fx.Node, field: Any, gm: fx.GraphModule) -> int | None:
