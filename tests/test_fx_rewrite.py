@@ -1397,3 +1397,31 @@ def test_rotary_angles_from_positions_stay_fp32_in_torch(capture):
     assert linears and all(d.precision == Precision.LOW for d in linears)
     with torch.no_grad():
         assert rel_err(result.model(x, pos), model(x, pos)) < TOL["fp16"]
+
+
+class _BigLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.big = nn.Linear(8, 8), nn.Linear(8, 8)
+        with torch.no_grad():
+            self.big.weight.fill_(30000.0)  # outputs past FP16's 65504
+
+    def forward(self, x):
+        return self.big(torch.relu(self.a(x))) * 1e-3
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_users_fp32_pin_survives_rewriting_the_output_again(capture):
+    """README: pinned nodes stay FP32 when the output is rewritten again without the flags. The
+    torch loader never read the earlier rewrite's tags: the second rewrite made the pinned Linear
+    FP16 and its ~1e5 outputs inf."""
+    torch.manual_seed(0)
+    model, x = _BigLinear().eval(), torch.rand(2, 8) + 1
+    first = _dispatch(model, example_inputs=(x,), target="fp16", capture=capture, fp32_nodes=["big/*"]).model
+    again = _dispatch(first, example_inputs=(x,), target="fp16")
+    again.model.graph.lint()
+    with torch.no_grad():
+        assert torch.isfinite(again.model(x)).all()
+    pinned = [d for d in again.log.decisions.values() if d.op == "linear" and d.precision == Precision.FP32]
+    assert len(pinned) == 1 and pinned[0].source == "--fp32-nodes"
+    assert again.model.code == first.code

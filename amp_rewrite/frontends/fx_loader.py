@@ -614,6 +614,9 @@ class _Builder:
                     f"its argument {big:g} is outside {short}'s finite range (±{torch.finfo(self.low).max:g}): "
                     f"in {short} torch would refuse it ('cannot be converted without overflow') or make it "
                     f"±inf, so it keeps its types"))
+        earlier = node.meta.get("amp_rewrite")  # an earlier rewrite's tag (fx_emitter writes it)
+        if isinstance(earlier, dict) and earlier.get("category") == "deny" and earlier.get("precision") == "fp32":
+            ir.meta["amp.kept_fp32_by"] = earlier.get("source", "")  # a user's pin survives a rewrite again
         bodies = body_modules(node, self.gm)
         if bodies is not None:
             ir.meta["amp.keeps_types"] = _body_reason(node, bodies)

@@ -1029,7 +1029,7 @@ class _Builder:
         node.opset = self.opsets.get(node.domain)
         props = n.metadata_props
         if props and props.get("amp_rewrite.category") == "deny" and props.get("amp_rewrite.precision") == "fp32":
-            node.meta["onnx.kept_fp32_by"] = props.get("amp_rewrite.source", "")  # (an earlier rewrite's tags)
+            node.meta["amp.kept_fp32_by"] = props.get("amp_rewrite.source", "")  # (an earlier rewrite's tags)
         if props and props.get("amp_rewrite.unfused"):
             node.meta["onnx.unfused"] = True  # an earlier rewrite left its pattern unfused for a user's pin
         attributes = n.attributes

@@ -160,7 +160,7 @@ def earlier_pin(node: Node) -> str | None:
     """The source of the FP32 pin an earlier rewrite of this model gave the node (read from its
     tags: ``--fp32-nodes``, ``--fp32-ops``, ``--auto-fp32``'s pins, a rule file of the user's), which
     rewriting the output again keeps; None for none, or for a built-in rule's deny (decided afresh)."""
-    source = node.meta.get("onnx.kept_fp32_by")
+    source = node.meta.get("amp.kept_fp32_by")
     return source if source and is_user_source(source) else None
 
 
