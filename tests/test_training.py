@@ -989,3 +989,28 @@ def test_a_metric_beside_the_loss_is_not_taken_for_it():
         assert loss.item() == pytest.approx(ref_loss.item() * scaler.get_scale(), rel=2e-2), capture
         assert 0.0 <= acc.item() <= 1.0  # (bf16 logits may flip an argmax, but a scaled accuracy is 65536x)
         assert plain.item() == pytest.approx(ref_loss.item(), rel=2e-2)
+
+
+def test_a_symbolic_trace_training_module_runs_under_fx_interpreter():
+    """Module calls that read their parameters through casts are emitted as functional calls; the
+    parameter dict was a literal fx argument, which fx.Interpreter (ShapeProp, most FX passes)
+    hands over as an immutable_dict that functional_call mutates: TypeError. Direct calls worked."""
+    import torch.fx as fx
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l, self.o = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.o(torch.relu(self.l(x))), y)
+
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    gm = amp_rewrite.rewrite(Net(), example_inputs=(x, y), target="bf16", training=True, capture="symbolic_trace")
+    direct = gm(x, y)
+    assert torch.equal(fx.Interpreter(gm).run(x, y), direct)
+    assert torch.equal(ShapeProp(gm).propagate(x, y), direct)
+    assert torch.equal(copy.deepcopy(gm)(x, y), direct)

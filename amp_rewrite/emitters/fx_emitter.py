@@ -458,12 +458,20 @@ class _Emitter:
             with self.graph.inserting_before(fx_node):
                 module = self.graph.get_attr(str(fx_node.target))
                 call = self.graph.call_function(
-                    torch.func.functional_call, (module, dict(overrides), tuple(fx_node.args), dict(fx_node.kwargs)))
+                    functional_call, (module, dict(overrides), tuple(fx_node.args), dict(fx_node.kwargs)))
             call.meta = dict(fx_node.meta)
             fx_node.replace_all_uses_with(call)
             name = fx_node.name
             self.graph.erase_node(fx_node)
             call.name = self.graph._graph_namespace.create_name(name, None)
+
+
+def functional_call(module: torch.nn.Module, parameters: dict, args: tuple, kwargs: dict) -> Any:
+    """``torch.func.functional_call`` on fresh containers: fx hands a node's dict arguments over as
+    its ``immutable_dict``, which functional_call updates on the way out, so under
+    ``fx.Interpreter`` (ShapeProp, most FX passes) the call raised 'immutable_dict' object does not
+    support mutation. (Called directly, the generated code passed plain dicts.)"""
+    return torch.func.functional_call(module, dict(parameters), tuple(args), dict(kwargs))
 
 
 # -- weights ------------------------------------------------------------------------------------------------
