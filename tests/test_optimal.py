@@ -762,6 +762,80 @@ def test_a_constant_an_if_branch_returns_counts_as_read(placement):
     assert rel_err(ref, got) < 1e-2
 
 
+_COPY_READS = {
+    "Slice": ("bb = Slice(C2, s0, s1)", ""),
+    "Gather": ("bb = Gather<axis=0>(C, idx)", ""),
+    "Concat": ("bb = Concat<axis=0>(C1, C1)", ""),
+    "Split": ("bb, bb2 = Split<axis=1>(C2, sp)", ""),
+    "Neg": ("bb = Neg(C)", ""),
+    "Cast from double": ("bb = Cast<to=1>(D)", ""),
+}
+
+
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+@pytest.mark.parametrize("how", sorted(_COPY_READS))
+def test_a_constant_read_through_a_copy_op_counts_as_read(how, placement):
+    """``b = a + bb; c = b - bb`` between FP16 MatMuls, with bb a 1e5 constant read through Slice,
+    Gather, Concat or Split: the check looked through Reshape-like ops only, so Add and Sub went
+    FP16 and bb was cast to inf at run time; every output was NaN."""
+    big = ",".join(["100000"] * 16)
+    model = make_model(f"""<ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,4] x) => (float[2,4] y)
+          <float[2,4] C = {{{big[:55]}}}, float[2,8] C2 = {{{big}}}, float[1,4] C1 = {{{big[:27]}}},
+           double[2,4] D = {{{big[:55]}}}, int64[2] s0 = {{0,0}}, int64[2] s1 = {{2,4}}, int64[2] idx = {{0,1}},
+           int64[2] sp = {{4,4}}> {{
+          {_COPY_READS[how][0]}
+          a = MatMul(x, W)
+          b = Add(a, bb)
+          c = Sub(b, bb)
+          y = MatMul(c, W)
+        }}""", {"W": (4, 4)})
+    result = rewrite(model, placement=placement)
+    full_check(result.model)
+    for reader in ("Add:b", "Sub:c"):
+        decision = result.log.decisions[reader]
+        assert decision.precision == Precision.FP32 and "100000" in decision.reason
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)}
+    ref, got = run(model, feeds)["y"], run(result.model, feeds)["y"]
+    assert np.isfinite(got).all() and rel_err(ref, got) < 1e-2
+
+
+def test_pad2_fill_attribute_past_the_range_keeps_the_pad_and_its_reader_fp32():
+    """Pad-2 (opsets 2 to 10) holds its fill as a float attribute: ``Pad<value=70000>`` went FP16
+    (inf on a GPU) where opset 11's constant input was caught. Its reader keeps FP32 too."""
+    model = make_model("""<ir_version: 4, opset_import: ["" : 9]>
+        g (float[1,1,4,4] x) => (float[1,1,6,6] y) {
+          a = MatMul(x, W)
+          s = Pad<pads=[0,0,1,1,0,0,1,1], value=70000.0>(a)
+          y = Relu(s)
+        }""", {"W": (4, 4)})
+    result = rewrite(model)
+    full_check(result.model)
+    for node in ("Pad:s", "Relu:y"):
+        decision = result.log.decisions[node]
+        assert decision.precision == Precision.FP32 and "70000" in decision.reason
+
+
+def test_an_fp16_constant_of_shape_fill_raises_no_overflow_warning():
+    """An FP16 ConstantOfShape fill (a mixed model; amp-rewrite's own fused zero skip, rewritten
+    again) printed numpy's 'overflow encountered in cast' on stderr: the check compared the FP16
+    datum with the 1e8 sentinel bound in FP16."""
+    import warnings
+
+    model = make_model("""<ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,4] x) => (float[2,4] y) {
+          a = MatMul(x, W)
+          sh = Shape(a)
+          z = ConstantOfShape<value = float16[1] {15872}>(sh)
+          zf = Cast<to=1>(z)
+          y = Add(a, zf)
+        }""", {"W": (4, 4)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        result = rewrite(model)
+    full_check(result.model)
+
+
 def test_a_mask_sentinel_constant_does_not_keep_its_reader_fp32():
     """-1e9 (and finfo(float32).min) mask sentinels saturate and still mask; keeping every mask op
     FP32 for them would cast around every attention block. The optimal placement still chooses."""

@@ -8,9 +8,10 @@ reads. ``Add(h, ConstantOfShape(value=1e5))`` or ``Mul(h, OneHot(values=[0, 1e5]
 clamp the constant to 65504 (34% error) or overflow to inf, where leaving the op FP32 is exact.
 
 So before classify, every non-allow node of the ONNX graph that reads, in a float slot, a constant
-(an initializer or Constant node, a ConstantOfShape's fill or a OneHot's values, as read or
-reshaped, expanded or tiled, or as an If branch returns it) with a finite value beyond the target's finite range is marked; classify keeps such an infer or clear op FP32, saying
-which constant and value. Infinities are left alone (the low types hold them), and so are mask
+(an initializer or Constant node, a ConstantOfShape's or Pad's fill, a OneHot's values; as read,
+or through ops that copy it: reshapes, slices, gathers, concatenations, splits, negation, a cast
+from double, an If branch that returns it) with a finite value beyond the target's finite range
+is marked; classify keeps such an infer or clear op FP32, saying which constant and value. Infinities are left alone (the low types hold them), and so are mask
 sentinels of magnitude 1e8 and more (-1e9, finfo(float32).min): saturated, they still mask, which
 the report counts and ``--check`` expects; keeping every mask op FP32 for them would add casts to
 every attention block for nothing.
@@ -19,6 +20,7 @@ every attention block for nothing.
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 
 from ..decisions import Category
 from ..ir import DType, Model, Node, Value
@@ -52,7 +54,7 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
 def _beyond(node: Node, limit: float) -> tuple[str, float] | None:
     """(what, value) of the first float constant the node reads with a value the low type cannot
     hold (and no mask sentinel), or None."""
-    if node.domain == "" and node.op_type == "ConstantOfShape":
+    if node.domain == "" and node.op_type in ("ConstantOfShape", "Pad"):  # (Pad before opset 11: its fill)
         big = _largest(_attribute(node, "value"), limit)
         if big is not None:
             return "its value attribute", big
@@ -63,15 +65,22 @@ def _beyond(node: Node, limit: float) -> tuple[str, float] | None:
     return None
 
 
-# ops whose output holds (some of) their first input's values unchanged
-_COPIES = {"Identity", "Reshape", "Expand", "Tile", "Squeeze", "Unsqueeze", "Flatten", "Transpose"}
+# ops whose output holds some of their inputs' values unchanged (or negated), by the input slots
+# that hold them: None for every input
+_COPIES: dict[str, tuple[int, ...] | None] = {
+    **dict.fromkeys(("Identity", "Reshape", "Expand", "Tile", "Squeeze", "Unsqueeze", "Flatten", "Transpose",
+                     "Slice", "Gather", "GatherElements", "GatherND", "Split", "DepthToSpace", "SpaceToDepth",
+                     "Neg", "Abs", "Cast", "CastLike"), (0,)),
+    "Pad": (0, 2), "Where": (1, 2), "Concat": None,
+}
+_FLOATS = (DType.FLOAT, DType.DOUBLE)
 
 
 def _held(value: Value | None, limit: float, depth: int = 0) -> float | None:
     """A value beyond the limit that ``value`` holds as a constant: its own data, a ConstantOfShape's
-    fill, a OneHot's on/off values, or those of a constant reshaped, expanded or tiled, or returned
-    by a branch of an If."""
-    if value is None or value.dtype != DType.FLOAT or depth > 8:
+    fill, a OneHot's on/off values, a Pad's fill, or those of a constant copied, sliced, gathered,
+    concatenated, split, negated or cast (a double one too), or returned by a branch of an If."""
+    if value is None or value.dtype not in _FLOATS or depth > 8:
         return None
     if value.is_constant:
         return _largest(_data(value), limit)
@@ -82,8 +91,16 @@ def _held(value: Value | None, limit: float, depth: int = 0) -> float | None:
         return _largest(_attribute(producer, "value"), limit)
     if producer.op_type == "OneHot" and len(producer.inputs) > 2:
         return _held(producer.inputs[2], limit, depth + 1)
-    if producer.op_type in _COPIES and producer.inputs:
-        return _held(producer.inputs[0], limit, depth + 1)
+    if producer.op_type == "Pad":
+        big = _largest(_attribute(producer, "value"), limit)
+        if big is not None:
+            return big
+    if producer.op_type in _COPIES:
+        slots = _COPIES[producer.op_type]
+        for index in range(len(producer.inputs)) if slots is None else slots:
+            big = _held(producer.inputs[index], limit, depth + 1) if index < len(producer.inputs) else None
+            if big is not None:
+                return big
     if producer.op_type == "If":  # what either branch returns in this slot
         index = producer.outputs.index(value)
         for branch in producer.all_subgraphs():
@@ -94,8 +111,11 @@ def _held(value: Value | None, limit: float, depth: int = 0) -> float | None:
 
 
 def _attribute(node: Node, name: str):
+    """A tensor or float attribute's data (ConstantOfShape's ``value``, Pad-2's ``value``), or None."""
     attr = node.origin.attributes.get(name) if node.origin is not None else None
     try:
+        if attr is not None and attr.type == ir.AttributeType.FLOAT:
+            return np.asarray([attr.as_float()], np.float32)
         return attr.as_tensor().numpy() if attr is not None else None
     except Exception:  # noqa: BLE001 - unreadable data is the loader's concern, not this check's
         return None
@@ -105,11 +125,12 @@ def _largest(data, limit: float) -> float | None:
     """The largest |value| between ``limit`` and :data:`SENTINEL` (signed), or None."""
     if data is None or data.dtype.kind != "f" or data.size == 0:
         return None
-    magnitude = np.abs(data.reshape(-1))
+    data = data.reshape(-1).astype(np.float64)  # (an FP16 datum compared with 1e8 would warn of overflow)
+    magnitude = np.abs(data)
     between = np.flatnonzero((magnitude > limit) & (magnitude < SENTINEL))
     if between.size == 0:
         return None
-    return float(data.reshape(-1)[between[int(np.argmax(magnitude[between]))]])
+    return float(data[between[int(np.argmax(magnitude[between]))]])
 
 
 def _data(value: Value | None):
