@@ -415,6 +415,7 @@ class _LossScaleBuilder:
             inv = self.node("Reciprocal", [scale], "training: 1 / loss_scale, to unscale the gradients in FP32")
             sums, scaled_grads = [], []
             scaled_of: dict[str, Any] = {}  # gradient output name -> its scaled value
+            backward = _feeding([outputs[name][1] for name in plan.grads])
             for name in plan.grads:
                 index, value = outputs[name]
                 if value.producer() is None and value.const_value is not None:
@@ -433,9 +434,12 @@ class _LossScaleBuilder:
                 unscaled.type, unscaled.shape = ir.TensorType(FLOAT), value.shape
                 graph.outputs[index] = unscaled
                 # what the graph computes from the gradient (an in-graph SGD step, a gradient norm)
-                # reads it unscaled too: loss scaling must change no value but the backward pass's own
+                # reads it unscaled too: loss scaling must change no value but the backward pass's own.
+                # A reader that computes another gradient (a shared bias's sum) is the backward pass:
+                # it keeps the scaled value, which that gradient's own unscale divides once.
                 for user, slot in readers:
-                    user.replace_input_with(slot, unscaled)
+                    if id(user) not in backward:
+                        user.replace_input_with(slot, unscaled)
                 sums.append(self.node("ReduceSum", [unscaled], "training: inf/NaN check (sum of the gradient)",
                                       keepdims=0))
             if not sums:
@@ -470,11 +474,13 @@ class _LossScaleBuilder:
         scaled = {id(v) for v in scaled_of.values()}
         unscale = {id(n) for n in self.new_nodes if n.op_type == "Mul" and n.inputs[0] is not None
                    and id(n.inputs[0]) in scaled}
+        leaves = _subgraph_outputs(self.graph)
         while stack:
             value = stack.pop()
             if id(value) in reached:
                 continue
             reached.add(id(value))
+            stack.extend(leaves.get(id(value), ()))  # a body's output: the If/Loop/Scan's, outside
             for user, _ in value.uses():
                 if id(user) not in unscale:
                     stack.extend(user.outputs)
@@ -526,6 +532,40 @@ class _LossScaleBuilder:
         s = self.node("Where", [finite, scale_ok, backed], why, out=NEXT_LOSS_SCALE)
         t = self.node("Where", [finite, tracker_ok, zero], why, out=NEXT_GROWTH_TRACKER)
         return self.typed(s, FLOAT), self.typed(t, INT64)
+
+
+def _subgraph_outputs(graph: Any) -> dict[int, list[Any]]:
+    """id of a body's output value -> the outputs of the If/Loop/Scan that it leaves as: an If's
+    branch output i is the If's output i; a Loop body's output j (after its condition) is the
+    Loop's output j - 1; a Scan body's output j is the Scan's output j."""
+    from onnx_ir import AttributeType
+    from onnx_ir.traversal import RecursiveGraphIterator
+
+    leaves: dict[int, list[Any]] = {}
+    for node in RecursiveGraphIterator(graph):
+        for attr in node.attributes.values():
+            bodies = [attr.value] if attr.type == AttributeType.GRAPH else \
+                list(attr.value) if attr.type == AttributeType.GRAPHS else []
+            shift = 1 if node.op_type == "Loop" and not node.domain else 0
+            for body in bodies:
+                for j, out in enumerate(body.outputs):
+                    if 0 <= j - shift < len(node.outputs):
+                        leaves.setdefault(id(out), []).append(node.outputs[j - shift])
+    return leaves
+
+
+def _feeding(values: list[Any]) -> set[int]:
+    """ids of the nodes of the main graph that ``values`` are computed from (their producers and
+    everything upstream)."""
+    seen: set[int] = set()
+    stack = [v.producer() for v in values if v.producer() is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.extend(v.producer() for v in node.inputs if v is not None and v.producer() is not None)
+    return seen
 
 
 def _attr(ir: Any, key: str, value: Any) -> Any:

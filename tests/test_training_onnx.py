@@ -605,3 +605,92 @@ def test_grads_regex_is_checked_and_taken_whole(setup):
     grads = [o.name for o in proto.graph.output[1:]]
     m = rewrite_training_onnx_model(proto, loss="loss", grads=r"re:grad\.l[0-9]{1,3}\..*", target="fp16").model
     assert training_info(m)["grads"] == grads
+
+
+_SHARED_BIAS = '''<ir_version: 8, opset_import: ["" : 17]>
+g (float[2,4] x, float loss_grad) => (float loss, float[2,4] grad_h, float[4] grad_b)
+<float[4,4] W = {0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0,1.1,1.2,1.3,1.4,1.5,1.6},
+ float[4,4] W2 = {1.0,0.0,0.5,0.2,0.1,1.0,0.3,0.4,0.2,0.1,1.0,0.1,0.3,0.2,0.1,1.0},
+ float[4] b = {0.1, 0.2, 0.3, 0.4}, int64[1] ax = {0}>
+{
+  h0 = MatMul(x, W)
+  h = Add(h0, b)
+  y0 = MatMul(h, W2)
+  y = Add(y0, b)
+  loss = ReduceSum<keepdims=0>(y)
+  ys = Shape(y)
+  gy = Expand(loss_grad, ys)
+  W2t = Transpose(W2)
+  grad_h = MatMul(gy, W2t)
+  gb1 = ReduceSum<keepdims=0>(grad_h, ax)
+  gb2 = ReduceSum<keepdims=0>(gy, ax)
+  grad_b = Add(gb1, gb2)
+}'''
+
+
+def _run_scaled(model, out, tmp_path, extra=None):
+    onnx.save(model, tmp_path / "in.onnx")
+    onnx.save(out, tmp_path / "out.onnx")
+    feeds = {"x": np.arange(8, dtype=np.float32).reshape(2, 4) / 8, "loss_grad": np.array(1.0, np.float32),
+             **(extra or {})}
+    ref = run_onnx(tmp_path / "in.onnx", feeds)
+    got = run_onnx(tmp_path / "out.onnx", dict(feeds, **{LOSS_SCALE: np.array(1024.0, np.float32),
+                                                          GROWTH_TRACKER: np.array(0, np.int64)}))
+    return ref, got
+
+
+def test_a_gradient_the_backward_pass_reads_for_another_gradient_is_unscaled_once(tmp_path):
+    """A bias shared by two layers: grad_b = rowsum(grad_h) + rowsum(gy). Every reader of grad_h was
+    rewired to the unscaled value, including the backward pass's own ReduceSum, so grad_b's first
+    term was divided by the scale twice: [2.0033 ...] for [5.4 ...], with all_finite True. (With
+    MatMul pinned FP32, grad_W = x^T grad_h was refused as not reached.)"""
+    model = onnx.parser.parse_model(_SHARED_BIAS)
+    out = rewrite_training_onnx_model(model, loss="loss", grads="grad_*", target="fp16").model
+    onnx.checker.check_model(out, full_check=True)
+    ref, got = _run_scaled(model, out, tmp_path)
+    for name in ("grad_h", "grad_b"):
+        np.testing.assert_allclose(got[name], ref[name], rtol=1e-2)
+    pinned = onnx.parser.parse_model(_SHARED_BIAS.replace("float[4] grad_b)", "float[4,4] grad_W)").replace(
+        "gb1 = ReduceSum<keepdims=0>(grad_h, ax)\n  gb2 = ReduceSum<keepdims=0>(gy, ax)\n  grad_b = Add(gb1, gb2)",
+        "xt = Transpose(x)\n  grad_W = MatMul(xt, grad_h)"))
+    out = rewrite_training_onnx_model(pinned, loss="loss", grads="grad_*", target="fp16", fp32_ops=["MatMul"]).model
+    ref, got = _run_scaled(pinned, out, tmp_path)
+    np.testing.assert_allclose(got["grad_W"], ref["grad_W"], rtol=1e-2)
+
+
+_THROUGH_IF = '''<ir_version: 8, opset_import: ["" : 17]>
+g (float[2,4] x, float loss_grad, bool c) => (float loss, float[4,4] grad_W{extra_out})
+<float[4,4] W = {{0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0,1.1,1.2,1.3,1.4,1.5,1.6}}, float two = {{2.0}}>
+{{
+  y = MatMul(x, W)
+  loss = ReduceSum<keepdims=0>(y)
+  ys = Shape(y)
+  {body}
+}}'''
+
+
+def test_the_backward_pass_is_followed_through_an_if(tmp_path):
+    """The walk from the seed never left a branch for the If that owns it: a gradient computed from
+    an If's result was refused as not reached, and an output --grads does not name, computed
+    through an If, left multiplied by the loss scale ([1023.9 ...] for [1. ...]) instead of being
+    refused as it is without the If."""
+    seeded_in_branch = onnx.parser.parse_model(_THROUGH_IF.format(extra_out="", body='''
+  gy = If(c) <then_branch = t () => (float[2,4] a) { a = Expand(loss_grad, ys) },
+              else_branch = e () => (float[2,4] b) { b0 = Expand(loss_grad, ys)
+                                                      b = Mul(b0, two) }>
+  xt = Transpose(x)
+  grad_W = MatMul(xt, gy)'''))
+    out = rewrite_training_onnx_model(seeded_in_branch, loss="loss", grads="grad_*", target="fp16").model
+    onnx.checker.check_model(out, full_check=True)
+    for c in (True, False):
+        ref, got = _run_scaled(seeded_in_branch, out, tmp_path, {"c": np.array(c)})
+        np.testing.assert_allclose(got["grad_W"], ref["grad_W"], rtol=1e-2)
+    leftover = onnx.parser.parse_model(_THROUGH_IF.format(extra_out=", float[2,4] dx", body='''
+  gy = Expand(loss_grad, ys)
+  xt = Transpose(x)
+  grad_W = MatMul(xt, gy)
+  Wt = Transpose(W)
+  dx = If(c) <then_branch = t () => (float[2,4] a) { a = MatMul(gy, Wt) },
+              else_branch = e () => (float[2,4] b) { b = MatMul(gy, W) }>'''))
+    with pytest.raises(UsageError, match=r"'dx' are computed from the backward pass but --grads does not name"):
+        rewrite_training_onnx_model(leftover, loss="loss", grads="grad_*", target="fp16")
