@@ -131,6 +131,10 @@ def _validate(args: CliArgs) -> None:
         raise UsageError("--auto-fp32 does not apply to --training graphs; run --check on the training rewrite instead")
     if args.explain is not None and args.report is not None:
         raise UsageError("--explain prints one node's reasons and writes nothing; drop --report (or --explain)")
+    if args.explain is not None and args.training:
+        # (it would explain the inference rewrite: the training plan pins the loss tail FP32)
+        raise UsageError("--explain explains the inference rewrite, not the training one; drop --explain and "
+                         "add --report FILE: the report gives every node's decision and reason")
     if args.explain is not None and (args.check or args.auto_fp32):
         raise UsageError("--explain prints one node's reasons and runs nothing; drop --check/--auto-fp32 "
                          "(or --explain)")

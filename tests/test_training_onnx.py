@@ -694,3 +694,17 @@ def test_the_backward_pass_is_followed_through_an_if(tmp_path):
               else_branch = e () => (float[2,4] b) { b = MatMul(gy, W) }>'''))
     with pytest.raises(UsageError, match=r"'dx' are computed from the backward pass but --grads does not name"):
         rewrite_training_onnx_model(leftover, loss="loss", grads="grad_*", target="fp16")
+
+
+def test_explain_with_training_is_refused_not_answered_for_the_inference_rewrite(tmp_path, capsys):
+    """``--training --loss loss --explain scale_loss`` printed 'computes in fp16' for a node the
+    training rewrite keeps FP32 (the loss tail): --explain ran the inference pipeline. It is now a
+    usage error that points to --report."""
+    from amp_rewrite.cli import main
+
+    src = tmp_path / "t.onnx"
+    onnx.save(_hand_graph(), src)
+    rc = main([str(src), "-o", str(tmp_path / "o.onnx"), "--training", "--loss", "loss", "--grads", GRADS,
+               "--explain", "loss"])
+    assert rc == 2 and "--report" in capsys.readouterr().err
+    assert not (tmp_path / "o.onnx").exists()
