@@ -440,6 +440,7 @@ class _LossScaleBuilder:
                 for user, slot in readers:
                     if id(user) not in backward:
                         user.replace_input_with(slot, unscaled)
+                self._unscale_low_readers(value, unscaled, backward)
                 sums.append(self.node("ReduceSum", [unscaled], "training: inf/NaN check (sum of the gradient)",
                                       keepdims=0))
             if not sums:
@@ -462,6 +463,23 @@ class _LossScaleBuilder:
                           "next_loss_scale": NEXT_LOSS_SCALE, "next_growth_tracker": NEXT_GROWTH_TRACKER,
                           "config": asdict(plan.config)})
         self.model.metadata_props[TRAINING_KEY] = json.dumps(added)
+
+    def _unscale_low_readers(self, value: Any, unscaled: Any, backward: set[int]) -> None:
+        """A gradient computed low leaves through a Cast to FP32; a low-precision reader outside the
+        backward pass (an in-graph preconditioner's MatMul) reads the low value before that Cast,
+        still scaled. It reads the unscaled gradient cast to its type instead."""
+        cast = value.producer()
+        if cast is None or cast.op_type != "Cast" or cast.domain or not cast.inputs or cast.inputs[0] is None:
+            return
+        low = cast.inputs[0]
+        readers = [(user, slot) for user, slot in low.uses() if user is not cast and id(user) not in backward]
+        if not readers or low.type is None or low.dtype not in (self.ir.DataType.FLOAT16, self.ir.DataType.BFLOAT16):
+            return
+        recast = self.node("Cast", [unscaled], "training: the unscaled gradient, for the low-precision nodes "
+                           "that read it", to=int(low.dtype))
+        recast.type, recast.shape = low.type, low.shape
+        for user, slot in readers:
+            user.replace_input_with(slot, recast)
 
     def _refuse_scaled_leftovers(self, seed_name: str, scaled_of: dict[str, Any]) -> None:
         """Graph outputs computed from the scaled backward pass without an unscale on the way (a

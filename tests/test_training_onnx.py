@@ -708,3 +708,28 @@ def test_explain_with_training_is_refused_not_answered_for_the_inference_rewrite
                "--explain", "loss"])
     assert rc == 2 and "--report" in capsys.readouterr().err
     assert not (tmp_path / "o.onnx").exists()
+
+
+def test_a_low_precision_reader_of_a_gradient_reads_it_unscaled(tmp_path):
+    """``pg = MatMul(grad_W, P)`` (an in-graph preconditioner) runs FP16 and read the FP16 gradient
+    before its Cast to the FP32 output, still scaled: the rewrite refused the graph, telling the
+    user to compute pg from the named gradients, which it is. It now reads the unscaled gradient,
+    cast to FP16."""
+    model = onnx.parser.parse_model('''<ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,4] x, float loss_grad, float[4,4] W) => (float loss, float[4,4] grad_W, float[4,4] pg)
+        <float[4,4] P = {1,0,0,0, 0,2,0,0, 0,0,3,0, 0,0,0,4}> {
+          y = MatMul(x, W)
+          loss = ReduceSum<keepdims=0>(y)
+          ys = Shape(y)
+          gy = Expand(loss_grad, ys)
+          xt = Transpose(x)
+          grad_W = MatMul(xt, gy)
+          pg = MatMul(grad_W, P)
+        }''')
+    result = rewrite_training_onnx_model(model, loss="loss", grads="grad_*", target="fp16")
+    out = result.model
+    onnx.checker.check_model(out, full_check=True)
+    assert result.log.decisions["MatMul:pg"].precision.value == "low"
+    ref, got = _run_scaled(model, out, tmp_path, {"W": np.ones((4, 4), np.float32)})
+    for name in ("grad_W", "pg"):
+        np.testing.assert_allclose(got[name], ref[name], rtol=1e-2)
