@@ -30,7 +30,7 @@ from ..decisions import CastRecord, DecisionLog, Precision
 from ..errors import OutputError
 from ..files import replace_into
 from ..ir import DType, Graph, Model, Node, Value
-from ..frontends.onnx_loader import OnnxSource
+from ..frontends.onnx_loader import OnnxSource, constant_node_tensor
 from ..passes.base import node_label
 
 # External tensors above this are converted while saving, not in memory up front. (A tensor held in
@@ -210,7 +210,10 @@ class _Patcher:
         if node.meta.get("amp.retargeted"):
             n.attributes["to"] = ir.AttrInt64("to", int(node.attrs["to"]))
         if node.op_type == "Constant" and node.domain == "" and node.outputs[0].meta.get("amp.convert"):
-            n.attributes["value"] = ir.AttrTensor("value", self._convert(_constant_tensor(n), node.outputs[0].name,
+            tensor = constant_node_tensor(n)
+            for shorthand in ("value_float", "value_floats"):  # (the converted tensor replaces them)
+                n.attributes.pop(shorthand, None)
+            n.attributes["value"] = ir.AttrTensor("value", self._convert(tensor, node.outputs[0].name,
                                                                           node.outputs[0].dtype))
         if node.op_type == "ConstantOfShape" and node.outputs[0].meta.get("amp.was") is not None:
             self._retype_constant_of_shape(n, node.outputs[0].dtype)
@@ -284,7 +287,7 @@ class _Patcher:
         if source.is_initializer:
             tensor = source.origin.const_value
         else:  # a Constant node's value, shared with FP32 readers (its node keeps it as it is)
-            tensor = _constant_tensor(source.origin.producer(), keep=True)
+            tensor = constant_node_tensor(source.origin.producer())
         tensor = self._convert(tensor, value.name, value.dtype)
         new = ir.Value(name=value.name, type=ir.TensorType(ir.DataType(int(value.dtype))),
                        shape=ir.Shape(list(tensor.shape.dims)), const_value=tensor)
@@ -400,21 +403,6 @@ def _model_tags(log: DecisionLog, deferred: list[tuple]) -> str:
 
 
 CHUNK_ELEMENTS = 4 << 20  # 16 MB of FP32 converted per step
-
-
-def _constant_tensor(n: ir.Node, keep: bool = False):
-    """A Constant node's float value as a tensor, whichever attribute holds it (``value``, or the
-    ``value_float``/``value_floats`` shorthands, which are removed unless ``keep``: the converted
-    tensor replaces them)."""
-    attr = n.attributes.get("value")
-    if attr is not None:
-        return attr.as_tensor()
-    take = n.attributes.get if keep else n.attributes.pop
-    if "value_float" in n.attributes:
-        data = np.array(take("value_float").as_float(), np.float32)
-    else:
-        data = np.array(list(take("value_floats").as_floats()), np.float32)
-    return ir.tensor(data)
 
 
 def _float32_chunks(tensor):

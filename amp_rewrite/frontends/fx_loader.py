@@ -819,7 +819,7 @@ _VALUE_SCALAR_OPS = frozenset({
 _MODULE_SCALARS = ("value", "threshold", "min_val", "max_val")
 
 
-def _scalar_out_of_range(node: fx.Node, low: torch.dtype, gm: fx.GraphModule | None = None) -> float | None:
+def _scalar_out_of_range(node: fx.Node, low: torch.dtype, gm: fx.GraphModule) -> float | None:
     """A scalar argument of ``node`` that ``low`` cannot hold, or None. A mask fill (``new_full(s,
     -1e9)``, ``full_like(x, -1e9)``, ``masked_fill(m, -1e9)`` in FP16; ``finfo(float32).min`` in
     BF16) or a ``clamp(min=-1e9)`` is converted to the op's type when it runs: in the low type torch
@@ -828,15 +828,14 @@ def _scalar_out_of_range(node: fx.Node, low: torch.dtype, gm: fx.GraphModule | N
     count wherever they are; ints where the op combines them with its values
     (:data:`_VALUE_SCALAR_OPS`); a leaf module's scalar attributes too (:data:`_MODULE_SCALARS`)."""
     limit = torch.finfo(low).max
-    name = canonical_name(node, gm)[1] if gm is not None and node.op != "call_module" else None
-    ints = name in _VALUE_SCALAR_OPS
+    ints = node.op != "call_module" and canonical_name(node, gm)[1] in _VALUE_SCALAR_OPS
 
     def number(x) -> bool:
         return isinstance(x, float) or (ints and isinstance(x, int) and not isinstance(x, bool))
 
     numbers: list[float] = []
     fx.node.map_aggregate((node.args, node.kwargs), lambda x: numbers.append(x) if number(x) else None)
-    if node.op == "call_module" and gm is not None:
+    if node.op == "call_module":
         module = gm.get_submodule(str(node.target))
         numbers += [v for v in (getattr(module, a, None) for a in _MODULE_SCALARS)
                     if isinstance(v, (int, float)) and not isinstance(v, bool)]

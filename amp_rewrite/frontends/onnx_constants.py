@@ -26,6 +26,7 @@ import onnx_ir as ir
 from ..decisions import Category
 from ..ir import DType, Model, Node, Value
 from ..passes.base import Context, PassResult
+from .onnx_loader import constant_node_tensor
 
 LIMITS = {DType.FLOAT16: 65504.0, DType.BFLOAT16: 3.3895313892515355e38}
 # |x| at or above this is a mask sentinel (-1e9, finfo(float32).min): it saturates to the low
@@ -140,15 +141,7 @@ def _data(value: Value | None):
         tensor = value.origin.const_value if value.origin is not None else None
     else:
         origin = value.producer.origin
-        attrs = origin.attributes if origin is not None else {}
-        if "value" in attrs:
-            tensor = attrs["value"].as_tensor()
-        elif "value_float" in attrs:
-            return np.asarray([attrs["value_float"].as_float()], np.float32)
-        elif "value_floats" in attrs:
-            return np.asarray(attrs["value_floats"].as_floats(), np.float32)
-        else:
-            tensor = None
+        tensor = constant_node_tensor(origin) if origin is not None else None
     try:
         return tensor.numpy() if tensor is not None else None
     except Exception:  # noqa: BLE001 - unreadable data is the loader's concern, not this check's

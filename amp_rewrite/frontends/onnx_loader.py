@@ -678,6 +678,19 @@ def _numel(tensor: onnx.TensorProto) -> int:
     return count
 
 
+def constant_node_tensor(n: ir.Node):
+    """A float Constant node's value as a tensor, whichever attribute holds it (``value``, or the
+    ``value_float``/``value_floats`` shorthands); None for another kind. The node is not changed."""
+    attrs = n.attributes
+    if "value" in attrs:
+        return attrs["value"].as_tensor()
+    if "value_float" in attrs:
+        return ir.tensor(np.array(attrs["value_float"].as_float(), np.float32))
+    if "value_floats" in attrs:
+        return ir.tensor(np.array(list(attrs["value_floats"].as_floats()), np.float32))
+    return None
+
+
 def structure_proto(source: OnnxSource) -> onnx.ModelProto | None:
     """The model as read, with its large initializers (in the file or external) turned into graph
     inputs of the same type and shape: a shape-inference tool's input, a fraction of the model's
