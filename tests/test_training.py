@@ -1014,3 +1014,25 @@ def test_a_symbolic_trace_training_module_runs_under_fx_interpreter():
     assert torch.equal(fx.Interpreter(gm).run(x, y), direct)
     assert torch.equal(ShapeProp(gm).propagate(x, y), direct)
     assert torch.equal(copy.deepcopy(gm)(x, y), direct)
+
+
+def test_a_symbolic_trace_training_rewrite_survives_torch_save_and_load(tmp_path):
+    """torch.save re-traces a GraphModule's code on load: the functional calls that read FP32 master
+    weights through casts were traced into with Proxies ('Proxy(to_3) is not an instance of
+    torch.Tensor'), so a rewritten training module could not be saved whole."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    gm = amp_rewrite.rewrite(MLPLoss(), example_inputs=(x, y), training=True, target="bf16",
+                             capture="symbolic_trace")
+    path = tmp_path / "gm.pt"
+    torch.save(gm, path)
+    loaded = torch.load(path, weights_only=False)
+    loaded.graph.lint()
+    assert loaded.amp_training is True and float(loaded.amp_loss_scale) == float(gm.amp_loss_scale)
+    for module in (gm, loaded):
+        scaler = LossScaler(module)
+        scaler.backward(module(x, y))
+        scaler.unscale_(torch.optim.SGD(module.parameters(), lr=0.0))
+    for got, want in zip(_grads(loaded), _grads(gm)):
+        torch.testing.assert_close(got, want)
+    assert all(p.dtype == torch.float32 for p in loaded.parameters())

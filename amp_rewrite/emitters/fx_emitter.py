@@ -460,6 +460,9 @@ class _Emitter:
                 call = self.graph.call_function(
                     functional_call, (module, dict(overrides), tuple(fx_node.args), dict(fx_node.kwargs)))
             call.meta = dict(fx_node.meta)
+            # a leaf under tracing: pickling re-traces the generated code (torch.save of the module),
+            # which would otherwise trace into functional_call with Proxies for tensors
+            call.meta["is_wrapped"] = True
             fx_node.replace_all_uses_with(call)
             name = fx_node.name
             self.graph.erase_node(fx_node)
