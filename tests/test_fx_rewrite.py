@@ -741,6 +741,17 @@ def test_graph_module_without_metadata_needs_example_inputs():
     assert _dispatch(gm, example_inputs=(torch.randn(2, 16),), target="bf16").modified
 
 
+def test_example_inputs_of_the_wrong_dtype_are_refused_not_captured():
+    """torch.export's fake tensors accept a float32 Linear on int64 / float64 / float16 examples: the
+    graph input kept the example's type, no cast went in front of the now-FP16 weights, and the
+    rewritten module failed on real inputs ('mat1 and mat2 must have the same dtype')."""
+    x = torch.randn(2, 16)
+    for example in (torch.randint(0, 3, (2, 16)), x.double(), x.half()):
+        with pytest.raises(UsageError, match=r"reads tensors of different types .*example inputs of the wrong dtype"):
+            _dispatch(MLP(), example_inputs=(example,), target="bf16")
+    assert _dispatch(MLP(), example_inputs=(x,), target="bf16").modified
+
+
 def test_capture_options_on_an_already_captured_graph_are_refused():
     """capture=/decompose= say how to capture an nn.Module: given a GraphModule, capture='export'
     and decompose=True (and symbolic_trace for an ExportedProgram) would be ignored silently, so

@@ -604,6 +604,7 @@ class _Builder:
             ir.output_groups = ["T2"]
             ir.meta["fx.cast_other"] = other
         else:
+            _refuse_mixed_operands(node, name, slots, inputs)
             ir.input_groups = [self._input_group(name, s, v) for s, v in zip(slots, inputs)]
             ir.output_groups = [self._output_group(name, i, v) for i, v in enumerate(outputs)]
             _split_promoted_types(ir)
@@ -910,6 +911,32 @@ def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
             return None
         obj = getattr(obj, atom)
     return obj
+
+
+# torch runs these on operands of one dtype only (no type promotion: 'mat1 and mat2 must have the
+# same dtype'). A captured graph that mixes them was captured from example inputs of the wrong
+# dtype: torch.export's fake tensors do not check, and the casts placed from those types would fail
+# on the real inputs.
+_ONE_DTYPE_OPS = frozenset({
+    "linear", "mm", "bmm", "addmm", "matmul", "baddbmm", "addbmm", "addmv", "mv", "dot",
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "convolution", "_convolution",
+})
+
+
+def _refuse_mixed_operands(node: fx.Node, name: str, slots: list[Slot], inputs: list[Value]) -> None:
+    if name not in _ONE_DTYPE_OPS:
+        return
+    typed = [(s, v) for s, v in zip(slots, inputs) if v is not None and v.dtype is not None]
+    if len({v.dtype for _, v in typed}) < 2:
+        return
+    listed = ", ".join(f"{_slot_label(s)} {v.dtype.short}" for s, v in typed)
+    graph_inputs = [a.name for a in node.all_input_nodes if a.op == "placeholder"]
+    hint = (f" (graph input {', '.join(map(repr, graph_inputs))} has the type its example had)" if graph_inputs
+            else "")
+    raise UsageError(f"{node.name} ({name}) reads tensors of different types ({listed}), which torch does not run: "
+                     f"the graph was captured from example inputs of the wrong dtype{hint}; pass example_inputs "
+                     f"of the dtypes the module takes")
 
 
 def _split_promoted_types(node: Node) -> None:
