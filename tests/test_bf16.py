@@ -194,3 +194,27 @@ def test_conv_without_a_bf16_kernel_at_its_opset_stays_fp32():
     out = result.model
     full_check(out)
     assert BF16 not in value_types(out).values()
+
+
+@pytest.mark.parametrize("opset", [12, 13])
+def test_no_bf16_cast_below_opset_13(opset):
+    """Cast has tensor(bfloat16) from opset 13: a com.microsoft op with a BF16 CUDA kernel
+    (FusedMatMul, as onnxruntime's transformer optimizer writes) in an opset-12 model was painted
+    BF16, and its Casts failed the checker ('output has unsupported type tensor(bfloat16)')."""
+    m = make_model(f"""
+        <ir_version: 8, opset_import: ["" : {opset}, "com.microsoft" : 1]>
+        g (float[4,16] x) => (float[4,16] y) {{
+          a = com.microsoft.FusedMatMul(x, w1)
+          y = com.microsoft.FusedMatMul(a, w2)
+        }}""", {"w1": (16, 16), "w2": (16, 16)})
+    result = rewrite(m, target="bf16")
+    full_check(result.model)
+    fused = [d for d in result.log.decisions.values() if d.op == "com.microsoft::FusedMatMul"]
+    assert len(fused) == 2
+    if opset == 12:
+        assert BF16 not in value_types(result.model).values()
+        assert all(d.precision.value != "low" and "Cast at ai.onnx opset 12 has no bfloat16" in d.reason
+                   for d in fused)
+    else:
+        assert all(d.precision.value == "low" for d in fused)
+        assert BF16 in value_types(result.model).values()

@@ -71,7 +71,7 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
             _count_unlisted(node, _lookup(node, ctx, verdicts, names)[0], ctx)
         return
     category, reason, source, entry = _lookup(node, ctx, verdicts, names)
-    refused = _schema_refuses_low(node, group, ctx)
+    refused = _schema_refuses_low(node, group, ctx) or _cast_refuses_low(node, ctx)
     if refused and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
         category, reason, source = Category.DENY, refused, "op schema"
     meta["amp.category"], meta["amp.reason"], meta["amp.source"] = category, reason, source
@@ -246,6 +246,20 @@ def _schema_refuses_low(node: Node, group: str, ctx: Context) -> str | None:
     if not allowed or low in allowed:
         return None
     return f"the {node.qualified_op} schema at opset {node.opset} does not allow {low} for {group}"
+
+
+_BF16_CAST_OPSET = 13  # Cast-6 and Cast-9 have no tensor(bfloat16); Cast-13 added it
+
+
+def _cast_refuses_low(node: Node, ctx: Context) -> str | None:
+    """Below ai.onnx opset 13 no Cast can make or read bfloat16: a com.microsoft op with a BF16
+    kernel (FusedMatMul, Attention) painted BF16 there gave Casts the checker and onnxruntime
+    refuse (the ai.onnx ops' own schemas have no bfloat16 there either)."""
+    opset = node.graph.opsets.get("") if ctx.low == DType.BFLOAT16 and node.graph is not None else None
+    if opset is None or opset >= _BF16_CAST_OPSET:
+        return None
+    return (f"Cast at ai.onnx opset {opset} has no bfloat16 (from opset {_BF16_CAST_OPSET} on), so no value can "
+            f"be cast to it; convert the model to opset {_BF16_CAST_OPSET} or later for bf16")
 
 
 def _pinned_inputs(node: Node, entry) -> tuple[int, ...]:
