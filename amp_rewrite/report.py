@@ -195,10 +195,10 @@ class Report:
         if len(self.log.islands) > 8:
             lines.append(f"  ... {len(self.log.islands) - 8} more (see --report)")
         w = s["weights"]
+        limit = "65504" if low == "fp16" else "3.39e38"  # the low type's largest finite value
         lines.append(f"weights: {_bytes(w['bytes_before'])} → {_bytes(w['bytes_after'])} "
-                     f"({w['converted']} converted, {w['clamped']} values clamped at ±65504, "
-                     f"{w['flushed_to_zero']} flushed to zero)" if low == "fp16" else
-                     f"weights: {_bytes(w['bytes_before'])} → {_bytes(w['bytes_after'])} ({w['converted']} converted)")
+                     f"({w['converted']} converted, {w['clamped']} values clamped at ±{limit}, "
+                     f"{w['flushed_to_zero']} flushed to zero)")
         for sentinel in self.sentinels[:5]:
             lines.append(f"  sentinel constants in {sentinel['tensor']}: {sentinel['count']} values in "
                          f"[{sentinel['min']:.3g}, {sentinel['max']:.3g}] (masks?)")

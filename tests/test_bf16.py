@@ -14,6 +14,9 @@ the model's opset (Conv below opset 22) stay FP32 with that reason.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -218,3 +221,34 @@ def test_no_bf16_cast_below_opset_13(opset):
     else:
         assert all(d.precision.value == "low" for d in fused)
         assert BF16 in value_types(result.model).values()
+
+
+def test_bf16_reasons_and_summary_state_bf16_facts():
+    """A bf16 rewrite's reasons quoted fp16's limits ('round trip overflows above 65504', 'fp16
+    spacing is 1.0 at 1024'), and its summary dropped the clamped and flushed weight counts."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1,64,16] x) => (float[1,64,16] y) {
+          q = MatMul(x, w1)
+          s0 = Constant<value=int64 {0}>()
+          s1 = Constant<value=int64 {64}>()
+          st = Constant<value=int64 {1}>()
+          pos = Range(s0, s1, st)
+          pf = Cast<to=1>(pos)
+          ax = Constant<value=int64[1] {1}>()
+          pc = Unsqueeze(pf, ax)
+          ang = MatMul(pc, inv)
+          c = Cos(ang)
+          r = Mul(q, c)
+          y = MatMul(r, w2)
+        }""", {"w1": (16, 16), "w2": np.array([[3.4e38, 1e-42] * 8] * 16, np.float32),
+               "inv": (1.0 / 10000 ** (np.arange(16) / 16)).reshape(1, 16)})
+    result = rewrite(m, target="bf16")
+    reasons = [d.reason for d in result.log.decisions.values()]
+    assert any("bf16 spacing is 8 at 1024" in r for r in reasons)
+    assert not any("65504" in r or "fp16" in r.replace("bf16", "") for r in reasons)
+    assert re.search(r"\d+ converted, 128 values clamped at ±3.39e38, 128 flushed to zero", result.report.summary_text())
+    block = rewrite(onnx.load(str(Path(__file__).parents[1] / "models" / "transformer_block_op13.onnx")),
+                    target="bf16")
+    safety = [d.reason for d in block.log.decisions.values() if d.step == "safety"]
+    assert safety and all("rounds to bf16's 8 significant bits" in r for r in safety)

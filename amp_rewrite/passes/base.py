@@ -83,6 +83,13 @@ def loss_tail(graph: Graph, loss: Value, rules: "RuleBook") -> list[Node]:
 
 
 # -- slots: which inputs/outputs of a node are painted together ------------------------------------
+def round_trip_harm(low: DType) -> str:
+    """What an FP32→low→FP32 round trip with no low compute on it costs, as reasons say it."""
+    if low == DType.BFLOAT16:
+        return "rounds to bf16's 8 significant bits and gains nothing"
+    return "overflows above 65504"
+
+
 def painted_group(node: Node) -> str | None:
     """The type-constraint group painting decides for this node: the node's main group (that of
     its first float output, else of its first float input) when that group is FP32, else none.

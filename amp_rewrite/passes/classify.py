@@ -130,14 +130,15 @@ def _keep_position_arguments_fp32(angles: list[Node], ctx: Context) -> None:
     autocast disabled for the same reason. An argument that depends on a float activation or graph
     input (Fourier features, a SIREN layer) is left to painting."""
     low = ctx.low.short if ctx.low is not None else "the low type"
+    spacing = 8.0 if ctx.low == DType.BFLOAT16 else 1.0  # 2**(10 - mantissa bits): 7 in bf16, 10 in fp16
     for node in angles:
         for member in _position_cone(node):
             category = member.meta.get("amp.category")
             if member.meta.get("amp.participates") and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
                 _fix_fp32(member, category, (
                     f"computes the argument of {node_label(node)} from integers and constants only (positions): "
-                    f"kept FP32, as {low} would round the angle before the FP32 {node.op_type} reads it (fp16 "
-                    f"spacing is 1.0 at 1024; HF computes rotary angles with autocast disabled)"), "classify")
+                    f"kept FP32, as {low} would round the angle before the FP32 {node.op_type} reads it ({low} "
+                    f"spacing is {spacing:g} at 1024; HF computes rotary angles with autocast disabled)"), "classify")
 
 
 def _position_cone(node: Node) -> list[Node]:

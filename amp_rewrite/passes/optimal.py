@@ -90,7 +90,7 @@ import networkx as nx
 from ..decisions import Category, Precision
 from ..ir import DType, Graph, Model, Node, Value
 from .base import Context, PassResult, accepts_any_float, category, converts_non_float, group_inputs, group_outputs, node_label, participates, \
-    read_through_casts, retypable_io
+    read_through_casts, retypable_io, round_trip_harm
 
 BATCH_DIM = 1
 SYMBOLIC_DIM = 128
@@ -741,7 +741,7 @@ class Problem:
             if i in repaired:
                 meta["amp.step"] = "safety"
                 meta["amp.reason"] = (f"kept FP32: in {low_name} it would lie on a path from an FP32 producer to an "
-                                      f"FP32 consumer (an FP32→{low_name}→FP32 round trip overflows above 65504)")
+                                      f"FP32 consumer (an FP32→{low_name}→FP32 round trip {round_trip_harm(ctx.low)})")
             elif i in intact:
                 # the cut agrees with the painter here and on the chain the painter's reason cites
                 # (``explain`` follows ``via`` back to the rule that decided): that reason stands,

@@ -22,7 +22,7 @@ from __future__ import annotations
 from ..decisions import Category, Precision
 from ..ir import DType, Graph, Model, Node, Value
 from .base import Context, PassResult, accepts_any_float, category, converts_non_float, group_inputs, group_outputs, \
-    node_label, participates, read_through_casts, retypable_io
+    node_label, participates, read_through_casts, retypable_io, round_trip_harm
 
 _LOW_OK = (Category.CLEAR, Category.INFER)
 
@@ -235,7 +235,7 @@ class _ScopePainter:
             elif step == "safety":
                 meta["amp.reason"] = (f"kept FP32: in {low_name} it would lie on a path from an FP32 producer to an "
                                       f"FP32 consumer with no {low_name} compute on it (an FP32→{low_name}→FP32 "
-                                      f"round trip overflows above 65504)")
+                                      f"round trip {round_trip_harm(self.ctx.low)})")
             elif not low and self.cat[i] in _LOW_OK:
                 meta["amp.reason"] = (f"{self.cat[i].value} op not between {low_name} ops: stays FP32 "
                                       f"({meta['amp.reason']})")
