@@ -533,3 +533,74 @@ def test_the_source_proto_is_let_go_after_the_passes():
     run_pipeline(model, make_context(frontend="onnx"))
     assert model.origin.proto is None
     assert any(n.op_type == "SkipLayerNormalization" for n in model.graph.nodes)  # (the proof had it)
+
+
+def _branch_model(opset: int, *, split: bool) -> onnx.ModelProto:
+    """A LayerNorm inside an If branch: ``split`` puts its mean and Sub in the main graph (the
+    branch reads d from outside); else the whole norm is in the branch, over a residual sum made in
+    the main graph."""
+    lines = [line.strip() for line in LAYERNORM.strip().splitlines()]
+    outer, inner = (lines[:2], lines[2:]) if split else ([], lines)
+    body = "\n".join(inner)
+    return make_model(f"""
+    <ir_version: 8, opset_import: ["" : {opset}]>
+    g (float[2,4,8] x, bool c) => (float[2,4,8] y) {{
+      q = MatMul(x, wq)
+      r = Add(q, x)
+      {" ".join(outer)}
+      y = If(c) <then_branch = t () => (float[2,4,8] t_out) {{
+          {body}
+          t_out = MatMul(ln, wo)
+        }}, else_branch = e () => (float[2,4,8] e_out) {{
+          e_out = Identity(r)
+        }}>
+    }}""", W)
+
+
+@pytest.mark.parametrize("opset, split", [(17, True), (13, False)], ids=["pattern-across-if", "outer-residual-sum"])
+def test_a_pattern_never_spans_an_if_boundary(opset, split):
+    """A LayerNorm split across an If branch's boundary, or one inside a branch over a residual sum
+    made outside it: the fuse pass took members (or the sum) from two scopes and crashed with
+    KeyError (exit 70)."""
+    model = _branch_model(opset, split=split)
+    result = rewrite(model)
+    full_check(result.model)
+    assert [n.op_type for n in result.model.graph.node if n.op_type == "Add"] == ["Add"]  # the outer sum stays
+    assert all("Add:r" not in f.members for f in result.log.fusions)
+    for c in (True, False):
+        inputs = {**feeds(), "c": np.array(c)}
+        assert rel_err(run(model, inputs)["y"], run(result.model, inputs)["y"]) < 1e-2
+
+
+def test_a_higher_rank_eps_or_coefficient_is_not_fused(monkeypatch):
+    """An eps of shape (1, 1, 1, 1) on a rank-3 input makes the pattern's output rank 4; the fused
+    op's output was rank 3 (the declared output stayed [1, 2, 4, 8]). (Run without onnxruntime's
+    graph optimisations: its own LayerNormFusion drops the rank the same way on the FP16 model.)"""
+    from tools.ortrun import OPT_LEVEL_ENV
+
+    monkeypatch.setenv(OPT_LEVEL_ENV, "disable")
+    model = standalone_norm(LAYERNORM, 13)
+    model.graph.initializer.remove(next(t for t in model.graph.initializer if t.name == "eps"))
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.full((1, 1, 1, 1), 1e-5, np.float32), "eps"))
+    model.graph.ClearField("output")
+    model.graph.output.append(onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 2, 4, 8]))
+    result = rewrite(model)
+    full_check(result.model)
+    assert not result.log.fusions
+    assert run(result.model, feeds())["y"].shape == run(model, feeds())["y"].shape == (1, 2, 4, 8)
+
+
+@pytest.mark.parametrize("norm, opset", [(LAYERNORM, 13), (RMSNORM, 17)], ids=["layernorm-op13", "rmsnorm-op17"])
+def test_a_broadcast_scale_with_a_symbolic_hidden_dim_is_not_fused_into_a_skip_op(norm, opset):
+    """gamma of shape [1] against x of shape (2, 4, H): the skip ops refuse it at run time ('Last
+    dimension of gamma and input does not match'); with a static H it was left unfused already."""
+    model = make_model(f"""
+    <ir_version: 8, opset_import: ["" : {opset}]>
+    g (float[2,4,H] x) => (float[2,4,8] y) {{
+      r = Relu(x){norm}
+      y = MatMul(ln, wo)
+    }}""", {**W, "g": np.array([1.5], np.float32)})
+    result = rewrite(model)
+    full_check(result.model)
+    assert not result.log.fusions
+    assert rel_err(run(model, feeds())["y"], run(result.model, feeds())["y"]) < 1e-2

@@ -96,6 +96,8 @@ def fuse(model: Model, ctx: Context) -> PassResult:
             match = _match_at(node)
             if match is None or match.x.dtype != DType.FLOAT or not _closed(match):
                 continue  # only FP32 patterns: an FP16 one is the user's own, and typed to match
+            if any(member.graph is not scope for member in match.members):
+                continue  # a pattern across an If/Loop body's boundary: the fused op has one place
             if names is None:  # (node patterns match against every name of the input model)
                 names = node_names(model) if ctx.rules.node_rules() else frozenset()
             if _pinned(match, ctx, names):
@@ -148,7 +150,7 @@ def _match_norm(var_mean: Node) -> _Match | None:
             kind, x = "LayerNorm", _source(sub.inputs[0])
             members += [sub, mean]
     add_eps = _only_consumer(var_mean.outputs[0], "Add")
-    eps = _scalar(_other_input(add_eps, var_mean.outputs[0])) if add_eps else None
+    eps = _scalar(_other_input(add_eps, var_mean.outputs[0]), x) if add_eps else None
     sqrt = _only_consumer(add_eps.outputs[0], "Sqrt") if add_eps else None
     if eps is None or not 0 < eps < 1 or sqrt is None:
         return None
@@ -180,7 +182,7 @@ def _divide_by(root: Value, d: Value, members: list[Node]) -> Value | None:
         members.append(div)
         return div.outputs[0]
     inverse = _only_consumer(root, "Reciprocal")
-    if inverse is None and div is not None and div.inputs[1] is root and _scalar(div.inputs[0]) == 1.0:
+    if inverse is None and div is not None and div.inputs[1] is root and _scalar(div.inputs[0], d) == 1.0:
         inverse = div
     if inverse is None:
         return None
@@ -194,7 +196,7 @@ def _divide_by(root: Value, d: Value, members: list[Node]) -> Value | None:
 def _match_gelu(cube: Node) -> _Match | None:
     """Anchored at ``Pow(x, 3)``; the coefficients must be GPT-2's (``gelu_new``)."""
     x = cube.inputs[0]
-    if x is None or _scalar(cube.inputs[1]) != 3.0:
+    if x is None or _scalar(cube.inputs[1], x) != 3.0:
         return None
     members = [cube]
     steps = [("Mul", "cubic"), ("Add", None), ("Mul", "scale"), ("Tanh", None), ("Add", "one")]
@@ -203,7 +205,7 @@ def _match_gelu(cube: Node) -> _Match | None:
         node = _only_consumer(value, op)
         if node is None:
             return None
-        if coeff is not None and not _close(_scalar(_other_input(node, value)), _GELU_COEFFS[coeff]):
+        if coeff is not None and not _close(_scalar(_other_input(node, value), x), _GELU_COEFFS[coeff]):
             return None
         if op == "Add" and coeff is None and _other_input(node, value) is not x:
             return None
@@ -213,7 +215,7 @@ def _match_gelu(cube: Node) -> _Match | None:
     half = _other_input(final, value) if final else None
     half_node = half.producer if half is not None else None
     if not _is(half_node, "Mul") or x not in half_node.inputs or \
-            not _close(_scalar(_other_input(half_node, x)), _GELU_COEFFS["half"]):
+            not _close(_scalar(_other_input(half_node, x), x), _GELU_COEFFS["half"]):
         return None
     members += [half_node, final]
     return _Match("tanh-GELU", x, final.outputs[0], members)
@@ -225,7 +227,7 @@ def _choose(match: _Match, scope: Graph, ctx: Context,
     """(domain, op, inputs, attrs) of the first fused form the model's opsets and the target allow."""
     opset = scope.opsets.get("", 0)
     standard_since = {"LayerNorm": 17, "RMSNorm": 23}.get(match.kind)
-    skip = _residual_operands(match.x, shapes) if standard_since and opset < standard_since else None
+    skip = _residual_operands(match.x, scope, shapes) if standard_since and opset < standard_since else None
     if standard_since and opset < standard_since and skip is None and _zero_skip_rank(match.x):
         skip = [match.x, _ZERO_SKIP]  # no residual sum to take over: the skip op adds zeros
     if match.kind == "tanh-GELU":
@@ -371,14 +373,16 @@ def _pinned(match: _Match, ctx: Context, names: frozenset[str]) -> bool:
                for n in match.members)
 
 
-def _residual_operands(x: Value, shapes: "SymbolicShapes") -> list[Value] | None:
+def _residual_operands(x: Value, scope: Graph, shapes: "SymbolicShapes") -> list[Value] | None:
     """[input, skip] when x = Add(a, b) sums FP32 tensors whose shapes are proven to be what the
     skip ops take: ``input`` of rank 3 (batch, sequence, hidden) or 2 (tokens, hidden), and
     ``skip`` of the same shape or, for a rank-3 input, broadcast as (1, sequence, hidden) or
-    (sequence, hidden), like a position embedding. None otherwise."""
+    (sequence, hidden), like a position embedding. None otherwise. Only in the main graph (the
+    shape tables are its), and only a sum in the pattern's own scope: not an outer sum that a
+    pattern inside an If branch reads."""
     add = x.producer
-    if not _is(add, "Add") or x.is_graph_output or len(add.inputs) != 2 or add.graph is None \
-            or add.graph.parent is not None:
+    if not _is(add, "Add") or x.is_graph_output or len(add.inputs) != 2 or add.graph is not scope \
+            or scope.parent is not None:
         return None
     a, b = add.inputs
     if a is None or b is None or (a.is_constant and b.is_constant) \
@@ -537,7 +541,7 @@ def _mean_over_last_axis(node: Node) -> bool:
 
 
 def _square_base(node: Node | None) -> Value | None:
-    if _is(node, "Pow") and _scalar(node.inputs[1]) == 2.0:
+    if _is(node, "Pow") and _scalar(node.inputs[1], node.inputs[0]) == 2.0:
         return node.inputs[0]
     if _is(node, "Mul") and node.inputs[0] is node.inputs[1]:
         return node.inputs[0]
@@ -553,12 +557,14 @@ def _constant(value: Value | None) -> Value | None:
 
 
 def _is_vector_const(value: Value, x: Value) -> bool:
-    """A 1-D FP32 constant as long as x's last dim (when known)."""
+    """A 1-D FP32 constant as long as x's last dim: when that dim is symbolic, of any length but 1
+    (a broadcast [1] scale, which the skip ops refuse at run time: 'Last dimension of gamma and
+    input does not match'; a longer one must equal the dim for the model to run at all)."""
     value = _constant(value)
     if value is None or value.dtype != DType.FLOAT or value.shape is None or len(value.shape) != 1:
         return False
     last = x.shape[-1] if x.shape else None
-    return not isinstance(last, int) or value.shape[0] == last
+    return value.shape[0] == last if isinstance(last, int) else value.shape[0] != 1
 
 
 # -- small helpers ---------------------------------------------------------------------------------------
@@ -632,9 +638,15 @@ def _array(value: Value | None):
     return tensor.numpy() if tensor is not None else None
 
 
-def _scalar(value: Value | None) -> float | None:
+def _scalar(value: Value | None, like: Value | None) -> float | None:
+    """A one-element constant's value, if it broadcasts against ``like`` (the tensor the pattern
+    combines it with) without adding dims: an eps of shape (1, 1, 1, 1) on a rank-3 input makes
+    the pattern's result rank 4, which the fused op would not."""
     value = _constant(value)
     if value is None or value.numel not in (None, 1):
+        return None
+    rank = len(value.shape) if value.shape is not None else None
+    if rank is None or (rank > 1 and (like is None or like.shape is None or rank > len(like.shape))):
         return None
     data = _array(value)
     return float(data.reshape(-1)[0]) if data is not None and data.size == 1 else None
