@@ -188,7 +188,12 @@ class Report:
         # --placement optimal: cast bytes and FP32 traffic per run at the default shapes, vs greedy's
         lines += [n for n in self.log.notes if n.startswith(("optimal placement", "dropped:", "unmatched:", "as given:"))]
         if self.log.fusions:
-            lines.append(f"fused: {_fusion_counts(self.log.fusions)} (now low precision, no FP32 island)")
+            fp32 = [f.node for f in self.log.fusions
+                    if f.node in self.log.decisions and self.precision_of(self.log.decisions[f.node]) == "fp32"]
+            lines.append(f"fused: {_fusion_counts(self.log.fusions)} (no FP32 island; "
+                         + (f"now {low})" if not fp32 else
+                            f"{len(self.log.fusions) - len(fp32)} now {low}, {len(fp32)} kept FP32: "
+                            f"{', '.join(fp32[:3])}{' ...' if len(fp32) > 3 else ''})"))
         lines.append(f"FP32 islands: {s['islands']}")
         for island in self.log.islands[:8]:
             lines.append(f"  island {island.id}: {describe(island)} (seeded by {', '.join(island.seeds[:3]) or '-'})")

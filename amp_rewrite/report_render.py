@@ -111,6 +111,12 @@ def render_markdown(report: "Report") -> str:
         for i in d["islands"]:
             lines += ["", f"### Island {i['id']}: {i['description']}", "",
                       "members: " + ", ".join(_md(m) for m in i["members"])]
+    if d["fusions"]:
+        lines += ["", "## Fusions", "", "Decomposed patterns replaced by one fused op (the nodes they replaced are "
+                  "no longer in the model):", ""]
+        lines += _md_table(["fused node", "op", "pattern", "precision", "replaced", "reason"], [
+            [f["node"], f["op"], f["pattern"], _fused_precision(d, f), ", ".join(f["members"]), f["reason"]]
+            for f in d["fusions"]])
     if d["casts"]:
         lines += ["", "## Casts", ""]
         lines += _md_table(["cast", "kind", "tensor", "direction", "producer → consumers", "shape", "elements",
@@ -254,6 +260,24 @@ def _summary_html(d: dict[str, Any]) -> str:
     return "\n".join(cards)
 
 
+def _fused_precision(d: dict[str, Any], fusion: dict[str, Any]) -> str:
+    return next((n["precision"] for n in d["nodes"] if n["node"] == fusion["node"]), "?")
+
+
+def _fusions_html(d: dict[str, Any]) -> str:
+    """The fused nodes and the nodes each replaced: those names are in no other table, so a search
+    of the page for a node of the input model finds it here."""
+    if not d["fusions"]:
+        return '<p class="muted">No fusions.</p>'
+    rows = "".join(
+        f"<tr><td>{_e(f['node'])}</td><td>{_e(f['op'])}</td><td>{_e(f['pattern'])}</td>"
+        f"<td>{_e(_fused_precision(d, f))}</td><td>{_e(', '.join(f['members']))}</td><td>{_e(f['reason'])}</td></tr>"
+        for f in d["fusions"])
+    return ('<p class="help">Decomposed patterns replaced by one fused op; the nodes they replaced are no longer '
+            'in the model.</p><table><thead><tr><th>fused node</th><th>op</th><th>pattern</th><th>precision</th>'
+            f'<th>replaced</th><th>reason</th></tr></thead><tbody>{rows}</tbody></table>')
+
+
 def _weights_html(d: dict[str, Any]) -> str:
     s = d["summary"]
     w = s["weights"]
@@ -327,6 +351,7 @@ def render_html(report: "Report") -> str:
         "TARGET": _e(s["target"]),
         "SUMMARY": _summary_html(d),
         "WEIGHTS": _weights_html(d),
+        "FUSIONS": _fusions_html(d),
         "CHECK": _check_html(d["check"]) + _auto_fp32_html(d.get("auto_fp32")),
         "NOTES": f"<ul>{notes}</ul>" if notes else '<p class="muted">none</p>',
         "CSS": _CSS,
@@ -356,7 +381,7 @@ _TEMPLATE = """<!DOCTYPE html>
   <div class="sub">%%SUBTITLE%%</div>
   <nav>
     <a href="#summary">Summary</a><a href="#picture">Precision picture</a><a href="#nodes">Nodes</a>
-    <a href="#casts">Casts</a><a href="#islands">Islands</a><a href="#alignment">Tensor cores</a>
+    <a href="#casts">Casts</a><a href="#islands">Islands</a><a href="#fusions">Fusions</a><a href="#alignment">Tensor cores</a>
     <a href="#weights">Weights</a><a href="#check">Check</a><a href="#notes">Notes</a>
   </nav>
 </header>
@@ -397,6 +422,10 @@ _TEMPLATE = """<!DOCTYPE html>
   <div class="controls"><input id="island-search" type="search" placeholder="search pattern, member, seed" aria-label="search islands">
   <span id="island-count" class="muted"></span></div>
   <div id="island-list"></div>
+</section>
+<section id="fusions">
+  <h2>Fusions</h2>
+  %%FUSIONS%%
 </section>
 <section id="alignment">
   <h2>Tensor-core alignment</h2>

@@ -588,3 +588,41 @@ def test_weight_counts_are_the_written_models():
     out, report = amp_rewrite.rewrite(plain, report=True)
     weights = report.to_dict()["summary"]["weights"]
     assert weights["bytes_before"] == weights["bytes_after"] == _float_bytes(out) == 32
+
+
+FUSED_NORM_BESIDE_A_MATMUL = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,4,8] x, float[2,4,8] x2) => (float[2,4,8] ln, float[2,4,8] y2) {
+      m = ReduceMean<axes=[-1]>(x)
+      d = Sub(x, m)
+      p = Pow(d, two)
+      v = ReduceMean<axes=[-1]>(p)
+      ve = Add(v, eps)
+      sd = Sqrt(ve)
+      n = Div(d, sd)
+      ng = Mul(n, g)
+      ln = Add(ng, b)
+      y2 = MatMul(x2, w)
+    }"""
+
+
+def test_fusions_are_in_every_format_and_the_summary_tells_their_precision():
+    """The .md and .html reports never mentioned fusions (the replaced nodes' names were nowhere in
+    them), and the summary said 'now low precision' of a fused norm painted FP32 (FP32 graph input
+    and output, nothing low around it)."""
+    model = make_model(FUSED_NORM_BESIDE_A_MATMUL, {"w": (8, 8), "g": np.linspace(0.5, 1.5, 8, dtype=np.float32),
+                                                     "b": np.zeros(8, np.float32), "two": np.array(2.0, np.float32),
+                                                     "eps": np.array(1e-5, np.float32)})
+    result = rewrite(model)
+    [fusion] = result.log.fusions
+    report = result.report
+    assert report.precision_of(result.log.decisions[fusion.node]) == "fp32"
+    [line] = [x for x in report.summary_text().splitlines() if x.startswith("fused:")]
+    assert f"0 now fp16, 1 kept FP32: {fusion.node}" in line and "now low precision" not in line
+    members = [m for m in fusion.members if m.startswith("ReduceMean")]
+    assert members
+    from amp_rewrite.report_render import render_html, render_markdown
+
+    for rendered in (render_markdown(report), render_html(report)):
+        assert "Fusions" in rendered and fusion.node in rendered
+        assert all(m in rendered for m in members)

@@ -342,9 +342,9 @@ def _zeros_like(x: Value, scope: Graph, label: str, namer: Namer) -> tuple[Value
 
 
 _REASONS = {
-    "LayerNorm": "decomposed LayerNorm fused: the fused kernel keeps mean and variance in FP32, so it runs low "
+    "LayerNorm": "decomposed LayerNorm fused: the fused kernel keeps mean and variance in FP32, so it can run low "
                  "precision without the FP32 island the separate ops need",
-    "RMSNorm": "decomposed RMSNorm fused: the fused kernel keeps the mean of squares in FP32, so it runs low "
+    "RMSNorm": "decomposed RMSNorm fused: the fused kernel keeps the mean of squares in FP32, so it can run low "
                "precision without the FP32 island the separate ops need",
     "tanh-GELU": "tanh-approximated GELU fused: elementwise and bounded by its input (an x^3 that overflows "
                  "only saturates the tanh), so the Pow no longer forces an FP32 island",
