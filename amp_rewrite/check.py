@@ -654,10 +654,21 @@ class CheckResult:
         failing = [o for o in self.outputs if not o.passed] or self.outputs
         return max(failing, key=lambda o: (o.new_nonfinite > 0, _sortable(o.max_rel)), default=None)
 
+    @property
+    def reshaped(self) -> list["OutputStats"]:
+        """Outputs whose shape differs from the FP32 model's: no precision choice explains that."""
+        return [o for o in self.outputs if o.compared.startswith("shape ")]
+
     def failure_message(self) -> str:
         parts = []
         bad = [o for o in self.outputs if not o.passed]
-        if bad:
+        reshaped = self.reshaped
+        if reshaped:
+            w = reshaped[0]
+            parts.append(f"output {w.name!r}: {w.compared} (FP32 vs {self.target}): the "
+                         f"rewrite changed an output's shape, a bug in amp-rewrite; please report it with the model"
+                         + (f" ({len(bad) - 1} more outputs fail)" if len(bad) > 1 else ""))
+        elif bad:
             w = self.worst
             why = (f"{w.new_nonfinite} NaN/Inf values the FP32 model does not have" if w.new_nonfinite else
                    f"max relative error {_fmt(w.max_rel)} > tolerance {self.tolerance:g}")
@@ -681,8 +692,10 @@ class CheckResult:
         widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
         for r in [head] + rows:
             lines.append("  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
-        if any(o.compared != "values" for o in self.outputs):
+        if any(o.compared == "mismatch fraction" for o in self.outputs):
             lines.append("  * integer/bool output: fraction of elements that differ")
+        for o in self.reshaped:
+            lines.append(f"  * {o.name}: {o.compared} (FP32 vs {low}): the shapes differ")
         if self.overflow:
             roots = self.roots
             lines.append(f"first overflowing node: {roots[0].describe(low)}" if roots else
@@ -1350,7 +1363,7 @@ def check_cli(args: "CliArgs", result: RewriteResult, report: "Report") -> Check
         pin = (f"--fp32-nodes {_exact(cr.roots[0].node)!r}" if cr.roots and not cr.roots[0].inserted else "")
         # (--auto-fp32 does not take --training graphs: only the pin applies there)
         suggestions = [s for s in ("--auto-fp32" if not args.training else "", pin) if s]
-        hint = f"; try {' or '.join(suggestions)}" if suggestions and not args.auto_fp32 else ""
+        hint = f"; try {' or '.join(suggestions)}" if suggestions and not args.auto_fp32 and not cr.reshaped else ""
         _fail(args, report, outputs, cr.failure_message() + hint)
     return cr
 

@@ -290,6 +290,19 @@ def test_integer_outputs_compare_by_mismatch_fraction():
     assert same.passed  # the same non-finite value in both is not an error
 
 
+def test_a_changed_output_shape_is_named_not_called_an_integer_mismatch():
+    """A shape change showed as 'inf*' with the footnote for integer outputs, and the failure said
+    'max relative error inf; try --auto-fp32', which cannot fix it."""
+    s = ck.compare_output("y", np.ones((1, 2, 4), np.float32), np.ones((2, 4), np.float16), 0.01)
+    assert not s.passed
+    result = ck.CheckResult(passed=False, tolerance=0.01, target="fp16", provider="CPUExecutionProvider", outputs=[s])
+    assert result.reshaped == [s]
+    assert "* y: shape [1, 2, 4] vs [2, 4] (FP32 vs fp16): the shapes differ" in result.table()
+    assert "integer/bool" not in result.table()
+    message = result.failure_message()
+    assert "shape [1, 2, 4] vs [2, 4]" in message and "a bug in amp-rewrite" in message and "relative" not in message
+
+
 def test_runner_falls_back_to_cpu_when_cuda_cannot_load():
     runner = ck.Runner()
     m = benign_model()
