@@ -620,10 +620,28 @@ def _check_op_names(layer: _Layer, frontend: str, known_extra: set[str]) -> None
     """Unknown op names are typos until proven otherwise; custom domains are the user's own."""
     known = _known_ops(frontend) | known_extra
     for (domain, op), group in layer.entries.items():
-        if domain or op in known:
+        vocabulary = _known_domain_ops(frontend, domain) if domain else known
+        if vocabulary is None or op in vocabulary:
             continue
-        suggestion = _closest(op, known)
-        raise RuleFileError(str(layer.path), _entry_key(group[0]), _UNKNOWN_OP[frontend], suggestion)
+        suggestion = _closest(op, vocabulary)
+        problem = _UNKNOWN_OP[frontend] if not domain else f"unknown {domain} op"
+        raise RuleFileError(str(layer.path), _entry_key(group[0]), problem, suggestion)
+
+
+@functools.lru_cache(maxsize=8)
+def _known_domain_ops(frontend: str, domain: str) -> frozenset[str] | None:
+    """The ops of a custom domain this tool knows in full (com.microsoft, ai.onnx.ml: the kernel
+    table's rows and onnxruntime's registered schemas), or None for a domain that is the user's
+    own: a misspelt com.microsoft op pinned nothing, silently."""
+    if frontend != "onnx":
+        return None
+    names = set(kernels.known_ops(domain))
+    if not names:
+        return None
+    from .frontends.onnx_loader import _ort_schemas
+
+    names |= {op for d, op in _ort_schemas() if kernels.canonical_domain(d) == kernels.canonical_domain(domain)}
+    return frozenset(names)
 
 
 def _known_ops(frontend: str) -> frozenset[str]:
@@ -693,10 +711,11 @@ def _cli_entry(frontend: str, flag: str, category: Category, name: str) -> RuleE
     if split is None and name.count(":") > 1:
         raise UsageError(f"{flag}: {name!r} is not an op: write OP or DOMAIN:OP (e.g. com.microsoft:FusedMatMul)")
     domain, op = split or ("", "")
-    known = _known_ops(frontend)
-    if not op or (not domain and op not in known):
-        suggestion = _closest(op, known)
-        hint = f" (did you mean {suggestion!r}?)" if suggestion else ""
+    known = _known_ops(frontend) if not domain else _known_domain_ops(frontend, domain)
+    if not op or (known is not None and op not in known):
+        suggestion = _closest(op, known or frozenset())
+        hint = f" (did you mean {(domain + ':' + suggestion) if domain and suggestion else suggestion!r}?)" \
+            if suggestion else ""
         raise UsageError(f"{flag}: unknown {frontend} op {name!r}{hint}")
     return RuleEntry(op, domain, category, f"command line: {flag}", flag)
 

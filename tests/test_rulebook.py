@@ -365,6 +365,13 @@ def test_cli_op_with_two_domain_separators_is_an_error():
         load_rules(fp32_ops=["a:b:Softmax"])
 
 
+def test_cli_misspelt_op_of_a_known_domain_is_an_error_and_a_users_own_domain_is_not():
+    with pytest.raises(UsageError, match=r"unknown onnx op 'com.microsoft:FastGeluu' \(did you mean "
+                                         r"'com.microsoft:FastGelu'\?\)"):
+        load_rules(fp32_ops=["com.microsoft:FastGeluu"])
+    load_rules(fp32_ops=["com.microsoft:FastGelu", "my.domain:Anything"])
+
+
 def test_cli_bad_regex_is_an_error():
     with pytest.raises(UsageError, match="--fp32-nodes"):
         load_rules(fp32_nodes=["re:(unclosed"])
@@ -377,6 +384,9 @@ def test_cli_bad_regex_is_an_error():
 BAD_FILES = [
     ("unknown table", '[alow]\nMatMul = "x"\n', "alow", "allow"),
     ("unknown ONNX op", '[deny]\nReduceMaen = "x"\n', "deny.ReduceMaen", "ReduceMean"),
+    # (com.microsoft's ops are known too: a misspelt one pinned nothing, silently)
+    ("unknown com.microsoft op", '[deny]\n"com.microsoft:FastGeluu" = "x"\n', "deny.com.microsoft:FastGeluu",
+     "FastGelu"),
     ("unknown entry key", '[deny.CumSum]\nreson = "x"\n', "deny.CumSum.reson", "reason"),
     ("unknown ruleset key", '[ruleset]\nextnds = "onnx-cuda-fp16"\n', "ruleset.extnds", "extends"),
     ("unknown nodes key", '[nodes]\nfp23 = ["a"]\n', "nodes.fp23", "fp32"),
