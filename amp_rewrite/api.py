@@ -211,6 +211,8 @@ def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *
 
     flag("overwrite", overwrite)
     flag("external_data", external_data, none=True)
+    if isinstance(dst, str) and dst.endswith(("/", os.sep)):  # (Path() would drop the slash: a file 'outdir')
+        raise OutputError(f"{dst}: ends with a slash, so it names a folder; pass the output file's path")
     if _training_graph(options):
         # an ONNX training graph: the loss-scale (and unscale/all_finite) nodes go in too, as
         # rewrite() does for a ModelProto

@@ -6,6 +6,7 @@ Every failure is one line on stderr (``amp-rewrite: error: ...``) and a document
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -32,11 +33,21 @@ def _print_version(value: bool) -> None:
         print(f"amp-rewrite {__version__}")
         raise typer.Exit()
 
+
+def _file_path(value: str) -> Path:
+    """A file to write: a trailing slash names a folder, which pathlib drops ('outdir/' became a
+    file named outdir)."""
+    if value.endswith(("/", os.sep)):
+        raise typer.BadParameter(f"{value!r} ends with a slash, so it names a folder; give the file's path "
+                                 f"(e.g. {value}<file>)")
+    return Path(value)
+
+
 @app.command()
 def _command(
     # (readable=False: the loader says why a file cannot be read, with exit 3, as for every bad input)
     model: Path = typer.Argument(..., help="FP32 ONNX model to rewrite (never modified).", readable=False),
-    output: Optional[Path] = typer.Option(None, "-o", "--output",
+    output: Optional[Path] = typer.Option(None, "-o", "--output", parser=_file_path, metavar="<path>",
                                           help="Output path (default: <model>.fp16.onnx next to the input)."),
     target: str = typer.Option("fp16", "--target", help="Low-precision type: fp16 or bf16."),
     rules: List[Path] = typer.Option([], "--rules", help="Rule file layered on the built-in set (repeatable)."),
@@ -51,7 +62,8 @@ def _command(
                               help="Fuse decomposed LayerNorm/RMSNorm/tanh-GELU into fused ops that run low "
                                    "precision safely (default), or keep them as FP32 islands."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
-    report: Optional[Path] = typer.Option(None, "--report", help="Write the report (.json, .html or .md)."),
+    report: Optional[Path] = typer.Option(None, "--report", parser=_file_path, metavar="<path>",
+                                          help="Write the report (.json, .html or .md)."),
     explain: Optional[str] = typer.Option(None, "--explain", help="Explain one node's precision; writes no model."),
     check: bool = typer.Option(False, "--check", help="Run FP32 and rewritten models and compare outputs."),
     tolerance: float = typer.Option(1e-2, "--tolerance", help="Relative error allowed by --check."),

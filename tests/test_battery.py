@@ -259,6 +259,15 @@ def case_no_opset_import(d: Path) -> Case:
     return Case(["m.onnx"], 5, r"imports no ai\.onnx opset", inputs=["m.onnx"])
 
 
+def case_custom_domain_without_opset_import(d: Path) -> Case:
+    """(exit 0 before, and the output failed the checker like the input: 'No opset import for domain')"""
+    proto = mlp()
+    proto.graph.node.append(helper.make_node("Twice", ["y"], ["z"], name="twice", domain="com.example"))
+    proto.graph.output[0].name = "z"
+    save(proto, d / "m.onnx")
+    return Case(["m.onnx"], 5, r"ops of domain 'com\.example' but imports no opset for it", inputs=["m.onnx"])
+
+
 # -- graph structure -----------------------------------------------------------------------------------
 def case_duplicate_node_names(d: Path) -> Case:
     proto = mlp()
@@ -789,6 +798,17 @@ def case_output_overwrite(d: Path) -> Case:
 def case_output_folder_missing(d: Path) -> Case:
     save(mlp(), d / "m.onnx")
     return Case(["m.onnx", "-o", "no/such/dir/out.onnx"], 6, r"output folder does not exist", inputs=["m.onnx"])
+
+
+def case_output_with_a_trailing_slash(d: Path) -> Case:
+    """(pathlib dropped the slash: a file named 'outdir' was written, exit 0)"""
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "-o", "outdir/"], 2, r"'outdir/' ends with a slash, so it names a folder", inputs=["m.onnx"])
+
+
+def case_report_with_a_trailing_slash(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "--report", "r.json/"], 2, r"'r\.json/' ends with a slash", inputs=["m.onnx"])
 
 
 def case_output_is_directory(d: Path) -> Case:
@@ -1347,3 +1367,13 @@ def test_report_may_not_overwrite_the_inputs_external_data(tmp_path: Path) -> No
     proc = run_cli(["m.onnx", "-o", "out.onnx", "--report", "weights.md", "--overwrite"], tmp_path)
     assert proc.returncode == 6 and "external data" in proc.stderr, proc.stderr
     assert snapshot(tmp_path) == before
+
+
+def test_rewrite_onnx_refuses_a_destination_ending_in_a_slash(tmp_path):
+    from amp_rewrite.api import rewrite_onnx
+    from amp_rewrite.errors import OutputError
+
+    src = save(mlp(), tmp_path / "m.onnx")
+    with pytest.raises(OutputError, match="ends with a slash, so it names a folder"):
+        rewrite_onnx(src, str(tmp_path / "outdir") + "/")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]

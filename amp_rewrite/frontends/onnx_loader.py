@@ -530,6 +530,12 @@ def _check_supported(model: ir.Model, path: Path | None) -> None:
         raise UnsupportedModelError(
             f"{where}IR version {model.ir_version} is newer than this onnx ({onnx.__version__}) supports "
             f"(max {onnx.IR_VERSION}); upgrade onnx")
+    functions = {(f.domain, f.name) for f in model.functions.values()}
+    missing = sorted({n.domain for n in model.graph.all_nodes() if n.domain not in ("", "ai.onnx")
+                      and n.domain not in model.opset_imports and (n.domain, n.op_type) not in functions})
+    if missing:  # (onnx.checker and onnxruntime refuse such a model: 'No opset import for domain')
+        raise UnsupportedModelError(f"{where}the model uses ops of domain {missing[0]!r} but imports no opset for it; "
+                                    f"add one (onnx.helper.make_opsetid({missing[0]!r}, 1))")
     opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
     if opset is None:
         if any(n.domain in ("", "ai.onnx") for n in model.graph.all_nodes()):
