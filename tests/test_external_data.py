@@ -352,6 +352,58 @@ def test_a_function_constant_kept_outside_is_read_into_the_output(tmp_path):
     check_runs_like(model, tmp_path / "out" / "o.onnx")
 
 
+def _external_constant_model(tmp_path: Path) -> tuple[onnx.ModelProto, Path]:
+    """A main-graph Constant read by a ReduceSum (FP32), its tensor in external data."""
+    c = np.full(50_000, 0.001, np.float32)
+    nodes = [helper.make_node("Constant", [], ["c"], name="cst", value=numpy_helper.from_array(c, "c")),
+             helper.make_node("ReduceSum", ["c"], ["s"], name="rsum", keepdims=0),
+             helper.make_node("MatMul", ["x", "v"], ["y"], name="mm")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, H])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, H]),
+                               helper.make_tensor_value_info("s", TensorProto.FLOAT, [])],
+                              [numpy_helper.from_array(np.eye(H, dtype=np.float32), "v")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    src = tmp_path / "m.onnx"
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    onnx.save_model(copy, str(src), save_as_external_data=True, all_tensors_to_one_file=True, location="m.bin",
+                    size_threshold=0, convert_attribute=True)
+    return model, src
+
+
+def test_a_main_graph_constant_kept_outside_stays_in_the_outputs_data_file(tmp_path):
+    """It was read into the output .onnx: the layout changed silently, and a 2 GB one broke
+    protobuf's limit (internal error, exit 70, 12 GB of memory)."""
+    model, src = _external_constant_model(tmp_path)
+    out = tmp_path / "o.onnx"
+    api.rewrite_onnx(src, out)
+    onnx.checker.check_model(str(out), full_check=True)
+    written = onnx.load(str(out), load_external_data=False)
+    [c] = [t for t in written.graph.initializer if t.name == "c"]
+    assert c.data_location == TensorProto.EXTERNAL and out.stat().st_size < 50_000
+    assert not any(n.op_type == "Constant" for n in written.graph.node)
+    x = np.random.default_rng(1).standard_normal((2, H)).astype(np.float32)
+    ref, got = run_onnx(model, {"x": x}), run_onnx(out, {"x": x})
+    assert np.isclose(got["s"], ref["s"]) and np.abs(got["y"] - ref["y"]).max() < 1e-2
+    again = tmp_path / "again.onnx"
+    assert not api.rewrite_onnx(out, again).modified
+
+
+def test_a_proto_over_the_limit_is_an_output_error_not_an_internal_error(tmp_path, monkeypatch):
+    import google.protobuf.message
+
+    from amp_rewrite.errors import OutputError
+
+    def too_big(*args, **kwargs):
+        raise google.protobuf.message.EncodeError("Failed to serialize proto")
+
+    model, src = _external_constant_model(tmp_path)
+    monkeypatch.setattr(onnx_emitter.ir, "save", too_big)
+    with pytest.raises(OutputError, match="does not fit in one protobuf"):
+        api.rewrite_onnx(src, tmp_path / "o.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.bin", "m.onnx"]
+
+
 def test_sparse_external_data_is_read_beside_the_model_not_in_the_working_directory(tmp_path, monkeypatch):
     """A sparse initializer's values kept in a file were read relative to the working directory:
     from elsewhere the model failed to load, and an unrelated file of that name there was read as

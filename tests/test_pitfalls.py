@@ -560,3 +560,16 @@ def test_a_castlike_of_integers_read_in_fp32_is_no_round_trip(placement):
     ref, got = run(model, feeds)["y"], run(result.model, feeds)["y"]
     assert np.isfinite(got).all() and rel_err(ref, got) < 1e-6
     assert not rewrite(result.model, placement=placement).modified
+
+
+def test_the_out_of_range_scan_reads_a_constant_in_chunks_and_finds_the_same_value(monkeypatch):
+    """(the whole-tensor float64 copy of a 2 GB Constant took 12 GB of memory)"""
+    from amp_rewrite.frontends import onnx_constants
+
+    data = np.zeros(1000, np.float32)
+    data[[10, 700, 701]] = [7e4, -9e4, 9e4]
+    whole = onnx_constants._largest(data, 65504.0)
+    monkeypatch.setattr(onnx_constants, "_CHUNK", 64)
+    assert whole == onnx_constants._largest(data, 65504.0) == -9e4
+    assert onnx_constants._largest(np.full(100, 1e9, np.float32), 65504.0) is None  # sentinels are not data
+    assert onnx_constants._largest(np.arange(100, dtype=np.float16), 65504.0) is None

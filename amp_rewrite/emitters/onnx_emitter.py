@@ -21,6 +21,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import NamedTuple
 
+import google.protobuf.message
 import ml_dtypes
 import numpy as np
 import onnx
@@ -524,6 +525,28 @@ def _inline_external_initializers(model: ir.Model, dst: Path) -> None:
         value.const_value = _in_memory(value.const_value)
 
 
+def _external_constants_to_initializers(model: ir.Model) -> None:
+    """A main-graph Constant whose tensor the input kept in external data (onnx's
+    ``convert_attribute=True``) becomes an initializer of the same name, so it stays in the
+    output's data file: read into the node, a 2 GB one broke protobuf's limit ('Failed to serialize
+    proto', and 12 GB of memory). IR 3 lists every initializer as a graph input: there it stays a
+    Constant, read into the node."""
+    if model.ir_version is not None and model.ir_version < 4:
+        return
+    graph = model.graph
+    for node in list(graph):
+        attr = node.attributes.get("value")
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or attr is None \
+                or attr.type != ir.AttributeType.TENSOR or not isinstance(attr.value, ir.ExternalTensor):
+            continue
+        old = node.outputs[0]
+        new = ir.Value(name=old.name, type=old.type, shape=old.shape, const_value=attr.value)
+        new.metadata_props.update(old.metadata_props)
+        old.replace_all_uses_with(new, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        graph.register_initializer(new)
+
+
 def _inline_external_attributes(model: ir.Model) -> None:
     """A node attribute's tensor stored outside (a Constant's ``value``, onnx's
     ``convert_attribute=True``) is read into the node: onnx-ir writes only initializers to the
@@ -598,6 +621,8 @@ def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[P
         raise OutputError(f"{dst.parent}: cannot write here ({exc.strerror or exc})") from exc
     tmp = Path(tmpdir)
     written = []
+    if external:
+        _external_constants_to_initializers(model)
     _inline_external_attributes(model)
     try:
         if external:
@@ -616,6 +641,10 @@ def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[P
         written.append(dst)
     except OSError as exc:
         raise OutputError(f"{dst}: writing failed ({exc.strerror or exc}); nothing was left behind") from exc
+    except google.protobuf.message.EncodeError as exc:  # (a proto past 2 GB even with external data)
+        raise OutputError(f"{dst}: the model does not fit in one protobuf (2 GB) even with its initializers in "
+                          f"{data_name}: a tensor held inline (a Constant inside an If/Loop body or a "
+                          f"function) is too large; nothing was left behind") from exc
     finally:
         for leftover in tmp.iterdir():
             leftover.unlink()

@@ -127,12 +127,21 @@ def _largest(data, limit: float) -> float | None:
     """The largest |value| between ``limit`` and :data:`SENTINEL` (signed), or None."""
     if data is None or data.dtype.kind != "f" or data.size == 0:
         return None
-    data = data.reshape(-1).astype(np.float64)  # (an FP16 datum compared with 1e8 would warn of overflow)
-    magnitude = np.abs(data)
-    between = np.flatnonzero((magnitude > limit) & (magnitude < SENTINEL))
-    if between.size == 0:
-        return None
-    return float(data[between[int(np.argmax(magnitude[between]))]])
+    flat = data.reshape(-1)
+    best: float | None = None
+    # in chunks: the float64 copy of a 2 GB constant was 4.5 GB, and its magnitudes as much again
+    for start in range(0, flat.size, _CHUNK):
+        chunk = flat[start:start + _CHUNK].astype(np.float64)  # (FP16 compared with 1e8 warns of overflow)
+        magnitude = np.abs(chunk)
+        between = np.flatnonzero((magnitude > limit) & (magnitude < SENTINEL))
+        if between.size:
+            found = float(chunk[between[int(np.argmax(magnitude[between]))]])
+            if best is None or abs(found) > abs(best):
+                best = found
+    return best
+
+
+_CHUNK = 1 << 22  # elements
 
 
 def _data(value: Value | None):
