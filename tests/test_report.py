@@ -590,30 +590,22 @@ def test_weight_counts_are_the_written_models():
     assert weights["bytes_before"] == weights["bytes_after"] == _float_bytes(out) == 32
 
 
-FUSED_NORM_BESIDE_A_MATMUL = """
+def _fused_norm_beside_a_matmul():
+    """A LayerNorm of a graph input straight to a graph output (painting keeps it FP32), beside a MatMul."""
+    from test_fuse import LAYERNORM, W
+
+    return make_model(f"""
     <ir_version: 8, opset_import: ["" : 17]>
-    g (float[2,4,8] x, float[2,4,8] x2) => (float[2,4,8] ln, float[2,4,8] y2) {
-      m = ReduceMean<axes=[-1]>(x)
-      d = Sub(x, m)
-      p = Pow(d, two)
-      v = ReduceMean<axes=[-1]>(p)
-      ve = Add(v, eps)
-      sd = Sqrt(ve)
-      n = Div(d, sd)
-      ng = Mul(n, g)
-      ln = Add(ng, b)
-      y2 = MatMul(x2, w)
-    }"""
+    g (float[2,4,8] r, float[2,4,8] x2) => (float[2,4,8] ln, float[2,4,8] y2) {{{LAYERNORM}
+      y2 = MatMul(x2, wq)
+    }}""", W)
 
 
 def test_fusions_are_in_every_format_and_the_summary_tells_their_precision():
     """The .md and .html reports never mentioned fusions (the replaced nodes' names were nowhere in
     them), and the summary said 'now low precision' of a fused norm painted FP32 (FP32 graph input
     and output, nothing low around it)."""
-    model = make_model(FUSED_NORM_BESIDE_A_MATMUL, {"w": (8, 8), "g": np.linspace(0.5, 1.5, 8, dtype=np.float32),
-                                                     "b": np.zeros(8, np.float32), "two": np.array(2.0, np.float32),
-                                                     "eps": np.array(1e-5, np.float32)})
-    result = rewrite(model)
+    result = rewrite(_fused_norm_beside_a_matmul())
     [fusion] = result.log.fusions
     report = result.report
     assert report.precision_of(result.log.decisions[fusion.node]) == "fp32"
