@@ -114,9 +114,7 @@ def render_markdown(report: "Report") -> str:
     if d["fusions"]:
         lines += ["", "## Fusions", "", "Decomposed patterns replaced by one fused op (the nodes they replaced are "
                   "no longer in the model):", ""]
-        lines += _md_table(["fused node", "op", "pattern", "precision", "replaced", "reason"], [
-            [f["node"], f["op"], f["pattern"], _fused_precision(d, f), ", ".join(f["members"]), f["reason"]]
-            for f in d["fusions"]])
+        lines += _md_table(_FUSION_COLUMNS, _fusion_rows(d))
     if d["casts"]:
         lines += ["", "## Casts", ""]
         lines += _md_table(["cast", "kind", "tensor", "direction", "producer → consumers", "shape", "elements",
@@ -260,8 +258,13 @@ def _summary_html(d: dict[str, Any]) -> str:
     return "\n".join(cards)
 
 
-def _fused_precision(d: dict[str, Any], fusion: dict[str, Any]) -> str:
-    return next((n["precision"] for n in d["nodes"] if n["node"] == fusion["node"]), "?")
+_FUSION_COLUMNS = ["fused node", "op", "pattern", "precision", "replaced", "reason"]
+
+
+def _fusion_rows(d: dict[str, Any]) -> list[list[str]]:
+    precision = {n["node"]: n["precision"] for n in d["nodes"]}
+    return [[f["node"], f["op"], f["pattern"], precision.get(f["node"], "?"), ", ".join(f["members"]), f["reason"]]
+            for f in d["fusions"]]
 
 
 def _fusions_html(d: dict[str, Any]) -> str:
@@ -269,13 +272,10 @@ def _fusions_html(d: dict[str, Any]) -> str:
     of the page for a node of the input model finds it here."""
     if not d["fusions"]:
         return '<p class="muted">No fusions.</p>'
-    rows = "".join(
-        f"<tr><td>{_e(f['node'])}</td><td>{_e(f['op'])}</td><td>{_e(f['pattern'])}</td>"
-        f"<td>{_e(_fused_precision(d, f))}</td><td>{_e(', '.join(f['members']))}</td><td>{_e(f['reason'])}</td></tr>"
-        for f in d["fusions"])
+    head = "".join(f"<th>{_e(c)}</th>" for c in _FUSION_COLUMNS)
+    rows = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in _fusion_rows(d))
     return ('<p class="help">Decomposed patterns replaced by one fused op; the nodes they replaced are no longer '
-            'in the model.</p><table><thead><tr><th>fused node</th><th>op</th><th>pattern</th><th>precision</th>'
-            f'<th>replaced</th><th>reason</th></tr></thead><tbody>{rows}</tbody></table>')
+            f'in the model.</p><table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>')
 
 
 def _weights_html(d: dict[str, Any]) -> str:

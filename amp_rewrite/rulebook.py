@@ -618,14 +618,18 @@ def _pattern_problem(pattern: str) -> str | None:
 
 def _check_op_names(layer: _Layer, frontend: str, known_extra: set[str]) -> None:
     """Unknown op names are typos until proven otherwise; custom domains are the user's own."""
-    known = _known_ops(frontend) | known_extra
     for (domain, op), group in layer.entries.items():
-        vocabulary = _known_domain_ops(frontend, domain) if domain else known
+        vocabulary = _vocabulary(frontend, domain, known_extra)
         if vocabulary is None or op in vocabulary:
             continue
         suggestion = _closest(op, vocabulary)
         problem = _UNKNOWN_OP[frontend] if not domain else f"unknown {domain} op"
         raise RuleFileError(str(layer.path), _entry_key(group[0]), problem, suggestion)
+
+
+def _vocabulary(frontend: str, domain: str, extra: frozenset[str] | set[str] = frozenset()) -> frozenset[str] | None:
+    """The op names an entry of ``domain`` must be one of, or None where any name goes."""
+    return _known_ops(frontend) | extra if not domain else _known_domain_ops(frontend, domain)
 
 
 @functools.lru_cache(maxsize=8)
@@ -711,11 +715,10 @@ def _cli_entry(frontend: str, flag: str, category: Category, name: str) -> RuleE
     if split is None and name.count(":") > 1:
         raise UsageError(f"{flag}: {name!r} is not an op: write OP or DOMAIN:OP (e.g. com.microsoft:FusedMatMul)")
     domain, op = split or ("", "")
-    known = _known_ops(frontend) if not domain else _known_domain_ops(frontend, domain)
+    known = _vocabulary(frontend, domain)
     if not op or (known is not None and op not in known):
         suggestion = _closest(op, known or frozenset())
-        hint = f" (did you mean {(domain + ':' + suggestion) if domain and suggestion else suggestion!r}?)" \
-            if suggestion else ""
+        hint = f" (did you mean {f'{domain}:{suggestion}' if domain else suggestion!r}?)" if suggestion else ""
         raise UsageError(f"{flag}: unknown {frontend} op {name!r}{hint}")
     return RuleEntry(op, domain, category, f"command line: {flag}", flag)
 
