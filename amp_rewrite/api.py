@@ -292,6 +292,9 @@ def _training_graph(options: dict[str, Any]) -> bool:
         raise UsageError(f"loss={loss!r}: pass the name of the loss output")
     if loss is not None and not options.get("training"):
         raise UsageError("loss names the output to scale for training: pass training=True with it (or drop it)")
+    if "loss_scaling" in options and not (options.get("training") and loss):
+        raise UsageError("loss_scaling applies to a training graph: pass training=True and loss='<loss output>' "
+                         "with it (or drop it)")
     return bool(options.get("training") and loss)
 
 

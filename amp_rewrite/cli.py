@@ -70,6 +70,9 @@ def _command(
     inputs: Optional[Path] = typer.Option(None, "--inputs", help="Inputs for --check (.npz)."),
     auto_fp32: bool = typer.Option(False, "--auto-fp32", help="Pin nodes FP32 (a bisected run in graph order) until --check passes."),
     training: bool = typer.Option(False, "--training", help="Training graph: FP32 master weights, loss scaling."),
+    loss_scaling: Optional[bool] = typer.Option(None, "--loss-scaling/--no-loss-scaling",
+                                                help="Training: add loss-scale nodes (default: on for fp16, off "
+                                                     "for bf16)."),
     loss: Optional[str] = typer.Option(None, "--loss", help="Training: name of the loss output."),
     grads: Optional[str] = typer.Option(None, "--grads", help="Training: glob of gradient outputs to unscale."),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Print nothing but errors."),

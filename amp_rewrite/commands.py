@@ -4,7 +4,6 @@ argument parser stays declarative."""
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -35,6 +34,7 @@ class CliArgs:
     training: bool = False
     loss: Optional[str] = None
     grads: Optional[str] = None
+    loss_scaling: Optional[bool] = None
     quiet: bool = False
     debug: bool = False
 
@@ -121,8 +121,8 @@ def _validate(args: CliArgs) -> None:
     if args.report is not None and not args.report.parent.is_dir():
         # checked before any work: failing after the model is written would leave a stray output
         raise OutputError(f"--report {args.report}: folder {args.report.parent} does not exist")
-    if (args.loss or args.grads) and not args.training:
-        raise UsageError("--loss and --grads need --training")
+    if (args.loss or args.grads or args.loss_scaling is not None) and not args.training:
+        raise UsageError("--loss, --grads and --loss-scaling/--no-loss-scaling need --training")
     if args.training and not args.loss:
         raise UsageError("--training needs --loss NAME (the graph output holding the loss)")
     if (args.inputs is not None or args.tolerance != CliArgs.tolerance) and not (args.check or args.auto_fp32):
@@ -156,5 +156,3 @@ def _validate(args: CliArgs) -> None:
                               f"choose another report path")
         if args.report.exists() and not args.overwrite:
             raise OutputError(f"--report {args.report}: already exists; pass --overwrite to replace it")
-    if args.training and args.target == "bf16" and not args.quiet:
-        print("amp-rewrite: note: bf16 needs no loss scaling; loss-scale nodes are still added", file=sys.stderr)

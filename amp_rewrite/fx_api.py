@@ -28,7 +28,10 @@ scalar float output, or the output ``loss_output`` names: its index among the fl
 its fx node name; of several scalar float outputs, the one a gradient reaches, else it must be
 named) the output becomes
 ``loss * self.amp_loss_scale``, an FP32 scalar buffer starting at 1.0 that
-:class:`amp_rewrite.LossScaler` updates, and ``gm.amp_training`` is True.
+:class:`amp_rewrite.LossScaler` updates, and ``gm.amp_training`` is True. That loss scaling is for
+fp16 (``loss_scaling=None``, the default: on for fp16, off for bf16, whose exponent range is
+FP32's); a bf16 rewrite adds no buffer, ``gm.amp_loss_scaling`` is False, and it trains with
+``loss.backward()`` and ``optimizer.step()``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from .api import RewriteResult, _as_list, flag, make_context, run_pipeline
 from .decisions import Category
 from .errors import UnsupportedModelError, UsageError
 from .ir import DType, Model, Value
+from .loss_scale import loss_scaling_for
 
 CAPTURES = ("auto", "export", "symbolic_trace")
 _CONTEXT_OPTIONS = ("fp32_nodes", "fp16_nodes", "fp32_ops", "fp16_ops", "placement", "verify_each")
@@ -56,7 +60,7 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
                   rules: Any = (), keep_io_types: bool = True, training: bool = False,
                   loss_output: int | str | None = None, capture: str = "auto",
                   example_kwargs: dict[str, Any] | None = None, decompose: bool = False,
-                  **options: Any) -> RewriteResult:
+                  loss_scaling: bool | None = None, **options: Any) -> RewriteResult:
     """Rewrite a torch module or graph; see the module docstring. Extra options are those of
     :func:`amp_rewrite.api.make_context` (fp32_nodes, fp16_ops, placement, ...)."""
     unknown = sorted(set(options) - set(_CONTEXT_OPTIONS))
@@ -66,6 +70,9 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
         raise UsageError(f"unknown capture {capture!r}: choose one of {', '.join(CAPTURES)}")
     if loss_output is not None and not training:
         raise UsageError("loss_output names the loss to scale for training: pass training=True with it (or drop it)")
+    if loss_scaling is not None and not training:
+        raise UsageError("loss_scaling applies to training: pass training=True with it (or drop it)")
+    scaling = loss_scaling_for(target, loss_scaling) if training else False
     flag("decompose", decompose)
     if decompose and capture == "symbolic_trace":
         raise UsageError("decompose=True decomposes a torch.export capture into aten ops; symbolic_trace makes "
@@ -105,6 +112,13 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
     ctx = make_context(frontend="torch", target=target, rules=rules, keep_io_types=keep_io_types,
                        training=training, loss=loss_value.name if loss_value is not None else None,
                        fp32_nodes=fp32_nodes, **options)
+    if training and loss_value is not None:
+        notes.append(f"training: loss {loss_value.name!r} scaled in the graph by the buffer amp_loss_scale "
+                     f"(LossScaler updates it)" if scaling else
+                     f"training: no loss scaling ("
+                     + ("bf16 keeps FP32's exponent range, so gradients underflow no sooner than in FP32; "
+                        "loss_scaling=True adds it)" if target == "bf16" else
+                        "loss_scaling=False: fp16 gradients below 6e-8 flush to zero)"))
     ctx.log.notes.extend(notes)
     modified = run_pipeline(model, ctx)
     _explain_conversions(model, ctx)
@@ -113,7 +127,7 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
         from .emitters.fx_emitter import emit_fx
 
         gm = emit_fx(model, ctx.log, training=training)
-    if training and loss_value is not None and not hasattr(gm, "amp_loss_scale"):  # once: rewriting again adds none
+    if scaling and loss_value is not None and not hasattr(gm, "amp_loss_scale"):  # once: rewriting again adds none
         from .emitters.fx_emitter import insert_loss_scale
 
         insert_loss_scale(gm, _loss_slot(model, loss_value), model.meta.get("fx.level", "torch"))
@@ -124,6 +138,7 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
         _keep_captured_mode(gm, obj.training if isinstance(obj, torch.nn.Module) else _graph_mode(gm))
     if training:
         _preserve(gm, "amp_training", True)
+        _preserve(gm, "amp_loss_scaling", hasattr(gm, "amp_loss_scale"))
     gm.meta["amp_rewrite.log"] = ctx.log
     gm.meta["amp_rewrite.target"] = target
     source = f"torch:{type(obj).__name__} (captured with {how})"

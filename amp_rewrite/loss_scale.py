@@ -8,3 +8,16 @@ BACKOFF_FACTOR = 0.5  # scale × this after a step with inf/NaN gradients
 GROWTH_INTERVAL = 2000
 MIN_SCALE = 1.0
 MAX_SCALE = 2.0 ** 24
+
+
+def loss_scaling_for(target: str, loss_scaling: object) -> bool:
+    """Whether a training rewrite scales the loss: ``loss_scaling`` when given (True/False), else
+    on for fp16 (its gradients flush to zero below 6e-8) and off for bf16 (FP32's exponent range:
+    nothing underflows that would not in FP32; PRECISION.md, "Training")."""
+    from .errors import UsageError
+
+    if loss_scaling is None:
+        return target != "bf16"
+    if not isinstance(loss_scaling, bool):
+        raise UsageError(f"loss_scaling={loss_scaling!r}: pass True, False or None (None: on for fp16, off for bf16)")
+    return loss_scaling

@@ -139,6 +139,15 @@ class LossScaler:
         DDP) equal to the scaler's scale. Returns self."""
         for module in modules:
             found = [m for m in module.modules() if isinstance(m._buffers.get(BUFFER), torch.Tensor)]
+            if not found and not self.enabled:
+                continue  # a pass-through has no scale to keep in step
+            unscaled = [m for m in module.modules() if getattr(m, "amp_training", False)
+                        and getattr(m, "amp_loss_scaling", True) is False]
+            if not found and unscaled:
+                raise ValueError(f"{type(module).__name__} was rewritten for training without loss scaling (the "
+                                 f"bf16 default: bf16 has FP32's exponent range), so there is no scale to keep: "
+                                 f"train it with loss.backward() and optimizer.step(), or keep this loop with "
+                                 f"LossScaler(enabled=False); rewrite(..., loss_scaling=True) adds the in-graph scale")
             if not found:
                 raise ValueError(f"{type(module).__name__} has no {BUFFER!r} buffer: it was not rewritten with "
                                  f"amp_rewrite.rewrite(..., training=True) (or returns no loss); use "

@@ -6,7 +6,9 @@ What it does (PRECISION.md, "Training"):
    weights; float graph inputs, e.g. parameters fed as inputs, stay FP32 too, keep_io_types is
    forced on), and the loss island is pinned FP32: every node feeding the loss with no allow op
    between it and the loss (the same rule the torch side applies);
-2. loss scaling, with standard ONNX ops, on the emitted model:
+2. loss scaling (fp16; bf16 keeps FP32's exponent range and gets none unless ``loss_scaling=True``
+   / ``--loss-scaling`` asks for it, nor does fp16 with ``loss_scaling=False``), with standard ONNX
+   ops, on the emitted model:
 
    - input ``loss_scale`` (FP32 scalar), output ``scaled_loss = loss * loss_scale`` (FP32);
    - with ``grads`` (gradient outputs, e.g. a forward+gradient graph from
@@ -48,6 +50,7 @@ from typing import Any, Sequence
 from .api import RewriteResult, _as_list, context_for, run_pipeline
 from .errors import UsageError
 from .loss_scale import BACKOFF_FACTOR, GROWTH_FACTOR, GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE
+from .loss_scale import loss_scaling_for
 from .loss_scale import INIT_SCALE  # noqa: F401  (the value a caller feeds as the first loss_scale)
 from .passes.place_casts import Namer
 
@@ -124,7 +127,7 @@ def rewrite_training_onnx(src: str | os.PathLike, dst: str | os.PathLike | None 
     source_files = _input_files(model, src_path)
     use_external = external_data if external_data is not None else _needs_external(model, src_path, ir_model)
     written = save_onnx(ir_model, dst_path, external=use_external, source_files=source_files, overwrite=overwrite)
-    return RewriteResult(ir_model, log, True, written, source=str(src_path))
+    return RewriteResult(ir_model, log, plan.modified, written, source=str(src_path))
 
 
 def rewrite_training_onnx_model(proto: Any, *, loss: str, grads: str | Sequence[str] | None = None,
@@ -134,14 +137,14 @@ def rewrite_training_onnx_model(proto: Any, *, loss: str, grads: str | Sequence[
     from .frontends.onnx_loader import load_onnx
 
     model = load_onnx(proto)
-    ir_model, log, _ = _rewrite(model, loss=loss, grads=grads, loss_grad=loss_grad, options=options)
-    return RewriteResult(to_proto(ir_model), log, True)
+    ir_model, log, plan = _rewrite(model, loss=loss, grads=grads, loss_grad=loss_grad, options=options)
+    return RewriteResult(to_proto(ir_model), log, plan.modified)
 
 
 def rewrite_training_cli(args: Any) -> RewriteResult:
     """What ``amp-rewrite --training`` runs (commands.run)."""
     return rewrite_training_onnx(args.model, args.output, overwrite=args.overwrite, loss=args.loss,
-                                 grads=args.grads, **args.options())
+                                 grads=args.grads, loss_scaling=args.loss_scaling, **args.options())
 
 
 # -- the rewrite -----------------------------------------------------------------------------------------------
@@ -152,6 +155,9 @@ class _Plan:
     seed: str | None
     tail: list[str]
     config: ScaleConfig
+    scaling: bool = True
+    modified: bool = True  # False: no loss scaling and the pipeline changed nothing (the input as it was)
+
 
 
 def _rewrite(model: Any, *, loss: str, grads: Any, loss_grad: str | None, options: dict) -> tuple[Any, Any, _Plan]:
@@ -161,22 +167,23 @@ def _rewrite(model: Any, *, loss: str, grads: Any, loss_grad: str | None, option
     options.pop("training", None)
     options.pop("loss", None)
     config = ScaleConfig(**{k: options.pop(k) for k in _SCALE_KEYS if k in options})
+    scaling = loss_scaling_for(options.get("target", "fp16"), options.pop("loss_scaling", None))
     if options.get("keep_io_types") is False:
         raise UsageError("--training keeps graph inputs and outputs FP32 (parameters fed as inputs are the FP32 "
                          "master weights; the loss and gradients must come out FP32): drop --no-keep-io-types")
     options["keep_io_types"] = True
     ir_model = model.origin.model
-    plan = _make_plan(model, ir_model, loss, grads, loss_grad, config, _rule_book(options))
+    plan = _make_plan(model, ir_model, loss, grads, loss_grad, config, _rule_book(options), scaling)
     pins = ["re:" + re.escape(name) for name in plan.tail]
     options["fp32_nodes"] = _as_list("fp32_nodes", options.get("fp32_nodes")) + pins
     ctx = context_for("onnx", {**options, "training": True, "loss": loss}, "rewrite(training=True)")
-    ctx.log.notes.extend(_notes(plan))
+    ctx.log.notes.extend(_notes(plan, options.get("target", "fp16")))
     from .rulebook import RuleBook
 
     if isinstance(options.get("rules"), RuleBook) and plan.tail:
         ctx.log.notes.append("training: rules were given as a RuleBook, which takes no node pins: the loss island "
                              "is painted by the rules alone")
-    run_pipeline(model, ctx)
+    modified = run_pipeline(model, ctx)
     tail = set(plan.tail)
     for node in model.graph.nodes:
         if node.name in tail and node.meta.get("amp.category") is not None:
@@ -187,13 +194,19 @@ def _rewrite(model: Any, *, loss: str, grads: Any, loss_grad: str | None, option
             from dataclasses import replace
 
             ctx.log.decisions[label] = replace(decision, reason=_TAIL_REASON, source="training")
-    ir_model = emit_onnx(model, ctx.log)
-    _LossScaleBuilder(ir_model, plan).build()
+    # (unscaled and nothing to change: a training output rewritten again stays as it is)
+    plan.modified = modified or plan.scaling
+    ir_model = emit_onnx(model, ctx.log) if plan.modified else model.origin.model
+    if plan.scaling:
+        _LossScaleBuilder(ir_model, plan).build()
+    else:
+        ir_model.metadata_props[TRAINING_KEY] = json.dumps({"loss": plan.loss, "loss_scaling": False,
+                                                            "grads": plan.grads})
     return ir_model, ctx.log, plan
 
 
 def _make_plan(model: Any, ir_model: Any, loss: str, grads: Any, loss_grad: str | None,
-               config: ScaleConfig, rules: Any) -> _Plan:
+               config: ScaleConfig, rules: Any, scaling: bool) -> _Plan:
     graph = model.graph
     outputs = {v.name: v for v in graph.outputs}
     if loss not in outputs:
@@ -212,14 +225,28 @@ def _make_plan(model: Any, ir_model: Any, loss: str, grads: Any, loss_grad: str 
             raise UsageError(f"--grads matches {name!r}, which is {kind}: gradients are unscaled in FP32 and must "
                              f"come out FP32 (FP32 master weights); narrow --grads to the FP32 gradient outputs")
     seed = None
-    if grad_names:
+    if grad_names and scaling:
         seed = _find_seed(graph, ir_model, loss, loss_grad)
-    for name in (LOSS_SCALE, SCALED_LOSS) + ((GROWTH_TRACKER, ALL_FINITE, NEXT_LOSS_SCALE, NEXT_GROWTH_TRACKER)
-                                             if grad_names else ()):
+    elif loss_grad is not None:
+        raise UsageError(f"loss_grad={loss_grad!r}: names the backward seed to multiply by the loss scale, and this "
+                         f"rewrite scales nothing (no loss scaling); drop it, or pass loss_scaling=True")
+    if _scaled_already(ir_model):
+        raise UsageError("the model was rewritten for training with loss scaling already (its amp_rewrite.training "
+                         "metadata says so): rewrite the FP32 model instead")
+    for name in ((LOSS_SCALE, SCALED_LOSS) + ((GROWTH_TRACKER, ALL_FINITE, NEXT_LOSS_SCALE, NEXT_GROWTH_TRACKER)
+                                              if grad_names else ())) if scaling else ():
         if _name_taken(ir_model.graph, name):
             raise UsageError(f"the model already has a value named {name!r}: it looks rewritten for training already")
     tail = _loss_tail(loss_value, graph, rules)
-    return _Plan(loss=loss, grads=grad_names, seed=seed, tail=tail, config=config)
+    return _Plan(loss=loss, grads=grad_names, seed=seed, tail=tail, config=config, scaling=scaling)
+
+
+def _scaled_already(ir_model: Any) -> bool:
+    info = ir_model.metadata_props.get(TRAINING_KEY)
+    try:
+        return bool(info) and json.loads(info).get("loss_scale") is not None
+    except (ValueError, AttributeError):
+        return False
 
 
 def _match_grads(grads: Any, outputs: list[str], loss: str) -> list[str]:
@@ -330,7 +357,14 @@ def _loss_tail(loss: Any, graph: Any, book: Any) -> list[str]:
     return tail
 
 
-def _notes(plan: _Plan) -> list[str]:
+def _notes(plan: _Plan, target: str) -> list[str]:
+    if not plan.scaling:
+        grads = (f"; {len(plan.grads)} gradient output(s) come out FP32 as computed" if plan.grads else "")
+        why = ("bf16 keeps FP32's exponent range, so gradients underflow no sooner than in FP32; "
+               "--loss-scaling adds it" if target == "bf16" else
+               "turned off: fp16 gradients below 6e-8 flush to zero")
+        return [f"training: loss {plan.loss!r} kept FP32 with {len(plan.tail)} node(s) of its island pinned FP32; "
+                f"no loss scaling ({why}){grads}"]
     notes = [f"training: loss {plan.loss!r} kept FP32 with {len(plan.tail)} node(s) of its island pinned FP32; "
              f"input {LOSS_SCALE!r} and output {SCALED_LOSS!r} added"]
     if plan.grads:

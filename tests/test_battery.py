@@ -977,7 +977,28 @@ def test_quiet_prints_nothing_on_a_success(tmp_path: Path) -> None:
     proc = run_cli(["t.onnx", "-o", "o.onnx", "--training", "--loss", "loss", "--target", "bf16", "-q"], tmp_path)
     assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == "", proc.stderr
     loud = run_cli(["t.onnx", "-o", "o2.onnx", "--training", "--loss", "loss", "--target", "bf16"], tmp_path)
-    assert "bf16 needs no loss scaling" in loud.stderr
+    assert loud.returncode == 0 and loud.stderr == "" and "no loss scaling (bf16" in loud.stdout
+
+
+def test_loss_scaling_flags_choose_the_training_interface(tmp_path: Path) -> None:
+    """Issue 6: bf16 training adds no loss scaling (it did, with a note that said so); fp16 does.
+    --loss-scaling / --no-loss-scaling override either default, and need --training."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("ReduceSum", ["h"], ["loss"], name="sum", keepdims=0)]
+    save(model(nodes, [vi("x")], [vi("loss", shape=())], [weight("w1")]), tmp_path / "t.onnx")
+    cases = {("fp16",): True, ("bf16",): False, ("fp16", "--no-loss-scaling"): False,
+             ("bf16", "--loss-scaling"): True}
+    for i, ((target, *flags), scaled) in enumerate(cases.items()):
+        proc = run_cli(["t.onnx", "-o", f"o{i}.onnx", "--training", "--loss", "loss", "--target", target, *flags],
+                       tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        out = onnx.load(str(tmp_path / f"o{i}.onnx"))
+        onnx.checker.check_model(out, full_check=True)
+        assert ("loss_scale" in {i.name for i in out.graph.input}) is scaled, (target, flags)
+        assert ("scaled_loss" in {o.name for o in out.graph.output}) is scaled, (target, flags)
+        assert ("no loss scaling" in proc.stdout) is not scaled, proc.stdout
+    proc = run_cli(["t.onnx", "-o", "x.onnx", "--no-loss-scaling"], tmp_path)
+    assert proc.returncode == 2 and "need --training" in proc.stderr and not (tmp_path / "x.onnx").exists()
 
 
 def test_fp32_ops_takes_a_comma_list(tmp_path: Path) -> None:

@@ -526,12 +526,10 @@ class MLPLoss(torch.nn.Module):
 
 
 def _rewrite_for_training(model, example, target):
-    try:
-        gm = amp_rewrite.rewrite(model, example_inputs=example, training=True, target=target)
-    except (ImportError, NotImplementedError) as exc:  # pragma: no cover - the fx side is missing
-        pytest.skip(f"rewrite(training=True) for torch is not available: {exc}")
-    if not hasattr(gm, "amp_loss_scale") or not getattr(gm, "amp_training", False):  # pragma: no cover
-        pytest.skip("rewrite(training=True) did not insert the loss-scale buffer")
+    """A training rewrite with the in-graph loss scale (bf16 adds none by default: the scaler's
+    mechanics are tested on bf16 with loss_scaling=True, because FP16 math on CPU is slow)."""
+    gm = amp_rewrite.rewrite(model, example_inputs=example, training=True, target=target, loss_scaling=True)
+    assert hasattr(gm, "amp_loss_scale") and gm.amp_training is True and gm.amp_loss_scaling is True
     return gm
 
 
@@ -610,20 +608,68 @@ def regression():
 
 @pytest.mark.parametrize("target", ["bf16", "fp16"])
 def test_training_200_steps_ends_near_fp32(regression, target):
+    """fp16 trains with the in-graph loss scale and a LossScaler; bf16, which keeps FP32's exponent
+    range, with none: a plain loss.backward() / optimizer.step() loop (issue 6: "no loss scaling")."""
     X, Y, base, initial, fp32 = regression
-    gm = _rewrite_for_training(copy.deepcopy(base), (X[:32], Y[:32]), target)
-    scaler = LossScaler(gm)
+    gm = amp_rewrite.rewrite(copy.deepcopy(base), example_inputs=(X[:32], Y[:32]), training=True, target=target)
+    assert gm.amp_loss_scaling is (target == "fp16") and hasattr(gm, "amp_loss_scale") is (target == "fp16")
+    scaler = LossScaler(gm) if target == "fp16" else None
     final = _fp32_loss(base, _train(gm, X, Y, 200, scaler), X, Y)
     print(f"\n{target}: initial loss {initial:.5f}, final FP32 {fp32:.5f}, final {target} {final:.5f} "
-          f"({(final - fp32) / fp32:+.2%}); {scaler.summary_text()}")
+          f"({(final - fp32) / fp32:+.2%}); {scaler.summary_text() if scaler else 'no loss scaling'}")
     assert fp32 < 0.1 * initial  # it learned something
     assert abs(final - fp32) <= 0.05 * fp32
     assert all(p.dtype == torch.float32 for p in gm.parameters())
-    assert float(gm.amp_loss_scale) == scaler.get_scale()
-    scaler.add_to_report(gm)  # the module's own report now carries the scaling history
     from amp_rewrite.fx_api import report_of
 
+    if scaler is None:
+        assert any(n.startswith("training: no loss scaling (bf16") for n in report_of(gm).log.notes)
+        return
+    assert float(gm.amp_loss_scale) == scaler.get_scale()
+    scaler.add_to_report(gm)  # the module's own report now carries the scaling history
     assert scaler.summary_text() in report_of(gm).log.notes
+
+
+def test_bf16_training_adds_no_loss_scale_unless_asked():
+    """Issue 6: BF16 needs no loss scaling. The bf16 rewrite adds no amp_loss_scale buffer and
+    returns the loss as computed, with FP32 master weights and FP32 gradients; a LossScaler refuses
+    to attach to it, saying how to train it (or pass-through with enabled=False);
+    loss_scaling=True adds the scale back, loss_scaling=False takes it off fp16."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    model = MLPLoss()
+    gm = amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x, y), training=True, target="bf16")
+    assert not hasattr(gm, "amp_loss_scale") and gm.amp_training is True and gm.amp_loss_scaling is False
+    assert not any(n.op == "get_attr" and n.target == "amp_loss_scale" for n in gm.graph.nodes)
+    from amp_rewrite.fx_api import report_of
+
+    heavy = report_of(gm).summary()["heavy_ops"]
+    assert heavy["low"] == heavy["total"] == 2  # (both Linears did go bf16)
+    loss = gm(x, y)
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(model(x, y).item(), rel=2e-2)
+    loss.backward()
+    model(x, y).backward()
+    for got, want in zip(gm.parameters(), model.parameters()):
+        assert got.dtype == torch.float32 and got.grad.dtype == torch.float32
+        torch.testing.assert_close(got.grad, want.grad, rtol=5e-2, atol=2e-2 * want.grad.abs().max().item())
+    with pytest.raises(ValueError, match=r"without loss scaling .*loss.backward\(\) and optimizer.step\(\).*"
+                                         r"LossScaler\(enabled=False\)"):
+        LossScaler(gm)
+    passthrough = LossScaler(gm, enabled=False)
+    gm.zero_grad()
+    passthrough.backward(gm(x, y))
+    passthrough.step(torch.optim.SGD(gm.parameters(), lr=0.0))
+    assert passthrough.get_scale() == 1.0 and all(torch.isfinite(p.grad).all() for p in gm.parameters())
+    assert copy.deepcopy(gm).amp_loss_scaling is False  # (kept by a deep copy, like amp_training)
+    scaled = amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x, y), training=True, target="bf16",
+                                 loss_scaling=True)
+    assert hasattr(scaled, "amp_loss_scale") and scaled.amp_loss_scaling is True
+    unscaled = amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x, y), training=True, loss_scaling=False)
+    assert not hasattr(unscaled, "amp_loss_scale") and unscaled.amp_loss_scaling is False
+    with pytest.raises(UsageError, match="loss_scaling applies to training"):
+        amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x, y), loss_scaling=False)
+    with pytest.raises(UsageError, match=r"loss_scaling='no': pass True, False or None"):
+        amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x, y), training=True, loss_scaling="no")
 
 
 # -- found by a bug hunt: terms outside the graph, hidden scale nodes, modes, checkpoints ----------------------
@@ -821,7 +867,7 @@ def test_the_scale_goes_on_the_loss_whatever_precedes_it_in_the_output(cls, shap
     model = cls()
     ref = copy.deepcopy(model)
     x, y = torch.randn(*shape), torch.randn(4)
-    gm = amp_rewrite.rewrite(model, example_inputs=(x, y), training=True, target="bf16", capture="symbolic_trace")
+    gm = amp_rewrite.rewrite(model, example_inputs=(x, y), training=True, target="bf16", loss_scaling=True, capture="symbolic_trace")
     scaler = LossScaler(gm)
     first, loss = gm(x, y)
     ref_first, ref_loss = ref(x, y)
@@ -895,7 +941,7 @@ def test_several_scalar_outputs_need_loss_output():
         amp_rewrite.rewrite(AuxFirst(), example_inputs=(x, y), training=True, target="bf16")
     model = AuxFirst()
     ref = copy.deepcopy(model)
-    gm = amp_rewrite.rewrite(model, example_inputs=(x, y), training=True, target="bf16", loss_output=1)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x, y), training=True, target="bf16", loss_scaling=True, loss_output=1)
     scaler = LossScaler(gm)
     aux, loss = gm(x, y)
     assert aux.item() == pytest.approx(ref(x, y)[0].item(), rel=2e-2)  # not scaled
@@ -955,7 +1001,7 @@ def test_a_sparse_embedding_trains_and_its_table_is_never_cast(target):
     gm = amp_rewrite.rewrite(model, example_inputs=(t, y), training=True, target=target)
     embedding = next(n for n in gm.graph.nodes if "embedding" in str(n.target))
     assert embedding.args[0].op in ("placeholder", "get_attr"), embedding.format_node()
-    scaler = LossScaler(gm)
+    scaler = LossScaler(gm, enabled=target == "fp16")  # (bf16 has no in-graph scale: a pass-through)
     scaler.backward(gm(t, y))
     scaler.unscale_(torch.optim.SGD(gm.parameters(), lr=0.0))
     ref(t, y).backward()
@@ -982,7 +1028,7 @@ def test_a_metric_beside_the_loss_is_not_taken_for_it():
     for capture in ("export", "symbolic_trace"):
         model = WithMetrics()
         ref = copy.deepcopy(model)
-        gm = amp_rewrite.rewrite(model, example_inputs=(x, y), training=True, target="bf16", capture=capture)
+        gm = amp_rewrite.rewrite(model, example_inputs=(x, y), training=True, target="bf16", loss_scaling=True, capture=capture)
         scaler = LossScaler(gm)
         loss, acc, plain = gm(x, y)
         ref_loss, _, _ = ref(x, y)
@@ -1022,7 +1068,7 @@ def test_a_symbolic_trace_training_rewrite_survives_torch_save_and_load(tmp_path
     torch.Tensor'), so a rewritten training module could not be saved whole."""
     torch.manual_seed(0)
     x, y = torch.randn(8, 8), torch.randn(8, 1)
-    gm = amp_rewrite.rewrite(MLPLoss(), example_inputs=(x, y), training=True, target="bf16",
+    gm = amp_rewrite.rewrite(MLPLoss(), example_inputs=(x, y), training=True, target="bf16", loss_scaling=True,
                              capture="symbolic_trace")
     path = tmp_path / "gm.pt"
     torch.save(gm, path)

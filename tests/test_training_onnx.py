@@ -22,6 +22,7 @@ import pytest
 from amp_rewrite.errors import UsageError
 from amp_rewrite.training_onnx import (ALL_FINITE, GROWTH_TRACKER, LOSS_SCALE, NEXT_GROWTH_TRACKER, NEXT_LOSS_SCALE,
                                        SCALED_LOSS, rewrite_training_onnx, rewrite_training_onnx_model, training_info)
+from amp_rewrite import rewrite as amp_rewrite_rewrite
 from tools.ortrun import run_onnx
 
 torch = pytest.importorskip("torch")
@@ -331,12 +332,53 @@ def test_forward_only_training_rewrite(setup):
     np.testing.assert_allclose(out[SCALED_LOSS], 8.0 * out["loss"], rtol=1e-6)
 
 
-def test_bf16_training_rewrite_structure(setup):
+def test_bf16_training_rewrite_has_no_loss_scaling(setup):
+    """Issue 6: BF16 needs no loss scaling. The bf16 training rewrite kept FP32 master weights and
+    the FP32 loss island but added loss_scale/growth_tracker inputs and the scaled_loss/all_finite/
+    next_* outputs as for fp16; now it adds none (its interface is the FP32 graph's), unless
+    loss_scaling=True asks for them, and rewriting it again changes nothing."""
     _, proto = setup
-    m = rewrite_training_onnx_model(proto, loss="loss", grads=GRADS, target="bf16").model
-    onnx.checker.check_model(m)
-    assert {o.name for o in m.graph.output} >= {ALL_FINITE, NEXT_LOSS_SCALE, NEXT_GROWTH_TRACKER}
+    result = rewrite_training_onnx_model(proto, loss="loss", grads=GRADS, target="bf16")
+    m = result.model
+    onnx.checker.check_model(m, full_check=True)
+    assert [(i.name, i.type.tensor_type.elem_type) for i in m.graph.input] == \
+        [(i.name, i.type.tensor_type.elem_type) for i in proto.graph.input]  # FP32 weights fed, FP32 seed
+    assert [(o.name, o.type.tensor_type.elem_type) for o in m.graph.output] == \
+        [(o.name, o.type.tensor_type.elem_type) for o in proto.graph.output]  # FP32 loss and gradients
     assert any(n.op_type == "Cast" and n.attribute[0].i == onnx.TensorProto.BFLOAT16 for n in m.graph.node)
+    assert not any(n.op_type in ("IsInf", "IsNaN", "Reciprocal") for n in m.graph.node)
+    assert training_info(m) == {"loss": "loss", "loss_scaling": False, "grads": [o.name for o in proto.graph.output[1:]]}
+    assert any("no loss scaling (bf16 keeps FP32's exponent range" in n for n in result.log.notes)
+    again = rewrite_training_onnx_model(m, loss="loss", grads=GRADS, target="bf16")
+    assert not again.modified and again.model.SerializeToString() == m.SerializeToString()
+    scaled = rewrite_training_onnx_model(proto, loss="loss", grads=GRADS, target="bf16", loss_scaling=True).model
+    onnx.checker.check_model(scaled)
+    assert {o.name for o in scaled.graph.output} >= {SCALED_LOSS, ALL_FINITE, NEXT_LOSS_SCALE, NEXT_GROWTH_TRACKER}
+    assert training_info(scaled)["loss_scale"] == LOSS_SCALE
+    with pytest.raises(UsageError, match="rewritten for training with loss scaling already"):
+        rewrite_training_onnx_model(scaled, loss="loss", grads=GRADS, target="bf16", loss_scaling=False)
+    with pytest.raises(UsageError, match=r"loss_grad='loss_grad': .*scales nothing"):
+        rewrite_training_onnx_model(proto, loss="loss", grads=GRADS, target="bf16", loss_grad="loss_grad")
+    with pytest.raises(UsageError, match="loss_scaling applies to a training graph"):
+        amp_rewrite_rewrite(proto, loss_scaling=False)
+
+
+def test_fp16_training_without_loss_scaling_runs_and_matches_fp32(setup):
+    """loss_scaling=False takes the scale off fp16 (the user's choice; the note says what it risks):
+    the FP32 interface, and gradients close to FP32's on onnxruntime."""
+    model, proto = setup
+    result = rewrite_training_onnx_model(proto, loss="loss", grads=GRADS, target="fp16", loss_scaling=False)
+    m = result.model
+    onnx.checker.check_model(m, full_check=True)
+    assert [i.name for i in m.graph.input] == [i.name for i in proto.graph.input]
+    assert any("no loss scaling (turned off: fp16 gradients below 6e-8 flush to zero)" in n for n in result.log.notes)
+    rng = np.random.default_rng(3)
+    feeds = {**_params(model), "input_0": rng.standard_normal((BATCH, 8)).astype(np.float32),
+             "target_0": rng.standard_normal((BATCH, 1)).astype(np.float32), "loss_grad": np.array(1.0, np.float32)}
+    ref, out = run_onnx(proto, feeds), run_onnx(m, feeds)
+    assert set(out) == set(ref)
+    for name, want in ref.items():
+        np.testing.assert_allclose(out[name], want, rtol=0.05, atol=0.02 * np.abs(want).max())
 
 
 def test_errors(setup):
