@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from .decisions import ALIGNMENT_OPS, HEAVY_OPS, Decision, DecisionLog, Precision
+from .decisions import ALIGNMENT_OPS, HEAVY_OPS, Category, Decision, DecisionLog, Precision
 from .errors import ModelLoadError, OutputError, UsageError
 from .ir import Model, verify
-from .passes.base import Context, Options, given_low_type, node_label, run_passes
+from .passes.base import Context, Options, given_low_type, is_user_source, node_label, run_passes
 from .passes.classify import classify
 from .passes.islands import attach_cast_counts, find_islands
 from .passes.paint import paint
@@ -150,6 +150,20 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
     return modified
 
 
+def _record_pins(model: Model, ctx: Context) -> bool:
+    """Whether the output must be written although nothing runs low: this run's pins (--fp32-nodes,
+    --fp32-ops, --auto-fp32's, a user rule file's) kept nodes FP32 and the model's tags do not say
+    so yet. A copy of the input would drop them, and rewriting that copy again would make the
+    pinned nodes low; the written output carries them in its tags."""
+    pinned = [n for n in model.graph.walk()
+              if n.meta.get("amp.precision") == Precision.FP32 and n.meta.get("amp.category") == Category.DENY
+              and is_user_source(n.meta.get("amp.source") or "") and n.meta.get("amp.kept_fp32_by") != n.meta["amp.source"]]
+    if pinned:
+        ctx.log.notes.append(f"as pinned: nothing runs in {ctx.options.target}; the output is the input with tags that "
+                             f"keep the {len(pinned)} pinned node(s) FP32 when it is rewritten again")
+    return bool(pinned)
+
+
 def _record_decisions(model: Model, ctx: Context) -> None:
     from collections import Counter
 
@@ -240,7 +254,7 @@ def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *
             raise OutputError(f"{dst_path}: is a file the input reads its external data from; choose another -o "
                               f"(the input is never modified)")
         stage("rewrite")
-        modified = run_pipeline(model, ctx)
+        modified = run_pipeline(model, ctx) or _record_pins(model, ctx)
         stage("write")
         if not modified:
             use_external = external_data if external_data is not None else _needs_external(model, src_path)
@@ -263,7 +277,7 @@ def rewrite_onnx_model(proto: Any, **options: Any) -> RewriteResult:
     ctx = context_for("onnx", options, "rewrite()")
     model = load_onnx(proto)
     _refuse_retarget(model, ctx)
-    modified = run_pipeline(model, ctx)
+    modified = run_pipeline(model, ctx) or _record_pins(model, ctx)
     if not modified:
         if model.meta.get("onnx.sorted_on_load"):  # ONNX requires topological order: the sorted copy
             return RewriteResult(to_proto(model.origin.model), ctx.log, False)

@@ -124,6 +124,31 @@ def test_rewriting_an_output_again_keeps_the_users_pins(option, tmp_path):
     assert "an earlier rewrite of this model pinned it" in again.log.decisions[pinned].reason
 
 
+@pytest.mark.parametrize("option", ["fp32_nodes", "fp32_ops"])
+def test_pins_that_leave_nothing_low_are_kept_in_the_output(option, tmp_path):
+    """When the pins left no node low, the output was a byte copy of the input, with no tags:
+    rewriting it again made the pinned MatMuls FP16 (an --auto-fp32 fix for an overflow, undone).
+    The output now carries the pins in its tags, and rewriting it again changes nothing."""
+    from amp_rewrite import rewrite_onnx
+
+    m = _mlp()
+    value = {"fp32_nodes": ["MatMul:*"], "fp32_ops": ["MatMul"]}[option]
+    first = rewrite(m, **{option: value})
+    assert set(_precisions(first).values()) == {"fp32"} and first.modified
+    assert any(n.startswith("as pinned: nothing runs in fp16") for n in first.log.notes)
+    assert "as pinned: nothing runs in fp16" in first.report.summary_text()
+    full_check(first.model)
+    assert not any(n.op_type == "Cast" for n in first.model.graph.node)
+    again = rewrite(first.model)
+    assert not again.modified and set(_precisions(again).values()) == {"fp32"}
+    onnx.save(m, str(tmp_path / "m.onnx"))
+    on_disk = rewrite_onnx(tmp_path / "m.onnx", tmp_path / "p.onnx", **{option: value})
+    assert on_disk.modified
+    assert not rewrite_onnx(tmp_path / "p.onnx", tmp_path / "q.onnx").modified
+    assert (tmp_path / "q.onnx").read_bytes() == (tmp_path / "p.onnx").read_bytes()
+    assert not rewrite(m).log.notes or not any(n.startswith("as pinned") for n in rewrite(m).log.notes)
+
+
 def test_an_earlier_pin_yields_to_this_runs_flags_and_keeps_its_pattern_unfused():
     """This run's --fp16-ops lost to an earlier --fp32-ops pin (only --fp16-nodes won), and the fuse
     pass, which asked only this run's node rules, fused the LayerNorm pattern an earlier
@@ -151,7 +176,9 @@ def test_fp32_overrides_keep_nodes_fp32(option, value):
         assert p["MatMul_0"] == "low" and p["MatMul_4"] == "low"  # "_1" matches no MatMul
     else:
         assert p["MatMul_0"] == "fp32" and p["MatMul_4"] == "fp32"
-        assert not result.modified
+        # nothing runs low: the output is the input plus the tags that record the pins
+        assert not any(n.op_type == "Cast" for n in result.model.graph.node)
+        assert [t.data_type for t in result.model.graph.initializer] == [t.data_type for t in m.graph.initializer]
 
 
 def test_a_node_pattern_naming_no_node_is_said_and_an_exact_name_wins_over_its_glob_reading():
@@ -424,10 +451,21 @@ def test_identity_rewrite_preserves_names_metadata_and_functions():
     m.doc_string = "model doc"
     m.graph.node[0].doc_string = "node doc"
     onnx.helper.set_model_props(m, {"author": "someone"})
-    # nothing is low when MatMul is pinned FP32: the rewrite must be an identity
+    # nothing is low when MatMul is pinned FP32: the rewrite changes no node, only adds the tags
+    # that record the pin (so that rewriting the output again keeps it)
     result = rewrite(m, fp32_ops=["MatMul"])
+    pinned = result.model
+    assert [(n.name, n.op_type, list(n.input), list(n.output), n.doc_string) for n in pinned.graph.node] == \
+        [(n.name, n.op_type, list(n.input), list(n.output), n.doc_string) for n in m.graph.node]
+    assert list(pinned.graph.initializer) == list(m.graph.initializer) and pinned.doc_string == "model doc"
+    assert {p.key: p.value for p in pinned.metadata_props}["author"] == "someone"
+    # with no allow op at all the rewrite is an identity
+    plain = make_model(MLP.replace("MatMul(x, w1)", "Add(x, w1)").replace("MatMul(t, w2)", "Add(t, w2)"),
+                       {"w1": (8,), "w2": (8,), "bias": (8,)})
+    plain.doc_string = "model doc"
+    result = rewrite(plain)
     assert not result.modified
-    assert result.model.SerializeToString() == m.SerializeToString()
+    assert result.model.SerializeToString() == plain.SerializeToString()
     # and a real rewrite keeps the untouched parts
     out = rewrite(m).model
     assert out.doc_string == "model doc"

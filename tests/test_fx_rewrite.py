@@ -1422,6 +1422,23 @@ class _BigLinear(nn.Module):
 
 
 @pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_pin_that_leaves_nothing_low_survives_rewriting_the_output_again(capture):
+    """With every Linear pinned FP32 nothing changed, and the module came back without tags: the
+    second rewrite made the pinned Linears FP16 (the big one's outputs inf)."""
+    torch.manual_seed(0)
+    model, x = _BigLinear().eval(), torch.rand(2, 8) + 1
+    first = _dispatch(model, example_inputs=(x,), target="fp16", capture=capture, fp32_nodes=["a*", "big*"])
+    assert first.modified and any(n.startswith("as pinned: nothing runs in fp16") for n in first.log.notes)
+    first.model.graph.lint()
+    again = _dispatch(first.model, example_inputs=(x,), target="fp16")
+    again.model.graph.lint()
+    with torch.no_grad():
+        assert torch.isfinite(again.model(x)).all()
+    assert {d.precision for d in again.log.decisions.values() if d.op == "linear"} == {Precision.FP32}
+    assert not again.modified and again.model.code == first.model.code
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
 def test_a_users_fp32_pin_survives_rewriting_the_output_again(capture):
     """README: pinned nodes stay FP32 when the output is rewritten again without the flags. The
     torch loader never read the earlier rewrite's tags: the second rewrite made the pinned Linear
