@@ -66,7 +66,9 @@ def _command(
                                           help="Write the report (.json, .html or .md)."),
     explain: Optional[str] = typer.Option(None, "--explain", help="Explain one node's precision; writes no model."),
     check: bool = typer.Option(False, "--check", help="Run FP32 and rewritten models and compare outputs."),
-    tolerance: float = typer.Option(1e-2, "--tolerance", help="Relative error allowed by --check."),
+    tolerance: Optional[float] = typer.Option(None, "--tolerance",
+                                              help="Relative error allowed by --check (default: 1e-2 for fp16, "
+                                                   "5e-2 for bf16)."),
     inputs: Optional[Path] = typer.Option(None, "--inputs", help="Inputs for --check (.npz)."),
     auto_fp32: bool = typer.Option(False, "--auto-fp32", help="Pin nodes FP32 (a bisected run in graph order) until --check passes."),
     training: bool = typer.Option(False, "--training", help="Training graph: FP32 master weights, loss scaling."),

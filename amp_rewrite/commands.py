@@ -28,7 +28,7 @@ class CliArgs:
     report: Optional[Path] = None
     explain: Optional[str] = None
     check: bool = False
-    tolerance: float = 1e-2
+    tolerance: Optional[float] = None  # None: the target's default (check.DEFAULT_TOLERANCE)
     inputs: Optional[Path] = None
     auto_fp32: bool = False
     training: bool = False
@@ -125,7 +125,7 @@ def _validate(args: CliArgs) -> None:
         raise UsageError("--loss, --grads and --loss-scaling/--no-loss-scaling need --training")
     if args.training and not args.loss:
         raise UsageError("--training needs --loss NAME (the graph output holding the loss)")
-    if (args.inputs is not None or args.tolerance != CliArgs.tolerance) and not (args.check or args.auto_fp32):
+    if (args.inputs is not None or args.tolerance is not None) and not (args.check or args.auto_fp32):
         raise UsageError("--inputs and --tolerance apply to --check and --auto-fp32; add --check")
     if args.auto_fp32 and args.training:
         raise UsageError("--auto-fp32 does not apply to --training graphs; run --check on the training rewrite instead")
@@ -140,8 +140,12 @@ def _validate(args: CliArgs) -> None:
                          "(or --explain)")
     if args.inputs is not None and not args.inputs.exists():
         raise UsageError(f"--inputs {args.inputs}: no such file")
-    if not math.isfinite(args.tolerance) or args.tolerance <= 0:
+    if args.tolerance is not None and (not math.isfinite(args.tolerance) or args.tolerance <= 0):
         raise UsageError(f"--tolerance {args.tolerance}: must be a positive number")
+    if args.tolerance is None and (args.check or args.auto_fp32):
+        from .check import default_tolerance
+
+        args.tolerance = default_tolerance(args.target)
     if args.report is not None and args.explain is None:
         from .frontends.onnx_loader import external_data_files
 

@@ -185,6 +185,25 @@ def test_check_on_a_benign_model_passes_and_prints_the_table(tmp_path):
     assert "## Accuracy check" in (tmp_path / "r.md").read_text()
 
 
+def test_the_default_tolerance_follows_the_target(tmp_path):
+    """--check allowed 1e-2 for bf16 too, so the bundled model failed `--target bf16 --check`
+    (logits 0.0128: bf16 keeps 8 significant bits to fp16's 11). The default is now 5e-2 for bf16,
+    1e-2 for fp16; --tolerance still overrides either."""
+    bert = str(ROOT / "models" / "tiny_bert.onnx")
+    proc = run_cli([bert, "--target", "bf16", "--check", "-o", "b.onnx", "--report", "r.json"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "tolerance 0.05" in proc.stdout
+    check = json.loads((tmp_path / "r.json").read_text())["check"]
+    assert check["tolerance"] == 0.05 and check["passed"] is True
+    worst = max(o["max_rel"] for o in check["outputs"])
+    assert 1e-2 < worst <= 5e-2  # (what failed under the fp16 default)
+    proc = run_cli([bert, "--target", "bf16", "--check", "-o", "c.onnx", "--tolerance", "1e-2"], tmp_path)
+    assert proc.returncode == 8 and "tolerance 0.01" in proc.stdout
+    proc = run_cli([bert, "--check", "-o", "f.onnx"], tmp_path)
+    assert proc.returncode == 0 and "tolerance 0.01" in proc.stdout
+    assert ck.default_tolerance("bf16") == 0.05 and ck.default_tolerance("fp16") == ck.default_tolerance(None) == 0.01
+
+
 def test_check_uses_the_inputs_file(tmp_path):
     save(overflow_model(), tmp_path / "m.onnx")
     np.savez(tmp_path / "small.npz", x=np.full((3, 16), 0.01, np.float32))  # logits ~ -16: no overflow
