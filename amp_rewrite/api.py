@@ -241,7 +241,7 @@ def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *
     src_path = Path(src)
     target = options.get("target", "fp16")
     dst_path = Path(dst) if dst is not None else default_output(src_path, target)
-    _check_output(src_path, dst_path, overwrite)
+    _check_output(src_path, dst_path, overwrite, default_output(src_path, target).name)
     ctx = context_for("onnx", options, "rewrite_onnx()")
     from . import progress
 
@@ -274,6 +274,10 @@ def rewrite_onnx_model(proto: Any, **options: Any) -> RewriteResult:
     from .emitters.onnx_emitter import emit_onnx, to_proto
     from .frontends.onnx_loader import load_onnx
 
+    if _training_graph(options):  # (as rewrite() and rewrite_onnx() do: the loss-scale nodes go in too)
+        from .training_onnx import rewrite_training_onnx_model
+
+        return rewrite_training_onnx_model(proto, **{k: v for k, v in options.items() if k != "training"})
     ctx = context_for("onnx", options, "rewrite()")
     model = load_onnx(proto)
     _refuse_retarget(model, ctx)
@@ -331,13 +335,7 @@ def _refuse_retarget(model: Any, ctx: Context) -> None:
 def _dispatch(obj: Any, **options: Any) -> RewriteResult:
     kind = type(obj).__module__
     if kind.startswith("onnx") and type(obj).__name__ == "ModelProto":
-        if _training_graph(options):
-            # an ONNX training graph: the loss-scale (and unscale/all_finite) nodes go in too
-            from .training_onnx import rewrite_training_onnx_model
-
-            options = {k: v for k, v in options.items() if k != "training"}
-            return rewrite_training_onnx_model(obj, **options)
-        return rewrite_onnx_model(obj, **options)
+        return rewrite_onnx_model(obj, **options)  # (a training graph included)
     if isinstance(obj, (str, os.PathLike)):
         raise UsageError("rewrite() takes a model object; for files use rewrite_onnx(src, dst)")
     if _is_torch_module(obj):
@@ -378,21 +376,22 @@ def check_input_path(src: Path) -> None:
         raise ModelLoadError(f"{src}: cannot be opened ({exc.strerror or exc})") from None
 
 
-def _check_output(src: Path, dst: Path, overwrite: bool) -> None:
+def _check_output(src: Path, dst: Path, overwrite: bool, name: str = "") -> None:
+    """``name``: the default output's file name, suggested when ``dst`` is a folder."""
     check_input_path(src)
     try:
-        _check_output_path(src, dst, overwrite)
+        _check_output_path(src, dst, overwrite, name or f"{src.stem}.fp16.onnx")
     except OSError as exc:  # a name too long for the file system, a loop of links...
         raise OutputError(f"{dst}: cannot be written ({exc.strerror or exc})") from None
 
 
-def _check_output_path(src: Path, dst: Path, overwrite: bool) -> None:
+def _check_output_path(src: Path, dst: Path, overwrite: bool, name: str) -> None:
     if not dst.parent.exists():
         raise OutputError(f"{dst.parent}: output folder does not exist")
     if src.exists() and dst.exists() and dst.resolve() == src.resolve():
         raise OutputError(f"{dst}: the output would replace the input; choose another -o (the input is never modified)")
     if dst.is_dir():  # (before "exists": --overwrite would not help)
-        raise OutputError(f"{dst}: is a directory; -o takes the output file's path (e.g. {dst / (src.stem + '.fp16.onnx')})")
+        raise OutputError(f"{dst}: is a directory; -o takes the output file's path (e.g. {dst / name})")
     if dst.exists() and not overwrite:
         raise OutputError(f"{dst}: already exists; pass --overwrite to replace it")
     if not os.access(dst.parent, os.W_OK):

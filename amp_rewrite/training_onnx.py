@@ -121,7 +121,7 @@ def rewrite_training_onnx(src: str | os.PathLike, dst: str | os.PathLike | None 
     src_path = Path(src)
     target = options.get("target", "fp16")
     dst_path = Path(dst) if dst is not None else default_output(src_path, target, ".train")
-    _check_output(src_path, dst_path, overwrite)
+    _check_output(src_path, dst_path, overwrite, default_output(src_path, target, ".train").name)
     model = load_onnx(src_path)
     ir_model, log, plan = _rewrite(model, loss=loss, grads=grads, loss_grad=loss_grad, options=options)
     source_files = _input_files(model, src_path)

@@ -824,6 +824,14 @@ def case_output_is_directory_without_overwrite(d: Path) -> Case:
     return Case(["m.onnx", "-o", "out"], 6, r"out: is a directory; -o takes the output file's path", inputs=["m.onnx"])
 
 
+def case_output_is_directory_names_the_targets_file(d: Path) -> Case:
+    """The suggested file name was <stem>.fp16.onnx for --target bf16 too."""
+    save(mlp(), d / "m.onnx")
+    (d / "out").mkdir()
+    return Case(["m.onnx", "-o", "out", "--target", "bf16"], 6, r"is a directory; .*\(e\.g\. out/m\.bf16\.onnx\)",
+                inputs=["m.onnx"])
+
+
 def case_input_is_a_fifo(d: Path) -> Case:
     """A pipe reports size 0: it was "the file is empty"."""
     os.mkfifo(d / "m.onnx")

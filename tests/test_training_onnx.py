@@ -363,6 +363,19 @@ def test_bf16_training_rewrite_has_no_loss_scaling(setup):
         amp_rewrite_rewrite(proto, loss_scaling=False)
 
 
+def test_every_in_memory_entry_point_takes_the_training_options(setup):
+    """api.rewrite_onnx_model (what --auto-fp32 and the checks call) took training=True, loss=...
+    as an inference rewrite with FP32 weights and no loss scale, and refused grads=; it now does
+    what rewrite() does."""
+    from amp_rewrite.api import rewrite_onnx_model
+
+    _, proto = setup
+    direct = rewrite_onnx_model(proto, training=True, loss="loss", grads=GRADS).model
+    via_rewrite = amp_rewrite_rewrite(proto, training=True, loss="loss", grads=GRADS)
+    assert LOSS_SCALE in {i.name for i in direct.graph.input}
+    assert direct.SerializeToString() == via_rewrite.SerializeToString()
+
+
 def test_fp16_training_without_loss_scaling_runs_and_matches_fp32(setup):
     """loss_scaling=False takes the scale off fp16 (the user's choice; the note says what it risks):
     the FP32 interface, and gradients close to FP32's on onnxruntime."""
