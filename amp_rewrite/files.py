@@ -25,8 +25,10 @@ def previous_outputs_kept():
     """For a command that may still fail after writing its model (a failed ``--check``, bad
     ``--inputs``, an unwritable report): every file a write inside replaces is set aside (renamed in
     its folder) at the moment it is replaced, not before, so the input is read as it is. On failure
-    the command's own outputs go and the previous files come back; on success they are dropped.
-    Yields the list the command adds its written paths to."""
+    the command's own outputs go and the previous files come back; on success they are dropped, or,
+    nested in another such block (a model and its data file written as a pair inside a command),
+    handed to the outer one. Yields the list the command adds its written paths to."""
+    outer = _KEPT.get()
     kept: list[tuple[Path, Path]] = []
     written: list[Path] = []
     token = _KEPT.set(kept)
@@ -39,8 +41,11 @@ def previous_outputs_kept():
             os.replace(aside, dst)
         raise
     else:
-        for _, aside in kept:
-            aside.unlink(missing_ok=True)
+        if outer is not None:
+            outer.extend(kept)
+        else:
+            for _, aside in kept:
+                aside.unlink(missing_ok=True)
     finally:
         _KEPT.reset(token)
 
@@ -49,7 +54,7 @@ def replace_into(tmp: Path, dst: Path) -> None:
     """``os.replace(tmp, dst)``; inside :func:`previous_outputs_kept`, the file at ``dst`` is kept aside."""
     kept = _KEPT.get()
     if kept is not None and dst.is_file():
-        aside = dst.with_name(f".{dst.name}.amp-rewrite-previous-{os.getpid()}-{len(kept)}")
+        aside = dst.with_name(f".{dst.name}.amp-rewrite-previous-{os.getpid()}-{id(kept):x}-{len(kept)}")
         os.replace(dst, aside)
         kept.append((dst, aside))
     os.replace(tmp, dst)

@@ -272,6 +272,33 @@ def test_an_existing_data_file_is_not_replaced_without_overwrite(tmp_path):
     check_runs_like(model, tmp_path / "out.onnx")
 
 
+@pytest.mark.parametrize("fault", [OSError(21, "Is a directory"), KeyboardInterrupt()])
+def test_a_failure_between_the_two_renames_leaves_the_earlier_output_whole(tmp_path, monkeypatch, fault):
+    """The new <out>.data was renamed into place before <out>: a failure or Ctrl-C between the two
+    left the earlier out.onnx reading the new data file (another model's bytes), while the error
+    said nothing was left behind. The pair is now undone together."""
+    from amp_rewrite import files
+    from amp_rewrite.errors import OutputError
+
+    src, out = tmp_path / "m.onnx", tmp_path / "out.onnx"
+    save_external(mlp(), src)
+    earlier = mlp({f"w{i}": np.full((H, H), 7.0, np.float32) for i in range(3)})
+    onnx.save_model(earlier, str(out), save_as_external_data=True, location="out.onnx.data", size_threshold=0)
+    earlier = onnx.load(str(out))  # an earlier output, whole, whose data file the new one replaces
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def fail_on_the_model(tmp, dst):
+        if dst == out:
+            raise fault
+        files.replace_into(tmp, dst)
+
+    monkeypatch.setattr(onnx_emitter, "replace_into", fail_on_the_model)
+    with pytest.raises(OutputError if isinstance(fault, OSError) else KeyboardInterrupt):
+        api.rewrite_onnx(src, out, overwrite=True)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no stray file, nothing replaced
+    check_runs_like(earlier, out)
+
+
 def test_an_output_over_the_limit_from_an_inline_input_gets_external_data(tmp_path, monkeypatch):
     """The choice went by the input's size: an inline input whose weights are each read by both
     types (an FP32 original and a low copy) grew past protobuf's 2 GB limit in the output, and the

@@ -29,7 +29,7 @@ import onnx_ir as ir
 
 from ..decisions import CastRecord, DecisionLog, Precision
 from ..errors import OutputError
-from ..files import replace_into
+from ..files import previous_outputs_kept, replace_into
 from ..ir import DType, Graph, Model, Node, Value
 from ..frontends.onnx_loader import OnnxSource, constant_node_tensor
 from ..passes.base import node_label
@@ -631,14 +631,19 @@ def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[P
         else:
             ir.save(model, tmp / dst.name)
         # (onnx-ir makes the data file even when every tensor stayed inline: an empty file is no output)
-        if external and (tmp / data_name).exists() and (tmp / data_name).stat().st_size > 0:
-            if (dst.parent / data_name).exists() and not overwrite:
-                raise OutputError(f"{dst.parent / data_name}: already exists (the output's external data goes "
-                                  f"there); pass --overwrite to replace it, or choose another -o")
-            replace_into(tmp / data_name, dst.parent / data_name)
-            written.append(dst.parent / data_name)
-        replace_into(tmp / dst.name, dst)
-        written.append(dst)
+        pair = external and (tmp / data_name).exists() and (tmp / data_name).stat().st_size > 0
+        if pair and (dst.parent / data_name).exists() and not overwrite:
+            raise OutputError(f"{dst.parent / data_name}: already exists (the output's external data goes "
+                              f"there); pass --overwrite to replace it, or choose another -o")
+        # Two renames: a failure (or Ctrl-C) after the first puts the previous data file back, so
+        # an earlier output is never left reading the new model's bytes.
+        with previous_outputs_kept() as renamed:
+            if pair:
+                replace_into(tmp / data_name, dst.parent / data_name)
+                renamed.append(dst.parent / data_name)
+            replace_into(tmp / dst.name, dst)
+            renamed.append(dst)
+        written.extend(renamed)
     except OSError as exc:
         raise OutputError(f"{dst}: writing failed ({exc.strerror or exc}); nothing was left behind") from exc
     except google.protobuf.message.EncodeError as exc:  # (a proto past 2 GB even with external data)
