@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from .api import RewriteResult, rewrite, rewrite_onnx
 from .errors import AmpRewriteError
 
 __version__ = "0.1.0"
@@ -29,6 +28,12 @@ def load_rules(*args: Any, **kwargs: Any):
 
 
 def __getattr__(name: str) -> Any:
+    # Lazy too: the api pulls in numpy, networkx and onnx-ir (~0.2 s), which the console script
+    # imports only once its Ctrl-C handling is in place (amp_rewrite._console).
+    if name in ("rewrite", "rewrite_onnx", "RewriteResult"):
+        from . import api
+
+        return getattr(api, name)
     # Lazy: Report pulls in renderers, LossScaler pulls in torch; `amp-rewrite model.onnx` needs neither.
     if name == "Report":
         from .report import Report

@@ -128,6 +128,11 @@ def _main(argv: list[str] | None) -> int:
     except SystemExit as exc:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 1
     except Exception as exc:  # click's usage errors and anything unforeseen
+        from ._console import interrupted_import
+
+        if interrupted_import(exc):  # (an import the Ctrl-C landed in: numpy's wraps it in ImportError)
+            print("amp-rewrite: interrupted; no output was written", file=sys.stderr)
+            return INTERRUPTED
         click_errors, click_aborts = _click_exception_types()
         if isinstance(exc, click_errors):
             # one line, like every other failure (click's own show() prints usage over 3 lines)

@@ -1130,6 +1130,35 @@ def test_rewrite_onnx_of_a_training_graph_adds_the_loss_scale(tmp_path: Path) ->
     assert result.modified
 
 
+_INTERRUPTED_IMPORT = """
+import os, signal, sys, tomllib
+class Interrupt:  # Ctrl-C lands while numpy's extension loads (it swallowed the KeyboardInterrupt)
+    def find_spec(self, name, path, target=None):
+        if name == "numpy._core._add_newdocs":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, Interrupt())
+module, _, func = tomllib.load(open(sys.argv[1], "rb"))["project"]["scripts"]["amp-rewrite"].partition(":")
+sys.argv = ["amp-rewrite", "m.onnx", "-o", "o.onnx"]
+entry = getattr(__import__(module, fromlist=[func]), func)
+sys.exit(entry())
+"""
+
+
+def test_ctrl_c_while_the_cli_starts_is_an_interruption(tmp_path: Path) -> None:
+    """A Ctrl-C in the first ~0.5 s (while the package imported numpy, networkx and onnx, before the
+    CLI's handler was in place) printed a traceback (exit -2), or, inside numpy's extension, which
+    turns it into an ImportError, 'internal error: ImportError ... please report it' (exit 70). The
+    console script's entry point now holds a Ctrl-C through those imports: exit 130, one line."""
+    save(mlp(), tmp_path / "m.onnx")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPTED_IMPORT, str(ROOT / "pyproject.toml")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert (proc.returncode, proc.stderr) == (130, "amp-rewrite: interrupted; no output was written\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
 def test_version_flag(tmp_path: Path) -> None:
     from amp_rewrite import __version__
 

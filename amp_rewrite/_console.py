@@ -1,0 +1,48 @@
+"""The ``amp-rewrite`` console script's entry point. Ctrl-C is handled from the first line of ours
+that runs: the CLI and, through it, numpy, networkx and onnx take a few hundred milliseconds to
+import, and an interrupt then must still end as ``interrupted`` (exit 130), not as a traceback.
+numpy's extension catches a KeyboardInterrupt raised inside its import, prints it and raises an
+ImportError instead, so a Ctrl-C is held back while those imports run and acted on after them.
+Only the standard library is imported here, and the package's ``__init__`` imports nothing heavy."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+INTERRUPTED = 130
+
+
+def interrupted_import(exc: BaseException | None) -> bool:
+    """Whether an exception is a Ctrl-C in disguise: an ImportError whose cause or context is the
+    KeyboardInterrupt (an import interrupted after the CLI's own imports, onnxruntime's for --check)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def main() -> int:
+    held: list[int] = []
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        # the extension modules every run loads (a Ctrl-C inside a pure-Python import is a plain
+        # KeyboardInterrupt, which the CLI handles)
+        import ml_dtypes  # noqa: F401
+        import numpy  # noqa: F401
+        import onnx  # noqa: F401
+
+        from .cli import main as cli_main
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    if held:
+        print("amp-rewrite: interrupted; no output was written", file=sys.stderr)
+        return INTERRUPTED
+    return cli_main()
