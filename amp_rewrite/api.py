@@ -150,14 +150,16 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
     return modified
 
 
-def _record_pins(model: Model, ctx: Context) -> bool:
+def _record_pins(model: Model, ctx: Context, internal: Iterable[str] = ()) -> bool:
     """Whether the output must be written although nothing runs low: this run's pins (--fp32-nodes,
     --fp32-ops, --auto-fp32's, a user rule file's) kept nodes FP32 and the model's tags do not say
     so yet. A copy of the input would drop them, and rewriting that copy again would make the
-    pinned nodes low; the written output carries them in its tags."""
+    pinned nodes low; the written output carries them in its tags. ``internal``: labels of nodes
+    the caller pinned itself (a training rewrite's loss island), decided afresh each time."""
+    internal = set(internal)
     pinned = [n for n in model.graph.walk()
               if n.meta.get("amp.precision") == Precision.FP32 and n.meta.get("amp.category") == Category.DENY
-              and is_user_source(n.meta.get("amp.source") or "") and n.meta.get("amp.kept_fp32_by") != n.meta["amp.source"]]
+              and node_label(n) not in internal and is_user_source(n.meta.get("amp.source") or "") and n.meta.get("amp.kept_fp32_by") != n.meta["amp.source"]]
     if pinned:
         ctx.log.notes.append(f"as pinned: nothing runs in {ctx.options.target}; the output is the input with tags that "
                              f"keep the {len(pinned)} pinned node(s) FP32 when it is rewritten again")

@@ -120,7 +120,7 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
                         "loss_scaling=True adds it)" if target == "bf16" else
                         "loss_scaling=False: fp16 gradients below 6e-8 flush to zero)"))
     ctx.log.notes.extend(notes)
-    modified = run_pipeline(model, ctx) or _record_pins(model, ctx)
+    modified = run_pipeline(model, ctx) or _record_pins(model, ctx, internal=tail)
     _explain_conversions(model, ctx)
     _explain_tail(ctx, set(tail))
     if modified:

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from .api import RewriteResult, _as_list, context_for, run_pipeline
+from .api import RewriteResult, _as_list, _record_pins, context_for, run_pipeline
 from .errors import UsageError
 from .loss_scale import BACKOFF_FACTOR, GROWTH_FACTOR, GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE
 from .loss_scale import loss_scaling_for
@@ -183,7 +183,7 @@ def _rewrite(model: Any, *, loss: str, grads: Any, loss_grad: str | None, option
     if isinstance(options.get("rules"), RuleBook) and plan.tail:
         ctx.log.notes.append("training: rules were given as a RuleBook, which takes no node pins: the loss island "
                              "is painted by the rules alone")
-    modified = run_pipeline(model, ctx)
+    modified = run_pipeline(model, ctx) or _record_pins(model, ctx, internal=plan.tail)
     tail = set(plan.tail)
     for node in model.graph.nodes:
         if node.name in tail and node.meta.get("amp.category") is not None:
