@@ -48,7 +48,7 @@ from .api import RewriteResult, _as_list, _record_pins, flag, make_context, run_
 from .decisions import Category
 from .errors import UnsupportedModelError, UsageError
 from .ir import DType, Model, Value
-from .loss_scale import loss_scaling_for
+from .loss_scale import loss_scaling_for, no_scaling_reason
 
 CAPTURES = ("auto", "export", "symbolic_trace")
 _CONTEXT_OPTIONS = ("fp32_nodes", "fp16_nodes", "fp32_ops", "fp16_ops", "placement", "verify_each")
@@ -115,10 +115,7 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
     if training and loss_value is not None:
         notes.append(f"training: loss {loss_value.name!r} scaled in the graph by the buffer amp_loss_scale "
                      f"(LossScaler updates it)" if scaling else
-                     f"training: no loss scaling ("
-                     + ("bf16 keeps FP32's exponent range, so gradients underflow no sooner than in FP32; "
-                        "loss_scaling=True adds it)" if target == "bf16" else
-                        "loss_scaling=False: fp16 gradients below 6e-8 flush to zero)"))
+                     f"training: no loss scaling ({no_scaling_reason(target, 'loss_scaling=True')})")
     ctx.log.notes.extend(notes)
     modified = run_pipeline(model, ctx) or _record_pins(model, ctx, internal=tail)
     _explain_conversions(model, ctx)

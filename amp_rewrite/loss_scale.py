@@ -21,3 +21,11 @@ def loss_scaling_for(target: str, loss_scaling: object) -> bool:
     if not isinstance(loss_scaling, bool):
         raise UsageError(f"loss_scaling={loss_scaling!r}: pass True, False or None (None: on for fp16, off for bf16)")
     return loss_scaling
+
+
+def no_scaling_reason(target: str, how: str) -> str:
+    """Why a training rewrite added no loss scaling, for its note; ``how`` names the option that
+    adds it back (the API's or the CLI's spelling)."""
+    if target == "bf16":
+        return f"bf16 keeps FP32's exponent range, so gradients underflow no sooner than in FP32; {how} adds it"
+    return "turned off: fp16 gradients below 6e-8 flush to zero"

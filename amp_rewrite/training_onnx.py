@@ -49,8 +49,8 @@ from typing import Any, Sequence
 
 from .api import RewriteResult, _as_list, _record_pins, context_for, run_pipeline
 from .errors import UsageError
-from .loss_scale import BACKOFF_FACTOR, GROWTH_FACTOR, GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE
-from .loss_scale import loss_scaling_for
+from .loss_scale import BACKOFF_FACTOR, GROWTH_FACTOR, GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE, loss_scaling_for
+from .loss_scale import no_scaling_reason
 from .loss_scale import INIT_SCALE  # noqa: F401  (the value a caller feeds as the first loss_scale)
 from .passes.place_casts import Namer
 
@@ -157,8 +157,6 @@ class _Plan:
     config: ScaleConfig
     scaling: bool = True
     modified: bool = True  # False: no loss scaling and the pipeline changed nothing (the input as it was)
-
-
 
 def _rewrite(model: Any, *, loss: str, grads: Any, loss_grad: str | None, options: dict) -> tuple[Any, Any, _Plan]:
     from .emitters.onnx_emitter import emit_onnx
@@ -360,11 +358,8 @@ def _loss_tail(loss: Any, graph: Any, book: Any) -> list[str]:
 def _notes(plan: _Plan, target: str) -> list[str]:
     if not plan.scaling:
         grads = (f"; {len(plan.grads)} gradient output(s) come out FP32 as computed" if plan.grads else "")
-        why = ("bf16 keeps FP32's exponent range, so gradients underflow no sooner than in FP32; "
-               "--loss-scaling adds it" if target == "bf16" else
-               "turned off: fp16 gradients below 6e-8 flush to zero")
         return [f"training: loss {plan.loss!r} kept FP32 with {len(plan.tail)} node(s) of its island pinned FP32; "
-                f"no loss scaling ({why}){grads}"]
+                f"no loss scaling ({no_scaling_reason(target, 'loss_scaling=True / --loss-scaling')}){grads}"]
     notes = [f"training: loss {plan.loss!r} kept FP32 with {len(plan.tail)} node(s) of its island pinned FP32; "
              f"input {LOSS_SCALE!r} and output {SCALED_LOSS!r} added"]
     if plan.grads:
