@@ -83,6 +83,12 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
     if before is not None and getattr(before, "target", target) != target:
         raise UsageError(f"this module was rewritten to {before.target} already (its amp_rewrite log says so); "
                          f"rewrite the FP32 original for {target}")
+    if training and before is not None and not getattr(obj, "amp_training", False) and isinstance(obj, torch.nn.Module):
+        low = [n for n, p in obj.named_parameters() if p.dtype in (torch.float16, torch.bfloat16)]
+        if low:
+            raise UsageError(f"this module was rewritten for inference already, with weights converted to "
+                             f"{before.target} ({low[0]}{' and more' if len(low) > 1 else ''}): training needs "
+                             f"them FP32 (master weights); rewrite the FP32 original with training=True")
     gm, how = capture_graph(obj, example_inputs, example_kwargs, capture=capture, decompose=decompose, notes=notes)
     from .frontends.fx_loader import load_fx
 
@@ -112,6 +118,10 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
     ctx = make_context(frontend="torch", target=target, rules=rules, keep_io_types=keep_io_types,
                        training=training, loss=loss_value.name if loss_value is not None else None,
                        fp32_nodes=fp32_nodes, **options)
+    if training and loss_value is None and scaling:
+        notes.append("training: no loss output found (no scalar float tensor among the outputs the capture sees; "
+                     "a dataclass output torch cannot flatten hides its tensors), so nothing is scaled in the graph: "
+                     "scale the loss with LossScaler().backward(loss), or name it with loss_output=")
     if training and loss_value is not None:
         notes.append(f"training: loss {loss_value.name!r} scaled in the graph by the buffer amp_loss_scale "
                      f"(LossScaler updates it)" if scaling else
@@ -386,40 +396,108 @@ def _first_line(exc: BaseException) -> str:
 
 
 # -- training -------------------------------------------------------------------------------------------------
+def _flat_outputs(model: Model) -> tuple[list[tuple[int, Value, Any, str | None]], int]:
+    """The module's tensor outputs as the caller sees them flattened (torch.utils._pytree's order:
+    tuples, lists and dicts opened in order, None no leaf, anything else one leaf, an int batch size
+    included): (flat index, value, the loader's slot, the dict key it sits under) for each, and the
+    number of leaves. One tensor returned twice is two entries."""
+    node = model.graph.meta.get("fx.output_node")
+    by_where: dict[tuple, list] = {}
+    for slot, v in zip(model.graph.meta.get("fx.output_slots", []), model.graph.meta.get("fx.loaded_outputs", [])):
+        by_where.setdefault(slot.where, []).append((slot, v))
+    found: list[tuple[int, Value, Any, str | None]] = []
+    count = 0
+
+    def walk(obj: Any, path: tuple, key: str | None) -> None:
+        nonlocal count
+        if isinstance(obj, (tuple, list)):
+            for i, item in enumerate(obj):
+                walk(item, path + (i,), key)
+        elif isinstance(obj, dict):
+            for k, item in obj.items():
+                walk(item, path + (k,), k if isinstance(k, str) else key)
+        elif obj is not None:
+            leaves = by_where.get(path, []) if isinstance(obj, fx.Node) else []
+            for slot, value in leaves:
+                found.append((count, value, slot, key))
+                count += 1
+            count += 0 if leaves else 1
+
+    if node is not None and node.args:
+        walk(node.args[0], ("args", 0), None)
+    keys = _spec_keys(node, count)
+    if keys:  # a torch.export capture returns its outputs flat: the dict keys are in its out spec
+        found = [(i, v, slot, keys.get(i, key)) for i, v, slot, key in found]
+    return found, count
+
+
+def _spec_keys(node: Any, count: int) -> dict[int, str]:
+    """Flat output index -> the dict key it sits under, from the module's pytree out spec (the
+    calling convention torch.export's GraphModules keep); empty without one."""
+    spec = getattr(getattr(getattr(node, "graph", None), "owning_module", None), "_out_spec", None)
+    if spec is None or getattr(spec, "num_leaves", None) != count:
+        return {}
+    from torch.utils import _pytree as pytree
+
+    keys: dict[int, str] = {}
+
+    def walk(obj: Any, key: str | None) -> None:
+        if isinstance(obj, int) and not isinstance(obj, bool) and key is not None:
+            keys[obj] = key
+        elif isinstance(obj, (tuple, list)):
+            for item in obj:
+                walk(item, key)
+        elif isinstance(obj, dict):
+            for k, item in obj.items():
+                walk(item, k if isinstance(k, str) else key)
+
+    walk(pytree.tree_unflatten(list(range(count)), spec), None)
+    return keys
+
+
 def _loss_value(model: Model, loss_output: int | str | None, notes: list[str]) -> Value | None:
-    outputs = model.graph.outputs
+    """The loss output (its slot goes to ``fx.loss_slot``, where the scale is put)."""
+    outputs, leaves = _flat_outputs(model)
+
+    def chosen(entry: tuple) -> Value:
+        model.graph.meta["fx.loss_slot"] = entry[2]
+        return entry[1]
+
     if loss_output is not None:
         if isinstance(loss_output, int):
-            if not 0 <= loss_output < len(outputs):
-                raise UsageError(f"loss_output={loss_output}: the graph has {len(outputs)} tensor outputs")
-            return _checked_loss(outputs[loss_output], loss_output)
-        for value in outputs:
+            hit = [e for e in outputs if e[0] == loss_output]
+            if not 0 <= loss_output < leaves:
+                raise UsageError(f"loss_output={loss_output}: the module returns {leaves} output(s) (flattened)")
+            if not hit:
+                raise UsageError(f"loss_output={loss_output} names an output that is no tensor (the flattened "
+                                 f"outputs' tensors are at {', '.join(str(e[0]) for e in outputs) or 'none'})")
+            return chosen((hit[0][0], _checked_loss(hit[0][1], loss_output), hit[0][2]))
+        for index, value, slot, key in outputs:
             origin = value.origin
-            names = {value.name}
+            names = {value.name, key}
             if isinstance(origin, tuple) and isinstance(origin[0], fx.Node):
                 names.add(origin[0].name)
             if loss_output in names:
-                return _checked_loss(value, loss_output)
-        raise UsageError(f"loss_output={loss_output!r} names no graph output (have: "
-                         f"{', '.join(v.name for v in outputs)})")
-    scalars = [v for v in outputs if v.shape == () and v.dtype == DType.FLOAT]
+                return chosen((index, _checked_loss(value, loss_output), slot))
+        raise UsageError(f"loss_output={loss_output!r} names no output (have: "
+                         f"{', '.join(e[3] or e[1].name for e in outputs)})")
+    scalars = [e for e in outputs if e[1].shape == () and e[1].dtype == DType.FLOAT]
     if not scalars:
         return None
-    if len(scalars) > 1:
+    if len(scalars) > 1:  # (one tensor returned twice too: which of the two gets the scale?)
         # A metric returned beside the loss (an accuracy, a detached copy) carries no gradient:
         # with one scalar that does, it is the loss.
-        graded = [v for v in scalars if _requires_grad(v)]
+        graded = [e for e in scalars if _requires_grad(e[1])]
         if len(graded) == 1:
-            notes.append(f"the loss is {graded[0].name!r}: of the {len(scalars)} scalar float outputs only it carries "
-                         f"a gradient (pass loss_output= to choose another)")
-            return graded[0]
+            notes.append(f"the loss is {graded[0][1].name!r}: of the {len(scalars)} scalar float outputs only it "
+                         f"carries a gradient (pass loss_output= to choose another)")
+            return chosen(graded[0])
         # Taking the first would scale another output (an auxiliary mean) and leave the loss's
         # gradients 1/scale of the truth: the caller has to say.
-        index = {id(v): i for i, v in enumerate(outputs)}
-        named = ", ".join(f"{index[id(v)]}: {v.name!r}" for v in scalars)
+        named = ", ".join(f"{e[0]}: {e[3] or e[1].name!r}" for e in scalars)
         raise UsageError(f"training=True: the module returns {len(scalars)} scalar float outputs ({named}); "
-                         f"say which is the loss with loss_output= (its index or name)")
-    return scalars[0]
+                         f"say which is the loss with loss_output= (its flattened index, dict key or name)")
+    return chosen(scalars[0])
 
 
 _NO_GRADIENT_OPS = {"detach", "detach_", "stop_gradient"}
@@ -458,6 +536,8 @@ def _checked_loss(value: Value, loss_output: int | str) -> Value:
 def _loss_slot(model: Model, loss_value: Value) -> Any:
     """Where the loss sits among the output node's arguments (the loader's slot for it: outputs
     that are no tensor, like an int batch size, have none, so a flat index would miscount)."""
+    if model.graph.meta.get("fx.loss_slot") is not None:
+        return model.graph.meta["fx.loss_slot"]
     loaded = model.graph.meta.get("fx.loaded_outputs", [])
     for slot, v in zip(model.graph.meta.get("fx.output_slots", []), loaded):
         if v is loss_value:

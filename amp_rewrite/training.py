@@ -143,11 +143,16 @@ class LossScaler:
                 continue  # a pass-through has no scale to keep in step
             unscaled = [m for m in module.modules() if getattr(m, "amp_training", False)
                         and getattr(m, "amp_loss_scaling", True) is False]
-            if not found and unscaled:
+            bf16 = [m for m in unscaled if getattr(m, "meta", {}).get("amp_rewrite.target") == "bf16"]
+            if not found and bf16:
                 raise ValueError(f"{type(module).__name__} was rewritten for training without loss scaling (the "
                                  f"bf16 default: bf16 has FP32's exponent range), so there is no scale to keep: "
                                  f"train it with loss.backward() and optimizer.step(), or keep this loop with "
                                  f"LossScaler(enabled=False); rewrite(..., loss_scaling=True) adds the in-graph scale")
+            if not found and unscaled:
+                raise ValueError(f"{type(module).__name__} was rewritten for training with no in-graph loss scale "
+                                 f"(loss_scaling=False, or no loss output was found: its report's notes say which): "
+                                 f"use scaler.backward(loss) without attaching it, which scales the loss itself")
             if not found:
                 raise ValueError(f"{type(module).__name__} has no {BUFFER!r} buffer: it was not rewritten with "
                                  f"amp_rewrite.rewrite(..., training=True) (or returns no loss); use "

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -884,6 +885,100 @@ def test_the_scale_goes_on_the_loss_whatever_precedes_it_in_the_output(cls, shap
     moved = (ref.fc.weight - model.fc.weight).abs().max().item()
     assert moved > 1e-2  # (the step is large enough to tell a 1/65536 update apart)
     assert (gm.fc.weight.detach() - ref.fc.weight.detach()).abs().max().item() < 0.1 * moved
+
+
+class _DictWithCount(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        logits = self.l(x)
+        return {"n": x.shape[0], "loss": F.cross_entropy(logits, y), "aux": logits.pow(2).mean()}
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+@pytest.mark.parametrize("loss_output", [1, "loss"])
+def test_loss_output_counts_every_flattened_output(capture, loss_output):
+    """loss_output=1 on {"n": int, "loss": ..., "aux": ...} counted tensor outputs only and put the
+    scale on "aux", silently (the loss's gradients 1/scale of the truth); the dict key was refused."""
+    torch.manual_seed(0)
+    model = _DictWithCount()
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    gm = amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x, y), training=True, target="bf16",
+                             loss_scaling=True, loss_output=loss_output, capture=capture)
+    gm.amp_loss_scale.fill_(100.0)
+    out, ref = gm(x, y), model(x, y)
+    assert out["n"] == 4
+    assert out["loss"].item() == pytest.approx(100 * ref["loss"].item(), rel=2e-2)
+    assert out["aux"].item() == pytest.approx(ref["aux"].item(), rel=2e-2)
+    with pytest.raises(UsageError, match=r"loss_output=0 names an output that is no tensor"):
+        amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x, y), training=True, loss_output=0,
+                            capture=capture)
+
+
+def test_a_weight_read_after_its_module_call_keeps_the_graph_valid():
+    """symbolic_trace puts `self.l.weight` where forward first reads it directly, after the call of
+    self.l; the call, now a functional call reading the FP32 master weight through a cast, read
+    that cast before it was defined: lint failed ("used before it has been defined")."""
+    class WeightNorm(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.l(x).pow(2).mean() + 0.1 * self.l.weight.norm()
+
+    torch.manual_seed(0)
+    model, x = WeightNorm(), torch.randn(4, 8)
+    gm = amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x,), training=True, target="bf16",
+                             capture="symbolic_trace")
+    gm.graph.lint()
+    loss = gm(x)
+    assert loss.item() == pytest.approx(model(x).item(), rel=2e-2)
+    loss.backward()
+    model(x).backward()
+    torch.testing.assert_close(gm.l.weight.grad, model.l.weight.grad, rtol=5e-2,
+                               atol=2e-2 * model.l.weight.grad.abs().max().item())
+
+
+def test_a_loss_the_capture_cannot_see_is_said_not_scaled_silently():
+    """A dataclass output torch cannot flatten hides its loss: the fp16 training rewrite added no
+    loss scale with no word, and LossScaler(gm) then blamed bf16's default."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        loss: torch.Tensor
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = torch.nn.Linear(8, 1)
+
+        def forward(self, x, y):
+            return Out(F.mse_loss(self.l(x), y))
+
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm, report = amp_rewrite.rewrite(Net(), example_inputs=(x, y), training=True, report=True)
+    assert not hasattr(gm, "amp_loss_scale") and gm.amp_loss_scaling is False
+    assert "training: no loss output found" in report.summary_text()
+    with pytest.raises(ValueError, match=r"no in-graph loss scale .*use scaler.backward\(loss\) without attaching"):
+        LossScaler(gm)
+
+
+def test_training_on_an_inference_rewrite_is_refused():
+    """rewrite(training=True) of a module already rewritten for inference trained its FP16 weights
+    (no FP32 master weights: small updates rounded away), silently."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    inference = amp_rewrite.rewrite(MLPLoss().eval(), example_inputs=(x, y), target="bf16")
+    assert any(p.dtype == torch.bfloat16 for p in inference.parameters())
+    with pytest.raises(UsageError, match=r"rewritten for inference already, with weights converted to bf16 .*"
+                                         r"rewrite the FP32 original with training=True"):
+        amp_rewrite.rewrite(inference, example_inputs=(x, y), target="bf16", training=True)
 
 
 def test_a_loss_summed_with_many_terms_still_finds_the_modules_scale():

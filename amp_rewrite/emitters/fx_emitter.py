@@ -314,6 +314,16 @@ class _Emitter:
         ordered by data flow, the fx graph by the program. Such a conversion moves up to just
         before the reader; what it reads is computed before the reader anyway."""
         at, here = self.position.get(node), self.position.get(reader)
+        src = node.args[0] if at is None and node.args else None
+        if isinstance(src, fx.Node) and src.op == "get_attr" and here is not None and \
+                self.position.get(src, -1) > here and node.meta.get(TAG, {}).get("inserted") == "cast":
+            # our cast of a weight that the program reads first after this reader (symbolic_trace
+            # puts `self.l.weight` where forward reads it, after the call of self.l): the attribute
+            # read reads no value, so it and its cast move up to just before the reader
+            reader.prepend(src)
+            reader.prepend(node)
+            self.position[src] = here - 0.5
+            return
         if at is None or here is None or at < here:
             return
         if any(self.position.get(arg, here) >= here for arg in node.all_input_nodes):
