@@ -211,3 +211,33 @@ def test_compile_inductor_matches_eager():
         out, ref = compiled(*inputs), model(*inputs)
     assert rel_err(out, ref) < TOL["bf16"]
     assert backend.last_reports[-1].heavy_ops["low"] == 3
+
+
+def test_an_autocast_region_in_a_dynamo_graph_is_left_as_written():
+    """rewrite() leaves a torch.autocast region as written (torch.export wraps it in
+    wrap_with_autocast); dynamo inlines it between _enter_autocast and _exit_autocast, and the
+    compile backend painted the `autocast(enabled=False)` block low: its outputs past 65504 came
+    out inf."""
+    class Pinned(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l, self.l2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+            with torch.no_grad():
+                self.l2.weight.mul_(5000.0)
+
+        def forward(self, x):
+            h = self.l(x)
+            with torch.autocast("cpu", enabled=False):  # the usual way to keep a block FP32
+                return self.l2(h.float())
+
+    torch.manual_seed(0)
+    model, x = Pinned().eval(), torch.randn(4, 8) * 50
+    ref = model(x)
+    assert ref.abs().max() > 65504
+    compiled = torch.compile(model, backend="amp_rewrite", options={"target": "fp16", "backend": "aot_eager"})
+    out = compiled(x)
+    assert torch.isfinite(out).all() and rel_err(out, ref) < TOL["fp16"]
+    decisions = backend.last_reports[-1].log.decisions
+    assert {d.precision.value for d in decisions.values() if d.op == "linear"} == {"low", "fp32"}
+    inside = [d for d in decisions.values() if "torch.autocast region" in d.reason]
+    assert inside and all(d.precision.value == "fp32" for d in inside)

@@ -506,9 +506,12 @@ class _Builder:
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.attribute_nodes = _attribute_nodes(gm)
         self.mutated = {_mutated_attribute(n, gm) for n in gm.graph.nodes if n.op.startswith("call_")} - {None}
+        self.autocast = 0  # depth of dynamo's inline torch.autocast regions around the node being read
 
     def build(self) -> Graph:
         for node in self.gm.graph.nodes:
+            if node.op == "call_function" and getattr(node.target, "__name__", "") in AUTOCAST_MARKS:
+                self.autocast += 1 if node.target.__name__ == AUTOCAST_MARKS[0] else -1
             if node.op == "placeholder":
                 self._placeholder(node)
             elif node.op == "get_attr":
@@ -621,6 +624,10 @@ class _Builder:
         bodies = body_modules(node, self.gm)
         if bodies is not None:
             ir.meta["amp.keeps_types"] = _body_reason(node, bodies)
+        if self.autocast > 0:
+            ir.meta.setdefault("amp.keeps_types", (
+                "it runs inside a torch.autocast region (dynamo's _enter_autocast ... _exit_autocast), where torch "
+                "decides the precision: left as written"))
         if is_inplace(node):
             ir.meta["fx.inplace"] = True
             self._check_aliasing(node)
@@ -757,6 +764,7 @@ class _Builder:
 
 # -- higher-order ops -----------------------------------------------------------------------------------
 AUTOCAST_REGION = "wrap_with_autocast"
+AUTOCAST_MARKS = ("_enter_autocast", "_exit_autocast")  # torch.amp.autocast_mode's, in dynamo's graphs
 
 
 def body_modules(node: fx.Node, gm: fx.GraphModule) -> list[str] | None:
