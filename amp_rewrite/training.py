@@ -130,6 +130,7 @@ class LossScaler:
         # a second optimizer stepped on those same gradients would unscale them by the new scale
         self._auto_updated: dict[int, tuple[Any, int]] | None = None
         self._discovered = False
+        self._not_scales: set[int] = set()  # data pointers of saved scalars found to be no module's scale
         if module is not None:
             self.attach(*(module if not isinstance(module, torch.nn.Module) else [module]))
 
@@ -213,8 +214,22 @@ class LossScaler:
             return []
         modules = self._known_modules()
         by_ptr = {m._buffers[BUFFER].data_ptr(): m for m in modules if m._buffers.get(BUFFER) is not None}
+        unknown: set[int] = set()
+        muls = _scale_muls(loss.grad_fn, by_ptr, unknown)
+        unknown -= self._not_scales
+        if unknown:
+            # a scalar saved by a Mul that is no known module's scale: a module rewritten since the
+            # scaler last looked (a deep copy, a new rewrite) would go unscaled-out, its gradients
+            # carrying the scale twice; look again (once per such scalar)
+            fresh = {m._buffers[BUFFER].data_ptr(): m for m in self._candidates()
+                     if m._buffers[BUFFER].data_ptr() in unknown}
+            self._not_scales |= unknown - set(fresh)
+            if fresh:
+                by_ptr.update(fresh)
+                modules = modules + list(fresh.values())
+                muls = _scale_muls(loss.grad_fn, by_ptr, set())
         found = []
-        for fn, saved in _scale_muls(loss.grad_fn, by_ptr) if by_ptr else ():
+        for fn, saved in muls:
             module = by_ptr[saved.data_ptr()]
             if not any(ref() is module for ref in self._modules):
                 self._modules.append(weakref.ref(module))
@@ -587,11 +602,13 @@ def _divided_by(applied: float):
     return hook
 
 
-def _scale_muls(root: Any, by_ptr: dict[int, Any]) -> list[tuple[Any, torch.Tensor]]:
+def _scale_muls(root: Any, by_ptr: dict[int, Any], unknown: set[int]) -> list[tuple[Any, torch.Tensor]]:
     """(Mul node, the loss-scale buffer it saved) for each in-graph loss-scale node of an autograd
     graph, breadth first from its root. The whole graph outside the scaled modules is searched (a
     loss summed with many terms puts the module's scale node deep: a search cut at a fixed count
-    missed it); below a scale node lies its module's own graph, which is not."""
+    missed it); below a scale node lies its module's own graph, which is not. ``unknown`` collects
+    the data pointers of FP32 scalars other Mul nodes saved (candidates for modules not in
+    ``by_ptr``)."""
     seen: set[int] = set()
     queue = deque([root])
     found = []
@@ -600,7 +617,7 @@ def _scale_muls(root: Any, by_ptr: dict[int, Any]) -> list[tuple[Any, torch.Tens
         if fn is None or id(fn) in seen:
             continue
         seen.add(id(fn))
-        saved = _saved_buffer(fn, by_ptr)
+        saved = _saved_buffer(fn, by_ptr, unknown)
         if saved is not None:
             found.append((fn, saved))
             continue
@@ -608,7 +625,7 @@ def _scale_muls(root: Any, by_ptr: dict[int, Any]) -> list[tuple[Any, torch.Tens
     return found
 
 
-def _saved_buffer(fn: Any, by_ptr: dict[int, Any]) -> torch.Tensor | None:
+def _saved_buffer(fn: Any, by_ptr: dict[int, Any], unknown: set[int]) -> torch.Tensor | None:
     if not type(fn).__name__.startswith("MulBackward"):
         return None
     for attr in ("_saved_other", "_saved_self"):
@@ -618,6 +635,9 @@ def _saved_buffer(fn: Any, by_ptr: dict[int, Any]) -> torch.Tensor | None:
             continue
         if isinstance(saved, torch.Tensor) and saved.dim() == 0 and saved.data_ptr() in by_ptr:
             return saved
+        if isinstance(saved, torch.Tensor) and saved.dim() == 0 and saved.dtype == torch.float32 \
+                and not saved.requires_grad:
+            unknown.add(saved.data_ptr())
     return None
 
 

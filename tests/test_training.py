@@ -969,6 +969,27 @@ def test_a_loss_the_capture_cannot_see_is_said_not_scaled_silently():
         LossScaler(gm)
 
 
+def test_a_module_rewritten_after_the_scalers_first_backward_is_found():
+    """The scaler looked for rewritten modules once: a second one (a deep copy, a new rewrite) met
+    later kept its in-graph scale, the scaler multiplied again, and its gradients came out scale x
+    too large after unscale_, silently."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    gm = _rewrite_for_training(MLPLoss(), (x, y), "bf16")
+    scaler = LossScaler(gm, init_scale=256.0)
+    scaler.backward(gm(x, y))
+    scaler.step(torch.optim.SGD(gm.parameters(), lr=0.1))
+    later = copy.deepcopy(gm)
+    ref = MLPLoss()
+    ref.load_state_dict(later.state_dict())
+    ref(x, y).backward()
+    later.zero_grad()
+    scaler.backward(later(x, y))
+    scaler.unscale_(torch.optim.SGD(later.parameters(), lr=0.1))
+    for got, want in zip(later.parameters(), ref.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=5e-2, atol=2e-2 * want.grad.abs().max().item())
+
+
 def test_training_on_an_inference_rewrite_is_refused():
     """rewrite(training=True) of a module already rewritten for inference trained its FP16 weights
     (no FP32 master weights: small updates rounded away), silently."""
