@@ -181,17 +181,23 @@ def _rewrite(model: Any, *, loss: str, grads: Any, loss_grad: str | None, option
     if isinstance(options.get("rules"), RuleBook) and plan.tail:
         ctx.log.notes.append("training: rules were given as a RuleBook, which takes no node pins: the loss island "
                              "is painted by the rules alone")
-    modified = run_pipeline(model, ctx) or _record_pins(model, ctx, internal=plan.tail)
-    tail = set(plan.tail)
+    modified = run_pipeline(model, ctx)
+    # The loss island's pins are this rewrite's own, unless the user pinned the node too (an
+    # --fp32-ops op, a node pattern, a rule file of theirs, an earlier rewrite's tag): that pin is
+    # what its tags must say, so that rewriting the output again keeps it.
+    relabel: dict[str, tuple[str, str]] = {}
     for node in model.graph.nodes:
-        if node.name in tail and node.meta.get("amp.category") is not None:
-            node.meta["amp.reason"] = _TAIL_REASON
-            node.meta["amp.source"] = "training"
+        if node.name in plan.tail and node.meta.get("amp.category") is not None:
+            relabel[node.name] = _user_pin(node, ctx, set(pins)) or (_TAIL_REASON, "training")
+            node.meta["amp.reason"], node.meta["amp.source"] = relabel[node.name]
     for label, decision in list(ctx.log.decisions.items()):
-        if label in tail:
+        if label in relabel:
             from dataclasses import replace
 
-            ctx.log.decisions[label] = replace(decision, reason=_TAIL_REASON, source="training")
+            reason, source = relabel[label]
+            ctx.log.decisions[label] = replace(decision, reason=reason, source=source)
+    ours = [name for name, (_, source) in relabel.items() if source == "training"]
+    modified = modified or _record_pins(model, ctx, internal=ours)
     # (unscaled and nothing to change: a training output rewritten again stays as it is)
     plan.modified = modified or plan.scaling
     ir_model = emit_onnx(model, ctx.log) if plan.modified else model.origin.model
@@ -201,6 +207,23 @@ def _rewrite(model: Any, *, loss: str, grads: Any, loss_grad: str | None, option
         ir_model.metadata_props[TRAINING_KEY] = json.dumps({"loss": plan.loss, "loss_scaling": False,
                                                             "grads": plan.grads})
     return ir_model, ctx.log, plan
+
+
+def _user_pin(node: Any, ctx: Any, ours: set[str]) -> tuple[str, str] | None:
+    """(reason, source) of a user's FP32 pin on ``node`` besides the loss island's own, if any."""
+    from .decisions import Category, Precision
+    from .passes.base import earlier_pin, is_user_source
+
+    for rule in ctx.rules.node_rules():
+        if rule.pattern not in ours and rule.precision == Precision.FP32 and rule.matches(node.name):
+            return f"node rule {rule.pattern!r} keeps it FP32", rule.source
+    entry = ctx.rules.lookup(node.op_type, node.domain, node.opset)
+    if entry is not None and entry.category == Category.DENY and is_user_source(entry.source):
+        return entry.reason, entry.source
+    earlier = earlier_pin(node)
+    if earlier:
+        return f"kept FP32: an earlier rewrite of this model pinned it ({earlier}), as its tags say", earlier
+    return None
 
 
 def _make_plan(model: Any, ir_model: Any, loss: str, grads: Any, loss_grad: str | None,

@@ -102,18 +102,19 @@ def test_no_keep_io_types_leaves_sequence_and_optional_io_alone(placement):
     assert not rewrite(out, keep_io_types=False, placement=placement).modified
 
 
-@pytest.mark.parametrize("option", ["fp32_nodes", "fp32_ops", "rules", "rules named like a built-in set"])
+@pytest.mark.parametrize("option", ["fp32_nodes", "fp32_ops", "rules", "rules named like a built-in set",
+                                    "rules without a suffix"])
 def test_rewriting_an_output_again_keeps_the_users_pins(option, tmp_path):
     """An output rewritten with --fp32-nodes (or --auto-fp32's pins, --fp32-ops, a rule file of the
     user's) kept its pinned MatMul FP32 and said so in its tags; rewriting it again without the
     flag made that MatMul FP16, undoing the fix for an overflow. A built-in deny is decided afresh.
     A user's file named like a built-in set (an edited copy of onnx-cuda-fp16.toml) passed for the
-    built-in set: its pins were decided afresh."""
+    built-in set: its pins were decided afresh; so did one whose name had no .toml suffix."""
     m = _mlp()
     for i, n in enumerate(m.graph.node):
         n.name = f"{n.op_type}_{i}"
     pinned = m.graph.node[-1].name if option != "fp32_ops" else "Relu_2"
-    rule_file = tmp_path / ("mine.toml" if option == "rules" else "onnx-cuda-fp16.toml")
+    rule_file = tmp_path / {"rules": "mine.toml", "rules without a suffix": "mine"}.get(option, "onnx-cuda-fp16.toml")
     rule_file.write_text(f'[nodes]\nfp32 = ["{pinned}"]\n')
     value = {"fp32_nodes": [pinned], "fp32_ops": ["Relu"]}.get(option, [str(rule_file)])
     first = rewrite(m, **{option.split()[0]: value})

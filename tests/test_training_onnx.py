@@ -363,6 +363,21 @@ def test_bf16_training_rewrite_has_no_loss_scaling(setup):
         amp_rewrite_rewrite(proto, loss_scaling=False)
 
 
+def test_a_users_pin_inside_the_loss_island_survives_rewriting_the_output_again(setup):
+    """A --fp32-ops pin on an op of the loss island (the last Gemm, which then joins the island)
+    was tagged as the training rewrite's own pin: rewriting the output again made that Gemm low."""
+    _, proto = setup
+    first = rewrite_training_onnx_model(proto, loss="loss", grads=GRADS, target="bf16", fp32_ops=["Gemm"])
+
+    def gemms(model):
+        tags = [{p.key: p.value for p in n.metadata_props} for n in model.graph.node if n.op_type == "Gemm"]
+        return {(t.get("amp_rewrite.precision"), t.get("amp_rewrite.source")) for t in tags}
+
+    assert gemms(first.model) == {("fp32", "--fp32-ops")}
+    again = rewrite_training_onnx_model(first.model, loss="loss", grads=GRADS, target="bf16")
+    assert not again.modified and again.model.SerializeToString() == first.model.SerializeToString()
+
+
 def test_every_in_memory_entry_point_takes_the_training_options(setup):
     """api.rewrite_onnx_model (what --auto-fp32 and the checks call) took training=True, loss=...
     as an inference rewrite with FP32 weights and no loss scale, and refused grads=; it now does

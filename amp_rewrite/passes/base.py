@@ -177,8 +177,11 @@ def is_user_source(source: str) -> bool:
     built-in set."""
     from ..rulebook import builtin_names
 
-    first = source.split(": ", 1)[0].strip()
-    return source.startswith("--") or (first.endswith(".toml") and first[:-len(".toml")] not in builtin_names())
+    first, _, key = source.partition(": ")
+    from_file = key.split(".", 1)[0].split("[", 1)[0] in ("allow", "infer", "clear", "deny", "nodes")
+    # (a rule file's decision names "<file>: <list>.<op>"; a built-in set is "<name>.toml" exactly,
+    # a user's file any other name, with or without the .toml suffix)
+    return source.startswith("--") or (from_file and first.strip() not in {f"{b}.toml" for b in builtin_names()})
 
 
 def node_label(node: Node) -> str:
