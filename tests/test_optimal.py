@@ -841,3 +841,36 @@ def test_a_mask_sentinel_constant_does_not_keep_its_reader_fp32():
     FP32 for them would cast around every attention block. The optimal placement still chooses."""
     result = rewrite(_reads_a_big_constant("Constant", -1e9), placement="optimal")
     assert "beyond fp16" not in result.log.decisions["Add:z"].reason
+
+
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
+def test_an_if_branch_ending_in_a_node_fixed_fp32_keeps_the_if_output_fp32(placement):
+    """Optimal joined an If with its branches though the else branch ended in a Mul classify had
+    fixed FP32 (it reads 1e5, past FP16's range) and so made no cost term: the If's output went
+    low, that branch's FP32 result was cast to FP16 at the boundary, and y was inf where greedy
+    was right. Such an If no longer joins (its output stays FP32 as greedy has it)."""
+    from amp_rewrite.emulate import emulate_low
+
+    rng = np.random.default_rng(7)
+    vi = helper.make_tensor_value_info
+    w = lambda n: numpy_helper.from_array((rng.standard_normal((16, 16)) * 0.3).astype(np.float32), n)  # noqa: E731
+    then_g = helper.make_graph([helper.make_node("MatMul", ["h", "W2"], ["t1"], name="tmm")], "t", [],
+                               [vi("t1", TensorProto.FLOAT, ["B", 16])])
+    else_g = helper.make_graph([helper.make_node("Mul", ["h", "k"], ["e1"], name="emul")], "e", [],
+                               [vi("e1", TensorProto.FLOAT, ["B", 16])])
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W1"], ["h"], name="mm1"),
+         helper.make_node("If", ["c"], ["y0"], name="iff", then_branch=then_g, else_branch=else_g),
+         helper.make_node("Mul", ["y0", "ik"], ["y1"], name="unscale"),
+         helper.make_node("MatMul", ["y1", "W2"], ["y"], name="mmo")], "g",
+        [vi("x", TensorProto.FLOAT, ["B", 16]), vi("c", TensorProto.BOOL, [])], [vi("y", TensorProto.FLOAT, ["B", 16])],
+        [w("W1"), w("W2"), numpy_helper.from_array(np.array(1e5, np.float32), "k"),
+         numpy_helper.from_array(np.array(1e-5, np.float32), "ik")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    out = rewrite(m, placement=placement).model
+    full_check(out)
+    x = np.random.default_rng(0).standard_normal((4, 16)).astype(np.float32)
+    for branch in (False, True):
+        feeds = {"x": x, "c": np.array(branch)}
+        got = run(emulate_low(out)[0], feeds)["y"]  # (as a GPU computes FP16)
+        assert np.isfinite(got).all() and rel_err(run(m, feeds)["y"], got) < 1e-2, branch

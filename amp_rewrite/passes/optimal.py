@@ -920,21 +920,39 @@ def _joined_ifs(scope: Graph, ctx: Context) -> tuple[list[Node], list[Graph]]:
     while pending:
         graph = pending.pop()
         for node in graph.nodes:
-            if node.op_type != "If" or node.domain != "" or node.meta.get("amp.control_category") not in (
-                    Category.ALLOW, Category.INFER, Category.CLEAR):
-                continue  # (a rule file or --fp32-nodes keeps it FP32)
-            outputs = _fp32_outputs(node)
-            subs = node.all_subgraphs()
-            if not outputs or len(subs) != 2 or any(len(g.outputs) != len(node.outputs) for g in subs):
-                continue
-            if not all(g.outputs[k].dtype == DType.FLOAT and g.outputs[k].producer is not None
-                       and g.outputs[k].producer.graph is g and g.outputs.count(g.outputs[k]) == 1
-                       for g in subs for k in outputs):
-                continue
-            branches.append(node)
-            bodies.extend(subs)
-            pending.extend(subs)
+            if _joins(node):
+                subs = node.all_subgraphs()
+                branches.append(node)
+                bodies.extend(subs)
+                pending.extend(subs)
     return branches, bodies
+
+
+def _joins(node: Node) -> bool:
+    """Whether an If joins the problem of its scope (see :func:`_joined_ifs`)."""
+    if node.op_type != "If" or node.domain != "" or node.meta.get("amp.control_category") not in (
+            Category.ALLOW, Category.INFER, Category.CLEAR):
+        return False  # (a rule file or --fp32-nodes keeps it FP32)
+    outputs = _fp32_outputs(node)
+    subs = node.all_subgraphs()
+    if not outputs or len(subs) != 2 or any(len(g.outputs) != len(node.outputs) for g in subs):
+        return False
+    return all(g.outputs[k].dtype == DType.FLOAT and g.outputs[k].producer is not None
+               and g.outputs[k].producer.graph is g and g.outputs.count(g.outputs[k]) == 1
+               and _painted_output(g.outputs[k]) for g in subs for k in outputs)
+
+
+def _painted_output(value: Value) -> bool:
+    """Whether a branch output comes from a node the cut sees it leave (a painted node's group
+    output). One that does not (a node classify fixed FP32 for reading a constant past the low
+    range, one that keeps its types) would make no term, and the If's output, free of it, could
+    take the low type and cast that branch's FP32 result down (inf)."""
+    producer = value.producer
+    if producer is not None and not producer.domain and producer.op_type in ("Constant", "Cast"):
+        return True  # (a constant is converted, a Cast retargeted: either writes the If's type)
+    if producer is not None and not producer.domain and producer.op_type == "If":
+        return _joins(producer) and value.producer_index in _fp32_outputs(producer)  # (a nested If, joined too)
+    return producer is not None and participates(producer) and value.producer_index in group_outputs(producer)
 
 
 def _references(component: _Component) -> set[int]:
