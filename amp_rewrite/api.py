@@ -157,9 +157,15 @@ def _record_pins(model: Model, ctx: Context, internal: Iterable[str] = ()) -> bo
     pinned nodes low; the written output carries them in its tags. ``internal``: labels of nodes
     the caller pinned itself (a training rewrite's loss island), decided afresh each time."""
     internal = set(internal)
-    pinned = [n for n in model.graph.walk()
-              if n.meta.get("amp.precision") == Precision.FP32 and n.meta.get("amp.category") == Category.DENY
-              and node_label(n) not in internal and is_user_source(n.meta.get("amp.source") or "") and n.meta.get("amp.kept_fp32_by") != n.meta["amp.source"]]
+
+    def untagged_pin(node) -> bool:
+        meta = node.meta
+        source = meta.get("amp.source") or ""
+        return (meta.get("amp.precision") == Precision.FP32 and meta.get("amp.category") == Category.DENY
+                and node_label(node) not in internal and is_user_source(source)
+                and meta.get("amp.kept_fp32_by") != source)
+
+    pinned = [n for n in model.graph.walk() if untagged_pin(n)]
     if pinned:
         ctx.log.notes.append(f"as pinned: nothing runs in {ctx.options.target}; the output is the input with tags that "
                              f"keep the {len(pinned)} pinned node(s) FP32 when it is rewritten again")
@@ -241,9 +247,9 @@ def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *
             raise UsageError(f"rewrite_onnx: {name} must be a path, got {type(value).__name__}"
                              + (" (for a ModelProto use rewrite())" if name == "src" else ""))
     src_path = Path(src)
-    target = options.get("target", "fp16")
-    dst_path = Path(dst) if dst is not None else default_output(src_path, target)
-    _check_output(src_path, dst_path, overwrite, default_output(src_path, target).name)
+    default = default_output(src_path, options.get("target", "fp16"))
+    dst_path = Path(dst) if dst is not None else default
+    _check_output(src_path, dst_path, overwrite, default.name)
     ctx = context_for("onnx", options, "rewrite_onnx()")
     from . import progress
 
@@ -378,11 +384,11 @@ def check_input_path(src: Path) -> None:
         raise ModelLoadError(f"{src}: cannot be opened ({exc.strerror or exc})") from None
 
 
-def _check_output(src: Path, dst: Path, overwrite: bool, name: str = "") -> None:
+def _check_output(src: Path, dst: Path, overwrite: bool, name: str) -> None:
     """``name``: the default output's file name, suggested when ``dst`` is a folder."""
     check_input_path(src)
     try:
-        _check_output_path(src, dst, overwrite, name or f"{src.stem}.fp16.onnx")
+        _check_output_path(src, dst, overwrite, name)
     except OSError as exc:  # a name too long for the file system, a loop of links...
         raise OutputError(f"{dst}: cannot be written ({exc.strerror or exc})") from None
 

@@ -1401,8 +1401,9 @@ def auto_fp32_cli(args: "CliArgs") -> RewriteResult:
 
     options = args.options()
     target = options.get("target", "fp16")
-    dst = args.output if args.output is not None else default_output(args.model, target)
-    _check_output(args.model, dst, args.overwrite, default_output(args.model, target).name)  # fail before running
+    default = default_output(args.model, target)
+    dst = args.output if args.output is not None else default
+    _check_output(args.model, dst, args.overwrite, default.name)  # fail before running anything
     runner = Runner()
     feeds, described = _cli_inputs(args)
     try:

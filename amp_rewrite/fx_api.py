@@ -137,7 +137,8 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
     if scaling and loss_value is not None and not hasattr(gm, "amp_loss_scale"):  # once: rewriting again adds none
         from .emitters.fx_emitter import insert_loss_scale
 
-        insert_loss_scale(gm, _loss_slot(model, loss_value), model.meta.get("fx.level", "torch"))
+        # (the output slot _loss_value chose: one tensor returned twice has two)
+        insert_loss_scale(gm, model.graph.meta["fx.loss_slot"], model.meta.get("fx.level", "torch"))
         modified = True
     if _rewrite_bodies(gm, ctx.log, target=target, rules=rules, fp32_nodes=user_fp32_nodes, options=options):
         modified = True
@@ -407,24 +408,13 @@ def _flat_outputs(model: Model) -> tuple[list[tuple[int, Value, Any, str | None]
         by_where.setdefault(slot.where, []).append((slot, v))
     found: list[tuple[int, Value, Any, str | None]] = []
     count = 0
-
-    def walk(obj: Any, path: tuple, key: str | None) -> None:
-        nonlocal count
-        if isinstance(obj, (tuple, list)):
-            for i, item in enumerate(obj):
-                walk(item, path + (i,), key)
-        elif isinstance(obj, dict):
-            for k, item in obj.items():
-                walk(item, path + (k,), k if isinstance(k, str) else key)
-        elif obj is not None:
-            leaves = by_where.get(path, []) if isinstance(obj, fx.Node) else []
-            for slot, value in leaves:
-                found.append((count, value, slot, key))
-                count += 1
-            count += 0 if leaves else 1
-
-    if node is not None and node.args:
-        walk(node.args[0], ("args", 0), None)
+    for path, key, leaf in _leaves(node.args[0], ("args", 0)) if node is not None and node.args else ():
+        tensors = by_where.get(path, []) if isinstance(leaf, fx.Node) else []
+        for slot, value in tensors:
+            found.append((count, value, slot, key))
+            count += 1
+        if not tensors:
+            count += 1
     keys = _spec_keys(node, count)
     if keys:  # a torch.export capture returns its outputs flat: the dict keys are in its out spec
         found = [(i, v, slot, keys.get(i, key)) for i, v, slot, key in found]
@@ -439,20 +429,21 @@ def _spec_keys(node: Any, count: int) -> dict[int, str]:
         return {}
     from torch.utils import _pytree as pytree
 
-    keys: dict[int, str] = {}
+    return {leaf: key for _, key, leaf in _leaves(pytree.tree_unflatten(list(range(count)), spec), ())
+            if key is not None}
 
-    def walk(obj: Any, key: str | None) -> None:
-        if isinstance(obj, int) and not isinstance(obj, bool) and key is not None:
-            keys[obj] = key
-        elif isinstance(obj, (tuple, list)):
-            for item in obj:
-                walk(item, key)
-        elif isinstance(obj, dict):
-            for k, item in obj.items():
-                walk(item, k if isinstance(k, str) else key)
 
-    walk(pytree.tree_unflatten(list(range(count)), spec), None)
-    return keys
+def _leaves(obj: Any, path: tuple, key: str | None = None):
+    """(path, the dict key it sits under, leaf) for each leaf of a nested output, in pytree's
+    order: tuples, lists and dicts opened in order, None no leaf."""
+    if isinstance(obj, (tuple, list)):
+        for i, item in enumerate(obj):
+            yield from _leaves(item, path + (i,), key)
+    elif isinstance(obj, dict):
+        for k, item in obj.items():
+            yield from _leaves(item, path + (k,), k if isinstance(k, str) else key)
+    elif obj is not None:
+        yield path, key, obj
 
 
 def _loss_value(model: Model, loss_output: int | str | None, notes: list[str]) -> Value | None:
@@ -471,14 +462,17 @@ def _loss_value(model: Model, loss_output: int | str | None, notes: list[str]) -
             if not hit:
                 raise UsageError(f"loss_output={loss_output} names an output that is no tensor (the flattened "
                                  f"outputs' tensors are at {', '.join(str(e[0]) for e in outputs) or 'none'})")
-            return chosen((hit[0][0], _checked_loss(hit[0][1], loss_output), hit[0][2]))
-        for index, value, slot, key in outputs:
+            _checked_loss(hit[0][1], loss_output)
+            return chosen(hit[0])
+        for entry in outputs:
+            _, value, _, key = entry
             origin = value.origin
             names = {value.name, key}
             if isinstance(origin, tuple) and isinstance(origin[0], fx.Node):
                 names.add(origin[0].name)
             if loss_output in names:
-                return chosen((index, _checked_loss(value, loss_output), slot))
+                _checked_loss(value, loss_output)
+                return chosen(entry)
         raise UsageError(f"loss_output={loss_output!r} names no output (have: "
                          f"{', '.join(e[3] or e[1].name for e in outputs)})")
     scalars = [e for e in outputs if e[1].shape == () and e[1].dtype == DType.FLOAT]
@@ -531,18 +525,6 @@ def _checked_loss(value: Value, loss_output: int | str) -> Value:
         raise UsageError(f"loss_output={loss_output!r} names {value.name!r}, {kind} {shape}: the loss must be a "
                          f"scalar FP32 output (reduce it with mean or sum inside the module)")
     return value
-
-
-def _loss_slot(model: Model, loss_value: Value) -> Any:
-    """Where the loss sits among the output node's arguments (the loader's slot for it: outputs
-    that are no tensor, like an int batch size, have none, so a flat index would miscount)."""
-    if model.graph.meta.get("fx.loss_slot") is not None:
-        return model.graph.meta["fx.loss_slot"]
-    loaded = model.graph.meta.get("fx.loaded_outputs", [])
-    for slot, v in zip(model.graph.meta.get("fx.output_slots", []), loaded):
-        if v is loss_value:
-            return slot
-    raise AssertionError("the loss is no graph output")
 
 
 def _loss_tail(model: Model, target: str, rules: Any, loss: Value) -> list[str]:

@@ -140,24 +140,10 @@ class LossScaler:
         DDP) equal to the scaler's scale. Returns self."""
         for module in modules:
             found = [m for m in module.modules() if isinstance(m._buffers.get(BUFFER), torch.Tensor)]
-            if not found and not self.enabled:
-                continue  # a pass-through has no scale to keep in step
-            unscaled = [m for m in module.modules() if getattr(m, "amp_training", False)
-                        and getattr(m, "amp_loss_scaling", True) is False]
-            bf16 = [m for m in unscaled if getattr(m, "meta", {}).get("amp_rewrite.target") == "bf16"]
-            if not found and bf16:
-                raise ValueError(f"{type(module).__name__} was rewritten for training without loss scaling (the "
-                                 f"bf16 default: bf16 has FP32's exponent range), so there is no scale to keep: "
-                                 f"train it with loss.backward() and optimizer.step(), or keep this loop with "
-                                 f"LossScaler(enabled=False); rewrite(..., loss_scaling=True) adds the in-graph scale")
-            if not found and unscaled:
-                raise ValueError(f"{type(module).__name__} was rewritten for training with no in-graph loss scale "
-                                 f"(loss_scaling=False, or no loss output was found: its report's notes say which): "
-                                 f"use scaler.backward(loss) without attaching it, which scales the loss itself")
             if not found:
-                raise ValueError(f"{type(module).__name__} has no {BUFFER!r} buffer: it was not rewritten with "
-                                 f"amp_rewrite.rewrite(..., training=True) (or returns no loss); use "
-                                 f"scaler.backward(loss) or scaler.scale(loss) without attaching it")
+                if not self.enabled:
+                    continue  # a pass-through has no scale to keep in step
+                raise ValueError(_no_buffer_message(module))
             for m in found:
                 if not any(ref() is m for ref in self._modules):
                     self._modules.append(weakref.ref(m))
@@ -600,6 +586,24 @@ def _divided_by(applied: float):
     def hook(grad_outputs: tuple) -> tuple:
         return tuple(None if g is None else g / applied for g in grad_outputs)
     return hook
+
+
+def _no_buffer_message(module: torch.nn.Module) -> str:
+    """Why ``module`` has no in-graph loss scale to attach to, and what to do instead."""
+    name = type(module).__name__
+    unscaled = [m for m in module.modules() if getattr(m, "amp_training", False)
+                and getattr(m, "amp_loss_scaling", True) is False]
+    if any(getattr(m, "meta", {}).get("amp_rewrite.target") == "bf16" for m in unscaled):
+        return (f"{name} was rewritten for training without loss scaling (the bf16 default: bf16 has FP32's "
+                f"exponent range), so there is no scale to keep: train it with loss.backward() and "
+                f"optimizer.step(), or keep this loop with LossScaler(enabled=False); rewrite(..., "
+                f"loss_scaling=True) adds the in-graph scale")
+    if unscaled:
+        return (f"{name} was rewritten for training with no in-graph loss scale (loss_scaling=False, or no loss "
+                f"output was found: its report's notes say which): use scaler.backward(loss) without attaching "
+                f"it, which scales the loss itself")
+    return (f"{name} has no {BUFFER!r} buffer: it was not rewritten with amp_rewrite.rewrite(..., training=True) "
+            f"(or returns no loss); use scaler.backward(loss) or scaler.scale(loss) without attaching it")
 
 
 def _scale_muls(root: Any, by_ptr: dict[int, Any], unknown: set[int]) -> list[tuple[Any, torch.Tensor]]:

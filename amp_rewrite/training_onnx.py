@@ -119,9 +119,9 @@ def rewrite_training_onnx(src: str | os.PathLike, dst: str | os.PathLike | None 
     from .frontends.onnx_loader import load_onnx
 
     src_path = Path(src)
-    target = options.get("target", "fp16")
-    dst_path = Path(dst) if dst is not None else default_output(src_path, target, ".train")
-    _check_output(src_path, dst_path, overwrite, default_output(src_path, target, ".train").name)
+    default = default_output(src_path, options.get("target", "fp16"), ".train")
+    dst_path = Path(dst) if dst is not None else default
+    _check_output(src_path, dst_path, overwrite, default.name)
     model = load_onnx(src_path)
     ir_model, log, plan = _rewrite(model, loss=loss, grads=grads, loss_grad=loss_grad, options=options)
     source_files = _input_files(model, src_path)
@@ -157,6 +157,7 @@ class _Plan:
     config: ScaleConfig
     scaling: bool = True
     modified: bool = True  # False: no loss scaling and the pipeline changed nothing (the input as it was)
+
 
 def _rewrite(model: Any, *, loss: str, grads: Any, loss_grad: str | None, options: dict) -> tuple[Any, Any, _Plan]:
     from .emitters.onnx_emitter import emit_onnx
@@ -254,8 +255,9 @@ def _make_plan(model: Any, ir_model: Any, loss: str, grads: Any, loss_grad: str 
     if _scaled_already(ir_model):
         raise UsageError("the model was rewritten for training with loss scaling already (its amp_rewrite.training "
                          "metadata says so): rewrite the FP32 model instead")
-    for name in ((LOSS_SCALE, SCALED_LOSS) + ((GROWTH_TRACKER, ALL_FINITE, NEXT_LOSS_SCALE, NEXT_GROWTH_TRACKER)
-                                              if grad_names else ())) if scaling else ():
+    added = (LOSS_SCALE, SCALED_LOSS) + ((GROWTH_TRACKER, ALL_FINITE, NEXT_LOSS_SCALE, NEXT_GROWTH_TRACKER)
+                                         if grad_names else ())
+    for name in added if scaling else ():
         if _name_taken(ir_model.graph, name):
             raise UsageError(f"the model already has a value named {name!r}: it looks rewritten for training already")
     tail = _loss_tail(loss_value, graph, rules)

@@ -175,10 +175,10 @@ def earlier_pin(node: Node) -> str | None:
 def is_user_source(source: str) -> bool:
     """Whether a decision's source is the user's: a command-line flag or a rule file that is not a
     built-in set."""
-    from ..rulebook import builtin_names
+    from ..rulebook import LISTS, builtin_names
 
     first, _, key = source.partition(": ")
-    from_file = key.split(".", 1)[0].split("[", 1)[0] in ("allow", "infer", "clear", "deny", "nodes")
+    from_file = key.split(".", 1)[0].split("[", 1)[0] in (*LISTS, "nodes")
     # (a rule file's decision names "<file>: <list>.<op>"; a built-in set is "<name>.toml" exactly,
     # a user's file any other name, with or without the .toml suffix)
     return source.startswith("--") or (from_file and first.strip() not in {f"{b}.toml" for b in builtin_names()})

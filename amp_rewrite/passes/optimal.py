@@ -89,8 +89,8 @@ import networkx as nx
 
 from ..decisions import Category, Precision
 from ..ir import DType, Graph, Model, Node, Value
-from .base import Context, PassResult, accepts_any_float, category, converts_non_float, group_inputs, group_outputs, node_label, participates, \
-    read_through_casts, retypable_io, round_trip_harm
+from .base import Context, PassResult, accepts_any_float, category, converts_non_float, group_inputs, group_outputs, \
+    node_label, participates, read_through_casts, retypable_io, round_trip_harm
 
 BATCH_DIM = 1
 SYMBOLIC_DIM = 128
@@ -947,12 +947,12 @@ def _painted_output(value: Value) -> bool:
     output). One that does not (a node classify fixed FP32 for reading a constant past the low
     range, one that keeps its types) would make no term, and the If's output, free of it, could
     take the low type and cast that branch's FP32 result down (inf)."""
-    producer = value.producer
-    if producer is not None and not producer.domain and producer.op_type in ("Constant", "Cast"):
+    producer = value.producer  # (not None: _joins checked)
+    if not producer.domain and producer.op_type in ("Constant", "Cast"):
         return True  # (a constant is converted, a Cast retargeted: either writes the If's type)
-    if producer is not None and not producer.domain and producer.op_type == "If":
+    if not producer.domain and producer.op_type == "If":
         return _joins(producer) and value.producer_index in _fp32_outputs(producer)  # (a nested If, joined too)
-    return producer is not None and participates(producer) and value.producer_index in group_outputs(producer)
+    return participates(producer) and value.producer_index in group_outputs(producer)
 
 
 def _references(component: _Component) -> set[int]:
