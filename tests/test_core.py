@@ -391,6 +391,27 @@ def test_summary_of_a_rewritten_output_counts_the_nodes_it_was_given_low():
     assert not any(n.startswith("as given:") for n in first.log.notes)
 
 
+def test_an_fp32_pin_on_a_node_given_low_is_said_to_change_nothing(tmp_path):
+    """--fp32-nodes / --fp32-ops / a rule file's deny naming a node that an output rewritten again
+    already computes in fp16 did nothing, and said nothing: the user believed the node FP32."""
+    first = rewrite(_mlp())
+    matmul = next(n.name or f"MatMul:{n.output[0]}" for n in first.model.graph.node if n.op_type == "MatMul")
+    rules = tmp_path / "mine.toml"
+    rules.write_text('[deny]\nRelu = "mine"\n')
+    second = rewrite(first.model, fp32_nodes=[matmul], fp32_ops=["MatMul"], rules=[rules])
+    assert not second.modified
+    notes = [n for n in second.log.notes if n.startswith("without effect:")]
+    assert len(notes) == 3, notes
+    assert any(f"--fp32-nodes {matmul!r} names 1 node(s) that compute in fp16 as given" in n for n in notes)
+    assert any("--fp32-ops 'MatMul' names 2 node(s)" in n for n in notes)
+    assert any("mine.toml: deny.Relu names" in n for n in notes)
+    summary = second.report.summary_text().splitlines()
+    assert all(n in summary for n in notes)
+    # on the FP32 original the same pins take effect and no such note is made
+    fresh = rewrite(_mlp(), fp32_nodes=[matmul], fp32_ops=["MatMul"], rules=[rules])
+    assert not any(n.startswith("without effect:") for n in fresh.log.notes)
+
+
 @pytest.mark.parametrize("op,attr,extra", [("RandomNormalLike", "dtype", {"dtype": 1, "scale": 1e-6}),
                                            ("RandomUniformLike", "dtype", {"dtype": 1, "high": 1e-6}),
                                            ("RandomNormal", "dtype", {"shape": [4, 4], "scale": 1e-6})])

@@ -23,7 +23,7 @@ import difflib
 from ..decisions import Category, Precision
 from ..ir import DType, Model, Node
 from ..rulebook import RuleEntry
-from .base import (Context, PassResult, earlier_pin, is_float32, is_user_source, node_label, node_names,
+from .base import (Context, PassResult, earlier_pin, given_low_type, is_float32, is_user_source, node_label, node_names,
                    node_rule_of, painted_group)
 
 _CONTROL = "control flow: its boundary types are kept and each body is rewritten as a scope of its own"
@@ -37,13 +37,42 @@ def classify(model: Model, ctx: Context) -> PassResult:
     verdicts: dict[tuple, _Verdict] = {}  # per (op, domain, opset): the same for every such node
     names = node_names(model) if ctx.rules.node_rules() else frozenset()
     angles = []  # deny ops whose argument must be precise (Sin, Cos)
+    given_low: dict[str, list[tuple[str, str]]] = {}  # a user's FP32 pin → the nodes it names that are low as given
     for node in model.graph.walk():
         _classify_node(node, ctx, verdicts, names)
         if node.meta.get("amp.fp32_argument"):
             angles.append(node)
+        if node.meta["amp.group"] is None:
+            _pin_on_given_low(node, ctx, verdicts, names, given_low)
     _keep_position_arguments_fp32(angles, ctx)
     _note_unmatched_node_rules(ctx, names)
+    for pin, labels in given_low.items():
+        types = " or ".join(sorted({t for _, t in labels}))
+        ctx.log.notes.append(
+            f"without effect: {pin} names {len(labels)} node(s) that compute in {types} as given (e.g. "
+            f"{labels[0][0]!r}): a rewrite keeps the types a model already has, so the pin changes nothing here; "
+            f"apply it when rewriting the FP32 original")
     return PassResult("classify", modified=False)
+
+
+def _pin_on_given_low(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], names: frozenset[str],
+                      found: dict[str, list[tuple[str, str]]]) -> None:
+    """A user's FP32 pin (``--fp32-nodes``, ``--fp32-ops``, a rule file's deny) that names a node the
+    input already computes in a low type (an output rewritten again): the rewrite leaves that node
+    as it is, so the pin does nothing; collected for a note rather than passed over in silence."""
+    low = given_low_type(node)
+    if low is None or (node.domain == "" and node.op_type in _SOURCES):
+        return
+    rule = node_rule_of(ctx.rules, node, names)
+    if rule is not None and rule.precision == Precision.FP32 and is_user_source(rule.source):
+        found.setdefault(f"{rule.source} {rule.pattern!r}", []).append((node_label(node), low.short))
+    key = (node.op_type, node.domain, node.opset)
+    if key not in verdicts:
+        verdicts[key] = _op_verdict(node, ctx)
+    category, _, source, _ = verdicts[key]  # (the op's rule, which a node rule would override)
+    if category == Category.DENY and is_user_source(source):
+        pin = f"{source} {node.qualified_op!r}" if source.startswith("--") else source  # (a file's names the op)
+        found.setdefault(pin, []).append((node_label(node), low.short))
 
 
 def _note_unmatched_node_rules(ctx: Context, names: frozenset[str]) -> None:
