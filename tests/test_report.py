@@ -491,6 +491,24 @@ def test_an_fp32_pin_by_scope_label_wins_over_a_low_pin_by_the_bare_name():
     assert precision["If:y.else_branch/mm"] == "fp16"  # the low pin still holds where fp32 does not
 
 
+def test_a_body_node_answers_to_its_scope_path_even_when_its_name_is_unique():
+    """rules/README.md: a body node "also answers to its scope label (If:y.then_branch/mm)". Only a
+    node whose name another body used had one: with unique names the path pinned nothing (and was
+    called unmatched), so one branch could not be pinned by ``If:y.then_branch/*``."""
+    import amp_rewrite
+
+    m = branches_sharing_a_node_name()
+    m.graph.node[0].attribute[1].g.node[0].name = "ex"  # names are now unique across the model
+    for pattern in ("If:y.then_branch/mm", "If:y.then_branch/*"):
+        _, report = amp_rewrite.rewrite(m, report=True, fp32_nodes=[pattern])
+        precision = {n["node"]: n["precision"] for n in report.to_dict()["nodes"]}
+        assert precision["mm"] == "fp32", pattern
+        assert not any(n.startswith("unmatched:") for n in report.log.notes)
+    _, report = amp_rewrite.rewrite(m, report=True, fp32_nodes=["If:y.else_branch/mm"])
+    assert {n["node"]: n["precision"] for n in report.to_dict()["nodes"]}["mm"] == "fp16"
+    assert any(n.startswith("unmatched:") and "If:y.else_branch/mm" in n for n in report.log.notes)
+
+
 def test_branches_whose_graphs_share_a_name_keep_every_node_apart():
     """Both If branches may be graphs of the same name (valid ONNX): the scope label came from the
     graph's name, so the then-branch's nodes took the else-branch's labels and dropped out of the

@@ -150,17 +150,26 @@ def participates(node: Node) -> bool:
 
 
 def node_rule_of(rules, node: Node, names: Collection[str] = ()):
-    """The node rule forcing ``node``: by its name (an unnamed node by its label "Op:output"), or
-    for a body node labelled with its scope (``If:y.then_branch/mm``) by that label too; an FP32
-    rule matching either wins over a low one matching the other. ``names``: :func:`node_names`."""
+    """The node rule forcing ``node``: by its name (an unnamed node by its label "Op:output"), its
+    label, or for a body node its scope path (``If:y.then_branch/mm``); an FP32 rule matching any
+    wins over a low one matching another. ``names``: :func:`node_names`."""
     label = node_label(node)
-    return rules.node_rule((node.name or label, label), names)
+    return rules.node_rule((node.name or label, label, *_scope_path(node)), names)
+
+
+def _scope_path(node: Node) -> tuple[str, ...]:
+    """A body node's name under its scope (``If:y.then_branch/mm``): a pattern may name it so
+    whether or not another body uses the name (``If:y.then_branch/*`` pins one branch)."""
+    if node.graph is None or node.graph.parent is None:
+        return ()
+    own = node.name or f"{node.op_type}:{node.outputs[0].name if node.outputs else ''}"
+    return (f"{scope_label(node.graph)}/{own}",)
 
 
 def node_names(model: Model) -> frozenset[str]:
-    """Every node's name and label in ``model``: a node pattern equal to one of them is that
-    node's name, not a glob (``RuleBook.node_rule``)."""
-    return frozenset(n for node in model.graph.walk() for n in (node.name, node_label(node)) if n)
+    """Every node's name, label and scope path in ``model``: a node pattern equal to one of them is
+    that node's name, not a glob (``RuleBook.node_rule``)."""
+    return frozenset(n for node in model.graph.walk() for n in (node.name, node_label(node), *_scope_path(node)) if n)
 
 
 def earlier_pin(node: Node) -> str | None:
