@@ -472,9 +472,10 @@ class _LossScaleBuilder:
             backward = _feeding([outputs[name][1] for name in plan.grads])
             for name in plan.grads:
                 index, value = outputs[name]
-                if value.producer() is None and value.const_value is not None:
-                    # a constant gradient (an unused parameter's zero, folded by the exporter) never
-                    # went through the scaled backward pass: it leaves as it is
+                if _from_constants(value):
+                    # a constant gradient (an unused parameter's zero, folded by the exporter into an
+                    # initializer or a Constant node) never went through the scaled backward pass: it
+                    # leaves as it is
                     continue
                 if value.producer() is None:
                     raise UsageError(f"gradient output {name!r} is a graph input, not computed by the graph: "
@@ -627,8 +628,8 @@ def _subgraph_outputs(graph: Any) -> dict[int, list[Any]]:
 
 
 def _feeding(values: list[Any]) -> set[int]:
-    """ids of the nodes of the main graph that ``values`` are computed from (their producers and
-    everything upstream)."""
+    """ids of the nodes that ``values`` are computed from: their producers and everything upstream,
+    with the nodes of any If/Loop/Scan body among them and what those bodies read from outside."""
     seen: set[int] = set()
     stack = [v.producer() for v in values if v.producer() is not None]
     while stack:
@@ -637,7 +638,40 @@ def _feeding(values: list[Any]) -> set[int]:
             continue
         seen.add(id(node))
         stack.extend(v.producer() for v in node.inputs if v is not None and v.producer() is not None)
+        for body in _bodies(node):
+            stack.extend(body)  # (a body's nodes; each pushes the producers of what it reads)
     return seen
+
+
+def _from_constants(value: Any) -> bool:
+    """Whether ``value`` is computed from constants alone: initializers and Constant nodes, through
+    nodes without bodies (no graph input, no outer value read by a body)."""
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        producer = v.producer()
+        if producer is None:
+            if v.const_value is None:  # (a graph input; an initializer, listed as one or not, is constant)
+                return False
+            continue
+        if next(_bodies(producer), None) is not None:
+            return False
+        stack.extend(i for i in producer.inputs if i is not None)
+    return True
+
+
+def _bodies(node: Any):
+    from onnx_ir import AttributeType
+
+    for attr in node.attributes.values():
+        if attr.type == AttributeType.GRAPH:
+            yield attr.value
+        elif attr.type == AttributeType.GRAPHS:
+            yield from attr.value
 
 
 def _attr(ir: Any, key: str, value: Any) -> Any:

@@ -640,6 +640,44 @@ def test_a_constant_gradient_passes_through(tmp_path):
     np.testing.assert_array_equal(got["grad.unused"], np.zeros(3, np.float32))
 
 
+def test_a_constant_gradient_made_by_a_constant_node_passes_through(tmp_path):
+    """The same zero gradient written as a Constant node (not an initializer) was taken for a
+    computed gradient, then refused as one the backward pass does not reach."""
+    m = _hand_graph(constant_grad=True)
+    zero = next(i for i in m.graph.initializer if i.name == "grad.unused")
+    m.graph.initializer.remove(zero)
+    m.graph.node.append(onnx.helper.make_node("Constant", [], ["grad.unused"], value=zero))
+    out = rewrite_training_onnx_model(m, loss="loss", grads=GRADS, target="fp16").model
+    onnx.checker.check_model(out, full_check=True)
+    assert training_info(out)["scaled_grads"] == ["grad.W/amp_scaled"]
+    onnx.save(out, tmp_path / "t.onnx")
+    got, want = _grad_w(tmp_path / "t.onnx")
+    np.testing.assert_allclose(got["grad.W"], want, rtol=1e-2)
+    np.testing.assert_array_equal(got["grad.unused"], np.zeros(3, np.float32))
+
+
+def test_a_gradient_computed_inside_an_if_body_from_another_is_unscaled_once(tmp_path):
+    """grad.b = If(...) { ReduceSum(gW) }: the body reads the scaled gW from outside. The backward
+    set ignored body reads, so the body was given gW unscaled and grad.b could not be traced back
+    to the seed: refused as "not a gradient of the loss"."""
+    from onnx import helper as h
+
+    T = onnx.TensorProto
+    m = _hand_graph()
+    branches = [h.make_graph([h.make_node("ReduceSum", ["gW", "ax"], [f"{b}_sum"], keepdims=0)], b, [],
+                             [h.make_tensor_value_info(f"{b}_sum", T.FLOAT, [4])]) for b in ("then", "else")]
+    m.graph.initializer.extend([onnx.numpy_helper.from_array(np.array([0], np.int64), "ax"),
+                                onnx.numpy_helper.from_array(np.array(True), "flag")])
+    m.graph.node.append(h.make_node("If", ["flag"], ["grad.b"], then_branch=branches[0], else_branch=branches[1]))
+    m.graph.output.append(h.make_tensor_value_info("grad.b", T.FLOAT, [4]))
+    out = rewrite_training_onnx_model(m, loss="loss", grads=GRADS, target="fp16").model
+    onnx.checker.check_model(out, full_check=True)
+    onnx.save(out, tmp_path / "t.onnx")
+    got, want = _grad_w(tmp_path / "t.onnx", scale=1024.0)
+    np.testing.assert_allclose(got["grad.W"], want, rtol=1e-2)
+    np.testing.assert_allclose(got["grad.b"], want.sum(0), rtol=1e-2)
+
+
 def test_make_training_graph_never_returns_an_invalid_model():
     """A .sum() loss: the TorchScript exporter wrote ReduceSum with FLOAT axes, which only the full
     check (and onnxruntime) rejects; "auto" returned it. The full check now sends it to dynamo."""
