@@ -262,7 +262,9 @@ class _Layer:
     nodes: tuple[NodeRule, ...]
 
     def op_names(self) -> set[str]:
-        return {op for (_, op) in self.entries}
+        """The default-domain op names the layer's entries use (a ``domain:Op`` entry's name is that
+        domain's: it must not make a bare spelling of the name valid)."""
+        return {op for (domain, op) in self.entries if not domain}
 
 
 def _compose(stack: list[_Layer], cli: _Layer | None, frontend: str, target: str) -> RuleBook:
@@ -338,6 +340,12 @@ def _check_matches_request(layer: _Layer, frontend: str, target: str, via: str =
                 f"ruleset.{key}",
                 f"this rule set is for {key} {have!r} but the rewrite asks for {wanted!r}{context}",
             )
+    if layer.provider is not None and frontend != "onnx":
+        # (a file that names no frontend is checked here, against the rewrite's: its provider
+        # would otherwise be dropped without a word)
+        context = f" (reached through {via})" if via else ""
+        raise RuleFileError(str(where), "ruleset.provider",
+                            f"only ONNX rule sets name an execution provider; this is a {frontend} rewrite{context}")
 
 
 @functools.lru_cache(maxsize=None)

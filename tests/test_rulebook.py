@@ -245,6 +245,28 @@ def test_provider_without_a_kernel_table_is_refused(tmp_path):
     assert "ruleset.provider" in str(caught.value)
 
 
+def test_a_provider_in_a_file_used_for_a_torch_rewrite_is_refused_without_a_frontend_key(tmp_path):
+    """provider is ONNX only: a file saying frontend = "torch" was refused, but one that names no
+    frontend was accepted for a torch rewrite and its provider dropped without a word."""
+    path = write(tmp_path, '[ruleset]\nprovider = "CUDAExecutionProvider"\n[deny]\nsoftmax = "mine"\n')
+    with pytest.raises(RuleFileError, match=r"ruleset\.provider: only ONNX rule sets name an execution provider"):
+        load_rules([path], frontend="torch", target="fp16")
+    onnx_file = write(tmp_path, '[ruleset]\nprovider = "CUDAExecutionProvider"\n', "onnx.toml")
+    assert load_rules([onnx_file], frontend="onnx").provider == "CUDAExecutionProvider"
+
+
+@pytest.mark.parametrize("frontend,custom,typo,right", [("onnx", "my.dom:Softmx", "Softmx", "Softmax"),
+                                                        ("torch", "mylib:sofmax", "sofmax", "softmax")])
+def test_a_custom_domain_op_below_does_not_make_its_bare_spelling_valid(tmp_path, frontend, custom, typo, right):
+    """The extends chain's op names joined the default-domain vocabulary with their domain dropped:
+    a typo spelt like a custom op below it was accepted and pinned nothing."""
+    write(tmp_path, f'[deny]\n"{custom}" = "a custom op"\n', "base.toml")
+    top = write(tmp_path, f'[ruleset]\nextends = "base.toml"\n[deny]\n{typo} = "typo"\n', "top.toml")
+    with pytest.raises(RuleFileError) as caught:
+        load_rules([top], frontend=frontend)
+    assert caught.value.suggestion == right and f"deny.{typo}" in str(caught.value)
+
+
 def test_a_single_path_is_accepted(tmp_path):
     path = write(tmp_path, '[deny]\nGelu = "one file, not a list"\n')
     assert load_rules(str(path)).category_of("Gelu", opset=20) is Category.DENY
