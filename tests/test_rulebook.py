@@ -642,3 +642,25 @@ def test_rule_files_read_op_names_as_the_command_line_does(tmp_path, key):
     from_cli = load_rules(fp32_ops=[key])
     for book in (from_file, from_cli):
         assert book.category_of("Softmax", "", 17) == Category.DENY
+
+
+@pytest.mark.parametrize("provider,clip", [("", "bf16"), ('provider = "CUDAExecutionProvider"\n', "fp32")])
+def test_a_stand_alone_set_checks_kernels_only_against_a_provider_it_names(tmp_path, provider, clip):
+    """rules/README.md (replace): a stand-alone set drops the default's provider; CUDA has no bf16
+    Clip at opset 17, which only a set naming the provider keeps FP32."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    from amp_rewrite import rewrite
+
+    rules = write(tmp_path, f'[ruleset]\nreplace = true\n{provider}[allow]\nMatMul = "x"\nClip = "y"\n')
+    graph = h.make_graph([h.make_node("MatMul", ["x", "w"], ["a"]), h.make_node("Clip", ["a"], ["b"]),
+                          h.make_node("MatMul", ["b", "w"], ["y"])], "g",
+                         [h.make_tensor_value_info("x", T.FLOAT, [2, 8])], [h.make_tensor_value_info("y", T.FLOAT, [2, 8])],
+                         initializer=[onnx.numpy_helper.from_array(np.ones((8, 8), np.float32), "w")])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=8)
+    _, report = rewrite(model, target="bf16", rules=[rules], report=True)
+    assert {n["node"]: n["precision"] for n in report.to_dict()["nodes"]} == {"MatMul:a": "bf16", "Clip:b": clip,
+                                                                              "MatMul:y": "bf16"}
