@@ -501,6 +501,18 @@ def _parse_list(
     return entries
 
 
+def _dotted_op(op: str, name: str, value: Any) -> str | None:
+    """``"com.microsoft:Attention"`` for the tables TOML makes of an unquoted ``com.microsoft.Attention =
+    "reason"`` (op ``com``, key ``microsoft``, value ``{"Attention": "reason"}``), else None."""
+    parts = [op, name]
+    while isinstance(value, dict) and len(value) == 1 and next(iter(value)) not in ENTRY_KEYS:
+        (part, value), = value.items()
+        parts.append(part)
+    if not isinstance(value, (str, dict, list)) or len(parts) < 3:
+        return None
+    return f'"{".".join(parts[:-1])}:{parts[-1]}"'
+
+
 def _entry_specs(value: Any, shown: str, key: str) -> list[dict[str, Any]]:
     """Normalise the three spellings: ``Op = "reason"``, ``[list.Op]``, ``[[list.Op]]``."""
     if isinstance(value, str):
@@ -518,6 +530,10 @@ def _parse_entry(
 ) -> RuleEntry:
     for name in spec:
         if name not in ENTRY_KEYS:
+            dotted = _dotted_op(op, name, spec[name])
+            if dotted is not None:  # ([deny] com.microsoft.Attention = "...": TOML made tables of the dots)
+                raise RuleFileError(shown, f"{key}.{name}", f"unknown key; an op of a custom domain is one quoted name, "
+                                                           f"the domain and a colon before the op: {dotted}")
             raise RuleFileError(shown, f"{key}.{name}", "unknown key", _closest(name, ENTRY_KEYS))
     if "reason" not in spec:
         raise RuleFileError(shown, f"{key}.reason", "missing: every entry needs a reason")

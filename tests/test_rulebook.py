@@ -460,6 +460,10 @@ BAD_VALUES = [
     ("malformed op key", '[deny]\n"a::b" = "x"\n', "deny.a::b", "malformed"),
     ("target mismatch", '[ruleset]\ntarget = "bf16"\n', "ruleset.target", "asks for 'fp16'"),
     ("torch provider", '[ruleset]\nfrontend = "torch"\nprovider = "CUDA"\n', "ruleset.provider", "ONNX"),
+    # an unquoted domain op: TOML made tables of its dots, and the error said only "unknown key"
+    ("dotted domain op", '[deny]\ncom.microsoft.Attention = "x"\n', "deny.com.microsoft", '"com.microsoft:Attention"'),
+    ("dotted domain table", '[deny.com.microsoft.Attention]\nreason = "x"\n', "deny.com.microsoft",
+     '"com.microsoft:Attention"'),
 ]
 
 
