@@ -40,8 +40,8 @@ class CliArgs:
 
     def options(self) -> dict:
         return dict(target=self.target, rules=[str(r) for r in self.rules], keep_io_types=self.keep_io_types,
-                    fp32_nodes=self.fp32_nodes, fp16_nodes=self.fp16_nodes, fp32_ops=_split(self.fp32_ops),
-                    fp16_ops=_split(self.fp16_ops), placement=self.placement, verify_each=self.debug,
+                    fp32_nodes=self.fp32_nodes, fp16_nodes=self.fp16_nodes, fp32_ops=_split(self.fp32_ops, "--fp32-ops"),
+                    fp16_ops=_split(self.fp16_ops, "--fp16-ops"), placement=self.placement, verify_each=self.debug,
                     fuse=self.fuse)
 
     def output_path(self) -> Path:
@@ -52,9 +52,17 @@ class CliArgs:
             self.model, self.target, ".train" if self.training else "")
 
 
-def _split(ops: list[str]) -> list[str]:
-    """``--fp32-ops A,B`` as well as ``--fp32-ops A --fp32-ops B`` (op names hold no commas)."""
-    return [op.strip() for item in ops for op in item.split(",") if op.strip()]
+def _split(ops: list[str], flag: str) -> list[str]:
+    """``--fp32-ops A,B`` as well as ``--fp32-ops A --fp32-ops B`` (op names hold no commas). An
+    empty name (``--fp32-ops ''``, ``A,,B``) is a mistake, not nothing: it is refused, as an empty
+    node pattern is."""
+    from .errors import UsageError
+
+    names = [op.strip() for item in ops for op in item.split(",")]
+    if any(not name for name in names):
+        shown = next(item for item in ops if any(not op.strip() for op in item.split(",")))
+        raise UsageError(f"{flag}: empty op name in {shown!r}")
+    return names
 
 
 def say(args: CliArgs, text: str) -> None:

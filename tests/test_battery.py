@@ -1097,6 +1097,16 @@ def test_an_op_in_the_wrong_case_is_suggested_in_the_right_one(tmp_path: Path, t
     assert proc.returncode == 2 and f"did you mean {meant!r}?" in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("given", ["", "Relu,,MatMul", "Relu,"])
+def test_an_empty_op_name_is_refused(tmp_path: Path, given: str) -> None:
+    """--fp32-ops '' (an unset shell variable) or 'A,,B' dropped the empty name and pinned what was
+    left without a word; an empty --fp32-nodes pattern was already refused."""
+    save(mlp(), tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "-o", "out.onnx", "--fp32-ops", given], tmp_path)
+    assert proc.returncode == 2 and f"--fp32-ops: empty op name in {given!r}" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out.onnx").exists()
+
+
 def test_api_options_of_the_wrong_shape(tmp_path: Path) -> None:
     """A string where a list is expected was read letter by letter (fp32_ops="Softmax": "unknown
     op 'S'"; fp32_nodes="/mm1": silently nothing; rules="r.toml": "/ is a directory"), and a
