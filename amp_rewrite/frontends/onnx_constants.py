@@ -10,7 +10,7 @@ clamp the constant to 65504 (34% error) or overflow to inf, where leaving the op
 So before classify, every non-allow node of the ONNX graph that reads, in a float slot, a constant
 (an initializer or Constant node, a ConstantOfShape's or Pad's fill, a OneHot's values; as read,
 or through ops that copy it: reshapes, slices, gathers, concatenations, splits, negation, a cast
-from double, an If branch that returns it) with a finite value beyond the target's finite range
+from double, an If branch that returns it; an integer one read through a cast to float) with a finite value beyond the target's finite range
 is marked; classify keeps such an infer or clear op FP32, saying which constant and value.
 Infinities are left alone (the low types hold them), and so are mask sentinels of magnitude 1e8
 and more (-1e9, finfo(float32).min): saturated, they still mask, which the report counts and
@@ -76,13 +76,19 @@ _COPIES: dict[str, tuple[int, ...] | None] = {
     "Pad": (0, 2), "Where": (1, 2), "Concat": None,
 }
 _FLOATS = (DType.FLOAT, DType.DOUBLE)
+# what a Cast/CastLike to float may read: an integer constant (an int64 100000 bias or fill) lands
+# beyond the low type's range as surely as a float one
+_CASTABLE = (*_FLOATS, DType.INT8, DType.INT16, DType.INT32, DType.INT64, DType.UINT8, DType.UINT16, DType.UINT32,
+             DType.UINT64)
+_CASTS = ("Cast", "CastLike")
 
 
-def _held(value: Value | None, limit: float, depth: int = 0) -> float | None:
+def _held(value: Value | None, limit: float, depth: int = 0, cast: bool = False) -> float | None:
     """A value beyond the limit that ``value`` holds as a constant: its own data, a ConstantOfShape's
     fill, a OneHot's on/off values, a Pad's fill, or those of a constant copied, sliced, gathered,
-    concatenated, split, negated or cast (a double one too), or returned by a branch of an If."""
-    if value is None or value.dtype not in _FLOATS or depth > 8:
+    concatenated, split, negated or cast (a double or an integer one too), or returned by a branch of
+    an If. ``cast``: ``value`` is read through a Cast/CastLike, so an integer one counts."""
+    if value is None or value.dtype not in (_CASTABLE if cast else _FLOATS) or depth > 8:
         return None
     if value.is_constant:
         return _largest(_data(value), limit)
@@ -92,7 +98,7 @@ def _held(value: Value | None, limit: float, depth: int = 0) -> float | None:
     if producer.op_type == "ConstantOfShape":
         return _largest(_attribute(producer, "value"), limit)
     if producer.op_type == "OneHot" and len(producer.inputs) > 2:
-        return _held(producer.inputs[2], limit, depth + 1)
+        return _held(producer.inputs[2], limit, depth + 1, cast)
     if producer.op_type == "Pad":
         big = _largest(_attribute(producer, "value"), limit)
         if big is not None:
@@ -100,13 +106,14 @@ def _held(value: Value | None, limit: float, depth: int = 0) -> float | None:
     if producer.op_type in _COPIES:
         slots = _COPIES[producer.op_type]
         for index in range(len(producer.inputs)) if slots is None else slots:
-            big = _held(producer.inputs[index], limit, depth + 1) if index < len(producer.inputs) else None
+            big = _held(producer.inputs[index], limit, depth + 1, cast or producer.op_type in _CASTS) \
+                if index < len(producer.inputs) else None
             if big is not None:
                 return big
     if producer.op_type == "If":  # what either branch returns in this slot
         index = producer.outputs.index(value)
         for branch in producer.all_subgraphs():
-            big = _held(branch.outputs[index], limit, depth + 1) if index < len(branch.outputs) else None
+            big = _held(branch.outputs[index], limit, depth + 1, cast) if index < len(branch.outputs) else None
             if big is not None:
                 return big
     return None
@@ -125,7 +132,7 @@ def _attribute(node: Node, name: str):
 
 def _largest(data, limit: float) -> float | None:
     """The largest |value| between ``limit`` and :data:`SENTINEL` (signed), or None."""
-    if data is None or data.dtype.kind != "f" or data.size == 0:
+    if data is None or data.dtype.kind not in "fiu" or data.size == 0:
         return None
     flat = data.reshape(-1)
     best: float | None = None
@@ -145,7 +152,7 @@ _CHUNK = 1 << 22  # elements
 
 
 def _data(value: Value | None):
-    """A float constant's data (an initializer or a Constant node's), or None."""
+    """A constant's data (an initializer or a Constant node's), or None."""
     if value.is_initializer:
         tensor = value.origin.const_value if value.origin is not None else None
     else:
