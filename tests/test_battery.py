@@ -478,6 +478,27 @@ def case_model_local_function(d: Path) -> Case:
     return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx"], feeds={"x": feed()})
 
 
+@pytest.mark.parametrize("pin", [["--fp16-nodes", "fn"], ["--fp16-ops", "local:HalfIt"]])
+def test_a_low_pin_on_a_local_function_call_keeps_it_fp32(tmp_path: Path, pin: list[str]) -> None:
+    """--fp16-nodes fn on a call of a model-local function whose body holds an FP32 Constant: the
+    call read FP16 while its body stayed FP32, and the model written with exit 0 failed the checker
+    and onnxruntime ('B has inconsistent type'). The call keeps FP32 and the report says why."""
+    case_model_local_function(tmp_path)
+    proc = run_cli(["m.onnx", "-o", "out.onnx", "--report", "r.json", *pin], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = onnx.load(tmp_path / "out.onnx")
+    onnx.checker.check_model(out, full_check=True)
+    import json
+
+    nodes = {n["node"]: n for n in json.loads((tmp_path / "r.json").read_text())["nodes"]}
+    assert nodes["fn"]["precision"] == "fp32" and "model-local function local:HalfIt" in nodes["fn"]["reason"]
+    assert nodes["mm1"]["precision"] == "fp16" and nodes["mm2"]["precision"] == "fp16"
+    x = feed()
+    got = run_onnx(tmp_path / "out.onnx", {"x": x})
+    want = run_onnx(tmp_path / "m.onnx", {"x": x})
+    np.testing.assert_allclose(got["y"], want["y"], rtol=1e-2, atol=1e-2)
+
+
 def case_sparse_initializer(d: Path) -> Case:
     dense = np.zeros((4, 4), np.float32)
     dense[1, 2], dense[3, 0] = 2.0, -1.5

@@ -1070,6 +1070,8 @@ class _Builder:
                 and (domain, op_type) not in self.functions:
             raise ModelLoadError(_unknown_op(n, opset))
         schema_slots(op_type, domain, opset, len(inputs), len(outputs)).apply(node)
+        if (domain, op_type) in self.functions:
+            node.meta["onnx.function"] = True  # (classify keeps the call FP32: its body is not rewritten)
         if (domain, op_type) not in _MERGED_GROUPS:  # (Attention-23 may type V apart from Q and K)
             conflict = group_conflict(node)
             if conflict:

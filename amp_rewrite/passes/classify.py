@@ -100,7 +100,7 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
             _count_unlisted(node, _lookup(node, ctx, verdicts, names)[0], ctx)
         return
     category, reason, source, entry = _lookup(node, ctx, verdicts, names)
-    refused = _schema_refuses_low(node, group, ctx) or _cast_refuses_low(node, ctx)
+    refused = _schema_refuses_low(node, group, ctx) or _cast_refuses_low(node, ctx) or _function_refuses_low(node)
     if refused and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
         category, reason, source = Category.DENY, refused, "op schema"
     meta["amp.category"], meta["amp.reason"], meta["amp.source"] = category, reason, source
@@ -276,6 +276,16 @@ def _schema_refuses_low(node: Node, group: str, ctx: Context) -> str | None:
     if not allowed or low in allowed:
         return None
     return f"the {node.qualified_op} schema at opset {node.opset} does not allow {low} for {group}"
+
+
+def _function_refuses_low(node: Node) -> str | None:
+    """A call of a model-local function: its body is not rewritten, and a Constant or Cast in it
+    fixes its own type, so a call given low inputs made a model the checker and onnxruntime refuse
+    ('B has inconsistent type'). Whatever a node rule or --fp16-ops says, the call keeps FP32."""
+    if not node.meta.get("onnx.function"):
+        return None
+    return (f"calls the model-local function {node.domain}:{node.op_type}, whose body is not rewritten (its constants and "
+            f"casts keep their types): inline it first (onnx.inliner.inline_local_functions) to rewrite its body")
 
 
 _BF16_CAST_OPSET = 13  # Cast-6 and Cast-9 have no tensor(bfloat16); Cast-13 added it
