@@ -562,6 +562,32 @@ def test_a_castlike_of_integers_read_in_fp32_is_no_round_trip(placement):
     assert not rewrite(result.model, placement=placement).modified
 
 
+@pytest.mark.parametrize("cast", ["Cast<to=1>(big)", "CastLike(big, h)"])
+def test_an_integer_constant_beyond_fp16_read_through_a_cast_keeps_its_reader_fp32(cast):
+    """An int64 100000 cast to float and added to an activation: as an FP32 initializer it kept the
+    Add FP32, but through Cast it was folded offline and clamped to 65504, and through CastLike it
+    became inf at run time (inf - inf: NaN downstream)."""
+    from amp_rewrite.emulate import emulate_low
+
+    model = make_model(f"""
+    <ir_version: 10, opset_import: ["" : 18]>
+    g (float[4,8] x) => (float[4,8] y) <int64 big = {{100000}}> {{
+      h = MatMul(x, w)
+      c = {cast}
+      a = Add(h, c)
+      s = Sub(a, c)
+      y = MatMul(s, w)
+    }}""", {"w": (8, 8)})
+    result = rewrite(model)
+    full_check(result.model)
+    assert result.log.decisions["Add:a"].precision == Precision.FP32
+    assert "holding 100000" in result.log.decisions["Add:a"].reason
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    emulated, _ = emulate_low(result.model, FP16)
+    got = run(emulated, feeds)["y"]
+    assert np.isfinite(got).all() and rel_err(run(model, feeds)["y"], got) < 1e-2
+
+
 def test_the_out_of_range_scan_reads_a_constant_in_chunks_and_finds_the_same_value(monkeypatch):
     """(the whole-tensor float64 copy of a 2 GB Constant took 12 GB of memory)"""
     from amp_rewrite.frontends import onnx_constants
