@@ -588,6 +588,41 @@ def test_an_integer_constant_beyond_fp16_read_through_a_cast_keeps_its_reader_fp
     assert np.isfinite(got).all() and rel_err(run(model, feeds)["y"], got) < 1e-2
 
 
+@pytest.mark.parametrize("equation,shape,low", [("ij->", "", False), ("ij->i", "[4]", False), ("ii->", "", False),
+                                                ("ij", "[4,8]", True), ("ij->ji", "[8,4]", True), ("ii->i", "[4]", True)])
+def test_a_one_operand_einsum_that_sums_is_a_reduction_kept_fp32(equation, shape, low):
+    """Einsum was allow ("contractions lowered to GEMMs") whatever its equation: 'ij->' summed a
+    64x256 activation to 3.35e6 in FP16 (inf), where the same ReduceSum is deny and exact. An
+    Einsum summing a label one operand alone holds is a reduction and keeps FP32; a transpose or
+    a diagonal does not sum and still goes low."""
+    square = equation.startswith("ii")
+    model = make_model(f"""
+    <ir_version: 10, opset_import: ["" : 18]>
+    g (float[4,{4 if square else 8}] x) => (float{shape} y) {{
+      a = MatMul(x, w)
+      y = Einsum<equation="{equation}">(a)
+    }}""", {"w": (4, 4) if square else (8, 8)})
+    result = rewrite(model)
+    full_check(result.model)
+    decision = result.log.decisions["Einsum:y"]
+    assert (decision.precision == Precision.LOW) is low, decision.reason
+    if not low:
+        assert f"Einsum {equation!r} sums over" in decision.reason
+
+
+def test_a_two_operand_einsum_contraction_goes_low_and_an_extra_sum_keeps_it_fp32():
+    model = make_model("""
+    <ir_version: 10, opset_import: ["" : 18]>
+    g (float[4,8] x) => (float[4,8] y, float[4] z) {
+      a = MatMul(x, w)
+      y = Einsum<equation="ij,jk->ik">(a, w)
+      z = Einsum<equation="ij,jk->i">(a, w)
+    }""", {"w": (8, 8)})
+    decisions = rewrite(model).log.decisions
+    assert decisions["Einsum:y"].precision == Precision.LOW
+    assert decisions["Einsum:z"].precision == Precision.FP32 and "sums over k" in decisions["Einsum:z"].reason
+
+
 def test_the_out_of_range_scan_reads_a_constant_in_chunks_and_finds_the_same_value(monkeypatch):
     """(the whole-tensor float64 copy of a 2 GB Constant took 12 GB of memory)"""
     from amp_rewrite.frontends import onnx_constants

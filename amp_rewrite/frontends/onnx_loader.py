@@ -1072,6 +1072,12 @@ class _Builder:
         schema_slots(op_type, domain, opset, len(inputs), len(outputs)).apply(node)
         if (domain, op_type) in self.functions:
             node.meta["onnx.function"] = True  # (classify keeps the call FP32: its body is not rewritten)
+        elif op_type == "Einsum" and domain in ("", "ai.onnx"):
+            summed = _einsum_reduction(n)
+            if summed:  # (classify keeps it FP32 whatever the rules say)
+                node.meta["amp.refuses_low"] = (
+                    f"Einsum {summed[0]!r} sums over {', '.join(summed[1])}, which only one operand holds: a reduction, "
+                    f"not a GEMM contraction, whose sum can pass the low type's range as ReduceSum's does")
         if (domain, op_type) not in _MERGED_GROUPS:  # (Attention-23 may type V apart from Q and K)
             conflict = group_conflict(node)
             if conflict:
@@ -1227,6 +1233,28 @@ def _expand(formals, count: int, type_vars: set[str]) -> list[str | None]:
         else:
             out.append(formal.type_str)
     return out
+
+
+def _einsum_reduction(n: ir.Node) -> tuple[str, list[str]] | None:
+    """(equation, the summed labels) where an Einsum sums a label that only one operand holds
+    (``ij->``, ``ii->``, ``ij,jk->i``: a reduction, as ReduceSum is); None for pure contractions,
+    transposes and diagonals (``ij,jk->ik``, ``ij->ji``, ``ii->i``) or an equation it cannot read."""
+    attr = n.attributes.get("equation") if n.attributes else None
+    try:
+        equation = attr.as_string() if attr is not None else None
+    except Exception:  # noqa: BLE001 - an unreadable attribute: the checker's concern
+        return None
+    if not equation:
+        return None
+    text = equation.replace(" ", "").replace("...", "")
+    lhs, arrow, rhs = text.partition("->")
+    operands = lhs.split(",")
+    if not arrow:  # implicit output: the labels that occur once, in alphabetical order
+        counts = {c: lhs.count(c) for c in set(lhs) if c.isalpha()}
+        rhs = "".join(sorted(c for c, k in counts.items() if k == 1))
+    summed = sorted({c for c in lhs if c.isalpha() and c not in rhs
+                     and sum(c in operand for operand in operands) == 1})
+    return (equation, summed) if summed else None
 
 
 def _interesting_attrs(n: ir.Node) -> dict[str, Any]:

@@ -100,7 +100,8 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
             _count_unlisted(node, _lookup(node, ctx, verdicts, names)[0], ctx)
         return
     category, reason, source, entry = _lookup(node, ctx, verdicts, names)
-    refused = _schema_refuses_low(node, group, ctx) or _cast_refuses_low(node, ctx) or _function_refuses_low(node)
+    refused = _schema_refuses_low(node, group, ctx) or _cast_refuses_low(node, ctx) or _function_refuses_low(node) \
+        or node.meta.get("amp.refuses_low")
     if refused and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
         category, reason, source = Category.DENY, refused, "op schema"
     meta["amp.category"], meta["amp.reason"], meta["amp.source"] = category, reason, source
