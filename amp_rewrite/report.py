@@ -186,8 +186,8 @@ class Report:
                      + (f", retargeted: {s['casts_retargeted']}" if s["casts_retargeted"] else "")
                      + (f", removed: {s['casts_removed']}" if s["casts_removed"] else ""))
         # --placement optimal: cast bytes and FP32 traffic per run at the default shapes, vs greedy's
-        lines += [n for n in self.log.notes if n.startswith(("optimal placement", "dropped:", "unmatched:", "without effect:", "as given:",
-                                                                   "as pinned:", "training:"))]
+        lines += [n for n in self.log.notes if n.startswith(("optimal placement", "dropped:", "unmatched:", "without effect:",
+                                                                   "as given:", "as pinned:", "training:"))]
         if self.log.fusions:
             fp32 = [f.node for f in self.log.fusions
                     if f.node in self.log.decisions and self.precision_of(self.log.decisions[f.node]) == "fp32"]

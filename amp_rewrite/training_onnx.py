@@ -611,19 +611,15 @@ def _subgraph_outputs(graph: Any) -> dict[int, list[Any]]:
     """id of a body's output value -> the outputs of the If/Loop/Scan that it leaves as: an If's
     branch output i is the If's output i; a Loop body's output j (after its condition) is the
     Loop's output j - 1; a Scan body's output j is the Scan's output j."""
-    from onnx_ir import AttributeType
     from onnx_ir.traversal import RecursiveGraphIterator
 
     leaves: dict[int, list[Any]] = {}
     for node in RecursiveGraphIterator(graph):
-        for attr in node.attributes.values():
-            bodies = [attr.value] if attr.type == AttributeType.GRAPH else \
-                list(attr.value) if attr.type == AttributeType.GRAPHS else []
-            shift = 1 if node.op_type == "Loop" and not node.domain else 0
-            for body in bodies:
-                for j, out in enumerate(body.outputs):
-                    if 0 <= j - shift < len(node.outputs):
-                        leaves.setdefault(id(out), []).append(node.outputs[j - shift])
+        shift = 1 if node.op_type == "Loop" and not node.domain else 0
+        for body in _bodies(node):
+            for j, out in enumerate(body.outputs):
+                if 0 <= j - shift < len(node.outputs):
+                    leaves.setdefault(id(out), []).append(node.outputs[j - shift])
     return leaves
 
 

@@ -10,8 +10,8 @@ clamp the constant to 65504 (34% error) or overflow to inf, where leaving the op
 So before classify, every non-allow node of the ONNX graph that reads, in a float slot, a constant
 (an initializer or Constant node, a ConstantOfShape's or Pad's fill, a OneHot's values; as read,
 or through ops that copy it: reshapes, slices, gathers, concatenations, splits, negation, a cast
-from double, an If branch that returns it; an integer one read through a cast to float) with a finite value beyond the target's finite range
-is marked; classify keeps such an infer or clear op FP32, saying which constant and value.
+from double or from an integer type, an If branch that returns it) with a finite value beyond the
+target's finite range is marked; classify keeps such an infer or clear op FP32, saying which constant and value.
 Infinities are left alone (the low types hold them), and so are mask sentinels of magnitude 1e8
 and more (-1e9, finfo(float32).min): saturated, they still mask, which the report counts and
 ``--check`` expects; keeping every mask op FP32 for them would add casts to every attention block

@@ -23,8 +23,8 @@ import difflib
 from ..decisions import Category, Precision
 from ..ir import DType, Model, Node
 from ..rulebook import RuleEntry
-from .base import (Context, PassResult, earlier_pin, given_low_type, is_float32, is_user_source, node_label, node_names,
-                   node_rule_of, painted_group)
+from .base import (Context, PassResult, earlier_pin, given_low_type, is_float32, is_user_source, node_label,
+                   node_names, node_rule_of, painted_group)
 
 _CONTROL = "control flow: its boundary types are kept and each body is rewritten as a scope of its own"
 _SOURCES = {"Cast", "Constant"}  # handled by cast folding and weight conversion, not painting
