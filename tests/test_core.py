@@ -781,8 +781,9 @@ def test_an_fp16_attention_keeps_its_fp32_mask():
 @pytest.mark.parametrize("stored", ["int64", "double"])
 def test_a_cast_constant_past_the_fp16_range_is_clamped_not_cast(stored):
     """Where(mask, MatMul, Cast(-100000, to=FLOAT)) before Softmax: the existing Cast was retargeted
-    to FP16, so the fill became -inf at run time and a fully masked row gave NaN (FP32: finite). The
-    constant is now converted offline, clamped to -65504 like an FP32 constant, and the Cast goes."""
+    to FP16, so the fill became -inf at run time and a fully masked row gave NaN (FP32: finite). A
+    fill past the range keeps its readers FP32, as an FP32 one does, whatever type it is stored in:
+    the Cast of a double is folded offline, that of an int64 stays the FP32 cast it was."""
     fill = np.array(-100000, np.int64) if stored == "int64" else np.array(-1e5, np.float64)
     model = make_model(f"""
         <ir_version: 8, opset_import: ["" : 17]>
@@ -801,7 +802,9 @@ def test_a_cast_constant_past_the_fp16_range_is_clamped_not_cast(stored):
     feeds = {"x": np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32), "m": mask}
     ref, got = run(model, feeds)["y"], run(out, feeds)["y"]
     assert np.isfinite(got).all() and rel_err(ref, got) < 1e-2
-    assert not [n for n in out.graph.node if n.op_type == "Cast" and n.input[0] == "fill"]
+    assert [n.attribute[0].i for n in out.graph.node if n.op_type == "Cast" and n.input[0] == "fill"] == \
+        ([onnx.TensorProto.FLOAT] if stored == "int64" else [])  # (never retargeted to FP16)
+    assert result.log.decisions["Where:sw"].precision == Precision.FP32
     assert not rewrite(out).modified
 
 
