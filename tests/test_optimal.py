@@ -193,6 +193,32 @@ def test_cast_of_gathered_weights_lets_the_embedding_sum_run_low():
     assert rel_err(ref["y"], got["y"]) < 1e-2
 
 
+@pytest.mark.parametrize("mover", ["GatherElements<axis=0>(tiled, pos_idx)", "GatherND(tiled, nd_idx)"])
+def test_weights_moved_by_tile_and_gather_elements_count_as_weights(mover):
+    """GPT-J's TorchScript export reads its sin/cos rows as Cast(GatherElements(Tile(Expand(table)))):
+    Tile, GatherElements, GatherND and Split were not known to only move weights, so the Cast's
+    output was an FP32 activation and the rotary Mul/Add stayed FP32 between FP16 ops (15 Casts
+    against the dynamo export's 2)."""
+    model = make_model(f"""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (int64[64] ids, int64[64,16] pos_idx, int64[64,1] nd_idx) => (float[64,16] y) {{
+      tok = Gather(table, ids)
+      tiled = Tile(pos_table, reps)
+      pos = {mover}
+      pos_f = Cast<to=1>(pos)
+      e = Add(tok, pos_f)
+      y = MatMul(e, w)
+    }}""", {"table": (100, 16), "pos_table": (64, 16), "w": (16, 16), "reps": np.array([2, 1], np.int64)})
+    best = rewrite(model, placement="optimal")
+    assert _precisions(best)["Add:e"] == "low"
+    assert [c.consumers for c in _inserted(best)] == [["<graph output>"]]
+    full_check(best.model)
+    rng = np.random.default_rng(0)
+    feeds = {"ids": rng.integers(0, 100, 64), "pos_idx": rng.integers(0, 128, (64, 16)),
+             "nd_idx": rng.integers(0, 128, (64, 1))}
+    assert rel_err(run(model, feeds)["y"], run(best.model, feeds)["y"]) < 1e-2
+
+
 def test_cast_of_an_activation_stays_an_fp32_read():
     """The same Cast of an activation (a graph input) is not weights: the Add keeps reading FP32."""
     best = rewrite(_embedding("act"), placement="optimal")

@@ -873,8 +873,8 @@ def _is_float_cast_of_non_fp32(node: Node | None) -> bool:
         and source.dtype != DType.FLOAT
 
 
-_WEIGHT_MOVERS = {"Gather", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice", "Identity", "Flatten",
-                  "Expand", "Concat", "Cast"}
+_WEIGHT_MOVERS = {"Gather", "GatherElements", "GatherND", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice",
+                  "Split", "Identity", "Flatten", "Expand", "Tile", "Concat", "Cast"}
 
 
 def _is_cast_of_weights(node: Node | None) -> bool:
