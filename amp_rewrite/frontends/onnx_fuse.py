@@ -19,6 +19,7 @@ through)::
                 y = n * gamma [+ beta]
     RMSNorm     v = ReduceMean(x^2); n = x / Sqrt(v + eps) (or the same variants); y = n * gamma
     tanh-GELU   y = (x * 0.5) * (1 + Tanh((x + Pow(x, 3) * 0.044715) * sqrt(2/pi)))
+                or x * (0.5 * (1 + Tanh(...)))   (torch's F.gelu(approximate="tanh") as the dynamo exporter writes it)
 
 Fused op, the first one the model's opset has: LayerNormalization (opset 17+) or RMSNormalization
 (23+) on x; else, when x is a residual sum ``Add(a, b)`` of two activations of one static shape,
@@ -212,13 +213,20 @@ def _match_gelu(cube: Node) -> _Match | None:
         members.append(node)
         value = node.outputs[0]
     final = _only_consumer(value, "Mul")
-    half = _other_input(final, value) if final else None
-    half_node = half.producer if half is not None else None
-    if not _is(half_node, "Mul") or x not in half_node.inputs or \
-            not _close(_scalar(_other_input(half_node, x), x), _GELU_COEFFS["half"]):
+    other = _other_input(final, value) if final else None
+    if other is None:
         return None
-    members += [half_node, final]
-    return _Match("tanh-GELU", x, final.outputs[0], members)
+    half_node = other.producer
+    if _is(half_node, "Mul") and x in half_node.inputs and \
+            _close(_scalar(_other_input(half_node, x), x), _GELU_COEFFS["half"]):
+        members += [half_node, final]  # (x * 0.5) * (1 + tanh(...)): GPT-2's gelu_new
+        return _Match("tanh-GELU", x, final.outputs[0], members)
+    outer = _only_consumer(final.outputs[0], "Mul")
+    if _close(_scalar(other, x), _GELU_COEFFS["half"]) and outer is not None \
+            and _other_input(outer, final.outputs[0]) is x:
+        members += [final, outer]  # x * (0.5 * (1 + tanh(...))): torch's F.gelu(approximate="tanh")
+        return _Match("tanh-GELU", x, outer.outputs[0], members)
+    return None
 
 
 # -- the fused op ------------------------------------------------------------------------------------
