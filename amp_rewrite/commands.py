@@ -58,10 +58,12 @@ def _split(ops: list[str], flag: str) -> list[str]:
     node pattern is."""
     from .errors import UsageError
 
-    names = [op.strip() for item in ops for op in item.split(",")]
-    if any(not name for name in names):
-        shown = next(item for item in ops if any(not op.strip() for op in item.split(",")))
-        raise UsageError(f"{flag}: empty op name in {shown!r}")
+    names = []
+    for item in ops:
+        parts = [op.strip() for op in item.split(",")]
+        if not all(parts):
+            raise UsageError(f"{flag}: empty op name in {item!r}")
+        names += parts
     return names
 
 

@@ -1070,11 +1070,17 @@ class _Builder:
                 and (domain, op_type) not in self.functions:
             raise ModelLoadError(_unknown_op(n, opset))
         schema_slots(op_type, domain, opset, len(inputs), len(outputs)).apply(node)
+        # amp.refuses_low: why the node keeps FP32 whatever the rules say (classify reads it)
         if (domain, op_type) in self.functions:
-            node.meta["onnx.function"] = True  # (classify keeps the call FP32: its body is not rewritten)
+            # its body is not rewritten, and a Constant or Cast in it fixes its own type: a call given
+            # low inputs made a model the checker and onnxruntime refuse ('B has inconsistent type')
+            node.meta["amp.refuses_low"] = (
+                f"calls the model-local function {domain}:{op_type}, whose body is not rewritten (its constants "
+                f"and casts keep their types): inline it first (onnx.inliner.inline_local_functions) to rewrite "
+                f"its body")
         elif op_type == "Einsum" and domain in ("", "ai.onnx"):
             summed = _einsum_reduction(n)
-            if summed:  # (classify keeps it FP32 whatever the rules say)
+            if summed:
                 node.meta["amp.refuses_low"] = (
                     f"Einsum {summed[0]!r} sums over {', '.join(summed[1])}, which only one operand holds: a reduction, "
                     f"not a GEMM contraction, whose sum can pass the low type's range as ReduceSum's does")

@@ -162,8 +162,7 @@ def _scope_path(node: Node) -> tuple[str, ...]:
     whether or not another body uses the name (``If:y.then_branch/*`` pins one branch)."""
     if node.graph is None or node.graph.parent is None:
         return ()
-    own = node.name or f"{node.op_type}:{node.outputs[0].name if node.outputs else ''}"
-    return (f"{scope_label(node.graph)}/{own}",)
+    return (f"{scope_label(node.graph)}/{node.name or _made_up_label(node)}",)
 
 
 def node_names(model: Model) -> frozenset[str]:
@@ -198,10 +197,12 @@ def node_label(node: Node) -> str:
     before the rewrite renamed anything: classify fixes it in ``amp.label``)."""
     if "amp.label" in node.meta:
         return node.meta["amp.label"]
-    if node.name:
-        return node.name
-    first = node.outputs[0].name if node.outputs else ""
-    return f"{node.op_type}:{first}"
+    return node.name or _made_up_label(node)
+
+
+def _made_up_label(node: Node) -> str:
+    """An unnamed node's label: op and first output name (``Relu:c``)."""
+    return f"{node.op_type}:{node.outputs[0].name if node.outputs else ''}"
 
 
 def scope_label(graph: Graph) -> str:

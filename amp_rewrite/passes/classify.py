@@ -66,10 +66,7 @@ def _pin_on_given_low(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict],
     rule = node_rule_of(ctx.rules, node, names)
     if rule is not None and rule.precision == Precision.FP32 and is_user_source(rule.source):
         found.setdefault(f"{rule.source} {rule.pattern!r}", []).append((node_label(node), low.short))
-    key = (node.op_type, node.domain, node.opset)
-    if key not in verdicts:
-        verdicts[key] = _op_verdict(node, ctx)
-    category, _, source, _ = verdicts[key]  # (the op's rule, which a node rule would override)
+    category, _, source, _ = _cached_verdict(node, ctx, verdicts)  # (the op's rule, which a node rule overrides)
     if category == Category.DENY and is_user_source(source):
         pin = f"{source} {node.qualified_op!r}" if source.startswith("--") else source  # (a file's names the op)
         found.setdefault(pin, []).append((node_label(node), low.short))
@@ -100,8 +97,8 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
             _count_unlisted(node, _lookup(node, ctx, verdicts, names)[0], ctx)
         return
     category, reason, source, entry = _lookup(node, ctx, verdicts, names)
-    refused = _schema_refuses_low(node, group, ctx) or _cast_refuses_low(node, ctx) or _function_refuses_low(node) \
-        or node.meta.get("amp.refuses_low")
+    refused = _schema_refuses_low(node, group, ctx) or _cast_refuses_low(node, ctx) \
+        or node.meta.get("amp.refuses_low")  # (a frontend's: a model-local function call, a summing Einsum)
     if refused and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
         category, reason, source = Category.DENY, refused, "op schema"
     meta["amp.category"], meta["amp.reason"], meta["amp.source"] = category, reason, source
@@ -221,15 +218,20 @@ def _lookup(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], names: fr
             return Category.DENY, f"{missing}, so node rule {node_rule.pattern!r} cannot make it low", \
                 "kernel table", None
         return Category.ALLOW, f"node rule {node_rule.pattern!r} makes it low precision", node_rule.source, None
-    key = (node.op_type, node.domain, node.opset)
-    if key not in verdicts:
-        verdicts[key] = _op_verdict(node, ctx)
-    verdict = verdicts[key]
+    verdict = _cached_verdict(node, ctx, verdicts)
     earlier = earlier_pin(node)
     if earlier and not is_user_source(verdict[2]):  # (this run's --fp16-ops or rule file wins)
         return (Category.DENY, f"kept FP32: an earlier rewrite of this model pinned it ({earlier}), as its tags say",
                 earlier, None)
     return verdict
+
+
+def _cached_verdict(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -> _Verdict:
+    """:func:`_op_verdict`, once per (op, domain, opset)."""
+    key = (node.op_type, node.domain, node.opset)
+    if key not in verdicts:
+        verdicts[key] = _op_verdict(node, ctx)
+    return verdicts[key]
 
 
 def _op_verdict(node: Node, ctx: Context) -> _Verdict:
@@ -277,16 +279,6 @@ def _schema_refuses_low(node: Node, group: str, ctx: Context) -> str | None:
     if not allowed or low in allowed:
         return None
     return f"the {node.qualified_op} schema at opset {node.opset} does not allow {low} for {group}"
-
-
-def _function_refuses_low(node: Node) -> str | None:
-    """A call of a model-local function: its body is not rewritten, and a Constant or Cast in it
-    fixes its own type, so a call given low inputs made a model the checker and onnxruntime refuse
-    ('B has inconsistent type'). Whatever a node rule or --fp16-ops says, the call keeps FP32."""
-    if not node.meta.get("onnx.function"):
-        return None
-    return (f"calls the model-local function {node.domain}:{node.op_type}, whose body is not rewritten (its constants and "
-            f"casts keep their types): inline it first (onnx.inliner.inline_local_functions) to rewrite its body")
 
 
 _BF16_CAST_OPSET = 13  # Cast-6 and Cast-9 have no tensor(bfloat16); Cast-13 added it
