@@ -34,9 +34,18 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
+def _path(value: str) -> Path:
+    """A file to read: an empty one is refused here, as pathlib reads '' as '.', the current folder
+    (which the messages further on would then name)."""
+    if not value:
+        raise typer.BadParameter("the path is empty; give a file's path")
+    return Path(value)
+
+
 def _file_path(value: str) -> Path:
     """A file to write: a trailing slash names a folder, which pathlib drops ('outdir/' became a
     file named outdir)."""
+    _path(value)
     if value.endswith(("/", os.sep)):
         raise typer.BadParameter(f"{value!r} ends with a slash, so it names a folder; give the file's path "
                                  f"(e.g. {value}<file>)")
@@ -46,11 +55,12 @@ def _file_path(value: str) -> Path:
 @app.command()
 def _command(
     # (readable=False: the loader says why a file cannot be read, with exit 3, as for every bad input)
-    model: Path = typer.Argument(..., help="FP32 ONNX model to rewrite (never modified).", readable=False),
+    model: Path = typer.Argument(..., help="FP32 ONNX model to rewrite (never modified).", readable=False,
+                                 parser=_path),
     output: Optional[Path] = typer.Option(None, "-o", "--output", parser=_file_path, metavar="<path>",
                                           help="Output path (default: <model>.fp16.onnx next to the input)."),
     target: str = typer.Option("fp16", "--target", help="Low-precision type: fp16 or bf16."),
-    rules: List[Path] = typer.Option([], "--rules", help="Rule file layered on the built-in set (repeatable)."),
+    rules: List[Path] = typer.Option([], "--rules", parser=_path, metavar="<path>", help="Rule file layered on the built-in set (repeatable)."),
     keep_io_types: bool = typer.Option(True, "--keep-io-types/--no-keep-io-types",
                                        help="Keep float graph inputs/outputs FP32 (default) or make them low precision."),
     fp32_nodes: List[str] = typer.Option([], "--fp32-nodes", help="Node name, glob or re:regex kept FP32 (repeatable)."),
@@ -69,7 +79,7 @@ def _command(
     tolerance: Optional[float] = typer.Option(None, "--tolerance",
                                               help="Relative error allowed by --check (default: 1e-2 for fp16, "
                                                    "5e-2 for bf16)."),
-    inputs: Optional[Path] = typer.Option(None, "--inputs", help="Inputs for --check (.npz)."),
+    inputs: Optional[Path] = typer.Option(None, "--inputs", parser=_path, metavar="<path>", help="Inputs for --check (.npz)."),
     auto_fp32: bool = typer.Option(False, "--auto-fp32", help="Pin nodes FP32 (a bisected run in graph order) until --check passes."),
     training: bool = typer.Option(False, "--training", help="Training graph: FP32 master weights, loss scaling."),
     loss_scaling: Optional[bool] = typer.Option(None, "--loss-scaling/--no-loss-scaling",

@@ -777,6 +777,29 @@ def case_input_is_the_current_directory(d: Path) -> Case:
     return Case(["."], 3, r"\.: is a directory", inputs=["m.onnx"])
 
 
+def case_empty_model_path(d: Path) -> Case:
+    """pathlib reads '' as '.', so an empty path (an unset shell variable) was reported as the
+    current folder: ".: is a directory"."""
+    save(mlp(), d / "m.onnx")
+    return Case([""], 2, r"Invalid value for 'model': the path is empty", inputs=["m.onnx"])
+
+
+def case_empty_rules_path(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx", "--rules", ""], 2, r"'--rules': the path is empty", inputs=["m.onnx"])
+
+
+def case_empty_output_path(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "-o", ""], 2, r"'--output': the path is empty", inputs=["m.onnx"])
+
+
+def case_empty_inputs_path(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx", "--check", "--inputs", ""], 2, r"'--inputs': the path is empty",
+                inputs=["m.onnx"])
+
+
 def case_tolerance_nan(d: Path) -> Case:
     save(mlp(), d / "m.onnx")
     return Case(["m.onnx", "-o", "out.onnx", "--check", "--tolerance", "nan"], 2, r"--tolerance nan: must be a positive",
