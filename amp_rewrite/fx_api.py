@@ -126,6 +126,7 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
         notes.append(f"training: loss {loss_value.name!r} scaled in the graph by the buffer amp_loss_scale "
                      f"(LossScaler updates it)" if scaling else
                      f"training: no loss scaling ({no_scaling_reason(target, 'loss_scaling=True')})")
+    _check_rule_input_names(model, ctx.rules)
     ctx.log.notes.extend(notes)
     modified = run_pipeline(model, ctx) or _record_pins(model, ctx, internal=tail)
     _explain_conversions(model, ctx)
@@ -564,3 +565,30 @@ def _explain_conversions(model: Model, ctx: Any) -> None:
                                                            source=entry.source if entry is not None else "fx_loader")
         node.meta["amp.category"] = category
         node.meta["amp.reason"] = reason
+
+
+def _check_rule_input_names(model: Model, book) -> None:
+    """A rule's ``fp32_inputs`` names must name inputs of its op: a misspelt one pinned nothing,
+    silently. Torch has no op schemas to check them against here, so they are checked against the
+    inputs of the op's calls in this model (``weight`` for a module's own parameter, ``args.2`` /
+    ``kwargs.weight`` for an argument of a call); an op the model does not call is not checked."""
+    import difflib
+
+    from .errors import RuleFileError
+
+    called: dict[tuple[str, str], set[str]] = {}
+    for scope in model.graph.scopes():
+        for node in scope.nodes:
+            called.setdefault((node.domain or "", node.op_type), set()).update(node.meta.get("input_names", ()))
+    for entry in book.entries():
+        known = called.get((entry.domain or "", entry.op))
+        if known is None:
+            continue
+        for name in (item for item in entry.fp32_inputs if isinstance(item, str)):
+            if name not in known:
+                shown, key = book.file_and_key(entry)
+                close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.5)
+                raise RuleFileError(shown, f"{key}.fp32_inputs",
+                                    f"{name!r} is not an input of any {entry.op} call in this model (their inputs: "
+                                    f"{', '.join(sorted(known)) or 'none'}; a module's own tensors go by their "
+                                    f"names, a call's arguments by the names of the op's schema)", close[0] if close else None)

@@ -195,6 +195,13 @@ class RuleBook:
     def node_rules(self) -> list[NodeRule]:
         return list(self._node_rules)
 
+    def file_and_key(self, entry: RuleEntry) -> tuple[str, str]:
+        """The file ``entry`` came from, as the user gave it where that is unambiguous (entries name
+        it by its base name), and the entry's key in it: for errors that point into the file."""
+        shown, _, key = entry.source.partition(": ")
+        paths = [path for path in self.files if Path(path).name == shown]
+        return (paths[0] if len(paths) == 1 else shown), key
+
 
 # --------------------------------------------------------------------------------------------
 # Public functions

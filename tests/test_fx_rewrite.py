@@ -23,7 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 import amp_rewrite  # noqa: E402
 from amp_rewrite.api import _dispatch  # noqa: E402
 from amp_rewrite.decisions import Precision  # noqa: E402
-from amp_rewrite.errors import UnsupportedModelError, UsageError  # noqa: E402
+from amp_rewrite.errors import RuleFileError, UnsupportedModelError, UsageError  # noqa: E402
 from amp_rewrite.frontends.fx_loader import leaf_metas, load_fx  # noqa: E402
 from amp_rewrite.fx_api import report_of  # noqa: E402
 
@@ -1453,3 +1453,41 @@ def test_a_users_fp32_pin_survives_rewriting_the_output_again(capture):
     pinned = [d for d in again.log.decisions.values() if d.op == "linear" and d.precision == Precision.FP32]
     assert len(pinned) == 1 and pinned[0].source == "--fp32-nodes"
     assert again.model.code == first.code
+
+
+class _LinearThenNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.fc(x))
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_torch_rule_fp32_inputs_names_schema_arguments(tmp_path, capture):
+    """A torch rule's ``fp32_inputs = ["bias"]`` named an input the way torch's schemas do, but the
+    loader labelled a call's arguments by position ("2"), so the name pinned nothing, silently, and
+    linear ran in fp16. It now pins the bias (which shares linear's type, so linear keeps FP32)."""
+    rules = tmp_path / "r.toml"
+    rules.write_text('[ruleset]\nname = "r"\nfrontend = "torch"\n'
+                     '[allow.linear]\nreason = "gemm"\nfp32_inputs = ["bias"]\n')
+    x = torch.randn(2, 8)
+    gm, report = amp_rewrite.rewrite(_LinearThenNorm(), example_inputs=(x,), rules=[rules], capture=capture,
+                                     report=True)
+    assert gm.fc.weight.dtype == torch.float32 and gm(x).dtype == torch.float32
+    assert "input 'bias' is pinned FP32 by the rules" in report.summary_text()
+
+
+def test_torch_rule_fp32_inputs_misspelt_is_refused(tmp_path):
+    """A misspelt name pinned nothing, silently (the ONNX edge checks names against op schemas; torch
+    had no check): it is a rule file error naming the file, the key and the closest input."""
+    rules = tmp_path / "r.toml"
+    rules.write_text('[ruleset]\nname = "r"\nfrontend = "torch"\n'
+                     '[infer.layer_norm]\nreason = "stats"\nfp32_inputs = ["wieght"]\n')
+    with pytest.raises(RuleFileError) as info:
+        amp_rewrite.rewrite(_LinearThenNorm(), example_inputs=(torch.randn(2, 8),), rules=[rules])
+    message = str(info.value)
+    assert "r.toml: infer.layer_norm.fp32_inputs: 'wieght' is not an input of any layer_norm call" in message
+    assert "did you mean 'weight'" in message

@@ -1130,10 +1130,7 @@ def check_rule_input_names(book) -> None:
     for entry in book.entries():
         names = [item for item in entry.fp32_inputs if isinstance(item, str)]
         known = _schema_input_names(entry.op, entry.domain) if names else ()
-        shown, _, key = entry.source.partition(": ")
-        # (entries name their file by its base name: the error names it as the user gave it)
-        paths = [path for path in book.files if Path(path).name == shown]
-        shown = paths[0] if len(paths) == 1 else shown
+        shown, key = book.file_and_key(entry)
         for name in names:
             if known and name not in known:
                 close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
