@@ -244,8 +244,13 @@ def load_rules(
         if any(layer.replace for layer in chain):
             stack = chain
             continue
+        # An extends chain adds only the sets not in the stack yet; the file itself applies where
+        # it is listed, though an earlier file's chain brought it in already (files apply in order)
+        *below, own = chain
         present = {layer.identity for layer in stack}
-        stack.extend(layer for layer in chain if layer.identity not in present)
+        stack = [layer for layer in stack if layer.identity != own.identity]
+        stack.extend(layer for layer in below if layer.identity not in present)
+        stack.append(own)
     cli = _cli_layer(frontend, list(fp32_ops), list(low_ops), list(fp32_nodes), list(low_nodes))
     return _compose(stack, cli, frontend, target)
 

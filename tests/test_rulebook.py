@@ -232,6 +232,22 @@ def test_extends_a_builtin_is_not_layered_twice(tmp_path):
     assert book.category_of("Gelu", opset=20) is Category.DENY
 
 
+def test_a_listed_file_applies_in_order_though_an_earlier_chain_brought_it(tmp_path):
+    """``--rules a.toml --rules b.toml`` with a extending b: b was skipped as already in the stack,
+    under a, so a's entry won although the files apply in order. The file a user lists applies at
+    its place; a second file extending the same base still keeps the first file's entries."""
+    base = write(tmp_path, '[deny]\nGelu = "base: deny"\n', "b.toml")
+    a = write(tmp_path, '[ruleset]\nextends = "b.toml"\n[allow]\nGelu = "a: allow"\n', "a.toml")
+    book = load_rules([a, base])
+    assert book.name == "onnx-cuda-fp16+a+b"
+    assert book.category_of("Gelu", opset=20) is Category.DENY
+    assert load_rules([base, a]).category_of("Gelu", opset=20) is Category.ALLOW
+    c = write(tmp_path, '[ruleset]\nextends = "b.toml"\n[infer]\nErf = "c"\n', "c.toml")
+    both = load_rules([a, c])
+    assert both.name == "onnx-cuda-fp16+b+a+c"
+    assert both.category_of("Gelu", opset=20) is Category.ALLOW
+
+
 def test_provider_comes_from_the_top_layer_that_sets_it(tmp_path):
     path = write(tmp_path, '[ruleset]\nprovider = "CPUExecutionProvider"\n')
     assert load_rules([path]).provider == "CPUExecutionProvider"
