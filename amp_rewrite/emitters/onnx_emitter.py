@@ -293,8 +293,7 @@ class _Patcher:
         new = ir.Value(name=value.name, type=ir.TensorType(ir.DataType(int(value.dtype))),
                        shape=ir.Shape(list(tensor.shape.dims)), const_value=tensor)
         origin.register_initializer(new)
-        if any(v is source.origin for v in origin.inputs) or (self.ir_version or 4) < 4:
-            # IR < 4 lists every initializer among the graph inputs: the copy must be listed too
+        if any(v is source.origin for v in origin.inputs) or _initializers_are_inputs(self.ir_version):
             origin.inputs.append(new)
         value.origin = new
 
@@ -525,13 +524,18 @@ def _inline_external_initializers(model: ir.Model, dst: Path) -> None:
         value.const_value = _in_memory(value.const_value)
 
 
+def _initializers_are_inputs(ir_version: int | None) -> bool:
+    """IR versions before 4 list every initializer among the graph inputs (an unknown one: not)."""
+    return ir_version is not None and ir_version < 4
+
+
 def _external_constants_to_initializers(model: ir.Model) -> None:
     """A main-graph Constant whose tensor the input kept in external data (onnx's
     ``convert_attribute=True``) becomes an initializer of the same name, so it stays in the
     output's data file: read into the node, a 2 GB one broke protobuf's limit ('Failed to serialize
     proto', and 12 GB of memory). IR 3 lists every initializer as a graph input: there it stays a
     Constant, read into the node."""
-    if model.ir_version is not None and model.ir_version < 4:
+    if _initializers_are_inputs(model.ir_version):
         return
     graph = model.graph
     for node in list(graph):
