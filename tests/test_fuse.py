@@ -614,3 +614,17 @@ def test_a_broadcast_scale_with_a_symbolic_hidden_dim_is_not_fused_into_a_skip_o
     full_check(result.model)
     assert not result.log.fusions
     assert rel_err(run(model, feeds())["y"], run(result.model, feeds())["y"]) < 1e-2
+
+
+def test_constants_in_value_float_shorthand_are_read():
+    """A Constant node may hold its scalar as ``value_float`` (onnxscript and hand-written graphs
+    write eps and the exponent so); the fuser read only ``value`` and left the LayerNorm an FP32
+    island with Casts around it."""
+    norm = LAYERNORM.replace("p = Pow(d, two)", "two_c = Constant<value_float=2.0>()\n      p = Pow(d, two_c)") \
+        .replace("ve = Add(v, eps)", "eps_c = Constant<value_float=1e-5>()\n      ve = Add(v, eps_c)")
+    model = residual_block(norm, 17)
+    result = rewrite(model)
+    node = only(result.model, "LayerNormalization")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["epsilon"] == pytest.approx(1e-5)
+    check_fused(model, result)

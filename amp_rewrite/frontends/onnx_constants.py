@@ -26,7 +26,7 @@ import onnx_ir as ir
 from ..decisions import Category
 from ..ir import DType, Model, Node, Value
 from ..passes.base import Context, PassResult
-from .onnx_loader import constant_node_tensor
+from .onnx_loader import constant_array
 
 LIMITS = {DType.FLOAT16: 65504.0, DType.BFLOAT16: 3.3895313892515355e38}
 # |x| at or above this is a mask sentinel (-1e9, finfo(float32).min): it saturates to the low
@@ -91,7 +91,7 @@ def _held(value: Value | None, limit: float, depth: int = 0, cast: bool = False)
     if value is None or value.dtype not in (_CASTABLE if cast else _FLOATS) or depth > 8:
         return None
     if value.is_constant:
-        return _largest(_data(value), limit)
+        return _largest(constant_array(value), limit)
     producer = value.producer
     if producer is None or producer.domain != "":
         return None
@@ -149,16 +149,3 @@ def _largest(data, limit: float) -> float | None:
 
 
 _CHUNK = 1 << 22  # elements
-
-
-def _data(value: Value | None):
-    """A constant's data (an initializer or a Constant node's), or None."""
-    if value.is_initializer:
-        tensor = value.origin.const_value if value.origin is not None else None
-    else:
-        origin = value.producer.origin
-        tensor = constant_node_tensor(origin) if origin is not None else None
-    try:
-        return tensor.numpy() if tensor is not None else None
-    except Exception:  # noqa: BLE001 - unreadable data is the loader's concern, not this check's
-        return None

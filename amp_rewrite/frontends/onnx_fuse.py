@@ -59,7 +59,7 @@ from ..ir import DType, Graph, Model, Node, Value
 from ..passes.base import Context, PassResult, earlier_pin, node_label, node_names, node_rule_of
 from ..passes.classify import missing_low_kernel
 from ..passes.place_casts import Namer
-from .onnx_loader import schema_slots
+from .onnx_loader import constant_array, schema_slots
 
 MS = "com.microsoft"
 _GELU_COEFFS = {"half": 0.5, "cubic": 0.044715, "scale": math.sqrt(2.0 / math.pi), "one": 1.0}
@@ -636,14 +636,7 @@ def _attr(node: Node, name: str, default: Any) -> Any:
 def _array(value: Value | None):
     """The constant's data (initializer or Constant node, through Identity), or None."""
     value = _constant(value)
-    if value is None:
-        return None
-    if value.is_initializer:
-        tensor = value.origin.const_value if value.origin is not None else None
-    else:
-        attr = value.producer.origin.attributes.get("value") if value.producer.origin is not None else None
-        tensor = attr.as_tensor() if attr is not None else None
-    return tensor.numpy() if tensor is not None else None
+    return constant_array(value) if value is not None else None
 
 
 def _scalar(value: Value | None, like: Value | None) -> float | None:

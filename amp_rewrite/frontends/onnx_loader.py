@@ -697,6 +697,21 @@ def constant_node_tensor(n: ir.Node):
     return None
 
 
+def constant_array(value) -> np.ndarray | None:
+    """The data of a constant IR value (an initializer, or a Constant node's in any of its float
+    spellings) as an array; None where there is none or it cannot be read (unreadable data is the
+    loader's concern, not its readers')."""
+    if value.is_initializer:
+        tensor = value.origin.const_value if value.origin is not None else None
+    else:
+        origin = value.producer.origin if value.producer is not None else None
+        tensor = constant_node_tensor(origin) if origin is not None else None
+    try:
+        return tensor.numpy() if tensor is not None else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def structure_proto(source: OnnxSource) -> onnx.ModelProto | None:
     """The model as read, with its large initializers (in the file or external) turned into graph
     inputs of the same type and shape: a shape-inference tool's input, a fraction of the model's
