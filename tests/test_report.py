@@ -608,6 +608,26 @@ def test_weight_counts_are_the_written_models():
     assert weights["bytes_before"] == weights["bytes_after"] == _float_bytes(out) == 32
 
 
+def test_weight_counts_include_constants_in_value_floats_shorthand():
+    """A Constant written as ``value_floats`` (its float shorthand) is converted to FP16 like a
+    ``value`` tensor, but the weight figures left it out: "256 B -> 128 B, 1 converted" for a model
+    whose two float constants (288 B) were both converted."""
+    import amp_rewrite
+    from onnx import helper, numpy_helper
+
+    nodes = [helper.make_node("Constant", [], ["c"], value_floats=[0.5] * 8, name="c"),
+             helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+             helper.make_node("Add", ["m", "c"], ["y"], name="add")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 8])],
+                              [numpy_helper.from_array(np.ones((8, 8), np.float32), "w")])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    out, report = amp_rewrite.rewrite(m, report=True)
+    weights = report.to_dict()["summary"]["weights"]
+    assert (weights["bytes_before"], weights["bytes_after"], weights["converted"]) == (288, 144, 2)
+    assert weights["bytes_after"] == _float_bytes(out)
+
+
 def _fused_norm_beside_a_matmul():
     """A LayerNorm of a graph input straight to a graph output (painting keeps it FP32), beside a MatMul."""
     from test_fuse import LAYERNORM, W

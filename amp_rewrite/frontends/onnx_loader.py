@@ -1309,9 +1309,12 @@ def _fill_const(val: Value, v: ir.Value) -> None:
 
 def _fill_const_from_attr(out: Value, n: ir.Node) -> None:
     attr = n.attributes.get("value")
-    if attr is None or attr.type != ir.AttributeType.TENSOR:
+    if attr is not None and attr.type == ir.AttributeType.TENSOR:
+        tensor = _tensor(attr)
+    elif "value_float" in n.attributes or "value_floats" in n.attributes:
+        tensor = constant_node_tensor(n)  # (the shorthands: converted like the value form)
+    else:
         return
-    tensor = _tensor(attr)
     size = 1
     for d in tensor.shape.dims:
         size *= int(d)
