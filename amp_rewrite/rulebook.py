@@ -15,11 +15,13 @@ Stdlib only (tomllib, difflib): this module must not import onnx, onnxruntime or
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 import functools
 import re
 import tomllib
+from collections import Counter
 from dataclasses import dataclass, field
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -252,7 +254,26 @@ def load_rules(
         stack.extend(layer for layer in below if layer.identity not in present)
         stack.append(own)
     cli = _cli_layer(frontend, list(fp32_ops), list(low_ops), list(fp32_nodes), list(low_nodes))
-    return _compose(stack, cli, frontend, target)
+    return _compose(_distinct_sources(stack), cli, frontend, target)
+
+
+def _distinct_sources(stack: list[_Layer]) -> list[_Layer]:
+    """Entries name their file by its base name; files of one base name in different folders
+    (``a/rules.toml``, ``b/rules.toml``) are named by their paths instead, so that a decision's
+    reason and an error tell them apart."""
+    seen = Counter(Path(layer.path).name for layer in stack if layer.path)
+    return [_sourced_by_path(layer) if layer.path and seen[Path(layer.path).name] > 1 else layer
+            for layer in stack]
+
+
+def _sourced_by_path(layer: _Layer) -> _Layer:
+    def by_path(source: str) -> str:
+        return f"{layer.path}: {source.split(': ', 1)[-1]}"
+
+    entries = {key: tuple(dataclasses.replace(e, source=by_path(e.source)) for e in group)
+               for key, group in layer.entries.items()}
+    nodes = tuple(dataclasses.replace(rule, source=by_path(rule.source)) for rule in layer.nodes)
+    return dataclasses.replace(layer, entries=MappingProxyType(entries), nodes=nodes)
 
 
 # --------------------------------------------------------------------------------------------

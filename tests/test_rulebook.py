@@ -248,6 +248,22 @@ def test_a_listed_file_applies_in_order_though_an_earlier_chain_brought_it(tmp_p
     assert both.category_of("Gelu", opset=20) is Category.ALLOW
 
 
+def test_files_of_one_base_name_are_told_apart_by_path(tmp_path):
+    """``--rules a/r.toml --rules b/r.toml``: every entry of both said it came from "r.toml", so a
+    decision's reason could not say which file decided it. Such files are named by their paths."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = write(tmp_path / "a", '[deny]\nGelu = "a says"\n[nodes]\nfp32 = ["head"]\n', "r.toml")
+    second = write(tmp_path / "b", '[deny]\nErf = "b says"\n', "r.toml")
+    book = load_rules([first, second])
+    assert book.lookup("Gelu", opset=20).source == f"{first}: deny.Gelu"
+    assert book.lookup("Erf", opset=20).source == f"{second}: deny.Erf"
+    assert [rule.source for rule in book.node_rules()] == [f"{first}: nodes.fp32"]
+    assert book.file_and_key(book.lookup("Erf", opset=20)) == (str(second), "deny.Erf")
+    one = load_rules([first])
+    assert one.lookup("Gelu", opset=20).source == "r.toml: deny.Gelu"  # (a base name alone where it is unique)
+
+
 def test_provider_comes_from_the_top_layer_that_sets_it(tmp_path):
     path = write(tmp_path, '[ruleset]\nprovider = "CPUExecutionProvider"\n')
     assert load_rules([path]).provider == "CPUExecutionProvider"
