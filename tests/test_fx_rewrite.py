@@ -1491,3 +1491,33 @@ def test_torch_rule_fp32_inputs_misspelt_is_refused(tmp_path):
     message = str(info.value)
     assert "r.toml: infer.layer_norm.fp32_inputs: 'wieght' is not an input of any layer_norm call" in message
     assert "did you mean 'weight'" in message
+
+
+class _ShiftRight(nn.Module):
+    """T5's / BART's shift_tokens_right: in-place writes into an int64 tensor, then an embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, labels):
+        shifted = labels.new_zeros(labels.shape)
+        shifted[..., 1:] = labels[..., :-1].clone()
+        shifted.masked_fill_(shifted == -100, 0)
+        return self.fc(self.emb(shifted))
+
+
+def test_in_place_writes_to_an_integer_tensor_are_not_refused():
+    """Such writes in dynamo's graph were refused ('casts would break that aliasing') although an
+    integer tensor is never cast: torch.compile of T5 and BART (training too) stopped there."""
+    import amp_rewrite.compile_backend  # noqa: F401  (registers the backend)
+
+    torch._dynamo.reset()
+    labels = torch.tensor([[1, 2, -100, 4], [3, -100, 5, 6]])
+    module = _ShiftRight().eval()
+    compiled = torch.compile(module, backend="amp_rewrite", options={"target": "bf16", "backend": "eager"})
+    got = compiled(labels)
+    ref = module(labels)
+    assert got.dtype == torch.float32 and torch.allclose(got, ref, rtol=5e-2, atol=5e-2)
+    assert not torch.equal(got, ref)  # (the bf16 linear ran: the graph was rewritten, not passed over)

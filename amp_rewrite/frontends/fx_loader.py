@@ -731,6 +731,9 @@ class _Builder:
         target = node.args[0] if node.args else None
         if not isinstance(target, fx.Node):
             return
+        dtypes = [torch_dtype_of(meta) for _, meta in leaf_metas(target)]
+        if dtypes and not any(d is not None and d.is_floating_point for d in dtypes):
+            return  # (an integer or bool tensor is never cast, so the op stays in place: T5's shift_tokens_right)
         after = lambda n: self.order.get(n, -1) > self.order[node]  # noqa: E731
         same = self._same_tensor(target)
         observers = [u.name for t in same for u in t.users if u is not node and after(u)]
