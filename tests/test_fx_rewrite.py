@@ -1521,3 +1521,31 @@ def test_in_place_writes_to_an_integer_tensor_are_not_refused():
     ref = module(labels)
     assert got.dtype == torch.float32 and torch.allclose(got, ref, rtol=5e-2, atol=5e-2)
     assert not torch.equal(got, ref)  # (the bf16 linear ran: the graph was rewritten, not passed over)
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)) for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_module_path_pins_what_runs_in_that_module(capture):
+    """rules/README promised that torch node patterns match module paths, but a node answered only
+    to '<module path>/<fx name>': fp32_nodes=['layers.1'] named no node ("pins nothing") and the
+    layer ran low. A module's path (or an ancestor's) now pins every node in it."""
+    x = torch.randn(4, 16)
+    gm, report = amp_rewrite.rewrite(_TwoLayers().eval(), example_inputs=(x,), capture=capture,
+                                     fp32_nodes=["layers.1"], report=True)
+    nodes = {n["node"]: n["precision"] for n in report.to_dict()["nodes"] if n["op"] == "linear"}
+    assert {name for name, p in nodes.items() if p == "fp32"} == {n for n in nodes if n.startswith("layers.1.")}
+    assert any(n.startswith("layers.0.") and p == "fp16" for n, p in nodes.items())
+    assert not report.to_dict()["notes"]
+    whole, report = amp_rewrite.rewrite(_TwoLayers().eval(), example_inputs=(x,), capture=capture,
+                                        fp32_nodes=["layers"], report=True)
+    assert all(n["precision"] == "fp32" for n in report.to_dict()["nodes"] if n["op"] == "linear")

@@ -599,6 +599,7 @@ class _Builder:
         outputs = [self._new_value(node, path, m) for path, m in metas]
         ir = Node(CAST_OP if is_cast else name, inputs, name=ir_node_name(node), domain=domain, outputs=outputs,
                   origin=node)
+        ir.meta["fx.module_path"] = module_path(node)
         ir.meta["fx.slots"] = slots
         ir.meta["fx.loaded"] = list(inputs)
         ir.meta["fx.torch_name"] = name
@@ -649,6 +650,7 @@ class _Builder:
             return
         domain, name = canonical_name(node, self.gm)
         ir = Node(name, inputs, name=ir_node_name(node), domain=domain, outputs=[], origin=node)
+        ir.meta["fx.module_path"] = module_path(node)
         ir.meta["fx.slots"] = slots
         ir.meta["fx.loaded"] = list(inputs)
         ir.meta["fx.torch_name"] = name

@@ -153,8 +153,18 @@ def node_rule_of(rules, node: Node, names: Collection[str] = ()):
     """The node rule forcing ``node``: by its name (an unnamed node by its label "Op:output"), its
     label, or for a body node its scope path (``If:y.then_branch/mm``); an FP32 rule matching any
     wins over a low one matching another. ``names``: :func:`node_names`."""
+    return rules.node_rule(_aliases(node), names)
+
+
+def _aliases(node: Node) -> tuple[str, ...]:
+    """The names a node pattern may give ``node``: its name, its label, a body node's scope path,
+    and a torch node's module path and each module above it (``encoder.layer.0`` pins what runs
+    in that module, ``encoder`` all of the encoder)."""
     label = node_label(node)
-    return rules.node_rule((node.name or label, label, *_scope_path(node)), names)
+    path = node.meta.get("fx.module_path") or ""
+    parts = path.split(".") if path else []
+    modules = tuple(".".join(parts[:k]) for k in range(1, len(parts) + 1))
+    return (node.name or label, label, *_scope_path(node), *modules)
 
 
 def _scope_path(node: Node) -> tuple[str, ...]:
@@ -166,9 +176,9 @@ def _scope_path(node: Node) -> tuple[str, ...]:
 
 
 def node_names(model: Model) -> frozenset[str]:
-    """Every node's name, label and scope path in ``model``: a node pattern equal to one of them is
-    that node's name, not a glob (``RuleBook.node_rule``)."""
-    return frozenset(n for node in model.graph.walk() for n in (node.name, node_label(node), *_scope_path(node)) if n)
+    """Every name a node pattern may give a node of ``model`` (:func:`_aliases`): a pattern equal to
+    one of them names that node, not a glob (``RuleBook.node_rule``)."""
+    return frozenset(n for node in model.graph.walk() for n in _aliases(node) if n)
 
 
 def earlier_pin(node: Node) -> str | None:
