@@ -82,8 +82,17 @@ class CastRecord:
     def bytes_per_run(self) -> int | None:
         if self.numel is None:
             return None
-        size = {"fp32": 4, "fp16": 2, "bf16": 2, "fp64": 8}
-        return int(self.numel * (size.get(self.src, 4) + size.get(self.dst, 4)))
+        return int(self.numel * (_itemsize(self.src) + _itemsize(self.dst)))
+
+
+def _itemsize(short: str) -> float:
+    """Bytes per element of a dtype's short name ("fp16", "int64"); 4 for one it does not know."""
+    from .ir import DType
+
+    try:
+        return DType.from_short(short).itemsize
+    except KeyError:
+        return 4
 
 
 @dataclass

@@ -1549,3 +1549,39 @@ def test_a_module_path_pins_what_runs_in_that_module(capture):
     whole, report = amp_rewrite.rewrite(_TwoLayers().eval(), example_inputs=(x,), capture=capture,
                                         fp32_nodes=["layers"], report=True)
     assert all(n["precision"] == "fp32" for n in report.to_dict()["nodes"] if n["op"] == "linear")
+
+
+class _SoftmaxInFp32(nn.Module):
+    """HF eager attention: softmax(..., dtype=float32).to(q.dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.v = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        q, v = self.q(x), self.v(x)
+        return torch.softmax(q @ q.transpose(-1, -2), dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def test_a_retargeted_conversion_is_reported_in_the_type_it_writes():
+    """The model's own .to(q.dtype) after an FP32 softmax is retargeted to fp16 (only fp16 matmuls
+    read it); the report listed it as computing in fp32 while it wrote fp16 at run time."""
+    x = torch.randn(2, 4, 16)
+    gm, report = amp_rewrite.rewrite(_SoftmaxInFp32().eval(), example_inputs=(x,), report=True)
+    written = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n):
+            result = super().run_node(n)
+            if isinstance(result, torch.Tensor):
+                written[n.name] = result.dtype
+            return result
+
+    with torch.no_grad():
+        Recorder(gm).run(x)
+    retargeted = [c["name"] for c in report.to_dict()["casts"] if c["kind"] == "retargeted"]
+    assert retargeted
+    nodes = {n["node"]: n for n in report.to_dict()["nodes"]}
+    for name in retargeted:
+        assert nodes[name]["precision"] == "fp16" and "retargeted to fp16" in nodes[name]["reason"]
+        assert written[name.rsplit("/", 1)[-1]] == torch.float16

@@ -628,6 +628,39 @@ def test_weight_counts_include_constants_in_value_floats_shorthand():
     assert weights["bytes_after"] == _float_bytes(out)
 
 
+def test_a_retargeted_cast_is_reported_as_the_written_model_has_it():
+    """A model's own Cast(int64 -> FLOAT) read only by a MatMul is retargeted to FLOAT16. Its record
+    said src fp32 (96 B per run, as if it read FP32) and its node entry said it computes in fp32,
+    though the written Cast reads int64 and writes fp16. A removed Cast(int64 -> int64) was sized at
+    4 bytes an element, as every type the record did not know."""
+    import amp_rewrite
+    from onnx import helper, numpy_helper
+
+    T = onnx.TensorProto
+    nodes = [helper.make_node("Cast", ["x"], ["xf"], to=T.FLOAT, name="cast_in"),
+             helper.make_node("MatMul", ["xf", "W"], ["m"], name="mm"),
+             helper.make_node("Cast", ["i"], ["i2"], to=T.INT64, name="noop_cast"),
+             helper.make_node("Reshape", ["i2", "shape"], ["i3"], name="reshape"),
+             helper.make_node("Cast", ["i3"], ["f"], to=T.FLOAT, name="tof"),
+             helper.make_node("Add", ["m", "f"], ["y"], name="add")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.INT64, [2, 8]),
+                                           helper.make_tensor_value_info("i", T.INT64, [16])],
+                              [helper.make_tensor_value_info("y", T.FLOAT, [2, 8])],
+                              [numpy_helper.from_array(np.ones((8, 8), np.float32), "W"),
+                               numpy_helper.from_array(np.array([2, 8], np.int64), "shape")])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    out, report = amp_rewrite.rewrite(m, report=True)
+    written = {n.name: n for n in out.graph.node}
+    assert written["cast_in"].attribute[0].i == T.FLOAT16
+    casts = {c["name"]: c for c in report.to_dict()["casts"]}
+    assert (casts["cast_in"]["kind"], casts["cast_in"]["src"], casts["cast_in"]["dst"]) == ("retargeted", "int64", "fp16")
+    assert casts["cast_in"]["bytes_per_run"] == 16 * (8 + 2)
+    assert "noop_cast" not in written and casts["noop_cast"]["bytes_per_run"] == 16 * (8 + 8)
+    nodes = {n["node"]: n for n in report.to_dict()["nodes"]}
+    assert nodes["cast_in"]["precision"] == "fp16"
+    assert Report.from_model(out).to_dict()["nodes"] == report.to_dict()["nodes"]
+
+
 def _fused_norm_beside_a_matmul():
     """A LayerNorm of a graph input straight to a graph output (painting keeps it FP32), beside a MatMul."""
     from test_fuse import LAYERNORM, W

@@ -271,7 +271,10 @@ class _Placer:
         value.meta["amp.was"] = DType.FLOAT
         value.dtype = self.low
         cast.meta["amp.retargeted"] = True
-        self._record(cast.name or value.name, value, DType.FLOAT, self.low, uses, value.graph, reason, "retargeted")
+        cast.meta["amp.precision"] = Precision.LOW  # (it writes the low type now: the report says so)
+        source = cast.inputs[0].dtype if cast.inputs and cast.inputs[0] is not None else None
+        self._record(cast.name or value.name, value, source or DType.FLOAT, self.low, uses, value.graph, reason,
+                     "retargeted")
         self.modified = True
 
     def _convertible_constant(self, value: Value) -> bool:
