@@ -597,6 +597,8 @@ def test_weight_counts_are_the_written_models():
     out, report = amp_rewrite.rewrite(ln, report=True)
     assert [n.op_type for n in out.graph.node if n.op_type == "LayerNormalization"]
     assert report.to_dict()["summary"]["weights"]["bytes_after"] == _float_bytes(out)
+    # (the eps and exponent only the fused pattern read are in the input: bytes_before left them out)
+    assert report.to_dict()["summary"]["weights"]["bytes_before"] == _float_bytes(ln)
 
     plain = make_model("""
         <ir_version: 8, opset_import: ["" : 17]>
@@ -656,9 +658,31 @@ def test_a_retargeted_cast_is_reported_as_the_written_model_has_it():
     assert (casts["cast_in"]["kind"], casts["cast_in"]["src"], casts["cast_in"]["dst"]) == ("retargeted", "int64", "fp16")
     assert casts["cast_in"]["bytes_per_run"] == 16 * (8 + 2)
     assert "noop_cast" not in written and casts["noop_cast"]["bytes_per_run"] == 16 * (8 + 8)
+    # (a Cast folded into its neighbour is recorded with the types it read and wrote, not src -> src)
+    removed = [c for c in casts.values() if c["kind"] == "removed"]
+    assert {(c["name"], c["src"], c["dst"]) for c in removed} >= {("noop_cast", "int64", "int64")}
     nodes = {n["node"]: n for n in report.to_dict()["nodes"]}
     assert nodes["cast_in"]["precision"] == "fp16"
     assert Report.from_model(out).to_dict()["nodes"] == report.to_dict()["nodes"]
+
+
+def test_a_cast_of_a_constant_converted_offline_is_recorded_with_its_types():
+    """Cast(int64 constant -> FLOAT) read by an FP16 Add: the constant is converted offline and the
+    Cast removed; its record said int64 -> int64."""
+    import amp_rewrite
+
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {
+          kf = Cast<to=1>(k)
+          a = MatMul(x, w1)
+          b = Add(a, kf)
+          y = MatMul(b, w2)
+        }""", {"w1": (8, 8), "w2": (8, 8), "k": np.arange(8, dtype=np.int64).reshape(1, 8)})
+    out, report = amp_rewrite.rewrite(model, report=True)
+    assert "Cast" not in [n.op_type for n in out.graph.node if n.output[0] == "kf"]
+    [record] = [c for c in report.to_dict()["casts"] if c["tensor"] == "kf"]
+    assert (record["kind"], record["src"], record["dst"]) == ("removed", "int64", "fp32")
 
 
 def _fused_norm_beside_a_matmul():

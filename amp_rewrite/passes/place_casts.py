@@ -504,7 +504,9 @@ class _Placer:
         name = node.name or out.name
         if node.meta.get("amp.retargeted"):
             self.ctx.log.casts[:] = [c for c in self.ctx.log.casts if c.name != name or c.kind != "retargeted"]
-        self._record(name, out, src.dtype, src.dtype, [], node.graph, reason, "removed")
+        read = node.inputs[0].dtype if node.inputs and node.inputs[0] is not None else None
+        wrote = DType(node.attrs["to"]) if isinstance(node.attrs.get("to"), int) else None
+        self._record(name, out, read or src.dtype, wrote or src.dtype, [], node.graph, reason, "removed")
         node.graph.remove(node)
         node.meta["amp.removed"] = True
         self.model.meta.setdefault("amp.removed_nodes", []).append(node)
@@ -512,16 +514,19 @@ class _Placer:
 
     def _weight_bytes(self, scopes: list[Graph]) -> None:
         """Bytes of the initializers and Constant tensors before and after, and how many were
-        converted (those a fused pattern alone read leave with it, in the emitter)."""
+        converted (those a fused pattern alone read count before only: they leave with it, in the
+        emitter)."""
         w = self.ctx.log.weights
         for scope in scopes:
             constants = [n.outputs[0] for n in scope.nodes
                          if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.outputs]
             for value in [*scope.initializers.values(), *constants]:
-                if value.const_numel is None or value.dtype is None or value.meta.get("amp.dropped_with_pattern"):
+                if value.const_numel is None or value.dtype is None:
                     continue
                 if "amp.copy_of" not in value.meta:
                     w.bytes_before += int(value.const_numel * value.meta.get("amp.was", value.dtype).itemsize)
+                if value.meta.get("amp.dropped_with_pattern"):
+                    continue  # (in the input, not in the output)
                 w.bytes_after += int(value.const_numel * value.dtype.itemsize)
                 if value.meta.get("amp.convert"):
                     w.converted += 1
