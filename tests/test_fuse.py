@@ -628,3 +628,27 @@ def test_constants_in_value_float_shorthand_are_read():
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     assert attrs["epsilon"] == pytest.approx(1e-5)
     check_fused(model, result)
+
+
+def test_an_fp32_zero_skip_counts_no_value_flushed_to_zero():
+    """An RMSNorm of a graph input (greedy: it stays FP32) is fused with a zero skip,
+    ConstantOfShape(Shape(x)) with no value. The emitter converted its default float32 zero as if to
+    a 16-bit type, and the summary said 1 value was flushed to zero where no weight lost a value."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,16] x) => (float[4,16] y) {
+          sq = Pow(x, two)
+          ms = ReduceMean<axes=[-1]>(sq)
+          mse = Add(ms, eps)
+          rms = Sqrt(mse)
+          inv = Reciprocal(rms)
+          n = Mul(x, inv)
+          s = Mul(n, g)
+          y = MatMul(s, w)
+        }""", {"w": np.random.default_rng(0).random((16, 16), np.float32) + 0.5, "g": np.ones(16, np.float32),
+                "two": np.array(2.0, np.float32), "eps": np.array(1e-5, np.float32)})
+    result = rewrite(model, placement="greedy")
+    assert result.log.fusions
+    fills = nodes_by_type(result.model, "ConstantOfShape")
+    assert fills and all(not n.attribute for n in fills)  # (the default float32 zero, as the fuser made it)
+    assert result.log.weights.flushed_to_zero == 0

@@ -231,6 +231,8 @@ class _Patcher:
     def _retype_constant_of_shape(self, n: ir.Node, dtype: DType) -> None:
         """Its output type comes from the ``value`` attribute (default: float32 zero)."""
         attr = n.attributes.get("value")
+        if attr is None and dtype == DType.FLOAT:
+            return  # (the default is the type: converting it counted a float32 zero as a value flushed to zero)
         data = attr.as_tensor().numpy() if attr is not None else np.zeros((1,), np.float32)
         # clamped at the type's limits like any constant: torch exports fill masks with finfo.min,
         # which a plain astype would turn into -inf (and the softmax after it into NaN)
