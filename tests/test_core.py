@@ -916,3 +916,25 @@ def test_python_api_options_are_checked_like_the_clis():
 
     book = _rule_book({"fp32_ops": "Relu"})  # one op name, not the letters R, e, l, u
     assert book.lookup("Relu", "", 17).category.value == "deny"
+
+
+def test_unknown_dims_stay_unknown_in_the_output():
+    """A declared dim with neither a value nor a name (torch's dynamo exporter writes many) was
+    written back as dim_param "None" on the values a Cast took over: onnxruntime took every such dim
+    for one symbol, re-used too small a buffer and failed at run time (a T5 decoder with a KV
+    cache, once the decoder grew longer than the encoder)."""
+    from onnx import helper, numpy_helper
+
+    T = onnx.TensorProto
+    nodes = [helper.make_node("Exp", ["x"], ["r"], name="exp"),
+             helper.make_node("MatMul", ["r", "w"], ["y"], name="mm")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.FLOAT, [None, 8])],
+                              [helper.make_tensor_value_info("y", T.FLOAT, [None, 8])],
+                              [numpy_helper.from_array(np.ones((8, 8), np.float32), "w")],
+                              value_info=[helper.make_tensor_value_info("r", T.FLOAT, [None, 8])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    out = rewrite(model).model
+    assert [n.op_type for n in out.graph.node].count("Cast") >= 1
+    infos = [*out.graph.value_info, *out.graph.input, *out.graph.output]
+    params = {d.dim_param for v in infos for d in v.type.tensor_type.shape.dim}
+    assert "None" not in params

@@ -1028,7 +1028,9 @@ class _Builder:
                 return self._inferred_value(v, info)
         shape = v.shape
         if shape is not None:
-            shape = tuple(d if isinstance(d, int) else (str(d) if d is not None and str(d) else None) for d in shape.dims)
+            # (an unknown dim is a SymbolicDim whose value is None, which str() spells "None": written back
+            # so, onnxruntime took every such dim for one symbol and re-used too small a buffer)
+            shape = tuple(d if isinstance(d, int) else (getattr(d, "value", None) or None) for d in shape.dims)
         value = Value(v.name or "", _DTYPES.get(int(dtype)) if dtype is not None else None, shape, origin=v)
         kind = "sequence" if isinstance(v.type, ir.SequenceType) else \
             "optional" if isinstance(v.type, ir.OptionalType) else None
