@@ -379,7 +379,18 @@ def _private_copy(gm: torch.nn.Module) -> Any:
     """A deep copy: the emitter replaces parameters and edits nodes, the caller's module stays as is."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree specs deprecations
-        return copy.deepcopy(gm)
+        clone = copy.deepcopy(gm)
+    # GraphModule's deepcopy registers the tensor constants the graph reads (torch.export's
+    # lifted_tensor_0 for a torch.tensor(2.0) in forward: T5, BART, Whisper) as buffers, which put a
+    # key in the state_dict that the original has not, so checkpoints no longer loaded either way
+    buffers = {name for name, _ in gm.named_buffers()}
+    for name, tensor in list(clone.named_buffers()):
+        if name not in buffers:
+            path, _, attr = name.rpartition(".")
+            owner = clone.get_submodule(path) if path else clone
+            del owner._buffers[attr]
+            setattr(owner, attr, tensor)
+    return clone
 
 
 def _as_tuple(example_inputs: Any) -> tuple | None:

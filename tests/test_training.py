@@ -1198,3 +1198,28 @@ def test_a_symbolic_trace_training_rewrite_survives_torch_save_and_load(tmp_path
     for got, want in zip(_grads(loaded), _grads(gm)):
         torch.testing.assert_close(got, want)
     assert all(p.dtype == torch.float32 for p in loaded.parameters())
+
+
+class _ScaledByAConstant(torch.nn.Module):
+    """A tensor made in forward (T5's, BART's and Whisper's torch.tensor(...) scalings)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.l(x) * torch.tensor(2.0), y)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_checkpoints_of_the_original_and_the_rewrite_load_into_each_other(training):
+    """torch.export lifts that tensor into a constant; the rewrite's deep copy registered it as a
+    buffer, so the rewritten module's state_dict had a key 'lifted_tensor_0' the original has not
+    and strict loading failed both ways."""
+    module = _ScaledByAConstant()
+    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    gm = amp_rewrite.rewrite(module, example_inputs=(x, y), target="bf16", training=training)
+    assert set(gm.state_dict()) == set(module.state_dict())
+    gm.load_state_dict(module.state_dict())
+    _ScaledByAConstant().load_state_dict(gm.state_dict())
+    assert torch.isfinite(gm(x, y)).all()
