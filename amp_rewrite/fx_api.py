@@ -580,9 +580,9 @@ def _explain_conversions(model: Model, ctx: Any) -> None:
 
 def _check_rule_input_names(model: Model, book) -> None:
     """A rule's ``fp32_inputs`` names must name inputs of its op: a misspelt one pinned nothing,
-    silently. Torch has no op schemas to check them against here, so they are checked against the
-    inputs of the op's calls in this model (``weight`` for a module's own parameter, ``args.2`` /
-    ``kwargs.weight`` for an argument of a call); an op the model does not call is not checked."""
+    silently. The loader names a call's inputs by its op's schema or its function's signature, but
+    torch has no registry of every op's names to check a rule file against, so they are checked
+    against the inputs of the op's calls in this model; an op the model does not call is not checked."""
     import difflib
 
     from .errors import RuleFileError

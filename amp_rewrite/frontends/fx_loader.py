@@ -912,9 +912,21 @@ def _slot_label(slot: Slot, node: fx.Node) -> str:
     return ".".join(str(p) for p in (head, *rest)) + (f"#{'.'.join(map(str, slot.leaf))}" if slot.leaf else "")
 
 
-@functools.lru_cache(maxsize=None)
 def _argument_names(target: Any) -> tuple[str, ...]:
-    """The positional argument names of a call_function target, or () where it has none to read."""
+    """The positional argument names of a call's target (an op overload, a function, a module's
+    forward), or () where it has none to read."""
+    try:
+        return _cached_argument_names(target)
+    except TypeError:  # (an unhashable callable object)
+        return _read_argument_names(target)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_argument_names(target: Any) -> tuple[str, ...]:
+    return _read_argument_names(target)
+
+
+def _read_argument_names(target: Any) -> tuple[str, ...]:
     schema = getattr(target, "_schema", None)
     if schema is not None:
         return tuple(a.name for a in schema.arguments if not a.kwarg_only)
