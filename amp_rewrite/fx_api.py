@@ -398,6 +398,9 @@ def _as_tuple(example_inputs: Any) -> tuple | None:
         return None
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,)
+    if isinstance(example_inputs, dict):  # (a tuple of it would be its keys: a str where a tensor goes)
+        raise UsageError(f"example_inputs is a dict (keys {', '.join(map(repr, list(example_inputs)[:4]))}): pass "
+                         f"keyword inputs as example_kwargs=..., positional ones as a tuple in example_inputs")
     if isinstance(example_inputs, (str, bytes)) or not hasattr(example_inputs, "__iter__"):
         raise UsageError(f"example_inputs={example_inputs!r}: pass a tuple of the module's inputs (or one tensor)")
     return tuple(example_inputs)

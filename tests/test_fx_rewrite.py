@@ -1585,3 +1585,10 @@ def test_a_retargeted_conversion_is_reported_in_the_type_it_writes():
     for name in retargeted:
         assert nodes[name]["precision"] == "fp16" and "retargeted to fp16" in nodes[name]["reason"]
         assert written[name.rsplit("/", 1)[-1]] == torch.float16
+
+
+def test_example_inputs_given_as_a_dict_are_refused_with_the_keyword_to_use():
+    """A dict (an HF tokenizer's output) was turned into the tuple of its keys, and the error spoke
+    of a str where a tensor was expected."""
+    with pytest.raises(UsageError, match=r"example_inputs is a dict \(keys 'x'\): pass keyword inputs as example_kwargs"):
+        amp_rewrite.rewrite(MLP(), example_inputs={"x": torch.randn(2, 16)})
