@@ -1592,3 +1592,29 @@ def test_example_inputs_given_as_a_dict_are_refused_with_the_keyword_to_use():
     of a str where a tensor was expected."""
     with pytest.raises(UsageError, match=r"example_inputs is a dict \(keys 'x'\): pass keyword inputs as example_kwargs"):
         amp_rewrite.rewrite(MLP(), example_inputs={"x": torch.randn(2, 16)})
+
+
+@torch.fx.wrap
+def _clip_if_big(x):
+    if x.abs().max() > 100:  # (data-dependent: torch.export fails, symbolic_trace keeps the call whole)
+        return x.clamp(-100, 100)
+    return x
+
+
+class _DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(_clip_if_big(x))
+
+
+def test_example_kwargs_alone_serve_the_symbolic_trace_fallback():
+    """With export failing, a caller who gave the inputs as example_kwargs (the usual way for an HF
+    model) was told to 'pass example_inputs'; the same tensor given positionally worked."""
+    x = torch.randn(2, 8)
+    with pytest.warns(UserWarning, match="falling back to torch.fx.symbolic_trace"):
+        gm = amp_rewrite.rewrite(_DataDependent().eval(), target="bf16", example_kwargs={"x": x})
+    gm.graph.lint()
+    assert gm.fc.weight.dtype == torch.bfloat16 and gm(x).dtype == torch.float32

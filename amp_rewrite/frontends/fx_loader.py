@@ -405,12 +405,12 @@ def _ensure_metadata(gm: fx.GraphModule, example_inputs: tuple | None, example_k
     if all(_node_meta(n) is not None for n in placeholders) and (not calls or any(_node_meta(n) is not None
                                                                                    for n in calls)):
         return
-    if example_inputs is None:
+    if example_inputs is None and not example_kwargs:
         raise UsageError("this GraphModule carries no dtype metadata (node.meta['val'] or ['tensor_meta']): pass "
                          "example_inputs so amp-rewrite can run it once (ShapeProp) to learn every tensor's dtype")
     from torch.fx.passes.shape_prop import ShapeProp
 
-    args = _positional(placeholders, tuple(example_inputs), example_kwargs or {})
+    args = _positional(placeholders, tuple(example_inputs or ()), example_kwargs or {})
     # the run must leave no trace: BatchNorm in training mode updates its running statistics
     saved = {name: buffer.detach().clone() for name, buffer in gm.named_buffers()}
     with torch.no_grad():
