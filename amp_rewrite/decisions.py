@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from .ir import DType
+
 
 class Category(str, enum.Enum):
     ALLOW = "allow"
@@ -87,8 +89,6 @@ class CastRecord:
 
 def _itemsize(short: str) -> float:
     """Bytes per element of a dtype's short name ("fp16", "int64"); 4 for one it does not know."""
-    from .ir import DType
-
     try:
         return DType.from_short(short).itemsize
     except KeyError:

@@ -267,12 +267,11 @@ def _distinct_sources(stack: list[_Layer]) -> list[_Layer]:
 
 
 def _sourced_by_path(layer: _Layer) -> _Layer:
-    def by_path(source: str) -> str:
-        return f"{layer.path}: {source.split(': ', 1)[-1]}"
+    def by_path(item: Any) -> Any:
+        return dataclasses.replace(item, source=f"{layer.path}: {_entry_key(item)}")
 
-    entries = {key: tuple(dataclasses.replace(e, source=by_path(e.source)) for e in group)
-               for key, group in layer.entries.items()}
-    nodes = tuple(dataclasses.replace(rule, source=by_path(rule.source)) for rule in layer.nodes)
+    entries = {key: tuple(map(by_path, group)) for key, group in layer.entries.items()}
+    nodes = tuple(map(by_path, layer.nodes))
     return dataclasses.replace(layer, entries=MappingProxyType(entries), nodes=nodes)
 
 
@@ -798,7 +797,7 @@ def _canonical_domain(domain: str | None) -> str:
     return "" if domain in (None, "", kernels.ONNX_DOMAIN) else domain
 
 
-def _entry_key(entry: RuleEntry) -> str:
+def _entry_key(entry: RuleEntry | NodeRule) -> str:
     return entry.source.split(": ", 1)[-1]
 
 

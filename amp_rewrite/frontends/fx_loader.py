@@ -603,7 +603,7 @@ class _Builder:
         ir.meta["fx.slots"] = slots
         ir.meta["fx.loaded"] = list(inputs)
         ir.meta["fx.torch_name"] = name
-        ir.meta["input_names"] = [_slot_label(s, node) for s in slots]
+        ir.meta["input_names"] = _slot_labels(slots, node)
         if is_cast:
             ir.attrs["to"] = int(TORCH_TO_DTYPE.get(dtype, DType.UNDEFINED))
             ir.input_groups = ["T1"]
@@ -654,7 +654,7 @@ class _Builder:
         ir.meta["fx.slots"] = slots
         ir.meta["fx.loaded"] = list(inputs)
         ir.meta["fx.torch_name"] = name
-        ir.meta["input_names"] = [_slot_label(s, node) for s in slots]
+        ir.meta["input_names"] = _slot_labels(slots, node)
         ir.input_groups = [self._input_group(name, s, v) for s, v in zip(slots, inputs)]
         ir.output_groups = []
         ir.meta["amp.keeps_types"] = ("it makes no tensor from the tensors it reads (an object the module returns, "
@@ -894,22 +894,26 @@ def _slot_index(slot: Slot) -> int:
     return -1
 
 
-def _slot_label(slot: Slot, node: fx.Node) -> str:
-    """How rule files (``fp32_inputs``) and reasons name an input: a module's own tensor by its
-    name, an argument by the name the op's schema (or the Python function's signature) gives it,
-    else by position; an item of a list argument as ``name.k`` (``tensors.1`` of a cat)."""
-    if slot.where[0] == "param":
-        return str(slot.where[1])
-    head, *rest = slot.where[1:]
-    if slot.where[0] == "args":
-        target = node.target
-        if node.op == "call_module":
-            with contextlib.suppress(AttributeError):
-                target = type(node.graph.owning_module.get_submodule(node.target)).forward
-        names = _argument_names(target) if node.op in ("call_function", "call_module") else ()
-        names = names[1:] if node.op == "call_module" else names  # (self)
-        head = names[head] if head < len(names) else head
-    return ".".join(str(p) for p in (head, *rest)) + (f"#{'.'.join(map(str, slot.leaf))}" if slot.leaf else "")
+def _slot_labels(slots: list[Slot], node: fx.Node) -> list[str]:
+    """How rule files (``fp32_inputs``) and reasons name ``node``'s inputs: a module's own tensor by
+    its name, an argument by the name the op's schema (or the Python function's signature) gives
+    it, else by position; an item of a list argument as ``name.k`` (``tensors.1`` of a cat)."""
+    target = node.target
+    if node.op == "call_module":
+        with contextlib.suppress(AttributeError):
+            target = type(node.graph.owning_module.get_submodule(node.target)).forward
+    names = _argument_names(target) if node.op in ("call_function", "call_module") else ()
+    names = names[1:] if node.op == "call_module" else names  # (self)
+    labels = []
+    for slot in slots:
+        if slot.where[0] == "param":
+            labels.append(str(slot.where[1]))
+            continue
+        head, *rest = slot.where[1:]
+        if slot.where[0] == "args" and head < len(names):
+            head = names[head]
+        labels.append(".".join(str(p) for p in (head, *rest)) + (f"#{'.'.join(map(str, slot.leaf))}" if slot.leaf else ""))
+    return labels
 
 
 def _argument_names(target: Any) -> tuple[str, ...]:
@@ -987,7 +991,8 @@ def _refuse_mixed_operands(node: fx.Node, name: str, slots: list[Slot], inputs: 
     typed = [(s, v) for s, v in zip(slots, inputs) if v is not None and v.dtype is not None]
     if len({v.dtype for _, v in typed}) < 2:
         return
-    listed = ", ".join(f"{_slot_label(s, node)} {v.dtype.short}" for s, v in typed)
+    labels = _slot_labels([s for s, _ in typed], node)
+    listed = ", ".join(f"{label} {v.dtype.short}" for label, (_, v) in zip(labels, typed))
     graph_inputs = [a.name for a in node.all_input_nodes if a.op == "placeholder"]
     hint = (f" (graph input {', '.join(map(repr, graph_inputs))} has the type its example had)" if graph_inputs
             else "")
