@@ -627,32 +627,63 @@ def test_rewrite_of_an_onnx_training_graph_adds_the_loss_scale():
     np.testing.assert_allclose(got["scaled_loss"], got["loss"] * 1024.0, rtol=1e-6)
 
 
-@pytest.mark.parametrize("with_mask", [False, True], ids=["no-mask", "fp32-additive-mask"])
-def test_attention23_paints_q_k_and_v_as_one_type(with_mask):
+_KERNEL_PROBE = r"""
+import sys, onnx, onnxruntime as ort
+options = ort.SessionOptions()
+options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+options.optimized_model_filepath = sys.argv[2]
+ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
+print(sorted({n.op_type for n in onnx.load(sys.argv[2]).graph.node}))
+"""
+
+
+def _ops_onnxruntime_runs(model: onnx.ModelProto, tmp_path) -> str:
+    """The op types of the graph onnxruntime's CPU provider builds (in a subprocess): an op with
+    no kernel for its types is replaced there by its function body."""
+    onnx.save(model, tmp_path / "m.onnx")
+    proc = subprocess.run([sys.executable, "-c", _KERNEL_PROBE, str(tmp_path / "m.onnx"), str(tmp_path / "opt.onnx")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("mask", [None, "float", "bool"], ids=["no-mask", "fp32-additive-mask", "bool-mask"])
+def test_attention23_paints_q_k_and_v_as_one_type(mask, tmp_path):
     """Attention-23 types Q and K as T1 and V as T2, but its kernels take one type for both
     (onnxruntime's CPU provider refused the FP32 V next to FP16 Q/K the group split made). Q, K,
-    V and the output are painted together; a float additive mask (U) keeps FP32, where -1e9 stays
-    finite."""
-    mask = ", mask" if with_mask else ""
+    V and the output are painted together. A float mask (U) goes low with them: onnxruntime's
+    kernels take a float mask only in Q's type, and with an FP32 mask beside FP16 Q/K/V the CPU
+    provider ran the function body instead of the Attention kernel. A bool mask keeps its type."""
+    mask_input = {None: "", "float": ", float[4,4] mask", "bool": ", bool[4,4] mask"}[mask]
     model = make_model(f"""
         <ir_version: 11, opset_import: ["" : 23]>
-        g (float[2,4,8] x, float[4,4] mask) => (float[2,4,8] y) {{
+        g (float[2,4,8] x{mask_input}) => (float[2,4,8] y) {{
           q = MatMul(x, wq)
           k = MatMul(x, wk)
           v = MatMul(x, wv)
-          a = Attention<q_num_heads=2, kv_num_heads=2>(q, k, v{mask})
+          a = Attention<q_num_heads=2, kv_num_heads=2>(q, k, v{", mask" if mask else ""})
           y = MatMul(a, wo)
         }}""", {"wq": (8, 8), "wk": (8, 8), "wv": (8, 8), "wo": (8, 8)})
     out = rewrite(model).model
     full_check(out)
     types = value_types(out)
-    assert types["q"] == types["k"] == types["v"] == types["a"] == FP16 and types["mask"] == FP32
-    assert len(nodes_by_type(out, "Cast")) == 2  # the graph input and output only
-    feeds = {"x": np.random.default_rng(0).standard_normal((2, 4, 8)).astype(np.float32),
-             "mask": np.triu(np.full((4, 4), -1e9, np.float32), 1)}
+    assert types["q"] == types["k"] == types["v"] == types["a"] == FP16
+    attention = nodes_by_type(out, "Attention")[0]
+    casts = nodes_by_type(out, "Cast")
+    if mask == "float":
+        assert types[attention.input[3]] == FP16 and types["mask"] == FP32  # (the graph input keeps its type)
+        assert len(casts) == 3  # the graph inputs and output only
+    else:
+        assert len(casts) == 2
+        if mask == "bool":
+            assert attention.input[3] == "mask" and types["mask"] == onnx.TensorProto.BOOL
+    assert "'Attention'" in _ops_onnxruntime_runs(out, tmp_path)
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 4, 8)).astype(np.float32)}
+    if mask == "float":
+        feeds["mask"] = np.triu(np.full((4, 4), -1e4, np.float32), 1)
+    elif mask == "bool":
+        feeds["mask"] = np.tril(np.ones((4, 4), bool))
     assert rel_err(run(model, feeds)["y"], run(out, feeds)["y"]) < 1e-2
-    # rewriting it again changes nothing: with Q/K/V low the mask's FP32 group is not the next one
-    # to paint (it was: the second rewrite cast the mask to FP16, clamping -1e9 to -65504)
     assert not rewrite(out).modified
 
 

@@ -36,8 +36,13 @@ _TYPE_AGNOSTIC_INPUTS = {"Shape", "Size"}
 # - RMSNormalization-23 types X as T and scale and Y as V, yet onnx's type inference gives Y the
 #   type of X (a low Y read from an FP32 X fails onnx.checker);
 # - Attention-23 types Q/K (and Y) as T1 and V as T2, yet its kernels take one type for all three
-#   (onnxruntime refuses an FP32 V next to FP16 Q/K). Its mask (U) keeps its own type.
+#   (onnxruntime refuses an FP32 V next to FP16 Q/K).
 _MERGED_GROUPS = {("", "RMSNormalization"): {"V": "T"}, ("", "Attention"): {"T2": "T1"}}
+# Groups of onnx's own schemas that a node paints with its main group where the model types both
+# alike (see ``_join_groups``): Attention-23's mask U may be bool or any type, but onnxruntime's
+# kernels (CPU and CUDA) take a float mask only in Q's type, so an FP32 mask beside FP16 Q/K/V has
+# no kernel (the CPU provider ran the function body instead). A bool mask keeps its type.
+_JOINED_GROUPS = {("", "Attention"): (("U", "T1"),)}
 
 
 @dataclass
@@ -869,7 +874,9 @@ def schema_slots(op: str, domain: str, opset: int | None, n_in: int, n_out: int)
             if old in group_types and into in group_types:  # (a later opset may name them otherwise)
                 group_types[into] = group_types[into] & group_types.pop(old)
     if not isinstance(schema, _OrtSchema):
-        return Slots(ins, outs, tuple(f.name for f in schema.inputs), group_types)
+        joins = tuple((g, main) for g, main in _JOINED_GROUPS.get((domain or "", op), ())
+                      if g in group_types and main in group_types)  # (a later opset may name them otherwise)
+        return Slots(ins, outs, tuple(f.name for f in schema.inputs), group_types, joins)
     single = {tc.type_param_str: _dtype_of(tc.allowed_type_strs[0]) for tc in schema.type_constraints
               if len(tc.allowed_type_strs) == 1}
     output_types = tuple(single.get(g) if g is not None else _dtype_of(f.type_str) if f is not None else None
