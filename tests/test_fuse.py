@@ -201,7 +201,7 @@ def test_wrong_gelu_coefficient_is_not_fused():
     assert nodes_by_type(result.model, "Pow") and len(result.log.islands) == 1
 
 
-def standalone_norm(norm: str, opset: int) -> onnx.ModelProto:
+def standalone_norm(norm: str, opset: int, extra: dict | None = None) -> onnx.ModelProto:
     """x -> MatMul -> norm -> MatMul: the norm reads no residual sum (T5's and Llama's first
     RMSNorm reads the embedding Gather the same way)."""
     text = f"""
@@ -210,7 +210,7 @@ def standalone_norm(norm: str, opset: int) -> onnx.ModelProto:
       r = MatMul(x, wq){norm}
       y = MatMul(ln, wo)
     }}"""
-    return make_model(text, W)
+    return make_model(text, {**W, **(extra or {})})
 
 
 @pytest.mark.parametrize("scale", [1.0, 300.0])
@@ -237,6 +237,42 @@ def test_standalone_norm_below_the_standard_op_takes_a_zero_skip(norm, opset, op
 
 
 RMSNORM_AXES_INPUT = RMSNORM.replace("ReduceMean<axes=[-1]>(p)", "ReduceMean(p, last)")
+
+
+@pytest.mark.parametrize("norm, opset, op, fill_op", [
+    (LAYERNORM, 13, "SkipLayerNormalization", "Expand"), (RMSNORM, 17, "SkipSimplifiedLayerNormalization", "Expand"),
+    (RMSNORM_AXES_INPUT, 20, "SkipSimplifiedLayerNormalization", "ConstantOfShape")],
+    ids=["layernorm-op13", "rmsnorm-op17", "rmsnorm-op20"])
+def test_bf16_zero_skip_is_made_in_bf16(norm, opset, op, fill_op):
+    """ConstantOfShape has no bfloat16 output below opset 20: the zero skip made with it stayed
+    FP32 and took the fused norm with it (an FP32 island with its Casts, the fusion's point lost).
+    There the zeros are Expand(Constant(0), Shape(r)), both bfloat16 from opset 13, and the norm
+    runs bf16 with only the graph input and output cast."""
+    from tools.bench_bf16 import emulate_bf16
+
+    model = standalone_norm(norm, opset, {"last": np.array([-1], np.int64)} if opset >= 18 else None)
+    result = rewrite(model, target="bf16")
+    out = result.model
+    full_check(out)
+    node = only(out, op, "com.microsoft")
+    types = value_types(out)
+    assert types[node.output[0]] == types[node.input[0]] == types[node.input[1]] == onnx.TensorProto.BFLOAT16
+    producers = {o: n for n in out.graph.node for o in n.output}
+    fill = producers[node.input[1]]
+    assert fill.op_type == fill_op
+    if fill_op == "Expand":
+        literal = producers[fill.input[0]]
+        assert literal.op_type == "Constant" and producers[fill.input[1]].op_type == "Shape"
+        [value] = [a.t for a in literal.attribute if a.name == "value"]
+        assert value.data_type == onnx.TensorProto.BFLOAT16 and not onnx.numpy_helper.to_array(value).any()
+    assert len(nodes_by_type(out, "Cast")) == 2 and not result.log.islands
+    # the literal the rewrite made is no weight of the input
+    weights = [onnx.numpy_helper.to_array(t) for t in model.graph.initializer]
+    weights += [onnx.numpy_helper.to_array(a.t) for n in model.graph.node for a in n.attribute if a.name == "value"]
+    assert result.report.summary()["weights"]["bytes_before"] == sum(w.nbytes for w in weights)
+    ref, got = run(model, feeds())["y"], run(emulate_bf16(out), feeds())["y"]
+    assert rel_err(ref, got) < 5e-2
+    assert not rewrite(out, target="bf16").modified
 
 
 @pytest.mark.parametrize("scale", [1.0, 300.0])

@@ -210,12 +210,7 @@ class _Patcher:
                 n.replace_input_with(i, target)
         if node.meta.get("amp.retargeted"):
             n.attributes["to"] = ir.AttrInt64("to", int(node.attrs["to"]))
-        if node.op_type == "Constant" and node.domain == "" and node.outputs[0].meta.get("amp.convert"):
-            tensor = constant_node_tensor(n)
-            for shorthand in ("value_float", "value_floats"):  # (the converted tensor replaces them)
-                n.attributes.pop(shorthand, None)
-            n.attributes["value"] = ir.AttrTensor("value", self._convert(tensor, node.outputs[0].name,
-                                                                          node.outputs[0].dtype))
+        self._convert_literal(n, node)
         if node.op_type == "ConstantOfShape" and node.outputs[0].meta.get("amp.was") is not None:
             self._retype_constant_of_shape(n, node.outputs[0].dtype)
         type_attr = _OUTPUT_TYPE_ATTRS.get(node.op_type) if node.domain == "" else None
@@ -227,6 +222,15 @@ class _Patcher:
             self._tag(n, node)
         if node.meta.get("amp.retargeted"):
             self._tag_cast(n, node.name or node.outputs[0].name)
+
+    def _convert_literal(self, n: ir.Node, node: Node) -> None:
+        """A Constant node painting converts: its tensor is written in the low type."""
+        if node.op_type == "Constant" and node.domain == "" and node.outputs[0].meta.get("amp.convert"):
+            tensor = constant_node_tensor(n)
+            for shorthand in ("value_float", "value_floats"):  # (the converted tensor replaces them)
+                n.attributes.pop(shorthand, None)
+            n.attributes["value"] = ir.AttrTensor("value", self._convert(tensor, node.outputs[0].name,
+                                                                          node.outputs[0].dtype))
 
     def _retype_constant_of_shape(self, n: ir.Node, dtype: DType) -> None:
         """Its output type comes from the ``value`` attribute (default: float32 zero)."""
@@ -271,6 +275,7 @@ class _Patcher:
         node.origin = new
         if node.op_type == "ConstantOfShape" and not node.domain:  # the fuse pass's zero skip
             self._retype_constant_of_shape(new, node.outputs[0].dtype)
+        self._convert_literal(new, node)  # (the zero skip's literal, where it is Expanded)
         if node.meta.get("amp.inserted") or (node.op_type == "Cast" and not node.domain):
             new.metadata_props[TAG + "inserted"] = "cast"
             new.metadata_props[TAG + "reason"] = node.meta.get("amp.reason", "")

@@ -287,7 +287,7 @@ def _replace(model: Model, scope: Graph, match: _Match, ctx: Context, namer: Nam
     anchor = max(removed, key=lambda n: position[id(n)])
     if zero_skip:
         inputs = list(inputs)
-        inputs[1], made = _zeros_like(match.x, scope, label, namer)
+        inputs[1], made = _zeros_like(match.x, scope, label, namer, ctx.low)
         for extra in made:
             scope.insert_after(anchor, extra)
             anchor = extra
@@ -335,18 +335,35 @@ def _zero_skip_rank(x: Value) -> bool:
     return x.shape is not None and len(x.shape) in (2, 3)
 
 
-def _zeros_like(x: Value, scope: Graph, label: str, namer: Namer) -> tuple[Value, list[Node]]:
+def _zeros_like(x: Value, scope: Graph, label: str, namer: Namer, low: DType) -> tuple[Value, list[Node]]:
     """``ConstantOfShape(Shape(x))``: an FP32 zero tensor of x's shape (its ``value`` attribute is
     written in whatever type painting gives it). Adding exact zeros changes nothing, so the skip op
-    computes the normalisation of x alone."""
+    computes the normalisation of x alone. Where ConstantOfShape's schema has no ``low`` output
+    (bfloat16 below opset 20) it would stay FP32 and take the skip op with it, so the zeros are
+    ``Expand(Constant(0.0), Shape(x))`` instead (both take bfloat16 from opset 13)."""
+    opset = scope.opsets.get("", 0)
     dims = Value(namer(label + "zero_skip_shape"), DType.INT64, (len(x.shape),))
     zeros = Value(namer(label + "zero_skip"), DType.FLOAT, x.shape)
-    shape = Node("Shape", [x], name=namer(label + "zero_skip/Shape"), outputs=[dims])
-    fill = Node("ConstantOfShape", [dims], name=namer(label + "zero_skip/ConstantOfShape"), outputs=[zeros])
-    for node in (shape, fill):
-        node.opset = scope.opsets.get("", 0)
-        schema_slots(node.op_type, "", node.opset, 1, 1).apply(node)
-    return zeros, [shape, fill]
+    made = [Node("Shape", [x], name=namer(label + "zero_skip/Shape"), outputs=[dims])]
+    if _constant_of_shape_takes(low, opset) or opset < 13:  # (below 13 nothing is bfloat16: no Cast makes it)
+        made.append(Node("ConstantOfShape", [dims], name=namer(label + "zero_skip/ConstantOfShape"), outputs=[zeros]))
+    else:
+        zero = Value(namer(label + "zero_skip_value"), DType.FLOAT, ())
+        zero.const_numel = 1
+        zero.meta["amp.made_by_fusion"] = True  # (not in the input: the weight counts leave it out before)
+        made += [Node("Constant", [], name=namer(label + "zero_skip/Constant"), attrs={"value_float": 0.0},
+                      outputs=[zero]),
+                 Node("Expand", [zero, dims], name=namer(label + "zero_skip/Expand"), outputs=[zeros])]
+    for node in made:
+        node.opset = opset
+        schema_slots(node.op_type, "", node.opset, len(node.inputs), 1).apply(node)
+    return zeros, made
+
+
+def _constant_of_shape_takes(low: DType, opset: int) -> bool:
+    schema = onnx.defs.get_schema("ConstantOfShape", opset, "")
+    allowed = next(tc.allowed_type_strs for tc in schema.type_constraints if tc.type_param_str == "T2")
+    return f"tensor({'bfloat16' if low == DType.BFLOAT16 else 'float16'})" in allowed
 
 
 _REASONS = {

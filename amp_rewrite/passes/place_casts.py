@@ -523,7 +523,7 @@ class _Placer:
             for value in [*scope.initializers.values(), *constants]:
                 if value.const_numel is None or value.dtype is None:
                     continue
-                if "amp.copy_of" not in value.meta:
+                if "amp.copy_of" not in value.meta and not value.meta.get("amp.made_by_fusion"):
                     w.bytes_before += int(value.const_numel * value.meta.get("amp.was", value.dtype).itemsize)
                 if value.meta.get("amp.dropped_with_pattern"):
                     continue  # (in the input, not in the output)
