@@ -912,6 +912,38 @@ def test_a_module_on_the_meta_device(target):
     assert out.device.type == "meta" and out.dtype == torch.float32 and out.shape == (2, 8)
 
 
+def test_a_no_op_upcast_is_no_wall_between_low_ops():
+    """GPT-J/CodeGen upcast the rotated query and key with ``.to(torch.float32)`` before QK^T, a
+    no-op in the FP32 model. Painting took the Cast for a wall: the rotary Muls stayed FP32 "not
+    between fp16 ops" with Casts around them (4 Casts where the same model without the upcast has
+    2), and the Cast was then removed as a no-op anyway."""
+
+    class Rotary(nn.Module):
+        def __init__(self, upcast: bool):
+            super().__init__()
+            self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.register_buffer("table", torch.randn(4, 8))
+            self.upcast = upcast
+
+        def forward(self, x):
+            q, k = self.q(x) * self.table, self.k(x) * self.table
+            if self.upcast:
+                q, k = q.to(torch.float32), k.to(torch.float32)
+            return q @ k.transpose(-1, -2)
+
+    x = torch.randn(2, 4, 8)
+    counts = {}
+    for upcast in (False, True):
+        model = Rotary(upcast).eval()
+        low, report = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", report=True)
+        muls = [n["precision"] for n in report.to_dict()["nodes"] if n["op"] == "mul"]
+        assert muls == ["bf16", "bf16"], (upcast, muls)
+        counts[upcast] = report.casts_inserted
+        with torch.no_grad():
+            assert rel_err(low(x), model(x)) < TOL["bf16"]
+    assert counts[True] == counts[False]
+
+
 def test_a_copying_no_op_cast_stays_where_the_copy_is_mutated():
     """``_to_copy`` to the dtype a tensor already has copies it. The rewrite removes no-op casts,
     but not in a graph that mutates tensors in place: reading the source instead of the copy would

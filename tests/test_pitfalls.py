@@ -273,6 +273,35 @@ def test_a_round_trip_ending_in_an_existing_cast_to_float_is_kept_fp32(placement
     np.testing.assert_allclose(run(result.model, {"x": x})["e"], run(m, {"x": x})["e"], rtol=1e-6)
 
 
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
+def test_a_no_op_cast_to_float_is_no_wall_between_low_ops(placement):
+    """q = MatMul * table, then Cast(to=FLOAT) of that FP32 value before QK^T (GPT-J's
+    ``query.to(float32)``): a no-op in the FP32 model. Painting saw no edge through it, so the
+    Muls were "not between fp16 ops" and stayed FP32 with Casts around them (4 Casts, not 2);
+    cast placement then dropped the Cast as a no-op anyway."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,4] y) {
+          q = MatMul(x, wq)
+          k = MatMul(x, wk)
+          qr = Mul(q, table)
+          kr = Mul(k, table)
+          qf = Cast<to=1>(qr)
+          kf = Cast<to=1>(kr)
+          kt = Transpose<perm=[1,0]>(kf)
+          y = MatMul(qf, kt)
+        }""", {"wq": (8, 8), "wk": (8, 8), "table": (4, 8)})
+    result = rewrite(m, placement=placement)
+    out = result.model
+    full_check(out)
+    precision = {d.node: d.precision.value for d in result.log.decisions.values()}
+    assert precision["Mul:qr"] == precision["Mul:kr"] == "low", precision
+    assert len(nodes_by_type(out, "Cast")) == 2  # the graph input and output only
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    assert rel_err(run(m, {"x": x})["y"], run(out, {"x": x})["y"]) < 1e-2
+    assert not rewrite(out, placement=placement).modified
+
+
 # 6. Inserted casts: unique names even against colliding user names; topologically sorted.
 def test_inserted_names_unique_and_sorted():
     m = make_model("""

@@ -81,6 +81,7 @@ class _ScopePainter:
         return j if j is not None and slot in self.group_ins[j] else None
 
     def _group_producer(self, value: Value) -> int | None:
+        value = _through_no_op_casts(value)
         j = self.index.get(id(value.producer)) if value.producer is not None else None
         return j if j is not None and value.producer_index in self.group_outs[j] else None
 
@@ -239,3 +240,18 @@ class _ScopePainter:
             elif not low and self.cat[i] in _LOW_OK:
                 meta["amp.reason"] = (f"{self.cat[i].value} op not between {low_name} ops: stays FP32 "
                                       f"({meta['amp.reason']})")
+
+
+def _through_no_op_casts(value: Value) -> Value:
+    """The value a chain of no-op ``Cast(to=FLOAT)`` of an FP32 value passes on (``value`` if it is
+    no such Cast's output). Such a Cast changes nothing in the FP32 model (HF's GPT-J upcasts its
+    query ``q.to(float32)`` before QK^T): painting looks through it, as cast placement does, where it
+    is retargeted or removed. Seen as a wall, it kept the ops before it FP32 with Casts around
+    them, "not between fp16 ops" though they were."""
+    cast = value.producer
+    while (cast is not None and cast.op_type == "Cast" and cast.domain == "" and cast.inputs
+           and cast.inputs[0] is not None and cast.inputs[0].dtype == DType.FLOAT
+           and cast.attrs.get("to") == int(DType.FLOAT) and cast.graph is value.graph):
+        value = cast.inputs[0]
+        cast = value.producer
+    return value
