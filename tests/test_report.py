@@ -134,6 +134,30 @@ def test_nodes_carry_category_precision_and_reason_chain():
     assert list(nodes)[:3] == ["q_proj", "k_proj", "k_t"]  # topological order
 
 
+def test_a_reason_never_cites_a_neighbour_the_round_trip_check_kept_fp32():
+    """o = Add(MatMul, b) feeds x1 = Add(x, o), which feeds a MatMul: painting put o between fp16
+    ops "upstream of x1", then the round-trip check kept x1 FP32 (it reads the FP32 input x and
+    feeds the FP32 output Add). o stays fp16, but its reason and chain still ran through x1 as if
+    low. Now they name the low producer it follows and x1 as the neighbour that left."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,16] x) => (float[4,16] y) {
+          o_mm = MatMul(x, w1)
+          o = Add(o_mm, b)
+          x1 = Add(x, o)
+          f = MatMul(x1, w2)
+          y = Add(x1, f)
+        }""", {"w1": (16, 16), "w2": (16, 16), "b": (16,)})
+    nodes = {n["node"]: n for n in rewrite(model, placement="greedy").report.to_dict()["nodes"]}
+    o, x1 = nodes["Add:o"], nodes["Add:x1"]
+    assert (x1["precision"], x1["step"]) == ("fp32", "safety")
+    assert o["precision"] == "fp16" and o["via"] == "MatMul:o_mm" and nodes[o["via"]]["precision"] == "fp16"
+    assert "Add:x1" in o["reason"] and "kept FP32" in o["reason"] and "upstream of" not in o["reason"]
+    for entry in nodes.values():  # no low node's chain passes through an FP32 one
+        if entry["precision"] == "fp16" and entry["via"]:
+            assert nodes[entry["via"]]["precision"] == "fp16", entry
+
+
 def test_casts_name_edge_direction_shape_and_bytes():
     d = rewrite(block_model(), fuse=False).report.to_dict()
     casts = {c["tensor"]: c for c in d["casts"]}

@@ -52,6 +52,7 @@ class _ScopePainter:
         self.trip_succs: list[set[int]] = [set() for _ in self.nodes]
         self.step: dict[int, str] = {}
         self.via: dict[int, int] = {}
+        self.left: dict[int, int] = {}  # painted through this neighbour, which the round-trip check kept FP32
         self._wire()
 
     # -- graph view --------------------------------------------------------------------------------
@@ -206,11 +207,32 @@ class _ScopePainter:
                       lambda j, _: to_fp32.add(j))
             trips |= from_fp32 & to_fp32
             if not trips:
+                self._retrace(allow)
                 return
             for i in trips:
                 allow.discard(i)
                 self.step[i] = "safety"
                 self.via.pop(i, None)
+
+    def _retrace(self, allow: set[int]) -> None:
+        """A node painted low through a neighbour the round-trip check then kept FP32 keeps its
+        precision, but its reason must not cite that neighbour as low: it names another low
+        neighbour it still joins, else the low producer it reads, and the neighbour that left."""
+        for i in sorted(allow):
+            via = self.via.get(i)
+            if via is None or via in allow:
+                continue
+            near = self.succs[i] if self.step[i] == "between-allow" else self.preds[i] | self.succs[i]
+            joined = sorted(j for j in near if j in allow)
+            if joined or self.step[i] != "between-allow":  # (a clear op with no low neighbour is a round trip)
+                self.via[i] = joined[0] if joined else via
+                continue
+            producers = sorted(j for j in self.preds[i] if j in allow)
+            self.left[i] = via
+            if producers:
+                self.via[i] = producers[0]
+            else:
+                self.via.pop(i)
 
     # -- recording ---------------------------------------------------------------------------------
     def _finish(self, allow: set[int], deny: set[int], *, none_allowed: bool) -> None:
@@ -229,6 +251,11 @@ class _ScopePainter:
             elif step == "deny-spread":
                 meta["amp.reason"] = (f"FP32 paint from {meta['amp.via']}: it lies on a path from a deny op to a "
                                       f"deny or infer op")
+            elif step == "between-allow" and i in self.left:
+                after = f" after {meta['amp.via']}" if meta["amp.via"] else ""
+                meta["amp.reason"] = (f"between {low_name} ops when painted; {node_label(self.nodes[self.left[i]])} on "
+                                      f"its way to them was then kept FP32 (round-trip check), so it stays "
+                                      f"{low_name}{after} and the Cast to FP32 follows it")
             elif step == "between-allow":
                 meta["amp.reason"] = f"between {low_name} ops (upstream of {meta['amp.via']}), so it joins them"
             elif step == "clear-spread":
