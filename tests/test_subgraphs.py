@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 from amp_rewrite.api import rewrite_onnx_model  # noqa: E402
+from amp_rewrite.decisions import Precision  # noqa: E402
 from ortrun import run_onnx  # noqa: E402
 
 OPSET = 17
@@ -444,6 +445,50 @@ def test_outer_low_value_read_by_a_deny_op_in_a_body():
     assert types(out)["m"] == FP16
     m_casts = sorted((path, to) for path, name, to in casts(out) if name == "m")
     assert m_casts == [("main/if.else_branch", FP32), ("main/if.then_branch", FP32)], m_casts
+
+
+def _low_value_read_by_exp_in_branch_without_allow_op():
+    """The then branch holds only an Exp (deny) reading the main-graph MatMul's output, which runs low."""
+    then_g = body("then", [helper.make_node("Exp", ["a"], ["te"], name="t_exp")], [], [vi("te")])
+    else_g = body("else", [helper.make_node("Identity", ["x"], ["el"], name="e_id")], [], [vi("el")])
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["a"], name="mm"),
+             helper.make_node("If", ["c"], ["z"], name="iff", then_branch=then_g, else_branch=else_g),
+             helper.make_node("MatMul", ["a", "w2"], ["y"], name="mm2")]
+    return make(nodes, [vi("x"), vi("c", T.BOOL, [])], [vi("y"), vi("z")], [weight("w1"), weight("w2")])
+
+
+def test_a_deny_op_in_a_branch_with_no_allow_op_reading_a_low_value_is_an_island():
+    """The branch has no low node, but a Cast back to FP32 enters it before the Exp: an FP32 island
+    there (islands were looked for only in scopes holding a low node: the report listed none)."""
+    result = rewrite_onnx_model(_low_value_read_by_exp_in_branch_without_allow_op())
+    assert ("main/iff.then_branch", "a", FP32) in casts(result.model)
+    [island] = result.log.islands
+    assert island.scope == "iff.then_branch" and island.members == ["t_exp"] and island.seeds == ["t_exp"]
+    assert (island.casts_in, island.casts_out) == (1, 0)
+    assert result.log.decisions["t_exp"].island == island.id
+
+
+def _low_work_only_in_branches_then_reduce_sum():
+    """Main graph: If (a MatMul in each branch) then ReduceSum; the optimal placement makes the If low."""
+    then_g = body("then", [helper.make_node("MatMul", ["x", "w1"], ["t1"], name="t_mm"),
+                           helper.make_node("Relu", ["t1"], ["to"], name="t_relu")], [], [vi("to")])
+    else_g = body("else", [helper.make_node("MatMul", ["x", "w2"], ["e1"], name="e_mm"),
+                           helper.make_node("Sigmoid", ["e1"], ["eo"], name="e_sig")], [], [vi("eo")])
+    nodes = [helper.make_node("If", ["c"], ["y0"], name="iff", then_branch=then_g, else_branch=else_g),
+             helper.make_node("ReduceSum", ["y0", "ax"], ["y"], keepdims=1, name="rsum")]
+    return make(nodes, [vi("x"), vi("c", T.BOOL, [])], [vi("y", FP32, (2, 1))],
+                [weight("w1"), weight("w2"), numpy_helper.from_array(np.array([1], np.int64), "ax")])
+
+
+def test_a_deny_op_reading_an_if_the_optimal_placement_made_low_is_an_island():
+    """Painting saw no allow op in the main graph (no deny paint, no island); the optimal placement then
+    gave the If the low type, and a Cast back to FP32 enters the ReduceSum: it is an FP32 island."""
+    result = rewrite_onnx_model(_low_work_only_in_branches_then_reduce_sum())
+    assert result.log.decisions["iff"].precision == Precision.LOW
+    assert ("main", "y0", FP32) in casts(result.model)
+    [island] = [i for i in result.log.islands if i.scope == "main"]
+    assert island.members == ["rsum"] and island.pattern == "reduction" and island.casts_in == 1
+    assert result.log.decisions["rsum"].island == island.id
 
 
 def test_an_outer_value_read_fp32_in_a_body_and_outside_is_cast_once():

@@ -1,8 +1,8 @@
 """FP32 islands: the connected regions that deny paint forced to FP32, named and counted.
 
 An island is a connected component (networkx) of FP32 nodes linked by painted type-group edges,
-in a scope that has low-precision nodes, holding at least one deny op or deny-painted node (the
-FP32 infer/clear neighbours it reads from belong to it: they are where the cast enters). Each gets the ops that seeded it and a
+in a scope the rewrite changes (:func:`changed_scopes`), holding at least one deny op or
+deny-painted node (the FP32 infer/clear neighbours it reads from belong to it: they are where the cast enters). Each gets the ops that seeded it and a
 recognised pattern name (LayerNorm, RMSNorm, softmax, loss, ...) so the report can say
 "LayerNorm pattern, 9 nodes, 1 cast in, 1 out".
 """
@@ -15,8 +15,9 @@ from typing import Iterator
 import networkx as nx
 
 from ..decisions import Category, DecisionLog, Island, Precision
-from ..ir import Model, Node
-from .base import Context, PassResult, group_inputs, group_outputs, node_label, precision, scope_label
+from ..ir import DType, Graph, Model, Node, Value
+from .base import Context, PassResult, accepts_any_float, group_inputs, group_outputs, node_label, participates, \
+    precision, retypable_io, scope_label
 
 
 _DENY = (Category.DENY, Category.UNLISTED)
@@ -24,9 +25,7 @@ _DENY = (Category.DENY, Category.UNLISTED)
 
 def find_islands(model: Model, ctx: Context) -> PassResult:
     next_id = len(ctx.log.islands)
-    for scope in model.graph.scopes():
-        if not any(precision(n) == Precision.LOW for n in scope.nodes):
-            continue
+    for scope in changed_scopes(model, ctx):
         members = [n for n in scope.nodes if n.meta.get("amp.participates") and precision(n) == Precision.FP32]
         ug = nx.Graph()
         ug.add_nodes_from(id(n) for n in members)
@@ -36,7 +35,8 @@ def find_islands(model: Model, ctx: Context) -> PassResult:
         components = sorted((sorted(c, key=order.get) for c in nx.connected_components(ug)), key=lambda c: order[c[0]])
         for component in components:
             nodes = [by_id[i] for i in component]
-            if not any(n.meta.get("amp.deny_painted") for n in nodes):
+            # (a scope painting left alone, with no allow op, has no deny paint: its deny ops seed)
+            if not any(n.meta.get("amp.deny_painted") or n.meta.get("amp.category") in _DENY for n in nodes):
                 continue  # FP32 only because it is not between low ops: not forced, so not an island
             island = Island(
                 id=next_id,
@@ -51,6 +51,40 @@ def find_islands(model: Model, ctx: Context) -> PassResult:
             ctx.log.islands.append(island)
             next_id += 1
     return PassResult("islands", modified=False)
+
+
+def changed_scopes(model: Model, ctx: Context) -> list[Graph]:
+    """The scopes the rewrite changes: those with a low-precision node, and those reading a value
+    that takes the low type from around them, whose FP32 readers a Cast then enters (an outer
+    MatMul's output read by an Exp in an If branch that has no allow op; the output of an If the
+    optimal placement made low), with the main graph under --no-keep-io-types once anything runs
+    low (its inputs and outputs take the low type)."""
+    scopes = list(model.graph.scopes())
+    if not any(precision(n) == Precision.LOW for s in scopes for n in s.nodes):
+        return []  # nothing runs low: the model is left as it is
+    io_low = not ctx.options.keep_io_types
+    out = []
+    for scope in scopes:
+        if (any(precision(n) == Precision.LOW for n in scope.nodes) or (scope.parent is None and io_low)
+                or any(v is not None and v.graph is not scope and _ends_low(v, io_low) and not accepts_any_float(n, k)
+                       for n in scope.nodes for k, v in enumerate(n.inputs))):
+            out.append(scope)
+    return out
+
+
+def _ends_low(value: Value, io_low: bool) -> bool:
+    """Whether cast placement gives ``value`` the low type (a low node's painted output, a low If's
+    output, a main-graph input under --no-keep-io-types)."""
+    producer = value.producer
+    if producer is None:
+        return (io_low and value.is_graph_input and value.graph is not None and value.graph.parent is None
+                and not value.is_initializer and value.dtype == DType.FLOAT and retypable_io(value))
+    if value.is_constant:
+        return False  # (converted offline for low readers only: an FP32 reader keeps the original)
+    k = value.producer_index
+    if k in producer.meta.get("amp.branch_outputs", ()):
+        return True
+    return participates(producer) and precision(producer) == Precision.LOW and k in group_outputs(producer)
 
 
 def _group_edges(members: list[Node]) -> Iterator[tuple[int, int]]:
