@@ -491,6 +491,23 @@ def test_a_deny_op_reading_an_if_the_optimal_placement_made_low_is_an_island():
     assert result.log.decisions["rsum"].island == island.id
 
 
+def test_a_scope_with_no_allow_op_that_a_cast_enters_does_not_say_nothing_changes():
+    """Painting a scope with no allow op records "no allow op in this scope, so nothing changes"; where
+    a Cast enters it after all (a low outer value read in a branch; an If the optimal placement made
+    low), its nodes say why they stay FP32 instead, and so do the Casts into them."""
+    stale = "so nothing changes"
+    result = rewrite_onnx_model(_low_value_read_by_exp_in_branch_without_allow_op())
+    decisions = result.log.decisions
+    assert stale not in decisions["t_exp"].reason and "overflows fp16" in decisions["t_exp"].reason
+    assert decisions["e_id"].reason.startswith("no allow op in this scope, so nothing changes")  # (unchanged)
+    [into_exp] = [c for c in result.log.casts if c.consumers == ["t_exp"]]
+    assert stale not in into_exp.reason
+    result = rewrite_onnx_model(_low_work_only_in_branches_then_reduce_sum())
+    assert stale not in result.log.decisions["rsum"].reason and "long sum" in result.log.decisions["rsum"].reason
+    [into_sum] = [c for c in result.log.casts if c.consumers == ["rsum"]]
+    assert stale not in into_sum.reason
+
+
 def test_an_outer_value_read_fp32_in_a_body_and_outside_is_cast_once():
     """The main graph and a branch both read a low MatMul's output in FP32: the branch cast it again
     although the main graph's Cast had made the FP32 copy (optimal placement then cast more bytes

@@ -4,7 +4,8 @@ An island is a connected component (networkx) of FP32 nodes linked by painted ty
 in a scope the rewrite changes (:func:`changed_scopes`), holding at least one deny op or
 deny-painted node (the FP32 infer/clear neighbours it reads from belong to it: they are where the cast enters). Each gets the ops that seeded it and a
 recognised pattern name (LayerNorm, RMSNorm, softmax, loss, ...) so the report can say
-"LayerNorm pattern, 9 nodes, 1 cast in, 1 out".
+"LayerNorm pattern, 9 nodes, 1 cast in, 1 out". The nodes of such a scope that painting left
+alone (no allow op there) stop saying that nothing changes (``paint.restate_changed``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..decisions import Category, DecisionLog, Island, Precision
 from ..ir import DType, Graph, Model, Node, Value
 from .base import Context, PassResult, accepts_any_float, group_inputs, group_outputs, node_label, participates, \
     precision, retypable_io, scope_label
+from .paint import restate_changed
 
 
 _DENY = (Category.DENY, Category.UNLISTED)
@@ -26,6 +28,7 @@ _DENY = (Category.DENY, Category.UNLISTED)
 def find_islands(model: Model, ctx: Context) -> PassResult:
     next_id = len(ctx.log.islands)
     for scope in changed_scopes(model, ctx):
+        restate_changed(scope)
         members = [n for n in scope.nodes if n.meta.get("amp.participates") and precision(n) == Precision.FP32]
         ug = nx.Graph()
         ug.add_nodes_from(id(n) for n in members)

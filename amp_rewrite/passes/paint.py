@@ -247,7 +247,12 @@ class _ScopePainter:
             meta["amp.via"] = node_label(self.nodes[via]) if via is not None else None
             meta["amp.deny_painted"] = i in deny
             if none_allowed:
+                # what it says where the scope changes after all (restate_changed: a low value read
+                # from around it, an If the optimal placement made low): as in a painted scope
+                restated = (f"{self.cat[i].value} op not between {low_name} ops: stays FP32 ({meta['amp.reason']})"
+                            if self.cat[i] in _LOW_OK else meta["amp.reason"])
                 meta["amp.reason"] = f"no allow op in this scope, so nothing changes ({meta['amp.reason']})"
+                meta["amp.restated"] = (meta["amp.reason"], restated)
             elif step == "deny-spread":
                 meta["amp.reason"] = (f"FP32 paint from {meta['amp.via']}: it lies on a path from a deny op to a "
                                       f"deny or infer op")
@@ -267,6 +272,16 @@ class _ScopePainter:
             elif not low and self.cat[i] in _LOW_OK:
                 meta["amp.reason"] = (f"{self.cat[i].value} op not between {low_name} ops: stays FP32 "
                                       f"({meta['amp.reason']})")
+
+
+def restate_changed(scope: Graph) -> None:
+    """A scope painted with no allow op said of each node "nothing changes"; where the rewrite
+    changes it after all (``islands.changed_scopes``: a Cast enters it), each node says instead why
+    it stays FP32, as in a painted scope (the cut's figures, appended since, stay)."""
+    for node in scope.nodes:
+        stale, restated = node.meta.pop("amp.restated", (None, None))
+        if stale is not None:
+            node.meta["amp.reason"] = node.meta.get("amp.reason", "").replace(stale, restated, 1)
 
 
 def _through_no_op_casts(value: Value) -> Value:
