@@ -79,12 +79,15 @@ class CastRecord:
     scope: str
     reason: str
     kind: str = "inserted"  # inserted | retargeted | removed
+    # times it runs per model run: 1, or in a Loop/Scan body the product of the trip counts around
+    # it; None where one is not known statically (a Loop with a condition or a computed count)
+    runs: int | None = 1
 
     @property
     def bytes_per_run(self) -> int | None:
-        if self.numel is None:
+        if self.numel is None or self.runs is None:
             return None
-        return int(self.numel * (_itemsize(self.src) + _itemsize(self.dst)))
+        return int(self.numel * (_itemsize(self.src) + _itemsize(self.dst)) * self.runs)
 
 
 def _itemsize(short: str) -> float:

@@ -140,7 +140,10 @@ def _explain_cast(report: Report, c) -> str:
     lines = [f"{c.name}: Cast {c.kind} on {c.tensor} ({c.src}→{c.dst})",
              f"  edge: {c.producer or '<graph input/initializer>'} → {', '.join(c.consumers) or '-'}",
              f"  shape: {list(c.shape) if c.shape is not None else 'unknown'}"
-             + (f", {c.numel} elements, {c.bytes_per_run} bytes moved per run" if c.numel is not None else ""),
+             + (f", {c.numel} elements" if c.numel is not None else "")
+             + (f", {c.bytes_per_run} bytes moved per run" if c.bytes_per_run is not None else "")
+             + (f" (it runs {c.runs} times per model run: in a loop body)" if c.runs not in (None, 1) else "")
+             + (", in a loop body whose trip count is not known statically" if c.runs is None else ""),
              f"  why: {c.reason}"]
     first = next((n for n in c.consumers if n in report.log.decisions), None)
     if first is not None:

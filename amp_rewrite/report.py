@@ -19,7 +19,7 @@ from typing import Any
 from .decisions import HEAVY_OPS, Category, Decision, DecisionLog, Precision  # noqa: F401 (HEAVY_OPS: re-exported)
 from .passes.islands import describe
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 TENSOR_CORE_MULTIPLE = 8  # fp16/bf16 tensor cores want GEMM dims (M, N, K) and channels in multiples of 8
 _PRECISIONS = ("fp16", "bf16", "fp32", "unchanged")
 
@@ -131,7 +131,7 @@ class Report:
             "casts_retargeted": sum(1 for c in self.log.casts if c.kind == "retargeted"),
             "casts_removed": sum(1 for c in self.log.casts if c.kind == "removed"),
             "cast_bytes_per_run": sum(c.bytes_per_run or 0 for c in self.log.casts if c.kind == "inserted"),
-            "casts_unknown_size": sum(1 for c in self.log.casts if c.kind == "inserted" and c.numel is None),
+            "casts_unknown_size": sum(1 for c in self.log.casts if c.kind == "inserted" and c.bytes_per_run is None),
             "islands": len(self.log.islands),
             "fusions": len(self.log.fusions),
             "heavy_ops": self.heavy_ops,
@@ -182,7 +182,8 @@ class Report:
             lines.append(f"MatMul/Gemm/Conv/attention in {low}: {heavy['low']} of {heavy['total']}")
             for k in heavy["kept_fp32"][:10]:
                 lines.append(f"  kept FP32: {k['node']} ({k['op']}): {k['reason']}")
-        lines.append(f"casts inserted: {s['casts_inserted']} ({_bytes(s['cast_bytes_per_run'])} per run where shapes are known)"
+        lines.append(f"casts inserted: {s['casts_inserted']} ({_bytes(s['cast_bytes_per_run'])} per run where shapes "
+                     f"and loop trip counts are known)"
                      + (f", retargeted: {s['casts_retargeted']}" if s["casts_retargeted"] else "")
                      + (f", removed: {s['casts_removed']}" if s["casts_removed"] else ""))
         # --placement optimal: cast bytes and FP32 traffic per run at the default shapes, vs greedy's

@@ -171,6 +171,64 @@ def test_casts_name_edge_direction_shape_and_bytes():
     assert d["summary"]["cast_bytes_per_run"] == sum(c["bytes_per_run"] for c in d["casts"])
 
 
+LOOP_MODEL = """
+<ir_version: 9, opset_import: ["" : 17]>
+g (float[4,8] x, bool go) => (float[4,8] y) {
+  y = Loop(trips, {cond}, x) <
+    body = b (int64 i, bool c, float[4,8] s) => (bool c2, float[4,8] s2) { m = MatMul(s, w)
+                                                                   r = ReduceSum<keepdims=1>(m)
+                                                                   s2 = Sub(m, r)
+                                                                   c2 = Identity(c) }
+  >
+}"""
+
+
+def _loop_model(cond: str) -> onnx.ModelProto:
+    return make_model(LOOP_MODEL.replace("{cond}", cond), {"w": (8, 8), "trips": np.array(10, np.int64)}, ir_version=9)
+
+
+def test_casts_in_a_loop_body_count_every_iteration():
+    """The body's Casts run once per iteration: with a constant trip count of 10 (no condition input)
+    they move 10 times their tensor's bytes per run (the report counted one iteration)."""
+    result = rewrite(_loop_model('""'))
+    d = result.report.to_dict()
+    validate(d)
+    body = [c for c in d["casts"] if c["kind"] == "inserted" and c["scope"] != "main"]
+    assert d["summary"]["cast_bytes_per_run"] == 2 * 32 * 6 * 10 and d["summary"]["casts_unknown_size"] == 0
+    assert len(body) == 2 and all(c["numel"] == 32 and c["bytes_per_run"] == 32 * (4 + 2) * 10 for c in body)
+    assert all(c["runs"] == 10 for c in body)
+    assert Report.from_model(result.model).log == result.log
+
+
+def test_casts_in_a_loop_with_a_condition_have_unknown_bytes_per_run():
+    """A condition input may end the loop early: the trip count is not known, so neither are the
+    body's Casts' bytes per run; they count as of unknown size, not as one iteration."""
+    d = rewrite(_loop_model("go")).report.to_dict()
+    validate(d)
+    body = [c for c in d["casts"] if c["kind"] == "inserted" and c["scope"] != "main"]
+    assert d["summary"]["cast_bytes_per_run"] == 0 and d["summary"]["casts_unknown_size"] == 2
+    assert len(body) == 2 and all(c["numel"] == 32 and c["bytes_per_run"] is None for c in body)
+    assert all(c["runs"] is None for c in body)
+
+
+SCAN_MODEL = """
+<ir_version: 9, opset_import: ["" : 17]>
+g (float[8] h0, float[5,1,8] xs) => (float[8] h, float[5,1,8] ys) {
+  h, ys = Scan <num_scan_inputs = 1, body = b (float[8] hp, float[1,8] xt) => (float[8] hn, float[1,8] yt) {
+    m = MatMul(xt, w)
+    r = ReduceSum<keepdims=0>(m)
+    hn = Sub(hp, r)
+    yt = Identity(m) }> (h0, xs)
+}"""
+
+
+def test_casts_in_a_scan_body_count_every_element_of_the_sequence():
+    d = rewrite(make_model(SCAN_MODEL, {"w": (8, 8)}, ir_version=9)).report.to_dict()
+    body = [c for c in d["casts"] if c["kind"] == "inserted" and c["scope"] != "main"]
+    assert d["summary"]["cast_bytes_per_run"] == 2 * 8 * 6 * 5
+    assert len(body) == 2 and all(c["numel"] == 8 and c["runs"] == 5 for c in body)
+
+
 def test_layernorm_island_named_with_its_seeds():
     d = rewrite(block_model(), fuse=False).report.to_dict()
     assert len(d["islands"]) == 1

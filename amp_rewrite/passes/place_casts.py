@@ -112,6 +112,51 @@ def _in_loop_body(scope: Graph, home: Graph) -> bool:
     return False
 
 
+def _runs(scope: Graph) -> int | None:
+    """How many times a node of ``scope`` runs per model run: the product of the trip counts of the
+    Loops and the lengths of the Scans around it (an If branch counts once), None where one is not
+    known statically."""
+    runs = 1
+    while scope is not None and scope.parent is not None:
+        owner = scope.parent
+        if owner.op_type in ("Loop", "Scan") and owner.domain in ("", "ai.onnx"):
+            trips = _loop_trips(owner) if owner.op_type == "Loop" else _scan_length(owner)
+            if trips is None:
+                return None
+            runs *= trips
+        scope = owner.graph
+    return runs
+
+
+def _loop_trips(loop: Node) -> int | None:
+    """A Loop's constant trip count where it has no condition input (a for loop: the body's
+    condition output is ignored); None for a computed count or a condition, which may end it early."""
+    from ..frontends.onnx_loader import constant_array
+
+    ins = loop.inputs
+    count = ins[0] if ins else None
+    if count is None or not count.is_constant or (len(ins) > 1 and ins[1] is not None):
+        return None
+    value = constant_array(count)
+    return max(int(value.reshape(-1)[0]), 0) if value is not None and value.size == 1 else None
+
+
+def _scan_length(scan: Node) -> int | None:
+    """A Scan's (opset 9+) sequence length: its first scan input's static size along its axis."""
+    attrs = getattr(scan.origin, "attributes", None) or {}  # (the loader keeps none of these in ``attrs``)
+    n = attrs["num_scan_inputs"].as_int() if "num_scan_inputs" in attrs else 0
+    if not n or (scan.opset or 0) < 9 or len(scan.inputs) < n:
+        return None
+    value = scan.inputs[len(scan.inputs) - n]
+    axes = list(attrs["scan_input_axes"].as_ints()) if "scan_input_axes" in attrs else []
+    axis = axes[0] if axes else 0
+    shape = value.shape if value is not None else None
+    if shape is None or not -len(shape) <= axis < len(shape):
+        return None
+    length = shape[axis]
+    return length if isinstance(length, int) else None
+
+
 class _Placer:
     def __init__(self, model: Model, ctx: Context) -> None:
         self.model = model
@@ -441,7 +486,8 @@ class _Placer:
         self.ctx.log.casts.append(CastRecord(
             name=name, tensor=value.name, src=src.short, dst=dst.short,
             producer=node_label(producer) if producer is not None else None, consumers=consumers,
-            shape=value.shape, numel=value.numel, scope=scope_label(scope), reason=reason, kind=kind))
+            shape=value.shape, numel=value.numel, scope=scope_label(scope), reason=reason, kind=kind,
+            runs=_runs(scope)))
 
     # -- cleanup --------------------------------------------------------------------------------------
     def _remove_identity_casts(self, scopes: list[Graph]) -> None:
