@@ -767,6 +767,36 @@ def test_a_cast_of_a_constant_converted_offline_is_recorded_with_its_types():
     assert (record["kind"], record["src"], record["dst"]) == ("removed", "int64", "fp32")
 
 
+def _held_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of every initializer and Constant tensor of ``model``'s main graph, whatever its type."""
+    from onnx import numpy_helper
+
+    total = sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+    return total + sum(numpy_helper.to_array(a.t).nbytes for n in model.graph.node if n.op_type == "Constant"
+                       for a in n.attribute if a.name == "value")
+
+
+def test_weight_bytes_after_leave_out_a_constant_whose_cast_was_folded():
+    """Cast(int64 constant -> FLOAT) read only by an FP16 Add: the constant is converted offline to
+    an FP16 copy and the Cast removed, and the emitter drops the int64 original, which nothing reads
+    any more. weights.bytes_after still counted it (336 B for a model holding 272 B)."""
+    import amp_rewrite
+
+    model = make_model("""
+        <ir_version: 10, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {
+          kf = Cast<to=1>(k)
+          a = MatMul(x, w1)
+          b = Add(a, kf)
+          y = MatMul(b, w2)
+        }""", {"w1": (8, 8), "w2": (8, 8), "k": np.arange(8, dtype=np.int64).reshape(1, 8)}, ir_version=10)
+    out, report = amp_rewrite.rewrite(model, report=True)
+    assert "k" not in {t.name for t in out.graph.initializer}
+    weights = report.to_dict()["summary"]["weights"]
+    assert (weights["bytes_before"], weights["bytes_after"]) == (_held_bytes(model), _held_bytes(out)) == (576, 272)
+    assert Report.from_model(out).summary()["weights"] == report.summary()["weights"]
+
+
 def _fused_norm_beside_a_matmul():
     """A LayerNorm of a graph input straight to a graph output (painting keeps it FP32), beside a MatMul."""
     from test_fuse import LAYERNORM, W

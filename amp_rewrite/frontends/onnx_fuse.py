@@ -308,7 +308,7 @@ def _replace(model: Model, scope: Graph, match: _Match, ctx: Context, namer: Nam
     # initializer, in the emitter (marked here, so the weight counts leave it out)
     for value in read:
         if value.is_initializer and not value.has_uses() and not value.is_graph_output and not value.is_graph_input:
-            value.meta["amp.dropped_with_pattern"] = True
+            value.meta["amp.dropped_unread"] = True
         producer = value.producer
         if _is(producer, "Constant") and producer.graph is scope and not value.uses() \
                 and not value.is_graph_output:

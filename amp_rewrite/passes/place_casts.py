@@ -550,10 +550,17 @@ class _Placer:
         name = node.name or out.name
         if node.meta.get("amp.retargeted"):
             self.ctx.log.casts[:] = [c for c in self.ctx.log.casts if c.name != name or c.kind != "retargeted"]
-        read = node.inputs[0].dtype if node.inputs and node.inputs[0] is not None else None
+        source = node.inputs[0] if node.inputs else None
+        read = source.dtype if source is not None else None
         wrote = DType(node.attrs["to"]) if isinstance(node.attrs.get("to"), int) else None
         self._record(name, out, read or src.dtype, wrote or src.dtype, [], node.graph, reason, "removed")
         node.graph.remove(node)
+        # An initializer only this Cast read (an int64 constant now converted offline to a low copy)
+        # goes with it: the emitter drops such an initializer (onnx_emitter._remove), so the weight
+        # counts leave it out after, as they do a fused pattern's eps.
+        if (source is not None and source.is_initializer and not source.has_uses() and not source.is_graph_input
+                and not source.is_graph_output and self.model.frontend == "onnx"):
+            source.meta["amp.dropped_unread"] = True
         node.meta["amp.removed"] = True
         self.model.meta.setdefault("amp.removed_nodes", []).append(node)
         self.modified = True
@@ -571,7 +578,7 @@ class _Placer:
                     continue
                 if "amp.copy_of" not in value.meta and not value.meta.get("amp.made_by_fusion"):
                     w.bytes_before += int(value.const_numel * value.meta.get("amp.was", value.dtype).itemsize)
-                if value.meta.get("amp.dropped_with_pattern"):
+                if value.meta.get("amp.dropped_unread"):
                     continue  # (in the input, not in the output)
                 w.bytes_after += int(value.const_numel * value.dtype.itemsize)
                 if value.meta.get("amp.convert"):
