@@ -285,6 +285,32 @@ def test_every_unlisted_op_of_a_chain_is_counted():
     assert "custom.ops::Weird ×2" in report.summary_text()
 
 
+def test_unlisted_constants_and_casts_are_counted_like_their_entries(tmp_path):
+    """A rule file that names no Constant or Cast (replace = true): their node entries say category
+    'unlisted' ("no rule names Constant: ..."), but summary.unlisted_ops and the summary's line left
+    them out (classify returned for Cast/Constant before counting)."""
+    rules = tmp_path / "mine.toml"
+    rules.write_text('[ruleset]\nname = "mine"\nreplace = true\n\n[allow]\nMatMul = "gemm"\n\n'
+                     '[deny]\nExp = "keep exp FP32"\n')
+    model = make_model("""
+        <ir_version: 10, opset_import: ["" : 17]>
+        g (float[4,8] x, int64[8] i) => (float[4,8] y) {
+          c = Constant<value = float[8] {1, 1, 1, 1, 1, 1, 1, 1}>()
+          ci = Cast<to=1>(i)
+          a = MatMul(x, w)
+          ec = Exp(c)
+          e = Add(ec, ci)
+          y = Mul(a, e)
+        }""", {"w": (8, 8)}, ir_version=10)
+    report = rewrite(model, rules=[str(rules)]).report
+    entries: dict[str, int] = {}
+    for n in report.to_dict()["nodes"]:
+        if n["category"] == "unlisted":
+            entries[n["op"]] = entries.get(n["op"], 0) + 1
+    assert entries == report.summary()["unlisted_ops"] == {"Add": 1, "Cast": 1, "Constant": 1, "Mul": 1}
+    assert "unlisted ops kept FP32: Add ×1, Cast ×1, Constant ×1, Mul ×1" in report.summary_text()
+
+
 def test_tensor_core_alignment():
     report = rewrite(block_model(), fuse=False).report
     align = {a["node"]: a for a in report.alignment()}
