@@ -218,6 +218,10 @@ class Report:
         if s["unlisted_ops"]:
             ops = ", ".join(f"{op} ×{n}" for op, n in s["unlisted_ops"].items())
             lines.append(f"unlisted ops kept FP32: {ops} — classify them in a rule file (--rules, see rules/README.md)")
+        if self.log.io_changed:  # (the model's signature changed: its caller must follow)
+            names = self.log.io_changed
+            lines.append(f"graph inputs/outputs now {low}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} "
+                         f"(a caller feeds or reads them in {low})")
         if self.output:
             lines.append(f"output: {self.output}")
         # one line per item: a node named with a newline must not break the summary's lines

@@ -311,6 +311,29 @@ def test_unlisted_constants_and_casts_are_counted_like_their_entries(tmp_path):
     assert "unlisted ops kept FP32: Add ×1, Cast ×1, Constant ×1, Mul ×1" in report.summary_text()
 
 
+def test_io_changed_lists_the_initializer_inputs_converted_below_ir_4():
+    """IR 3 (as the onnx zoo exports) lists every initializer as a graph input. A weight converted
+    offline (not cast at run time, at the cost of a Cast per weight) changes that input's declared
+    type to FLOAT16, with keep_io_types on: io_changed stayed empty and the summary said nothing."""
+    import amp_rewrite
+    from onnx import helper, numpy_helper
+
+    T = onnx.TensorProto
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["a"], name="mm"),
+                               helper.make_node("Relu", ["a"], ["y"], name="relu")], "g",
+                              [helper.make_tensor_value_info("x", T.FLOAT, [4, 8]),
+                               helper.make_tensor_value_info("W", T.FLOAT, [8, 8])],
+                              [helper.make_tensor_value_info("y", T.FLOAT, [4, 8])],
+                              [numpy_helper.from_array(np.ones((8, 8), np.float32), "W")])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)], ir_version=3)
+    out, report = amp_rewrite.rewrite(m, report=True)
+    declared = {v.name: v.type.tensor_type.elem_type for v in out.graph.input}
+    assert declared == {"x": T.FLOAT, "W": T.FLOAT16}
+    assert report.to_dict()["io_changed"] == ["W"]
+    assert "graph inputs/outputs now fp16: W" in report.summary_text()
+    assert Report.from_model(out).to_dict()["io_changed"] == ["W"]
+
+
 def test_tensor_core_alignment():
     report = rewrite(block_model(), fuse=False).report
     align = {a["node"]: a for a in report.alignment()}

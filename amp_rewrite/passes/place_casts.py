@@ -287,6 +287,11 @@ class _Placer:
             value.meta["amp.convert"] = True
             value.dtype = self.low
             self.modified = True
+            if value.is_graph_input and value.graph is self.model.graph and value.name not in self.ctx.log.io_changed:
+                # below IR 4 every initializer is a graph input too (is_constant lets only those
+                # through): converted offline, not cast at run time, the input is declared low now
+                # whatever keep_io_types says, and a caller feeding it must feed the low type
+                self.ctx.log.io_changed.append(value.name)
             literal = value.producer
             if literal is not None and literal.meta.get("amp.category") is not None:  # a Constant node
                 literal.meta["amp.precision"] = Precision.LOW
