@@ -203,7 +203,9 @@ def _rewrite(model: Any, *, loss: str, grads: Any, loss_grad: str | None, option
     plan.modified = modified or plan.scaling
     ir_model = emit_onnx(model, ctx.log) if plan.modified else model.origin.model
     if plan.scaling:
-        _LossScaleBuilder(ir_model, plan).build()
+        builder = _LossScaleBuilder(ir_model, plan)
+        builder.build()
+        builder.report_to(ctx.log)
     else:
         ir_model.metadata_props[TRAINING_KEY] = json.dumps({"loss": plan.loss, "loss_scaling": False,
                                                             "grads": plan.grads})
@@ -413,6 +415,7 @@ class _LossScaleBuilder:
         self.name = Namer(taken)  # shares ``taken``: names added by hand are avoided too
         self.opset = model.opset_imports.get("", 0)
         self.new_nodes: list[Any] = []
+        self.constants: list[Any] = []  # the initializers the update adds (the report's weights count them)
 
     def node(self, op: str, inputs: list, reason: str, *, out: str | None = None, **attrs: Any) -> Any:
         ir = self.ir
@@ -435,6 +438,7 @@ class _LossScaleBuilder:
         tensor = ir.tensor(np.array(value, dtype=dtype), name=self.name(f"amp_train/{base}"))
         v = ir.Value(name=tensor.name, type=ir.TensorType(tensor.dtype), shape=ir.Shape([]), const_value=tensor)
         self.graph.register_initializer(v)
+        self.constants.append(v)
         return v
 
     def scalar_input(self, name: str, dtype: Any) -> Any:
@@ -518,6 +522,16 @@ class _LossScaleBuilder:
                           "next_loss_scale": NEXT_LOSS_SCALE, "next_growth_tracker": NEXT_GROWTH_TRACKER,
                           "config": asdict(plan.config)})
         self.model.metadata_props[TRAINING_KEY] = json.dumps(added)
+
+    def report_to(self, log: Any) -> None:
+        """The emitter wrote the log's records and the model's tags before these nodes went in: the
+        weights now hold the update's constants too. Log and tags say so, so that both reports (the
+        one returned, the one rebuilt from the model) describe the model written."""
+        added = sum(v.const_value.nbytes for v in self.constants)
+        log.weights.bytes_after += added
+        tags = json.loads(self.model.metadata_props[TAG + "report"])
+        tags["weights"]["bytes_after"] += added
+        self.model.metadata_props[TAG + "report"] = json.dumps(tags)
 
     def _unscale_low_readers(self, value: Any, unscaled: Any, backward: set[int]) -> None:
         """A gradient computed low leaves through a Cast to FP32; a low-precision reader outside the

@@ -841,3 +841,39 @@ def test_a_low_precision_reader_of_a_gradient_reads_it_unscaled(tmp_path):
     ref, got = _run_scaled(model, out, tmp_path, {"W": np.ones((4, 4), np.float32)})
     for name in ("grad_W", "pg"):
         np.testing.assert_allclose(got[name], ref[name], rtol=1e-2)
+
+
+# -- the report of a training rewrite describes the model written, loss-scale nodes and all ---------------------
+def _mlp_step_graph():
+    """loss = mean((x @ W)²) and its gradient grad.W (the backward pass computed low), named nodes."""
+    from onnx import helper as h
+
+    T = onnx.TensorProto
+    inputs = [h.make_tensor_value_info("W", T.FLOAT, [16, 16]), h.make_tensor_value_info("x", T.FLOAT, [8, 16]),
+              h.make_tensor_value_info("loss_grad", T.FLOAT, [])]
+    outputs = [h.make_tensor_value_info("loss", T.FLOAT, []), h.make_tensor_value_info("grad.W", T.FLOAT, [16, 16])]
+    nodes = [h.make_node("MatMul", ["x", "W"], ["y"], name="fwd_mm"), h.make_node("Mul", ["y", "y"], ["sq"], name="sq"),
+             h.make_node("ReduceMean", ["sq"], ["loss"], keepdims=0, name="mean"),
+             h.make_node("Mul", ["y", "loss_grad"], ["dy"], name="dy"), h.make_node("Transpose", ["x"], ["xt"], name="xt"),
+             h.make_node("MatMul", ["xt", "dy"], ["grad.W"], name="bwd_mm")]
+    return h.make_model(h.make_graph(nodes, "g", inputs, outputs), opset_imports=[h.make_opsetid("", 17)], ir_version=10)
+
+
+def _held_bytes(model):
+    total = sum(onnx.numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+    return total + sum(onnx.numpy_helper.to_array(a.t).nbytes for n in model.graph.node if n.op_type == "Constant"
+                       for a in n.attribute if a.name == "value")
+
+
+def test_training_report_weights_count_the_loss_scale_constants():
+    """The loss-scale update brings its own initializers (growth factor, interval, min/max scale,
+    ...): the report's weights said 0 B -> 0 B for a model written with 40 B of them."""
+    from amp_rewrite.report import Report
+
+    model = _mlp_step_graph()
+    result = rewrite_training_onnx_model(model, loss="loss", grads=GRADS, target="fp16")
+    weights = result.report.summary()["weights"]
+    assert (weights["bytes_before"], weights["bytes_after"]) == (_held_bytes(model), _held_bytes(result.model))
+    assert weights["bytes_after"] == 40  # 4 float32 and 3 int64 scalars
+    assert Report.from_model(result.model).summary()["weights"] == weights
+
