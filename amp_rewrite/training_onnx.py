@@ -416,6 +416,7 @@ class _LossScaleBuilder:
         self.opset = model.opset_imports.get("", 0)
         self.new_nodes: list[Any] = []
         self.constants: list[Any] = []  # the initializers the update adds (the report's weights count them)
+        self.rewired: dict[int, tuple[Any, str | None]] = {}  # our Casts whose edges changed, and a new reason
 
     def node(self, op: str, inputs: list, reason: str, *, out: str | None = None, **attrs: Any) -> Any:
         ir = self.ir
@@ -464,6 +465,8 @@ class _LossScaleBuilder:
         loss_value = outputs[plan.loss][1]
         scaled = self.node("Mul", [loss_value, scale], "training: scaled_loss = loss (FP32) x loss_scale",
                            out=SCALED_LOSS)
+        if _our_cast(loss_value.producer()):  # (a loss computed low leaves through our Cast: it feeds this Mul too)
+            self.rewired.setdefault(id(loss_value.producer()), (loss_value.producer(), None))
         self.typed(scaled, FLOAT, loss_value.shape)  # a scalar, or the loss's one-element shape
         graph.outputs.append(scaled)
         added = {"loss": plan.loss, "loss_scale": LOSS_SCALE, "scaled_loss": SCALED_LOSS}
@@ -490,6 +493,10 @@ class _LossScaleBuilder:
                 readers = list(value.uses())
                 unscaled = self.node("Mul", [value, inv], "training: gradient unscaled in FP32 (x 1/loss_scale)",
                                      out=name)
+                cast = value.producer()
+                if _our_cast(cast):  # (it wrote the gradient output; the unscale reads it now)
+                    self.rewired[id(cast)] = (cast, f"training: the gradient computed low is unscaled in FP32 by "
+                                                    f"{unscaled.producer().name} before it leaves as output {name!r}")
                 unscaled.type, unscaled.shape = ir.TensorType(FLOAT), value.shape
                 graph.outputs[index] = unscaled
                 # what the graph computes from the gradient (an in-graph SGD step, a gradient norm)
@@ -525,13 +532,31 @@ class _LossScaleBuilder:
 
     def report_to(self, log: Any) -> None:
         """The emitter wrote the log's records and the model's tags before these nodes went in: the
-        weights now hold the update's constants too. Log and tags say so, so that both reports (the
-        one returned, the one rebuilt from the model) describe the model written."""
+        weights now hold the update's constants too, and a Cast the rewrite placed on the seed or a
+        gradient reads or feeds other nodes. Log and tags say so, so that both reports (the one
+        returned, the one rebuilt from the model) describe the model written."""
+        from .emitters.onnx_emitter import cast_record_dict
+
         added = sum(v.const_value.nbytes for v in self.constants)
         log.weights.bytes_after += added
         tags = json.loads(self.model.metadata_props[TAG + "report"])
         tags["weights"]["bytes_after"] += added
         self.model.metadata_props[TAG + "report"] = json.dumps(tags)
+        records = {c.name: c for c in log.casts if c.kind == "inserted"}
+        for cast, reason in self.rewired.values():
+            record = records.get(cast.name)
+            if record is None:
+                continue
+            source, out = cast.inputs[0], cast.outputs[0]
+            record.tensor = source.name
+            record.producer = _label(source.producer()) if source.producer() is not None else None
+            record.consumers = sorted({_label(user) for user, _ in out.uses()}
+                                      | ({"<graph output>"} if out.is_graph_output() else set()))
+            if reason is not None:
+                record.reason = reason
+                cast.metadata_props[TAG + "reason"] = reason
+            index = json.loads(cast.metadata_props[TAG + "cast"])["index"]
+            cast.metadata_props[TAG + "cast"] = json.dumps({**cast_record_dict(record), "index": index})
 
     def _unscale_low_readers(self, value: Any, unscaled: Any, backward: set[int]) -> None:
         """A gradient computed low leaves through a Cast to FP32; a low-precision reader outside the
@@ -591,6 +616,8 @@ class _LossScaleBuilder:
         scaled.type, scaled.shape = seed.type, seed.shape
         for user, index in uses:
             user.replace_input_with(index, scaled)
+            if _our_cast(user):  # (it reads the scaled seed now)
+                self.rewired.setdefault(id(user), (user, None))
         # The new Mul was appended last; it must run before the seed's consumers.
         from onnx_ir.passes.common import TopologicalSortPass
 
@@ -619,6 +646,18 @@ class _LossScaleBuilder:
         s = self.node("Where", [finite, scale_ok, backed], why, out=NEXT_LOSS_SCALE)
         t = self.node("Where", [finite, tracker_ok, zero], why, out=NEXT_GROWTH_TRACKER)
         return self.typed(s, FLOAT), self.typed(t, INT64)
+
+
+def _our_cast(node: Any) -> bool:
+    """A Cast the rewrite placed (its record is in the log and in the node's tags)."""
+    return node is not None and node.op_type == "Cast" and TAG + "cast" in node.metadata_props \
+        and node.metadata_props.get(TAG + "inserted") == "cast"
+
+
+def _label(node: Any) -> str:
+    """A node's name in the report (passes.base.node_label: the tagged label of an unnamed node)."""
+    return node.metadata_props.get(TAG + "label") or node.name or \
+        f"{node.op_type}:{node.outputs[0].name if node.outputs else ''}"
 
 
 def _subgraph_outputs(graph: Any) -> dict[int, list[Any]]:

@@ -877,3 +877,27 @@ def test_training_report_weights_count_the_loss_scale_constants():
     assert weights["bytes_after"] == 40  # 4 float32 and 3 int64 scalars
     assert Report.from_model(result.model).summary()["weights"] == weights
 
+
+def test_training_report_cast_records_follow_the_loss_scale_nodes():
+    """The Cast bringing the FP16 gradient to FP32 was recorded (before the loss-scale nodes went
+    in) as writing the graph output, "graph outputs keep their type"; in the written model the
+    unscale Mul reads it and writes the output. The seed's Cast read loss_grad x loss_scale, not
+    loss_grad, though its record said it read the graph input."""
+    from amp_rewrite.report import Report
+
+    result = rewrite_training_onnx_model(_mlp_step_graph(), loss="loss", grads=GRADS, target="fp16")
+    out = result.model
+    nodes = {n.name: n for n in out.graph.node}
+    producers = {o: n.name for n in out.graph.node for o in n.output}
+    outputs = {o.name for o in out.graph.output}
+    casts = [c for c in result.report.to_dict()["casts"] if c["kind"] == "inserted"]
+    assert {c["name"] for c in casts} >= {"amp_cast/grad.W/to_fp32", "amp_cast/loss_grad/to_fp16"}
+    for c in casts:
+        cast = nodes[c["name"]]
+        readers = {n.name for n in out.graph.node if cast.output[0] in n.input}
+        assert set(c["consumers"]) == readers | ({"<graph output>"} if cast.output[0] in outputs else set()), c
+        assert (c["tensor"], c["producer"]) == (cast.input[0], producers.get(cast.input[0])), c
+    grad = next(c for c in casts if c["name"] == "amp_cast/grad.W/to_fp32")
+    assert grad["consumers"] == ["amp_train/Mul_2"] and "keep_io_types" not in grad["reason"]
+    assert "unscaled" in grad["reason"]
+    assert Report.from_model(out).to_dict()["casts"] == result.report.to_dict()["casts"]
