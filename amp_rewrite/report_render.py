@@ -130,8 +130,10 @@ def render_markdown(report: "Report") -> str:
         lines += _md_table(["node", "op", "dims", "not multiples of 8", "status"], [
             [a["node"], a["op"], ", ".join(f"{k}={v}" for k, v in a["dims"].items()), ", ".join(a["misaligned"]) or "-",
              a["status"]] for a in d["alignment"]])
+    lines += ["", "## Weights", ""]
+    lines += _md_table(["", ""], [[k, v] for k, v in _weight_rows(w)])
     if w["sentinels"]:
-        lines += ["", "## Sentinel constants", ""]
+        lines += ["", "### Sentinel constants", ""]
         lines += _md_table(["tensor", "values", "min", "max"],
                            [[x["tensor"], x["count"], _num(x["min"]), _num(x["max"])] for x in w["sentinels"]])
     if d["notes"]:
@@ -278,14 +280,19 @@ def _fusions_html(d: dict[str, Any]) -> str:
             f'in the model.</p><table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>')
 
 
-def _weights_html(d: dict[str, Any]) -> str:
-    s = d["summary"]
-    w = s["weights"]
-    rows = [("bytes before", f"{w['bytes_before']} ({_bytes(w['bytes_before'])})"),
+def _weight_rows(w: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The Weights section's rows, in the HTML and the Markdown report alike."""
+    return [("bytes before", f"{w['bytes_before']} ({_bytes(w['bytes_before'])})"),
             ("bytes after", f"{w['bytes_after']} ({_bytes(w['bytes_after'])})"),
             ("tensors converted", w["converted"]), ("elements converted", w["converted_elements"]),
             ("values clamped at the type's limit", w["clamped"]), ("values flushed to zero", w["flushed_to_zero"]),
             ("initializers duplicated (FP32 + low copy)", w["duplicated"])]
+
+
+def _weights_html(d: dict[str, Any]) -> str:
+    s = d["summary"]
+    w = s["weights"]
+    rows = _weight_rows(w)
     out = ['<table class="kv" id="weights-table">'] + [f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows]
     out.append("</table>")
     if w["sentinels"]:

@@ -567,6 +567,23 @@ def test_markdown_keeps_arbitrary_node_names_inert():
     assert len(body_rows) == len(report.to_dict()["nodes"])
 
 
+def test_markdown_has_the_weights_section_of_the_html():
+    """docs/report.md: the Markdown report has the HTML's sections (but the picture); it had no
+    Weights section (elements converted, duplicated constants were in the HTML only)."""
+    from amp_rewrite.report_render import render_html, render_markdown
+
+    report = rewrite(block_with_mask_constant(), fuse=False).report
+    w = report.summary()["weights"]
+    md = render_markdown(report)
+    assert "<h2>Weights</h2>" in render_html(report) and "\n## Weights\n" in md
+    section = md.split("\n## Weights\n", 1)[1].split("\n## ", 1)[0]
+    for label, value in (("bytes before", w["bytes_before"]), ("bytes after", w["bytes_after"]),
+                         ("tensors converted", w["converted"]), ("elements converted", w["converted_elements"]),
+                         ("initializers duplicated (FP32 + low copy)", w["duplicated"])):
+        assert f"| {label} | {value}" in section
+    assert "### Sentinel constants" in section and "| mask | 256 |" in section
+
+
 def test_markdown_shows_names_literally_not_as_inline_syntax():
     """A name holding ``![x](url)`` rendered as a remote image, ``__add__`` and ``**b**`` as bold:
     only \\, |, `, & and < were escaped."""
