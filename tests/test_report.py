@@ -86,6 +86,24 @@ def test_schema_documents_its_fields():
     assert "report.schema.json" in (ROOT / "docs" / "report.md").read_text()
 
 
+def test_schema_id_names_the_version_reports_are_written_in():
+    """The schema's $id said report-1.0 while every report said schema_version 1.1 (fusions)."""
+    assert load_schema()["$id"].endswith(f"/report-{SCHEMA_VERSION}.schema.json")
+
+
+def test_docs_name_every_field_of_the_report():
+    """docs/report.md lists the report's fields; nodes_total, casts_unknown_size and an island's id
+    and scope (among others) were missing from it."""
+    import re
+
+    schema = load_schema()
+    named = set(re.findall(r"`([A-Za-z_0-9]+)`", (ROOT / "docs" / "report.md").read_text()))
+    fields = {f"report.{k}" for k in schema["properties"]}
+    for name in ("summary", "node", "cast", "island", "fusion", "alignment"):
+        fields |= {f"{name}.{k}" for k in schema["$defs"][name]["properties"]}
+    assert sorted(f for f in fields if f.split(".")[1] not in named) == []
+
+
 @pytest.mark.parametrize("factory", [block_model, block_with_mask_constant, _casts_and_custom, _if_model,
                                      lambda: block_model(big_weight=True)])
 def test_report_json_validates(factory):
