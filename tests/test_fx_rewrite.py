@@ -1650,3 +1650,34 @@ def test_example_kwargs_alone_serve_the_symbolic_trace_fallback():
         gm = amp_rewrite.rewrite(_DataDependent().eval(), target="bf16", example_kwargs={"x": x})
     gm.graph.lint()
     assert gm.fc.weight.dtype == torch.bfloat16 and gm(x).dtype == torch.float32
+
+
+class _NormsSoftmaxLoss(nn.Module):
+    """An RMSNorm and a LayerNorm written out, a softmax, an nn.LayerNorm and a cross entropy, each
+    between linears: five FP32 islands."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d, self.e = (nn.Linear(8, 8) for _ in range(5))
+        self.ln = nn.LayerNorm(8)
+
+    def forward(self, x, labels):
+        h = self.a(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        h = self.ln(self.c(torch.softmax(self.b(h), -1)))
+        h = self.d(h)
+        u = h.mean(-1, keepdim=True)
+        h = (h - u) / torch.sqrt((h - u).pow(2).mean(-1, keepdim=True) + 1e-5)
+        return F.cross_entropy(self.e(h), labels)
+
+
+@pytest.mark.parametrize("capture, decompose", [("export", False), ("export", True), ("symbolic_trace", False)],
+                         ids=["export", "decomposed", "symbolic_trace"])
+def test_torch_islands_are_named_by_their_pattern(capture, decompose):
+    """Island patterns were recognised by ONNX op names only: every torch island was an anonymous
+    'FP32 region'. The aten (fused and decomposed) and torch-level spellings name them too."""
+    x, labels = torch.randn(4, 8), torch.tensor([1, 2, 3, 0])
+    _, report = amp_rewrite.rewrite(_NormsSoftmaxLoss().eval(), example_inputs=(x, labels), target="bf16",
+                                    capture=capture, decompose=decompose, report=True)
+    assert [i.pattern for i in report.log.islands] == ["RMSNorm", "softmax", "normalisation", "LayerNorm", "loss"]
+    assert report.to_dict()["islands"][0]["description"].startswith("RMSNorm pattern, 5 nodes")

@@ -10,7 +10,6 @@ alone (no allow op there) stop saying that nothing changes (``paint.restate_chan
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Iterator
 
 import networkx as nx
@@ -101,21 +100,48 @@ def _group_edges(members: list[Node]) -> Iterator[tuple[int, int]]:
                 yield id(producer), id(node)
 
 
+# The op names each pattern is recognised by: ONNX's and the torch frontend's (aten and torch-level
+# rule names, as fx_loader.canonical_name spells them; decomposed and fused spellings both). The two
+# vocabularies never overlap, so an ONNX island is named as it was before torch names were added.
+_LOSS = {"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss",
+         "cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss2d", "nll_loss_nd", "nll_loss_forward",
+         "nll_loss2d_forward", "poisson_nll_loss", "gaussian_nll_loss", "kl_div", "l1_loss", "smooth_l1_loss",
+         "huber_loss", "mse_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits", "ctc_loss",
+         "_ctc_loss", "margin_ranking_loss", "hinge_embedding_loss", "cosine_embedding_loss", "soft_margin_loss",
+         "multilabel_margin_loss", "multilabel_soft_margin_loss", "multi_margin_loss", "triplet_margin_loss"}
+_LOG_SOFTMAX = {"LogSoftmax", "log_softmax", "_log_softmax"}
+_MEAN = {"ReduceMean", "mean"}
+_SQUARE = {"Pow", "Mul", "pow", "mul", "square"}
+_VARIANCE = {"var", "var_mean"}  # torch's mean of squared deviations in one op
+_ROOT = {"Sqrt", "Reciprocal", "sqrt", "rsqrt", "reciprocal"}
+_SUB = {"Sub", "sub"}
+_NORMALISATION = {"LayerNormalization", "GroupNormalization", "InstanceNormalization", "BatchNormalization",
+                  "layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm",
+                  "native_group_norm", "instance_norm", "batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                  "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional",
+                  "cudnn_batch_norm", "local_response_norm"}
+_EXP = {"Exp", "exp"}
+_SUM_OR_DIV = {"ReduceSum", "Div", "sum", "div"}
+_SOFTMAX = {"Softmax", "LogSoftmax", "softmax", "_softmax", "log_softmax", "_log_softmax", "softmin"}
+_REDUCTION = {"ReduceSum", "ReduceMean", "ReduceProd", "ReduceSumSquare", "ReduceL2", "ReduceLogSumExp", "CumSum",
+              "sum", "nansum", "mean", "prod", "cumsum", "cumprod", "logcumsumexp", "logsumexp", "var", "std",
+              "var_mean", "std_mean", "norm", "linalg_norm", "linalg_vector_norm", "frobenius_norm"}
+_EXPONENTIAL = {"Exp", "Log", "Pow", "exp", "expm1", "log", "log2", "log10", "log1p", "pow"}
+
+
 def recognise_pattern(nodes: list[Node]) -> str | None:
-    ops = Counter(n.op_type for n in nodes)
-    names = set(ops)
-    if names & {"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"} or (
-            "LogSoftmax" in names and len(nodes) > 1):
+    names = {n.op_type for n in nodes}
+    if names & _LOSS or (names & _LOG_SOFTMAX and len(nodes) > 1):
         return "loss"
-    if "ReduceMean" in names and ("Pow" in names or "Mul" in names) and ("Sqrt" in names or "Reciprocal" in names):
-        return "LayerNorm" if "Sub" in names else "RMSNorm"
-    if names & {"LayerNormalization", "GroupNormalization", "InstanceNormalization", "BatchNormalization"}:
+    if (names & _MEAN and names & _SQUARE or names & _VARIANCE) and names & _ROOT:
+        return "LayerNorm" if names & _SUB else "RMSNorm"
+    if names & _NORMALISATION:
         return "normalisation"
-    if ("Exp" in names and (names & {"ReduceSum", "Div"})) or names & {"Softmax", "LogSoftmax"}:
+    if (names & _EXP and names & _SUM_OR_DIV) or names & _SOFTMAX:
         return "softmax"
-    if names & {"ReduceSum", "ReduceMean", "ReduceProd", "ReduceSumSquare", "ReduceL2", "ReduceLogSumExp", "CumSum"}:
+    if names & _REDUCTION:
         return "reduction"
-    if names & {"Exp", "Log", "Pow"}:
+    if names & _EXPONENTIAL:
         return "exponential"
     return None
 
