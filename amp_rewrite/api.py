@@ -191,8 +191,9 @@ def _record_decisions(model: Model, ctx: Context) -> None:
             reason=meta.get("amp.reason", ""), source=meta.get("amp.source", ""), step=meta.get("amp.step", "classify"),
             via=meta.get("amp.via"), island=meta.get("amp.island")))
         if node.domain == "" and node.op_type in ALIGNMENT_OPS:
+            operands = [node.inputs[i] for i in ALIGNMENT_OPS[node.op_type] if i < len(node.inputs)]
             ctx.log.operand_shapes[node_label(node)] = [
-                list(v.shape) if v is not None and v.shape is not None else None for v in node.inputs[:2]]
+                list(v.shape) if v is not None and v.shape is not None else None for v in operands]
     # A model that is partly (or wholly: an output rewritten again) low precision already: those
     # nodes take no decision, so the summary's counts would leave them out without a word.
     for low in sorted({t for t, _ in given}):

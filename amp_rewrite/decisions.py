@@ -39,8 +39,14 @@ _TORCH_HEAVY = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "
 HEAVY_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "Attention",
              *(f"com.microsoft::{op}" for op in _CONTRIB_HEAVY), *_TORCH_HEAVY}
 
-# Ops whose low-precision speed depends on dims being multiples of 8 (tensor cores).
-ALIGNMENT_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose")
+# Ops whose low-precision speed depends on dims being multiples of 8 (tensor cores), and the
+# positions of the two inputs whose shapes give those dims: (A, B) of a GEMM, (X, W) of a
+# convolution. torch's addmm and baddbmm take the bias first.
+ALIGNMENT_OPS: dict[str, tuple[int, int]] = {
+    "MatMul": (0, 1), "Gemm": (0, 1), "Conv": (0, 1), "ConvTranspose": (0, 1),
+    "linear": (0, 1), "matmul": (0, 1), "mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2),
+    "conv1d": (0, 1), "conv2d": (0, 1), "conv3d": (0, 1), "conv_transpose1d": (0, 1), "conv_transpose2d": (0, 1),
+    "conv_transpose3d": (0, 1), "convolution": (0, 1), "_convolution": (0, 1)}
 
 
 class Precision(str, enum.Enum):

@@ -252,11 +252,20 @@ def _decision_dict(d: Decision, precision: str, root: str, decisions: dict[str, 
             "root": root, "rule": rule, "island": d.island}
 
 
+# torch's GEMMs and convolutions, by the ONNX op whose dims they tile alike (the A and B operands
+# recorded: addmm's mat1/mat2, baddbmm's batch1/batch2)
+_TORCH_ALIGNMENT = {"matmul": "MatMul", "mm": "MatMul", "bmm": "MatMul", "addmm": "MatMul", "baddbmm": "MatMul",
+                    "conv1d": "Conv", "conv2d": "Conv", "conv3d": "Conv", "conv_transpose1d": "ConvTranspose",
+                    "conv_transpose2d": "ConvTranspose", "conv_transpose3d": "ConvTranspose"}
+
+
 def _tensor_core_dims(op: str, shapes: list) -> dict[str, Any]:
     """The dims tensor cores tile, by name. Gemm's transA/transB are not recorded, so its dims are
-    named by operand axis; every one of them is M, N or K either way."""
+    named by operand axis; every one of them is M, N or K either way. So are aten.convolution's
+    weight axes (C_out and C_in/group, or the other way round when it is transposed)."""
     a = shapes[0] if len(shapes) > 0 else None
     b = shapes[1] if len(shapes) > 1 else None
+    op = _TORCH_ALIGNMENT.get(op, op)
     dims: dict[str, Any] = {}
     if op == "MatMul":
         if a:
@@ -265,6 +274,13 @@ def _tensor_core_dims(op: str, shapes: list) -> dict[str, Any]:
             dims["K"] = a[-1]
         if b and len(b) >= 2:
             dims["N"] = b[-1]
+    elif op == "linear":  # x [..., K] times weight [N, K]: one GEMM whose M is x's leading dims flattened
+        if a:
+            if len(a) >= 2:
+                dims["M"] = _product(a[:-1])
+            dims["K"] = a[-1]
+        if b:
+            dims["N"] = b[0]
     elif op == "Gemm":
         for label, shape in (("A", a), ("B", b)):
             for axis, size in enumerate(shape or []):
@@ -273,7 +289,19 @@ def _tensor_core_dims(op: str, shapes: list) -> dict[str, Any]:
         dims["C_out"], dims["C_in/group"] = b[0], b[1]
     elif op == "ConvTranspose" and b and len(b) >= 2:
         dims["C_in"], dims["C_out/group"] = b[0], b[1]
+    elif op in ("convolution", "_convolution") and b and len(b) >= 2:
+        dims["W[0]"], dims["W[1]"] = b[0], b[1]
     return dims
+
+
+def _product(dims: list) -> Any:
+    """The size of dims flattened into one: an int, a symbolic product ("s0*8"), or None where a
+    dim is not known."""
+    if all(isinstance(d, int) for d in dims):
+        return math.prod(dims)
+    if any(d is None for d in dims):
+        return None
+    return dims[0] if len(dims) == 1 else "*".join(str(d) for d in dims)
 
 
 def _finite(d: dict[str, Any]) -> dict[str, Any]:

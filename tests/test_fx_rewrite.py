@@ -1681,3 +1681,38 @@ def test_torch_islands_are_named_by_their_pattern(capture, decompose):
                                     capture=capture, decompose=decompose, report=True)
     assert [i.pattern for i in report.log.islands] == ["RMSNorm", "softmax", "normalisation", "LayerNorm", "loss"]
     assert report.to_dict()["islands"][0]["description"].startswith("RMSNorm pattern, 5 nodes")
+
+
+class _GemmsAndConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 16)  # K = 12: not a multiple of 8
+        self.conv = nn.Conv2d(3, 16, 3)  # C_in = 3
+        self.w = nn.Parameter(torch.randn(16, 24))
+
+    def forward(self, x, img):
+        h = self.fc(x)
+        return torch.bmm(h, h.transpose(1, 2)), h @ self.w, self.conv(img)
+
+
+@pytest.mark.parametrize("capture, decompose", [("export", False), ("export", True), ("symbolic_trace", False)],
+                         ids=["export", "decomposed", "symbolic_trace"])
+def test_torch_gemms_and_convolutions_get_the_alignment_check(capture, decompose):
+    """The report's tensor-core alignment section was always empty on torch: operand shapes were
+    recorded for ONNX op names only. linear's M is its input's leading dims flattened (2 * 4);
+    addmm's operands are the two after the bias."""
+    from amp_rewrite.report import validate
+
+    x, img = torch.randn(2, 4, 12), torch.randn(1, 3, 8, 8)
+    _, report = amp_rewrite.rewrite(_GemmsAndConv().eval(), example_inputs=(x, img), target="fp16",
+                                    capture=capture, decompose=decompose, report=True)
+    d = report.to_dict()
+    validate(d)
+    got = {a["op"]: (a["dims"], a["misaligned"]) for a in d["alignment"]}
+    linear = "addmm" if decompose else "linear"
+    conv, channels = ("convolution", ("W[0]", "W[1]")) if decompose else ("conv2d", ("C_out", "C_in/group"))
+    assert got[linear] == ({"M": 8, "K": 12, "N": 16}, ["K"])
+    assert got["bmm"] == ({"M": 4, "K": 16, "N": 4}, ["M", "N"])
+    assert got["mm" if decompose else "matmul"][0]["N"] == 24
+    assert got[conv] == (dict(zip(channels, (16, 3))), [channels[1]])
+    assert d["summary"]["alignment"]["checked"] == 4 and d["summary"]["alignment"]["unknown"] == 0
