@@ -334,6 +334,7 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
     if not isinstance(obj, torch.nn.Module):
         raise UsageError(f"rewrite_torch takes an nn.Module, a GraphModule or an ExportedProgram, "
                          f"not {type(obj).__name__}")
+    export_error: BaseException | None = None
     if capture in ("auto", "export"):
         if example_inputs is None and not example_kwargs:
             if capture == "export":
@@ -346,7 +347,8 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
             except Exception as exc:  # noqa: BLE001 - export fails in many ways; fall back, say why
                 if capture == "export":
                     raise UnsupportedModelError(f"torch.export could not capture {type(obj).__name__}: "
-                                                f"{_first_line(exc)}") from exc
+                                                f"{_export_cause(exc)}; {_EXPORT_ADVICE}") from exc
+                export_error = exc
                 notes.append(f"torch.export failed ({_first_line(exc)}); fell back to torch.fx.symbolic_trace")
                 warnings.warn(f"amp_rewrite: torch.export failed for {type(obj).__name__} ({_first_line(exc)}); "
                               f"falling back to torch.fx.symbolic_trace", stacklevel=3)
@@ -356,11 +358,32 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
     try:
         traced = fx.symbolic_trace(private)
     except Exception as exc:  # noqa: BLE001
-        hint = ("; pass example_inputs so torch.export can capture it" if example_inputs is None and not example_kwargs
-                else f"; torch.export had failed first: {notes[-1]}" if notes else "")
+        if export_error is not None:
+            # export's failure is the one to fix: symbolic_trace cannot run most modules export
+            # cannot (it feeds Proxies to every argument, an optional one left None included, so an
+            # HF model's own argument checks raise), and its error hid export's cause
+            raise UnsupportedModelError(
+                f"torch.export could not capture {type(obj).__name__}: {_export_cause(export_error)}; "
+                f"{_EXPORT_ADVICE} (the torch.fx.symbolic_trace fallback failed too: {_first_line(exc)})") from exc
+        hint = "; pass example_inputs so torch.export can capture it" if example_inputs is None and not example_kwargs \
+            else ""
         raise UnsupportedModelError(
             f"torch.fx.symbolic_trace could not trace {type(obj).__name__}: {_first_line(exc)}{hint}") from exc
     return traced, "symbolic_trace"
+
+
+_EXPORT_ADVICE = ("torch.compile(model, backend=\"amp_rewrite\") rewrites such a module graph by graph, around "
+                  "the graph breaks torch.export cannot take (data-dependent control flow, .item(), unsupported "
+                  "Python); or make the forward exportable (torch.cond for a data-dependent branch) and rewrite again")
+
+
+def _export_cause(exc: BaseException) -> str:
+    """torch.export's error, first line, with the line of the module's code that caused it where
+    torch names it (its data-dependent errors do on a later line: 'Caused by: (model.py:19 in forward)')."""
+    cause = _first_line(exc)
+    where = next((line.strip()[len("Caused by:"):].strip().strip("()") for line in str(exc).splitlines()
+                  if line.strip().startswith("Caused by:")), "")
+    return f"{cause} (caused by {where[:200]})" if where else cause
 
 
 def _module_of(program: Any, decompose: bool) -> fx.GraphModule:

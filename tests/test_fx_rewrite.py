@@ -1716,3 +1716,36 @@ def test_torch_gemms_and_convolutions_get_the_alignment_check(capture, decompose
     assert got["mm" if decompose else "matmul"][0]["N"] == 24
     assert got[conv] == (dict(zip(channels, (16, 3))), [channels[1]])
     assert d["summary"]["alignment"]["checked"] == 4 and d["summary"]["alignment"]["unknown"] == 0
+
+
+class _HfStyleDataDependent(nn.Module):
+    """An HF-style forward: optional inputs checked against each other (symbolic_trace feeds a
+    Proxy to each, so the check raises) and a data-dependent branch torch.export cannot capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(10, 8), nn.Linear(8, 8)
+
+    def forward(self, input_ids=None, inputs_embeds=None):
+        if input_ids is not None and inputs_embeds is not None:
+            raise ValueError("You cannot specify both input_ids and inputs_embeds at the same time")
+        h = self.emb(input_ids) if inputs_embeds is None else inputs_embeds
+        if (input_ids > 5).any().item():
+            h = h * 2
+        return self.fc(h)
+
+
+@pytest.mark.filterwarnings("ignore:amp_rewrite. torch.export failed")
+@pytest.mark.parametrize("capture", ["auto", "export"])
+def test_an_export_failure_leads_the_error_and_says_what_to_do(capture):
+    """With the symbolic_trace fallback failing too, the error led with the fallback's failure (the
+    module's own argument check, beside the point) and gave export's cause only at its end."""
+    ids = torch.tensor([[1, 7, 3]])
+    with pytest.raises(UnsupportedModelError) as caught:
+        amp_rewrite.rewrite(_HfStyleDataDependent().eval(), example_kwargs={"input_ids": ids}, target="bf16",
+                            capture=capture)
+    message = caught.value.message
+    assert message.startswith("torch.export could not capture _HfStyleDataDependent: Could not guard on data-dependent")
+    assert 'torch.compile(model, backend="amp_rewrite")' in message
+    fallback = message.find("cannot specify both")
+    assert fallback > message.find("torch.compile") if capture == "auto" else fallback == -1
