@@ -89,7 +89,8 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
             raise UsageError(f"this module was rewritten for inference already, with weights converted to "
                              f"{before.target} ({low[0]}{' and more' if len(low) > 1 else ''}): training needs "
                              f"them FP32 (master weights); rewrite the FP32 original with training=True")
-    gm, how = capture_graph(obj, example_inputs, example_kwargs, capture=capture, decompose=decompose, notes=notes)
+    gm, how = capture_graph(obj, example_inputs, example_kwargs, capture=capture, decompose=decompose, notes=notes,
+                            training=training)
     from .frontends.fx_loader import load_fx
 
     try:
@@ -101,7 +102,7 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
         # torch.export's default IR keeps in-place ops; its decomposed IR is functional
         notes.append(f"{exc.message.split(';')[0]}: rewrote the functionalized graph of "
                      f"ExportedProgram.run_decompositions() instead")
-        gm = _private_copy(program.run_decompositions().module())
+        gm = _decomposed(program, training)
         model = load_fx(gm, example_inputs=example_inputs, capture=how, example_kwargs=example_kwargs, target=target)
     if hasattr(gm, "_amp_exported_program"):
         del gm._amp_exported_program
@@ -316,7 +317,8 @@ def _unmatched_rule(note: str) -> str:
 
 # -- capture --------------------------------------------------------------------------------------------------
 def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict | None, *, capture: str = "auto",
-                  decompose: bool = False, notes: list[str] | None = None) -> tuple[fx.GraphModule, str]:
+                  decompose: bool = False, notes: list[str] | None = None,
+                  training: bool = False) -> tuple[fx.GraphModule, str]:
     """A private GraphModule to patch, and how it was obtained."""
     notes = notes if notes is not None else []
     exported = getattr(torch.export, "ExportedProgram", None)
@@ -324,7 +326,7 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
         if capture == "symbolic_trace":
             raise UsageError("capture='symbolic_trace' asks to trace an nn.Module; an ExportedProgram is already "
                              "captured by torch.export: drop capture (or pass the nn.Module itself)")
-        return _module_of(obj, decompose), "export"
+        return _module_of(obj, decompose, training), "export"
     if isinstance(obj, fx.GraphModule):
         if capture == "export" or decompose:  # (symbolic_trace: a GraphModule is such a graph already)
             given = f"capture={capture!r}" if capture == "export" else "decompose=True"
@@ -343,7 +345,7 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
         else:
             try:
                 ep = torch.export.export(obj, tuple(example_inputs or ()), dict(example_kwargs or {}), strict=False)
-                return _module_of(ep, decompose), "export"
+                return _module_of(ep, decompose, training), "export"
             except Exception as exc:  # noqa: BLE001 - export fails in many ways; fall back, say why
                 if capture == "export":
                     raise UnsupportedModelError(f"torch.export could not capture {type(obj).__name__}: "
@@ -386,16 +388,35 @@ def _export_cause(exc: BaseException) -> str:
     return f"{cause} (caused by {where[:200]})" if where else cause
 
 
-def _module_of(program: Any, decompose: bool) -> fx.GraphModule:
+def _module_of(program: Any, decompose: bool, training: bool = False) -> fx.GraphModule:
     """A private copy of ``program.module()``, remembering the program in case its graph needs
     functionalizing. (``module()`` shares its parameters and buffers with the program, and an
     exported nn.Module's program shares them with the module: a training step or a BatchNorm
     update on the rewritten module would change the caller's.)"""
     if decompose:
-        return _private_copy(program.run_decompositions().module())
+        return _decomposed(program, training)
     gm = _private_copy(program.module())
     gm._amp_exported_program = program  # dropped below, once loaded
     return gm
+
+
+def _decomposed(program: Any, training: bool) -> fx.GraphModule:
+    """A private copy of ``program.run_decompositions().module()``. Functionalization writes an
+    in-place slice copy (``out[..., :4].copy_(h)``) as ``aten.copy``, which autograd has no
+    derivative for: for training, copy is decomposed into what it computes (src converted to
+    self's dtype, broadcast to self's shape), whose ops have one, or backward would fail."""
+    if not training:
+        return _private_copy(program.run_decompositions().module())
+    table = torch.export.default_decompositions()
+    table[torch.ops.aten.copy.default] = _copy_for_autograd
+    return _private_copy(program.run_decompositions(table).module())
+
+
+def _copy_for_autograd(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    aten = torch.ops.aten
+    device = {} if src.device == self.device else {"device": self.device}
+    out = aten._to_copy.default(src, dtype=self.dtype, **device)
+    return out if out.shape == self.shape else aten.expand.default(out, list(self.shape))
 
 
 def _private_copy(gm: torch.nn.Module) -> Any:

@@ -1223,3 +1223,37 @@ def test_checkpoints_of_the_original_and_the_rewrite_load_into_each_other(traini
     gm.load_state_dict(module.state_dict())
     _ScaledByAConstant().load_state_dict(gm.state_dict())
     assert torch.isfinite(gm(x, y)).all()
+
+
+class _SliceCopies(torch.nn.Module):
+    """Writes into slices of a fresh tensor in place (HF DeepSeek-V2's rotary, q_pe.copy_(...))."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = self.a(x)
+        out = h.new_zeros(h.shape)
+        out[..., :4].copy_(h[..., 4:])
+        out[..., 4:] = h[..., :4]
+        return F.mse_loss(self.b(out), y)
+
+
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+@pytest.mark.parametrize("decompose", [False, True], ids=["functionalized-fallback", "decompose"])
+def test_in_place_slice_copies_train(target, decompose):
+    """The in-place writes make the rewrite take the functionalized graph of run_decompositions(),
+    which writes each slice copy as aten.copy: autograd has no derivative for it, and backward
+    raised 'derivative for aten::copy is not implemented'. The grads are the FP32 module's."""
+    torch.manual_seed(0)
+    model = _SliceCopies()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x, y), training=True, target=target, decompose=decompose)
+    scaler = LossScaler(gm, enabled=target == "fp16")
+    scaler.backward(gm(x, y))
+    scaler.unscale_(torch.optim.SGD(gm.parameters(), lr=0.0))
+    ref(x, y).backward()
+    for got, want in zip(_grads(gm), _grads(ref)):
+        torch.testing.assert_close(got, want, rtol=5e-2, atol=2e-2 * want.abs().max().item())
