@@ -1749,3 +1749,40 @@ def test_an_export_failure_leads_the_error_and_says_what_to_do(capture):
     assert 'torch.compile(model, backend="amp_rewrite")' in message
     fallback = message.find("cannot specify both")
     assert fallback > message.find("torch.compile") if capture == "auto" else fallback == -1
+
+
+class _GemmaRMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        f = x.float()  # (x is FP32 already: a no-op the rewrite removes)
+        out = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+class _GemmaNormBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.norm = nn.Linear(8, 8), _GemmaRMSNorm(8)
+
+    def forward(self, x):
+        return self.norm(x + self.l1(x))
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_conversion_reported_removed_is_gone_from_the_graph(capture):
+    """torch.export traces ``x.float()`` of an FP32 x as an alias of x, so ``type_as(x)`` read the
+    conversion for its dtype: the report said 'removed' while the node stayed in the graph."""
+    x = torch.randn(2, 8)
+    model = _GemmaNormBlock().eval()
+    gm, report = amp_rewrite.rewrite(model, example_inputs=(x,), target="fp16", capture=capture, report=True)
+    removed = [c["name"].rsplit("/", 1)[-1] for c in report.to_dict()["casts"] if c["kind"] == "removed"]
+    assert removed
+    left = {n.name: [u.name for u in n.users] for n in gm.graph.nodes if n.name in removed}
+    assert not left, f"reported removed, still in the graph (read by): {left}"
+    gm.graph.lint()
+    assert_dtypes_consistent(gm, (x,))
+    with torch.no_grad():
+        assert rel_err(gm(x), model(x)) <= TOL["fp16"]

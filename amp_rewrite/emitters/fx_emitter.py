@@ -388,9 +388,18 @@ class _Emitter:
             fx_node.kwargs = {**fx_node.kwargs, "dtype": want}
 
     def _drop_removed_casts(self) -> None:
+        """Erase the conversions the IR removed. A reader the IR has no edge for may still read one
+        for its metadata (``type_as(y, x.float())`` its dtype, ``x.float().size(0)`` its shape):
+        it reads the value the IR's readers read instead, which has the same dtype and shape, so
+        the report's 'removed' holds in the graph too."""
         for node in self.model.meta.get("amp.removed_nodes", []):
             fx_node = node.origin
-            if isinstance(fx_node, fx.Node) and fx_node.graph is self.graph and not fx_node.users:
+            if not isinstance(fx_node, fx.Node) or fx_node.graph is not self.graph:
+                continue
+            instead = node.meta.get("amp.read_instead")
+            if fx_node.users and instead is not None:
+                fx_node.replace_all_uses_with(self.node_for(instead))
+            if not fx_node.users:
                 self.graph.erase_node(fx_node)
 
     # -- metadata ------------------------------------------------------------------------------------------------

@@ -567,6 +567,7 @@ class _Placer:
                 and not source.is_graph_output and self.model.frontend == "onnx"):
             source.meta["amp.dropped_unread"] = True
         node.meta["amp.removed"] = True
+        node.meta["amp.read_instead"] = src  # (for a torch reader the IR has no edge for: fx_emitter)
         self.model.meta.setdefault("amp.removed_nodes", []).append(node)
         self.modified = True
 
