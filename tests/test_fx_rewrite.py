@@ -944,6 +944,29 @@ def test_a_no_op_upcast_is_no_wall_between_low_ops():
     assert counts[True] == counts[False]
 
 
+def test_torch_conversions_are_classified_by_the_name_the_model_called():
+    """A torch conversion is the IR's Cast, but the torch rule files name what the model called
+    (``to``, ``float``, ``type_as``). Looked up as "Cast", each one's entry said "no rule names Cast:
+    kept FP32; classify it in a rule file", which no torch rule file could do, and the summary
+    listed it among the unlisted ops."""
+
+    class Converts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.fc(x).to(torch.float32) * 2.0
+            return h.float().softmax(-1).type_as(x)
+
+    _, report = amp_rewrite.rewrite(Converts().eval(), example_inputs=(torch.randn(2, 8),), target="bf16",
+                                    report=True)
+    d = report.to_dict()
+    casts = [n for n in d["nodes"] if n["op"] in ("to", "float", "type_as")]
+    assert casts and all(n["category"] == "clear" and "no rule names" not in n["reason"] for n in casts), casts
+    assert d["summary"]["unlisted_ops"] == {}
+
+
 def test_a_copying_no_op_cast_stays_where_the_copy_is_mutated():
     """``_to_copy`` to the dtype a tensor already has copies it. The rewrite removes no-op casts,
     but not in a graph that mutates tensors in place: reading the source instead of the copy would

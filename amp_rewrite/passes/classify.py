@@ -203,7 +203,9 @@ def _position_cone(node: Node) -> list[Node]:
 
 def _count_unlisted(node: Node, category: Category, ctx: Context) -> None:
     if category == Category.UNLISTED:
-        ctx.log.unlisted_ops[node.qualified_op] = ctx.log.unlisted_ops.get(node.qualified_op, 0) + 1
+        name = _rule_name(node)
+        op = f"{node.domain}::{name}" if node.domain else name
+        ctx.log.unlisted_ops[op] = ctx.log.unlisted_ops.get(op, 0) + 1
 
 
 def _fix_fp32(node: Node, category: Category, reason: str, source: str) -> None:
@@ -231,17 +233,27 @@ def _lookup(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], names: fr
 
 def _cached_verdict(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -> _Verdict:
     """:func:`_op_verdict`, once per (op, domain, opset)."""
-    key = (node.op_type, node.domain, node.opset)
+    key = (_rule_name(node), node.domain, node.opset)
     if key not in verdicts:
         verdicts[key] = _op_verdict(node, ctx)
     return verdicts[key]
 
 
+def _rule_name(node: Node) -> str:
+    """The name rule files give the node's op. A torch conversion is the IR's Cast, but the torch
+    rule files name what the model called (``to``, ``_to_copy``, ``type_as``, ``float``): looked up
+    as "Cast", each was "unlisted" with a reason telling the user to classify an op no torch rule
+    file can name."""
+    return node.meta.get("fx.torch_name") or node.op_type if node.op_type == "Cast" else node.op_type
+
+
 def _op_verdict(node: Node, ctx: Context) -> _Verdict:
     """What the op rules and the kernel table say of the node's op at its opset."""
-    entry = ctx.rules.lookup(node.op_type, node.domain, node.opset)
+    name = _rule_name(node)
+    entry = ctx.rules.lookup(name, node.domain, node.opset)
     if entry is None:
-        return (Category.UNLISTED, f"no rule names {node.qualified_op}: kept FP32; classify it in a rule file",
+        qualified = f"{node.domain}::{name}" if node.domain else name
+        return (Category.UNLISTED, f"no rule names {qualified}: kept FP32; classify it in a rule file",
                 "unlisted", None)
     category, reason, source = entry.category, entry.reason, entry.source
     if category != Category.DENY:
