@@ -315,6 +315,17 @@ def test_a_models_own_rmsnormalization_keeps_x_scale_and_y_one_type():
     assert rel_err(run(model, feeds())["y"], run(out, feeds())["y"]) < 1e-2
 
 
+def test_no_zero_skip_below_opset_9():
+    """ConstantOfShape, which makes the zero skip, is an opset 9 op: below it the norm keeps its
+    FP32 island (the fuser wrote a ConstantOfShape the opset does not have)."""
+    model = standalone_norm(LAYERNORM, 8)
+    result = rewrite(model)
+    full_check(result.model)
+    assert not result.log.fusions and not nodes_by_type(result.model, "ConstantOfShape")
+    [island] = result.log.islands
+    assert island.pattern == "LayerNorm"
+
+
 def test_zero_skip_needs_a_known_rank():
     """The skip ops take rank 2 or 3; a norm over an input of unknown rank keeps its island."""
     text = """

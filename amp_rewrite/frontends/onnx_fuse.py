@@ -236,7 +236,8 @@ def _choose(match: _Match, scope: Graph, ctx: Context,
     opset = scope.opsets.get("", 0)
     standard_since = {"LayerNorm": 17, "RMSNorm": 23}.get(match.kind)
     skip = _residual_operands(match.x, scope, shapes) if standard_since and opset < standard_since else None
-    if standard_since and opset < standard_since and skip is None and _zero_skip_rank(match.x):
+    if standard_since and opset < standard_since and skip is None and _zero_skip_rank(match.x) \
+            and opset >= _ZEROS_SINCE:
         skip = [match.x, _ZERO_SKIP]  # no residual sum to take over: the skip op adds zeros
     if match.kind == "tanh-GELU":
         forms = [("", "Gelu", 20, [match.x], {"approximate": "tanh"}), (MS, "FastGelu", 1, [match.x], {})]
@@ -328,6 +329,9 @@ def _replace(model: Model, scope: Graph, match: _Match, ctx: Context, namer: Nam
 
 # Stands for the zero skip input in a chosen form until ``_replace`` makes it.
 _ZERO_SKIP = Value("<zeros like the input>")
+
+
+_ZEROS_SINCE = 9  # ConstantOfShape, which makes the zero skip, is an opset 9 op
 
 
 def _zero_skip_rank(x: Value) -> bool:
