@@ -182,8 +182,8 @@ class Report:
             lines.append(f"MatMul/Gemm/Conv/attention in {low}: {heavy['low']} of {heavy['total']}")
             for k in heavy["kept_fp32"][:10]:
                 lines.append(f"  kept FP32: {k['node']} ({k['op']}): {k['reason']}")
-        lines.append(f"casts inserted: {s['casts_inserted']} ({_bytes(s['cast_bytes_per_run'])} per run where shapes "
-                     f"and loop trip counts are known)"
+        lines.append(f"casts inserted: {s['casts_inserted']} ({_bytes(s['cast_bytes_per_run'])} per run where sizes "
+                     f"are known)"
                      + (f", retargeted: {s['casts_retargeted']}" if s["casts_retargeted"] else "")
                      + (f", removed: {s['casts_removed']}" if s["casts_removed"] else ""))
         # --placement optimal: cast bytes and FP32 traffic per run at the default shapes, vs greedy's

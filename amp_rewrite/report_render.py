@@ -118,12 +118,12 @@ def render_markdown(report: "Report") -> str:
     if d["casts"]:
         lines += ["", "## Casts", ""]
         lines += _md_table(["cast", "kind", "tensor", "direction", "producer → consumers", "shape", "elements",
-                            "bytes/run", "reason"], [
+                            "runs", "bytes/run", "reason"], [
             [c["name"], c["kind"], c["tensor"], c["direction"],
              f"{c['producer'] or '(input)'} → {', '.join(c['consumers']) or '-'}",
              "?" if c["shape"] is None else "×".join(str(x) for x in c["shape"]) or "scalar",
-             "?" if c["numel"] is None else c["numel"], "?" if c["bytes_per_run"] is None else c["bytes_per_run"],
-             c["reason"]] for c in d["casts"]])
+             "?" if c["numel"] is None else c["numel"], "?" if c.get("runs", 1) is None else c.get("runs", 1),
+             "?" if c["bytes_per_run"] is None else c["bytes_per_run"], c["reason"]] for c in d["casts"]])
     if d["alignment"]:
         lines += ["", "## Tensor-core alignment", "",
                   f"{low} tensor cores want GEMM dims and channel counts in multiples of 8.", ""]
@@ -801,6 +801,7 @@ var castCols = [
   {key: "consumers", label: "consumers", render: function (v, r) { return D.casts[r].consumers.map(nodeRef).join(", "); }},
   {key: "shape", label: "shape", render: function (v, r) { var s = D.casts[r].shape; return s == null ? "?" : esc("[" + s.join(", ") + "]"); }},
   {key: "numel", label: "elements", num: true},
+  {key: "runs", label: "runs", num: true, render: function (v) { return v == null ? "?" : esc(String(v)); }},
   {key: "bytes_per_run", label: "bytes/run", num: true, render: function (v) { return v == null ? "?" : esc(fmtBytes(v)); }},
   {key: "scope", label: "scope"}, {key: "reason", label: "reason", cls: "reason"}];
 function castGet(r, key) { var v = D.casts[r][key]; return Array.isArray(v) ? v.join(", ") : v; }

@@ -216,6 +216,12 @@ def test_casts_in_a_loop_body_count_every_iteration():
     assert len(body) == 2 and all(c["numel"] == 32 and c["bytes_per_run"] == 32 * (4 + 2) * 10 for c in body)
     assert all(c["runs"] == 10 for c in body)
     assert Report.from_model(result.model).log == result.log
+    # the Markdown and HTML cast tables show how often each runs
+    from amp_rewrite.report_render import render_html, render_markdown
+
+    rows = [line for line in render_markdown(result.report).splitlines() if any(c["name"] in line for c in body)]
+    assert len(rows) == 2 and all("| 10 | 1920 |" in row for row in rows), rows
+    assert 'key: "runs"' in render_html(result.report)
 
 
 def test_casts_in_a_loop_with_a_condition_have_unknown_bytes_per_run():
