@@ -302,6 +302,30 @@ def test_a_no_op_cast_to_float_is_no_wall_between_low_ops(placement):
     assert not rewrite(out, placement=placement).modified
 
 
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
+def test_an_existing_cast_read_by_another_cast_is_not_retargeted(placement):
+    """c = Cast(to=FLOAT) of an FP32 Relu feeds a low MatMul and a second Cast(to=FLOAT) before a
+    ReduceMax. A Cast reader needs no inserted Cast, so c looked read only in low precision and was
+    retargeted: the ReduceMax then read the Relu through FP16 (1e5 came back as inf)."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y, float[4] z) {
+          rl = Relu(x)
+          c = Cast<to=1>(rl)
+          y = MatMul(c, w)
+          z0 = Cast<to=1>(c)
+          z = ReduceMax<axes=[-1], keepdims=0>(z0)
+        }""", {"w": np.eye(8, dtype=np.float32) * 1e-3})
+    out = rewrite(m, placement=placement).model
+    full_check(out)
+    assert value_types(out)[nodes_by_type(out, "MatMul")[0].output[0]] == FP16
+    x = np.full((4, 8), 1e5, np.float32)
+    ref, got = run(m, {"x": x}), run(out, {"x": x})
+    np.testing.assert_array_equal(got["z"], ref["z"])
+    assert rel_err(ref["y"], got["y"]) < 1e-2
+    assert not rewrite(out, placement=placement).modified
+
+
 # 6. Inserted casts: unique names even against colliding user names; topologically sorted.
 def test_inserted_names_unique_and_sorted():
     m = make_model("""

@@ -353,13 +353,20 @@ class _Placer:
         # output where the If runs low; retargeted, the Cast serves it as well as the nodes)
         all_low = [u for u in uses if u.need == self.low]
         low_uses = [u for u in all_low if u.node is not None]
-        if len(all_low) == len(uses) and len(low_uses) < len(all_low):
+        # A Cast reading ``value`` (to FLOAT again, to an integer) needs no inserted Cast, so it is
+        # not among ``uses``; but a retargeted Cast would hand it ``value`` through the low type,
+        # and a value past 65504 would reach it as inf (an FP32 -> low -> FP32 round trip). Then
+        # the Cast is not retargeted: the low readers get a Cast of the source of their own.
+        passes_on = any(reader.op_type == "Cast" and reader.domain == "" and reader.attrs.get("to") != int(self.low)
+                        for reader, _ in value.uses())
+        if len(all_low) == len(uses) and len(low_uses) < len(all_low) and not passes_on:
             self._retarget(cast, value, all_low, "existing Cast(to=FLOAT) writes an output that takes the low "
                            "type, and feeds only low-precision readers: retargeted")
             return True
         if not low_uses:
             return False
-        if len(low_uses) == len(uses) and source.dtype != self.low:
+        if len(low_uses) == len(uses) and source.dtype != self.low \
+                and (self._convertible_constant(source) or not passes_on):
             if not self._convertible_constant(source):
                 self._retarget(cast, value, low_uses, "existing Cast(to=FLOAT) feeds only low-precision consumers: "
                                "retargeted")
