@@ -959,12 +959,22 @@ def test_torch_conversions_are_classified_by_the_name_the_model_called():
             h = self.fc(x).to(torch.float32) * 2.0
             return h.float().softmax(-1).type_as(x)
 
-    _, report = amp_rewrite.rewrite(Converts().eval(), example_inputs=(torch.randn(2, 8),), target="bf16",
-                                    report=True)
-    d = report.to_dict()
-    casts = [n for n in d["nodes"] if n["op"] in ("to", "float", "type_as")]
-    assert casts and all(n["category"] == "clear" and "no rule names" not in n["reason"] for n in casts), casts
-    assert d["summary"]["unlisted_ops"] == {}
+    class ConvertsByType(nn.Module):  # (.type(dtype), which no rule file names: clear all the same)
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return self.fc(h.type(torch.float32) * 2.0 + h.type(torch.float64).sum(-1, keepdim=True).type(torch.float32))
+
+    for module, capture in ((Converts(), "auto"), (ConvertsByType(), "symbolic_trace")):
+        _, report = amp_rewrite.rewrite(module.eval(), example_inputs=(torch.randn(2, 8),), target="bf16",
+                                        report=True, capture=capture)
+        d = report.to_dict()
+        casts = [n for n in d["nodes"] if n["op"] in ("to", "float", "type_as", "type")]
+        assert casts and all(n["category"] == "clear" and "no rule names" not in n["reason"] for n in casts), casts
+        assert d["summary"]["unlisted_ops"] == {}
 
 
 def test_a_copying_no_op_cast_stays_where_the_copy_is_mutated():

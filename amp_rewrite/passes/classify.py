@@ -113,8 +113,10 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
         return
     if node.domain == "" and node.op_type in _SOURCES:
         # (a rule file that names no Cast or Constant leaves them unlisted, as their entries say:
-        # the summary counts them with the other unlisted ops)
-        _count_unlisted(node, category, ctx)
+        # the summary counts them with the other unlisted ops; a torch conversion the rules do
+        # not name is clear, cast placement's to own: fx_api._explain_conversions)
+        if "fx.torch_name" not in meta:
+            _count_unlisted(node, category, ctx)
         meta["amp.precision"] = Precision.FP32
         return
     if "amp.exact_constant" in meta and category in (Category.INFER, Category.CLEAR):
