@@ -1804,6 +1804,27 @@ class _GemmaNormBlock(nn.Module):
         return self.norm(x + self.l1(x))
 
 
+def test_a_dtype_reader_of_a_removed_conversion_keeps_the_type_it_made():
+    """g = h.float() is removed because its IR reader (a Linear) runs low, but type_as(ones, g) reads
+    g for its dtype: rewired to the bf16 h, it made a bf16 graph output of an FP32 one."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            g = self.a(x).float()
+            return self.b(g), torch.ones(2, 8).type_as(g)
+
+    x = torch.randn(2, 8)
+    low = amp_rewrite.rewrite(M().eval(), example_inputs=(x,), target="bf16")
+    low.graph.lint()
+    with torch.no_grad():
+        y, z = low(x)
+    assert y.dtype == z.dtype == torch.float32
+
+
 @pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
 def test_a_conversion_reported_removed_is_gone_from_the_graph(capture):
     """torch.export traces ``x.float()`` of an FP32 x as an alias of x, so ``type_as(x)`` read the

@@ -397,7 +397,9 @@ class _Emitter:
             if not isinstance(fx_node, fx.Node) or fx_node.graph is not self.graph:
                 continue
             instead = node.meta.get("amp.read_instead")
-            if fx_node.users and instead is not None:
+            # (only where it has the type the conversion made: a conversion removed because its
+            # IR readers run low still makes FP32 for a dtype reader, type_as(ones, h.float()))
+            if fx_node.users and instead is not None and instead.dtype == node.outputs[0].dtype:
                 fx_node.replace_all_uses_with(self.node_for(instead))
             if not fx_node.users:
                 self.graph.erase_node(fx_node)
