@@ -409,6 +409,8 @@ def _decomposed(program: Any, training: bool) -> fx.GraphModule:
         return _private_copy(program.run_decompositions().module())
     table = torch.export.default_decompositions()
     table[torch.ops.aten.copy.default] = _copy_for_autograd
+    # (the default table writes detach as alias, which passes gradients: a stop-gradient would be lost)
+    table.pop(torch.ops.aten.detach.default, None)
     return _private_copy(program.run_decompositions(table).module())
 
 

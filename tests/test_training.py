@@ -1226,28 +1226,33 @@ def test_checkpoints_of_the_original_and_the_rewrite_load_into_each_other(traini
 
 
 class _SliceCopies(torch.nn.Module):
-    """Writes into slices of a fresh tensor in place (HF DeepSeek-V2's rotary, q_pe.copy_(...))."""
+    """Writes into slices of a fresh tensor in place (HF DeepSeek-V2's rotary, q_pe.copy_(...)),
+    one of them a detached (stop-gradient) copy where ``detach``."""
 
-    def __init__(self):
+    def __init__(self, detach: bool = False):
         super().__init__()
         self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.detach = detach
 
     def forward(self, x, y):
         h = self.a(x)
         out = h.new_zeros(h.shape)
-        out[..., :4].copy_(h[..., 4:])
+        out[..., :4].copy_(h[..., 4:].detach() if self.detach else h[..., 4:])
         out[..., 4:] = h[..., :4]
         return F.mse_loss(self.b(out), y)
 
 
 @pytest.mark.parametrize("target", ["fp16", "bf16"])
 @pytest.mark.parametrize("decompose", [False, True], ids=["functionalized-fallback", "decompose"])
-def test_in_place_slice_copies_train(target, decompose):
+@pytest.mark.parametrize("detach", [False, True], ids=["plain", "detached"])
+def test_in_place_slice_copies_train(target, decompose, detach):
     """The in-place writes make the rewrite take the functionalized graph of run_decompositions(),
     which writes each slice copy as aten.copy: autograd has no derivative for it, and backward
-    raised 'derivative for aten::copy is not implemented'. The grads are the FP32 module's."""
+    raised 'derivative for aten::copy is not implemented'. Its default table also wrote detach as
+    alias, which let the gradient through a stop-gradient (twice the FP32 grads of ``a``). The
+    grads are the FP32 module's."""
     torch.manual_seed(0)
-    model = _SliceCopies()
+    model = _SliceCopies(detach)
     ref = copy.deepcopy(model)
     x, y = torch.randn(2, 8), torch.randn(2, 8)
     gm = amp_rewrite.rewrite(model, example_inputs=(x, y), training=True, target=target, decompose=decompose)
