@@ -706,6 +706,29 @@ def test_inplace_ops_read_later_are_rewired_or_refused():
         assert rel_err(gm(x), model(x)) < TOL["bf16"]
 
 
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_an_in_place_write_through_a_view_of_a_view_is_kept(training):
+    """``out[0, 0].copy_(src)`` is a copy into select(select(out)). The aliasing check looked one
+    view level up only, so out's later reader went unseen: the copy was emitted out of place into
+    a cast copy, and the write never reached ``out`` (error ~1)."""
+
+    class NestedViewWrite(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, src):
+            out = self.q(x).clone()
+            out[0, 0].copy_(src)
+            return self.o(out)
+
+    torch.manual_seed(0)
+    model, x, src = NestedViewWrite(), torch.randn(2, 4, 8), torch.randn(8) * 10
+    gm = amp_rewrite.rewrite(model, example_inputs=(x, src), target="bf16", training=training)
+    with torch.no_grad():
+        assert rel_err(gm(x, src), model(x, src)) < TOL["bf16"]
+
+
 @torch.library.custom_op("amp_rewrite_test::twice", mutates_args=())
 def _twice(x: torch.Tensor) -> torch.Tensor:
     return x * 2

@@ -742,8 +742,10 @@ class _Builder:
         for view in (v for t in same for v in t.users):
             if view is not node and not after(view) and _is_view(view, self.gm):
                 observers += [u.name for u in view.users if after(u)]
-        if _is_view(target, self.gm) and isinstance(target.args[0], fx.Node):
-            observers += [u.name for t in self._same_tensor(target.args[0]) for u in t.users if after(u)]
+        base = target  # every tensor it is a view of, however deep (out[0, 0]: select(select(out)))
+        while _is_view(base, self.gm) and base.args and isinstance(base.args[0], fx.Node):
+            base = base.args[0]
+            observers += [u.name for t in self._same_tensor(base) for u in t.users if after(u)]
         if observers or _is_setitem(node):
             seen = f"{', '.join(sorted(set(observers)))} read{'s' if len(set(observers)) == 1 else ''} it afterwards" \
                 if observers else "the result is only visible through aliasing"
