@@ -122,7 +122,7 @@ def render_markdown(report: "Report") -> str:
             [c["name"], c["kind"], c["tensor"], c["direction"],
              f"{c['producer'] or '(input)'} → {', '.join(c['consumers']) or '-'}",
              "?" if c["shape"] is None else "×".join(str(x) for x in c["shape"]) or "scalar",
-             "?" if c["numel"] is None else c["numel"], "?" if c.get("runs", 1) is None else c.get("runs", 1),
+             "?" if c["numel"] is None else c["numel"], "?" if c["runs"] is None else c["runs"],
              "?" if c["bytes_per_run"] is None else c["bytes_per_run"], c["reason"]] for c in d["casts"]])
     if d["alignment"]:
         lines += ["", "## Tensor-core alignment", "",

@@ -365,9 +365,8 @@ def _zeros_like(x: Value, scope: Graph, label: str, namer: Namer, low: DType) ->
 
 
 def _constant_of_shape_takes(low: DType, opset: int) -> bool:
-    schema = onnx.defs.get_schema("ConstantOfShape", opset, "")
-    allowed = next(tc.allowed_type_strs for tc in schema.type_constraints if tc.type_param_str == "T2")
-    return f"tensor({'bfloat16' if low == DType.BFLOAT16 else 'float16'})" in allowed
+    return ("bfloat16" if low == DType.BFLOAT16 else "float16") in \
+        schema_slots("ConstantOfShape", "", opset, 1, 1).group_types.get("T2", ())
 
 
 _REASONS = {

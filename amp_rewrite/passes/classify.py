@@ -113,10 +113,8 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
         return
     if node.domain == "" and node.op_type in _SOURCES:
         # (a rule file that names no Cast or Constant leaves them unlisted, as their entries say:
-        # the summary counts them with the other unlisted ops; a torch conversion the rules do
-        # not name is clear, cast placement's to own: fx_api._explain_conversions)
-        if "fx.torch_name" not in meta:
-            _count_unlisted(node, category, ctx)
+        # the summary counts them with the other unlisted ops)
+        _count_unlisted(node, category, ctx)
         meta["amp.precision"] = Precision.FP32
         return
     if "amp.exact_constant" in meta and category in (Category.INFER, Category.CLEAR):
@@ -204,10 +202,10 @@ def _position_cone(node: Node) -> list[Node]:
 
 
 def _count_unlisted(node: Node, category: Category, ctx: Context) -> None:
-    if category == Category.UNLISTED:
-        name = _rule_name(node)
-        op = f"{node.domain}::{name}" if node.domain else name
-        ctx.log.unlisted_ops[op] = ctx.log.unlisted_ops.get(op, 0) + 1
+    # (a torch conversion is the IR's Cast, which torch rule files cannot name: fx_api's
+    # _explain_conversions classifies it by the name the model called, clear where none names it)
+    if category == Category.UNLISTED and not (node.op_type == "Cast" and "fx.torch_name" in node.meta):
+        ctx.log.unlisted_ops[node.qualified_op] = ctx.log.unlisted_ops.get(node.qualified_op, 0) + 1
 
 
 def _fix_fp32(node: Node, category: Category, reason: str, source: str) -> None:
@@ -235,27 +233,17 @@ def _lookup(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], names: fr
 
 def _cached_verdict(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -> _Verdict:
     """:func:`_op_verdict`, once per (op, domain, opset)."""
-    key = (_rule_name(node), node.domain, node.opset)
+    key = (node.op_type, node.domain, node.opset)
     if key not in verdicts:
         verdicts[key] = _op_verdict(node, ctx)
     return verdicts[key]
 
 
-def _rule_name(node: Node) -> str:
-    """The name rule files give the node's op. A torch conversion is the IR's Cast, but the torch
-    rule files name what the model called (``to``, ``_to_copy``, ``type_as``, ``float``): looked up
-    as "Cast", each was "unlisted" with a reason telling the user to classify an op no torch rule
-    file can name."""
-    return node.meta.get("fx.torch_name") or node.op_type if node.op_type == "Cast" else node.op_type
-
-
 def _op_verdict(node: Node, ctx: Context) -> _Verdict:
     """What the op rules and the kernel table say of the node's op at its opset."""
-    name = _rule_name(node)
-    entry = ctx.rules.lookup(name, node.domain, node.opset)
+    entry = ctx.rules.lookup(node.op_type, node.domain, node.opset)
     if entry is None:
-        qualified = f"{node.domain}::{name}" if node.domain else name
-        return (Category.UNLISTED, f"no rule names {qualified}: kept FP32; classify it in a rule file",
+        return (Category.UNLISTED, f"no rule names {node.qualified_op}: kept FP32; classify it in a rule file",
                 "unlisted", None)
     category, reason, source = entry.category, entry.reason, entry.source
     if category != Category.DENY:

@@ -62,12 +62,13 @@ def changed_scopes(model: Model, ctx: Context) -> list[Graph]:
     optimal placement made low), with the main graph under --no-keep-io-types once anything runs
     low (its inputs and outputs take the low type)."""
     scopes = list(model.graph.scopes())
-    if not any(precision(n) == Precision.LOW for s in scopes for n in s.nodes):
+    low = [any(precision(n) == Precision.LOW for n in scope.nodes) for scope in scopes]
+    if not any(low):
         return []  # nothing runs low: the model is left as it is
     io_low = not ctx.options.keep_io_types
     out = []
-    for scope in scopes:
-        if (any(precision(n) == Precision.LOW for n in scope.nodes) or (scope.parent is None and io_low)
+    for scope, has_low in zip(scopes, low):
+        if (has_low or (scope.parent is None and io_low)
                 or any(v is not None and v.graph is not scope and _ends_low(v, io_low) and not accepts_any_float(n, k)
                        for n in scope.nodes for k, v in enumerate(n.inputs))):
             out.append(scope)

@@ -224,8 +224,10 @@ class _ScopePainter:
                 continue
             near = self.succs[i] if self.step[i] == "between-allow" else self.preds[i] | self.succs[i]
             joined = sorted(j for j in near if j in allow)
-            if joined or self.step[i] != "between-allow":  # (a clear op with no low neighbour is a round trip)
-                self.via[i] = joined[0] if joined else via
+            if joined:
+                self.via[i] = joined[0]
+                continue
+            if self.step[i] != "between-allow":  # (a clear op with no low neighbour is a round trip)
                 continue
             producers = sorted(j for j in self.preds[i] if j in allow)
             self.left[i] = via

@@ -365,9 +365,9 @@ class _Placer:
             return True
         if not low_uses:
             return False
-        if len(low_uses) == len(uses) and source.dtype != self.low \
-                and (self._convertible_constant(source) or not passes_on):
-            if not self._convertible_constant(source):
+        convertible = self._convertible_constant(source)
+        if len(low_uses) == len(uses) and source.dtype != self.low and (convertible or not passes_on):
+            if not convertible:
                 self._retarget(cast, value, low_uses, "existing Cast(to=FLOAT) feeds only low-precision consumers: "
                                "retargeted")
                 return True
