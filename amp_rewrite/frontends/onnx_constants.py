@@ -39,12 +39,13 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
     limit = LIMITS.get(ctx.low)
     if limit is None:
         return PassResult("out-of-range constants", modified=False)
+    seen: dict[int, float | None] = {}  # a constant's verdict, by id: a bias or eps read by every layer is read once
     for node in model.graph.walk():
         if node.domain == "" and node.op_type in ("Cast", "Constant", "Identity"):
             continue
         if ctx.rules.category_of(node.op_type, node.domain, node.opset) == Category.ALLOW:
             continue  # weights of heavy ops: converted with clamping, counted in the report
-        found = _beyond(node, limit)
+        found = _beyond(node, limit, seen)
         if found is not None:
             where, value = found
             short = ctx.low.short
@@ -53,7 +54,7 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
     return PassResult("out-of-range constants", modified=False)
 
 
-def _beyond(node: Node, limit: float) -> tuple[str, float] | None:
+def _beyond(node: Node, limit: float, seen: dict[int, float | None]) -> tuple[str, float] | None:
     """(what, value) of the first float constant the node reads with a value the low type cannot
     hold (and no mask sentinel), or None."""
     if node.domain == "" and node.op_type in ("ConstantOfShape", "Pad"):  # (Pad before opset 11: its fill)
@@ -61,7 +62,7 @@ def _beyond(node: Node, limit: float) -> tuple[str, float] | None:
         if big is not None:
             return "its value attribute", big
     for value in node.inputs:
-        big = _held(value, limit)
+        big = _held(value, limit, seen=seen)
         if big is not None:
             return f"{value.name!r}", big
     return None
@@ -83,7 +84,8 @@ _CASTABLE = (*_FLOATS, DType.INT8, DType.INT16, DType.INT32, DType.INT64, DType.
 _CASTS = ("Cast", "CastLike")
 
 
-def _held(value: Value | None, limit: float, depth: int = 0, cast: bool = False) -> float | None:
+def _held(value: Value | None, limit: float, depth: int = 0, cast: bool = False,
+          seen: dict[int, float | None] | None = None) -> float | None:
     """A value beyond the limit that ``value`` holds as a constant: its own data, a ConstantOfShape's
     fill, a OneHot's on/off values, a Pad's fill, or those of a constant copied, sliced, gathered,
     concatenated, split, negated or cast (a double or an integer one too), or returned by a branch of
@@ -91,14 +93,18 @@ def _held(value: Value | None, limit: float, depth: int = 0, cast: bool = False)
     if value is None or value.dtype not in (_CASTABLE if cast else _FLOATS) or depth > 8:
         return None
     if value.is_constant:
-        return _largest(constant_array(value), limit)
+        if seen is None:
+            return _largest(constant_array(value), limit)
+        if id(value) not in seen:
+            seen[id(value)] = _largest(constant_array(value), limit)
+        return seen[id(value)]
     producer = value.producer
     if producer is None or producer.domain != "":
         return None
     if producer.op_type == "ConstantOfShape":
         return _largest(_attribute(producer, "value"), limit)
     if producer.op_type == "OneHot" and len(producer.inputs) > 2:
-        return _held(producer.inputs[2], limit, depth + 1, cast)
+        return _held(producer.inputs[2], limit, depth + 1, cast, seen)
     if producer.op_type == "Pad":
         big = _largest(_attribute(producer, "value"), limit)
         if big is not None:
@@ -106,14 +112,14 @@ def _held(value: Value | None, limit: float, depth: int = 0, cast: bool = False)
     if producer.op_type in _COPIES:
         slots = _COPIES[producer.op_type]
         for index in range(len(producer.inputs)) if slots is None else slots:
-            big = _held(producer.inputs[index], limit, depth + 1, cast or producer.op_type in _CASTS) \
+            big = _held(producer.inputs[index], limit, depth + 1, cast or producer.op_type in _CASTS, seen) \
                 if index < len(producer.inputs) else None
             if big is not None:
                 return big
     if producer.op_type == "If":  # what either branch returns in this slot
         index = producer.outputs.index(value)
         for branch in producer.all_subgraphs():
-            big = _held(branch.outputs[index], limit, depth + 1, cast) if index < len(branch.outputs) else None
+            big = _held(branch.outputs[index], limit, depth + 1, cast, seen) if index < len(branch.outputs) else None
             if big is not None:
                 return big
     return None
