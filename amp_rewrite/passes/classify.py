@@ -112,9 +112,8 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
         _fix_fp32(node, Category.DENY, _CONTROL, "classify")
         return
     if node.domain == "" and node.op_type in _SOURCES:
-        # (a rule file that names no Cast or Constant leaves them unlisted, as their entries say:
-        # the summary counts them with the other unlisted ops)
-        _count_unlisted(node, category, ctx)
+        if "fx.torch_name" not in meta and category != Category.CLEAR and source not in ("op schema", "kernel table"):
+            _own_source(node, category, source, ctx)
         meta["amp.precision"] = Precision.FP32
         return
     if "amp.exact_constant" in meta and category in (Category.INFER, Category.CLEAR):
@@ -199,6 +198,31 @@ def _position_cone(node: Node) -> list[Node]:
                 return []
             stack.extend(v for v in producer.inputs if v is not None)
     return cone
+
+
+# what a Cast or Constant is, whatever the rules say: cast placement and weight conversion decide them
+_SOURCE_REASONS = {
+    "Cast": "type conversion: cast placement owns it (folded where it undoes another cast, retargeted where every "
+            "reader is low precision), whatever the rule files say",
+    "Constant": "a literal: converted offline where every reader is low precision, like an initializer, whatever "
+                "the rule files say",
+}
+
+
+def _own_source(node: Node, category: Category, source: str, ctx: Context) -> None:
+    """A Cast or Constant that a rule (or its absence) puts in a list other than clear: painting
+    never reads that category (cast placement folds or retargets a Cast, weight conversion converts
+    a literal), so the node entry says what the rewrite does with it instead, and a user's rule
+    naming it another way gets a note: it pins nothing (an unlisted Cast was counted "kept FP32"
+    while it was folded away, a deny Constant was converted all the same)."""
+    if category != Category.UNLISTED and is_user_source(source):
+        note = (f"without effect: {source} makes {node.op_type} {category.value}, but cast placement and weight "
+                f"conversion decide Cast and Constant nodes whatever the rules say; to keep a value FP32, pin the "
+                f"nodes that read it (--fp32-nodes)")
+        if note not in ctx.log.notes:
+            ctx.log.notes.append(note)
+    node.meta["amp.category"], node.meta["amp.reason"], node.meta["amp.source"] = \
+        Category.CLEAR, _SOURCE_REASONS[node.op_type], "classify"
 
 
 def _count_unlisted(node: Node, category: Category, ctx: Context) -> None:
