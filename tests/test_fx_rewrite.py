@@ -729,6 +729,44 @@ def test_an_in_place_write_through_a_view_of_a_view_is_kept(training):
         assert rel_err(gm(x, src), model(x, src)) < TOL["bf16"]
 
 
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_an_in_place_write_to_a_model_input_reaches_the_caller(training):
+    """``x.add_(y)`` on an argument: the caller's tensor must change. The aliasing check looked for
+    later readers inside the graph only; painted low, add_ was emitted out of place into a cast
+    copy, so the caller's ``x`` kept its old values and the next call read them (error ~0.4).
+    Export captures now fall back to the functionalized graph, which writes the input back;
+    symbolic_trace, which has none, refuses with advice, also where nothing in the graph reads
+    the input again."""
+
+    class MutatesItsInput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(8, 8)
+
+        def forward(self, x, y):
+            x.add_(self.q(y))
+            return self.q(x)
+
+    torch.manual_seed(0)
+    model = MutatesItsInput()
+    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x.clone(), y), target="bf16", training=training)
+    ours, theirs = x.clone(), x.clone()
+    with torch.no_grad():
+        for _ in range(2):  # (the second call reads what the first wrote)
+            assert rel_err(gm(ours, y), model(theirs, y)) < TOL["bf16"]
+    assert rel_err(ours, theirs) < TOL["bf16"]
+    if not training:
+
+        class OnlyTheCallerSees(MutatesItsInput):
+            def forward(self, x, y):
+                x.add_(self.q(y))
+                return self.q(y)
+
+        with pytest.raises(UnsupportedModelError, match="'x' is an input of the model, whose caller sees"):
+            _dispatch(OnlyTheCallerSees(), example_inputs=(x.clone(), y), target="bf16", capture="symbolic_trace")
+
+
 @torch.library.custom_op("amp_rewrite_test::twice", mutates_args=())
 def _twice(x: torch.Tensor) -> torch.Tensor:
     return x * 2

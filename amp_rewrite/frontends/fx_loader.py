@@ -729,7 +729,8 @@ class _Builder:
     def _check_aliasing(self, node: fx.Node) -> None:
         """An in-place op is emitted out of place where a cast feeds it; that is only sound when
         nothing observes the mutation through another name: the input read again later, a view
-        of it read later, or the base it is a view of."""
+        of it read later, the base it is a view of, or the caller, when that base is an input of
+        the model (``x.add_(y)`` on an argument: the caller's tensor must change)."""
         target = node.args[0] if node.args else None
         if not isinstance(target, fx.Node):
             return
@@ -746,9 +747,11 @@ class _Builder:
         while _is_view(base, self.gm) and base.args and isinstance(base.args[0], fx.Node):
             base = base.args[0]
             observers += [u.name for t in self._same_tensor(base) for u in t.users if after(u)]
-        if observers or _is_setitem(node):
+        caller = base.op == "placeholder"
+        if observers or caller or _is_setitem(node):
             seen = f"{', '.join(sorted(set(observers)))} read{'s' if len(set(observers)) == 1 else ''} it afterwards" \
-                if observers else "the result is only visible through aliasing"
+                if observers else f"{base.name!r} is an input of the model, whose caller sees the change" if caller \
+                else "the result is only visible through aliasing"
             raise InPlaceMutationError(
                 f"node {node.name!r} ({node.format_node()}) mutates {target.name!r} in place and {seen}; casts "
                 f"would break that aliasing",
