@@ -414,11 +414,15 @@ def test_an_fp32_pin_on_a_node_given_low_is_said_to_change_nothing(tmp_path):
 
 @pytest.mark.parametrize("op,attr,extra", [("RandomNormalLike", "dtype", {"dtype": 1, "scale": 1e-6}),
                                            ("RandomUniformLike", "dtype", {"dtype": 1, "high": 1e-6}),
-                                           ("RandomNormal", "dtype", {"shape": [4, 4], "scale": 1e-6})])
+                                           ("RandomNormal", "dtype", {"shape": [4, 4], "scale": 1e-6}),
+                                           ("RandomNormalLike", "dtype", {"scale": 1e-6}),
+                                           ("RandomUniformLike", "dtype", {"high": 1e-6})])
 def test_an_output_type_attribute_follows_a_node_made_low(op, attr, extra):
     """--fp16-ops on an op whose attribute says its output type: the attribute followed nothing,
     so the output was declared FP16 and computed FP32 (checker and onnxruntime refused the model,
-    exit 0). RandomNormal has no dtype here: its default, FLOAT, is what changes."""
+    exit 0). RandomNormal has no dtype here: its default, FLOAT, is what changes. A *Like op with
+    no dtype takes its input's type, and its input (another type group: only its shape is read)
+    stays FP32, so it is given the attribute too."""
     node = onnx.helper.make_node(op, [] if op == "RandomNormal" else ["h"], ["r"], name="gen", **extra)
     graph = onnx.helper.make_graph(
         [onnx.helper.make_node("MatMul", ["x", "w"], ["h"]), node, onnx.helper.make_node("Add", ["h", "r"], ["o"]),

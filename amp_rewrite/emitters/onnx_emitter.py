@@ -214,9 +214,10 @@ class _Patcher:
         if node.op_type == "ConstantOfShape" and node.outputs[0].meta.get("amp.was") is not None:
             self._retype_constant_of_shape(n, node.outputs[0].dtype)
         type_attr = _OUTPUT_TYPE_ATTRS.get(node.op_type) if node.domain == "" else None
-        if type_attr and node.outputs[0].meta.get("amp.was") is not None and node.outputs[0].dtype is not None \
-                and (type_attr in n.attributes or not node.op_type.endswith("Like")):
-            # the attribute, not the input, says the output type (a *Like op without it follows its input)
+        if type_attr and node.outputs[0].meta.get("amp.was") is not None and node.outputs[0].dtype is not None:
+            # the attribute, not the input, says the output type. A *Like op without it takes its
+            # input's type, but that input is another type group (only its shape is read), which
+            # painting leaves FP32: the attribute is written there too
             n.attributes[type_attr] = ir.AttrInt64(type_attr, int(node.outputs[0].dtype))
         if node.meta.get("amp.category") is not None:
             self._tag(n, node)
