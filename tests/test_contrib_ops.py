@@ -229,3 +229,21 @@ def test_check_fails_when_onnxruntime_cannot_load_the_rewritten_model():
     with pytest.raises(ck.CheckRunError, match="cannot load the rewritten model.*mean"):
         ck.check_models(reference, _skip_norm_with_mean(onnx.TensorProto.FLOAT16), runner=runner)
     assert ck.CheckRunError("").exit_code == 8
+
+
+def test_an_ai_onnx_ml_output_is_typed_from_its_schema():
+    """onnx's shape inference has no type function for most ai.onnx.ml ops, and the schema's fixed
+    output types were read for onnxruntime's schemas only: Scaler's output (tensor(float) whatever
+    it reads) stayed untyped, so the MatMul reading it kept FP32, "dtype of 'n' is unknown"."""
+    nodes = [oh.make_node("MatMul", ["x", "w1"], ["a"]),
+             oh.make_node("Scaler", ["a"], ["n"], domain="ai.onnx.ml", offset=[0.5], scale=[2.0]),
+             oh.make_node("MatMul", ["n", "w2"], ["out"])]
+    model = _model(nodes, 17, _weights(("w1", H, H), ("w2", H, H)), ms=False)
+    model.opset_import.append(oh.make_opsetid("ai.onnx.ml", 3))
+    result = rewrite(model)
+    full_check(result.model)
+    summary = result.report.summary()
+    assert (summary["heavy_ops"]["low"], summary["heavy_ops"]["total"]) == (2, 2)
+    x = np.random.default_rng(1).standard_normal((2, 4, H)).astype(np.float32)
+    assert rel_err(run(model, {"x": x})["out"], run(result.model, {"x": x})["out"]) < 1e-2
+    assert not rewrite(result.model).modified

@@ -873,16 +873,21 @@ def schema_slots(op: str, domain: str, opset: int | None, n_in: int, n_out: int)
         for old, into in merged.items():
             if old in group_types and into in group_types:  # (a later opset may name them otherwise)
                 group_types[into] = group_types[into] & group_types.pop(old)
-    if not isinstance(schema, _OrtSchema):
-        joins = tuple((g, main) for g, main in _JOINED_GROUPS.get((domain or "", op), ())
-                      if g in group_types and main in group_types)  # (a later opset may name them otherwise)
-        return Slots(ins, outs, tuple(f.name for f in schema.inputs), group_types, joins)
+    # the output types a schema fixes (a single-type constraint, a concrete type): what types the
+    # outputs of the ops shape inference has no type function for, onnxruntime's contrib ops and
+    # onnx's own ai.onnx.ml ops (Scaler, Normalizer: tensor(float) whatever they read)
     single = {tc.type_param_str: _dtype_of(tc.allowed_type_strs[0]) for tc in schema.type_constraints
               if len(tc.allowed_type_strs) == 1}
     output_types = tuple(single.get(g) if g is not None else _dtype_of(f.type_str) if f is not None else None
                          for g, f in zip(outs, _formals(schema.outputs, n_out)))
+    fixes = isinstance(schema, _OrtSchema) or (domain or "") not in ("", "ai.onnx")  # (onnx infers its own)
+    output_types = output_types if fixes and any(output_types) else ()
+    if not isinstance(schema, _OrtSchema):
+        joins = tuple((g, main) for g, main in _JOINED_GROUPS.get((domain or "", op), ())
+                      if g in group_types and main in group_types)  # (a later opset may name them otherwise)
+        return Slots(ins, outs, tuple(f.name for f in schema.inputs), group_types, joins, output_types)
     return Slots(ins, outs, tuple(f.name for f in schema.inputs), group_types,
-                 _joinable(group_types, ins, outs), output_types if any(output_types) else ())
+                 _joinable(group_types, ins, outs), output_types)
 
 
 def _formals(formals, count: int) -> list:
