@@ -729,6 +729,33 @@ def test_an_in_place_write_through_a_view_of_a_view_is_kept(training):
         assert rel_err(gm(x, src), model(x, src)) < TOL["bf16"]
 
 
+def test_the_functionalized_copy_follows_its_neighbours():
+    """``out[..., :8].copy_(src)`` falls back to the functionalized graph, where the write is
+    aten.copy (src converted into a tensor of the slice's shape). No torch rule named copy: it was
+    "unlisted, kept FP32", an FP32 island between two bf16 ops with its own pair of casts, and the
+    summary asked the user to classify it."""
+
+    class SliceWrite(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x, src):
+            out = self.q(x).clone()
+            out[..., :8].copy_(src)
+            return self.o(out)
+
+    torch.manual_seed(0)
+    model, x, src = SliceWrite(), torch.randn(2, 4, 16), torch.randn(8)
+    gm, report = amp_rewrite.rewrite(model, example_inputs=(x, src), target="bf16", report=True)
+    copies = [n for n in report.to_dict()["nodes"] if n["op"] == "copy"]
+    assert copies and all((n["precision"], n["category"]) == ("bf16", "clear") for n in copies)
+    assert "copy" not in report.summary()["unlisted_ops"]
+    assert report.summary()["islands"] == 0
+    with torch.no_grad():
+        assert rel_err(gm(x, src), model(x, src)) < TOL["bf16"]
+
+
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
 def test_an_in_place_write_to_a_model_input_reaches_the_caller(training):
     """``x.add_(y)`` on an argument: the caller's tensor must change. The aliasing check looked for
