@@ -80,7 +80,7 @@ class Report:
                 continue
             dims = _tensor_core_dims(d.op, shapes)
             misaligned = [k for k, v in dims.items() if isinstance(v, int) and v % TENSOR_CORE_MULTIPLE]
-            unknown = [k for k, v in dims.items() if not isinstance(v, int)]
+            unknown = [k for k, v in dims.items() if not isinstance(v, int) and not _known_multiple(v)]
             status = "misaligned" if misaligned else "unknown" if unknown or not dims else "aligned"
             out.append({"node": name, "op": d.op, "shapes": shapes, "dims": dims, "misaligned": misaligned,
                         "status": status})
@@ -265,12 +265,12 @@ def _tensor_core_dims(op: str, shapes: list) -> dict[str, Any]:
     weight axes (C_out and C_in/group, or the other way round when it is transposed)."""
     a = shapes[0] if len(shapes) > 0 else None
     b = shapes[1] if len(shapes) > 1 else None
-    op = _TORCH_ALIGNMENT.get(op, op)
+    name, op = op, _TORCH_ALIGNMENT.get(op, op)
     dims: dict[str, Any] = {}
     if op == "MatMul":
         if a:
             if len(a) >= 2:
-                dims["M"] = a[-2]
+                dims["M"] = _product(a[:-1]) if _folds_batch(name, a, b) else a[-2]
             dims["K"] = a[-1]
         if b and len(b) >= 2:
             dims["N"] = b[-1]
@@ -294,6 +294,21 @@ def _tensor_core_dims(op: str, shapes: list) -> dict[str, Any]:
     return dims
 
 
+def _folds_batch(op: str, a: list, b: list | None) -> bool:
+    """Whether a batched A (``[..., M, K]``) times B runs as one GEMM with A's leading dims folded
+    into M, as linear does, rather than one GEMM per batch. torch's matmul folds when B is a
+    matrix or a vector (aten's should_fold; a non-contiguous A would go per batch instead, which
+    the shapes cannot tell). onnxruntime's MatMul folds when B's leading dims are all 1 (a 2-D B
+    included). bmm and baddbmm (both operands batched) never fold; mm and addmm have no batch."""
+    if b is None or len(a) < 3:
+        return False
+    if op == "matmul":
+        return len(b) <= 2
+    if op == "MatMul":
+        return 2 <= len(b) <= len(a) and all(d == 1 for d in b[:-2])
+    return False
+
+
 def _product(dims: list) -> Any:
     """The size of dims flattened into one: an int, a symbolic product ("s0*8"), or None where a
     dim is not known."""
@@ -302,6 +317,18 @@ def _product(dims: list) -> Any:
     if any(d is None for d in dims):
         return None
     return dims[0] if len(dims) == 1 else "*".join(str(d) for d in dims)
+
+
+_SYMBOLIC_PRODUCT = re.compile(r"\w+(\*\w+)+")
+
+
+def _known_multiple(dim: Any) -> bool:
+    """Whether a symbolic product of dims (``_product``'s "B*128") is a multiple of 8 whatever its
+    symbols are: its integer factors are. A folded M with a dynamic batch stays aligned when the
+    rest of it is (without this it read "unknown" where the per-batch M had read aligned)."""
+    if not isinstance(dim, str) or not _SYMBOLIC_PRODUCT.fullmatch(dim):
+        return False
+    return math.prod(int(f) for f in dim.split("*") if f.isdigit()) % TENSOR_CORE_MULTIPLE == 0
 
 
 def _finite(d: dict[str, Any]) -> dict[str, Any]:

@@ -1839,6 +1839,29 @@ def test_torch_gemms_and_convolutions_get_the_alignment_check(capture, decompose
     assert d["summary"]["alignment"]["checked"] == 4 and d["summary"]["alignment"]["unknown"] == 0
 
 
+class _MatmulBatchedA(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x, y):
+        return x @ self.w, x @ y  # a 2-D B, then both operands batched (bmm-like)
+
+
+@pytest.mark.parametrize("decompose", [False, True], ids=["export", "decomposed"])
+def test_matmul_with_a_2d_b_folds_the_batch_into_m(decompose):
+    """x [2, 4, 16] @ W [16, 16] is one GEMM with M = 2 * 4, as linear is, but the report gave
+    matmul M = x[-2] = 4, 'misaligned', where the decomposed capture (view + mm) said M=8,
+    aligned. Both operands batched stays one GEMM per batch: M = 4."""
+    x, y = torch.randn(2, 4, 16), torch.randn(2, 16, 8)
+    _, report = amp_rewrite.rewrite(_MatmulBatchedA().eval(), example_inputs=(x, y), target="bf16",
+                                    decompose=decompose, report=True)
+    got = {a["dims"]["N"]: (a["op"], a["dims"], a["status"]) for a in report.alignment()}
+    gemm, batched = ("mm", "bmm") if decompose else ("matmul", "matmul")
+    assert got == {16: (gemm, {"M": 8, "K": 16, "N": 16}, "aligned"),
+                   8: (batched, {"M": 4, "K": 16, "N": 8}, "misaligned")}
+
+
 class _HfStyleDataDependent(nn.Module):
     """An HF-style forward: optional inputs checked against each other (symbolic_trace feeds a
     Proxy to each, so the check raises) and a data-dependent branch torch.export cannot capture."""

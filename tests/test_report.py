@@ -363,7 +363,8 @@ def test_tensor_core_alignment():
     report = rewrite(block_model(), fuse=False).report
     align = {a["node"]: a for a in report.alignment()}
     assert set(align) == {"q_proj", "k_proj", "scores", "attn_v", "ffn_up", "ffn_down"}
-    assert align["q_proj"]["dims"] == {"M": 16, "K": 64, "N": 64} and align["q_proj"]["status"] == "aligned"
+    # x [2, 16, 64] @ Wq [64, 64]: one GEMM, x's batch folded into M
+    assert align["q_proj"]["dims"] == {"M": 32, "K": 64, "N": 64} and align["q_proj"]["status"] == "aligned"
     assert align["ffn_up"]["misaligned"] == ["N"] and align["ffn_up"]["dims"]["N"] == 100
     assert align["ffn_down"]["misaligned"] == ["K"]
     assert report.summary()["alignment"] == {"checked": 6, "aligned": 4, "misaligned": 2, "unknown": 0}
@@ -388,7 +389,32 @@ def test_alignment_of_conv_gemm_and_symbolic_dims():
         <ir_version: 9, opset_import: ["" : 17]>
         g (float[B,S,64] x) => (float[B,S,64] y) { y = MatMul(x, w) }""", {"w": (64, 64)}, ir_version=9)
     (a,) = rewrite(sym).report.alignment()
-    assert a["status"] == "unknown" and a["dims"]["M"] == "S" and a["misaligned"] == []
+    assert a["status"] == "unknown" and a["dims"]["M"] == "B*S" and a["misaligned"] == []
+
+
+def test_matmul_with_a_2d_b_folds_the_batch_into_m():
+    """onnxruntime runs A [..., M, K] @ B [K, N] (or B's leading dims all 1) as one GEMM with A's
+    leading dims folded into M, like linear; the report gave M = A[-2] (4 here, 'misaligned').
+    Both operands batched stays one GEMM per batch. A dynamic batch times a multiple of 8 is still
+    a multiple of 8."""
+    model = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[2,4,16] x, float[2,16,8] y, float[B,16,16] z) => (float[2,4,16] a, float[2,4,16] b,
+                                                                   float[2,4,8] c, float[B,16,16] d) {
+          a = MatMul(x, w)
+          b = MatMul(x, w1)
+          c = MatMul(x, y)
+          d = MatMul(z, w)
+        }""", {"w": (16, 16), "w1": (1, 16, 16)}, ir_version=9)
+    align = {a["node"]: a for a in rewrite(model).report.alignment()}
+    by_out = {a["shapes"][1] and tuple(a["shapes"][0]) + tuple(a["shapes"][1]): a for a in align.values()}
+    assert by_out[(2, 4, 16, 16, 16)]["dims"] == {"M": 8, "K": 16, "N": 16}
+    assert by_out[(2, 4, 16, 16, 16)]["status"] == "aligned"
+    assert by_out[(2, 4, 16, 1, 16, 16)]["dims"]["M"] == 8
+    assert by_out[(2, 4, 16, 2, 16, 8)]["dims"] == {"M": 4, "K": 16, "N": 8}
+    assert by_out[(2, 4, 16, 2, 16, 8)]["misaligned"] == ["M"]
+    assert by_out[("B", 16, 16, 16, 16)]["dims"]["M"] == "B*16"
+    assert by_out[("B", 16, 16, 16, 16)]["status"] == "aligned"
 
 
 def test_summary_text_headline():
