@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import re
 import warnings
 from typing import Any, Sequence
 
@@ -380,12 +382,69 @@ _EXPORT_ADVICE = ("torch.compile(model, backend=\"amp_rewrite\") rewrites such a
 
 
 def _export_cause(exc: BaseException) -> str:
-    """torch.export's error, first line, with the line of the module's code that caused it where
-    torch names it (its data-dependent errors do on a later line: 'Caused by: (model.py:19 in forward)')."""
+    """torch.export's error, first line, with the line of the module's code that caused it: the
+    innermost frame outside torch (and this package) of the traceback torch writes into its error
+    ('The following call raised this error:', dynamo's 'from user code:'), else of the traceback
+    the error came through (non-strict export runs forward), else the frame its 'Caused by:' line
+    names. That last is the first frame outside torch's tracing files, often another torch file
+    ('_export/non_strict_utils.py:1205 in __torch_function__'), its path shortened by torch."""
+    text = str(exc)
     cause = _first_line(exc)
-    where = next((line.strip()[len("Caused by:"):].strip().strip("()") for line in str(exc).splitlines()
-                  if line.strip().startswith("Caused by:")), "")
+    where = _user_frame(text) or _raising_user_frame(exc)
+    if where is None:
+        where = next((line.strip()[len("Caused by:"):].strip().strip("()") for line in text.splitlines()
+                      if line.strip().startswith("Caused by:")), "")
     return f"{cause} (caused by {where[:200]})" if where else cause
+
+
+_TRACEBACK_FRAME = re.compile(r'File "([^"]+)", line (\d+), in ([^\s,]+)(?:, code: (.*))?')
+
+
+def _not_user_code() -> tuple[str, ...]:
+    return tuple(os.path.dirname(os.path.realpath(f)) + os.sep for f in (torch.__file__, __file__))
+
+
+def _is_user_file(path: str, skip: tuple[str, ...]) -> bool:
+    return path.startswith("<") or not os.path.realpath(path).startswith(skip)
+
+
+def _frame_text(path: str, lineno: Any, func: str, code: str | None) -> str:
+    code = (code or "").strip()
+    return f"{path}:{lineno} in {func}" + (f": {code[:100]}" if code else "")
+
+
+def _user_frame(text: str) -> str | None:
+    """The innermost user-code frame of the traceback lines in torch's error text ('File "m.py",
+    line 8, in forward' and the source line under it), as 'm.py:8 in forward: <source>'."""
+    skip = _not_user_code()
+    lines = text.splitlines()
+    found = None
+    for i, line in enumerate(lines):
+        m = _TRACEBACK_FRAME.search(line)
+        if m is None or not _is_user_file(m.group(1), skip):
+            continue
+        path, lineno, func, code = m.groups()
+        if code is None and i + 1 < len(lines) and lines[i + 1].startswith("    ") \
+                and not _TRACEBACK_FRAME.search(lines[i + 1]):
+            code = lines[i + 1]
+        found = _frame_text(path, lineno, func, code)
+    return found
+
+
+def _raising_user_frame(exc: BaseException) -> str | None:
+    """The innermost user-code frame the error was raised through (or its cause's)."""
+    import traceback
+
+    skip = _not_user_code()
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_user_file(f.filename, skip)]
+        if frames:
+            f = frames[-1]
+            return _frame_text(f.filename, f.lineno, f.name, f.line)
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _module_of(program: Any, decompose: bool, training: bool = False) -> fx.GraphModule:

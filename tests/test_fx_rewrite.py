@@ -1895,6 +1895,49 @@ def test_an_export_failure_leads_the_error_and_says_what_to_do(capture):
     assert fallback > message.find("torch.compile") if capture == "auto" else fallback == -1
 
 
+class _DataDependentBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.fc(x)
+        return self.fc(-x)
+
+
+@pytest.mark.parametrize("module, kwargs, code", [
+    (_DataDependentBranch, {"x": torch.randn(2, 8)}, "if x.sum() > 0:"),
+    (_HfStyleDataDependent, {"input_ids": torch.tensor([[1, 7, 3]])}, "if (input_ids > 5).any().item():")],
+    ids=["branch", "item"])
+def test_an_export_failure_names_the_line_of_forward(module, kwargs, code):
+    """The cause came from export's first 'Caused by:' line: for a tensor's truth value that is the
+    first frame outside torch's tracing files, a torch file ('_export/non_strict_utils.py:1205 in
+    __torch_function__'), where the forward's line is in the error's traceback section; for .item()
+    it is the forward's line, its path cut by torch ('mp/wt_torch/tests/...' for /tmp/wt_torch/...)."""
+    with pytest.raises(UnsupportedModelError) as caught:
+        amp_rewrite.rewrite(module().eval(), example_kwargs=kwargs, target="bf16", capture="export")
+    head = caught.value.message.split("; torch.compile")[0]
+    line = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if text.strip() == code)
+    assert head.endswith(f" (caused by {__file__}:{line} in forward: {code})")
+
+
+def test_the_export_cause_is_the_innermost_frame_outside_torch():
+    """Strict export (dynamo) lists its own frame before the module's under 'from user code:'; a
+    message with no traceback keeps its 'Caused by:' line."""
+    from amp_rewrite.fx_api import _export_cause
+
+    torch_file = torch.__file__.replace("__init__.py", "_dynamo/functional_export.py")
+    text = ("Data-dependent branching\n\nfrom user code:\n"
+            f'   File "{torch_file}", line 232, in forward\n    res = self._export_root(*args, **kwargs)\n'
+            '  File "/src/model.py", line 8, in forward\n    if x.sum() > 0:\n       ^^^^^^^^^^^^\n'
+            '  File "/src/block.py", line 3, in inner\n    return y.item()\n')
+    assert _export_cause(RuntimeError(text)) == \
+        "Data-dependent branching (caused by /src/block.py:3 in inner: return y.item())"
+    plain = "Could not guard\nCaused by: (model.py:19 in forward)\nFor more information"
+    assert _export_cause(RuntimeError(plain)) == "Could not guard (caused by model.py:19 in forward)"
+
+
 class _GemmaRMSNorm(nn.Module):
     def __init__(self, dim):
         super().__init__()
