@@ -251,7 +251,7 @@ def _rewrite_bodies(gm: fx.GraphModule, log: Any, *, target: str, rules: Any, fp
     types (the op itself keeps its types in gm), and merge their decisions into ``log`` under the
     body's attribute path. A ``torch.autocast`` region is left as written: torch decides the
     precision inside it. Nested bodies are rewritten by the recursive call."""
-    from .frontends.fx_loader import AUTOCAST_REGION, body_modules, hop_name
+    from .frontends.fx_loader import AUTOCAST_REGION, BODY_MARK, body_modules, hop_name
 
     done: set[str] = set()
     modified = False
@@ -265,9 +265,11 @@ def _rewrite_bodies(gm: fx.GraphModule, log: Any, *, target: str, rules: Any, fp
             done.add(path)
             prefix, _, attr = path.rpartition(".")
             owner = gm.get_submodule(prefix) if prefix else gm
+            getattr(owner, attr).meta[BODY_MARK] = True  # (its inputs are the enclosing graph's values)
             result = rewrite_torch(getattr(owner, attr), target=target, rules=rules, keep_io_types=True,
                                    fp32_nodes=fp32_nodes, **options)
             body = result.model
+            body.meta.pop(BODY_MARK, None)
             body.meta.pop("amp_rewrite.log", None)
             body.meta.pop("amp_rewrite.target", None)
             setattr(owner, attr, body)

@@ -729,6 +729,34 @@ def test_an_in_place_write_through_a_view_of_a_view_is_kept(training):
         assert rel_err(gm(x, src), model(x, src)) < TOL["bf16"]
 
 
+def test_an_in_place_buffer_update_under_no_grad_is_rewritten():
+    """An EMA updated in place inside ``torch.no_grad()``: export writes the block as a
+    higher-order op whose body is rewritten on its own, its placeholders the enclosing graph's
+    values. The check that a model input's mutation reaches the caller took the buffer passed
+    in for one, and raised InPlaceMutationError there, where no functionalized fallback exists."""
+
+    class EMA(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+            self.register_buffer("ema", torch.zeros(4))
+
+        def forward(self, x):
+            h = self.l(x)
+            with torch.no_grad():
+                self.ema.mul_(0.5).add_(h.mean(0), alpha=0.5)
+            return self.l(h) + self.ema
+
+    torch.manual_seed(0)
+    model, x = EMA(), torch.randn(3, 4)
+    reference = copy.deepcopy(model)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16")
+    with torch.no_grad():
+        for _ in range(2):  # (the second call reads the first's update)
+            assert rel_err(gm(x), reference(x)) < TOL["bf16"]
+    assert rel_err(dict(gm.named_buffers())["ema"], reference.ema) < TOL["bf16"]
+
+
 def test_the_functionalized_copy_follows_its_neighbours():
     """``out[..., :8].copy_(src)`` falls back to the functionalized graph, where the write is
     aten.copy (src converted into a tensor of the slice's shape). No torch rule named copy: it was

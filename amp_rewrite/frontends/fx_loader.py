@@ -747,7 +747,9 @@ class _Builder:
         while _is_view(base, self.gm) and base.args and isinstance(base.args[0], fx.Node):
             base = base.args[0]
             observers += [u.name for t in self._same_tensor(base) for u in t.users if after(u)]
-        caller = base.op == "placeholder"
+        # (a body's input is the enclosing graph's value, which has no caller of its own; there an
+        # in-place update of a buffer passed in, an EMA under torch.no_grad(), kept its types)
+        caller = base.op == "placeholder" and not self.gm.meta.get(BODY_MARK)
         if observers or caller or _is_setitem(node):
             seen = f"{', '.join(sorted(set(observers)))} read{'s' if len(set(observers)) == 1 else ''} it afterwards" \
                 if observers else f"{base.name!r} is an input of the model, whose caller sees the change" if caller \
@@ -776,6 +778,9 @@ class _Builder:
 
 # -- higher-order ops -----------------------------------------------------------------------------------
 AUTOCAST_REGION = "wrap_with_autocast"
+# a higher-order op's body graph, rewritten on its own (its ``meta``): its placeholders are the
+# enclosing graph's values, not the model's inputs
+BODY_MARK = "amp_rewrite.body"
 AUTOCAST_MARKS = ("_enter_autocast", "_exit_autocast")  # torch.amp.autocast_mode's, in dynamo's graphs
 
 
