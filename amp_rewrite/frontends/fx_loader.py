@@ -738,15 +738,24 @@ class _Builder:
         if dtypes and not any(d is not None and d.is_floating_point for d in dtypes):
             return  # (an integer or bool tensor is never cast, so the op stays in place: T5's shift_tokens_right)
         after = lambda n: self.order.get(n, -1) > self.order[node]  # noqa: E731
-        same = self._same_tensor(target)
-        observers = [u.name for t in same for u in t.users if u is not node and after(u)]
-        for view in (v for t in same for v in t.users):
-            if view is not node and not after(view) and _is_view(view, self.gm):
-                observers += [u.name for u in view.users if after(u)]
-        base = target  # every tensor it is a view of, however deep (out[0, 0]: select(select(out)))
+        base = target  # the tensor it is a view of, however deep (out[0, 0]: select(select(out)))
         while _is_view(base, self.gm) and base.args and isinstance(base.args[0], fx.Node):
             base = base.args[0]
-            observers += [u.name for t in self._same_tensor(base) for u in t.users if after(u)]
+        # Every name of that storage: the base and its views, however nested, siblings of the
+        # target included (a = h.view(12); b = h.view(3, 4); a.sin_(): b sees it; so does
+        # v = h.unsqueeze(0).squeeze(0) when h is mutated). A later reader of any of them observes it.
+        aliases: dict[fx.Node, None] = {}
+        stack = list(self._same_tensor(base))
+        while stack:
+            alias = stack.pop()
+            if alias in aliases:
+                continue
+            aliases[alias] = None
+            stack.extend(v for v in alias.users if v is not node and _is_view(v, self.gm))
+            if alias.op == "get_attr":
+                stack.extend(self._same_tensor(alias))
+        observers = [u.name for alias in aliases for u in alias.users  # (a view's readers count, not the view)
+                     if u is not node and u not in aliases and after(u)]
         # (a body's input is the enclosing graph's value, which has no caller of its own; there an
         # in-place update of a buffer passed in, an EMA under torch.no_grad(), kept its types)
         caller = base.op == "placeholder" and not self.gm.meta.get(BODY_MARK)
