@@ -752,8 +752,6 @@ class _Builder:
                 continue
             aliases[alias] = None
             stack.extend(v for v in alias.users if v is not node and _is_view(v, self.gm))
-            if alias.op == "get_attr":
-                stack.extend(self._same_tensor(alias))
         observers = [u.name for alias in aliases for u in alias.users  # (a view's readers count, not the view)
                      if u is not node and u not in aliases and after(u)]
         # (a body's input is the enclosing graph's value, which has no caller of its own; there an

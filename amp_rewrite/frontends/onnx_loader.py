@@ -875,13 +875,15 @@ def schema_slots(op: str, domain: str, opset: int | None, n_in: int, n_out: int)
                 group_types[into] = group_types[into] & group_types.pop(old)
     # the output types a schema fixes (a single-type constraint, a concrete type): what types the
     # outputs of the ops shape inference has no type function for, onnxruntime's contrib ops and
-    # onnx's own ai.onnx.ml ops (Scaler, Normalizer: tensor(float) whatever they read)
-    single = {tc.type_param_str: _dtype_of(tc.allowed_type_strs[0]) for tc in schema.type_constraints
-              if len(tc.allowed_type_strs) == 1}
-    output_types = tuple(single.get(g) if g is not None else _dtype_of(f.type_str) if f is not None else None
-                         for g, f in zip(outs, _formals(schema.outputs, n_out)))
-    fixes = isinstance(schema, _OrtSchema) or (domain or "") not in ("", "ai.onnx")  # (onnx infers its own)
-    output_types = output_types if fixes and any(output_types) else ()
+    # onnx's own ai.onnx.ml ops (Scaler, Normalizer: tensor(float) whatever they read); onnx's
+    # default-domain ops are typed by its inference
+    output_types: tuple = ()
+    if isinstance(schema, _OrtSchema) or (domain or "") not in ("", "ai.onnx"):
+        single = {tc.type_param_str: _dtype_of(tc.allowed_type_strs[0]) for tc in schema.type_constraints
+                  if len(tc.allowed_type_strs) == 1}
+        fixed = tuple(single.get(g) if g is not None else _dtype_of(f.type_str) if f is not None else None
+                      for g, f in zip(outs, _formals(schema.outputs, n_out)))
+        output_types = fixed if any(fixed) else ()
     if not isinstance(schema, _OrtSchema):
         joins = tuple((g, main) for g, main in _JOINED_GROUPS.get((domain or "", op), ())
                       if g in group_types and main in group_types)  # (a later opset may name them otherwise)
