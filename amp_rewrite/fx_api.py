@@ -472,7 +472,41 @@ def _decomposed(program: Any, training: bool) -> fx.GraphModule:
     table[torch.ops.aten.copy.default] = _copy_for_autograd
     # (the default table writes detach as alias, which passes gradients: a stop-gradient would be lost)
     table.pop(torch.ops.aten.detach.default, None)
-    return _private_copy(program.run_decompositions(table).module())
+    gm = _private_copy(program.run_decompositions(table).module())
+    _unshare_written_back_inputs(gm)
+    return gm
+
+
+def _unshare_written_back_inputs(gm: fx.GraphModule) -> None:
+    """Give a functional op a clone of each buffer its result is copied back into.
+
+    Functionalization writes an op that mutates its inputs inside its kernel (BatchNorm's running
+    mean and variance) as the op's ``*_functional`` form plus a ``copy_`` of the new value into the
+    buffer at the end of the graph. The functional op's autograd node saves the buffer it read, and
+    that later ``copy_`` bumps the buffer's version, so backward raised "modified by an inplace
+    operation" (eager BatchNorm writes inside the op, after autograd saved it; torch's own
+    ``run_decompositions().module()`` fails the same way). A clone of the buffer (the running
+    statistics: one value per channel) is what the op reads now; the write-back is unchanged."""
+    graph = gm.graph
+    copy_ = torch.ops.aten.copy_.default
+    written = {n.args[0] for n in graph.nodes
+               if n.op == "call_function" and n.target is copy_ and isinstance(n.args[0], fx.Node)}
+    changed = False
+    for node in list(graph.nodes):
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
+                or not target._schema.name.endswith("_functional"):
+            continue
+        for arg in dict.fromkeys(a for a in node.args if isinstance(a, fx.Node) and a in written):
+            with graph.inserting_before(node):
+                clone = graph.call_function(torch.ops.aten.clone.default, (arg,))
+            if "val" in arg.meta:
+                clone.meta["val"] = arg.meta["val"]
+            node.replace_input_with(arg, clone)
+            changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
 
 
 def _copy_for_autograd(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
