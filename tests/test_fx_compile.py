@@ -4,13 +4,16 @@ eager FP32 within the tolerances of test_fx_rewrite (3e-2 BF16, 5e-3 FP16, relat
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
+import amp_rewrite  # noqa: E402
 import amp_rewrite.compile_backend as backend  # noqa: E402  (registers "amp_rewrite")
+from amp_rewrite.errors import UnsupportedModelError  # noqa: E402
 
 from test_fx_rewrite import TOL, WithLoss, make, rel_err  # noqa: E402
 
@@ -241,3 +244,75 @@ def test_an_autocast_region_in_a_dynamo_graph_is_left_as_written():
     assert {d.precision.value for d in decisions.values() if d.op == "linear"} == {"low", "fp32"}
     inside = [d for d in decisions.values() if "torch.autocast region" in d.reason]
     assert inside and all(d.precision.value == "fp32" for d in inside)
+
+
+class _OutWrites(torch.nn.Module):
+    """Results written by out=: into a buffer, into an intermediate, into a pair of intermediates
+    (torch.max's values and indices), and a float result into an integer tensor's float twin."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(4, 4)
+        self.register_buffer("buf", torch.zeros(3, 4))
+
+    def forward(self, x):
+        h = self.l(x).detach()
+        torch.mul(h, 2, out=self.buf)
+        o = torch.zeros_like(h)
+        torch.cumsum(h, 0, out=o)
+        v, i = torch.zeros_like(h[:, 0]), torch.zeros_like(h[:, 0], dtype=torch.long)
+        torch.max(h, 1, out=(v, i))
+        return self.l(self.buf) + self.l(o) + self.l(h * v.sum()) + i.sum()
+
+
+class _OutWritesNoBuffer(_OutWrites):
+    def forward(self, x):
+        h = self.l(x).detach()
+        o = torch.zeros_like(h)
+        torch.cumsum(h, 0, out=o)
+        v, i = torch.zeros_like(h[:, 0]), torch.zeros_like(h[:, 0], dtype=torch.long)
+        torch.max(h, 1, out=(v, i))
+        return self.l(o) + self.l(h * v.sum()) + i.sum()
+
+
+@pytest.mark.parametrize("capture", ["symbolic_trace", "compile"])
+def test_out_writes_are_seen_by_later_readers(capture):
+    """``torch.mul(h, 2, out=self.buf)`` was not taken for a write: a later low reader of the
+    buffer got a copy converted once at rewrite time (stale: error ~1 on every call), and an
+    intermediate painted low handed ``torch.cumsum(h, 0, out=o)`` a cast copy, so the sum landed in
+    the copy and ``self.l(o)`` read zeros. It is now the in-place write it is, seen by every later
+    reader (dynamo lifts the buffer into a graph input, whose write the caller must see: that is
+    refused, with advice, as an explicit ``copy_`` is)."""
+    torch.manual_seed(0)
+    model = _OutWrites() if capture == "symbolic_trace" else _OutWritesNoBuffer()
+    ref = copy.deepcopy(model)
+    xs = [torch.randn(3, 4) for _ in range(3)]
+    if capture == "compile":
+        low = torch.compile(model, backend="amp_rewrite", options={"target": "bf16", "backend": "eager"})
+    else:
+        low = amp_rewrite.rewrite(model, example_inputs=(xs[0],), target="bf16", capture="symbolic_trace")
+    with torch.no_grad():
+        for x in xs:  # (each call reads what it wrote, not what the rewrite saw)
+            assert rel_err(low(x), ref(x)) < TOL["bf16"]
+    if capture == "compile":
+        torch._dynamo.reset()
+        compiled = torch.compile(_OutWrites(), backend="amp_rewrite", options={"target": "bf16", "backend": "eager"})
+        with pytest.raises(Exception, match=r"node 'mul_out' .*copy_.* mutates .*buf"):
+            compiled(xs[0])
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")  # (the example run's)
+def test_an_out_write_that_resizes_is_refused():
+    class Resizes(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.l(x).detach()
+            o = torch.zeros_like(h[0])
+            torch.mul(h, 2, out=o)  # (3, 4) into (4,): out= resizes o
+            return self.l(o)
+
+    with pytest.raises(UnsupportedModelError, match=r"shape \(3, 4\) into 'zeros_like' of shape \(4,\) by out=, which resizes"):
+        amp_rewrite.rewrite(Resizes(), example_inputs=(torch.randn(3, 4),), target="bf16", capture="symbolic_trace")

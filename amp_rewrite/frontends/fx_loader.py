@@ -185,6 +185,7 @@ def load_fx(gm: fx.GraphModule, *, example_inputs: tuple | None = None, capture:
     if not isinstance(gm, fx.GraphModule):
         raise UsageError(f"load_fx takes a torch.fx.GraphModule, got {type(gm).__name__}")
     _ensure_metadata(gm, example_inputs, example_kwargs)
+    _out_writes_as_copies(gm)
     _read_mutated_values_through_the_mutation(gm)
     level = "aten" if any(isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
                           for n in gm.graph.nodes if n.op == "call_function") else "torch"
@@ -335,6 +336,123 @@ def _read_mutated_values_through_the_mutation(gm: fx.GraphModule) -> None:
             for user in list(name.users):
                 if user is not node and order.get(user, -1) > order[node]:
                     user.replace_input_with(name, node)
+
+
+def _out_writes_as_copies(gm: fx.GraphModule) -> None:
+    """``torch.mul(h, 2, out=self.buf)`` becomes ``self.buf.copy_(torch.mul(h, 2))``, which the
+    in-place handling understands: readers of the buffer after the write read the copy's result, a
+    module attribute so written is marked mutable (cast at each low use, not converted once), and a
+    write that casts would hide is refused. Left as it was, the write was invisible: a later low
+    reader of the buffer got a copy converted once at rewrite time (stale on every call), and an
+    intermediate painted low handed the out= op a cast copy, so the result landed in the copy.
+
+    symbolic_trace and dynamo graphs keep ``out=`` as a keyword of the torch function (torch.export
+    writes an ``.out`` overload and rewires the readers itself; its graphs are left alone). The
+    copy's source is the call without ``out=``: its type is worked out from the metadata (out=
+    converts the result into the out tensor's type, as copy_ does). A write into a tensor of
+    another shape (out= resizes it, copy_ would broadcast) is refused."""
+    graph = gm.graph
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            continue
+        out = node.kwargs.get("out")
+        outs = [out] if isinstance(out, fx.Node) else list(out) if isinstance(out, (tuple, list)) else []
+        if not outs or not all(isinstance(o, fx.Node) for o in outs):
+            continue
+        kwargs = {k: v for k, v in node.kwargs.items() if k != "out"}
+        result = _natural_result(node, kwargs)
+        tuple_out = not isinstance(out, fx.Node)
+        results = list(result) if tuple_out and isinstance(result, (tuple, list)) else [result]
+        if tuple_out and any(u.target is not operator.getitem for u in node.users):
+            raise InPlaceMutationError(
+                f"node {node.name!r} ({node.format_node()}) writes its results into out= tensors and its tuple is "
+                f"read as a whole", "Make the operation out of place (v, i = torch.max(x, 1) for "
+                "torch.max(x, 1, out=(v, i)))")
+        for target, got in zip(outs, results):
+            shape = getattr(got, "shape", None)
+            before = getattr(_node_meta(target), "shape", None)
+            if shape is not None and before is not None and tuple(shape) != tuple(before):
+                raise InPlaceMutationError(
+                    f"node {node.name!r} ({node.format_node()}) writes a result of shape {tuple(shape)} into "
+                    f"{target.name!r} of shape {tuple(before)} by out=, which resizes it",
+                    "Make the operation out of place (y = torch.mul(h, 2) for torch.mul(h, 2, out=y))")
+        with graph.inserting_before(node):
+            call = graph.call_function(node.target, node.args, kwargs)
+            call.meta = {**node.meta}
+            copies = []
+            for k, (target, got) in enumerate(zip(outs, results)):
+                source = call
+                if tuple_out:
+                    source = graph.call_function(operator.getitem, (call, k))
+                    source.meta = {**node.meta}
+                    _set_meta(source, got if got is not None else _leaf(node, k))
+                elif got is not None:
+                    _set_meta(source, got)
+                # (named after the call, so an error about the write names the user's op)
+                copy_ = graph.create_node("call_method", "copy_", (target, source), name=f"{node.name}_out")
+                copy_.meta = {**node.meta}
+                _set_meta(copy_, _node_meta(target))
+                copies.append(copy_)
+            if tuple_out:
+                _set_meta(call, tuple(_node_meta(c) for c in copies) if result is None else result)
+        if tuple_out:
+            for user in list(node.users):
+                user.replace_all_uses_with(copies[user.args[1]])
+                graph.erase_node(user)
+        else:
+            node.replace_all_uses_with(copies[0])
+        graph.erase_node(node)
+        changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+
+
+def _natural_result(node: fx.Node, kwargs: dict) -> Any:
+    """The metadata of ``node``'s call without out= (its own result type, which out= converts from),
+    worked out on the metadata's fake or meta tensors; None where that cannot be done (the caller
+    then takes the out tensor's type, which it is unless out= converted)."""
+    metas = [_node_meta(n) for n in node.all_input_nodes]
+    fake = next((m for m in metas if isinstance(m, torch.Tensor) and hasattr(m, "fake_mode")), None)
+
+    def stand_in(arg: Any) -> Any:
+        if not isinstance(arg, fx.Node):
+            return arg
+        meta = _node_meta(arg)
+        if isinstance(meta, torch.Tensor):  # (a fake tensor: export's val, dynamo's example_value)
+            return meta
+        if type(meta).__name__ == "TensorMetadata":
+            return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+        raise ValueError("no tensor metadata")
+
+    try:
+        args, kw = fx.node.map_aggregate((node.args, kwargs), stand_in)
+        with fake.fake_mode if fake is not None else contextlib.nullcontext(), torch.no_grad():
+            result = node.target(*args, **kw)
+    except Exception:  # noqa: BLE001 - best effort: the out tensor's type stands in
+        return None
+    if type(_node_meta(node)).__name__ == "TensorMetadata" or (
+            isinstance(_node_meta(node), (tuple, list)) and any(type(m).__name__ == "TensorMetadata"
+                                                                for m in _node_meta(node))):
+        from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+        result = fx.node.map_aggregate(result, lambda t: _extract_tensor_metadata(t) if isinstance(t, torch.Tensor)
+                                       else t)
+    return result
+
+
+def _meta_key(node: fx.Node) -> str:
+    return next((k for k in ("val", "example_value", "tensor_meta") if node.meta.get(k) is not None), "val")
+
+
+def _set_meta(node: fx.Node, meta: Any) -> None:
+    node.meta[_meta_key(node)] = meta
+
+
+def _leaf(node: fx.Node, k: int) -> Any:
+    meta = _node_meta(node)
+    return meta[k] if isinstance(meta, (tuple, list)) else None
 
 
 def _attribute_nodes(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
