@@ -863,6 +863,47 @@ def test_an_in_place_write_to_a_model_input_reaches_the_caller(training):
             _dispatch(OnlyTheCallerSees(), example_inputs=(x.clone(), y), target="bf16", capture="symbolic_trace")
 
 
+class _AliasedBuffers(nn.Module):
+    """A buffer registered as a view of another (a cache handing out per-layer slices): the forward
+    writes through one name and reads through the other."""
+
+    def __init__(self, write_view: bool):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+        kv = torch.zeros(2, 3, 4)
+        self.register_buffer("kv", kv)
+        self.register_buffer("k", kv[0])  # shares kv's storage
+        self.write_view = write_view
+
+    def forward(self, x):
+        if self.write_view:
+            self.k.copy_(self.l(x))
+            return self.l(self.kv[0])
+        self.kv[0].copy_(self.l(x))
+        return self.l(self.k)
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+@pytest.mark.parametrize("write_view", [False, True], ids=["write-base-read-view", "write-view-read-base"])
+def test_a_write_through_one_buffer_is_read_through_its_alias(capture, write_view):
+    """Only the written attribute was taken for mutable: its alias, read by a low linear, was
+    converted once at rewrite time (no longer a view), so the read was stale on every call (error
+    ~0.9); made mutable, its cast still sat at the top of the graph, before the write. Both names
+    stay FP32 views of one storage now, and the cast sits at the use."""
+    torch.manual_seed(0)
+    model = _AliasedBuffers(write_view)
+    ref = copy.deepcopy(model)
+    gm = amp_rewrite.rewrite(model, example_inputs=(torch.randn(3, 4),), target="bf16", capture=capture)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(3, 4)
+            assert rel_err(gm(x), ref(x)) < TOL["bf16"]
+    # (symbolic_trace holds kv[0] as a tensor constant: a view all the same)
+    buffers = [b for _, b in gm.named_buffers(remove_duplicate=False)]
+    assert len(buffers) == 2 and {b.dtype for b in buffers} == {torch.float32}
+    assert len({b.untyped_storage().data_ptr() for b in buffers}) == 1
+
+
 @torch.library.custom_op("amp_rewrite_test::twice", mutates_args=())
 def _twice(x: torch.Tensor) -> torch.Tensor:
     return x * 2

@@ -267,7 +267,12 @@ class _Emitter:
         src = self.node_for(value)
         dtype = DTYPE_TO_TORCH[DType(node.attrs["to"])]
         leading = src.op == "placeholder" or (src.op == "get_attr" and self.position.get(src, -1) < self.first_index)
-        if leading and self.first_compute is not None:
+        consumer = next((c.origin for c, _ in node.outputs[0].uses() if isinstance(c.origin, fx.Node)), None)
+        if value.meta.get("amp.mutable") and consumer is not None:
+            # a tensor the forward writes reads its value at the use: a write through another name
+            # (a buffer that is a view of the written one) may come between its node and the use
+            ctx = self.graph.inserting_before(consumer)
+        elif leading and self.first_compute is not None:
             ctx = self.graph.inserting_before(self.first_compute)  # with the weights and inputs, at the top
         else:
             ctx = self.graph.inserting_after(src)
@@ -279,7 +284,6 @@ class _Emitter:
             else:
                 new = self.graph.create_node("call_method", "to", (src,), {"dtype": dtype}, name=name)
         _set_meta_dtype(new, (), dtype, template=src, template_path=())
-        consumer = next((c.origin for c, _ in node.outputs[0].uses() if isinstance(c.origin, fx.Node)), None)
         _copy_debug_meta(consumer if consumer is not None else src, new)  # graph outputs: the producer's
         new.meta[TAG] = {"inserted": "cast", "name": node.name, "reason": node.meta.get("amp.reason", "")}
         self.fx_of[id(node.outputs[0])] = new

@@ -626,6 +626,7 @@ class _Builder:
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.attribute_nodes = _attribute_nodes(gm)
         self.mutated = {_mutated_attribute(n, gm) for n in gm.graph.nodes if n.op.startswith("call_")} - {None}
+        self.mutated |= _sharing_storage(gm, self.mutated)
         self.autocast = 0  # depth of dynamo's inline torch.autocast regions around the node being read
 
     def build(self) -> Graph:
@@ -1098,6 +1099,30 @@ def _dim(d: Any) -> int | str | None:
         return int(d)
     except Exception:  # noqa: BLE001 - symbolic sizes stay symbolic
         return str(d)
+
+
+def _sharing_storage(gm: fx.GraphModule, written: set[str]) -> set[str]:
+    """The module tensors that share storage with one the forward writes: a buffer registered as a
+    view of another (``self.k = kv[0]``, a cache handing out per-layer slices) sees the write, so
+    it changes from call to call too. Converted once, its low copy went stale."""
+    if not written:
+        return set()
+
+    def storage(tensor: Any) -> int | None:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            return None
+        try:
+            return tensor.untyped_storage().data_ptr() or None  # (0: an empty storage, shared with nothing)
+        except (RuntimeError, NotImplementedError):  # (a tensor subclass without a storage)
+            return None
+
+    tensors = dict(gm.named_parameters(remove_duplicate=False))
+    tensors.update(gm.named_buffers(remove_duplicate=False))
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and str(node.target) not in tensors:
+            tensors[str(node.target)] = _fetch_attr(gm, str(node.target))
+    pointers = {storage(tensors.get(name)) for name in written} - {None}
+    return {name for name, tensor in tensors.items() if pointers and storage(tensor) in pointers}
 
 
 def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
