@@ -361,6 +361,7 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
     # Tracing runs forward on the module it is given: an attribute forward assigns (self.calls += 1)
     # is set to a Proxy there, and the traced graph shares its submodules. It traces a private copy.
     private = _private_copy(obj)
+    before = _tensor_versions(private)
     try:
         traced = fx.symbolic_trace(private)
     except Exception as exc:  # noqa: BLE001
@@ -375,7 +376,28 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
             else ""
         raise UnsupportedModelError(
             f"torch.fx.symbolic_trace could not trace {type(obj).__name__}: {_first_line(exc)}{hint}") from exc
+    after = _tensor_versions(private)
+    changed = [name for name, seen in before.items() if after.get(name) != seen]
+    if changed:
+        # An update that reads no traced value (self.step.add_(1), self.ema.mul_(0.9)) runs on the
+        # real tensor while tracing and is not recorded: the rewrite would start one step ahead
+        # and never make the update again.
+        way = (f"torch.export could not capture it either ({_export_cause(export_error)})" if export_error is not None
+               else "capture it with torch.export (pass example_inputs; capture='export'), which records the update")
+        listed = ", ".join(repr(n) for n in changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+        raise UnsupportedModelError(
+            f"{type(obj).__name__}.forward changes {listed} in a way torch.fx.symbolic_trace does not record (an "
+            f"in-place update that reads no input, such as self.step.add_(1)): it ran once while tracing, and the "
+            f"rewritten module would never run it; {way}")
     return traced, "symbolic_trace"
+
+
+def _tensor_versions(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """Each parameter's and buffer's identity and version counter (bumped by every in-place write):
+    a cheap way to see that running forward changed one, without a copy of the weights."""
+    tensors = dict(module.named_parameters(remove_duplicate=False))
+    tensors.update(module.named_buffers(remove_duplicate=False))
+    return {name: (id(t), t._version) for name, t in tensors.items()}
 
 
 _EXPORT_ADVICE = ("torch.compile(model, backend=\"amp_rewrite\") rewrites such a module graph by graph, around "

@@ -417,10 +417,12 @@ class _CountsCalls(nn.Module):
 
 def test_symbolic_tracing_leaves_the_callers_module_as_it_was():
     """symbolic_trace ran on the caller's module (the private copy was made after): its buffer
-    updates in forward were applied to the caller's buffers, or replaced them."""
+    updates in forward were applied to the caller's buffers, or replaced them. (Such updates, which
+    read no traced value, are not recorded by tracing: the rewrite refuses them, after tracing.)"""
     model = _CountsCalls().eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    amp_rewrite.rewrite(model, example_inputs=(torch.randn(2, 8),), target="bf16", capture="symbolic_trace")
+    with pytest.raises(UnsupportedModelError, match="'calls', 'ema' in a way torch.fx.symbolic_trace does not record"):
+        amp_rewrite.rewrite(model, example_inputs=(torch.randn(2, 8),), target="bf16", capture="symbolic_trace")
     assert set(model._buffers) == {"calls", "ema"}
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
@@ -902,6 +904,42 @@ def test_a_write_through_one_buffer_is_read_through_its_alias(capture, write_vie
     buffers = [b for _, b in gm.named_buffers(remove_duplicate=False)]
     assert len(buffers) == 2 and {b.dtype for b in buffers} == {torch.float32}
     assert len({b.untyped_storage().data_ptr() for b in buffers}) == 1
+
+
+class _Counts(nn.Module):
+    """A step counter and a decay that read no input, beside an update that does."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.ones(4))
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        h = self.l(x)
+        self.step.add_(1)
+        self.ema.mul_(0.5)
+        self.ema.add_(h.mean(0))
+        return self.l(h) + self.ema
+
+
+def test_updates_symbolic_trace_cannot_record_are_refused_and_export_records_them():
+    """symbolic_trace ran ``self.step.add_(1)`` and ``self.ema.mul_(0.5)`` (no traced value in them)
+    once while tracing and left them out of the graph: the rewrite started one step ahead and never
+    made them again (error 0.2-0.6 from the second call on). symbolic_trace now says so; export
+    records them and the rewrite follows the FP32 module call after call."""
+    x = torch.randn(3, 4)
+    model = _Counts()
+    with pytest.raises(UnsupportedModelError, match=r"_Counts.forward changes 'ema', 'step' in a way "
+                                                    r"torch.fx.symbolic_trace does not record"):
+        _dispatch(copy.deepcopy(model), example_inputs=(x,), target="bf16", capture="symbolic_trace")
+    assert model.step.item() == 0 and torch.equal(model.ema, torch.ones(4))  # (the caller's module untouched)
+    ref = copy.deepcopy(model)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16")
+    with torch.no_grad():
+        for _ in range(3):
+            assert rel_err(gm(x), ref(x)) < TOL["bf16"]
+    assert rel_err(gm.ema, ref.ema) < TOL["bf16"] and gm.step.item() == ref.step.item() == 3
 
 
 @torch.library.custom_op("amp_rewrite_test::twice", mutates_args=())
