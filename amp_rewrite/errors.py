@@ -70,3 +70,10 @@ class CheckFailedError(AmpRewriteError):
     """--check found the rewritten model outside tolerance."""
 
     exit_code = 8
+
+
+def first_line(exc: BaseException, limit: int | None = None) -> str:
+    """The first line of an exception's message (its type's name when it has none), for one-line
+    errors and notes that quote a library's failure; cut at ``limit`` characters if given."""
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:limit]

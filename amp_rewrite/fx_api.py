@@ -48,7 +48,7 @@ import torch.fx as fx
 
 from .api import RewriteResult, _as_list, _record_pins, flag, make_context, run_pipeline
 from .decisions import Category
-from .errors import UnsupportedModelError, UsageError
+from .errors import UnsupportedModelError, UsageError, first_line
 from .ir import DType, Model, Value
 from .loss_scale import loss_scaling_for, no_scaling_reason
 
@@ -355,8 +355,8 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
                     raise UnsupportedModelError(f"torch.export could not capture {type(obj).__name__}: "
                                                 f"{_export_cause(exc)}; {_EXPORT_ADVICE}") from exc
                 export_error = exc
-                notes.append(f"torch.export failed ({_first_line(exc)}); fell back to torch.fx.symbolic_trace")
-                warnings.warn(f"amp_rewrite: torch.export failed for {type(obj).__name__} ({_first_line(exc)}); "
+                notes.append(f"torch.export failed ({first_line(exc, 300)}); fell back to torch.fx.symbolic_trace")
+                warnings.warn(f"amp_rewrite: torch.export failed for {type(obj).__name__} ({first_line(exc, 300)}); "
                               f"falling back to torch.fx.symbolic_trace", stacklevel=3)
     # Tracing runs forward on the module it is given: an attribute forward assigns (self.calls += 1)
     # is set to a Proxy there, and the traced graph shares its submodules. It traces a private copy.
@@ -371,11 +371,11 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
             # HF model's own argument checks raise), and its error hid export's cause
             raise UnsupportedModelError(
                 f"torch.export could not capture {type(obj).__name__}: {_export_cause(export_error)}; "
-                f"{_EXPORT_ADVICE} (the torch.fx.symbolic_trace fallback failed too: {_first_line(exc)})") from exc
+                f"{_EXPORT_ADVICE} (the torch.fx.symbolic_trace fallback failed too: {first_line(exc, 300)})") from exc
         hint = "; pass example_inputs so torch.export can capture it" if example_inputs is None and not example_kwargs \
             else ""
         raise UnsupportedModelError(
-            f"torch.fx.symbolic_trace could not trace {type(obj).__name__}: {_first_line(exc)}{hint}") from exc
+            f"torch.fx.symbolic_trace could not trace {type(obj).__name__}: {first_line(exc, 300)}{hint}") from exc
     after = _tensor_versions(private)
     changed = [name for name, seen in before.items() if after.get(name) != seen]
     if changed:
@@ -413,7 +413,7 @@ def _export_cause(exc: BaseException) -> str:
     names. That last is the first frame outside torch's tracing files, often another torch file
     ('_export/non_strict_utils.py:1205 in __torch_function__'), its path shortened by torch."""
     text = str(exc)
-    cause = _first_line(exc)
+    cause = first_line(exc, 300)
     where = _user_frame(text) or _raising_user_frame(exc)
     if where is None:
         where = next((line.strip()[len("Caused by:"):].strip().strip("()") for line in text.splitlines()
@@ -567,11 +567,6 @@ def _as_tuple(example_inputs: Any) -> tuple | None:
     if isinstance(example_inputs, (str, bytes)) or not hasattr(example_inputs, "__iter__"):
         raise UsageError(f"example_inputs={example_inputs!r}: pass a tuple of the module's inputs (or one tensor)")
     return tuple(example_inputs)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:300]
 
 
 # -- training -------------------------------------------------------------------------------------------------

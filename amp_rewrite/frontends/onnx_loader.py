@@ -23,7 +23,7 @@ import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
-from ..errors import ModelLoadError, UnsupportedModelError
+from ..errors import ModelLoadError, UnsupportedModelError, first_line
 from ..ir import DType, Graph, Model, Node, Value
 from ..ir.verifier import group_conflict
 
@@ -268,7 +268,7 @@ def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: 
         with _quiet_onnx_ir():
             return ir.serde.deserialize_model(proto), types, len(graphs) > 1, proto
     except Exception as exc:  # onnx-ir raises many kinds on malformed protos
-        raise ModelLoadError(f"{where}the model could not be read: {_first_line(_root_cause(exc))}") from exc
+        raise ModelLoadError(f"{where}the model could not be read: {first_line(_root_cause(exc))}") from exc
 
 
 @contextlib.contextmanager
@@ -371,7 +371,7 @@ def _dense(sparse: onnx.SparseTensorProto, where: str, what: str, base_dir: str)
         flat = indices if indices.ndim == 1 else np.ravel_multi_index(tuple(indices.T), dims)
         dense[flat] = values
     except Exception as exc:
-        raise UnsupportedModelError(f"{where}{what} cannot be densified ({_first_line(exc)}); "
+        raise UnsupportedModelError(f"{where}{what} cannot be densified ({first_line(exc)}); "
                                     f"store it as a dense tensor") from exc
     return numpy_helper.from_array(dense.reshape(dims), sparse.values.name)
 
@@ -393,7 +393,7 @@ def _read_path(path: Path, *, infer_shapes: bool = False
         # load_external_data=False: external tensors are referenced, never read into memory here.
         proto = onnx.load(str(path), load_external_data=False)
     except (DecodeError, RuntimeError, ValueError, OSError) as exc:
-        raise ModelLoadError(f"{path}: not a valid ONNX model (truncated or not ONNX): {_first_line(exc)}") from exc
+        raise ModelLoadError(f"{path}: not a valid ONNX model (truncated or not ONNX): {first_line(exc)}") from exc
     if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
         raise ModelLoadError(f"{path}: not a valid ONNX model (no graph); is this an ONNX file?")
     return _read_proto(proto, path, path.stat().st_size, owned=True, infer_shapes=infer_shapes)
@@ -410,11 +410,6 @@ def _root_cause(exc: BaseException) -> BaseException:
             return exc
         seen.add(id(inner))
         exc = inner
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def external_data_files(model: Path) -> set[Path]:
