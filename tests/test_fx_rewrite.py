@@ -1535,6 +1535,45 @@ def test_a_fill_the_low_type_cannot_hold_keeps_fp32(capture, how):
     assert not [d for d in bf16.log.decisions.values() if "finite range" in d.reason]
 
 
+class _ReadsAFill(nn.Module):
+    """Ops that read what an out-of-range number made: an additive padding mask (``where(m, 0.0,
+    -1e5)``, read through a view by ``h + bias``) and a lerp towards ``full_like(h, 1e5)``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.proj, self.out, self.how = nn.Linear(8, 8), nn.Linear(8, 4), how
+
+    def forward(self, x, mask):
+        h = self.proj(x)
+        if self.how == "mask":
+            h = h + torch.where(mask, 0.0, -1e5)[..., None]
+            pooled = h.max(dim=1).values * mask.any(1, keepdim=True)  # (an all-padding row: 0)
+        else:
+            pooled = torch.lerp(h, torch.full_like(h, 1e5), 0.5).mean(1) * 1e-4
+        return self.out(pooled)
+
+
+@pytest.mark.parametrize("how", ["mask", "lerp"])
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_readers_of_an_out_of_range_fill_keep_fp32(capture, how):
+    """The node with the number kept FP32, but its readers were free to go low: ``h + bias`` went
+    FP16, so its FP32 mask was cast at run time and -1e5 became -inf (an all-padding row then gave
+    -inf * 0 = NaN); the lerp read 1e5 as inf. Its readers keep FP32 now and say why, as the ONNX
+    side keeps readers of an out-of-range constant."""
+    torch.manual_seed(0)
+    model = _ReadsAFill(how).eval()
+    x = torch.randn(3, 4, 8)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
+    result = _dispatch(model, example_inputs=(x, mask), target="fp16", capture=capture)
+    result.model.graph.lint()
+    with torch.no_grad():
+        out = result.model(x, mask)
+        assert torch.isfinite(out).all() and rel_err(out, model(x, mask)) < TOL["fp16"]
+    readers = [d for d in result.log.decisions.values() if "beyond fp16's finite range" in d.reason]
+    assert readers and all(d.precision == Precision.FP32 for d in readers)
+    assert {d.op for d in readers} >= ({"add"} if how == "mask" else {"lerp"})
+
+
 class _IntScalars(nn.Module):
     """Out-of-range scalars the check missed: an int literal (``clamp(min=-100000)``,
     ``h * 100000 / 100000``) and a leaf module's attribute (``nn.ConstantPad1d(..., -1e9)``, kept

@@ -641,6 +641,8 @@ class _Builder:
                 self._call(node)
             elif node.op == "output":
                 self._output(node)
+        if self.low is not None:
+            _mark_out_of_range_readers(self.graph, self.low)
         return self.graph
 
     # -- sources --------------------------------------------------------------------------------------
@@ -736,6 +738,7 @@ class _Builder:
             big = _scalar_out_of_range(node, self.low, self.gm) if self.low is not None else None
             if big is not None:
                 short = TORCH_TO_DTYPE[self.low].short
+                ir.meta["fx.out_of_range"] = big  # (its readers: _mark_out_of_range_readers)
                 ir.meta.setdefault("amp.keeps_types", (
                     f"its argument {big:g} is outside {short}'s finite range (±{torch.finfo(self.low).max:g}): "
                     f"in {short} torch would refuse it ('cannot be converted without overflow') or make it "
@@ -969,6 +972,43 @@ _VALUE_SCALAR_OPS = frozenset({
 # the scalars a call_module leaf holds as attributes (nn.ConstantPad2d's value, nn.Threshold's,
 # nn.Hardtanh's bounds), which symbolic_trace does not put among the node's arguments
 _MODULE_SCALARS = ("value", "threshold", "min_val", "max_val")
+
+
+# ops whose output holds values of their float inputs unchanged (or negated): a value beyond the
+# low type's range read by them is still there in their output
+_HOLDS_THROUGH = _VIEW_OPS | frozenset({
+    "clone", "cat", "concat", "concatenate", "stack", "hstack", "vstack", "neg", "negative", "repeat", "tile",
+    "index_select", "gather", "take", "masked_select", "where", "flip", "roll", "repeat_interleave", "index",
+    "_to_copy", "copy", "lift_fresh_copy"})
+
+
+def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
+    """Keep FP32 what reads a value beyond the low type's range. A node with such a number
+    (``where(mask, 0.0, -1e5)``, ``full_like(h, 1e5)`` in FP16) keeps its types, and its output
+    holds the number; an infer or clear op reading that output (``h + bias``) went low, so a cast
+    at run time made the number ±inf (and an all-padding row NaN downstream), where FP32 is exact.
+    Such readers, directly or through ops that copy values (views, concatenations, gathers,
+    negation, where), are marked as the ONNX frontend marks readers of an out-of-range constant
+    (``amp.exact_constant``): classify keeps an infer or clear one FP32. An allow op's inputs are
+    cast as always."""
+    short = TORCH_TO_DTYPE[low].short
+    limit = torch.finfo(low).max
+    holding: dict[int, tuple[str, float]] = {}  # id(value) → (the node with the number, the number)
+    for node in graph.nodes:
+        big = node.meta.get("fx.out_of_range")
+        if big is not None:
+            holding.update((id(v), (node.name, big)) for v in node.outputs if v.dtype is not None and v.dtype.is_float)
+            continue
+        found = next(((v, holding[id(v)]) for v in node.inputs if v is not None and id(v) in holding), None)
+        if found is None:
+            continue
+        value, (source, big) = found
+        origin = "" if value.producer is not None and value.producer.name == source else f" (from {source!r})"
+        node.meta.setdefault("amp.exact_constant", (
+            f"reads {value.name!r}, which holds {big:g}{origin}, beyond {short}'s finite range "
+            f"(±{limit:g}): cast to {short} at run time it would be ±inf, so the node keeps FP32"))
+        if node.op_type in _HOLDS_THROUGH:
+            holding.update((id(v), (source, big)) for v in node.outputs if v.dtype is not None and v.dtype.is_float)
 
 
 def _scalar_out_of_range(node: fx.Node, low: torch.dtype, gm: fx.GraphModule) -> float | None:
