@@ -1302,3 +1302,42 @@ def test_batchnorm_trains_on_the_functionalized_graph(slice_write, decompose):
         got = buffers[name]
         assert got.dtype == want.dtype, name
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+class _MaxNormEmbedding(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8, max_norm=1.0)
+        self.out = torch.nn.Linear(8, 8)
+        with torch.no_grad():
+            self.emb.weight.mul_(3)  # (rows past the max norm: each lookup renormalises them)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids)).pow(2).mean()
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_an_embedding_with_max_norm_renormalises_its_weight_and_trains(training):
+    """F.embedding(max_norm=...) renormalises the looked-up rows of the weight in place, through a
+    detached view of it. That was refused as an in-place write others observe, and the automatic
+    fallback (the functionalized graph) wrote the rows back by copy_ into the parameter outside
+    no_grad: every call with autograd on raised 'a leaf Variable that requires grad is being used
+    in an in-place operation' (and its embedding read a detached renorm: no gradient reached the
+    weight). The write into the module's weight is kept as written now: the weight is renormalised
+    as the FP32 module's is, and the grads are the FP32 module's."""
+    torch.manual_seed(0)
+    model = _MaxNormEmbedding()
+    ref = copy.deepcopy(model)
+    calls = [torch.tensor([[1, 3, 5, 3, 9, 2]]), torch.tensor([[4, 3, 7, 7, 0, 1]])]
+    gm = amp_rewrite.rewrite(model, example_inputs=(calls[0],), target="bf16", training=training)
+    for ids in calls:
+        got, want = gm(ids), ref(ids)
+        assert abs(got.item() - want.item()) < 2e-2 * abs(want.item())
+        torch.testing.assert_close(gm.emb.weight.float(), ref.emb.weight, rtol=1e-2, atol=1e-2)
+        if training:
+            gm.zero_grad()
+            ref.zero_grad()
+            got.backward()
+            want.backward()
+            for mine, theirs in zip(_grads(gm), _grads(ref)):
+                torch.testing.assert_close(mine, theirs, rtol=5e-2, atol=3e-2 * theirs.abs().max().item())

@@ -879,6 +879,12 @@ class _Builder:
         # (a body's input is the enclosing graph's value, which has no caller of its own; there an
         # in-place update of a buffer passed in, an EMA under torch.no_grad(), kept its types)
         caller = base.op == "placeholder" and not self.gm.meta.get(BODY_MARK)
+        if observers and not caller and base.op == "get_attr" and not _is_setitem(node):
+            # A write into a module attribute, through a view of it (F.embedding(max_norm=...)
+            # renormalises rows of a detached weight): the op keeps its types and stays in place,
+            # so it writes the module's tensor, which is marked mutable: every later low reader
+            # casts it where it reads it, after the write.
+            observers = []
         if observers or caller or _is_setitem(node):
             seen = f"{', '.join(sorted(set(observers)))} read{'s' if len(set(observers)) == 1 else ''} it afterwards" \
                 if observers else f"{base.name!r} is an input of the model, whose caller sees the change" if caller \
