@@ -863,6 +863,7 @@ class Reference:
     inputs: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
     input_types: dict[str, int] = field(default_factory=dict)  # element type by graph input name
+    others: dict[str, Any] = field(default_factory=dict)  # sequence (a list) and optional outputs, by name
 
 
 
@@ -904,10 +905,13 @@ def reference(fp32: Any, feeds: Mapping[str, np.ndarray], runner: Runner,
                              f"inputs ({exc}); {hint}") from exc
         notes.append("onnxruntime could not run the FP32 model with its intermediate values exposed: "
                      "overflow is not localised")
+    outputs = [o.name for o in proto.graph.output]
+    # a sequence output comes back as a list of arrays, an empty optional as None
+    others = {k: values[k] for k in outputs if k in values and not isinstance(values[k], np.ndarray)}
     values = {k: np.asarray(v) for k, v in values.items() if isinstance(v, np.ndarray)}
     values.update({k: np.asarray(v) for k, v in feeds.items()})
-    return Reference([o.name for o in proto.graph.output], values, dict(feeds), inputs or [], notes,
-                     {vi.name: vi.type.tensor_type.elem_type for vi in original.graph.input})
+    return Reference(outputs, values, dict(feeds), inputs or [], notes,
+                     {vi.name: vi.type.tensor_type.elem_type for vi in original.graph.input}, others)
 
 
 def _holds_low_values(proto: onnx.ModelProto) -> bool:
@@ -1012,12 +1016,33 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, np.ndarray] | str 
             stats.append(OutputStats(name, float("inf"), float("inf"), None, 0, 0, 0, 0, 0, False, "missing"))
             continue
         if name not in ref.values:
-            continue  # non-tensor output (sequence/optional): not compared
+            stats += _compare_other(name, ref.others.get(name), outputs[name], tolerance, notes)
+            continue
         stats.append(compare_output(name, ref.values[name], outputs[name], tolerance))
     passed = all(o.passed for o in stats) and total == 0
     return CheckResult(passed=passed, tolerance=tolerance, target=target, provider=runner.provider, outputs=stats,
                        overflow=overflow, overflow_total=total, near_limit=near, inputs=ref.inputs,
                        evaluations=runner.evaluations, localised=localise, notes=notes)
+
+
+def _compare_other(name: str, want: Any, got: Any, tolerance: float, notes: list[str]) -> list[OutputStats]:
+    """A sequence output compared element by element (``name[i]``), an optional one as its tensor
+    or as empty on both sides. A difference in length or presence fails the check."""
+    def failed(compared: str) -> OutputStats:
+        return OutputStats(name, float("inf"), float("inf"), None, 0, 0, 0, 0, 0, False, compared)
+
+    if isinstance(want, list) or isinstance(got, list):
+        if not (isinstance(want, list) and isinstance(got, list)):
+            return [failed("a sequence on one side only")]
+        if len(want) != len(got):
+            return [failed(f"sequence of {len(want)} vs {len(got)} tensors")]
+        return [compare_output(f"{name}[{i}]", a, b, tolerance) for i, (a, b) in enumerate(zip(want, got))]
+    if want is None and got is None:
+        return []  # (an empty optional on both sides)
+    if want is None or got is None:
+        return [failed("an optional empty on one side only")]
+    notes.append(f"output {name!r} is neither a tensor nor a sequence of tensors: not compared")
+    return []
 
 
 def _inputs_beyond_range(before: Mapping[str, int], low_proto: onnx.ModelProto,

@@ -649,3 +649,33 @@ def test_an_input_model_with_fp16_or_bf16_of_its_own_is_checked_as_a_gpu_runs_it
                      [vi("x", TensorProto.FLOAT, [2, 8])], [vi("o", TensorProto.BFLOAT16, [2, 8])],
                      [numpy_helper.from_array(np.eye(8, dtype=np.float32), "w")])
     assert ck.check_models(bf16_out, rewrite(bf16_out).model, runner=runner).passed
+
+
+def _sequence_output_model() -> onnx.ModelProto:
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["a"]), helper.make_node("SplitToSequence", ["a"], ["y"], axis=0)],
+        "seq_out", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
+        [helper.make_tensor_sequence_value_info("y", TensorProto.FLOAT, None)],
+        [onnx.numpy_helper.from_array(np.array([[1.0], [-1.0]], np.float32), "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("cancels", [True, False], ids=["far-off", "close"])
+def test_check_compares_a_sequence_output_element_by_element(tmp_path, cancels):
+    """A sequence output was skipped without a word: x @ w with x = [1000.3, 1000.0], w = [1, -1]
+    is 0.3 in FP32 and 0.5 in FP16 (67% off), and --check printed an empty table and 'check
+    passed'. Each element is compared now (y[0], y[1]) and the far-off one fails the check."""
+    save(_sequence_output_model(), tmp_path / "m.onnx")
+    x = np.array([[1000.3, 1000.0], [0.5, 0.25]] if cancels else [[0.5, 0.25], [1.5, -0.75]], np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    proc = run_cli(["m.onnx", "--check", "--inputs", "in.npz", "--report", "r.json"], tmp_path)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [o["output"] for o in report["check"]["outputs"]] == ["y[0]", "y[1]"]
+    if cancels:
+        assert proc.returncode == 8, proc.stderr
+        assert "output 'y[0]'" in proc.stderr and report["check"]["passed"] is False
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert report["check"]["passed"] is True
