@@ -321,6 +321,17 @@ def case_self_loop(d: Path) -> Case:
     return Case(["m.onnx"], 3, r"has a cycle \(add -> add\)", inputs=["m.onnx"])
 
 
+def case_loop_without_body(d: Path) -> Case:
+    """A Loop without its required body was accepted: what follows it could not be typed, and the
+    rewrite wrote a copy saying there was nothing to rewrite (exit 0)."""
+    nodes = [helper.make_node("Loop", ["n", "", "x"], ["h"], name="loop"),
+             helper.make_node("MatMul", ["h", "w1"], ["y"], name="mm")]
+    trips = numpy_helper.from_array(np.array(3, np.int64), "n")
+    save(model(nodes, [vi("x")], [vi("y")], [weight("w1"), trips]), d / "m.onnx")
+    return Case(["m.onnx"], 3, r"node 'loop' \(Loop\) lacks its required attribute 'body': the model is not valid ONNX",
+                inputs=["m.onnx"])
+
+
 def case_unsorted_acyclic(d: Path) -> Case:
     """Nodes out of order but no cycle: onnxruntime accepts it, so do we (the output is sorted)."""
     proto = mlp()

@@ -546,6 +546,32 @@ def _check_supported(model: ir.Model, path: Path | None) -> None:
         raise UnsupportedModelError(
             f"{where}ai.onnx opset {opset} is outside the supported range {MIN_OPSET}..{newest}; "
             f"convert it first (onnx.version_converter.convert_version)")
+    _check_required_attributes(model, opset, where)
+
+
+def _check_required_attributes(model: ir.Model, opset: int, where: str) -> None:
+    """A node without an attribute its schema requires (a Loop without its body, a Cast without
+    ``to``) is not valid ONNX: onnx.checker and onnxruntime refuse it. Unchecked, the rewrite
+    could not type what follows it and wrote a copy saying there was nothing to rewrite."""
+    required: dict[str, tuple[str, ...]] = {}  # by op type, at the model's opset
+    for node in model.graph.all_nodes():
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        names = required.get(node.op_type)
+        if names is None:
+            try:
+                schema = onnx.defs.get_schema(node.op_type, opset)
+            except onnx.defs.SchemaError:
+                names = ()  # (an op onnx does not know: said elsewhere, when it matters)
+            else:
+                names = tuple(name for name, attr in schema.attributes.items() if attr.required)
+            required[node.op_type] = names
+        missing = [name for name in names if name not in node.attributes]
+        if missing:
+            label = node.name or (node.outputs[0].name if node.outputs else node.op_type)
+            raise ModelLoadError(
+                f"{where}node {label!r} ({node.op_type}) lacks its required attribute {missing[0]!r}: the model is "
+                f"not valid ONNX (onnx.checker.check_model refuses it too); fix the exporter or the graph")
 
 
 def _sort(model: ir.Model, path: Path | None) -> None:
