@@ -799,3 +799,29 @@ def test_cast_names_do_not_depend_on_memory_addresses(monkeypatch):
         monkeypatch.setattr(pc, "id", lambda o, s=sign: s * builtins.id(o), raising=False)
         outputs.append(rewrite_onnx_model(model).model.SerializeToString())
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("keep_io_types", [True, False])
+def test_a_cast_on_a_branch_output_says_why_and_is_no_graph_output(keep_io_types):
+    """A Cast on an If branch's output was explained as 'graph outputs keep their type
+    (keep_io_types)' with '<graph output>' as its reader, also with keep_io_types=False: the branch
+    output takes the If's output type, which is what the report says now."""
+    import amp_rewrite
+
+    vi = lambda n, s, d=T.FLOAT: helper.make_tensor_value_info(n, d, s)  # noqa: E731
+    then_g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["t"], name="then_mm")], "then", [],
+                               [vi("t", [3, 4])])
+    else_g = helper.make_graph([helper.make_node("Exp", ["x"], ["e"], name="else_exp")], "else", [],
+                               [vi("e", [3, 4])])
+    graph = helper.make_graph(
+        [helper.make_node("If", ["b"], ["o"], then_branch=then_g, else_branch=else_g, name="if"),
+         helper.make_node("Exp", ["o"], ["y"], name="exp_out")],
+        "g", [vi("x", [3, 4]), vi("b", [], T.BOOL)], [vi("y", [3, 4])],
+        [numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    _, report = amp_rewrite.rewrite(model, keep_io_types=keep_io_types, report=True)
+    (branch,) = [c for c in report.to_dict()["casts"] if c["scope"] == "if.then_branch" and c["tensor"].split("/")[0] == "t"]
+    assert branch["consumers"] == ["<body output>"]
+    assert branch["reason"] == "a body output takes the fp32 type of the control-flow op's output it becomes"
+    main_outputs = [c for c in report.to_dict()["casts"] if c["scope"] == "main" and "<graph output>" in c["consumers"]]
+    assert all("graph outputs" in c["reason"] for c in main_outputs)

@@ -464,7 +464,7 @@ class _Placer:
             # (a Cast to the type it already has, removed below): not a second Cast beside ours
             while (own := self._existing_cast(value, need, scope)) is not None:
                 own.set_input(0, out)
-        reason = self._cast_reason(value, need, uses)
+        reason = self._cast_reason(value, need, uses, scope)
         self._record(cast.name, replaces or value, value.dtype, need, uses, scope, reason, "inserted")
         cast.meta["amp.reason"] = reason
         self.modified = True
@@ -479,8 +479,10 @@ class _Placer:
                 return node
         return None
 
-    def _cast_reason(self, value: Value, need: DType, uses: list[_Use]) -> str:
+    def _cast_reason(self, value: Value, need: DType, uses: list[_Use], scope: Graph) -> str:
         if any(u.node is None for u in uses):
+            if scope.parent is not None:  # an If branch's or a Loop/Scan body's output
+                return f"a body output takes the {need.short} type of the control-flow op's output it becomes"
             return "graph outputs keep their type (keep_io_types)" if need == DType.FLOAT else \
                 "--no-keep-io-types: graph outputs take the low type"
         first = uses[0].node
@@ -493,7 +495,8 @@ class _Placer:
 
     def _record(self, name: str, value: Value, src: DType, dst: DType, uses: list[_Use], scope: Graph,
                 reason: str, kind: str) -> None:
-        consumers = sorted({node_label(u.node) if u.node is not None else "<graph output>" for u in uses})
+        output = "<graph output>" if scope.parent is None else "<body output>"
+        consumers = sorted({node_label(u.node) if u.node is not None else output for u in uses})
         producer = value.producer
         self.ctx.log.casts.append(CastRecord(
             name=name, tensor=value.name, src=src.short, dst=dst.short,
