@@ -376,6 +376,13 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
             else ""
         raise UnsupportedModelError(
             f"torch.fx.symbolic_trace could not trace {type(obj).__name__}: {first_line(exc, 300)}{hint}") from exc
+    from .emitters.fx_emitter import keep_non_persistent, non_persistent_buffers
+
+    # symbolic_trace registers every buffer the graph reads as persistent: a RoPE inv_freq too, and
+    # each tensor it computed while tracing (_tensor_constant0: a cos table from buffers alone)
+    own = {name for name, _ in private.named_buffers(remove_duplicate=False)}
+    keep_non_persistent(traced, non_persistent_buffers(private)
+                        + [name for name, _ in traced.named_buffers(remove_duplicate=False) if name not in own])
     after = _tensor_versions(private)
     changed = [name for name, seen in before.items() if after.get(name) != seen]
     if changed:
@@ -540,9 +547,15 @@ def _copy_for_autograd(self: torch.Tensor, src: torch.Tensor, non_blocking: bool
 
 def _private_copy(gm: torch.nn.Module) -> Any:
     """A deep copy: the emitter replaces parameters and edits nodes, the caller's module stays as is."""
+    from .emitters.fx_emitter import keep_non_persistent, non_persistent_buffers
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree specs deprecations
         clone = copy.deepcopy(gm)
+    if isinstance(clone, fx.GraphModule):
+        # GraphModule's deepcopy registers every buffer again as persistent (ep.module() keeps a
+        # RoPE inv_freq non-persistent, the copy did not): strict checkpoint loads failed both ways
+        keep_non_persistent(clone, non_persistent_buffers(gm))
     # GraphModule's deepcopy registers the tensor constants the graph reads (torch.export's
     # lifted_tensor_0 for a torch.tensor(2.0) in forward: T5, BART, Whisper) as buffers, which put a
     # key in the state_dict that the original has not, so checkpoints no longer loaded either way

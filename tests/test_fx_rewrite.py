@@ -362,6 +362,37 @@ def test_loading_a_state_dict_makes_the_low_copy_again(capture):
         assert rel_err(copied(x), model(x)) < TOL["bf16"] and rel_err(gm(x), other(x)) < TOL["bf16"]
 
 
+class _Rope(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self.register_buffer("inv_freq", 1.0 / (100 ** (torch.arange(0, 8, 2).float() / 8)), persistent=False)
+        self.rot = nn.Module()  # (one in a submodule too)
+        self.rot.register_buffer("pos", torch.arange(4, dtype=torch.float32), persistent=False)
+
+    def forward(self, x):
+        ang = torch.outer(self.rot.pos, self.inv_freq).repeat(1, 2)  # (x: 4 positions)
+        return self.l(x) * ang.cos() + x * ang.sin()
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_non_persistent_buffers_stay_out_of_the_state_dict(capture):
+    """A non-persistent buffer (a RoPE inv_freq) became persistent in the rewritten module:
+    GraphModule's deepcopy (export) and symbolic_trace register every buffer as persistent, so
+    gm.load_state_dict(model.state_dict()) missed the key and the model refused gm's checkpoint.
+    (symbolic_trace's _tensor_constant0, the cos table computed from buffers alone, too.)"""
+    torch.manual_seed(0)
+    model, x = _Rope().eval(), torch.randn(2, 4, 8)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", capture=capture)
+    assert set(gm.state_dict()) == set(model.state_dict())
+    gm.load_state_dict(_Rope().state_dict())
+    _Rope().load_state_dict(gm.state_dict())
+    assert set(copy.deepcopy(gm).state_dict()) == set(model.state_dict())
+    with torch.no_grad():
+        gm.load_state_dict(model.state_dict())
+        assert rel_err(gm(x), model(x)) < TOL["bf16"]
+
+
 def test_fp32_nodes_given_as_one_string_is_one_pattern():
     """fp32_nodes="fc1/*" was split into its letters, and the '*' among them pinned every node."""
     model, x = MLP().eval(), torch.randn(2, 16)

@@ -697,12 +697,39 @@ def _keep_derived_buffers_out_of_copies(gm: fx.GraphModule) -> None:
         gm._register_deepcopy_hook(_restore_non_persistent)
 
 
+NON_PERSISTENT = "amp_rewrite.non_persistent"  # gm.meta: the model's own non-persistent buffer paths
+
+
+def non_persistent_buffers(module: torch.nn.Module) -> list[str]:
+    """The paths of ``module``'s non-persistent buffers (``register_buffer(..., persistent=False)``:
+    a RoPE ``inv_freq``, a cos/sin cache, ``position_ids``)."""
+    return [f"{prefix}.{attr}" if prefix else attr
+            for prefix, sub in module.named_modules(remove_duplicate=False)
+            for attr in sorted(getattr(sub, "_non_persistent_buffers_set", ())) if attr in sub._buffers]
+
+
+def keep_non_persistent(gm: fx.GraphModule, paths: list[str]) -> None:
+    """Mark the model's own non-persistent buffers so in ``gm``, now and in every deep copy of it.
+    A GraphModule registers each buffer it copies from its root as persistent (symbolic_trace, and
+    deepcopy of one), so its state dict asked for keys no checkpoint of the model has, and a
+    checkpoint of it had keys the model refused: strict loads failed both ways."""
+    if not paths:
+        return
+    gm.meta[NON_PERSISTENT] = sorted(set(gm.meta.get(NON_PERSISTENT, ())) | set(paths))
+    _restore_non_persistent(gm)
+    _keep_derived_buffers_out_of_copies(gm)
+
+
 def _restore_non_persistent(gm: fx.GraphModule) -> None:
     paths = [path for path, _ in gm.meta.get(LOW_COPIES, ())]
+    paths += gm.meta.get(NON_PERSISTENT, ())
     if hasattr(gm, LOSS_SCALE_BUFFER):
         paths.append(LOSS_SCALE_BUFFER)
     for path in paths:
-        owner, attr = _owner(gm, path)
+        try:
+            owner, attr = _owner(gm, path)
+        except AttributeError:  # (a buffer the graph does not read: symbolic_trace copies no owner for it)
+            continue
         if attr in owner._buffers:
             owner._non_persistent_buffers_set.add(attr)
 
