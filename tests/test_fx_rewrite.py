@@ -1140,6 +1140,34 @@ def test_example_kwargs_cannot_skip_a_parameter_without_default():
         _dispatch(fx.symbolic_trace(Two()), example_inputs=(), example_kwargs={"x": x, "z": x})
 
 
+class VarKw(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, shift=0.0, **kw):
+        return (self.fc(x) + shift) * kw["scale"] + kw["bias"]
+
+
+def test_example_kwargs_fill_a_var_keyword_parameter():
+    """``forward(self, x, **kw)`` under symbolic_trace (placeholder '**kw'): example_kwargs were
+    matched by parameter name only and refused ("names 'bias', 'scale', which is not a parameter")
+    although the module takes them through **kw; they are its dict in the metadata run now."""
+    torch.manual_seed(0)
+    model, x, b, s = VarKw().eval(), torch.randn(3, 8), torch.randn(3, 8), torch.tensor(2.0)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), example_kwargs={"scale": s, "bias": b}, target="bf16",
+                             capture="symbolic_trace")
+    with torch.no_grad():
+        assert rel_err(gm(x, scale=s, bias=b), model(x, scale=s, bias=b)) < TOL["bf16"]
+    with pytest.raises(UsageError, match=r"names 'x', which is not a parameter after the 1 example_inputs "
+                                         r"\(parameters: x, shift, \*\*kw\)"):
+        amp_rewrite.rewrite(model, example_inputs=(x,), example_kwargs={"x": x, "scale": s, "bias": b},
+                            capture="symbolic_trace")
+    with pytest.raises(UsageError, match=r"names 'bias', 'scale', which are not parameters after"):
+        amp_rewrite.rewrite(Optional().eval(), example_inputs=(x, 0.0, 1.0), example_kwargs={"scale": s, "bias": b},
+                            capture="symbolic_trace")
+
+
 class Expanded(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -528,14 +528,20 @@ def _ensure_metadata(gm: fx.GraphModule, example_inputs: tuple | None, example_k
                          "example_inputs so amp-rewrite can run it once (ShapeProp) to learn every tensor's dtype")
     from torch.fx.passes.shape_prop import ShapeProp
 
-    args = _positional(placeholders, tuple(example_inputs or ()), example_kwargs or {})
+    args, varkw = _positional(placeholders, tuple(example_inputs or ()), example_kwargs or {})
+    prop = ShapeProp(gm)
+    if varkw is not None:
+        # (Interpreter gives a starred placeholder the list of the remaining positional arguments:
+        # a '**kw' one is the dict of the keywords no parameter takes)
+        starred = prop.placeholder
+        prop.placeholder = lambda target, a, k: varkw if str(target).startswith("**") else starred(target, a, k)
     # the run must leave no trace: BatchNorm in training mode updates its running statistics
     saved = {name: buffer.detach().clone() for name, buffer in gm.named_buffers()}
     with torch.no_grad():
         try:
             # (a traced module that raises prints its generated code to stderr first)
             with contextlib.redirect_stderr(io.StringIO()):
-                ShapeProp(gm).propagate(*args)
+                prop.propagate(*args)
         except Exception as exc:  # noqa: BLE001 - the module's own error, about its inputs
             cause = exc.__cause__ or exc  # (ShapeProp wraps it in a dump of the node's internals)
             first = (str(cause).strip().splitlines() or [""])[0]
@@ -547,27 +553,40 @@ def _ensure_metadata(gm: fx.GraphModule, example_inputs: tuple | None, example_k
                 buffer.copy_(saved[name])
 
 
-def _positional(placeholders: list[fx.Node], args: tuple, kwargs: dict) -> tuple:
+def _positional(placeholders: list[fx.Node], args: tuple, kwargs: dict) -> tuple[tuple, dict | None]:
     """The run's arguments by position (ShapeProp takes no keywords): each keyword at its
     parameter's place, and a parameter skipped before it at its default (a traced placeholder
-    holds its default as its argument), not the next keyword slid into its place."""
+    holds its default as its argument), not the next keyword slid into its place. A forward with
+    ``**kw`` (symbolic_trace's '**kw' placeholder, the last) takes the keywords no parameter
+    names: they are returned as its dict (None without one), every parameter before it filled."""
+    varkw = placeholders[-1] if placeholders and str(placeholders[-1].target).startswith("**") else None
+    if varkw is not None:
+        placeholders = placeholders[:-1]
     names = [str(p.target) for p in placeholders]
+    extra = {k: v for k, v in kwargs.items() if k not in names} if varkw is not None else None
+    kwargs = {k: v for k, v in kwargs.items() if extra is None or k not in extra}
     unknown = sorted(set(kwargs) - set(names[len(args):]))
     if unknown:
-        raise UsageError(f"example_kwargs names {', '.join(map(repr, unknown))}, which is not a parameter after "
-                         f"the {len(args)} example_inputs (parameters: {', '.join(names) or 'none'})")
+        one = len(unknown) == 1
+        listed = ", ".join(names + [str(varkw.target)] if varkw is not None else names) or "none"
+        raise UsageError(f"example_kwargs names {', '.join(map(repr, unknown))}, which {'is' if one else 'are'} "
+                         f"not {'a parameter' if one else 'parameters'} after the {len(args)} example_inputs "
+                         f"(parameters: {listed})")
     wanted = [i for i, name in enumerate(names) if name in kwargs]
     filled = list(args)
-    for node in placeholders[len(args):max(wanted, default=-1) + 1]:
+    last = len(placeholders) - 1 if varkw is not None else max(wanted, default=-1)
+    for node in placeholders[len(args):last + 1]:
         name = str(node.target)
         if name in kwargs:
             filled.append(kwargs[name])
         elif node.args:
             filled.append(node.args[0])
         else:
-            raise UsageError(f"example_kwargs gives {', '.join(n for n in names if n in kwargs)} but not "
-                             f"{name!r}, which comes before and has no default: pass it too")
-    return tuple(filled)
+            given = [n for n in names if n in kwargs] + list(extra or ())
+            said = f"example_kwargs gives {', '.join(given)} but not" if given else \
+                f"the {len(args)} example_inputs do not reach"
+            raise UsageError(f"{said} {name!r}, which comes before and has no default: pass it too")
+    return tuple(filled), extra
 
 
 def _produces_nothing(node: fx.Node) -> bool:
