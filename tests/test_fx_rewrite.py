@@ -1424,6 +1424,36 @@ def test_example_inputs_the_module_cannot_take_are_a_usage_error(bad, capfd):
     assert "Traceback" not in capfd.readouterr().err
 
 
+class _EnergyGrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            energy = self.bn(self.l(x)).tanh().pow(2).sum()
+            (g,) = torch.autograd.grad(energy, x, create_graph=True)
+        return g
+
+
+def test_a_forward_that_differentiates_its_input_is_rewritten():
+    """torch.autograd.grad inside forward (gradient penalty, score matching): export cannot
+    capture it, symbolic_trace can, but the metadata run (ShapeProp) ran under no_grad, where
+    symbolic_trace's graph (no enable_grad block) builds no graph: "element 0 of tensors does not
+    require grad", reported as bad example inputs. Then x.detach().requires_grad_(True) was taken
+    for an in-place write into the model's input (InPlaceMutationError). The run leaves no trace."""
+    torch.manual_seed(0)
+    model, x = _EnergyGrad().train(), torch.randn(3, 8)
+    stats = model.bn.running_mean.clone()
+    with pytest.warns(UserWarning, match="falling back"):
+        gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16")
+    assert "bfloat16" in gm.code
+    assert all(p.grad is None for p in gm.parameters()) and torch.equal(gm.bn.running_mean, stats)
+    y, ref = gm(x), model(x)
+    assert rel_err(y, ref) < TOL["bf16"]
+
+
 def test_torch_api_refuses_a_retarget_and_wrong_argument_types():
     """A BF16-rewritten GraphModule rewritten with target='fp16' kept its BF16 weights silently;
     example_inputs=3 and Report.from_model(None) were Python TypeErrors from deep inside."""

@@ -266,6 +266,11 @@ def canonical_name(node: fx.Node, gm: fx.GraphModule) -> tuple[str, str]:
     return "", _strip_inplace(name)
 
 
+# Methods named like in-place ops that change a flag of the tensor, not its values
+# (x.detach().requires_grad_(True): an input differentiated inside forward): the same tensor back.
+_FLAG_SETTERS = frozenset({"requires_grad_", "share_memory_"})
+
+
 def is_inplace(node: fx.Node) -> bool:
     if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
         return True
@@ -280,7 +285,8 @@ def is_inplace(node: fx.Node) -> bool:
         return info is not None and info.is_write and not target._schema.overload_name.startswith("out")
     if node.op == "call_method":
         name = str(node.target)
-        return name.endswith("_") and not name.endswith("__") and not name.startswith("_")
+        return name.endswith("_") and not name.endswith("__") and not name.startswith("_") \
+            and name not in _FLAG_SETTERS
     name = getattr(target, "__name__", "")
     return bool(name) and name.endswith("_") and not name.endswith("__") and not name.startswith("_")
 
@@ -307,7 +313,8 @@ _VIEW_OPS = frozenset({"view", "view_as", "reshape", "reshape_as", "_unsafe_view
                        "movedim", "moveaxis", "expand", "expand_as", "broadcast_to", "unfold", "diagonal", "detach",
                        "alias", "as_strided", "narrow", "slice", "select", "getitem", "split", "split_with_sizes",
                        "chunk", "tensor_split", "unbind", "contiguous", "to", "type_as", "float", "half",
-                       "bfloat16", "real", "imag", "view_as_real", "view_as_complex", "T", "mT", "H", "mH"})
+                       "bfloat16", "real", "imag", "view_as_real", "view_as_complex", "T", "mT", "H", "mH",
+                       "requires_grad", "share_memory"})
 
 
 def _read_mutated_values_through_the_mutation(gm: fx.GraphModule) -> None:
@@ -535,22 +542,45 @@ def _ensure_metadata(gm: fx.GraphModule, example_inputs: tuple | None, example_k
         # a '**kw' one is the dict of the keywords no parameter takes)
         starred = prop.placeholder
         prop.placeholder = lambda target, a, k: varkw if str(target).startswith("**") else starred(target, a, k)
-    # the run must leave no trace: BatchNorm in training mode updates its running statistics
+    # The run is one forward, under no_grad (no autograd graph held for it). A forward that
+    # differentiates inside (torch.autograd.grad of an energy w.r.t. its input: gradient
+    # penalties, score matching, physics-informed nets) fails there, since symbolic_trace keeps no
+    # `with torch.enable_grad():` block: a failed run is tried once more with autograd enabled, as
+    # the module is called in training, and only if that fails too is the first error the
+    # module's answer about its inputs. Either run must leave no trace: BatchNorm in training mode
+    # updates its running statistics (restored), a backward inside forward fills .grad (put back);
+    # the autograd graph dies with the run's values (ShapeProp keeps only their metadata).
     saved = {name: buffer.detach().clone() for name, buffer in gm.named_buffers()}
-    with torch.no_grad():
+    grads = {p: p.grad for p in gm.parameters()}
+
+    def run(grad: bool) -> None:
         try:
             # (a traced module that raises prints its generated code to stderr first)
-            with contextlib.redirect_stderr(io.StringIO()):
+            with torch.set_grad_enabled(grad), contextlib.redirect_stderr(io.StringIO()):
                 prop.propagate(*args)
-        except Exception as exc:  # noqa: BLE001 - the module's own error, about its inputs
-            cause = exc.__cause__ or exc  # (ShapeProp wraps it in a dump of the node's internals)
-            first = (str(cause).strip().splitlines() or [""])[0]
-            raise UsageError(f"the example inputs do not run through the module ({type(cause).__name__}: {first}); "
-                             f"pass example_inputs (and example_kwargs) it accepts") from exc
-        for name, buffer in gm.named_buffers():
-            # (only what the run changed: an expanded buffer, stride 0, cannot be written to)
-            if name in saved and not buffer.is_meta and not torch.equal(buffer, saved[name]):
-                buffer.copy_(saved[name])
+        finally:
+            with torch.no_grad():
+                for name, buffer in gm.named_buffers():
+                    # (only what the run changed: an expanded buffer, stride 0, cannot be written to)
+                    if name in saved and not buffer.is_meta and not torch.equal(buffer, saved[name]):
+                        buffer.copy_(saved[name])
+            for param, grad_before in grads.items():
+                if param.grad is not grad_before:
+                    param.grad = grad_before
+
+    try:
+        run(False)
+    except Exception as exc:  # noqa: BLE001 - the module's own error, about its inputs
+        if not isinstance(exc, torch.OutOfMemoryError):
+            try:
+                run(True)
+                return
+            except Exception:  # noqa: BLE001 - the same error, most likely: the first one is reported
+                pass
+        cause = exc.__cause__ or exc  # (ShapeProp wraps it in a dump of the node's internals)
+        first = (str(cause).strip().splitlines() or [""])[0]
+        raise UsageError(f"the example inputs do not run through the module ({type(cause).__name__}: {first}); "
+                         f"pass example_inputs (and example_kwargs) it accepts") from exc
 
 
 def _positional(placeholders: list[fx.Node], args: tuple, kwargs: dict) -> tuple[tuple, dict | None]:
