@@ -16,7 +16,9 @@
 The bodies of higher-order ops (torch.cond's branches, while_loop's, a ``torch.no_grad()``
 block's) are GraphModules of their own: each is rewritten as a scope whose inputs and outputs keep
 their types, and its decisions join the report under the body's attribute path
-(``true_graph_0/linear``). A ``torch.autocast`` region is left as written.
+(``true_graph_0/linear``), a name ``fp32_nodes`` takes too (``true_graph_0/*`` pins one branch; a
+body-local name, ``linear``, every body's node of that name). A ``torch.autocast`` region is left
+as written.
 
 It returns a GraphModule (``RewriteResult.model``); the caller's module is never modified. The
 report is available as for ONNX (``rewrite(..., report=True)`` or ``RewriteResult.report``), and the
@@ -253,6 +255,7 @@ def _rewrite_bodies(gm: fx.GraphModule, log: Any, *, target: str, rules: Any, fp
     precision inside it. Nested bodies are rewritten by the recursive call."""
     from .frontends.fx_loader import AUTOCAST_REGION, BODY_MARK, body_modules, hop_name
 
+    outer = gm.meta.get(BODY_MARK)  # (a body's own scope, for the bodies nested in it)
     done: set[str] = set()
     modified = False
     for node in list(gm.graph.nodes):
@@ -265,7 +268,9 @@ def _rewrite_bodies(gm: fx.GraphModule, log: Any, *, target: str, rules: Any, fp
             done.add(path)
             prefix, _, attr = path.rpartition(".")
             owner = gm.get_submodule(prefix) if prefix else gm
-            getattr(owner, attr).meta[BODY_MARK] = True  # (its inputs are the enclosing graph's values)
+            # (its inputs are the enclosing graph's values; its nodes' names in the report are scoped
+            # by its path, true_graph_0/linear_1, and a node pattern may name them so)
+            getattr(owner, attr).meta[BODY_MARK] = f"{outer}/{path}" if isinstance(outer, str) else path
             result = rewrite_torch(getattr(owner, attr), target=target, rules=rules, keep_io_types=True,
                                    fp32_nodes=fp32_nodes, **options)
             body = result.model

@@ -1395,6 +1395,21 @@ def test_a_node_pattern_naming_only_a_branch_node_is_not_called_unmatched() -> N
     assert len(unmatched) == 1 and "'no_such_node'" in unmatched[0]
 
 
+@pytest.mark.parametrize("pattern", ["true_graph_0/linear", "true_graph_0/*", "re:true_graph_0/lin.*"])
+def test_a_node_pattern_may_name_a_branch_node_by_its_reported_name(pattern) -> None:
+    """The report lists a body's nodes under the body's path (true_graph_0/linear), but patterns
+    were matched against the body's local names only: the reported name pinned nothing and was
+    said to name no node, and the local name 'linear' pinned the node in both branches."""
+    torch.manual_seed(0)
+    model, x = Branches(), torch.randn(2, 16)
+    gm, report = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", report=True, fp32_nodes=[pattern])
+    assert report.log.decisions["true_graph_0/linear"].precision == Precision.FP32
+    assert report.log.decisions["false_graph_0/linear"].precision == Precision.LOW
+    assert _body_dtypes(gm, "true_graph_0", torch.ops.aten.linear.default) == [torch.float32]
+    assert _body_dtypes(gm, "false_graph_0", torch.ops.aten.linear.default) == [torch.bfloat16]
+    assert not [n for n in report.log.notes if n.startswith("unmatched:")]
+
+
 def test_an_autocast_region_is_left_as_written() -> None:
     """torch decides the precision inside an autocast region at run time; enabled=False keeps it
     FP32 on purpose, so its body is not rewritten (the code outside it is)."""

@@ -57,6 +57,7 @@ import torch.fx as fx
 
 from ..errors import InPlaceMutationError, UsageError
 from ..ir import DType, Graph, Model, Node, Value
+from ..passes.base import BODY_SCOPE
 
 # -- dtypes -----------------------------------------------------------------------------------------------
 TORCH_TO_DTYPE: dict[torch.dtype, DType] = {
@@ -193,6 +194,8 @@ def load_fx(gm: fx.GraphModule, *, example_inputs: tuple | None = None, capture:
     graph = _Builder(gm, source, _LOW_TYPES.get(target)).build()
     model = Model(graph=graph, frontend="torch", origin=source)
     model.meta["fx.level"] = level
+    if isinstance(gm.meta.get(BODY_MARK), str):
+        graph.meta[BODY_SCOPE] = gm.meta[BODY_MARK]
     return model
 
 
@@ -964,7 +967,7 @@ class _Builder:
 AUTOCAST_REGION = "wrap_with_autocast"
 # a higher-order op's body graph, rewritten on its own (its ``meta``): its placeholders are the
 # enclosing graph's values, not the model's inputs
-BODY_MARK = "amp_rewrite.body"
+BODY_MARK = "amp_rewrite.body"  # (its value: the body's path, the scope of its names in the report)
 AUTOCAST_MARKS = ("_enter_autocast", "_exit_autocast")  # torch.amp.autocast_mode's, in dynamo's graphs
 
 

@@ -167,11 +167,20 @@ def _aliases(node: Node) -> tuple[str, ...]:
     return (node.name or label, label, *_scope_path(node), *modules)
 
 
+BODY_SCOPE = "fx.body_scope"  # graph.meta of a torch body rewritten on its own: its path in the report
+
+
 def _scope_path(node: Node) -> tuple[str, ...]:
     """A body node's name under its scope (``If:y.then_branch/mm``): a pattern may name it so
     whether or not another body uses the name (``If:y.then_branch/*`` pins one branch)."""
-    if node.graph is None or node.graph.parent is None:
+    if node.graph is None:
         return ()
+    if node.graph.parent is None:
+        # a torch higher-order op's body, rewritten on its own: its decisions join the report under
+        # the body's path (true_graph_0/linear_1), which pins that branch's node alone
+        scope = node.graph.meta.get(BODY_SCOPE)
+        return tuple(dict.fromkeys(f"{scope}/{n}" for n in (node.name or _made_up_label(node), node_label(node)))) \
+            if scope else ()
     return (f"{scope_label(node.graph)}/{node.name or _made_up_label(node)}",)
 
 
