@@ -1316,20 +1316,24 @@ class _MaxNormEmbedding(torch.nn.Module):
         return self.out(self.emb(ids)).pow(2).mean()
 
 
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
-def test_an_embedding_with_max_norm_renormalises_its_weight_and_trains(training):
+def test_an_embedding_with_max_norm_renormalises_its_weight_and_trains(training, capture):
     """F.embedding(max_norm=...) renormalises the looked-up rows of the weight in place, through a
     detached view of it. That was refused as an in-place write others observe, and the automatic
     fallback (the functionalized graph) wrote the rows back by copy_ into the parameter outside
     no_grad: every call with autograd on raised 'a leaf Variable that requires grad is being used
     in an in-place operation' (and its embedding read a detached renorm: no gradient reached the
     weight). The write into the module's weight is kept as written now: the weight is renormalised
-    as the FP32 module's is, and the grads are the FP32 module's."""
+    as the FP32 module's is, and the grads are the FP32 module's. (symbolic_trace: the metadata
+    run renormalised the example's rows of the rewrite's weight ahead of time; it puts them back.)"""
     torch.manual_seed(0)
     model = _MaxNormEmbedding()
     ref = copy.deepcopy(model)
     calls = [torch.tensor([[1, 3, 5, 3, 9, 2]]), torch.tensor([[4, 3, 7, 7, 0, 1]])]
-    gm = amp_rewrite.rewrite(model, example_inputs=(calls[0],), target="bf16", training=training)
+    example = torch.tensor([[1, 2, 6, 8, 10, 12]])  # (rows the calls do not all read)
+    gm = amp_rewrite.rewrite(model, example_inputs=(example if capture == "symbolic_trace" else calls[0],),
+                             target="bf16", training=training, capture=capture)
     for ids in calls:
         got, want = gm(ids), ref(ids)
         assert abs(got.item() - want.item()) < 2e-2 * abs(want.item())

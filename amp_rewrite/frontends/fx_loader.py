@@ -555,6 +555,11 @@ def _ensure_metadata(gm: fx.GraphModule, example_inputs: tuple | None, example_k
     # the autograd graph dies with the run's values (ShapeProp keeps only their metadata).
     saved = {name: buffer.detach().clone() for name, buffer in gm.named_buffers()}
     grads = {p: p.grad for p in gm.parameters()}
+    # an embedding with max_norm renormalises the rows it looks up, in place in its weight (the
+    # only torch module that writes a parameter in forward): its weight is put back too
+    renormed = {m.weight: m.weight.detach().clone() for m in gm.modules()
+                if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None
+                and not m.weight.is_meta}
 
     def run(grad: bool) -> None:
         try:
@@ -563,6 +568,8 @@ def _ensure_metadata(gm: fx.GraphModule, example_inputs: tuple | None, example_k
                 prop.propagate(*args)
         finally:
             with torch.no_grad():
+                for weight, before in renormed.items():
+                    weight.copy_(before)
                 for name, buffer in gm.named_buffers():
                     # (only what the run changed: an expanded buffer, stride 0, cannot be written to)
                     if name in saved and not buffer.is_meta and not torch.equal(buffer, saved[name]):
