@@ -407,9 +407,9 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
 def _tensor_versions(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
     """Each parameter's and buffer's identity and version counter (bumped by every in-place write):
     a cheap way to see that running forward changed one, without a copy of the weights."""
-    tensors = dict(module.named_parameters(remove_duplicate=False))
-    tensors.update(module.named_buffers(remove_duplicate=False))
-    return {name: (id(t), t._version) for name, t in tensors.items()}
+    from .frontends.fx_loader import module_tensors
+
+    return {name: (id(t), t._version) for name, t in module_tensors(module).items()}
 
 
 _EXPORT_ADVICE = ("torch.compile(model, backend=\"amp_rewrite\") rewrites such a module graph by graph, around "

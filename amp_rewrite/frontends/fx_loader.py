@@ -442,18 +442,12 @@ def _natural_result(node: fx.Node, kwargs: dict) -> Any:
             result = node.target(*args, **kw)
     except Exception:  # noqa: BLE001 - best effort: the out tensor's type stands in
         return None
-    if type(_node_meta(node)).__name__ == "TensorMetadata" or (
-            isinstance(_node_meta(node), (tuple, list)) and any(type(m).__name__ == "TensorMetadata"
-                                                                for m in _node_meta(node))):
+    if _meta_key(node) == "tensor_meta":  # (ShapeProp's metadata: described, not a tensor)
         from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
         result = fx.node.map_aggregate(result, lambda t: _extract_tensor_metadata(t) if isinstance(t, torch.Tensor)
                                        else t)
     return result
-
-
-def _meta_key(node: fx.Node) -> str:
-    return next((k for k in ("val", "example_value", "tensor_meta") if node.meta.get(k) is not None), "val")
 
 
 def _set_meta(node: fx.Node, meta: Any) -> None:
@@ -505,11 +499,20 @@ def _is_view(node: fx.Node, gm: fx.GraphModule) -> bool:
 
 
 # -- metadata ----------------------------------------------------------------------------------------------
+_META_KEYS = ("val", "example_value", "tensor_meta")
+
+
+def _meta_key(node: fx.Node) -> str:
+    """Where ``node`` keeps its tensor metadata: torch.export's ``val``, dynamo's ``example_value`` or
+    ShapeProp's ``tensor_meta`` (``val`` where it has none yet)."""
+    for key in _META_KEYS:
+        if node.meta.get(key) is not None:
+            return key
+    return "val"
+
+
 def _node_meta(node: fx.Node) -> Any:
-    for key in ("val", "example_value", "tensor_meta"):
-        if key in node.meta and node.meta[key] is not None:
-            return node.meta[key]
-    return None
+    return node.meta.get(_meta_key(node))
 
 
 def is_tensor_meta(m: Any) -> bool:
@@ -683,7 +686,6 @@ class _Builder:
         self.tuples: dict[fx.Node, tuple[fx.Node, tuple]] = {}  # getitem result that is itself a tuple → (root, path)
         self.attrs: dict[str, Value] = {}
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        self.attribute_nodes = _attribute_nodes(gm)
         self.mutated = {_mutated_attribute(n, gm) for n in gm.graph.nodes if n.op.startswith("call_")} - {None}
         self.mutated |= _sharing_storage(gm, self.mutated)
         self.autocast = 0  # depth of dynamo's inline torch.autocast regions around the node being read
@@ -922,11 +924,17 @@ class _Builder:
         base = target  # the tensor it is a view of, however deep (out[0, 0]: select(select(out)))
         while _is_view(base, self.gm) and base.args and isinstance(base.args[0], fx.Node):
             base = base.args[0]
+        if base.op == "get_attr" and not _is_setitem(node):
+            # A write into a module attribute, directly or through a view of it (F.embedding(max_norm=...)
+            # renormalises rows of a detached weight): the op keeps its types and stays in place, so
+            # it writes the module's tensor, which is marked mutable: every later low reader casts
+            # it where it reads it, after the write.
+            return
         # Every name of that storage: the base and its views, however nested, siblings of the
         # target included (a = h.view(12); b = h.view(3, 4); a.sin_(): b sees it; so does
         # v = h.unsqueeze(0).squeeze(0) when h is mutated). A later reader of any of them observes it.
         aliases: dict[fx.Node, None] = {}
-        stack = list(self._same_tensor(base))
+        stack = [base]
         while stack:
             alias = stack.pop()
             if alias in aliases:
@@ -938,12 +946,6 @@ class _Builder:
         # (a body's input is the enclosing graph's value, which has no caller of its own; there an
         # in-place update of a buffer passed in, an EMA under torch.no_grad(), kept its types)
         caller = base.op == "placeholder" and not self.gm.meta.get(BODY_MARK)
-        if observers and not caller and base.op == "get_attr" and not _is_setitem(node):
-            # A write into a module attribute, through a view of it (F.embedding(max_norm=...)
-            # renormalises rows of a detached weight): the op keeps its types and stays in place,
-            # so it writes the module's tensor, which is marked mutable: every later low reader
-            # casts it where it reads it, after the write.
-            observers = []
         if observers or caller or _is_setitem(node):
             seen = f"{', '.join(sorted(set(observers)))} read{'s' if len(set(observers)) == 1 else ''} it afterwards" \
                 if observers else f"{base.name!r} is an input of the model, whose caller sees the change" if caller \
@@ -953,10 +955,6 @@ class _Builder:
                 f"would break that aliasing",
                 "Capture the model with torch.export and run_decompositions(), which functionalizes it "
                 "(rewrite(model, example_inputs=..., decompose=True)), or make the operation out of place")
-
-    def _same_tensor(self, node: fx.Node) -> list[fx.Node]:
-        """The nodes that yield ``node``'s tensor: every get_attr node of a module attribute."""
-        return self.attribute_nodes[str(node.target)] if node.op == "get_attr" else [node]
 
     # -- outputs -------------------------------------------------------------------------------------------
     def _output(self, node: fx.Node) -> None:
@@ -1206,6 +1204,13 @@ def _dim(d: Any) -> int | str | None:
         return str(d)
 
 
+def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``module`` by path, a tensor shared between paths under each."""
+    tensors = dict(module.named_parameters(remove_duplicate=False))
+    tensors.update(module.named_buffers(remove_duplicate=False))
+    return tensors
+
+
 def _sharing_storage(gm: fx.GraphModule, written: set[str]) -> set[str]:
     """The module tensors that share storage with one the forward writes: a buffer registered as a
     view of another (``self.k = kv[0]``, a cache handing out per-layer slices) sees the write, so
@@ -1221,8 +1226,7 @@ def _sharing_storage(gm: fx.GraphModule, written: set[str]) -> set[str]:
         except (RuntimeError, NotImplementedError):  # (a tensor subclass without a storage)
             return None
 
-    tensors = dict(gm.named_parameters(remove_duplicate=False))
-    tensors.update(gm.named_buffers(remove_duplicate=False))
+    tensors = module_tensors(gm)
     for node in gm.graph.nodes:
         if node.op == "get_attr" and str(node.target) not in tensors:
             tensors[str(node.target)] = _fetch_attr(gm, str(node.target))
