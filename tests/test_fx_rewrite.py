@@ -362,6 +362,64 @@ def test_loading_a_state_dict_makes_the_low_copy_again(capture):
         assert rel_err(copied(x), model(x)) < TOL["bf16"] and rel_err(gm(x), other(x)) < TOL["bf16"]
 
 
+
+class _ConvertedAndCopied(nn.Module):
+    """l.weight is read low (linear) and FP32 (sum): a low copy; l2's weight only low: converted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l, self.l2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l(x))) + self.l.weight.sum()
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_load_state_dict_with_assign_keeps_the_weights_converted(capture):
+    """gm.load_state_dict(ckpt, assign=True) put the checkpoint's FP32 tensors in place of the
+    weights the rewrite converted: every call then raised 'mat1 and mat2 must have the same dtype'."""
+    torch.manual_seed(0)
+    model, trained, x = _ConvertedAndCopied().eval(), _ConvertedAndCopied().eval(), torch.randn(3, 8)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", capture=capture)
+    dtypes = {name: t.dtype for name, t in gm.state_dict().items()}
+    assert torch.bfloat16 in dtypes.values()  # (something was converted in place)
+    gm.load_state_dict(trained.state_dict(), assign=True)
+    assert {name: t.dtype for name, t in gm.state_dict().items()} == dtypes
+    assert all(isinstance(p, nn.Parameter) for p in gm.parameters())
+    with torch.no_grad():
+        assert rel_err(gm(x), trained(x)) < TOL["bf16"]
+    copied = copy.deepcopy(gm)  # (the hook goes with a copy)
+    copied.load_state_dict(model.state_dict(), assign=True)
+    with torch.no_grad():
+        assert rel_err(copied(x), model(x)) < TOL["bf16"] and rel_err(gm(x), trained(x)) < TOL["bf16"]
+
+
+def test_a_rewrite_on_the_meta_device_takes_its_weights_with_assign():
+    """A model built on the meta device, rewritten, then given its weights by
+    load_state_dict(assign=True): the low copy of a weight read both low and FP32 is no state dict
+    key, so it stayed on meta, and the module returned garbage (errors 0.8 to 1e20) without a word."""
+    torch.manual_seed(0)
+    trained, x = _ConvertedAndCopied().eval(), torch.randn(3, 8)
+    with torch.device("meta"):
+        skeleton = _ConvertedAndCopied().eval()
+    gm = amp_rewrite.rewrite(skeleton, example_inputs=(x.to("meta"),), target="bf16", capture="symbolic_trace")
+    gm.load_state_dict(trained.state_dict(), assign=True)
+    assert not any(t.is_meta for t in [*gm.parameters(), *gm.buffers()])
+    with torch.no_grad():
+        assert rel_err(gm(x), trained(x)) < TOL["bf16"]
+
+
+def test_loading_a_checkpoint_clamps_a_converted_weight_as_the_rewrite_does():
+    """A weight converted in place took a checkpoint's values by load_state_dict's copy_, which
+    makes FP32 values past 65504 inf in FP16; the rewrite itself clamps them to 65504."""
+    model, x = _ConvertedAndCopied().eval(), torch.randn(3, 8)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="fp16", capture="symbolic_trace")
+    assert gm.l2.weight.dtype == torch.float16
+    state = model.state_dict()
+    state["l2.weight"] = state["l2.weight"].clone()
+    state["l2.weight"][0, 0] = 1e5
+    gm.load_state_dict(state)
+    assert gm.l2.weight[0, 0].item() == 65504.0 and state["l2.weight"][0, 0].item() == 1e5
 class _Rope(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -28,6 +28,7 @@ clamped and flushed-to-zero counts and huge sentinels go in the report.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any
 
@@ -224,6 +225,10 @@ class _Emitter:
         owner, attr = _owner(self.gm, target)
         old = getattr(owner, attr)
         new = self._convert(old, target, value.dtype)
+        converted = self.gm.meta.setdefault(CONVERTED, [])
+        if not converted:
+            self.gm.register_load_state_dict_pre_hook(_convert_loaded_weights)
+        converted.append(target)
         if isinstance(old, torch.nn.Parameter):
             setattr(owner, attr, torch.nn.Parameter(new, requires_grad=old.requires_grad))
         elif attr in getattr(owner, "_buffers", {}):
@@ -675,19 +680,47 @@ def _identifier(name: str) -> str:
 
 
 LOW_COPIES = "amp_rewrite.low_copies"  # gm.meta: (copy, original) attribute paths
+CONVERTED = "amp_rewrite.converted"  # gm.meta: attribute paths of the weights converted in place
+
+
+def _convert_loaded_weights(module: torch.nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+    """load_state_dict pre-hook: a weight the rewrite converted in place (one only low ops read)
+    takes a checkpoint's FP32 values converted as the rewrite converts them, clamped at the low
+    type's limits. ``load_state_dict(..., assign=True)`` (how a model built on the meta device is
+    given its weights) put the FP32 tensor in place of the low one, and every call then failed
+    on a dtype mismatch; a plain load's copy_ made values past 65504 inf. Every name the weight
+    goes by (tied weights) is converted: ``state_dict`` is load_state_dict's own copy."""
+    converted = {id(t) for t in (_fetch(module, path) for path in module.meta.get(CONVERTED, ()))
+                 if isinstance(t, torch.Tensor)}
+    if not converted:
+        return
+    named = itertools.chain(module.named_parameters(remove_duplicate=False),
+                            module.named_buffers(remove_duplicate=False))
+    for name, current in named:
+        incoming = state_dict.get(prefix + name)
+        if (id(current) in converted and isinstance(incoming, torch.Tensor) and incoming.is_floating_point()
+                and incoming.dtype != current.dtype):
+            state_dict[prefix + name] = convert_tensor(incoming, current.dtype)[0]
 
 
 def _refresh_low_copies(module: torch.nn.Module, incompatible_keys: Any) -> None:
     """load_state_dict post-hook: a weight read both low and FP32 keeps its FP32 original (in the
     state dict) and a low copy (a buffer, not in it); loading new weights makes the copy again,
-    or the low readers would go on computing with the old ones."""
+    or the low readers would go on computing with the old ones. A copy that cannot take the
+    original's values in place (still on the meta device after ``assign=True`` gave the original
+    its data, or on another device) is made anew."""
     for copy_path, original in getattr(module, "meta", {}).get(LOW_COPIES, ()):
         low = _fetch(module, copy_path)
         source = _fetch(module, original)
-        if low is None or source is None or low.is_meta or source.is_meta:
+        if low is None or source is None or source.is_meta:
+            continue
+        fresh = convert_tensor(source.detach(), low.dtype)[0]
+        if low.is_meta or low.device != fresh.device or low.shape != fresh.shape:
+            owner, attr = _owner(module, copy_path)
+            owner._buffers[attr] = fresh
             continue
         with torch.no_grad():
-            low.copy_(convert_tensor(source.detach(), low.dtype)[0])
+            low.copy_(fresh)
 
 
 def _keep_derived_buffers_out_of_copies(gm: fx.GraphModule) -> None:
