@@ -31,7 +31,7 @@ from ..decisions import CastRecord, DecisionLog, Precision
 from ..errors import OutputError
 from ..files import previous_outputs_kept, replace_into
 from ..ir import DType, Graph, Model, Node, Value
-from ..frontends.onnx_loader import OnnxSource, constant_node_tensor
+from ..frontends.onnx_loader import OnnxSource, constant_node_tensor, ir_graphs
 from ..passes.base import node_label
 
 # External tensors above this are converted while saving, not in memory up front. (A tensor held in
@@ -511,7 +511,7 @@ def _np_dtype(dtype: DType):
 # -- saving ----------------------------------------------------------------------------------------------
 def tensor_bytes(model: ir.Model) -> int:
     """Bytes of the initializers of every graph of ``model``: what its weights take in a file."""
-    return sum(value.const_value.nbytes for graph in model.graphs() for value in graph.initializers.values()
+    return sum(value.const_value.nbytes for graph in ir_graphs(model) for value in graph.initializers.values()
                if value.const_value is not None)
 
 
@@ -520,7 +520,7 @@ def _inline_external_initializers(model: ir.Model, dst: Path) -> None:
     file would otherwise name that file, relative to a folder the output may not be in."""
     from ..api import EXTERNAL_DATA_ABOVE
 
-    external = [value for graph in model.graphs() for value in graph.initializers.values()
+    external = [value for graph in ir_graphs(model) for value in graph.initializers.values()
                 if isinstance(value.const_value, ir.ExternalTensor)]
     if not external:
         return
@@ -566,7 +566,7 @@ def _inline_external_attributes(model: ir.Model) -> None:
     folder it is not in."""
     from ..frontends.onnx_loader import _may_hold_tensors
 
-    for graph in [*model.graphs(), *(function.graph for function in model.functions.values())]:
+    for graph in [*ir_graphs(model), *(function.graph for function in model.functions.values())]:
         for node in graph:
             if not _may_hold_tensors(node):
                 continue
@@ -588,7 +588,7 @@ def _restore_tensor_docs(model: ir.Model, path: Path) -> None:
     """onnx-ir's external-data writer drops a tensor's doc string and metadata; put them back in
     the written proto (only read and written again when some weight has them)."""
     said = {}
-    for graph in model.graphs():
+    for graph in ir_graphs(model):
         for name, value in graph.initializers.items():
             tensor = value.const_value
             doc, meta = getattr(tensor, "doc_string", None), getattr(tensor, "metadata_props", None)
