@@ -64,9 +64,17 @@ def explain_node(model_path: str | os.PathLike, node_name: str, **options: Any) 
         return _explain_cast(report, casts[name])
     if name not in report.log.decisions:
         node = nodes[name]
-        return (f"{name} ({node.qualified_op}): unchanged — {node.meta.get('amp.reason') or 'no FP32 float tensor to paint'}; "
+        text = (f"{name} ({node.qualified_op}): unchanged — {node.meta.get('amp.reason') or 'no FP32 float tensor to paint'}; "
                 f"its types are left as they are")
-    return explain_decision(report, name)
+    else:
+        text = explain_decision(report, name)
+    # the main graph's node answers to the bare name; a body's node of that name is labelled with
+    # its scope, and would otherwise go unmentioned
+    others = [other for other, n in nodes.items() if n.name == name and other != name]
+    if others:
+        text += (f"\n\n({len(others)} other node(s) named {name!r}, in If/Loop/Scan bodies: ask for "
+                 f"{', '.join(others)})")
+    return text
 
 
 def _resolve(query: str, nodes: dict, casts: dict, model_path, also: list[str] = ()) -> str:

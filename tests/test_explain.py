@@ -157,6 +157,27 @@ def test_a_name_two_scopes_share_asks_for_one_of_their_labels(tmp_path):
     assert explain_node(tmp_path / "m.onnx", "If:y.then_branch/mm").startswith("If:y.then_branch/mm (MatMul) computes in fp16")
 
 
+def test_a_main_graph_node_sharing_its_name_with_a_body_node_says_so(tmp_path):
+    """--explain mm explained the main graph's mm without a word of the If branch's own mm
+    (labelled If:y.then_branch/mm): the user could not tell which one they got."""
+    m = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (bool cond, float[4,8] x) => (float[4,8] y) {
+          h = MatMul(x, w)
+          y = If(cond) <
+            then_branch = t () => (float[4,8] r) { r = MatMul(h, w) },
+            else_branch = e () => (float[4,8] r2) { r2 = Exp(h) }
+          >
+        }""", {"w": (8, 8)})
+    m.graph.node[0].name = "mm"
+    next(a.g for a in m.graph.node[1].attribute if a.name == "then_branch").node[0].name = "mm"
+    onnx.save(m, tmp_path / "m.onnx")
+    text = explain_node(tmp_path / "m.onnx", "mm")
+    assert text.startswith("mm (MatMul) computes in fp16")
+    assert text.splitlines()[-1] == "(1 other node(s) named 'mm', in If/Loop/Scan bodies: ask for If:y.then_branch/mm)"
+    assert explain_node(tmp_path / "m.onnx", "If:y.then_branch/mm").startswith("If:y.then_branch/mm (MatMul)")
+
+
 def test_an_empty_name_is_refused():
     """--explain '' matched every unnamed node ("3 nodes have that name, in different scopes", all in
     the main graph), or silently explained the only one."""
