@@ -21,9 +21,12 @@ Inputs
       elsewhere. A dim name gets the same value in every input.
 
 Running
-    In-process onnxruntime, on ``CUDAExecutionProvider`` when onnxruntime has it, else on the CPU
-    provider at graph optimisation level EXTENDED (the CPU-only level-ALL layout optimisers can
-    crash on valid FP16 graphs). Every ``InferenceSession.run`` is one *evaluation*.
+    onnxruntime in one child process per check (:mod:`amp_rewrite.ort_worker`; in-process where
+    pipes cannot be passed, off POSIX), so that onnxruntime aborting or segfaulting is an error
+    naming the signal, not the end of amp-rewrite; on ``CUDAExecutionProvider`` when onnxruntime
+    has it, else on the CPU provider at graph optimisation level EXTENDED (the CPU-only level-ALL
+    layout optimisers can crash on valid FP16 graphs). Every ``InferenceSession.run`` is one
+    *evaluation*.
 
     The CPU provider runs FP16 nodes it has no kernel for with FP32 kernels and drops the casts
     between them, so the values in between are never rounded (nor overflow), and it has no BF16
@@ -321,8 +324,12 @@ def _kind(dtype: np.dtype) -> str:
 class Runner:
     """Creates onnxruntime sessions and counts evaluations (``InferenceSession.run`` calls)."""
 
-    def __init__(self, providers: Sequence[str] | None = None) -> None:
+    def __init__(self, providers: Sequence[str] | None = None, *, isolated: bool = True) -> None:
+        """``isolated``: onnxruntime runs in a child process (:mod:`amp_rewrite.ort_worker`), so
+        that a crash in it is an error, not the end of this process (POSIX only)."""
         import onnxruntime as ort
+
+        from . import ort_worker
 
         self.ort = ort
         if providers is None:
@@ -331,11 +338,31 @@ class Runner:
         self.providers = list(providers)
         self.provider = self.providers[0]  # the one sessions really got (set by run)
         self.evaluations = 0
+        self._worker = ort_worker.Worker(self.providers) if isolated and ort_worker.available() else None
+
+    def close(self) -> None:
+        """End the child process, if any (also done when the Runner is collected)."""
+        if self._worker is not None:
+            self._worker.close()
+
+    def __del__(self) -> None:
+        worker = getattr(self, "_worker", None)
+        if worker is not None:
+            worker.close()
 
     def run(self, model: Any, feeds: Mapping[str, np.ndarray], *, what: str, fp32: bool = False) -> dict[str, Any]:
         """Run ``model`` (path or ModelProto) once; all outputs by name. Raises RuntimeError with
         onnxruntime's message on failure (callers turn it into the right AmpRewriteError).
         ``fp32``: the FP32 reference; on CUDA its GEMMs are kept off TF32 (``use_tf32=0``)."""
+        if self._worker is None:
+            return self._run_here(model, feeds, what=what, fp32=fp32)
+        self.evaluations += 1
+        result, self.provider = self._worker.call("run", _portable(model), dict(feeds), what=what, fp32=fp32,
+                                                  providers=self.providers)
+        return result
+
+    def _run_here(self, model: Any, feeds: Mapping[str, np.ndarray], *, what: str, fp32: bool = False
+                  ) -> dict[str, Any]:
         import tempfile
 
         ort = self.ort
@@ -367,6 +394,12 @@ class Runner:
         (FP32 throughout) does not show. RuntimeError with onnxruntime's message where it refuses
         the model; a node the CPU provider merely has no kernel for (every BF16 GEMM) is not a
         failure: the GPU providers have those kernels."""
+        if self._worker is None:
+            self._load_here(model, what=what)
+        else:
+            self._worker.call("load", _portable(model), what=what, providers=self.providers)
+
+    def _load_here(self, model: Any, *, what: str) -> None:
         import tempfile
 
         ort = self.ort
@@ -415,9 +448,39 @@ def cuda_usable() -> bool:
     return True
 
 
+def _portable(model: Any) -> Any:
+    """``model`` as it crosses to the worker process: a path, or the serialised proto (bytes);
+    one past protobuf's 2 GB as ``_session_source`` writes it, in a folder that lasts while the
+    object holding it lives."""
+    if isinstance(model, (str, Path, bytes)):
+        return model
+    import tempfile
+
+    holder = tempfile.TemporaryDirectory(prefix="amp-check-")
+    source = _session_source(model, holder.name)
+    if isinstance(source, bytes):
+        holder.cleanup()
+        return source
+    return _HeldPath(source, holder)
+
+
+class _HeldPath(str):
+    """A path string that keeps its temporary folder alive (pickled, it is a plain str)."""
+
+    def __new__(cls, path: str, holder: Any) -> "_HeldPath":
+        obj = super().__new__(cls, path)
+        obj.holder = holder
+        return obj
+
+    def __reduce__(self):
+        return (str, (str(self),))
+
+
 def _session_source(model: Any, tmp: str) -> Any:
     if isinstance(model, (str, Path)):
         return str(model)
+    if isinstance(model, bytes):
+        return model
     proto = _as_proto(model)
     try:
         if proto.ByteSize() < (1 << 31) - (1 << 24):
@@ -900,7 +963,11 @@ def reference(fp32: Any, feeds: Mapping[str, np.ndarray], runner: Runner,
         try:  # exposing the intermediates was the problem? then compare the outputs only
             values = runner.run(proto, feeds, what="running the FP32 model", fp32=True)
         except RuntimeError as exc:
+            from .ort_worker import OrtCrash
+
             hint = "check the arrays in --inputs" if user_inputs else "pass real inputs with --inputs file.npz"
+            if isinstance(exc, OrtCrash):  # (no input makes an assertion in a kernel hold)
+                hint = "onnxruntime cannot run it, so the check cannot compare with it"
             raise UsageError(f"onnxruntime cannot run the FP32 model on the {'given' if user_inputs else 'generated'} "
                              f"inputs ({exc}); {hint}") from exc
         notes.append("onnxruntime could not run the FP32 model with its intermediate values exposed: "

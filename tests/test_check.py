@@ -2,7 +2,7 @@
 FP16 overflow that the outputs do not show.
 
 The CLI tests run ``python -m amp_rewrite`` in a subprocess; the API tests call amp_rewrite.check
-in-process (onnxruntime in-process, CPU provider here)."""
+in-process (onnxruntime in the runner's child process, CPU provider here)."""
 
 from __future__ import annotations
 
@@ -330,6 +330,44 @@ def test_runner_falls_back_to_cpu_when_cuda_cannot_load():
     assert runner.evaluations == 1
     if not ck.cuda_usable():
         assert runner.provider == "CPUExecutionProvider"
+
+
+@pytest.mark.skipif(os.name != "posix", reason="onnxruntime runs in a child process on POSIX only")
+def test_a_crash_in_onnxruntime_is_an_error_and_the_next_run_starts_afresh(monkeypatch):
+    """onnxruntime can abort or segfault instead of raising; run in-process, that ended the whole
+    check (and amp-rewrite) with 'Aborted'. The runner's child dies instead: a RuntimeError naming
+    the signal, and the next run gets a fresh child."""
+    from amp_rewrite.ort_worker import FAULT_ENV, OrtCrash
+
+    feeds = {"x": np.zeros((1, 16), np.float32)}
+    monkeypatch.setenv(FAULT_ENV, "segv")
+    runner = ck.Runner(["CPUExecutionProvider"])
+    with pytest.raises(OrtCrash, match=r"^first: onnxruntime crashed the process running it \(killed by SIGSEGV\)"):
+        runner.run(benign_model(), feeds, what="first")
+    monkeypatch.delenv(FAULT_ENV)
+    out = runner.run(benign_model(), feeds, what="second")
+    assert out["y"].shape == (1, 8) and runner.evaluations == 2
+    runner.close()
+
+
+def test_cli_check_of_a_model_that_aborts_onnxruntime_exits_with_one_line(tmp_path):
+    """RandomNormal(scale=0) trips an assertion inside onnxruntime's kernel (SIGABRT): --check
+    died with exit 134 and a C++ assertion text. (Should onnxruntime come to accept it, the check
+    just runs.)"""
+    m = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("RandomNormal", [], ["r"], shape=[4, 4], scale=0.0),
+         onnx.helper.make_node("Add", ["x", "r"], ["a"]), onnx.helper.make_node("MatMul", ["a", "w"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 4])],
+        [onnx.numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")]),
+        opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
+    save(m, tmp_path / "m.onnx")
+    r = run_cli(["m.onnx", "--check"], tmp_path)
+    assert r.returncode in (0, 2), r.stderr
+    if r.returncode == 2:
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "onnxruntime crashed the process running it" in lines[0], r.stderr
+        assert "Traceback" not in r.stderr
 
 
 def test_fp32_model_failing_on_generated_inputs_asks_for_inputs(tmp_path):
