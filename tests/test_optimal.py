@@ -842,6 +842,122 @@ def test_pad2_fill_attribute_past_the_range_keeps_the_pad_and_its_reader_fp32():
         assert decision.precision == Precision.FP32 and "70000" in decision.reason
 
 
+_ATTRIBUTE_OPS = {  # op text (attribute {v}), opset, whether a value past FP16's range matters
+    "LeakyRelu alpha": ("LeakyRelu<alpha={v}>(h)", 17, True),
+    "Elu alpha": ("Elu<alpha={v}>(h)", 17, True),
+    "Selu gamma": ("Selu<gamma={v}>(h)", 17, True),
+    "HardSigmoid alpha": ("HardSigmoid<alpha={v}>(h)", 17, True),
+    "Shrink bias": ("Shrink<bias={v}>(h)", 17, True),
+    "Swish alpha": ("Swish<alpha={v}>(h)", 24, True),
+    # compared with the data only: no FP16 value lies beyond such a bound, whichever side
+    "ThresholdedRelu alpha": ("ThresholdedRelu<alpha={v}>(h)", 17, False),
+    "Shrink lambd": ("Shrink<lambd={v}>(h)", 17, False),
+}
+
+
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+@pytest.mark.parametrize("case", sorted(_ATTRIBUTE_OPS))
+def test_an_op_computing_with_a_float_attribute_fp16_cannot_hold_keeps_fp32(case, placement):
+    """``LeakyRelu<alpha=1e5>`` (or an Elu/Selu/HardSigmoid/Shrink/Swish scale or offset past
+    65504) between FP16 MatMuls went FP16: the kernel combines the attribute with the data in the
+    node's type, where it is clamped or inf (and inf * 0 is NaN). The out-of-range scan read the
+    constants a node reads and ConstantOfShape/Pad fills only; such a node now keeps FP32, its
+    reason naming the attribute. A threshold the data is only compared with (ThresholdedRelu's
+    alpha, Shrink's lambd) selects the same FP16 values at any size, and leaves the node free."""
+    text, opset, matters = _ATTRIBUTE_OPS[case]
+    attribute = case.split()[1]
+
+    def model(value: str) -> onnx.ModelProto:
+        return make_model(f"""<ir_version: 10, opset_import: ["" : {opset}]>
+            g (float[2,4] x) => (float[2,4] y) {{
+              h = MatMul(x, W)
+              s = {text.format(v=value)}
+              y = MatMul(s, W)
+            }}""", {"W": (4, 4)}, ir_version=10)
+
+    op = text.split("<")[0]
+    for value, big in (("100000.0", 1e5), ("-1000000000.0", -1e9)):  # (no mask sentinel: any size counts)
+        result = rewrite(model(value), placement=placement)
+        full_check(result.model)
+        decision = result.log.decisions[f"{op}:s"]
+        if matters:
+            assert decision.precision == Precision.FP32, decision.reason
+            assert f"its {attribute} attribute holding {big:g}, beyond fp16's finite range" in decision.reason
+        else:
+            assert decision.precision == Precision.LOW and "finite range" not in decision.reason
+        assert result.log.decisions["MatMul:y"].precision == Precision.LOW
+    assert rewrite(model("0.5"), placement=placement).log.decisions[f"{op}:s"].precision == Precision.LOW
+    # BF16 holds 1e5 (its range is FP32's): no attribute keeps the node FP32 there
+    assert "finite range" not in rewrite(model("100000.0"), placement=placement, target="bf16") \
+        .log.decisions[f"{op}:s"].reason
+
+
+def _image_scaler(bias: list[float], then_sub: bool) -> onnx.ModelProto:
+    """Conv -> ImageScaler(scale=0.5, bias) -> [Sub(s, bias as a constant) ->] Conv, opset 9 (ImageScaler
+    has no onnx schema since opset 10, so no onnx.parser text)."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]),
+             helper.make_node("ImageScaler", ["c"], ["s"], scale=0.5, bias=bias)]
+    inits = [numpy_helper.from_array((rng.standard_normal((2, 2, 3, 3)) * 0.3).astype(np.float32), "w"),
+             numpy_helper.from_array((rng.standard_normal((2, 2, 2, 2)) * 0.3).astype(np.float32), "w2")]
+    if then_sub:
+        nodes.append(helper.make_node("Sub", ["s", "k"], ["d"]))
+        inits.append(numpy_helper.from_array(np.array(bias, np.float32).reshape(2, 1, 1), "k"))
+    nodes.append(helper.make_node("Conv", ["d" if then_sub else "s", "w2"], ["y"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 6, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 3, 3])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)], ir_version=4)
+
+
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+def test_an_image_scaler_whose_bias_fp16_cannot_hold_keeps_fp32(placement):
+    """ImageScaler (y = scale * x + bias[c]) with bias=[1e5, 2] between two Convs was painted FP16:
+    on a GPU channel 0 became +inf. It now keeps FP32 and says which attribute; the model's own
+    Sub of the same bias brings the values back into FP16's range, so the last Conv runs FP16 and
+    the result matches FP32 (as a GPU computes it: every FP16 value rounded where it is made)."""
+    from amp_rewrite.emulate import emulate_low
+
+    plain = rewrite(_image_scaler([1e5, 2.0], then_sub=False), placement=placement)
+    decision = plain.log.decisions["ImageScaler:s"]
+    assert decision.precision == Precision.FP32
+    assert "its bias attribute holding 100000, beyond fp16's finite range" in decision.reason
+    assert plain.log.decisions["Conv:c"].precision == Precision.LOW  # (the Convs stay allow ops)
+    assert rewrite(_image_scaler([1e3, 2.0], then_sub=False), placement=placement) \
+        .log.decisions["ImageScaler:s"].precision == Precision.LOW  # a bias FP16 holds leaves it free
+
+    model = _image_scaler([1e5, 2.0], then_sub=True)
+    result = rewrite(model, placement=placement)
+    assert result.log.decisions["ImageScaler:s"].precision == Precision.FP32
+    assert result.log.decisions["Conv:y"].precision == Precision.LOW
+    feeds = {"x": np.random.default_rng(1).standard_normal((1, 2, 6, 6)).astype(np.float32)}
+    got = run(emulate_low(result.model, TensorProto.FLOAT16)[0], feeds)["y"]
+    assert np.isfinite(got).all() and rel_err(run(model, feeds)["y"], got) < 1e-2
+    assert not rewrite(result.model, placement=placement).modified
+
+
+@pytest.mark.parametrize("mode", ["tf_crop_and_resize", "half_pixel"])
+def test_a_resize_fill_past_the_range_keeps_the_resize_and_its_reader_fp32(mode):
+    """Resize's extrapolation_value is written where tf_crop_and_resize samples outside the input
+    (as Pad-2's fill is): 7e4 went FP16 (inf on a GPU). The Resize and its reader keep FP32 in that
+    mode; in another the attribute is not used, and nothing is kept FP32 for it."""
+    model = make_model(f"""<ir_version: 8, opset_import: ["" : 13]>
+        g (float[1,1,4,4] x) => (float[1,1,4,4] y) <float[8] roi = {{0,0,-0.5,-0.5,1,1,1.5,1.5}},
+                                                  float[4] sc = {{1,1,1,1}}> {{
+          a = MatMul(x, W)
+          r = Resize<mode="linear", coordinate_transformation_mode="{mode}", extrapolation_value=70000.0>(a, roi, sc)
+          t = Relu(r)
+          y = MatMul(t, W)
+        }}""", {"W": (4, 4)})
+    result = rewrite(model)
+    full_check(result.model)
+    for node in ("Resize:r", "Relu:t"):
+        decision = result.log.decisions[node]
+        if mode == "tf_crop_and_resize":
+            assert decision.precision == Precision.FP32 and "70000" in decision.reason, node
+        else:
+            assert "finite range" not in decision.reason
+
+
 def test_an_fp16_constant_of_shape_fill_raises_no_overflow_warning():
     """An FP16 ConstantOfShape fill (a mixed model; amp-rewrite's own fused zero skip, rewritten
     again) printed numpy's 'overflow encountered in cast' on stderr: the check compared the FP16

@@ -16,6 +16,12 @@ Infinities are left alone (the low types hold them), and so are mask sentinels o
 and more (-1e9, finfo(float32).min): saturated, they still mask, which the report counts and
 ``--check`` expects; keeping every mask op FP32 for them would add casts to every attention block
 for nothing.
+
+A float attribute the kernel combines with the data in the node's type counts the same way
+(:data:`_ATTRIBUTES`): ImageScaler's ``bias`` of 1e5 made channel 0 +inf in FP16. Attributes that
+are only compared with the data (ThresholdedRelu's ``alpha``, Shrink's ``lambd``, an RNN's
+``clip``: no low value lies beyond a bound past the range, whichever side), epsilons that fused
+kernels add to FP32 statistics, ratios, seeds and sizes do not.
 """
 
 from __future__ import annotations
@@ -56,16 +62,54 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
 
 def _beyond(node: Node, limit: float, seen: dict[int, float | None]) -> tuple[str, float] | None:
     """(what, value) of the first float constant the node reads with a value the low type cannot
-    hold (and no mask sentinel), or None."""
-    if node.domain == "" and node.op_type in ("ConstantOfShape", "Pad"):  # (Pad before opset 11: its fill)
-        big = _largest(_attribute(node, "value"), limit)
+    hold (and no mask sentinel), or None: a float attribute it computes with, or an input."""
+    for name in _ATTRIBUTES.get((node.domain, node.op_type), ()):
+        big = _attribute_beyond(node, name, limit)
         if big is not None:
-            return "its value attribute", big
+            return f"its {name} attribute", big
     for value in node.inputs:
         big = _held(value, limit, seen=seen)
         if big is not None:
             return f"{value.name!r}", big
     return None
+
+
+# float attributes whose value the kernel combines with the data in the node's type (adds, multiplies,
+# or writes to the output), by (domain, op): in FP16 a value past 65504 is clamped or becomes inf
+# there (and inf * 0 is NaN) as a constant input's would. Left out: attributes only compared with
+# the data (ThresholdedRelu alpha, Shrink lambd, RNN clip: a bound past the range selects the same
+# low values either way), normalisation epsilons (the fused kernels add them to FP32 statistics),
+# Dropout's ratio, Upsample's scales and RotaryEmbedding's scale (sizes and positions, not data),
+# the allow ops' (Gemm alpha/beta, attention scale: weights of heavy ops are the clamping
+# contract's), and Clip's min/max (attributes before opset 11, where onnxruntime has no float16
+# kernel for Clip: it never goes low). Resize's fill and cubic coefficient matter in one mode each
+# (_attribute_beyond).
+_RNN = ("activation_alpha", "activation_beta")  # LeakyRelu/Affine/ScaledTanh/HardSigmoid/Elu params
+_ATTRIBUTES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("", "ConstantOfShape"): ("value",), ("", "Pad"): ("value",),  # their fill (Pad before opset 11)
+    ("", "ImageScaler"): ("scale", "bias"), ("", "Affine"): ("alpha", "beta"), ("", "Scale"): ("scale",),
+    ("", "ScaledTanh"): ("alpha", "beta"), ("", "ParametricSoftplus"): ("alpha", "beta"),
+    ("", "LeakyRelu"): ("alpha",), ("", "Elu"): ("alpha",), ("", "Celu"): ("alpha",),
+    ("", "Selu"): ("alpha", "gamma"), ("", "HardSigmoid"): ("alpha", "beta"), ("", "Shrink"): ("bias",),
+    ("", "Swish"): ("alpha",), ("com.microsoft", "QuickGelu"): ("alpha",),
+    ("", "Resize"): ("extrapolation_value", "cubic_coeff_a"),
+    ("", "RNN"): _RNN, ("", "GRU"): _RNN, ("", "LSTM"): _RNN,
+}
+
+
+def _attribute_beyond(node: Node, name: str, limit: float) -> float | None:
+    """A value of ``node``'s float attribute ``name`` beyond the limit that matters to its result, or None.
+    A fill (ConstantOfShape's, Pad's, Resize's) of 1e8 or more is a mask sentinel, as a constant's is; a
+    scale, slope or offset of any finite size past the limit is not."""
+    fill = name in ("value", "extrapolation_value")
+    big = _largest(_attribute(node, name), limit, SENTINEL if fill else np.inf)
+    if big is None or node.domain != "":
+        return big
+    if node.op_type == "Resize":  # the fill of tf_crop_and_resize, the coefficient of cubic
+        mode = _string_attribute(node, "coordinate_transformation_mode") if name == "extrapolation_value" else \
+            _string_attribute(node, "mode")
+        return big if mode == ("tf_crop_and_resize" if name == "extrapolation_value" else "cubic") else None
+    return big
 
 
 # ops whose output holds some of their inputs' values unchanged (or negated), by the input slots
@@ -105,8 +149,8 @@ def _held(value: Value | None, limit: float, depth: int = 0, cast: bool = False,
         return _largest(_attribute(producer, "value"), limit)
     if producer.op_type == "OneHot" and len(producer.inputs) > 2:
         return _held(producer.inputs[2], limit, depth + 1, cast, seen)
-    if producer.op_type == "Pad":
-        big = _largest(_attribute(producer, "value"), limit)
+    if producer.op_type in ("Pad", "Resize"):  # a fill its output holds (Pad before opset 11)
+        big = _attribute_beyond(producer, "value" if producer.op_type == "Pad" else "extrapolation_value", limit)
         if big is not None:
             return big
     if producer.op_type in _COPIES:
@@ -126,18 +170,32 @@ def _held(value: Value | None, limit: float, depth: int = 0, cast: bool = False,
 
 
 def _attribute(node: Node, name: str):
-    """A tensor or float attribute's data (ConstantOfShape's ``value``, Pad-2's ``value``), or None."""
+    """A tensor, float or floats attribute's data (ConstantOfShape's ``value``, Pad-2's ``value``,
+    ImageScaler's ``bias``), or None."""
     attr = node.origin.attributes.get(name) if node.origin is not None else None
     try:
         if attr is not None and attr.type == ir.AttributeType.FLOAT:
             return np.asarray([attr.as_float()], np.float32)
+        if attr is not None and attr.type == ir.AttributeType.FLOATS:
+            return np.asarray(attr.as_floats(), np.float32)
+        if attr is not None and attr.type != ir.AttributeType.TENSOR:
+            return None
         return attr.as_tensor().numpy() if attr is not None else None
     except Exception:  # noqa: BLE001 - unreadable data is the loader's concern, not this check's
         return None
 
 
-def _largest(data, limit: float) -> float | None:
-    """The largest |value| between ``limit`` and :data:`SENTINEL` (signed), or None."""
+def _string_attribute(node: Node, name: str) -> str | None:
+    attr = node.origin.attributes.get(name) if node.origin is not None else None
+    try:
+        return attr.as_string() if attr is not None else None
+    except Exception:  # noqa: BLE001 - as in _attribute
+        return None
+
+
+def _largest(data, limit: float, ceiling: float = SENTINEL) -> float | None:
+    """The largest |value| between ``limit`` and ``ceiling`` (:data:`SENTINEL`; infinity for finite
+    values of any size), signed, or None."""
     if data is None or data.dtype.kind not in "fiu" or data.size == 0:
         return None
     flat = data.reshape(-1)
@@ -146,7 +204,7 @@ def _largest(data, limit: float) -> float | None:
     for start in range(0, flat.size, _CHUNK):
         chunk = flat[start:start + _CHUNK].astype(np.float64)  # (FP16 compared with 1e8 warns of overflow)
         magnitude = np.abs(chunk)
-        between = np.flatnonzero((magnitude > limit) & (magnitude < SENTINEL))
+        between = np.flatnonzero((magnitude > limit) & (magnitude < ceiling))
         if between.size:
             found = float(chunk[between[int(np.argmax(magnitude[between]))]])
             if best is None or abs(found) > abs(best):
