@@ -19,6 +19,13 @@ Inputs
       first axis), 8 for sequence-like names (``*seq*``, ``*len*``, ``*token*``, ``*time*``,
       ``*past*``), 64 for ``height``/``width``/``H``/``W``, else 1 on the first axis and 8
       elsewhere. A dim name gets the same value in every input.
+    - a sequence input (``seq(tensor)``): a list of 2 tensors of its element type and shape, made
+      by the rules above; an optional one (``optional(tensor)``, ``optional(seq(tensor))``): its
+      value, present. A map, a sparse tensor or a sequence of sequences cannot be fed: a UsageError.
+
+    In the ``.npz``, a sequence input's tensors are keyed ``<name>/0``, ``<name>/1``, ... (their
+    shapes may differ), or given as one array under ``<name>`` that stacks them on axis 0; an
+    optional input with no array is fed empty.
 
 Running
     onnxruntime in one child process per check (:mod:`amp_rewrite.ort_worker`; in-process where
@@ -85,6 +92,7 @@ BATCH_DIM = 1
 SEQUENCE_DIM = 8
 SPATIAL_DIM = 64
 DEFAULT_VOCAB = 100
+SEQUENCE_ITEMS = 2  # tensors in a generated sequence input
 NEAR_LIMIT = 0.5  # warn when |x| > NEAR_LIMIT * the type's largest finite value
 LIMITS = {"fp16": 65504.0, "bf16": 3.3895313892515355e38}
 _LOW_TYPES = {onnx.TensorProto.FLOAT16: "fp16", onnx.TensorProto.BFLOAT16: "bf16"}
@@ -145,8 +153,7 @@ def _dim_value(name: str | None, axis: int) -> int:
     return BATCH_DIM if axis == 0 else SEQUENCE_DIM
 
 
-def _shape_of(vi: onnx.ValueInfoProto, named: dict[str, int]) -> tuple[int, ...]:
-    tt = vi.type.tensor_type
+def _shape_of(tt: onnx.TypeProto.Tensor, named: dict[str, int]) -> tuple[int, ...]:
     if not tt.HasField("shape"):
         return (BATCH_DIM, SEQUENCE_DIM)  # rank unknown: a guess, stated in the inputs description
     shape = []
@@ -202,57 +209,117 @@ def _vocab_for(model: onnx.ModelProto, name: str) -> int | None:
     return None
 
 
-def make_inputs(model: Any, *, seed: int = SEED) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+def _feed_type(tp: onnx.TypeProto) -> tuple[str, onnx.TypeProto.Tensor] | None:
+    """What --check can feed an input of type ``tp``: ("tensor" or "sequence", the tensor type of the
+    value or of its elements), an optional input's as its element's; None for anything else (a map,
+    a sparse tensor, a sequence of sequences, no type)."""
+    if tp.WhichOneof("value") == "optional_type":
+        tp = tp.optional_type.elem_type
+    which = tp.WhichOneof("value")
+    if which == "tensor_type":
+        return "tensor", tp.tensor_type
+    if which == "sequence_type" and tp.sequence_type.elem_type.WhichOneof("value") == "tensor_type":
+        return "sequence", tp.sequence_type.elem_type.tensor_type
+    return None
+
+
+def _type_text(tp: onnx.TypeProto) -> str:
+    """``tp`` as onnxruntime writes types: tensor(float), seq(tensor(float)), map(int64,tensor(float))."""
+    def elem(e: int) -> str:
+        return onnx.TensorProto.DataType.Name(e).lower() if e in onnx.TensorProto.DataType.values() else str(e)
+
+    which = tp.WhichOneof("value")
+    if which == "tensor_type":
+        return f"tensor({elem(tp.tensor_type.elem_type)})"
+    if which == "sparse_tensor_type":
+        return f"sparse_tensor({elem(tp.sparse_tensor_type.elem_type)})"
+    if which == "sequence_type":
+        return f"seq({_type_text(tp.sequence_type.elem_type)})"
+    if which == "optional_type":
+        return f"optional({_type_text(tp.optional_type.elem_type)})"
+    if which == "map_type":
+        return f"map({elem(tp.map_type.key_type)},{_type_text(tp.map_type.value_type)})"
+    return "of no declared type"
+
+
+def _unfeedable(vi: onnx.ValueInfoProto) -> str:
+    return (f"input {vi.name!r} is {_type_text(vi.type)}: --check feeds tensors, sequences of tensors and optionals "
+            f"of either (generated, or from --inputs), not this type")
+
+
+def make_inputs(model: Any, *, seed: int = SEED) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Generated inputs for ``model`` (see the module docstring for the rules) and, per input, a
-    description of how it was made."""
+    description of how it was made. A sequence input's value is a list of arrays."""
     proto = _as_proto(model, load_data=False)
     rng = np.random.default_rng(seed)
     named: dict[str, int] = {}
-    feeds: dict[str, np.ndarray] = {}
+    feeds: dict[str, Any] = {}
     described = []
     for vi in graph_inputs(proto):
-        if not vi.type.HasField("tensor_type"):
-            raise UsageError(f"input {vi.name!r} is not a tensor: --check cannot make a value for it; pass --inputs")
-        elem = vi.type.tensor_type.elem_type
-        if elem == onnx.TensorProto.STRING:
-            raise UsageError(f"input {vi.name!r} is a string tensor: --check cannot make a value for it; "
-                             f"pass --inputs file.npz")
-        dtype = _np_dtype(elem)
-        shape = _shape_of(vi, named)
-        low = vi.name.lower()
-        if "mask" in low:
-            arr = np.ones(shape, np.int64)
-            if shape and shape[-1] > 2:
-                arr[..., -1] = 0
-            how = "mask: ones, last position 0" if shape and shape[-1] > 2 else "mask: ones"
-            arr = arr.astype(dtype) if dtype != np.bool_ else arr.astype(bool)
-        elif _kind(dtype) == "float":
-            arr = rng.standard_normal(shape).astype(np.float32).astype(dtype)
-            how = "N(0, 1)"
-        elif dtype == np.bool_:
-            arr = np.ones(shape, bool)
-            how = "True"
-        elif "token_type" in low or "segment" in low:
-            arr = np.zeros(shape, dtype)
-            how = "zeros"
-        elif "position" in low and shape:
-            arr = np.broadcast_to(np.arange(shape[-1] if shape else 1), shape).astype(dtype).copy()
-            how = "0, 1, 2, ... along the last axis"
-        elif dtype.kind in "iu":
-            vocab = _vocab_for(proto, vi.name)
-            high = min(vocab or DEFAULT_VOCAB, int(np.iinfo(dtype).max) + 1)
-            arr = rng.integers(0, high, size=shape).astype(dtype)
-            how = f"ids in [0, {high})" + ("" if vocab else " (no embedding table found: default)")
-        else:
-            raise UsageError(f"input {vi.name!r} has type {dtype}: --check cannot make a value for it; pass --inputs")
-        feeds[vi.name] = arr
-        described.append({"name": vi.name, "dtype": str(arr.dtype), "shape": list(arr.shape), "values": how})
+        fed = _feed_type(vi.type)
+        if fed is None:
+            raise UsageError(_unfeedable(vi))
+        kind, tt = fed
+        if kind == "tensor":
+            arr, how = _make_array(proto, vi.name, tt, rng, named)
+            feeds[vi.name] = arr
+            described.append({"name": vi.name, "dtype": str(arr.dtype), "shape": list(arr.shape), "values": how})
+            continue
+        items = [_make_array(proto, vi.name, tt, rng, named) for _ in range(SEQUENCE_ITEMS)]
+        feeds[vi.name] = [arr for arr, _ in items]
+        first, how = items[0]
+        described.append({"name": vi.name, "dtype": str(first.dtype), "shape": list(first.shape),
+                          "values": f"a sequence of {len(items)} tensors, each {how}"})
     return feeds, described
 
 
-def load_inputs(path: str | Path, model: Any) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+def _make_array(proto: onnx.ModelProto, name: str, tt: onnx.TypeProto.Tensor, rng: np.random.Generator,
+                named: dict[str, int]) -> tuple[np.ndarray, str]:
+    """A generated value of tensor type ``tt`` for input ``name`` and how it was made."""
+    elem = tt.elem_type
+    if elem == onnx.TensorProto.STRING:
+        raise UsageError(f"input {name!r} is a string tensor: --check cannot make a value for it; "
+                         f"pass --inputs file.npz")
+    if elem == onnx.TensorProto.UNDEFINED:
+        raise UsageError(f"input {name!r} declares no element type: --check cannot make a value for it; "
+                         f"pass --inputs file.npz")
+    dtype = _np_dtype(elem)
+    shape = _shape_of(tt, named)
+    low = name.lower()
+    if "mask" in low:
+        arr = np.ones(shape, np.int64)
+        if shape and shape[-1] > 2:
+            arr[..., -1] = 0
+        how = "mask: ones, last position 0" if shape and shape[-1] > 2 else "mask: ones"
+        arr = arr.astype(dtype) if dtype != np.bool_ else arr.astype(bool)
+    elif _kind(dtype) == "float":
+        arr = rng.standard_normal(shape).astype(np.float32).astype(dtype)
+        how = "N(0, 1)"
+    elif dtype == np.bool_:
+        arr = np.ones(shape, bool)
+        how = "True"
+    elif "token_type" in low or "segment" in low:
+        arr = np.zeros(shape, dtype)
+        how = "zeros"
+    elif "position" in low and shape:
+        arr = np.broadcast_to(np.arange(shape[-1] if shape else 1), shape).astype(dtype).copy()
+        how = "0, 1, 2, ... along the last axis"
+    elif dtype.kind in "iu":
+        vocab = _vocab_for(proto, name)
+        high = min(vocab or DEFAULT_VOCAB, int(np.iinfo(dtype).max) + 1)
+        arr = rng.integers(0, high, size=shape).astype(dtype)
+        how = f"ids in [0, {high})" + ("" if vocab else " (no embedding table found: default)")
+    else:
+        raise UsageError(f"input {name!r} has type {dtype}: --check cannot make a value for it; pass --inputs")
+    return arr, how
+
+
+def load_inputs(path: str | Path, model: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Inputs from an ``.npz`` file whose keys are the model's input names; checked against the
-    declared inputs (names, element kind, fixed dims) so mistakes are a clear UsageError."""
+    declared inputs (names, element kind, fixed dims) so mistakes are a clear UsageError. A
+    sequence input's tensors are keyed ``<name>/0``, ``<name>/1``, ... or stacked on axis 0 in one
+    array under ``<name>``; its value is a list of arrays. An optional input without an array is
+    left out (fed empty)."""
     import difflib
     import zipfile
 
@@ -269,43 +336,100 @@ def load_inputs(path: str | Path, model: Any) -> tuple[dict[str, np.ndarray], li
             arrays = {k: np.asarray(data[k]) for k in data.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise UsageError(f"{where}: not a readable .npz file ({exc})") from exc
+    fed = {name: _feed_type(vi.type) for name, vi in declared.items()}
+    sequences = {name for name, f in fed.items() if f is not None and f[0] == "sequence"}
+    items: dict[str, dict[int, np.ndarray]] = {}  # a sequence input's tensors by index, from "<name>/<index>"
+    for key in list(arrays):
+        base, _, index = key.rpartition("/")
+        if key not in declared and key not in optional and base in declared and index.isdigit():
+            if base not in sequences:
+                raise UsageError(f"{where}: {key!r}: keys '<name>/0', '<name>/1', ... are for sequence inputs, and "
+                                 f"{base!r} is {_type_text(declared[base].type)}")
+            if str(int(index)) != index:
+                raise UsageError(f"{where}: {key!r}: a sequence input's tensors are keyed {base + '/0'!r}, "
+                                 f"{base + '/1'!r}, ... (no leading zeros)")
+            items.setdefault(base, {})[int(index)] = arrays.pop(key)
     unknown = [k for k in arrays if k not in declared and k not in optional]
     if unknown:
         close = difflib.get_close_matches(unknown[0], list(declared), n=1, cutoff=0.5)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise UsageError(f"{where}: {unknown[0]!r} is not an input of the model{hint}; its inputs: "
                          f"{', '.join(declared) or 'none'}")
-    missing = [k for k in declared if k not in arrays]
+    both = [name for name in items if name in arrays]
+    if both:
+        raise UsageError(f"{where}: sequence input {both[0]!r} is given both as one array and as {both[0] + '/0'!r}, "
+                         f"...: give one array stacking its tensors on axis 0, or one array per tensor, not both")
+    for name, found in items.items():
+        gap = next(i for i in range(len(found) + 1) if i not in found)
+        if gap < len(found):
+            raise UsageError(f"{where}: sequence input {name!r} has {name + '/' + str(max(found))!r} but no "
+                             f"{name + '/' + str(gap)!r}: its tensors are keyed {name + '/0'!r}, {name + '/1'!r}, "
+                             f"... without gaps")
+    empty = [k for k in declared if k not in arrays and k not in items and declared[k].type.HasField("optional_type")]
+    missing = [k for k in declared if k not in arrays and k not in items and k not in empty]
     if missing:
+        keys = [*arrays, *(f"{name}/{i}" for name, found in items.items() for i in sorted(found))]
+        hint = (f" (a sequence input takes {missing[0] + '/0'!r}, {missing[0] + '/1'!r}, ... or one array stacking "
+                f"its tensors on axis 0)" if missing[0] in sequences else "")
         raise UsageError(f"{where}: no array for input {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if
-                         len(missing) > 1 else "") + f"; the file has: {', '.join(arrays) or 'nothing'}")
-    feeds: dict[str, np.ndarray] = {}
+                         len(missing) > 1 else "") + f"{hint}; the file has: {', '.join(keys) or 'nothing'}")
+    feeds: dict[str, Any] = {}
     described = []
-    for name, arr in arrays.items():
+    for name in [k for k in declared if k in arrays or k in items] + [k for k in arrays if k not in declared]:
         vi = declared.get(name)
-        if vi is not None and vi.type.HasField("tensor_type"):
-            want = _np_dtype(vi.type.tensor_type.elem_type)
-            if _kind(arr.dtype) != _kind(want):
-                wants = "strings" if _kind(want) == "string" else want
-                raise UsageError(f"{where}: {name!r} is {arr.dtype}, the model wants {wants}")
-            if arr.dtype != want:
-                with np.errstate(over="ignore", invalid="ignore"):
-                    cast = arr.astype(want)
-                if _kind(want) == "float" and np.count_nonzero(np.isfinite(arr)) != np.count_nonzero(np.isfinite(cast)):
-                    raise UsageError(f"{where}: {name!r} holds values beyond {want}'s range (max |x| "
-                                     f"{float(np.nanmax(np.abs(arr[np.isfinite(arr)]))):.4g}), the model's input type")
-                arr = cast
-            tt = vi.type.tensor_type
-            if tt.HasField("shape"):
-                dims = list(tt.shape.dim)
-                bad = len(dims) != arr.ndim or any(d.HasField("dim_value") and d.dim_value != s
-                                                   for d, s in zip(dims, arr.shape))
-                if bad:
-                    want_shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
-                    raise UsageError(f"{where}: {name!r} has shape {list(arr.shape)}, the model wants {want_shape}")
-        feeds[name] = arr
-        described.append({"name": name, "dtype": str(arr.dtype), "shape": list(arr.shape), "values": f"from {path}"})
+        kind, tt = (fed.get(name) or (None, None)) if vi is not None else ("tensor", None)
+        if vi is not None and kind is None:
+            raise UsageError(f"{where}: {_unfeedable(vi)}")
+        if kind == "tensor":
+            arr = _checked_array(where, repr(name), arrays[name], tt)
+            feeds[name] = arr
+            described.append({"name": name, "dtype": str(arr.dtype), "shape": list(arr.shape),
+                              "values": f"from {path}"})
+            continue
+        if name in items:
+            tensors = [_checked_array(where, repr(f"{name}/{i}"), items[name][i], tt) for i in range(len(items[name]))]
+        else:
+            stacked = arrays[name]
+            if stacked.ndim == 0:
+                raise UsageError(f"{where}: {name!r} is a sequence input and the file has a scalar for it: give its "
+                                 f"tensors stacked on axis 0, or as {name + '/0'!r}, {name + '/1'!r}, ...")
+            tensors = [_checked_array(where, f"{name!r} (tensor {i} of the sequence stacked on axis 0)", t, tt)
+                       for i, t in enumerate(stacked)]
+        feeds[name] = tensors
+        shapes = {t.shape for t in tensors}
+        dtype = str(tensors[0].dtype) if tensors else str(_np_dtype(tt.elem_type)) if tt.elem_type else "?"
+        described.append({"name": name, "dtype": dtype, "shape": list(tensors[0].shape) if len(shapes) == 1 else [],
+                          "values": f"a sequence of {len(tensors)} tensors" + (" of differing shapes" if len(shapes) > 1
+                                                                               else "") + f" from {path}"})
+    for name in empty:
+        described.append({"name": name, "dtype": None, "shape": [], "values": f"empty (optional, no array in {path})"})
     return feeds, described
+
+
+def _checked_array(where: str, label: str, arr: np.ndarray, tt: onnx.TypeProto.Tensor | None) -> np.ndarray:
+    """``arr`` checked against the tensor type ``tt`` (element kind, range, fixed dims; none where
+    ``tt`` is None: an initializer's input) and cast to its element type."""
+    if tt is None or tt.elem_type == onnx.TensorProto.UNDEFINED:
+        return arr
+    want = _np_dtype(tt.elem_type)
+    if _kind(arr.dtype) != _kind(want):
+        wants = "strings" if _kind(want) == "string" else want
+        raise UsageError(f"{where}: {label} is {arr.dtype}, the model wants {wants}")
+    if arr.dtype != want:
+        with np.errstate(over="ignore", invalid="ignore"):
+            cast = arr.astype(want)
+        if _kind(want) == "float" and np.count_nonzero(np.isfinite(arr)) != np.count_nonzero(np.isfinite(cast)):
+            raise UsageError(f"{where}: {label} holds values beyond {want}'s range (max |x| "
+                             f"{float(np.nanmax(np.abs(arr[np.isfinite(arr)]))):.4g}), the model's input type")
+        arr = cast
+    if tt.HasField("shape"):
+        dims = list(tt.shape.dim)
+        bad = len(dims) != arr.ndim or any(d.HasField("dim_value") and d.dim_value != s
+                                           for d, s in zip(dims, arr.shape))
+        if bad:
+            want_shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
+            raise UsageError(f"{where}: {label} has shape {list(arr.shape)}, the model wants {want_shape}")
+    return arr
 
 
 def _kind(dtype: np.dtype) -> str:
@@ -350,7 +474,7 @@ class Runner:
         if worker is not None:
             worker.close()
 
-    def run(self, model: Any, feeds: Mapping[str, np.ndarray], *, what: str, fp32: bool = False) -> dict[str, Any]:
+    def run(self, model: Any, feeds: Mapping[str, Any], *, what: str, fp32: bool = False) -> dict[str, Any]:
         """Run ``model`` (path or ModelProto) once; all outputs by name. Raises RuntimeError with
         onnxruntime's message on failure (callers turn it into the right AmpRewriteError).
         ``fp32``: the FP32 reference; on CUDA its GEMMs are kept off TF32 (``use_tf32=0``)."""
@@ -379,6 +503,9 @@ class Runner:
                 feed = _adapt_feeds(sess, feeds)
                 self.evaluations += 1
                 if any(o.type == "tensor(bfloat16)" for o in sess.get_outputs()):
+                    if any(isinstance(v, list) for v in feed.values()):
+                        raise RuntimeError("onnxruntime's Python API reads bfloat16 outputs only with OrtValue inputs, "
+                                           "which cannot hold a sequence: a model with both cannot be run")
                     ort_feed = {k: v if isinstance(v, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(v)
                                 for k, v in feed.items()}
                     values = [_numpy_of(v) for v in sess.run_with_ort_values(names, ort_feed)]
@@ -492,9 +619,10 @@ def _session_source(model: Any, tmp: str) -> Any:
     return path
 
 
-def _adapt_feeds(sess: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _adapt_feeds(sess: Any, feeds: Mapping[str, Any]) -> dict[str, Any]:
     """Only the inputs the session declares, float ones cast to its declared type (a rewrite
-    with ``keep_io_types=False`` takes FP16 inputs)."""
+    with ``keep_io_types=False`` takes FP16 inputs); a sequence input's list of arrays each cast
+    to its element type."""
     types = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
     out = {}
     # A training rewrite (amp_rewrite.training_onnx) adds loss_scale/growth_tracker: check at scale 1.
@@ -505,11 +633,17 @@ def _adapt_feeds(sess: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, np.nda
             if i.name in defaults:
                 out[i.name] = defaults[i.name]
             continue
+        if isinstance(feeds[i.name], (list, tuple)):
+            want = types.get(_innermost_tensor(i.type))
+            with np.errstate(over="ignore"):
+                out[i.name] = [a.astype(want) if want is not None and a.dtype != want and _kind(a.dtype) == "float"
+                               else a for a in map(np.asarray, feeds[i.name])]
+            continue
         arr = np.asarray(feeds[i.name])
         if i.type == "tensor(bfloat16)" and _kind(arr.dtype) == "float":
             out[i.name] = _bf16_value(arr)  # numpy has no bfloat16: onnxruntime takes its bits
             continue
-        want = types.get(i.type)
+        want = types.get(_innermost_tensor(i.type))  # (an optional tensor's too)
         if want is not None and arr.dtype != want and _kind(arr.dtype) == "float":
             with np.errstate(over="ignore"):  # (beyond FP16's range: check_models notes it)
                 arr = arr.astype(want)
@@ -517,6 +651,12 @@ def _adapt_feeds(sess: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, np.nda
             arr = arr.astype(str).astype(object)
         out[i.name] = arr
     return out
+
+
+def _innermost_tensor(ort_type: str) -> str:
+    """The tensor type inside onnxruntime's type text: tensor(float) in optional(seq(tensor(float)))."""
+    found = re.search(r"tensor\([a-z0-9]+\)", ort_type)
+    return found.group(0) if found else ort_type
 
 
 def _numpy_of(value: Any) -> Any:
@@ -745,8 +885,9 @@ class CheckResult:
     def table(self) -> str:
         lines = [f"check: {self.provider}, tolerance {self.tolerance:g} (max |a-b| / max |a|), {self.evaluations} "
                  f"model evaluations"]
-        for d in self.inputs:
-            lines.append(f"  input {d['name']}: {d['dtype']}{d['shape']} {d['values']}")
+        for d in self.inputs:  # (an optional input fed empty has no dtype)
+            typed = f"{d['dtype']}{d['shape']} " if d.get("dtype") else ""
+            lines.append(f"  input {d['name']}: {typed}{d['values']}")
         low = self.target
         head = ["output", "max abs err", "max rel err", "cosine", "NaN/Inf fp32", f"NaN/Inf {low}", "ok"]
         rows = [[o.name, _fmt(o.max_abs), _fmt(o.max_rel) + ("*" if o.compared != "values" else ""),
@@ -922,7 +1063,7 @@ class Reference:
 
     outputs: list[str]
     values: dict[str, np.ndarray]
-    feeds: dict[str, np.ndarray]
+    feeds: dict[str, Any]  # a sequence input's value: a list of arrays
     inputs: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
     input_types: dict[str, int] = field(default_factory=dict)  # element type by graph input name
@@ -936,13 +1077,16 @@ def _reference_for(fp32, inputs, runner):
         feeds, described = make_inputs(fp32)
     elif isinstance(inputs, (str, Path)):
         feeds, described = load_inputs(inputs, fp32)
-    else:
-        feeds = {k: np.asarray(v) for k, v in inputs.items()}
+    else:  # (a sequence input's value: a list of arrays)
+        feeds = {k: [np.asarray(a) for a in v] if isinstance(v, (list, tuple)) else np.asarray(v)
+                 for k, v in inputs.items()}
         described = [{"name": k, "dtype": str(v.dtype), "shape": list(v.shape), "values": "given"}
-                     for k, v in feeds.items()]
+                     if isinstance(v, np.ndarray) else
+                     {"name": k, "dtype": str(v[0].dtype) if v else "?", "shape": list(v[0].shape) if v else [],
+                      "values": f"a sequence of {len(v)} tensors, given"} for k, v in feeds.items()]
     return reference(fp32, feeds, runner, described, user_inputs=inputs is not None)
 
-def reference(fp32: Any, feeds: Mapping[str, np.ndarray], runner: Runner,
+def reference(fp32: Any, feeds: Mapping[str, Any], runner: Runner,
               inputs: list[dict[str, Any]] | None = None, *, user_inputs: bool = False) -> Reference:
     proto = original = _as_proto(fp32)
     notes = []
@@ -976,7 +1120,7 @@ def reference(fp32: Any, feeds: Mapping[str, np.ndarray], runner: Runner,
     # a sequence output comes back as a list of arrays, an empty optional as None
     others = {k: values[k] for k in outputs if k in values and not isinstance(values[k], np.ndarray)}
     values = {k: np.asarray(v) for k, v in values.items() if isinstance(v, np.ndarray)}
-    values.update({k: np.asarray(v) for k, v in feeds.items()})
+    values.update({k: v for k, v in feeds.items() if isinstance(v, np.ndarray)})  # (not a sequence's list)
     return Reference(outputs, values, dict(feeds), inputs or [], notes,
                      {vi.name: vi.type.tensor_type.elem_type for vi in original.graph.input}, others)
 
@@ -1006,7 +1150,7 @@ def default_tolerance(target: str | None) -> float:
     return DEFAULT_TOLERANCE.get(target or "fp16", DEFAULT_TOLERANCE["fp16"])
 
 
-def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, np.ndarray] | str | Path | None = None,
+def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, Any] | str | Path | None = None,
                  tolerance: float | None = None, target: str | None = None, localise: bool = True,
                  plain_run: bool = True, runner: Runner | None = None, ref: Reference | None = None) -> CheckResult:
     """Run the FP32 model and the rewritten one on the same inputs and compare them.
@@ -1113,7 +1257,7 @@ def _compare_other(name: str, want: Any, got: Any, tolerance: float, notes: list
 
 
 def _inputs_beyond_range(before: Mapping[str, int], low_proto: onnx.ModelProto,
-                         feeds: Mapping[str, np.ndarray]) -> list[str]:
+                         feeds: Mapping[str, Any]) -> list[str]:
     """Notes for inputs the rewritten model takes in FP16/BF16 whose values that type cannot hold:
     they enter as ±inf, whatever the rewrite did. The rewrite's doing (--no-keep-io-types) where
     the FP32 model took them (``before``: its input types) in another type."""
@@ -1165,7 +1309,7 @@ class _Emulation:
                      f"between them go unseen")
 
 
-def _rounded_feeds(proto: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _rounded_feeds(proto: onnx.ModelProto, feeds: Mapping[str, Any]) -> dict[str, Any]:
     """The feeds, those of inputs the model declares FP16/BF16 rounded to that type and widened back:
     what the model receives, also where it passes an input straight to an output."""
     low = {vi.name: vi.type.tensor_type.elem_type for vi in proto.graph.input
@@ -1206,7 +1350,7 @@ def _exposed_names(model: onnx.ModelProto, names: set[str]) -> tuple[onnx.ModelP
     return copy, exposed
 
 
-def _run_low(runner: Runner, model: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, Any]:
+def _run_low(runner: Runner, model: Any, feeds: Mapping[str, Any]) -> dict[str, Any]:
     try:
         return runner.run(model, feeds, what="running the rewritten model")
     except RuntimeError as exc:
@@ -1267,7 +1411,7 @@ class AutoResult:
                 "candidates": self.candidates, "budget": self.budget, "history": self.history}
 
 
-def auto_fp32(model: Any, *, inputs: Mapping[str, np.ndarray] | str | Path | None = None,
+def auto_fp32(model: Any, *, inputs: Mapping[str, Any] | str | Path | None = None,
               tolerance: float | None = None,
               runner: Runner | None = None, max_candidates: int | None = None, **options: Any) -> AutoResult:
     """Rewrite ``model`` (path or ModelProto) and pin nodes FP32 until it passes the check: the
@@ -1405,7 +1549,7 @@ class _OutOfBudget(Exception):
 # ===================================================================================================
 # CLI
 # ===================================================================================================
-def _cli_inputs(args: "CliArgs") -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+def _cli_inputs(args: "CliArgs") -> tuple[dict[str, Any], list[dict[str, Any]]]:
     if args.inputs is not None:
         return load_inputs(args.inputs, args.model)
     return make_inputs(args.model)

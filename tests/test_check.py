@@ -717,3 +717,156 @@ def test_check_compares_a_sequence_output_element_by_element(tmp_path, cancels):
     else:
         assert proc.returncode == 0, proc.stderr
         assert report["check"]["passed"] is True
+
+
+# -- sequence and optional inputs ------------------------------------------------------------------------
+def _sequence_input_model(**info) -> onnx.ModelProto:
+    """y = s[1] @ eye(4), s a seq(tensor(float)) graph input (``info``: its element type's shape)."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("SequenceAt", ["s", "i"], ["e"]), helper.make_node("MatMul", ["e", "w"], ["y"])], "seq_in",
+        [helper.make_tensor_sequence_value_info("s", TensorProto.FLOAT, info.get("shape", [3, 4]))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])],
+        [onnx.numpy_helper.from_array(np.eye(4, dtype=np.float32), "w"),
+         onnx.numpy_helper.from_array(np.array(1, np.int64), "i")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_check_generates_a_sequence_input(tmp_path):
+    """--check on a model with a seq(tensor) input said "input 's' is not a tensor: --check cannot
+    make a value for it; pass --inputs", and no .npz could hold a sequence. It now generates one:
+    two tensors of the element type and shape, by the rules for tensors."""
+    feeds, described = ck.make_inputs(_sequence_input_model())
+    assert isinstance(feeds["s"], list) and [a.shape for a in feeds["s"]] == [(3, 4), (3, 4)]
+    assert all(a.dtype == np.float32 for a in feeds["s"]) and not np.array_equal(*feeds["s"])
+    assert described == [{"name": "s", "dtype": "float32", "shape": [3, 4],
+                          "values": "a sequence of 2 tensors, each N(0, 1)"}]
+    save(_sequence_input_model(), tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "-o", "o.onnx", "--check"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "input s: float32[3, 4] a sequence of 2 tensors, each N(0, 1)" in proc.stdout
+    assert "check passed" in proc.stdout
+
+
+@pytest.mark.parametrize("layout", ["keyed", "stacked"])
+def test_an_npz_gives_a_sequence_input_by_index_or_stacked(tmp_path, layout):
+    """The model reads s[1]: 7e4 there overflows FP16 at the MatMul's cast (exit 8, named), 7e4 in
+    s[0] does not; so the file's tensors reach the model, in the order of their keys."""
+    save(_sequence_input_model(), tmp_path / "m.onnx")
+    ones, big = np.ones((3, 4), np.float32), np.full((3, 4), 7e4, np.float32)
+    for first, second, code in ((big, ones, 0), (ones, big, 8)):
+        arrays = {"s/1": second, "s/0": first} if layout == "keyed" else {"s": np.stack([first, second])}
+        np.savez(tmp_path / "in.npz", **arrays)
+        proc = run_cli(["m.onnx", "-o", "o.onnx", "--overwrite", "--check", "--inputs", "in.npz"], tmp_path)
+        assert proc.returncode == code, proc.stderr
+        assert "input s: float32[3, 4] a sequence of 2 tensors from in.npz" in proc.stdout
+        if code:
+            assert "(inserted Cast to fp16 feeding MatMul:y)" in proc.stderr
+    feeds, _ = ck.load_inputs(tmp_path / "in.npz", _sequence_input_model())
+    assert [float(a[0, 0]) for a in feeds["s"]] == [1.0, 7e4]
+
+
+@pytest.mark.parametrize("arrays, needle", [
+    ({"s/0": np.ones((3, 4)), "s/2": np.ones((3, 4))}, "sequence input 's' has 's/2' but no 's/1'"),
+    ({"s": np.ones((2, 3, 4)), "s/0": np.ones((3, 4))}, "sequence input 's' is given both as one array and as 's/0'"),
+    ({"s/0": np.ones((3, 5))}, "'s/0' has shape [3, 5], the model wants [3, 4]"),
+    ({"s": np.ones((3, 4))}, "'s' (tensor 0 of the sequence stacked on axis 0) has shape [4], the model wants [3, 4]"),
+    ({"s/0": np.ones((3, 4), np.int64)}, "'s/0' is int64, the model wants float32"),
+    ({"s/01": np.ones((3, 4))}, "'s/01': a sequence input's tensors are keyed 's/0', 's/1', ... (no leading zeros)"),
+    ({}, "no array for input 's' (a sequence input takes 's/0', 's/1', ... or one array stacking its tensors"),
+])
+def test_a_bad_sequence_in_an_npz_is_one_usage_error_line(tmp_path, arrays, needle):
+    save(_sequence_input_model(), tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", **arrays)
+    proc = run_cli(["m.onnx", "-o", "o.onnx", "--check", "--inputs", "in.npz"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_an_optional_input_is_generated_given_or_left_empty(tmp_path):
+    """optional(tensor) was "not a tensor" to --check too. It is generated present; in an .npz its
+    array is the value, and no array feeds it empty (the model's else branch: zeros)."""
+    from onnx import TensorProto, helper
+
+    vi = helper.make_value_info("o", helper.make_optional_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT,
+                                                                                                   [2, 4])))
+    got = helper.make_graph([helper.make_node("OptionalGetElement", ["o"], ["t"])], "got", [],
+                            [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2, 4])])
+    zeros = helper.make_graph([helper.make_node("Constant", [], ["z"], value=onnx.numpy_helper.from_array(
+        np.zeros((2, 4), np.float32)))], "zeros", [], [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 4])])
+    graph = helper.make_graph(
+        [helper.make_node("OptionalHasElement", ["o"], ["h"]),
+         helper.make_node("If", ["h"], ["e"], then_branch=got, else_branch=zeros),
+         helper.make_node("MatMul", ["e", "w"], ["y"])], "opt_in", [vi],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        [onnx.numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    save(model, tmp_path / "m.onnx")
+    feeds, _ = ck.make_inputs(model)
+    assert feeds["o"].shape == (2, 4)
+    proc = run_cli(["m.onnx", "-o", "o.onnx", "--check"], tmp_path)
+    assert proc.returncode == 0 and "input o: float32[2, 4] N(0, 1)" in proc.stdout, proc.stderr
+    np.savez(tmp_path / "none.npz")
+    proc = run_cli(["m.onnx", "-o", "o.onnx", "--overwrite", "--check", "--inputs", "none.npz", "--report", "r.json"],
+                   tmp_path)
+    assert proc.returncode == 0 and "input o: empty (optional, no array in none.npz)" in proc.stdout, proc.stderr
+    assert "o" not in ck.load_inputs(tmp_path / "none.npz", model)[0]
+    assert json.loads((tmp_path / "r.json").read_text())["check"]["outputs"][0]["max_abs"] == 0  # (zeros: else)
+    np.savez(tmp_path / "given.npz", o=np.full((2, 4), 7e4, np.float32))  # (present: FP16's range shows)
+    proc = run_cli(["m.onnx", "-o", "o.onnx", "--overwrite", "--check", "--inputs", "given.npz"], tmp_path)
+    assert proc.returncode == 8 and "input o: float32[2, 4] from given.npz" in proc.stdout, proc.stderr
+
+
+def test_an_input_check_cannot_feed_is_named_with_its_type(tmp_path):
+    """A sequence of sequences (or a map) cannot come from an .npz nor be generated: one line that
+    says which types --check feeds, not advice to pass --inputs."""
+    from onnx import TensorProto, helper
+
+    nested = helper.make_value_info("ss", helper.make_sequence_type_proto(helper.make_sequence_type_proto(
+        helper.make_tensor_type_proto(TensorProto.FLOAT, [2, 4]))))
+    graph = helper.make_graph(
+        [helper.make_node("SequenceAt", ["ss", "i"], ["s"]), helper.make_node("SequenceAt", ["s", "i"], ["e"]),
+         helper.make_node("MatMul", ["e", "w"], ["y"])], "nested", [nested],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        [onnx.numpy_helper.from_array(np.eye(4, dtype=np.float32), "w"),
+         onnx.numpy_helper.from_array(np.array(0, np.int64), "i")])
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "-o", "o.onnx", "--check"], tmp_path)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert ("input 'ss' is seq(seq(tensor(float))): --check feeds tensors, sequences of tensors and optionals of "
+            "either (generated, or from --inputs), not this type") in proc.stderr
+    assert "pass --inputs" not in proc.stderr and not (tmp_path / "o.onnx").exists()
+    mapped = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "map", [
+        helper.make_value_info("m", helper.make_map_type_proto(TensorProto.INT64, helper.make_tensor_type_proto(
+            TensorProto.FLOAT, []))), helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    with pytest.raises(ck.UsageError, match=r"input 'm' is map\(int64,tensor\(float\)\): --check feeds"):
+        ck.make_inputs(helper.make_model(mapped, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+
+
+def test_check_models_takes_a_sequence_input_as_a_list():
+    """The Python API's ``inputs``: a sequence input's value is a list of arrays."""
+    model = _sequence_input_model()
+    runner = ck.Runner(["CPUExecutionProvider"])
+    tensors = [np.ones((3, 4), np.float32), np.full((3, 4), 7e4, np.float32)]
+    result = ck.check_models(model, rewrite(model).model, inputs={"s": tensors}, runner=runner)
+    assert not result.passed and result.inputs[0]["values"] == "a sequence of 2 tensors, given"
+    assert ck.check_models(model, rewrite(model).model, inputs={"s": tensors[::-1]}, runner=runner).passed
+
+
+def test_a_sequence_input_beside_a_bf16_output_is_refused_in_words():
+    """onnxruntime's Python API reads a bfloat16 output only through OrtValue inputs, and no
+    OrtValue holds a sequence: the run says so instead of failing inside onnxruntime's binding."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("SequenceAt", ["s", "i"], ["e"]),
+         helper.make_node("Cast", ["e"], ["y"], to=TensorProto.BFLOAT16)],
+        "seq_bf16", [helper.make_tensor_sequence_value_info("s", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [2])],
+        [onnx.numpy_helper.from_array(np.array(0, np.int64), "i")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    with pytest.raises(RuntimeError, match="OrtValue inputs, which cannot hold a sequence"):
+        ck.Runner(["CPUExecutionProvider"]).run(model, {"s": [np.ones(2, np.float32)]}, what="running it")
