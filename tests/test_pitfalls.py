@@ -112,6 +112,32 @@ def test_constant_of_shape_without_value_follows_its_consumers():
     run(out, {"x": x})
 
 
+def test_dequantize_linear_made_low_writes_its_output_dtype():
+    """DequantizeLinear-23 with output_dtype=FLOAT, made FP16 (--fp16-ops), kept output_dtype=1
+    while its output was declared FP16: onnxruntime refused the model ('Type (tensor(float16)) of
+    output arg (w) ... does not match expected type (tensor(float))')."""
+    rng = np.random.default_rng(0)
+    m = make_model("""
+        <ir_version: 11, opset_import: ["" : 23]>
+        g (float[2,8] x) => (float[2,8] y) {
+          w = DequantizeLinear<output_dtype = 1>(wq, ws)
+          y = MatMul(x, w)
+        }""", {"wq": rng.integers(-100, 100, (8, 8)).astype(np.int8), "ws": np.array(0.01, np.float32)})
+    out = rewrite(m, fp16_ops=["DequantizeLinear"]).model
+    full_check(out)
+    dq = nodes_by_type(out, "DequantizeLinear")[0]
+    assert value_types(out)[dq.output[0]] == FP16
+    assert [(a.name, a.i) for a in dq.attribute] == [("output_dtype", FP16)]
+    x = rng.standard_normal((2, 8)).astype(np.float32)
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer}
+    want = x @ (weights["wq"].astype(np.float32) * weights["ws"])
+    from tools.ortrun import OPT_LEVEL_ENV
+
+    with pytest.MonkeyPatch.context() as mp:  # (onnxruntime's DQ→MatMulNBits fusion reads the scale's type)
+        mp.setenv(OPT_LEVEL_ENV, "disable")
+        assert rel_err(want, run(out, {"x": x})["y"]) < 1e-2
+
+
 # 3. An initializer shared by an FP32 consumer and an FP16 consumer.
 def test_shared_initializer_never_mismatches():
     m = make_model("""

@@ -219,6 +219,11 @@ class _Patcher:
             # input's type, but that input is another type group (only its shape is read), which
             # painting leaves FP32: the attribute is written there too
             n.attributes[type_attr] = ir.AttrInt64(type_attr, int(node.outputs[0].dtype))
+        type_attr = _OUTPUT_TYPE_ATTRS_IF_SET.get(node.op_type) if node.domain == "" else None
+        if type_attr and node.outputs[0].meta.get("amp.was") is not None and node.outputs[0].dtype is not None:
+            attr = n.attributes.get(type_attr)
+            if attr is not None and attr.type == ir.AttributeType.INT and attr.value != 0:
+                n.attributes[type_attr] = ir.AttrInt64(type_attr, int(node.outputs[0].dtype))
         if node.meta.get("amp.category") is not None:
             self._tag(n, node)
         if node.meta.get("amp.retargeted"):
@@ -502,6 +507,11 @@ _OUTPUT_TYPE_ATTRS = {"RandomNormal": "dtype", "RandomUniform": "dtype", "Random
                       "RandomUniformLike": "dtype", "EyeLike": "dtype", "Bernoulli": "dtype",
                       "HannWindow": "output_datatype", "HammingWindow": "output_datatype",
                       "BlackmanWindow": "output_datatype", "MelWeightMatrix": "output_datatype"}
+
+
+# ops whose output type an attribute gives only when it is set (0 or absent: another input's type,
+# which painting retypes with the output): DequantizeLinear-23's output_dtype (else the scale's)
+_OUTPUT_TYPE_ATTRS_IF_SET = {"DequantizeLinear": "output_dtype"}
 
 
 def _np_dtype(dtype: DType):
