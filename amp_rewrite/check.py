@@ -466,13 +466,20 @@ class Runner:
 
     def close(self) -> None:
         """End the child process, if any (also done when the Runner is collected)."""
-        if self._worker is not None:
+        if getattr(self, "_worker", None) is not None:  # (None, or never set: __init__ failed)
             self._worker.close()
 
-    def __del__(self) -> None:
-        worker = getattr(self, "_worker", None)
-        if worker is not None:
-            worker.close()
+    __del__ = close
+
+    def _in_child(self, method: str, model: Any, *args: Any, what: str, **kwargs: Any) -> Any:
+        """``self._<method>_here(...)`` in the worker: the model crosses as a path or its bytes
+        (one past 2 GB written with external data to a folder that lasts for the call)."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="amp-check-") as tmp:
+            result, self.provider = self._worker.call(method, _session_source(model, tmp), *args, what=what,
+                                                      **kwargs)
+        return result
 
     def run(self, model: Any, feeds: Mapping[str, Any], *, what: str, fp32: bool = False) -> dict[str, Any]:
         """Run ``model`` (path or ModelProto) once; all outputs by name. Raises RuntimeError with
@@ -481,9 +488,7 @@ class Runner:
         if self._worker is None:
             return self._run_here(model, feeds, what=what, fp32=fp32)
         self.evaluations += 1
-        result, self.provider = self._worker.call("run", _portable(model), dict(feeds), what=what, fp32=fp32,
-                                                  providers=self.providers)
-        return result
+        return self._in_child("run", model, dict(feeds), what=what, fp32=fp32)
 
     def _run_here(self, model: Any, feeds: Mapping[str, np.ndarray], *, what: str, fp32: bool = False
                   ) -> dict[str, Any]:
@@ -524,7 +529,7 @@ class Runner:
         if self._worker is None:
             self._load_here(model, what=what)
         else:
-            self._worker.call("load", _portable(model), what=what, providers=self.providers)
+            self._in_child("load", model, what=what)
 
     def _load_here(self, model: Any, *, what: str) -> None:
         import tempfile
@@ -573,34 +578,6 @@ def cuda_usable() -> bool:
     except OSError:
         return False
     return True
-
-
-def _portable(model: Any) -> Any:
-    """``model`` as it crosses to the worker process: a path, or the serialised proto (bytes);
-    one past protobuf's 2 GB as ``_session_source`` writes it, in a folder that lasts while the
-    object holding it lives."""
-    if isinstance(model, (str, Path, bytes)):
-        return model
-    import tempfile
-
-    holder = tempfile.TemporaryDirectory(prefix="amp-check-")
-    source = _session_source(model, holder.name)
-    if isinstance(source, bytes):
-        holder.cleanup()
-        return source
-    return _HeldPath(source, holder)
-
-
-class _HeldPath(str):
-    """A path string that keeps its temporary folder alive (pickled, it is a plain str)."""
-
-    def __new__(cls, path: str, holder: Any) -> "_HeldPath":
-        obj = super().__new__(cls, path)
-        obj.holder = holder
-        return obj
-
-    def __reduce__(self):
-        return (str, (str(self),))
 
 
 def _session_source(model: Any, tmp: str) -> Any:

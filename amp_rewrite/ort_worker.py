@@ -42,7 +42,7 @@ class Worker:
     """A child process that runs ``Runner._run_here`` / ``Runner._load_here`` for a parent Runner."""
 
     def __init__(self, providers: Sequence[str]) -> None:
-        self.providers = list(providers)
+        self.providers = list(providers)  # the child's Runner's
         self._proc: subprocess.Popen | None = None
         self._inbox: Connection | None = None  # answers from the child
         self._outbox: Connection | None = None  # requests to it
@@ -68,7 +68,7 @@ class Worker:
         child_in, to_child = os.pipe()
         root = str(Path(__file__).resolve().parent.parent)
         code = (f"import sys; sys.path.insert(0, {root!r}); from amp_rewrite.ort_worker import serve; "
-                f"serve({child_in}, {child_out})")
+                f"serve({child_in}, {child_out}, {self.providers!r})")
         self._stderr = tempfile.TemporaryFile()
         try:
             self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(child_in, child_out),
@@ -124,12 +124,12 @@ class Worker:
             self._stderr = None
 
 
-def serve(rfd: int, wfd: int) -> None:
+def serve(rfd: int, wfd: int, providers: list[str]) -> None:
     """The child's loop: one answer per request until the parent closes the pipe."""
     from .check import Runner
 
     inbox, outbox = Connection(rfd, writable=False), Connection(wfd, readable=False)
-    runners: dict[tuple[str, ...], Runner] = {}
+    runner = Runner(providers, isolated=False)
     while True:
         try:
             method, model, args, kwargs = inbox.recv()
@@ -140,8 +140,6 @@ def serve(rfd: int, wfd: int) -> None:
             sys.stderr.write(f"{FAULT_ENV}={fault}: crashing on purpose\n")
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGSEGV if fault == "segv" else signal.SIGABRT)
-        providers = tuple(kwargs.pop("providers"))
-        runner = runners.setdefault(providers, Runner(list(providers), isolated=False))
         try:
             result = getattr(runner, f"_{method}_here")(model, *args, **kwargs)
             answer = (True, result, runner.provider)

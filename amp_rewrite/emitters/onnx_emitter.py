@@ -217,12 +217,11 @@ class _Patcher:
         if type_attr and node.outputs[0].meta.get("amp.was") is not None and node.outputs[0].dtype is not None:
             # the attribute, not the input, says the output type. A *Like op without it takes its
             # input's type, but that input is another type group (only its shape is read), which
-            # painting leaves FP32: the attribute is written there too
-            n.attributes[type_attr] = ir.AttrInt64(type_attr, int(node.outputs[0].dtype))
-        type_attr = _OUTPUT_TYPE_ATTRS_IF_SET.get(node.op_type) if node.domain == "" else None
-        if type_attr and node.outputs[0].meta.get("amp.was") is not None and node.outputs[0].dtype is not None:
+            # painting leaves FP32: the attribute is written there too. Where it only counts when
+            # set (DequantizeLinear's output_dtype), an unset one stays unset.
             attr = n.attributes.get(type_attr)
-            if attr is not None and attr.type == ir.AttributeType.INT and attr.value != 0:
+            if node.op_type not in _TYPE_ATTR_ONLY_WHEN_SET or (
+                    attr is not None and attr.type == ir.AttributeType.INT and attr.value != 0):
                 n.attributes[type_attr] = ir.AttrInt64(type_attr, int(node.outputs[0].dtype))
         if node.meta.get("amp.category") is not None:
             self._tag(n, node)
@@ -506,12 +505,11 @@ def _zeros(values: np.ndarray) -> int:
 _OUTPUT_TYPE_ATTRS = {"RandomNormal": "dtype", "RandomUniform": "dtype", "RandomNormalLike": "dtype",
                       "RandomUniformLike": "dtype", "EyeLike": "dtype", "Bernoulli": "dtype",
                       "HannWindow": "output_datatype", "HammingWindow": "output_datatype",
-                      "BlackmanWindow": "output_datatype", "MelWeightMatrix": "output_datatype"}
-
-
-# ops whose output type an attribute gives only when it is set (0 or absent: another input's type,
+                      "BlackmanWindow": "output_datatype", "MelWeightMatrix": "output_datatype",
+                      "DequantizeLinear": "output_dtype"}
+# of those, the ones whose attribute gives the type only when set (0 or absent: another input's type,
 # which painting retypes with the output): DequantizeLinear-23's output_dtype (else the scale's)
-_OUTPUT_TYPE_ATTRS_IF_SET = {"DequantizeLinear": "output_dtype"}
+_TYPE_ATTR_ONLY_WHEN_SET = {"DequantizeLinear"}
 
 
 def _np_dtype(dtype: DType):
