@@ -101,8 +101,8 @@ def run(args: CliArgs) -> None:
         written.extend(result.outputs)
         report = result.report
         if not result.modified:
-            report.log.notes.append("nothing to rewrite: no FP32 op that the rules put in low precision; "
-                                    "the output is a copy of the input")
+            report.log.notes.append("nothing to rewrite: no FP32 op that the rules and safety checks let run in low "
+                                    "precision; the output is a copy of the input")
         if args.check and not args.auto_fp32:
             from .check import check_cli
 
@@ -113,7 +113,8 @@ def run(args: CliArgs) -> None:
             write_report(report, args.report)
     say(args, report.summary_text())
     if not result.modified:
-        say(args, "nothing to rewrite: the model has no FP32 op that the rules put in low precision")
+        say(args, "nothing to rewrite: the model has no FP32 op that the rules and safety checks let run in low "
+                  "precision")
     if args.report is not None:
         say(args, f"report: {args.report}")
 

@@ -38,12 +38,14 @@ def classify(model: Model, ctx: Context) -> PassResult:
     names = node_names(model) if ctx.rules.node_rules() else frozenset()
     angles = []  # deny ops whose argument must be precise (Sin, Cos)
     given_low: dict[str, list[tuple[str, str]]] = {}  # a user's FP32 pin → the nodes it names that are low as given
+    fixed: dict[str, list[str]] = {}  # a user's low pin → the nodes it names whose float types the schema fixes
     for node in model.graph.walk():
         _classify_node(node, ctx, verdicts, names)
         if node.meta.get("amp.fp32_argument"):
             angles.append(node)
         if node.meta["amp.group"] is None:
             _pin_on_given_low(node, ctx, verdicts, names, given_low)
+            _pin_on_fixed_fp32(node, ctx, names, fixed)
     _keep_position_arguments_fp32(angles, ctx)
     _note_unmatched_node_rules(ctx, names)
     for pin, labels in given_low.items():
@@ -52,7 +54,37 @@ def classify(model: Model, ctx: Context) -> PassResult:
             f"without effect: {pin} names {len(labels)} node(s) that compute in {types} as given (e.g. "
             f"{labels[0][0]!r}): a rewrite keeps the types a model already has, so the pin changes nothing here; "
             f"apply it when rewriting the FP32 original")
+    for pin, labels in fixed.items():
+        ctx.log.notes.append(
+            f"without effect: {pin} names {len(labels)} node(s) whose op schema types their float tensors "
+            f"tensor(float) outright (e.g. {labels[0]!r}), so they stay FP32 and low neighbours meet them through "
+            f"a Cast")
     return PassResult("classify", modified=False)
+
+
+def _fixed_fp32(node: Node) -> bool:
+    """Whether ``node`` reads or writes an FP32 tensor in a slot its schema types outright (no type
+    parameter: DequantizeLinear-13's output, QuantizeLinear-13's scale), so no rule can make it low."""
+    return any(group is None and value is not None and value.dtype == DType.FLOAT
+               for slots in (zip(node.output_groups, node.outputs), zip(node.input_groups, node.inputs))
+               for group, value in slots)
+
+
+def _pin_on_fixed_fp32(node: Node, ctx: Context, names: frozenset[str], found: dict[str, list[str]]) -> None:
+    """A user's low pin (``--fp16-nodes``, ``--fp16-ops``, a rule file's allow) naming a node whose
+    FP32 tensors the op schema fixes: the node stays FP32 whatever the pin says; collected for a
+    note rather than dropped in silence."""
+    if not _fixed_fp32(node) or (node.domain == "" and node.op_type in _SOURCES):
+        return
+    rule = node_rule_of(ctx.rules, node, names)
+    if rule is not None:
+        if rule.precision != Precision.FP32 and is_user_source(rule.source):
+            found.setdefault(f"{rule.source} {rule.pattern!r}", []).append(node_label(node))
+        return
+    entry = ctx.rules.lookup(node.op_type, node.domain, node.opset)  # (what the rule says, before the kernel table)
+    if entry is not None and entry.category == Category.ALLOW and is_user_source(entry.source):
+        pin = f"{entry.source} {node.qualified_op!r}" if entry.source.startswith("--") else entry.source
+        found.setdefault(pin, []).append(node_label(node))
 
 
 def _pin_on_given_low(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], names: frozenset[str],
@@ -91,7 +123,11 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
     meta["amp.participates"] = False
     meta["amp.precision"] = Precision.NONE
     if group is None:
-        meta["amp.category"], meta["amp.reason"], meta["amp.source"] = None, "no FP32 float tensor to paint", "classify"
+        at = f" at opset {node.opset}" if node.opset is not None else ""
+        reason = (f"the {node.qualified_op} schema{at} types its float tensors tensor(float), with no type "
+                  f"parameter: it cannot compute in a low type, and low neighbours meet it through a Cast"
+                  if _fixed_fp32(node) else "no FP32 float tensor to paint")
+        meta["amp.category"], meta["amp.reason"], meta["amp.source"] = None, reason, "classify"
         if any(v is not None and v.dtype is None for v in (*node.inputs, *node.outputs)):
             # types unknown (an unlisted op reading another's untyped output): still one to classify
             _count_unlisted(node, _lookup(node, ctx, verdicts, names)[0], ctx)
@@ -137,6 +173,11 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
         _fix_fp32(node, category, f"dtype of its output {unknown[0]!r} is unknown (no schema infers it), so its "
                                   f"readers could not be given a Cast: the node keeps its types", "classify")
         return
+    if category in (Category.ALLOW, Category.INFER, Category.CLEAR) and _in_quantized_unit(node, group) \
+            and node_rule_of(ctx.rules, node, names) is None:  # (a node rule making it low is the user's choice)
+        _count_unlisted(node, category, ctx)
+        _fix_fp32(node, category, _QDQ_UNIT, "classify")
+        return
     shared = [i for i in meta["amp.pinned"] if i < len(node.input_groups) and node.input_groups[i] == group
               and group != "?" and is_float32(node.inputs[i])]
     if shared and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
@@ -145,6 +186,36 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
         meta["amp.reason"] = f"input {name} is pinned FP32 by the rules and shares type {group} with the rest"
     _count_unlisted(node, category, ctx)
     meta["amp.participates"] = True
+
+
+_QDQ = ("QuantizeLinear", "DequantizeLinear")
+_QDQ_DOMAINS = ("", "ai.onnx", "com.microsoft")
+_QDQ_UNIT = ("QDQ node unit: every float input comes from a DequantizeLinear and every reader is a QuantizeLinear, "
+             "so runtimes run it as one quantized op (onnxruntime fuses DQ → Conv → Q into QLinearConv, TensorRT "
+             "into an int8 kernel); a low type inside the unit would break that fusion and round the result before "
+             "it is quantized again: kept FP32")
+
+
+def _in_quantized_unit(node: Node, group: str) -> bool:
+    """Whether ``node`` sits inside a QDQ node unit (the format onnxruntime's quantize_static writes):
+    all its float inputs of the painted group are DequantizeLinear outputs, and each of its outputs of
+    that group is read by QuantizeLinear nodes only. A weight-only quantized GEMM (a float activation
+    times a dequantized weight) or a DQ → op read by float ops is no such unit and is painted as usual."""
+    inputs = [v for g, v in zip(node.input_groups, node.inputs) if g == group and v is not None]
+    outputs = [v for g, v in zip(node.output_groups, node.outputs) if g == group and v is not None]
+    if not inputs or not outputs:
+        return False
+    for value in inputs:
+        producer = value.producer
+        if producer is None or producer.op_type != _QDQ[1] or producer.domain not in _QDQ_DOMAINS:
+            return False
+    for value in outputs:
+        uses = value.uses()
+        if not uses or value.is_graph_output:
+            return False
+        if any(reader.op_type != _QDQ[0] or reader.domain not in _QDQ_DOMAINS for reader, _ in uses):
+            return False
+    return True
 
 
 _CONE_LIMIT = 64  # nodes: an argument computed by more than this is no position encoding

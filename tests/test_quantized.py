@@ -1,0 +1,164 @@
+"""Quantized (QDQ) models: what the rewrite does around QuantizeLinear / DequantizeLinear.
+
+A QDQ node unit (DequantizeLinear → Conv/MatMul → QuantizeLinear, the format onnxruntime's
+quantize_static writes) is an int8 op in disguise: runtimes fuse it into QLinearConv or an int8
+kernel. Its op stays FP32, with no Cast inside the unit. A GEMM that only reads a dequantized
+weight (weight-only quantization) or whose result goes on as a float is painted as usual. A
+DequantizeLinear whose schema fixes its output to tensor(float) says so when asked, and a user's
+low pin naming it gets a note instead of silence."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper as oh
+from onnx import numpy_helper as nh
+
+from amp_rewrite.decisions import Precision
+from amp_rewrite.explain import explain_node
+from tests.util import full_check, rel_err, rewrite, run
+
+C = 8
+
+
+def _qdq_conv(opset: int, *, tail: str = "q", name_conv: str = "conv") -> onnx.ModelProto:
+    """x → Q → DQ → Conv(DQ(int8 weight), DQ(int32 bias)) → ``tail``: "q" (Q → DQ, a full unit),
+    "float" (the Conv's output is the graph output) or "relu" (a float Relu reads it)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((C, C, 3, 3)).astype(np.float32)
+    ws = (np.abs(w).reshape(C, -1).max(1) / 127).astype(np.float32)
+    s0 = np.float32(0.03)
+    inits = [nh.from_array(np.round(w / ws[:, None, None, None]).astype(np.int8), "wq"), nh.from_array(ws, "ws"),
+             nh.from_array(np.zeros(C, np.int8), "wz"), nh.from_array(np.array(s0), "s0"),
+             nh.from_array(np.array(128, np.uint8), "z0"), nh.from_array(np.array(0.1, np.float32), "s1"),
+             nh.from_array(np.array(128, np.uint8), "z1"),
+             nh.from_array(rng.integers(-200, 200, C).astype(np.int32), "bq"), nh.from_array(ws * s0, "bs")]
+    nodes = [oh.make_node("QuantizeLinear", ["x", "s0", "z0"], ["q0"], name="q0"),
+             oh.make_node("DequantizeLinear", ["q0", "s0", "z0"], ["d0"], name="dq0"),
+             oh.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], axis=0, name="dqw"),
+             oh.make_node("DequantizeLinear", ["bq", "bs"], ["b"], axis=0, name="dqb"),
+             oh.make_node("Conv", ["d0", "w", "b"], ["c"], pads=[1, 1, 1, 1], name=name_conv)]
+    if tail == "q":
+        nodes += [oh.make_node("QuantizeLinear", ["c", "s1", "z1"], ["q1"], name="q1"),
+                  oh.make_node("DequantizeLinear", ["q1", "s1", "z1"], ["y"], name="dq1")]
+    elif tail == "relu":
+        nodes.append(oh.make_node("Relu", ["c"], ["y"], name="relu"))
+    else:
+        nodes.append(oh.make_node("Identity", ["c"], ["y"], name="out"))
+    graph = oh.make_graph(nodes, "qdq", [oh.make_tensor_value_info("x", TP.FLOAT, [1, C, 6, 6])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, [1, C, 6, 6])], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _feeds() -> dict:
+    return {"x": np.random.default_rng(1).uniform(-3, 3, (1, C, 6, 6)).astype(np.float32)}
+
+
+def _optimized_ops(model: onnx.ModelProto, tmp_path) -> list[str]:
+    """The op types onnxruntime (CPU, level EXTENDED: its QDQ fusions) turns ``model`` into; in a
+    child process, so that a crash fails this test only."""
+    src, dst = tmp_path / "m.onnx", tmp_path / "m.opt.onnx"
+    onnx.save(model, src)
+    script = textwrap.dedent("""
+        import sys, onnxruntime as ort
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        so.optimized_model_filepath = sys.argv[2]
+        ort.InferenceSession(sys.argv[1], so, providers=["CPUExecutionProvider"])
+    """)
+    subprocess.run([sys.executable, "-c", script, str(src), str(dst)], check=True, timeout=120)
+    return [n.op_type for n in onnx.load(str(dst)).graph.node]
+
+
+@pytest.mark.parametrize("opset", [13, 19, 21])
+def test_qdq_unit_keeps_its_op_fp32_and_fusable(opset, tmp_path):
+    """Before, the Conv of DQ → Conv → Q was painted FP16 with Casts inside the unit: onnxruntime
+    could no longer fuse it into QLinearConv, and the FP16 result was re-quantized into other bins."""
+    model = _qdq_conv(opset)
+    result = rewrite(model)
+    decision = result.log.decisions["conv"]
+    assert decision.precision == Precision.FP32
+    assert decision.reason.startswith("QDQ node unit")
+    out = result.model
+    assert not [n for n in out.graph.node if n.op_type == "Cast"]
+    full_check(out)
+    assert "QLinearConv" in _optimized_ops(out, tmp_path)
+    assert "Conv" not in _optimized_ops(out, tmp_path)
+    ref, got = run(model, _feeds()), run(out, _feeds())
+    np.testing.assert_array_equal(ref["y"], got["y"])  # the unit computes as it did: same bins
+    assert rewrite(out).model.SerializeToString() == out.SerializeToString()  # again: nothing changes
+
+
+def test_qdq_unit_is_listed_as_kept_fp32_in_the_summary():
+    report_text = _summary(_qdq_conv(19))
+    assert "MatMul/Gemm/Conv/attention in fp16: 0 of 1" in report_text
+    assert "kept FP32: conv (Conv): QDQ node unit" in report_text
+
+
+def _summary(model) -> str:
+    from amp_rewrite.report import Report
+
+    return Report.from_log(rewrite(model).log).summary_text()
+
+
+@pytest.mark.parametrize("tail", ["float", "relu"])
+def test_dequantized_inputs_read_by_float_ops_are_painted(tail):
+    """No QuantizeLinear reads the Conv: no unit to keep, so the Conv runs low like any other."""
+    model = _qdq_conv(19, tail=tail)
+    result = rewrite(model)
+    assert result.log.decisions["conv"].precision == Precision.LOW
+    full_check(result.model)
+    assert rel_err(run(model, _feeds())["y"], run(result.model, _feeds())["y"]) < 1e-2
+
+
+def test_weight_only_quantized_matmul_is_painted():
+    """A float activation times a dequantized int8 weight (weight-only quantization): not a unit."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    scale = (np.abs(w).max(0) / 127).astype(np.float32)
+    inits = [nh.from_array(np.round(w / scale).astype(np.int8), "wq"), nh.from_array(scale, "ws")]
+    nodes = [oh.make_node("DequantizeLinear", ["wq", "ws"], ["w"], axis=1, name="dqw"),
+             oh.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+             oh.make_node("QuantizeLinear", ["m", "s"], ["q"], name="q"),
+             oh.make_node("DequantizeLinear", ["q", "s"], ["y"], name="dq")]
+    inits.append(nh.from_array(np.array(0.05, np.float32), "s"))
+    graph = oh.make_graph(nodes, "wo", [oh.make_tensor_value_info("x", TP.FLOAT, [4, 16])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, [4, 16])], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 19)], ir_version=9)
+    result = rewrite(model)
+    assert result.log.decisions["mm"].precision == Precision.LOW
+    full_check(result.model)
+
+
+def test_node_rule_can_still_make_a_unit_low():
+    """A --fp16-nodes pin naming the op is the user's explicit choice: it wins over the unit."""
+    result = rewrite(_qdq_conv(19), fp16_nodes=["conv"])
+    assert result.log.decisions["conv"].precision == Precision.LOW
+    full_check(result.model)
+
+
+def test_fixed_type_dequantize_explains_why_it_stays_fp32(tmp_path):
+    """DequantizeLinear-13's output is tensor(float) by its schema: --explain said "no FP32 float
+    tensor to paint" (it writes one), and a --fp16-nodes pin naming it was dropped in silence."""
+    path = tmp_path / "q13.onnx"
+    onnx.save(_qdq_conv(13, tail="float"), path)
+    text = explain_node(path, "dq0", fp16_nodes=["dq0"])
+    assert "no FP32 float tensor" not in text
+    assert "DequantizeLinear schema at opset 13 types its float tensors tensor(float)" in text
+    for options, pin in (({"fp16_nodes": ["dq0"]}, "--fp16-nodes 'dq0'"),
+                         ({"fp16_ops": ["DequantizeLinear"]}, "--fp16-ops 'DequantizeLinear'")):
+        notes = [n for n in rewrite(_qdq_conv(13, tail="float"), **options).log.notes if n.startswith("without effect")]
+        assert len(notes) == 1 and notes[0].startswith(f"without effect: {pin} names ")
+        assert "'dq0'" in notes[0]
+
+
+def test_no_note_without_a_pin():
+    assert not [n for n in rewrite(_qdq_conv(13, tail="float")).log.notes if n.startswith("without effect")]
