@@ -153,6 +153,8 @@ def node_rule_of(rules, node: Node, names: Collection[str] = ()):
     """The node rule forcing ``node``: by its name (an unnamed node by its label "Op:output"), its
     label, or for a body node its scope path (``If:y.then_branch/mm``); an FP32 rule matching any
     wins over a low one matching another. ``names``: :func:`node_names`."""
+    if not rules.node_rules():
+        return None  # (the usual case: no aliases to build)
     return rules.node_rule(_aliases(node), names)
 
 
