@@ -162,3 +162,90 @@ def test_fixed_type_dequantize_explains_why_it_stays_fp32(tmp_path):
 
 def test_no_note_without_a_pin():
     assert not [n for n in rewrite(_qdq_conv(13, tail="float")).log.notes if n.startswith("without effect")]
+
+
+# -- weight-only quantization: a DequantizeLinear of a constant weight ------------------------------
+K, N, BLOCK = 64, 32, 32
+
+
+def _int4_matmul(*, relu: bool = False, extra_reader: bool = False, opset: int = 21) -> onnx.ModelProto:
+    """x @ DQ(int4 weight, block-quantized along axis 0, block 32): what onnxruntime's
+    matmul_nbits_quantizer writes in QDQ format, and what it fuses into MatMulNBits."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    scale = (np.abs(w).reshape(K // BLOCK, BLOCK, N).max(1) / 7).astype(np.float32)
+    q = np.clip(np.round(w / np.repeat(scale, BLOCK, 0)), -8, 7).astype(np.int8)
+    inits = [oh.make_tensor("wq", TP.INT4, [K, N], q.flatten().tolist()), nh.from_array(scale, "ws")]
+    nodes = [oh.make_node("DequantizeLinear", ["wq", "ws"], ["w"], axis=0, block_size=BLOCK, name="dqw"),
+             oh.make_node("MatMul", ["x", "w"], ["m"], name="mm")]
+    outputs = [oh.make_tensor_value_info("y", TP.FLOAT, [4, N])]
+    nodes.append(oh.make_node("Relu" if relu else "Identity", ["m"], ["y"], name="tail"))
+    if extra_reader:  # the dequantized weight is also an operand of float arithmetic
+        nodes.append(oh.make_node("ReduceSum", ["w"], ["wsum"], keepdims=0, name="wsum"))
+        outputs.append(oh.make_tensor_value_info("wsum", TP.FLOAT, []))
+    graph = oh.make_graph(nodes, "int4", [oh.make_tensor_value_info("x", TP.FLOAT, [4, K])], outputs, inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset)], ir_version=10)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _x() -> dict:
+    return {"x": np.random.default_rng(2).standard_normal((4, K)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
+def test_weight_dequantize_runs_low_with_its_matmul(placement, tmp_path, monkeypatch):
+    """Before, the DequantizeLinear kept FP32 by its deny rule and a Cast sat between it and the
+    FP16 MatMul: a dequantize and a cast of the whole weight every run, and onnxruntime's
+    DequantizeLinear → MatMul fusion into MatMulNBits (int4 kernel) no longer matched.
+
+    Numerics run at onnxruntime's default level (ALL): at level EXTENDED, onnxruntime 1.31.1's CPU
+    provider computes zeros for the FP16 MatMulNBits it fuses (accuracy level 4), for a model
+    written in FP16 from the start too (no rewrite involved); ALL, or accuracy level 0, is right."""
+    from tools.ortrun import OPT_LEVEL_ENV
+
+    monkeypatch.setenv(OPT_LEVEL_ENV, "all")
+    model = _int4_matmul()
+    result = rewrite(model, placement=placement)
+    decision = result.log.decisions["dqw"]
+    assert decision.precision == Precision.LOW and decision.reason.startswith("dequantizes a constant weight")
+    out = result.model
+    full_check(out)
+    mm = next(n for n in out.graph.node if n.op_type == "MatMul")
+    dq = next(n for n in out.graph.node if n.op_type == "DequantizeLinear")
+    assert mm.input[1] == dq.output[0]  # no Cast between them: what the MatMulNBits selector needs
+    scale = next(t for t in out.graph.initializer if t.name == dq.input[1])
+    assert scale.data_type == TP.FLOAT16  # converted offline, as a weight
+    assert "MatMulNBits" in _optimized_ops(out, tmp_path)
+    assert rel_err(run(model, _x())["y"], run(out, _x())["y"]) < 1e-2
+    assert rewrite(out, placement=placement).model.SerializeToString() == out.SerializeToString()
+
+
+def test_weight_dequantize_stays_fp32_where_its_reader_does():
+    """Its MatMul pinned FP32, or a float op also reading the weight: the deny rule stands."""
+    for model, options in ((_int4_matmul(), {"fp32_nodes": ["mm"]}), (_int4_matmul(extra_reader=True), {})):
+        result = rewrite(model, **options)
+        assert result.log.decisions["dqw"].precision == Precision.FP32
+        full_check(result.model)
+
+
+def test_weight_dequantize_respects_a_users_fp32_pin():
+    for options in ({"fp32_ops": ["DequantizeLinear"]}, {"fp32_nodes": ["dqw"]}):
+        result = rewrite(_int4_matmul(), **options)
+        assert result.log.decisions["dqw"].precision == Precision.FP32
+        assert result.log.decisions["mm"].precision == Precision.LOW
+
+
+def test_activation_dequantize_stays_fp32():
+    """A DequantizeLinear of an activation (a QDQ unit's input, read by a low Conv outside a unit)
+    keeps its deny rule: its data is not a constant weight."""
+    result = rewrite(_qdq_conv(19, tail="float"))
+    assert result.log.decisions["dq0"].precision == Precision.FP32
+    assert result.log.decisions["dqw"].precision == Precision.LOW  # (the Conv's weight)
+
+
+def test_weight_dequantize_without_a_bf16_kernel_stays_fp32():
+    result = rewrite(_int4_matmul(), target="bf16")
+    decision = result.log.decisions["dqw"]
+    assert decision.precision == Precision.FP32
+    assert "no bf16 kernel" in decision.reason

@@ -37,16 +37,20 @@ def classify(model: Model, ctx: Context) -> PassResult:
     verdicts: dict[tuple, _Verdict] = {}  # per (op, domain, opset): the same for every such node
     names = node_names(model) if ctx.rules.node_rules() else frozenset()
     angles = []  # deny ops whose argument must be precise (Sin, Cos)
+    dequantized = []  # DequantizeLinear nodes of constant (weight) data
     given_low: dict[str, list[tuple[str, str]]] = {}  # a user's FP32 pin → the nodes it names that are low as given
     fixed: dict[str, list[str]] = {}  # a user's low pin → the nodes it names whose float types the schema fixes
     for node in model.graph.walk():
         _classify_node(node, ctx, verdicts, names)
         if node.meta.get("amp.fp32_argument"):
             angles.append(node)
+        if node.op_type == _QDQ[1] and node.domain in ("", "ai.onnx") and node.meta["amp.participates"]:
+            dequantized.append(node)
         if node.meta["amp.group"] is None:
             _pin_on_given_low(node, ctx, verdicts, names, given_low)
             _pin_on_fixed_fp32(node, ctx, names, fixed)
     _keep_position_arguments_fp32(angles, ctx)
+    _dequantize_weights_low(dequantized, ctx, names)
     _note_unmatched_node_rules(ctx, names)
     for pin, labels in given_low.items():
         types = " or ".join(sorted({t for _, t in labels}))
@@ -216,6 +220,41 @@ def _in_quantized_unit(node: Node, group: str) -> bool:
         if any(reader.op_type != _QDQ[0] or reader.domain not in _QDQ_DOMAINS for reader, _ in uses):
             return False
     return True
+
+
+def _dequantize_weights_low(candidates: list[Node], ctx: Context, names: frozenset[str]) -> None:
+    """A DequantizeLinear of a constant quantized weight (weight-only quantization: int4 blocks for
+    an LLM's MatMuls, int8 channels) whose every reader is a low-precision GEMM reading it in its
+    painted group computes in the low type, its scale converted offline like any weight. Kept FP32
+    by its deny rule, it left a Cast between it and the GEMM: one more kernel and FP32 copy of the
+    weight per run, and onnxruntime (CUDA, CPU, DML) no longer fused an int4 block-quantized
+    DequantizeLinear → MatMul into MatMulNBits, its int4 kernel (its selector takes an FP16 scale).
+    The deny rule stands where the DQ dequantizes an activation (a QDQ unit's input) or a user
+    pins it FP32."""
+    low = ctx.low.short if ctx.low is not None else "the low type"
+    for node in candidates:
+        meta = node.meta
+        if meta["amp.category"] != Category.DENY or is_user_source(meta["amp.source"]) \
+                or meta["amp.source"] in ("kernel table", "op schema") or node_rule_of(ctx.rules, node, names):
+            continue
+        if not all(v is None or v.is_constant for v in node.inputs) or len(node.outputs) != 1:
+            continue
+        out = node.outputs[0]
+        uses = out.uses()
+        if not uses or out.is_graph_output or not all(
+                reader.meta.get("amp.participates") and reader.meta.get("amp.category") == Category.ALLOW
+                and k < len(reader.input_groups) and reader.input_groups[k] == reader.meta.get("amp.group")
+                for reader, k in uses):
+            continue
+        group = meta["amp.group"]
+        if missing_low_kernel(ctx, node.op_type, node.domain, node.opset) or _schema_refuses_low(node, group, ctx):
+            continue
+        readers = sorted({reader.op_type for reader, _ in uses})
+        meta["amp.category"], meta["amp.source"] = Category.ALLOW, "classify"
+        meta["amp.reason"] = (
+            f"dequantizes a constant weight that only {low} {'/'.join(readers)} read: computed in {low}, its scale "
+            f"converted offline, so no Cast sits between it and its reader (onnxruntime fuses an int4 "
+            f"block-quantized DequantizeLinear → MatMul into MatMulNBits, which a Cast prevents)")
 
 
 _CONE_LIMIT = 64  # nodes: an argument computed by more than this is no position encoding
