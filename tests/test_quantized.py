@@ -97,6 +97,44 @@ def test_qdq_unit_keeps_its_op_fp32_and_fusable(opset, tmp_path):
     assert rewrite(out).model.SerializeToString() == out.SerializeToString()  # again: nothing changes
 
 
+def test_qdq_unit_with_a_float_weight_stays_fp32(tmp_path):
+    """A layer whose weight and bias quantize_static left float (nodes_to_exclude, or weights not
+    quantized) between a DequantizeLinear and a QuantizeLinear: onnxruntime quantizes the weight
+    and fuses the unit into QGemm all the same. Before, the Gemm was painted FP16 with a Cast on
+    each side, which broke that fusion."""
+    rng = np.random.default_rng(0)
+    inits = [nh.from_array(np.float32(0.02), "xs"), nh.from_array(np.uint8(128), "xz"),
+             nh.from_array(np.float32(0.05), "ys"), nh.from_array(np.uint8(128), "yz"),
+             nh.from_array(rng.standard_normal((16, 16)).astype(np.float32) * 0.1, "W"),
+             nh.from_array(rng.standard_normal(16).astype(np.float32) * 0.1, "B")]
+    nodes = [oh.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"], name="q_in"),
+             oh.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"], name="dq_in"),
+             oh.make_node("Gemm", ["xd", "W", "B"], ["g"], name="gemm", transB=1),
+             oh.make_node("QuantizeLinear", ["g", "ys", "yz"], ["gq"], name="q_out"),
+             oh.make_node("DequantizeLinear", ["gq", "ys", "yz"], ["y"], name="dq_out")]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TP.FLOAT, [4, 16])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, [4, 16])], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 19)], ir_version=9)
+    result = rewrite(model)
+    assert result.log.decisions["gemm"].reason.startswith("QDQ node unit")
+    assert not [n for n in result.model.graph.node if n.op_type == "Cast"]
+    assert "QGemm" in _optimized_ops(result.model, tmp_path)
+
+
+def test_a_constant_only_op_before_a_quantize_is_no_unit():
+    """No input dequantized (a float weight transformed, then quantized): painted as usual."""
+    graph = oh.make_graph([oh.make_node("Relu", ["w"], ["r"], name="relu"),
+                           oh.make_node("QuantizeLinear", ["r", "s"], ["q"], name="q"),
+                           oh.make_node("DequantizeLinear", ["q", "s"], ["d"], name="dq"),
+                           oh.make_node("MatMul", ["x", "d"], ["y"], name="mm")], "c",
+                          [oh.make_tensor_value_info("x", TP.FLOAT, [4, 8])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, [4, 8])],
+                          [nh.from_array(np.eye(8, dtype=np.float32), "w"), nh.from_array(np.float32(0.1), "s")])
+    result = rewrite(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 19)], ir_version=9))
+    assert not result.log.decisions["relu"].reason.startswith("QDQ node unit")
+    assert result.log.decisions["mm"].precision == Precision.LOW
+
+
 def test_qdq_unit_is_listed_as_kept_fp32_in_the_summary():
     report_text = _summary(_qdq_conv(19))
     assert "MatMul/Gemm/Conv/attention in fp16: 0 of 1" in report_text

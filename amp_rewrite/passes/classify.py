@@ -194,25 +194,32 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
 
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
 _QDQ_DOMAINS = ("", "ai.onnx", "com.microsoft")
-_QDQ_UNIT = ("QDQ node unit: every float input comes from a DequantizeLinear and every reader is a QuantizeLinear, "
-             "so runtimes run it as one quantized op (onnxruntime fuses DQ → Conv → Q into QLinearConv, TensorRT "
-             "into an int8 kernel); a low type inside the unit would break that fusion and round the result before "
-             "it is quantized again: kept FP32")
+_QDQ_UNIT = ("QDQ node unit: its float inputs come from DequantizeLinear (or are constants) and every reader is a "
+             "QuantizeLinear, so runtimes run it as one quantized op (onnxruntime's CPU provider fuses DQ → Conv → Q "
+             "into QLinearConv, TensorRT builds an int8 kernel); a low type inside the unit would break that fusion "
+             "and round the result before it is quantized again: kept FP32")
 
 
 def _in_quantized_unit(node: Node, group: str) -> bool:
     """Whether ``node`` sits inside a QDQ node unit (the format onnxruntime's quantize_static writes):
-    all its float inputs of the painted group are DequantizeLinear outputs, and each of its outputs of
-    that group is read by QuantizeLinear nodes only. A weight-only quantized GEMM (a float activation
+    its float inputs of the painted group are DequantizeLinear outputs or constants (a layer whose
+    weight was left float: onnxruntime's WeightBiasQuantization quantizes it and fuses the unit all
+    the same), at least one dequantized, and each of its outputs of that group is read by
+    QuantizeLinear nodes only. A weight-only quantized GEMM (a float activation
     times a dequantized weight) or a DQ → op read by float ops is no such unit and is painted as usual."""
     inputs = [v for g, v in zip(node.input_groups, node.inputs) if g == group and v is not None]
     outputs = [v for g, v in zip(node.output_groups, node.outputs) if g == group and v is not None]
     if not inputs or not outputs:
         return False
+    dequantized = False
     for value in inputs:
         producer = value.producer
-        if producer is None or producer.op_type != _QDQ[1] or producer.domain not in _QDQ_DOMAINS:
+        if producer is not None and producer.op_type == _QDQ[1] and producer.domain in _QDQ_DOMAINS:
+            dequantized = True
+        elif not value.is_constant:  # (a float weight or bias: onnxruntime quantizes it for the unit)
             return False
+    if not dequantized:
+        return False
     for value in outputs:
         uses = value.uses()
         if not uses or value.is_graph_output:
