@@ -287,3 +287,37 @@ def test_weight_dequantize_without_a_bf16_kernel_stays_fp32():
     decision = result.log.decisions["dqw"]
     assert decision.precision == Precision.FP32
     assert "no bf16 kernel" in decision.reason
+
+
+@pytest.mark.parametrize("output_dtype", [None, TP.FLOAT])
+@pytest.mark.parametrize("opset", [21, 23])
+def test_weight_dequantize_at_opset_23_converts_its_scale(opset, output_dtype, monkeypatch):
+    """DequantizeLinear-23 types its output apart from its scale (T3, T2), but with no output_dtype
+    the output takes the scale's type. Before, the output was declared FP16 beside an FP32 scale:
+    the checker and onnxruntime refused the model ("does not match expected type").
+
+    (Level ALL: onnxruntime 1.31.1 fuses an int8 per-channel DQ → MatMul into an 8-bit MatMulNBits
+    too, and computes zeros for it in FP16 at level EXTENDED on the CPU provider, as for int4.)"""
+    from tools.ortrun import OPT_LEVEL_ENV
+
+    monkeypatch.setenv(OPT_LEVEL_ENV, "all")
+    if opset < 23 and output_dtype is not None:
+        pytest.skip("output_dtype exists from opset 23")
+    rng = np.random.default_rng(0)
+    attrs = {"axis": 1} if output_dtype is None else {"axis": 1, "output_dtype": output_dtype}
+    inits = [nh.from_array(rng.integers(-8, 8, (16, 16)).astype(np.int8), "wq"),
+             nh.from_array((rng.random(16) * 0.01 + 0.001).astype(np.float32), "ws")]
+    nodes = [oh.make_node("DequantizeLinear", ["wq", "ws"], ["w"], name="dq", **attrs),
+             oh.make_node("MatMul", ["x", "w"], ["y"], name="mm")]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TP.FLOAT, [4, 16])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, [4, 16])], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset)], ir_version=10)
+    onnx.checker.check_model(model, full_check=True)
+    result = rewrite(model)
+    assert result.log.decisions["dq"].precision == Precision.LOW
+    out = result.model
+    full_check(out)
+    assert next(t for t in out.graph.initializer if t.name == "ws").data_type == TP.FLOAT16
+    feeds = {"x": rng.standard_normal((4, 16)).astype(np.float32)}
+    assert rel_err(run(model, feeds)["y"], run(out, feeds)["y"]) < 1e-2
+    assert rewrite(out).model.SerializeToString() == out.SerializeToString()

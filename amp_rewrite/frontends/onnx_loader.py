@@ -42,7 +42,10 @@ _MERGED_GROUPS = {("", "RMSNormalization"): {"V": "T"}, ("", "Attention"): {"T2"
 # alike (see ``_join_groups``): Attention-23's mask U may be bool or any type, but onnxruntime's
 # kernels (CPU and CUDA) take a float mask only in Q's type, so an FP32 mask beside FP16 Q/K/V has
 # no kernel (the CPU provider ran the function body instead). A bool mask keeps its type.
-_JOINED_GROUPS = {("", "Attention"): (("U", "T1"),)}
+# DequantizeLinear-23 types its output T3 apart from its scale T2, yet with no output_dtype the
+# output takes the scale's type: an FP16 output beside an FP32 scale was a model the checker and
+# onnxruntime refuse, so where the model types both alike the scale is painted (converted) with it.
+_JOINED_GROUPS = {("", "Attention"): (("U", "T1"),), ("", "DequantizeLinear"): (("T2", "T3"),)}
 
 
 @dataclass
