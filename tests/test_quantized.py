@@ -321,3 +321,47 @@ def test_weight_dequantize_at_opset_23_converts_its_scale(opset, output_dtype, m
     feeds = {"x": rng.standard_normal((4, 16)).astype(np.float32)}
     assert rel_err(run(model, feeds)["y"], run(out, feeds)["y"]) < 1e-2
     assert rewrite(out).model.SerializeToString() == out.SerializeToString()
+
+
+def test_quantize_nodes_between_fp32_units_are_no_islands():
+    """A QDQ model with one float layer: every QuantizeLinear between FP32 units was reported as an
+    "FP32 region, 1 node, 0 casts in, 0 out" island (64 of them on a small transformer). An island
+    is an FP32 region a low value enters or leaves; these are FP32 amid FP32."""
+    rng = np.random.default_rng(0)
+    s = nh.from_array(np.float32(0.05), "s")
+    z = nh.from_array(np.uint8(128), "z")
+    inits = [s, z, nh.from_array(rng.standard_normal((8, 8)).astype(np.float32), "wf")]
+    nodes, h = [], "x"
+    for i in range(3):  # three QDQ units of Relu
+        nodes += [oh.make_node("QuantizeLinear", [h, "s", "z"], [f"q{i}"], name=f"q{i}"),
+                  oh.make_node("DequantizeLinear", [f"q{i}", "s", "z"], [f"d{i}"], name=f"dq{i}"),
+                  oh.make_node("Relu", [f"d{i}"], [f"r{i}"], name=f"relu{i}")]
+        h = f"r{i}"
+    nodes += [oh.make_node("QuantizeLinear", [h, "s", "z"], ["qe"], name="qe"),
+              oh.make_node("DequantizeLinear", ["qe", "s", "z"], ["de"], name="dqe"),
+              oh.make_node("MatMul", ["de", "wf"], ["m"], name="mm"),  # the float layer
+              oh.make_node("Relu", ["m"], ["y"], name="out")]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TP.FLOAT, [4, 8])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, [4, 8])], inits)
+    result = rewrite(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 19)], ir_version=9))
+    assert result.log.decisions["mm"].precision == Precision.LOW
+    seeds = {seed for island in result.log.islands for seed in island.seeds}
+    assert seeds == {"dqe"}  # the DequantizeLinear the low MatMul reads: one cast out
+
+
+def test_an_fp32_region_entering_low_through_the_models_own_cast_is_an_island():
+    """Llama's rotary cos: Cos (deny) → the model's Cast(to=FLOAT) → the FP16 attention's Mul. The
+    retargeted Cast carries it into low precision: still an island, though no Cast was inserted."""
+    rng = np.random.default_rng(0)
+    nodes = [oh.make_node("Cos", ["pos"], ["c"], name="cos"),
+             oh.make_node("Cast", ["c"], ["cf"], to=TP.FLOAT, name="cast"),
+             oh.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+             oh.make_node("Mul", ["m", "cf"], ["y"], name="mul"),
+             oh.make_node("MatMul", ["y", "w"], ["out"], name="mm2")]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TP.FLOAT, [4, 8]),
+                                        oh.make_tensor_value_info("pos", TP.FLOAT, [4, 8])],
+                          [oh.make_tensor_value_info("out", TP.FLOAT, [4, 8])],
+                          [nh.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")])
+    result = rewrite(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8))
+    assert result.log.decisions["mul"].precision == Precision.LOW
+    assert [island.seeds for island in result.log.islands] == [["cos"]]

@@ -26,6 +26,7 @@ _DENY = (Category.DENY, Category.UNLISTED)
 
 def find_islands(model: Model, ctx: Context) -> PassResult:
     next_id = len(ctx.log.islands)
+    io_low = not ctx.options.keep_io_types
     for scope in changed_scopes(model, ctx):
         restate_changed(scope)
         members = [n for n in scope.nodes if n.meta.get("amp.participates") and precision(n) == Precision.FP32]
@@ -40,6 +41,8 @@ def find_islands(model: Model, ctx: Context) -> PassResult:
             # (a scope painting left alone, with no allow op, has no deny paint: its deny ops seed)
             if not any(n.meta.get("amp.deny_painted") or n.meta.get("amp.category") in _DENY for n in nodes):
                 continue  # FP32 only because it is not between low ops: not forced, so not an island
+            if not _borders_low(nodes, io_low):
+                continue  # no low value enters or leaves it (a QuantizeLinear between FP32 QDQ units): no island
             island = Island(
                 id=next_id,
                 scope=scope_label(scope),
@@ -88,6 +91,36 @@ def _ends_low(value: Value, io_low: bool) -> bool:
     if k in producer.meta.get("amp.branch_outputs", ()):
         return True
     return participates(producer) and precision(producer) == Precision.LOW and k in group_outputs(producer)
+
+
+def _borders_low(nodes: list[Node], io_low: bool) -> bool:
+    """Whether a low value enters the region (a painted-group input that ends low) or one of its
+    painted-group outputs leaves for a low reader (or a graph output that takes the low type): where
+    a Cast goes, the region is an island in low precision; otherwise it is FP32 amid FP32."""
+    for node in nodes:
+        if any(node.inputs[k] is not None and _ends_low(node.inputs[k], io_low) for k in group_inputs(node)):
+            return True
+        for k in group_outputs(node):
+            value = node.outputs[k]
+            if io_low and value.is_graph_output and value.graph is not None and value.graph.parent is None:
+                return True
+            if _read_low(value, node.graph, depth=0):
+                return True
+    return False
+
+
+def _read_low(value: Value, graph: Graph, depth: int) -> bool:
+    """Whether a low node reads ``value`` in its painted group, directly or through the model's own
+    Casts (a retargeted ``Cast(to=FLOAT)``: Llama's rotary cos/sin enter the FP16 attention so)."""
+    for reader, slot in value.uses():
+        if reader.graph is not graph:
+            return True  # (read in a body, whose own painting may cast it: kept, as before)
+        if participates(reader) and precision(reader) == Precision.LOW and slot in group_inputs(reader):
+            return True
+        if reader.op_type == "Cast" and reader.domain in ("", "ai.onnx") and depth < 4 \
+                and any(_read_low(out, graph, depth + 1) for out in reader.outputs):
+            return True
+    return False
 
 
 def _group_edges(members: list[Node]) -> Iterator[tuple[int, int]]:
