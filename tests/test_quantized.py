@@ -365,3 +365,39 @@ def test_an_fp32_region_entering_low_through_the_models_own_cast_is_an_island():
     result = rewrite(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8))
     assert result.log.decisions["mul"].precision == Precision.LOW
     assert [island.seeds for island in result.log.islands] == [["cos"]]
+
+
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_onnxruntime_quantized_contrib_ops_have_rules(target):
+    """The QOperator format (QLinearConv, QGemm, QLinearConcat ...) and the other quantized contrib
+    ops were unlisted: the summary asked the user to classify integer ops that can never go low."""
+    from amp_rewrite.frontends.onnx_loader import _ort_schemas
+    from amp_rewrite.rulebook import load_rules
+
+    rules = load_rules(frontend="onnx", target=target)
+    quantized = sorted(op for domain, op in _ort_schemas() if domain == "com.microsoft"
+                       and (op.startswith(("QLinear", "QOrdered", "QGemm", "QAttention", "QEmbed", "QMoE"))
+                            or "Quantize" in op or "Integer" in op or "BlockQuantized" in op))
+    assert len(quantized) > 20
+    # (left out: integer-only ops, with no float tensor for a rule to decide)
+    integer_only = ["MatMulInteger16", "MulInteger", "ReduceSumInteger"]
+    assert [op for op in quantized if rules.lookup(op, "com.microsoft", 21) is None] == integer_only
+
+
+def test_qoperator_model_lists_no_unlisted_op():
+    rng = np.random.default_rng(0)
+    inits = [nh.from_array(np.float32(0.05), "s"), nh.from_array(np.uint8(128), "z"),
+             nh.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")]
+    nodes = [oh.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], name="q"),
+             oh.make_node("QLinearSigmoid", ["q", "s", "z", "s", "z"], ["qs"], domain="com.microsoft", name="qsig"),
+             oh.make_node("DequantizeLinear", ["qs", "s", "z"], ["d"], name="dq"),
+             oh.make_node("MatMul", ["d", "w"], ["y"], name="mm")]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TP.FLOAT, [4, 8])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, [4, 8])], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("com.microsoft", 1)],
+                          ir_version=8)
+    result = rewrite(model)
+    assert result.log.unlisted_ops == {}
+    assert result.log.decisions["mm"].precision == Precision.LOW
+    feeds = {"x": rng.standard_normal((4, 8)).astype(np.float32)}
+    assert rel_err(run(model, feeds)["y"], run(result.model, feeds)["y"]) < 1e-2
