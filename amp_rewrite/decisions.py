@@ -25,7 +25,8 @@ class Category(str, enum.Enum):
 _CONTRIB_HEAVY = ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention",
                   "PackedMultiHeadAttention", "DecoderMaskedMultiHeadAttention", "DecoderMaskedSelfAttention",
                   "LongformerAttention", "DecoderAttention", "SparseAttention", "PagedAttention", "FusedMatMul",
-                  "TransposeMatMul", "NhwcConv", "MatMulNBits", "MatMulBnb4", "MoE")
+                  "TransposeMatMul", "NhwcConv", "MatMulNBits", "MatMulBnb4", "MoE", "QMoE",
+                  "MatMulBlockQuantizedFp4Weight", "MatMulBlockQuantizedFp8Weight")
 # torch: every op the built-in torch rule files allow except prelu (a per-channel multiply), and
 # the whole-sequence RNNs (their gate GEMMs)
 _TORCH_HEAVY = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "addr", "mv", "chain_matmul",
