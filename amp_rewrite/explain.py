@@ -27,6 +27,12 @@ _STEPS = {
 }
 
 
+def _from_rule(source: str | None) -> bool:
+    """Whether a decision's source is a rule entry: a rule file's "<file>: <list>.<op>", a command-line
+    flag (--fp16-ops, --fp32-nodes ...), or the unlisted verdict; not one of classify's own checks."""
+    return bool(source) and (": " in source or source.startswith("--") or source == "unlisted")
+
+
 def explain_node(model_path: str | os.PathLike, node_name: str, **options: Any) -> str:
     """Explain ``node_name``'s precision in the rewrite of ``model_path`` (options as for
     ``rewrite_onnx``). Raises UsageError, naming the closest node names, if there is no such node."""
@@ -111,11 +117,19 @@ def explain_decision(report: Report, name: str) -> str:
     for i, link in enumerate(chain):
         arrow = "  " if i == 0 else "  ← "
         step = _STEPS.get(link.step, link.step)
+        if link.step == "classify" and not _from_rule(link.source):
+            step = ("a check at classification, over its rule entry" if link.source in (None, "", "classify")
+                    else f"decided by the {link.source}, over its rule entry")
         lines.append(f"{arrow}{link.node} ({link.op}) {_label(report, link)} [{link.step}: {step}]")
         lines.append(f"{' ' * len(arrow)}    {link.reason}")
     root = chain[-1]
-    lines.append(f"  rule entry: {root.source or '-'} ({_category(root)} {root.op})"
-                 + (f" — {root.reason}" if root.step == "classify" and root is not d else ""))
+    if _from_rule(root.source):
+        lines.append(f"  rule entry: {root.source} ({_category(root)} {root.op})"
+                     + (f" — {root.reason}" if root.step == "classify" and root is not d else ""))
+    else:  # (a safety check of classify, the kernel table, the op's schema, the frontend: not a rule)
+        by = "a check at classification" if root.source in (None, "", "classify") else f"the {root.source}"
+        lines.append(f"  decided by: {by}, not a rule entry (the op's category: {_category(root)})"
+                     + (f" — {root.reason}" if root.step == "classify" and root is not d else ""))
     if len(chain) > 1 and chain[-1].via and chain[-1].via not in log.decisions:
         lines.append(f"  (the chain continues at {chain[-1].via}, which has no decision)")
     if d.island is not None:

@@ -401,3 +401,16 @@ def test_qoperator_model_lists_no_unlisted_op():
     assert result.log.decisions["mm"].precision == Precision.LOW
     feeds = {"x": rng.standard_normal((4, 8)).astype(np.float32)}
     assert rel_err(run(model, feeds)["y"], run(result.model, feeds)["y"]) < 1e-2
+
+
+def test_explain_names_a_classify_check_not_a_rule_entry(tmp_path):
+    """--explain said a QDQ unit's Conv was "decided by its rule entry" and showed "rule entry:
+    classify (allow Conv)": no rule entry decided it; a check at classification overrode one."""
+    path = tmp_path / "q.onnx"
+    onnx.save(_qdq_conv(19), path)
+    text = explain_node(path, "conv")
+    assert "[classify: a check at classification, over its rule entry]" in text
+    assert "  decided by: a check at classification, not a rule entry (the op's category: allow)" in text
+    assert "rule entry: classify" not in text
+    rule = explain_node(path, "q1")  # a deny rule entry decided this one
+    assert "[classify: decided by its rule entry]" in rule and "rule entry: onnx-cuda-fp16.toml: deny." in rule
