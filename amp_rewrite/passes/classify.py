@@ -234,8 +234,9 @@ def _dequantize_weights_low(candidates: list[Node], ctx: Context, names: frozens
     an LLM's MatMuls, int8 channels) whose every reader is a low-precision GEMM reading it in its
     painted group computes in the low type, its scale converted offline like any weight. Kept FP32
     by its deny rule, it left a Cast between it and the GEMM: one more kernel and FP32 copy of the
-    weight per run, and onnxruntime (CUDA, CPU, DML) no longer fused an int4 block-quantized
-    DequantizeLinear → MatMul into MatMulNBits, its int4 kernel (its selector takes an FP16 scale).
+    weight per run, and onnxruntime (CUDA, CPU, DML) no longer fused the DequantizeLinear → MatMul of
+    an int4 block-quantized weight (1.31 also an int8 per-channel one) into MatMulNBits, its
+    weight-only kernel (its selector takes an FP16 scale).
     The deny rule stands where the DQ dequantizes an activation (a QDQ unit's input) or a user
     pins it FP32."""
     low = ctx.low.short if ctx.low is not None else "the low type"
@@ -260,8 +261,8 @@ def _dequantize_weights_low(candidates: list[Node], ctx: Context, names: frozens
         meta["amp.category"], meta["amp.source"] = Category.ALLOW, "classify"
         meta["amp.reason"] = (
             f"dequantizes a constant weight that only {low} {'/'.join(readers)} read: computed in {low}, its scale "
-            f"converted offline, so no Cast sits between it and its reader (onnxruntime fuses an int4 "
-            f"block-quantized DequantizeLinear → MatMul into MatMulNBits, which a Cast prevents)")
+            f"converted offline, so no Cast sits between it and its reader (onnxruntime fuses a quantized "
+            f"weight's DequantizeLinear → MatMul into MatMulNBits, which a Cast prevents)")
 
 
 _CONE_LIMIT = 64  # nodes: an argument computed by more than this is no position encoding
