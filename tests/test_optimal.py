@@ -1016,3 +1016,39 @@ def test_an_if_branch_ending_in_a_node_fixed_fp32_keeps_the_if_output_fp32(place
         feeds = {"x": x, "c": np.array(branch)}
         got = run(emulate_low(out)[0], feeds)["y"]  # (as a GPU computes FP16)
         assert np.isfinite(got).all() and rel_err(run(m, feeds)["y"], got) < 1e-2, branch
+
+
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+def test_shape_arithmetic_cast_to_integer_keeps_fp32(placement, target):
+    """``math.ceil(h / patch) * patch`` as a TorchScript export writes it: Constant → Ceil → Mul →
+    Cast(to=INT64) → a Reshape's shape. The optimal placement (constants cost it nothing) painted
+    Ceil and Mul fp16, so the constant 4099 was stored as 4100 and onnxruntime's Reshape failed."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+             helper.make_node("Constant", [], ["c"], name="c",
+                              value=numpy_helper.from_array(np.array([4099.0], np.float32))),
+             helper.make_node("Ceil", ["c"], ["ce"], name="ceil"),
+             helper.make_node("Mul", ["ce", "one"], ["mu"], name="mul"),
+             helper.make_node("Cast", ["mu"], ["ci"], name="to_int", to=TensorProto.INT64),
+             helper.make_node("Concat", ["ci", "eight"], ["shape"], name="cat", axis=0),
+             helper.make_node("Reshape", ["m", "shape"], ["r"], name="reshape"),
+             helper.make_node("MatMul", ["r", "w"], ["y"], name="mm2")]
+    inits = [numpy_helper.from_array((rng.standard_normal((8, 8)) * 0.3).astype(np.float32), "w"),
+             numpy_helper.from_array(np.array([1.0], np.float32), "one"),
+             numpy_helper.from_array(np.array([8], np.int64), "eight")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4099, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4099, 8])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    result = rewrite(model, placement=placement, target=target)
+    for name in ("ceil", "mul"):
+        decision = result.log.decisions[name]
+        assert decision.precision == Precision.FP32, (name, decision.reason)
+    assert "shape or index arithmetic" in result.log.decisions["mul"].reason
+    assert result.log.decisions["mm"].precision == Precision.LOW
+    full_check(result.model)
+    const = next(n for n in result.model.graph.node if n.op_type == "Constant")
+    assert numpy_helper.to_array(const.attribute[0].t).tolist() == [4099.0]
+    if target == "fp16":  # (onnxruntime's CPU provider has no bf16 MatMul)
+        x = rng.standard_normal((4099, 8)).astype(np.float32)
+        assert run(result.model, {"x": x})["y"].shape == (4099, 8)

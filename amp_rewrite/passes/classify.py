@@ -38,6 +38,7 @@ def classify(model: Model, ctx: Context) -> PassResult:
     names = node_names(model) if ctx.rules.node_rules() else frozenset()
     angles = []  # deny ops whose argument must be precise (Sin, Cos)
     dequantized = []  # DequantizeLinear nodes of constant (weight) data
+    to_integer = []  # Casts of a float to an integer or bool type
     given_low: dict[str, list[tuple[str, str]]] = {}  # a user's FP32 pin → the nodes it names that are low as given
     fixed: dict[str, list[str]] = {}  # a user's low pin → the nodes it names whose float types the schema fixes
     for node in model.graph.walk():
@@ -46,10 +47,13 @@ def classify(model: Model, ctx: Context) -> PassResult:
             angles.append(node)
         if node.op_type == _QDQ[1] and node.domain in ("", "ai.onnx") and node.meta["amp.participates"]:
             dequantized.append(node)
+        if node.op_type == "Cast" and node.domain in ("", "ai.onnx") and _float_to_integer(node):
+            to_integer.append(node)
         if node.meta["amp.group"] is None:
             _pin_on_given_low(node, ctx, verdicts, names, given_low)
             _pin_on_fixed_fp32(node, ctx, names, fixed)
     _keep_position_arguments_fp32(angles, ctx)
+    _keep_integer_arithmetic_fp32(to_integer, ctx)
     _dequantize_weights_low(dequantized, ctx, names)
     _note_unmatched_node_rules(ctx, names)
     for pin, labels in given_low.items():
@@ -286,6 +290,32 @@ def _keep_position_arguments_fp32(angles: list[Node], ctx: Context) -> None:
                     f"computes the argument of {node_label(node)} from integers and constants only (positions): "
                     f"kept FP32, as {low} would round the angle before the FP32 {node.op_type} reads it ({low} "
                     f"spacing is {spacing:g} at 1024; HF computes rotary angles with autocast disabled)"), "classify")
+
+
+def _float_to_integer(cast: Node) -> bool:
+    source, target = cast.inputs[0] if cast.inputs else None, cast.outputs[0] if cast.outputs else None
+    return (source is not None and source.dtype is not None and source.dtype.is_float and target is not None
+            and target.dtype is not None and not target.dtype.is_float)
+
+
+def _keep_integer_arithmetic_fp32(casts: list[Node], ctx: Context) -> None:
+    """A float computed from integers and constants only and then cast to an integer type is shape
+    or index arithmetic (``math.ceil(h / patch) * patch`` of a TorchScript export, T5's position
+    buckets): the nodes computing it keep FP32. Low precision gains nothing there (no activation
+    flows through) and rounds the integers it carries: fp16 holds integers exactly only up to 2048
+    (4099 became 4100, and a Reshape failed), bf16 up to 256. The optimal placement, to which the
+    constant inputs cost nothing, painted such a chain fp16."""
+    if ctx.low is None:
+        return
+    exact = 256 if ctx.low == DType.BFLOAT16 else 2048  # 2**(mantissa bits + 1)
+    for cast in casts:
+        for member in _position_cone(cast):
+            category = member.meta.get("amp.category")
+            if member.meta.get("amp.participates") and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
+                _fix_fp32(member, category, (
+                    f"computes from integers and constants only a value {node_label(cast)} casts to "
+                    f"{cast.outputs[0].dtype.short} (shape or index arithmetic): kept FP32, as {ctx.low.short} holds "
+                    f"integers exactly only up to {exact}"), "classify")
 
 
 def _position_cone(node: Node) -> list[Node]:
