@@ -973,3 +973,23 @@ def test_unknown_dims_stay_unknown_in_the_output():
     infos = [*out.graph.value_info, *out.graph.input, *out.graph.output]
     params = {d.dim_param for v in infos for d in v.type.tensor_type.shape.dim}
     assert "None" not in params
+
+
+def test_island_is_one_across_a_no_op_cast():
+    """Exp (deny) → the model's no-op Cast(to=FLOAT) → Add → LayerNorm: deny paint crosses the Cast
+    (painting looks through it), but islands linked only direct edges: two islands, one of them
+    "seeded by -" (seen on wav2vec2 / HuBERT with --target bf16)."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4, 16] x) => (float[4, 16] y) {
+            m1 = MatMul(x, w1)
+            e = Exp(m1)
+            ec = Cast<to = 1>(e)
+            a = Add(ec, x)
+            ln = LayerNormalization<axis = -1>(a, gamma, beta)
+            y = MatMul(ln, w2)
+        }""", {"w1": (16, 16), "w2": (16, 16), "gamma": np.ones(16, np.float32), "beta": np.zeros(16, np.float32)})
+    result = rewrite(model, placement="greedy")
+    assert len(result.log.islands) == 1
+    island = result.log.islands[0]
+    assert island.seeds == ["Exp:e"] and len(island.members) == 3

@@ -18,7 +18,7 @@ from ..decisions import Category, DecisionLog, Island, Precision
 from ..ir import DType, Graph, Model, Node, Value
 from .base import Context, PassResult, accepts_any_float, group_inputs, group_outputs, node_label, participates, \
     precision, retypable_io, scope_label
-from .paint import restate_changed
+from .paint import restate_changed, through_no_op_casts
 
 
 _DENY = (Category.DENY, Category.UNLISTED)
@@ -124,11 +124,13 @@ def _read_low(value: Value, graph: Graph, depth: int) -> bool:
 
 
 def _group_edges(members: list[Node]) -> Iterator[tuple[int, int]]:
-    """(producer id, consumer id) of every painted-group edge between ``members``."""
+    """(producer id, consumer id) of every painted-group edge between ``members``, through the
+    model's no-op ``Cast(to=FLOAT)`` of an FP32 value as painting sees it (deny paint crosses one: an
+    island split there was half "seeded by -")."""
     outs = {id(n): group_outputs(n) for n in members}
     for node in members:
         for k in group_inputs(node):
-            value = node.inputs[k]
+            value = through_no_op_casts(node.inputs[k])
             producer = value.producer
             if producer is not None and id(producer) in outs and value.producer_index in outs[id(producer)]:
                 yield id(producer), id(node)

@@ -82,7 +82,7 @@ class _ScopePainter:
         return j if j is not None and slot in self.group_ins[j] else None
 
     def _group_producer(self, value: Value) -> int | None:
-        value = _through_no_op_casts(value)
+        value = through_no_op_casts(value)
         j = self.index.get(id(value.producer)) if value.producer is not None else None
         return j if j is not None and value.producer_index in self.group_outs[j] else None
 
@@ -286,7 +286,7 @@ def restate_changed(scope: Graph) -> None:
             node.meta["amp.reason"] = node.meta.get("amp.reason", "").replace(stale, restated, 1)
 
 
-def _through_no_op_casts(value: Value) -> Value:
+def through_no_op_casts(value: Value) -> Value:
     """The value a chain of no-op ``Cast(to=FLOAT)`` of an FP32 value passes on (``value`` if it is
     no such Cast's output). Such a Cast changes nothing in the FP32 model (HF's GPT-J upcasts its
     query ``q.to(float32)`` before QK^T): painting looks through it, as cast placement does, where it
