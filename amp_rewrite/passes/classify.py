@@ -209,8 +209,8 @@ def _in_quantized_unit(node: Node, group: str) -> bool:
     its float inputs of the painted group are DequantizeLinear outputs or constants (a layer whose
     weight was left float: onnxruntime's WeightBiasQuantization quantizes it and fuses the unit all
     the same), at least one dequantized, and each of its outputs of that group is read by
-    QuantizeLinear nodes only. A weight-only quantized GEMM (a float activation
-    times a dequantized weight) or a DQ → op read by float ops is no such unit and is painted as usual."""
+    QuantizeLinear nodes only. A weight-only quantized GEMM (a float activation times a dequantized
+    weight) or a DQ → op read by float ops is no such unit and is painted as usual."""
     inputs = [v for g, v in zip(node.input_groups, node.inputs) if g == group and v is not None]
     outputs = [v for g, v in zip(node.output_groups, node.outputs) if g == group and v is not None]
     if not inputs or not outputs:
@@ -240,9 +240,8 @@ def _dequantize_weights_low(candidates: list[Node], ctx: Context, names: frozens
     by its deny rule, it left a Cast between it and the GEMM: one more kernel and FP32 copy of the
     weight per run, and onnxruntime (CUDA, CPU, DML) no longer fused the DequantizeLinear → MatMul of
     an int4 block-quantized weight (1.31 also an int8 per-channel one) into MatMulNBits, its
-    weight-only kernel (its selector takes an FP16 scale).
-    The deny rule stands where the DQ dequantizes an activation (a QDQ unit's input) or a user
-    pins it FP32."""
+    weight-only kernel (its selector takes an FP16 scale). The deny rule stands where the DQ
+    dequantizes an activation (a QDQ unit's input) or a user pins it FP32."""
     low = ctx.low.short if ctx.low is not None else "the low type"
     for node in candidates:
         meta = node.meta
