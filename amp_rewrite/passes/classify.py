@@ -282,13 +282,18 @@ def _keep_position_arguments_fp32(angles: list[Node], ctx: Context) -> None:
     low = ctx.low.short if ctx.low is not None else "the low type"
     spacing = 8.0 if ctx.low == DType.BFLOAT16 else 1.0  # 2**(10 - mantissa bits): 7 in bf16, 10 in fp16
     for node in angles:
-        for member in _position_cone(node):
-            category = member.meta.get("amp.category")
-            if member.meta.get("amp.participates") and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
-                _fix_fp32(member, category, (
-                    f"computes the argument of {node_label(node)} from integers and constants only (positions): "
-                    f"kept FP32, as {low} would round the angle before the FP32 {node.op_type} reads it ({low} "
-                    f"spacing is {spacing:g} at 1024; HF computes rotary angles with autocast disabled)"), "classify")
+        _keep_cone_fp32(node, (
+            f"computes the argument of {node_label(node)} from integers and constants only (positions): "
+            f"kept FP32, as {low} would round the angle before the FP32 {node.op_type} reads it ({low} "
+            f"spacing is {spacing:g} at 1024; HF computes rotary angles with autocast disabled)"))
+
+
+def _keep_cone_fp32(node: Node, reason: str) -> None:
+    """Fix FP32 the nodes of ``node``'s :func:`_position_cone` that painting could make low."""
+    for member in _position_cone(node):
+        category = member.meta.get("amp.category")
+        if member.meta.get("amp.participates") and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
+            _fix_fp32(member, category, reason, "classify")
 
 
 def _float_to_integer(cast: Node) -> bool:
@@ -308,13 +313,10 @@ def _keep_integer_arithmetic_fp32(casts: list[Node], ctx: Context) -> None:
         return
     exact = 256 if ctx.low == DType.BFLOAT16 else 2048  # 2**(mantissa bits + 1)
     for cast in casts:
-        for member in _position_cone(cast):
-            category = member.meta.get("amp.category")
-            if member.meta.get("amp.participates") and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
-                _fix_fp32(member, category, (
-                    f"computes from integers and constants only a value {node_label(cast)} casts to "
-                    f"{cast.outputs[0].dtype.short} (shape or index arithmetic): kept FP32, as {ctx.low.short} holds "
-                    f"integers exactly only up to {exact}"), "classify")
+        _keep_cone_fp32(cast, (
+            f"computes from integers and constants only a value {node_label(cast)} casts to "
+            f"{cast.outputs[0].dtype.short} (shape or index arithmetic): kept FP32, as {ctx.low.short} holds "
+            f"integers exactly only up to {exact}"))
 
 
 def _position_cone(node: Node) -> list[Node]:
