@@ -45,7 +45,13 @@ _MERGED_GROUPS = {("", "RMSNormalization"): {"V": "T"}, ("", "Attention"): {"T2"
 # DequantizeLinear-23 types its output T3 apart from its scale T2, yet with no output_dtype the
 # output takes the scale's type: an FP16 output beside an FP32 scale was a model the checker and
 # onnxruntime refuse, so where the model types both alike the scale is painted (converted) with it.
-_JOINED_GROUPS = {("", "Attention"): (("U", "T1"),), ("", "DequantizeLinear"): (("T2", "T3"),)}
+# BatchNormalization-14 types mean/var (U) and -15 scale/bias (T1) and mean/var (T2) apart from X
+# (T), but onnxruntime's CUDA kernels are registered with U = T and T1 = T2 = T only: an FP16 X
+# beside FP32 statistics found no CUDA kernel and ran on the CPU, copies to and from the host
+# around it (seen on an H100); the statistics are painted with X, as BatchNormalization 9-13 (one
+# group) always had them.
+_JOINED_GROUPS = {("", "Attention"): (("U", "T1"),), ("", "DequantizeLinear"): (("T2", "T3"),),
+                  ("", "BatchNormalization"): (("U", "T"), ("T1", "T"), ("T2", "T"))}
 
 
 @dataclass
