@@ -186,6 +186,10 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
         _count_unlisted(node, category, ctx)
         _fix_fp32(node, category, _QDQ_UNIT, "classify")
         return
+    if category in (Category.ALLOW, Category.INFER, Category.CLEAR) and _cache_with_unequal_head_sizes(node) \
+            and node_rule_of(ctx.rules, node, names) is None:
+        _fix_fp32(node, category, _ATTENTION_CACHE, "classify")
+        return
     shared = [i for i in meta["amp.pinned"] if i < len(node.input_groups) and node.input_groups[i] == group
               and group != "?" and is_float32(node.inputs[i])]
     if shared and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
@@ -194,6 +198,28 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
         meta["amp.reason"] = f"input {name} is pinned FP32 by the rules and shares type {group} with the rest"
     _count_unlisted(node, category, ctx)
     meta["amp.participates"] = True
+
+
+_ATTENTION_CACHE = ("Attention with a KV cache (past_key/past_value) whose V head size differs from Q/K's: onnxruntime "
+                    "1.31's CUDA kernel computes Y and present_value wrong in FP16 there (seen on an H100: relative "
+                    "error 0.98, with NaN/Inf; FP32 is right): kept FP32")
+
+
+def _cache_with_unequal_head_sizes(node: Node) -> bool:
+    """An ONNX Attention (opset 23+) given past_key and past_value whose last dimensions (the head
+    sizes: past tensors are always 4-D) are known and differ; with unknown sizes, 3-D or 4-D K and V
+    (whose last dimensions are kv_num_heads × the head size, or the head size) are compared."""
+    if node.op_type != "Attention" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 6:
+        return False
+    key, value = node.inputs[4], node.inputs[5]
+    if key is None or value is None:
+        return False
+    for a, b in ((key, value), (node.inputs[1], node.inputs[2])):
+        da = a.shape[-1] if a is not None and a.shape else None
+        db = b.shape[-1] if b is not None and b.shape else None
+        if isinstance(da, int) and isinstance(db, int):
+            return da != db
+    return False
 
 
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
