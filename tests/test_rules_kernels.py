@@ -220,3 +220,83 @@ def test_low_ops_on_the_command_line_make_an_op_allow():
     book = load_rules(low_ops=["ReduceMean"])
     assert book.category_of("ReduceMean", opset=18) is Category.ALLOW
     assert book.lookup("ReduceMean").source == "--fp16-ops"
+
+
+@pytest.mark.parametrize("opset", [14, 15, 17])
+def test_batchnorm_statistics_take_the_type_of_x(opset):
+    """onnxruntime's CUDA BatchNormalization kernels are registered with U = T (opset 14) and
+    T1 = T2 = T (15+) only, which the kernel table (one type list per constraint) cannot show: a BN
+    with FP16 X beside FP32 scale and statistics ran on the CPU with copies around it (seen on an
+    H100 at opset 17: tools/gpu_check.py). Its five inputs and its output share one type at every opset."""
+    import numpy as np
+
+    from util import FP16, full_check, make_model, nodes_by_type, rewrite, value_types
+
+    c = 4
+    m = make_model(f"""
+        <ir_version: 8, opset_import: ["" : {opset}]>
+        g (float[1,{c},6,6] x) => (float[1,{c},6,6] y) {{
+          a = Conv<pads=[1,1,1,1]>(x, w)
+          b = BatchNormalization(a, scale, bias, mean, var)
+          r = Relu(b)
+          y = Conv<pads=[1,1,1,1]>(r, w2)
+        }}""", {"w": (c, c, 3, 3), "w2": (c, c, 3, 3), "scale": (c,), "bias": (c,),
+                "mean": (c,), "var": np.full((c,), 0.5, np.float32)})
+    out = rewrite(m).model
+    full_check(out)
+    types = value_types(out)
+    bn = nodes_by_type(out, "BatchNormalization")[0]
+    assert {types[v] for v in (*bn.input, *bn.output)} == {FP16}
+
+
+def _attention_with_cache(v_head: int, *, three_d: bool = False, node_pin: bool = False):
+    """ONNX Attention-23 reading a KV cache; Q/K head size 8, V head size ``v_head``."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    b, heads, q_len, kv_len, past, qk = 2, 3, 4, 6, 12, 8
+    if three_d:
+        shapes = {"Q": [b, q_len, heads * qk], "K": [b, kv_len, heads * qk], "V": [b, kv_len, heads * v_head]}
+        attrs = {"q_num_heads": heads, "kv_num_heads": heads}
+        y = [b, q_len, heads * v_head]
+    else:
+        shapes = {"Q": [b, heads, q_len, qk], "K": [b, heads, kv_len, qk], "V": [b, heads, kv_len, v_head]}
+        attrs, y = {}, [b, heads, q_len, v_head]
+    shapes.update(past_key=[b, heads, past, qk], past_value=[b, heads, past, v_head])
+    node = helper.make_node("Attention", ["Q", "K", "V", "", "past_key", "past_value"],
+                            ["Y", "present_key", "present_value"], name="attn", **attrs)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in shapes.items()],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, y),
+         helper.make_tensor_value_info("present_key", TensorProto.FLOAT, [b, heads, past + kv_len, qk]),
+         helper.make_tensor_value_info("present_value", TensorProto.FLOAT, [b, heads, past + kv_len, v_head])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=11)
+
+
+@pytest.mark.parametrize("three_d", [False, True])
+@pytest.mark.parametrize(("v_head", "low"), [(8, True), (10, False)])
+def test_attention_with_a_cache_and_unequal_head_sizes_stays_fp32(v_head, low, three_d):
+    """onnxruntime 1.31's CUDA Attention computes Y and present_value wrong in FP16 (relative error
+    0.98, NaN/Inf; FP32 right) when it reads past_key/past_value and V's head size differs from
+    Q/K's: seen on an H100 by the GPU sweep of onnx's operator tests. Such a node keeps FP32 with
+    the reason; equal head sizes (the common case) still compute low."""
+    from util import full_check, rewrite
+
+    from amp_rewrite.decisions import Precision
+
+    result = rewrite(_attention_with_cache(v_head, three_d=three_d))
+    full_check(result.model)
+    decision = next(d for d in result.report.log.decisions.values() if d.op == "Attention")
+    assert (decision.precision == Precision.LOW) is low, decision
+    if not low:
+        assert "KV cache" in decision.reason and "head size" in decision.reason
+
+
+def test_a_node_pin_still_makes_such_an_attention_low():
+    from util import rewrite
+
+    from amp_rewrite.decisions import Precision
+
+    result = rewrite(_attention_with_cache(10), fp16_nodes=["attn"])
+    decision = next(d for d in result.report.log.decisions.values() if d.op == "Attention")
+    assert decision.precision == Precision.LOW
