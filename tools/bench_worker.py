@@ -2,7 +2,8 @@
 time and peak RSS are its own and a converter that crashes or hangs costs one row, not the run.
 
     python tools/bench_worker.py convert CONVERTER SRC DST [--target fp16|bf16]
-    python tools/bench_worker.py latency MODEL FEEDS.npz PROVIDER WARMUP RUNS
+    python tools/bench_worker.py latency MODEL FEEDS.npz PROVIDER[:OPTION=VALUE,...] WARMUP RUNS [OUTPUTS.npz]
+    python tools/bench_worker.py load MODEL
     python tools/bench_worker.py gpu-probe
 
 Each prints one JSON line on stdout. A conversion is timed file to file (load, convert, save), the
@@ -135,25 +136,70 @@ def convert_main(converter: str, src: str, dst: str, target: str) -> dict:
             "rss_before_mib": rss_before, "error": error}
 
 
-def latency_main(model: str, feeds_path: str, provider: str, warmup: int, runs: int) -> dict:
+def latency_main(model: str, feeds_path: str, provider: str, warmup: int, runs: int,
+                 out_path: str | None = None) -> dict:
+    """Median latency of one model. On a GPU provider the inputs and outputs are bound on the device
+    (I/O binding), so what is timed is the model, not host copies; ``out_path`` gets the outputs
+    of the first run (an .npz) for the caller's error check."""
     import numpy as np
     import onnxruntime as ort
 
     feeds = dict(np.load(feeds_path))
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    sess = ort.InferenceSession(model, opts, providers=[provider, "CPUExecutionProvider"])
+    provider, _, spec = provider.partition(":")  # "CUDAExecutionProvider:prefer_nhwc=1,..." sets options
+    options = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
+    sess = ort.InferenceSession(model, opts, providers=[(provider, options), "CPUExecutionProvider"])
     if sess.get_providers()[0] != provider:
         return {"ok": False, "error": f"{provider} not used (got {sess.get_providers()})"}
-    for _ in range(warmup):
-        sess.run(None, feeds)
+    names = [o.name for o in sess.get_outputs()]
+    if provider == "CUDAExecutionProvider":
+        binding = sess.io_binding()
+        for name, value in feeds.items():
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, "cuda", 0))
+        for name in names:
+            binding.bind_output(name, "cuda")
+
+        def once() -> None:
+            sess.run_with_iobinding(binding)
+            binding.synchronize_outputs()
+
+        def outputs() -> list:
+            return binding.copy_outputs_to_cpu()
+    else:
+        last: list = []
+
+        def once() -> None:
+            last[:] = sess.run(None, feeds)
+
+        def outputs() -> list:
+            return last
+    once()
+    if out_path:
+        np.savez(out_path, **dict(zip(names, outputs())))
+    for _ in range(max(warmup - 1, 0)):
+        once()
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        sess.run(None, feeds)
+        once()
         times.append(time.perf_counter() - t0)
     times.sort()
     return {"ok": True, "median_ms": 1000 * times[len(times) // 2], "runs": runs, "warmup": warmup}
+
+
+def load_main(model: str) -> dict:
+    """Does onnxruntime create a session for ``model`` (on the CUDA provider where this build has one)?"""
+    import onnxruntime as ort
+
+    providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    try:
+        ort.InferenceSession(model, opts, providers=providers)
+    except Exception as exc:  # noqa: BLE001 - a model that does not load is the answer
+        return {"ok": False, "error": str(exc).splitlines()[0][:300]}
+    return {"ok": True}
 
 
 def gpu_probe_main() -> dict:
@@ -181,7 +227,7 @@ def gpu_probe_main() -> dict:
         return {"available": False,
                 "reason": f"onnxruntime lists CUDAExecutionProvider but fell back to {used[0]} (no usable GPU / CUDA)"}
     name = _gpu_name()
-    return {"available": True, "gpu": name, "onnx": onnx.__version__}
+    return {"available": True, "gpu": name, "onnx": onnx.__version__, "onnxruntime": ort.__version__}
 
 
 def _gpu_name() -> str:
@@ -203,9 +249,11 @@ def main(argv: list[str]) -> int:
         target = argv[argv.index("--target") + 1] if "--target" in argv else "fp16"
         result = convert_main(argv[1], argv[2], argv[3], target)
     elif mode == "latency":
-        result = latency_main(argv[1], argv[2], argv[3], int(argv[4]), int(argv[5]))
+        result = latency_main(argv[1], argv[2], argv[3], int(argv[4]), int(argv[5]), argv[6] if len(argv) > 6 else None)
     elif mode == "gpu-probe":
         result = gpu_probe_main()
+    elif mode == "load":
+        result = load_main(argv[1])
     else:
         sys.stderr.write(__doc__)
         return 2
