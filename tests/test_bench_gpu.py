@@ -102,3 +102,21 @@ def test_gpu_check_verdict_accepts_a_clean_gpu_row():
     assert gpu_check.verdict(row, "fp16") == (True, "")
     ok, why = gpu_check.verdict(row, "bf16")
     assert not ok and "NaN/Inf in y" in why
+
+
+def test_render_joins_a_gpu_machines_results(tmp_path, capsys):
+    meta = {"command": "python -m tools.bench", "date": "today", "machine": "here", "versions": {}}
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps({"meta": meta, "models": []}))
+    rows = [{"model": m, "batch": 32, "options": "", "fp32": 10.0, "amp-rewrite": 5.0, "all-fp16": 4.9}
+            for m in bench.GPU_JUDGED]
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps({"meta": {**meta, "machine": "a GPU box"},
+                               "gpu": {"available": True, "gpu": "Some GPU", "rows": rows}}))
+    assert bench.main(["--render", str(cpu), "--gpu-from", str(gpu)]) == 0
+    md = capsys.readouterr().out
+    assert "GPU: Some GPU" in md and "a GPU box" in md and f"| {bench.GPU_JUDGED[0]} | 32 | 10.00 | 5.00 |" in md
+    # a file with no GPU section gives a note, not a traceback
+    gpu.write_text(json.dumps({"meta": meta}))
+    assert bench.main(["--render", str(cpu), "--gpu-from", str(gpu)]) == 0
+    assert "holds no GPU results" in capsys.readouterr().out

@@ -924,7 +924,8 @@ def main(argv: list[str] | None = None) -> int:
         results = measure(args, argv if argv is not None else sys.argv[1:], log)
     if args.gpu_from:
         gpu_run = json.loads(Path(args.gpu_from).read_text())
-        results["gpu"] = gpu_run.get("gpu")
+        results["gpu"] = dict(gpu_run.get("gpu") or {"available": False,
+                                                     "reason": f"{args.gpu_from} holds no GPU results"})
         results["gpu"]["meta"] = gpu_run.get("meta")
     if args.gpu_check:
         runs = [json.loads(Path(f).read_text()) for f in args.gpu_check]
