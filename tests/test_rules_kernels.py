@@ -300,3 +300,65 @@ def test_a_node_pin_still_makes_such_an_attention_low():
     result = rewrite(_attention_with_cache(10), fp16_nodes=["attn"])
     decision = next(d for d in result.report.log.decisions.values() if d.op == "Attention")
     assert decision.precision == Precision.LOW
+
+
+def _between_matmuls(body: str, opset: int, inits: dict, outputs: str = "float[4,8] y"):
+    import numpy as np  # noqa: F401
+
+    from util import make_model
+
+    return make_model(f"""
+        <ir_version: 8, opset_import: ["" : {opset}]>
+        g (float[4,8] x) => ({outputs}) {{
+          a = MatMul(x, w)
+          {body}
+          y = MatMul(b, w2)
+        }}""", {"w": (8, 8), "w2": (8, 8), **inits})
+
+
+def _decision(result, op):
+    return next(d for d in result.report.log.decisions.values() if d.op == op)
+
+
+@pytest.mark.parametrize(("reduction", "low"), [("none", True), ("add", False), ("mul", False), ("max", False)])
+def test_bf16_scatternd_with_a_reduction_stays_fp32(reduction, low):
+    """onnxruntime 1.31's CUDA ScatterND has no bfloat16 reduction ('element_type 16 not implemented'
+    at run time, seen on an H100); plain ScatterND runs in bfloat16. FP16 has every form."""
+    import numpy as np
+    from util import rewrite
+
+    from amp_rewrite.decisions import Precision
+
+    m = _between_matmuls(f'b = ScatterND<reduction="{reduction}">(a, idx, upd)', 18,
+                         {"idx": np.array([[1], [3]], np.int64), "upd": (2, 8)})
+    assert (_decision(rewrite(m, target="bf16"), "ScatterND").precision == Precision.LOW) is low
+    assert _decision(rewrite(m), "ScatterND").precision == Precision.LOW
+
+
+@pytest.mark.parametrize("mask_read", [False, True])
+def test_bf16_dropout_whose_mask_is_read_stays_fp32(mask_read):
+    """onnxruntime 1.31's CUDA provider failed to initialise a bfloat16 Dropout whose mask output is
+    read (seen on an H100); without the mask it runs."""
+    from util import rewrite
+
+    from amp_rewrite.decisions import Precision
+
+    body, outputs = ("b, m = Dropout(a)", "float[4,8] y, bool[4,8] m") if mask_read else ("b = Dropout(a)", "float[4,8] y")
+    m = _between_matmuls(body, 22, {}, outputs)
+    decision = _decision(rewrite(m, target="bf16"), "Dropout")
+    assert (decision.precision == Precision.LOW) is not mask_read
+    if mask_read:
+        assert "mask" in decision.reason
+
+
+def test_bf16_centercroppad_stays_fp32():
+    """A function op onnxruntime expands into Slice and Pad, and Pad has no bfloat16 CUDA kernel: a
+    bfloat16 CenterCropPad made the session fail to initialise (seen on an H100)."""
+    import numpy as np
+    from util import rewrite
+
+    from amp_rewrite.decisions import Precision
+
+    m = _between_matmuls("b = CenterCropPad(a, shape)", 18, {"shape": np.array([4, 8], np.int64)})
+    assert _decision(rewrite(m, target="bf16"), "CenterCropPad").precision == Precision.FP32
+    assert _decision(rewrite(m), "CenterCropPad").precision == Precision.LOW

@@ -186,9 +186,9 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
         _count_unlisted(node, category, ctx)
         _fix_fp32(node, category, _QDQ_UNIT, "classify")
         return
-    if category in (Category.ALLOW, Category.INFER, Category.CLEAR) and _cache_with_unequal_head_sizes(node) \
-            and node_rule_of(ctx.rules, node, names) is None:
-        _fix_fp32(node, category, _ATTENTION_CACHE, "classify")
+    gap = _runtime_gap(node, ctx) if category in (Category.ALLOW, Category.INFER, Category.CLEAR) else None
+    if gap and node_rule_of(ctx.rules, node, names) is None:  # (a node rule making it low is the user's choice)
+        _fix_fp32(node, category, gap, "classify")
         return
     shared = [i for i in meta["amp.pinned"] if i < len(node.input_groups) and node.input_groups[i] == group
               and group != "?" and is_float32(node.inputs[i])]
@@ -203,6 +203,34 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
 _ATTENTION_CACHE = ("Attention with a KV cache (past_key/past_value) whose V head size differs from Q/K's: onnxruntime "
                     "1.31's CUDA kernel computes Y and present_value wrong in FP16 there (seen on an H100: relative "
                     "error 0.98, with NaN/Inf; FP32 is right): kept FP32")
+
+
+_BF16_SCATTER_REDUCTION = ("ScatterND with reduction={}: onnxruntime 1.31's CUDA kernel has no bfloat16 reduction (the run "
+                           "fails with 'element_type 16 not implemented', seen on an H100): kept FP32")
+_BF16_DROPOUT_MASK = ("Dropout whose mask output is read: onnxruntime 1.31's CUDA provider fails to initialise a bfloat16 one "
+                      "(seen on an H100; without the mask it runs): kept FP32")
+
+
+def _runtime_gap(node: Node, ctx: Context) -> str | None:
+    """Why an ONNX node the rules make low must stay FP32 after all: onnxruntime's CUDA kernel
+    exists for the low type (so the kernel table lets it through) but computes it wrong or fails
+    on this node's attributes or uses, as running the rewrites on a GPU showed (tools/gpu_check.py
+    and the operator sweep of the 2026-11-22 closing note)."""
+    if node.domain not in ("", "ai.onnx"):
+        return None
+    if _cache_with_unequal_head_sizes(node):
+        return _ATTENTION_CACHE
+    if ctx.options.target != "bf16":
+        return None
+    if node.op_type == "ScatterND":
+        attrs = getattr(node.origin, "attributes", None) or {}  # (the ONNX loader keeps attributes on the origin)
+        reduction = attrs["reduction"].as_string() if "reduction" in attrs else "none"
+        if reduction != "none":
+            return _BF16_SCATTER_REDUCTION.format(reduction)
+    mask = node.outputs[1] if node.op_type == "Dropout" and len(node.outputs) > 1 else None
+    if mask is not None and (mask.uses() or mask.is_graph_output):
+        return _BF16_DROPOUT_MASK
+    return None
 
 
 def _cache_with_unequal_head_sizes(node: Node) -> bool:
