@@ -214,8 +214,8 @@ _BF16_DROPOUT_MASK = ("Dropout whose mask output is read: onnxruntime 1.31's CUD
 def _runtime_gap(node: Node, ctx: Context) -> str | None:
     """Why an ONNX node the rules make low must stay FP32 after all: onnxruntime's CUDA kernel
     exists for the low type (so the kernel table lets it through) but computes it wrong or fails
-    on this node's attributes or uses, as running the rewrites on a GPU showed (tools/gpu_check.py
-    and the operator sweep of the 2026-11-22 closing note)."""
+    on this node's attributes or uses, as running the rewrites on a GPU showed (tools/gpu_sweep.py,
+    onnx's operator tests on an H100)."""
     if node.domain not in ("", "ai.onnx"):
         return None
     if _cache_with_unequal_head_sizes(node):
