@@ -667,6 +667,32 @@ def test_an_integer_constant_beyond_fp16_read_through_a_cast_keeps_its_reader_fp
     assert np.isfinite(got).all() and rel_err(run(model, feeds)["y"], got) < 1e-2
 
 
+@pytest.mark.parametrize(("k", "low"), [(300.0, False), (200.0, True)])
+def test_arithmetic_on_constants_only_that_leaves_fp16_keeps_fp32(k, low):
+    """Mul(k, k) of a constant 300 computes 90000: each constant fits FP16, the product does not, so
+    in FP16 it was inf and the Div reading it gave 0 (the literal-constant check saw 300 only). The
+    node computing it and its reader keep FP32; at 200 (40000) both still go low."""
+    from amp_rewrite.emulate import emulate_low
+
+    model = make_model("""
+    <ir_version: 10, opset_import: ["" : 18]>
+    g (float[4,8] x) => (float[4,8] y) {
+      a = MatMul(x, w)
+      c = Mul(k, k)
+      d = Div(a, c)
+      y = MatMul(d, w2)
+    }""", {"w": (8, 8), "w2": (8, 8), "k": np.array(k, np.float32)})
+    result = rewrite(model)
+    full_check(result.model)
+    for node in ("Mul:c", "Div:d"):
+        assert (result.log.decisions[node].precision == Precision.LOW) is low, result.log.decisions[node].reason
+    if not low:
+        assert "computes 'c' holding 90000" in result.log.decisions["Mul:c"].reason
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    emulated, _ = emulate_low(result.model, FP16)
+    assert rel_err(run(model, feeds)["y"], run(emulated, feeds)["y"]) < 1e-2
+
+
 @pytest.mark.parametrize("equation,shape,low", [("ij->", "", False), ("ij->i", "[4]", False), ("ii->", "", False),
                                                 ("ij", "[4,8]", True), ("ij->ji", "[8,4]", True), ("ii->i", "[4]", True)])
 def test_a_one_operand_einsum_that_sums_is_a_reduction_kept_fp32(equation, shape, low):

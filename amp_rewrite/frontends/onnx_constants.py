@@ -12,6 +12,8 @@ So before classify, every non-allow node of the ONNX graph that reads, in a floa
 or through ops that copy it: reshapes, slices, gathers, concatenations, splits, negation, a cast
 from double or from an integer type, an If branch that returns it) with a finite value beyond the
 target's finite range is marked; classify keeps such an infer or clear op FP32, saying which constant and value.
+Small constants combined by elementwise arithmetic alone (``Mul(k, k)`` of a 300 is 90000) are
+folded: the node computing a value past the range and its readers keep FP32 the same way.
 Infinities are left alone (the low types hold them), and so are mask sentinels of magnitude 1e8
 and more (-1e9, finfo(float32).min): saturated, they still mask, which the report counts and
 ``--check`` expects; keeping every mask op FP32 for them would add casts to every attention block
@@ -46,12 +48,16 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
     if limit is None:
         return PassResult("out-of-range constants", modified=False)
     seen: dict[int, float | None] = {}  # a constant's verdict, by id: a bias or eps read by every layer is read once
+    folds: dict[int, object] = {}  # a value's folded data (or None), by id: a chain is walked once
     for node in model.graph.walk():
         if node.domain == "" and node.op_type in ("Cast", "Constant", "Identity"):
             continue
         if ctx.rules.category_of(node.op_type, node.domain, node.opset) == Category.ALLOW:
             continue  # weights of heavy ops: converted with clamping, counted in the report
-        found = _beyond(node, limit, seen)
+        found = _beyond(node, limit, seen, folds)
+        if found is None and node.domain == "" and node.op_type in _ARITHMETIC and node.outputs:
+            big = _largest(_folded(node.outputs[0], folds), limit)  # (computes it from constants: 300 * 300)
+            found = (f"constants only and computes {node.outputs[0].name!r}", big) if big is not None else None
         if found is not None:
             where, value = found
             short = ctx.low.short
@@ -60,7 +66,8 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
     return PassResult("out-of-range constants", modified=False)
 
 
-def _beyond(node: Node, limit: float, seen: dict[int, float | None]) -> tuple[str, float] | None:
+def _beyond(node: Node, limit: float, seen: dict[int, float | None],
+            folds: dict[int, object] | None = None) -> tuple[str, float] | None:
     """(what, value) of the first float constant the node reads with a value the low type cannot
     hold (and no mask sentinel), or None: a float attribute it computes with, or an input."""
     for name in _ATTRIBUTES.get((node.domain, node.op_type), ()):
@@ -68,7 +75,7 @@ def _beyond(node: Node, limit: float, seen: dict[int, float | None]) -> tuple[st
         if big is not None:
             return f"its {name} attribute", big
     for value in node.inputs:
-        big = _held(value, limit, seen=seen)
+        big = _held(value, limit, seen=seen, folds=folds)
         if big is not None:
             return f"{value.name!r}", big
     return None
@@ -129,7 +136,7 @@ _CASTS = ("Cast", "CastLike")
 
 
 def _held(value: Value | None, limit: float, depth: int = 0, cast: bool = False,
-          seen: dict[int, float | None] | None = None) -> float | None:
+          seen: dict[int, float | None] | None = None, folds: dict[int, object] | None = None) -> float | None:
     """A value beyond the limit that ``value`` holds as a constant: its own data, a ConstantOfShape's
     fill, a OneHot's on/off values, a Pad's fill, or those of a constant copied, sliced, gathered,
     concatenated, split, negated or cast (a double or an integer one too), or returned by a branch of
@@ -148,7 +155,7 @@ def _held(value: Value | None, limit: float, depth: int = 0, cast: bool = False,
     if producer.op_type == "ConstantOfShape":
         return _largest(_attribute(producer, "value"), limit)
     if producer.op_type == "OneHot" and len(producer.inputs) > 2:
-        return _held(producer.inputs[2], limit, depth + 1, cast, seen)
+        return _held(producer.inputs[2], limit, depth + 1, cast, seen, folds)
     if producer.op_type in ("Pad", "Resize"):  # a fill its output holds (Pad before opset 11)
         big = _attribute_beyond(producer, "value" if producer.op_type == "Pad" else "extrapolation_value", limit)
         if big is not None:
@@ -156,17 +163,56 @@ def _held(value: Value | None, limit: float, depth: int = 0, cast: bool = False,
     if producer.op_type in _COPIES:
         slots = _COPIES[producer.op_type]
         for index in range(len(producer.inputs)) if slots is None else slots:
-            big = _held(producer.inputs[index], limit, depth + 1, cast or producer.op_type in _CASTS, seen) \
+            big = _held(producer.inputs[index], limit, depth + 1, cast or producer.op_type in _CASTS, seen, folds) \
                 if index < len(producer.inputs) else None
             if big is not None:
                 return big
+    if producer.op_type in _ARITHMETIC:  # arithmetic on constants only, folded (300 * 300 = 90000)
+        big = _largest(_folded(value, folds), limit)
+        if big is not None:
+            return big
     if producer.op_type == "If":  # what either branch returns in this slot
         index = producer.outputs.index(value)
         for branch in producer.all_subgraphs():
-            big = _held(branch.outputs[index], limit, depth + 1, cast, seen) if index < len(branch.outputs) else None
+            big = _held(branch.outputs[index], limit, depth + 1, cast, seen, folds) if index < len(branch.outputs) else None
             if big is not None:
                 return big
     return None
+
+
+# elementwise arithmetic that a chain of constants can overflow through (FP16: 300 * 300 is inf)
+_ARITHMETIC = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power}
+_FOLD_ELEMENTS = 1 << 16  # fold small constants only: a weight-sized product is a weight's business
+
+
+def _folded(value: Value | None, memo: dict[int, object] | None = None, depth: int = 0):
+    """``value``'s data where it is a constant or elementwise arithmetic (:data:`_ARITHMETIC`) on
+    constants only, up to a few levels and :data:`_FOLD_ELEMENTS` elements, in float64; else None.
+    ``memo`` keeps each value's answer, so a long chain of activations is walked once."""
+    if value is None or value.dtype not in _FLOATS or depth > 4:
+        return None
+    if memo is not None and id(value) in memo:
+        return memo[id(value)]
+    out = None
+    if value.is_constant:
+        data = constant_array(value)
+        out = data.astype(np.float64) if data is not None and data.size <= _FOLD_ELEMENTS else None
+    else:
+        producer = value.producer
+        if producer is not None and producer.domain == "" and producer.op_type in _ARITHMETIC \
+                and len(producer.inputs) == 2:
+            a = _folded(producer.inputs[0], memo, depth + 1)
+            b = _folded(producer.inputs[1], memo, depth + 1) if a is not None else None
+            if b is not None:
+                try:
+                    with np.errstate(all="ignore"):
+                        out = _ARITHMETIC[producer.op_type](a, b)
+                except ValueError:  # (shapes that do not broadcast: the model's error, not this check's)
+                    out = None
+                out = out if out is not None and out.size <= _FOLD_ELEMENTS else None
+    if memo is not None:
+        memo[id(value)] = out
+    return out
 
 
 def _attribute(node: Node, name: str):
