@@ -84,15 +84,18 @@ def prepare(folder: Path, names: list[str], max_mib: float | None, log) -> list[
 
 
 # -- one model, in a child process -------------------------------------------------------------------------
-def _session(path: Path, workdir: Path, tf32: bool):
+def profiled_session(model: str | bytes, prefix: str, provider: str | None = None):
+    """A session on ``provider`` (default :data:`PROVIDER`; the CPU one as fallback, as a user's
+    session would have), TF32 off so that FP32 is true FP32, with onnxruntime's profiler writing
+    under ``prefix``."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.enable_profiling = True
-    opts.profile_file_prefix = str(workdir / f"profile_{path.stem}")
-    providers = [(PROVIDER, {"use_tf32": "1" if tf32 else "0"}), "CPUExecutionProvider"]
-    return ort.InferenceSession(str(path), opts, providers=providers)
+    opts.profile_file_prefix = prefix
+    providers = [(provider or PROVIDER, {"use_tf32": "0"}), "CPUExecutionProvider"]
+    return ort.InferenceSession(model, opts, providers=providers)
 
 
 def _placement(profile: str) -> dict[str, Counter]:
@@ -128,7 +131,7 @@ def run_one(entry: Path) -> dict:
             rec["error"] = "rewrite failed: " + meta["rewrite_errors"][variant]
             continue
         try:
-            sess = _session(path, entry, tf32=False)
+            sess = profiled_session(str(path), str(entry / f"profile_{path.stem}"))
             names = [o.name for o in sess.get_outputs()]
             outs = dict(zip(names, sess.run(None, feeds)))
             placement = _placement(sess.end_profiling())

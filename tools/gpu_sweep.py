@@ -197,17 +197,11 @@ def prepare(folder: Path, target: str, ops: list[str] | None, log) -> Path:
 
 # -- run ---------------------------------------------------------------------------------------------------
 def _session_record(model_bytes: bytes, inputs: list, workdir: str, tag: str) -> tuple[dict, list | None]:
-    import onnxruntime as ort
-
-    from tools.gpu_check import _placement
+    from tools.gpu_check import _placement, profiled_session
 
     rec: dict = {}
     try:
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 4
-        opts.enable_profiling = True
-        opts.profile_file_prefix = os.path.join(workdir, tag)
-        sess = ort.InferenceSession(model_bytes, opts, providers=[(PROVIDER, {"use_tf32": "0"}), "CPUExecutionProvider"])
+        sess = profiled_session(model_bytes, os.path.join(workdir, tag), PROVIDER)
         outs = sess.run(None, {i.name: x for i, x in zip(sess.get_inputs(), inputs) if x is not None})
         rec["cpu"] = dict(_placement(sess.end_profiling()).get("CPUExecutionProvider", {}))
         return rec, outs

@@ -33,7 +33,7 @@ import onnx_ir as ir
 
 from ..decisions import Category
 from ..ir import DType, Model, Node, Value
-from ..passes.base import Context, PassResult
+from ..passes.base import Context, PassResult, string_attribute
 from .onnx_loader import constant_array
 
 LIMITS = {DType.FLOAT16: 65504.0, DType.BFLOAT16: 3.3895313892515355e38}
@@ -113,8 +113,8 @@ def _attribute_beyond(node: Node, name: str, limit: float) -> float | None:
     if big is None or node.domain != "":
         return big
     if node.op_type == "Resize":  # the fill of tf_crop_and_resize, the coefficient of cubic
-        mode = _string_attribute(node, "coordinate_transformation_mode") if name == "extrapolation_value" else \
-            _string_attribute(node, "mode")
+        mode = string_attribute(node, "coordinate_transformation_mode") if name == "extrapolation_value" else \
+            string_attribute(node, "mode")
         return big if mode == ("tf_crop_and_resize" if name == "extrapolation_value" else "cubic") else None
     return big
 
@@ -228,14 +228,6 @@ def _attribute(node: Node, name: str):
             return None
         return attr.as_tensor().numpy() if attr is not None else None
     except Exception:  # noqa: BLE001 - unreadable data is the loader's concern, not this check's
-        return None
-
-
-def _string_attribute(node: Node, name: str) -> str | None:
-    attr = node.origin.attributes.get(name) if node.origin is not None else None
-    try:
-        return attr.as_string() if attr is not None else None
-    except Exception:  # noqa: BLE001 - as in _attribute
         return None
 
 

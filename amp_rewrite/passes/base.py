@@ -252,6 +252,17 @@ def retypable_io(value: Value) -> bool:
     return "onnx.container" not in value.meta
 
 
+def string_attribute(node: Node, name: str) -> str | None:
+    """An ONNX node's string attribute (the loader keeps attributes on ``node.origin``, the onnx-ir
+    node), or None where it has none or it is unreadable."""
+    attrs = getattr(node.origin, "attributes", None) or {}
+    attr = attrs.get(name)
+    try:
+        return attr.as_string() if attr is not None else None
+    except Exception:  # noqa: BLE001 - a malformed attribute is the loader's concern
+        return None
+
+
 def is_float32(value: Value | None) -> bool:
     return value is not None and value.dtype == DType.FLOAT
 

@@ -24,7 +24,7 @@ from ..decisions import Category, Precision
 from ..ir import DType, Model, Node
 from ..rulebook import RuleEntry
 from .base import (Context, PassResult, earlier_pin, given_low_type, is_float32, is_user_source, node_label,
-                   node_names, node_rule_of, painted_group)
+                   node_names, node_rule_of, painted_group, string_attribute)
 
 _CONTROL = "control flow: its boundary types are kept and each body is rewritten as a scope of its own"
 _SOURCES = {"Cast", "Constant"}  # handled by cast folding and weight conversion, not painting
@@ -223,8 +223,7 @@ def _runtime_gap(node: Node, ctx: Context) -> str | None:
     if ctx.options.target != "bf16":
         return None
     if node.op_type == "ScatterND":
-        attrs = getattr(node.origin, "attributes", None) or {}  # (the ONNX loader keeps attributes on the origin)
-        reduction = attrs["reduction"].as_string() if "reduction" in attrs else "none"
+        reduction = string_attribute(node, "reduction") or "none"
         if reduction != "none":
             return _BF16_SCATTER_REDUCTION.format(reduction)
     mask = node.outputs[1] if node.op_type == "Dropout" and len(node.outputs) > 1 else None
@@ -237,7 +236,7 @@ def _cache_with_unequal_head_sizes(node: Node) -> bool:
     """An ONNX Attention (opset 23+) given past_key and past_value whose last dimensions (the head
     sizes: past tensors are always 4-D) are known and differ; with unknown sizes, 3-D or 4-D K and V
     (whose last dimensions are kv_num_heads × the head size, or the head size) are compared."""
-    if node.op_type != "Attention" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 6:
+    if node.op_type != "Attention" or len(node.inputs) < 6:  # (the caller checks the domain)
         return False
     key, value = node.inputs[4], node.inputs[5]
     if key is None or value is None:
