@@ -825,3 +825,26 @@ def test_a_cast_on_a_branch_output_says_why_and_is_no_graph_output(keep_io_types
     assert branch["reason"] == "a body output takes the fp32 type of the control-flow op's output it becomes"
     main_outputs = [c for c in report.to_dict()["casts"] if c["scope"] == "main" and "<graph output>" in c["consumers"]]
     assert all("graph outputs" in c["reason"] for c in main_outputs)
+
+
+@pytest.mark.parametrize("clash", ["node name", "tensor"])
+def test_a_name_given_twice_inside_a_body_is_named_in_the_error(tmp_path, clash):
+    """Names are checked in every scope, a body's too: two nodes of the then-branch with one name
+    (onnx-ir reads them; onnxruntime rejects the model) or writing one tensor (onnx-ir refuses the
+    model with a message that names neither)."""
+    from amp_rewrite.api import rewrite_onnx
+    from amp_rewrite.errors import ModelLoadError
+
+    model = if_model()
+    then_g = next(a.g for a in model.graph.node[2].attribute if a.name == "then_branch")
+    if clash == "node name":
+        then_g.node[1].name = "then_mm1"
+        expected = r"two nodes are named 'then_mm1'.*rename"
+    else:
+        then_g.node[1].output[0] = "t1"
+        expected = r"graph 'then': tensor 't1' is written by node 'then_mm2' and by node 'then_mm1'"
+    src = tmp_path / "m.onnx"
+    onnx.save(model, src)
+    with pytest.raises(ModelLoadError, match=expected):
+        rewrite_onnx(src, tmp_path / "out.onnx")
+    assert not (tmp_path / "out.onnx").exists()

@@ -263,7 +263,7 @@ def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: 
     where = f"{path}: " if path else ""
     graphs = _graph_protos(proto.graph)
     for graph in graphs:
-        _check_names(graph, where)
+        _check_initializer_names(graph, where)
     sparse = any(_has_sparse(graph) for graph in graphs)
     # (sparse initializers are made dense below; the onnx-ir pass infers the types then)
     early = _inferred_proto(proto, graphs, size, owned=owned) if infer_shapes and not sparse else None
@@ -277,6 +277,8 @@ def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: 
         with _quiet_onnx_ir():
             return ir.serde.deserialize_model(proto), types, len(graphs) > 1, proto
     except Exception as exc:  # onnx-ir raises many kinds on malformed protos
+        for graph in graphs:  # a tensor written twice, which onnx-ir refuses without naming it
+            _check_names(graph, where)
         raise ModelLoadError(f"{where}the model could not be read: {first_line(_root_cause(exc))}") from exc
 
 
@@ -309,20 +311,27 @@ def _graph_protos(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
     return graphs
 
 
-def _check_names(graph: onnx.GraphProto, where: str) -> None:
-    """Duplicate tensor names (not SSA) and duplicate node names (onnxruntime rejects both) are
-    reported here by name; onnx-ir would fail on the first with an unhelpful message. (One scope:
-    nested bodies are checked on their own.)"""
-    nodes = graph.node
-    names = [node.name for node in nodes if node.name]
-    written = [out for node in nodes for out in node.output if out] + [v.name for v in graph.input]
+def _check_initializer_names(graph: onnx.GraphProto, where: str) -> None:
+    """Two initializers of one name: onnx-ir keeps the last one silently, onnxruntime reads the
+    first. (The few initializers are checked up front; the many node and tensor names are not:
+    see ``_check_names``.)"""
     weights = [t.name for t in graph.initializer] + [t.values.name for t in graph.sparse_initializer]
     if len(set(weights)) != len(weights):
-        # (onnxruntime loads such a model and reads the first; kept silently, the last one won)
         seen: set[str] = set()
         twice = next(name for name in weights if name in seen or seen.add(name))
         raise ModelLoadError(f"{where}graph {graph.name!r}: two initializers are named {twice!r}; initializer names "
                              f"must be unique (onnx.checker rejects the model): remove or rename one")
+
+
+def _check_names(graph: onnx.GraphProto, where: str) -> None:
+    """Duplicate tensor names (not SSA) and duplicate node names (onnxruntime rejects both) are
+    reported here by name. Called when onnx-ir fails to read a model (a tensor written twice is
+    what it refuses, with an unhelpful message): reading every name of a 100k-node proto up front
+    cost a tenth of a second of every load. Node names onnx-ir accepts twice; the IR builder
+    checks those (``_Builder._build_graph``). (One scope: nested bodies are checked on their own.)"""
+    nodes = graph.node
+    names = [node.name for node in nodes if node.name]
+    written = [out for node in nodes for out in node.output if out] + [v.name for v in graph.input]
     if len(set(names)) == len(names) and len(set(written)) == len(written):
         return  # the usual case, in bulk; otherwise find the first clash to name it
     produced: dict[str, str] = {v.name: "a graph input" for v in graph.input}
@@ -1074,8 +1083,15 @@ class _Builder:
             val = graph.add_initializer(self._value(v))
             _fill_const(val, v)
             scope[id(v)] = val
+        names: set[str] = set()
         for n in g:
-            graph.append(self._node(n, scope))
+            node = self._node(n, scope)
+            if node.name:  # (onnx-ir reads a node name given twice; onnxruntime rejects the model)
+                if node.name in names:
+                    raise ModelLoadError(f"graph {g.name!r}: two nodes are named {node.name!r}; node names must be "
+                                         f"unique (onnxruntime rejects the model too): rename one")
+                names.add(node.name)
+            graph.append(node)
         for v in g.outputs:
             if id(v) not in scope:
                 raise ModelLoadError(f"graph {g.name!r}: output {v.name!r} is not produced by any node or input")
