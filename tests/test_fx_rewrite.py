@@ -1736,6 +1736,66 @@ def test_readers_of_an_out_of_range_fill_keep_fp32(capture, how):
     assert {d.op for d in readers} >= ({"add"} if how == "mask" else {"lerp"})
 
 
+class _HoldsABigTensor(nn.Module):
+    """Module tensors holding values past FP16's range, read by infer and clear ops between two
+    Linears: a learned scale of 1e5 (``mul``), a buffer of 70000 concatenated to an activation, a
+    constant tensor symbolic_trace makes of ``torch.full`` (``masked_scatter``); and a causal-mask
+    buffer of -1e9 (a sentinel: saturated it still masks, so its reader may go low)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(16, 16), nn.Linear(16, 16), how
+        self.scale = nn.Parameter(torch.full((16,), 1e5))
+        self.register_buffer("big", torch.full((2, 1, 16), 70000.0))
+        self.register_buffer("mask", torch.triu(torch.full((8, 16), -1e9), 1))
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.how == "mul":
+            h = h * self.scale * 1e-5
+        elif self.how == "cat":
+            h = torch.cat([h, self.big], 1) / 70000.0
+        elif self.how == "masked_scatter":
+            h = h.masked_scatter(h > 0, torch.full((2 * 8 * 16,), 70000.0)) / 70000.0
+        else:
+            h = torch.softmax(h + self.mask, -1)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("how", ["mul", "cat", "masked_scatter"])
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+@pytest.mark.parametrize("training", [False, True])
+def test_readers_of_a_module_tensor_past_the_range_keep_fp32(capture, how, training):
+    """Only number arguments were checked: a parameter, buffer or traced constant holding 1e5 or
+    70000 was converted to FP16 with clamping for its mul/cat/masked_scatter reader, which then
+    overflowed (inf/NaN outputs, a NaN training loss) or came out 5-7% off. Its readers keep FP32
+    now and say why, as readers of such an initializer do on the ONNX side."""
+    torch.manual_seed(0)
+    model = _HoldsABigTensor(how)
+    model.train(training)
+    x = torch.randn(2, 8, 16)
+    result = _dispatch(model, example_inputs=(x,), target="fp16", capture=capture, training=training)
+    result.model.graph.lint()
+    with torch.no_grad():
+        out, ref = result.model(x), model(x)
+    assert torch.isfinite(out).all() and rel_err(out, ref) < TOL["fp16"]
+    readers = [d for d in result.log.decisions.values() if "beyond fp16's finite range" in d.reason]
+    assert readers and all(d.precision == Precision.FP32 for d in readers)
+    assert result.log.weights.clamped == 0
+
+
+def test_a_mask_sentinel_in_a_buffer_does_not_keep_its_reader_fp32():
+    """-1e9 in a mask buffer is a sentinel (saturated to -65504 it still masks): its ``add`` may
+    go low with the softmax input around it, as on the ONNX side."""
+    torch.manual_seed(0)
+    model = _HoldsABigTensor("mask").eval()
+    x = torch.randn(2, 8, 16)
+    result = _dispatch(model, example_inputs=(x,), target="fp16", capture="symbolic_trace")
+    assert not [d for d in result.log.decisions.values() if "beyond fp16's finite range" in d.reason]
+    with torch.no_grad():
+        assert rel_err(result.model(x), model(x)) < TOL["fp16"]
+
+
 class _IntScalars(nn.Module):
     """Out-of-range scalars the check missed: an int literal (``clamp(min=-100000)``,
     ``h * 100000 / 100000``) and a leaf module's attribute (``nn.ConstantPad1d(..., -1e9)``, kept

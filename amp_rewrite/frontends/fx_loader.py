@@ -726,6 +726,7 @@ class _Builder:
         value.const_numel = tensor.numel()
         value.meta["fx.attr"] = target
         self._mark_mutable(value, target)
+        self._note_beyond_range(value, tensor)
         self.graph.add_initializer(value)
         self.attrs[target] = value
         self.values[(node, ())] = value
@@ -739,9 +740,20 @@ class _Builder:
         value.meta["fx.attr"] = qual
         value.meta["fx.module_param"] = (module_target, local)
         self._mark_mutable(value, qual)
+        self._note_beyond_range(value, tensor)
         self.graph.add_initializer(value)
         self.attrs[qual] = value
         return value
+
+    def _note_beyond_range(self, value: Value, tensor: torch.Tensor) -> None:
+        """A module tensor (parameter, buffer, a traced constant) holding a finite value the low type
+        cannot hold (and no mask sentinel): its readers are marked by ``_mark_out_of_range_readers``.
+        A learned scale of 1e5 read by a ``mul`` between two Linears was clamped to 65504 in FP16
+        and the product overflowed; a buffer of 70000 concatenated to an activation came out 6.4%
+        off. (Weights of allow ops are converted with clamping as always, and counted.)"""
+        big = _beyond_range(tensor, self.low) if self.low is not None else None
+        if big is not None:
+            value.meta["fx.out_of_range"] = big
 
     def _mark_mutable(self, value: Value, target: str) -> None:
         """A module tensor the forward writes in place (a running sum, a cache) changes from call to
@@ -1046,9 +1058,10 @@ _HOLDS_THROUGH = _VIEW_OPS | frozenset({
 
 
 def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
-    """Keep FP32 what reads a value beyond the low type's range. A node with such a number
-    (``where(mask, 0.0, -1e5)``, ``full_like(h, 1e5)`` in FP16) keeps its types, and its output
-    holds the number; an infer or clear op reading that output (``h + bias``) went low, so a cast
+    """Keep FP32 what reads a value beyond the low type's range: a module tensor holding one
+    (``_Builder._note_beyond_range``: a parameter, buffer or traced constant), or the output of a
+    node with such a number. That node (``where(mask, 0.0, -1e5)``, ``full_like(h, 1e5)`` in FP16)
+    keeps its types, and its output holds the number; an infer or clear op reading that output (``h + bias``) went low, so a cast
     at run time made the number ±inf (and an all-padding row NaN downstream), where FP32 is exact.
     Such readers, directly or through ops that copy values (views, concatenations, gathers,
     negation, where), are marked as the ONNX frontend marks readers of an out-of-range constant
@@ -1056,7 +1069,8 @@ def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
     cast as always."""
     short = TORCH_TO_DTYPE[low].short
     limit = torch.finfo(low).max
-    holding: dict[int, tuple[str, float]] = {}  # id(value) → (the node with the number, the number)
+    holding: dict[int, tuple[str, float]] = {  # id(value) → (the node or tensor with the number, the number)
+        id(v): (v.name, v.meta["fx.out_of_range"]) for v in graph.initializers.values() if "fx.out_of_range" in v.meta}
     for node in graph.nodes:
         big = node.meta.get("fx.out_of_range")
         if big is not None:
@@ -1066,12 +1080,34 @@ def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
         if found is None:
             continue
         value, (source, big) = found
-        origin = "" if value.producer is not None and value.producer.name == source else f" (from {source!r})"
+        origin = "" if source == value.name or (value.producer is not None and value.producer.name == source) \
+            else f" (from {source!r})"
         node.meta.setdefault("amp.exact_constant", (
             f"reads {value.name!r}, which holds {big:g}{origin}, beyond {short}'s finite range "
-            f"(±{limit:g}): cast to {short} at run time it would be ±inf, so the node keeps FP32"))
+            f"(±{limit:g}): in {short} it would be clamped or become ±inf, so the node keeps FP32"))
         if node.op_type in _HOLDS_THROUGH:
             holding.update((id(v), (source, big)) for v in node.outputs if v.dtype is not None and v.dtype.is_float)
+
+
+# |x| at or above this is a mask sentinel (-1e9, finfo(float32).min): saturated to the low type's
+# limit it still masks (as onnx_constants.SENTINEL: the report counts it, --check expects it)
+_SENTINEL = 1e8
+
+
+def _beyond_range(tensor: torch.Tensor, low: torch.dtype) -> float | None:
+    """The largest finite magnitude in ``tensor`` past ``low``'s range and below a mask sentinel,
+    or None (a tensor without data, on the meta device, is not looked into)."""
+    if not tensor.is_floating_point() or tensor.is_meta or tensor.numel() == 0 or tensor.dtype == low:
+        return None
+    limit = torch.finfo(low).max
+    with torch.no_grad():
+        data = tensor.detach()
+        smallest, largest = torch.aminmax(data)  # (one pass, no copy: most tensors end here)
+        if -limit <= float(smallest) and float(largest) <= limit:
+            return None
+        magnitude = data.abs()
+        beyond = magnitude[(magnitude > limit) & (magnitude < _SENTINEL)]
+        return float(beyond.max()) if beyond.numel() else None
 
 
 def _scalar_out_of_range(node: fx.Node, low: torch.dtype, gm: fx.GraphModule) -> float | None:
