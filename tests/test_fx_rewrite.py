@@ -183,6 +183,27 @@ def test_rewrite_matches_fp32(name, capture, target):
     assert again.model.code == code
 
 
+class _IntArgument(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(16, 16)
+
+    def forward(self, x, n: int = 3):
+        return self.l(x) * n
+
+
+def test_rewriting_an_output_with_a_number_argument_again_needs_no_example_inputs():
+    """A symbolic_trace rewrite of ``forward(self, x, n: int = 3)`` carries its metadata, but the
+    int placeholder has no tensor's (ShapeProp records its type only): rewriting the output again
+    asked for example inputs ('carries no dtype metadata'). It changes nothing now, as for any output."""
+    x = torch.randn(2, 8, 16)
+    gm = amp_rewrite.rewrite(_IntArgument().eval(), example_inputs=(x,), capture="symbolic_trace")
+    again = _dispatch(gm)
+    assert not again.modified and again.model.code == gm.code
+    with torch.no_grad():
+        assert torch.equal(again.model(x, 2), gm(x, 2))
+
+
 @pytest.mark.parametrize("target", ["bf16", "fp16"])
 def test_optimal_placement_keeps_nested_tuple_metadata_true(target):
     """The min-cut runs the LSTM (an infer op) low between the embedding and the head, so its

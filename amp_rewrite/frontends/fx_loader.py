@@ -530,11 +530,20 @@ def _leaves(meta: Any, path: tuple) -> Iterator[tuple[tuple, Any]]:
             yield from _leaves(item, path + (k,))
 
 
+def _described(placeholder: fx.Node) -> bool:
+    """The placeholder has its metadata: a tensor's (or a structure's), or the type ShapeProp
+    recorded for a value that is no tensor (``forward(self, x, n: int = 3)``'s ``n``, which gets
+    no tensor metadata: a rewrite of a rewrite's output, which carries it, asked for example inputs)."""
+    if _node_meta(placeholder) is not None:
+        return True
+    kind = placeholder.meta.get("type")
+    return isinstance(kind, type) and not issubclass(kind, torch.Tensor)
+
+
 def _ensure_metadata(gm: fx.GraphModule, example_inputs: tuple | None, example_kwargs: dict | None) -> None:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     calls = [n for n in gm.graph.nodes if n.op.startswith("call_") and not _produces_nothing(n)]
-    if all(_node_meta(n) is not None for n in placeholders) and (not calls or any(_node_meta(n) is not None
-                                                                                   for n in calls)):
+    if all(_described(n) for n in placeholders) and (not calls or any(_node_meta(n) is not None for n in calls)):
         return
     if example_inputs is None and not example_kwargs:
         raise UsageError("this GraphModule carries no dtype metadata (node.meta['val'] or ['tensor_meta']): pass "
