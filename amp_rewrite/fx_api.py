@@ -719,13 +719,17 @@ def _checked_loss(value: Value, loss_output: int | str) -> Value:
 
 
 def _loss_tail(model: Model, target: str, rules: Any, loss: Value) -> list[str]:
-    """Names of the nodes feeding the loss with no allow op between them and the loss."""
-    from .passes.base import loss_tail
+    """Names of the nodes feeding the loss with no allow op between them and the loss. A node that
+    computes in a low type as given (a rewrite's output rewritten again, whose Linears run through
+    a functional_call the rules do not list) is left out: pinning it changes nothing, and the pin
+    was reported as a user's ``--fp32-nodes`` without effect."""
+    from .passes.base import given_low_type, loss_tail
     from .rulebook import RuleBook, load_rules
 
     book = rules if isinstance(rules, RuleBook) else load_rules([str(r) for r in _as_list("rules", rules)],
                                                                 frontend="torch", target=target)
-    return [n.name for n in loss_tail(model.graph, loss, book) if n.op_type != "Cast" and n.name]
+    return [n.name for n in loss_tail(model.graph, loss, book)
+            if n.op_type != "Cast" and n.name and given_low_type(n) is None]
 
 
 def _explain_tail(ctx: Any, tail: set[str]) -> None:

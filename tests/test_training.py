@@ -1345,3 +1345,28 @@ def test_an_embedding_with_max_norm_renormalises_its_weight_and_trains(training,
             want.backward()
             for mine, theirs in zip(_grads(gm), _grads(ref)):
                 torch.testing.assert_close(mine, theirs, rtol=5e-2, atol=3e-2 * theirs.abs().max().item())
+
+
+def test_rewriting_a_training_output_again_reports_no_pins_of_its_own():
+    """The loss tail (what feeds the loss after the last allow op) is pinned FP32 internally. Rewriting
+    a symbolic_trace training output again found its Linears (functional calls computing in FP16 as
+    given) in that tail, and the summary said '--fp32-nodes 'a/a_2' ... without effect' for pins the
+    user never gave. Nothing is pinned on nodes already low: the second rewrite changes nothing and
+    says nothing of pins."""
+    from amp_rewrite.api import _dispatch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.b(F.relu(self.a(x))), y)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    gm = amp_rewrite.rewrite(Net(), example_inputs=(x, y), training=True, capture="symbolic_trace")
+    again = _dispatch(gm, training=True)
+    assert not again.modified and again.model.code == gm.code
+    assert not [n for n in again.log.notes if "without effect" in n], again.log.notes
+    assert any(n.startswith("as given: 3 nodes") for n in again.log.notes)
