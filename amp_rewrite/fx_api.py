@@ -2,12 +2,11 @@
 
 ``rewrite(model, example_inputs=(x,), target="fp16")`` accepts
 
-- an ``nn.Module``: captured with ``torch.export.export`` (non-strict) when ``example_inputs`` are
-  given, which gives an ATen-level graph with every module traced through; if export fails (data-
-  dependent control flow, unsupported Python), it falls back to ``torch.fx.symbolic_trace`` and says
-  so in the report's notes. ``capture="export"`` or ``capture="symbolic_trace"`` forces one.
-  Without ``example_inputs`` only symbolic_trace is possible, and it needs them anyway to learn
-  dtypes unless the graph already carries metadata;
+- an ``nn.Module``, with ``example_inputs`` (and/or ``example_kwargs``), which it needs to learn
+  every tensor's dtype: captured with ``torch.export.export`` (non-strict), which gives an
+  ATen-level graph with every module traced through; if export fails (data-dependent control flow,
+  unsupported Python), it falls back to ``torch.fx.symbolic_trace`` and says so in the report's
+  notes. ``capture="export"`` or ``capture="symbolic_trace"`` forces one;
 - a ``torch.fx.GraphModule`` from ``symbolic_trace`` (torch level, with call_module leaves such as
   BatchNorm, LSTM and MultiheadAttention) or from ``torch.export`` (``ep.module()``, before or after
   ``run_decompositions()``);
@@ -40,10 +39,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import os
 import re
 import warnings
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -82,6 +82,7 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
         raise UsageError("decompose=True decomposes a torch.export capture into aten ops; symbolic_trace makes "
                          "no such graph: use capture='export' (or 'auto'), or drop decompose")
     example_inputs = _as_tuple(example_inputs)
+    _check_example_inputs(obj, example_inputs, example_kwargs)
     notes: list[str] = []
     before = getattr(getattr(obj, "meta", None), "get", lambda _k: None)("amp_rewrite.log")
     if before is not None and getattr(before, "target", target) != target:
@@ -346,23 +347,18 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
         raise UsageError(f"rewrite_torch takes an nn.Module, a GraphModule or an ExportedProgram, "
                          f"not {type(obj).__name__}")
     export_error: BaseException | None = None
-    if capture in ("auto", "export"):
-        if example_inputs is None and not example_kwargs:
+    if capture in ("auto", "export"):  # (example inputs were checked: rewrite_torch asks for them)
+        try:
+            ep = torch.export.export(obj, tuple(example_inputs or ()), dict(example_kwargs or {}), strict=False)
+            return _module_of(ep, decompose, training), "export"
+        except Exception as exc:  # noqa: BLE001 - export fails in many ways; fall back, say why
             if capture == "export":
-                raise UsageError("capture='export' needs example_inputs")
-            notes.append("no example_inputs: captured with torch.fx.symbolic_trace instead of torch.export")
-        else:
-            try:
-                ep = torch.export.export(obj, tuple(example_inputs or ()), dict(example_kwargs or {}), strict=False)
-                return _module_of(ep, decompose, training), "export"
-            except Exception as exc:  # noqa: BLE001 - export fails in many ways; fall back, say why
-                if capture == "export":
-                    raise UnsupportedModelError(f"torch.export could not capture {type(obj).__name__}: "
-                                                f"{_export_cause(exc)}; {_EXPORT_ADVICE}") from exc
-                export_error = exc
-                notes.append(f"torch.export failed ({first_line(exc, 300)}); fell back to torch.fx.symbolic_trace")
-                warnings.warn(f"amp_rewrite: torch.export failed for {type(obj).__name__} ({first_line(exc, 300)}); "
-                              f"falling back to torch.fx.symbolic_trace", stacklevel=3)
+                raise UnsupportedModelError(f"torch.export could not capture {type(obj).__name__}: "
+                                            f"{_export_cause(exc)}; {_EXPORT_ADVICE}") from exc
+            export_error = exc
+            notes.append(f"torch.export failed ({first_line(exc, 300)}); fell back to torch.fx.symbolic_trace")
+            warnings.warn(f"amp_rewrite: torch.export failed for {type(obj).__name__} ({first_line(exc, 300)}); "
+                          f"falling back to torch.fx.symbolic_trace", stacklevel=3)
     # Tracing runs forward on the module it is given: an attribute forward assigns (self.calls += 1)
     # is set to a Proxy there, and the traced graph shares its submodules. It traces a private copy.
     private = _private_copy(obj)
@@ -377,10 +373,8 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
             raise UnsupportedModelError(
                 f"torch.export could not capture {type(obj).__name__}: {_export_cause(export_error)}; "
                 f"{_EXPORT_ADVICE} (the torch.fx.symbolic_trace fallback failed too: {first_line(exc, 300)})") from exc
-        hint = "; pass example_inputs so torch.export can capture it" if example_inputs is None and not example_kwargs \
-            else ""
         raise UnsupportedModelError(
-            f"torch.fx.symbolic_trace could not trace {type(obj).__name__}: {first_line(exc, 300)}{hint}") from exc
+            f"torch.fx.symbolic_trace could not trace {type(obj).__name__}: {first_line(exc, 300)}") from exc
     from .emitters.fx_emitter import keep_non_persistent, non_persistent_buffers
 
     # symbolic_trace registers every buffer the graph reads as persistent: a RoPE inv_freq too, and
@@ -572,6 +566,32 @@ def _private_copy(gm: torch.nn.Module) -> Any:
             del owner._buffers[attr]
             setattr(owner, attr, tensor)
     return clone
+
+
+def _check_example_inputs(obj: Any, example_inputs: tuple | None, example_kwargs: Any) -> None:
+    """Example inputs a module's forward can take, said before capturing: a list for example_kwargs
+    failed with "'list' object has no attribute 'items'", a module without any with "this
+    GraphModule carries no dtype metadata", and an extra positional input, which torch.export
+    refuses, was dropped by the symbolic_trace fallback without a word."""
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        raise UsageError(f"example_kwargs is a {type(example_kwargs).__name__}: pass a dict of keyword inputs "
+                         f"(parameter name -> value); positional inputs go in example_inputs")
+    if not isinstance(obj, torch.nn.Module) or isinstance(obj, fx.GraphModule):
+        return  # (a GraphModule carries its metadata, or is given inputs to learn it; an ExportedProgram has it)
+    name = type(obj).__name__
+    if example_inputs is None and not example_kwargs:
+        raise UsageError(f"rewriting the nn.Module {name} needs example inputs: pass example_inputs=(x, ...) (its "
+                         f"forward's positional inputs, or one tensor) and/or example_kwargs={{...}}; amp-rewrite "
+                         f"captures the module with them and runs it once to learn every tensor's dtype")
+    try:
+        signature = inspect.signature(obj.forward)
+    except (TypeError, ValueError):
+        return  # (a forward inspect cannot read: torch.export says what does not fit)
+    try:  # (keywords are checked against the graph's placeholders: fx_loader._positional)
+        signature.bind_partial(*(example_inputs or ()))
+    except TypeError as exc:
+        raise UsageError(f"example_inputs holds {len(example_inputs or ())} inputs, which do not fit "
+                         f"{name}.forward{signature}: {exc}") from None
 
 
 def _as_tuple(example_inputs: Any) -> tuple | None:

@@ -1219,6 +1219,25 @@ def test_example_kwargs_cannot_skip_a_parameter_without_default():
         _dispatch(fx.symbolic_trace(Two()), example_inputs=(), example_kwargs={"x": x, "z": x})
 
 
+@pytest.mark.parametrize("case", ["kwargs as a list", "no inputs", "one input too many"])
+def test_example_inputs_that_do_not_fit_the_module_are_said_before_capturing(case):
+    """A list for example_kwargs failed with "'list' object has no attribute 'items'"; an nn.Module
+    given no inputs was told "this GraphModule carries no dtype metadata"; an extra positional input,
+    which torch.export refused, was dropped by the symbolic_trace fallback with a note only (eager
+    raises TypeError)."""
+    model, x = Optional().eval(), torch.randn(2, 8)
+    arguments, expected = {
+        "kwargs as a list": ({"example_inputs": (x,), "example_kwargs": [x]}, r"example_kwargs is a list: pass a dict"),
+        "no inputs": ({}, r"the nn.Module Optional needs example inputs: pass example_inputs="),
+        "one input too many": ({"example_inputs": (x, x, x, x)},
+                               r"example_inputs holds 4 inputs, which do not fit Optional.forward\(x, bias=0.0, "
+                               r"scale=1.0\): too many positional arguments"),
+    }[case]
+    with pytest.raises(UsageError, match=expected):
+        amp_rewrite.rewrite(model, **arguments)
+    assert amp_rewrite.rewrite(model, example_inputs=(x, x, x)) is not None  # (three fit)
+
+
 class VarKw(nn.Module):
     def __init__(self) -> None:
         super().__init__()
