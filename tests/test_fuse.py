@@ -111,6 +111,36 @@ def test_layernorm_opset17_becomes_layernormalization(scale):
     assert {"ReduceMean:m", "Pow:p", "Sqrt:sd", "Div:n", "Add:ln"} <= set(fusion.members)
 
 
+# older torch exports: ``x - mean`` twice, one Sub for the Pow and one for the Div (or the Mul of the
+# reciprocal)
+LAYERNORM_TWIN_SUB = LAYERNORM.replace("n = Div(d, sd)", "d2 = Sub(r, m)\n      n = Div(d2, sd)")
+LAYERNORM_TWIN_SUB_RECIPROCAL = LAYERNORM.replace(
+    "n = Div(d, sd)", "d2 = Sub(r, m)\n      inv = Reciprocal(sd)\n      n = Mul(d2, inv)")
+
+
+@pytest.mark.parametrize("norm", [LAYERNORM_TWIN_SUB, LAYERNORM_TWIN_SUB_RECIPROCAL], ids=["div", "reciprocal"])
+@pytest.mark.parametrize("scale", [1.0, 300.0])
+def test_layernorm_with_a_twin_sub_is_fused_too(norm, scale):
+    """Left unfused, its FP32 island (Cast, then the decomposition) met onnxruntime's own
+    LayerNormFusion, which takes that form too, folds the leading Cast into a LayerNormalization
+    of FP16 X and FP32 scale and then refuses to load it ('bound to different types')."""
+    model = residual_block(norm, 17)
+    result = rewrite(model)
+    node = only(result.model, "LayerNormalization")
+    assert names(node.input) == ["r", "g", "b"]
+    check_fused(model, result, scale=scale)
+    [fusion] = result.log.fusions
+    assert {"Sub:d", "Sub:d2"} <= set(fusion.members)
+
+
+def test_a_second_sub_of_other_operands_is_no_twin():
+    """``r - m`` squared but ``x1 - m`` divided: not a LayerNorm, left as it is."""
+    norm = LAYERNORM.replace("n = Div(d, sd)", "d2 = Sub(x1, m)\n      n = Div(d2, sd)")
+    result = rewrite(residual_block(norm, 17))
+    assert not result.log.fusions and nodes_by_type(result.model, "ReduceMean")
+    full_check(result.model)
+
+
 @pytest.mark.parametrize("scale", [1.0, 300.0])
 def test_layernorm_opset13_after_residual_becomes_skiplayernormalization(scale):
     model = residual_block(LAYERNORM, 13)

@@ -177,9 +177,13 @@ def _match_norm(var_mean: Node) -> _Match | None:
 
 
 def _divide_by(root: Value, d: Value, members: list[Node]) -> Value | None:
-    """``d / root``, ``d * Reciprocal(root)`` or ``d * (1 / root)``: returns the quotient."""
+    """``d / root``, ``d * Reciprocal(root)`` or ``d * (1 / root)``: returns the quotient. The
+    ``d`` divided may be a twin of the one squared: older torch exports compute ``x - mean`` twice
+    (one Sub for the Pow, one for the Div), and that island, left unfused, met onnxruntime's own
+    LayerNormFusion, which folded the island's leading Cast into a LayerNormalization of FP16 X and
+    FP32 scale that its type check then refused ('bound to different types')."""
     div = _only_consumer(root, "Div")
-    if div is not None and div.inputs[1] is root and _source(div.inputs[0]) is _source(d):
+    if div is not None and div.inputs[1] is root and _same_difference(div.inputs[0], d, members):
         members.append(div)
         return div.outputs[0]
     inverse = _only_consumer(root, "Reciprocal")
@@ -188,10 +192,26 @@ def _divide_by(root: Value, d: Value, members: list[Node]) -> Value | None:
     if inverse is None:
         return None
     mul = _only_consumer(inverse.outputs[0], "Mul")
-    if mul is None or _source(_other_input(mul, inverse.outputs[0])) is not _source(d):
+    if mul is None or not _same_difference(_other_input(mul, inverse.outputs[0]), d, members):
         return None
     members += [inverse, mul]
     return mul.outputs[0]
+
+
+def _same_difference(value: Value | None, d: Value, members: list[Node]) -> bool:
+    """``value`` is ``d`` (looked through no-op casts), or a second ``Sub`` of the same two
+    operands as ``d``'s Sub, which then joins ``members``."""
+    if value is None:
+        return False
+    if _source(value) is _source(d):
+        return True
+    twin, sub = _source(value).producer, _source(d).producer
+    if not (_is(twin, "Sub") and _is(sub, "Sub") and sub in members) or twin in members:
+        return False
+    if len(twin.inputs) != 2 or any(_source(a) is not _source(b) for a, b in zip(twin.inputs, sub.inputs)):
+        return False
+    members.append(twin)
+    return True
 
 
 def _match_gelu(cube: Node) -> _Match | None:
