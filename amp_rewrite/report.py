@@ -192,8 +192,8 @@ class Report:
         if self.log.fusions:
             fp32 = [f.node for f in self.log.fusions
                     if f.node in self.log.decisions and self.precision_of(self.log.decisions[f.node]) == "fp32"]
-            lines.append(f"fused: {_fusion_counts(self.log.fusions)} (no FP32 island; "
-                         + (f"now {low})" if not fp32 else
+            lines.append(f"fused: {_fusion_counts(self.log.fusions)} ("
+                         + (f"no FP32 island; now {low})" if not fp32 else
                             f"{len(self.log.fusions) - len(fp32)} now {low}, {len(fp32)} kept FP32: "
                             f"{', '.join(fp32[:3])}{' ...' if len(fp32) > 3 else ''})"))
         lines.append(f"FP32 islands: {s['islands']}")

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import pytest
 
+from amp_rewrite.decisions import Precision
 from amp_rewrite.report import Report
 from tests.util import FP16, FP32, full_check, make_model, nodes_by_type, rel_err, rewrite, run, value_types
 
@@ -399,17 +400,42 @@ def test_fuse_false_keeps_the_island():
 
 
 def test_node_rule_on_a_member_blocks_fusion():
-    result = rewrite(residual_block(LAYERNORM, 17), fp32_nodes=["Sqrt:sd"])
+    """Below opset 17 (no standard LayerNormalization; onnxruntime fuses into its own, which takes
+    mixed types) a pin on a member keeps the decomposition, FP32."""
+    result = rewrite(residual_block(LAYERNORM, 13), fp32_nodes=["Sqrt:sd"])
     assert not result.log.fusions
     assert value_types(result.model)["sd"] == FP32
 
 
-@pytest.mark.parametrize("pin", [{"fp32_nodes": ["Sqrt:sd"]}, {"fp16_nodes": ["Add:ln"]}])
-def test_a_pattern_a_pin_kept_unfused_stays_so_in_a_rewrite_of_the_output(pin):
+@pytest.mark.parametrize("pin", [{"fp32_nodes": ["Sqrt:sd"]}, {"fp32_ops": ["LayerNormalization"]}],
+                         ids=["member pin", "op rule"])
+def test_a_layernorm_kept_fp32_at_opset_17_is_fused_fp32_and_loads(pin):
+    """Left decomposed, the FP32 island (Cast, ReduceMean, Sub, ...) met onnxruntime's own
+    LayerNormFusion, which folded the Cast into a LayerNormalization of FP16 X and FP32 scale and
+    then refused the model ('bound to different types'). It is fused into an FP32
+    LayerNormalization instead, which says why, and a pin naming a member still names it."""
+    model = residual_block(LAYERNORM, 17)
+    result = rewrite(model, **pin)
+    out = result.model
+    full_check(out)
+    node = only(out, "LayerNormalization")
+    [fusion] = result.log.fusions
+    decision = result.log.decisions[fusion.node]
+    assert decision.precision == Precision.FP32 and "fused to stay FP32" in decision.reason
+    assert value_types(out)[node.output[0]] == FP32 and names(node.input) == ["r", "g", "b"]
+    assert not [n for n in result.log.notes if n.startswith("unmatched")]
+    ref, got = run(model, feeds())["y"], run(out, feeds())["y"]  # (onnxruntime, default optimisations)
+    assert rel_err(ref, got) < 1e-2
+    again = rewrite(out)
+    assert not again.modified
+
+
+@pytest.mark.parametrize("pin, opset", [({"fp32_nodes": ["Sqrt:sd"]}, 13), ({"fp16_nodes": ["Add:ln"]}, 17)])
+def test_a_pattern_a_pin_kept_unfused_stays_so_in_a_rewrite_of_the_output(pin, opset):
     """--fp16-nodes on the LayerNorm's last Add kept the pattern unfused, with a Cast before that
     Add; rewriting the output without the flag found a smaller LayerNorm (up to the Cast) and
     fused it. The members are tagged, and a rewrite of the output keeps them as they are."""
-    first = rewrite(residual_block(LAYERNORM, 17), **pin)
+    first = rewrite(residual_block(LAYERNORM, opset), **pin)
     assert not first.log.fusions
     again = rewrite(first.model)
     assert not again.log.fusions and not again.modified

@@ -39,6 +39,13 @@ A pattern is left as it is (painting then makes it an FP32 island, as before) un
 - no member is named by a node rule: a user's ``--fp32-nodes`` / ``--fp16-nodes`` keeps its meaning;
 - the rewrite has something to do: at least one allow op (no allow op → nothing changes).
 
+Except: a LayerNorm at opset 17 or later that one of those keeps from running low (an FP32 node
+rule naming a member, the rules or the kernel table giving LayerNormalization no low form) is
+fused into an FP32 LayerNormalization, Casts around it (``_kept_fp32``). Left decomposed, the
+island's entry Cast is folded by onnxruntime's own LayerNormFusion into a LayerNormalization of
+low-precision X and FP32 scale, and onnxruntime refuses to load the model. ``fuse=False`` still
+keeps the decomposition (and meets that; tests/test_properties.py records it).
+
 The pass lives at the ONNX edge (it reads onnx-ir attributes and constants, makes ONNX and
 onnxruntime ops) and runs for the ONNX frontend before classify, is skipped for training graphs (their
 backward ops read the decomposition's intermediates) and with ``fuse=False``. Every fusion is
@@ -54,9 +61,9 @@ from typing import Any
 
 import onnx
 
-from ..decisions import Category, FusionRecord
+from ..decisions import Category, FusionRecord, Precision
 from ..ir import DType, Graph, Model, Node, Value
-from ..passes.base import Context, PassResult, earlier_pin, node_label, node_names, node_rule_of
+from ..passes.base import Context, PassResult, aliases, earlier_pin, node_label, node_names, node_rule_of
 from ..passes.classify import missing_low_kernel
 from ..passes.place_casts import Namer
 from .onnx_loader import constant_array, schema_slots
@@ -101,12 +108,16 @@ def fuse(model: Model, ctx: Context) -> PassResult:
                 continue  # a pattern across an If/Loop body's boundary: the fused op has one place
             if names is None:  # (node patterns match against every name of the input model)
                 names = node_names(model) if ctx.rules.node_rules() else frozenset()
-            if _pinned(match, ctx, names):
+            fp32 = _kept_fp32(match, scope, ctx, names, shapes)
+            if fp32 is None and _pinned(match, ctx, names):
                 for member in match.members:  # (tagged: rewriting the output keeps the pattern unfused)
                     member.meta["amp.unfused_by_pin"] = True
                 continue
             namer = namer or Namer.for_model(model)
-            removed = _replace(model, scope, match, ctx, namer, position, shapes)
+            removed = _replace(model, scope, match, ctx, namer, position, shapes, fp32=fp32)
+            if fp32 is not None and removed:  # (a pin naming a member still names something: the fused node)
+                model.meta.setdefault("amp.fused_member_names", set()).update(
+                    alias for member in removed for alias in aliases(member))
             gone.update(id(n) for n in removed)
         if gone:
             # one pass over the list, not a list.remove per node: graphs can have 100k nodes
@@ -287,10 +298,14 @@ def _low_capable(ctx: Context, op: str, domain: str, opset: int, *, norm: bool) 
 
 
 def _replace(model: Model, scope: Graph, match: _Match, ctx: Context, namer: Namer,
-             position: dict[int, int], shapes: SymbolicShapes) -> list[Node]:
+             position: dict[int, int], shapes: SymbolicShapes, *, fp32: tuple[str, str] | None = None) -> list[Node]:
     """Put the fused op in place of the pattern; returns the nodes it replaces (none if no fused
-    form is available)."""
-    chosen = _choose(match, scope, ctx, shapes)
+    form is available). ``fp32``: (reason, source) of a LayerNorm fused to stay FP32 (``_kept_fp32``)."""
+    if fp32 is not None:
+        chosen = ("", "LayerNormalization", [v for v in (match.x, match.gamma, match.beta) if v is not None],
+                  {"axis": -1, "epsilon": match.eps})
+    else:
+        chosen = _choose(match, scope, ctx, shapes)
     if chosen is None:
         return []
     domain, op, inputs, attrs = chosen
@@ -342,6 +357,9 @@ def _replace(model: Model, scope: Graph, match: _Match, ctx: Context, namer: Nam
         for graph in model.graph.scopes():
             graph.opsets.setdefault(domain, 1)
     reason = _REASONS[match.kind] + (_ZERO_SKIP_REASON if zero_skip else "")
+    if fp32 is not None:
+        node.meta["amp.fused_fp32"] = fp32
+        reason = f"decomposed LayerNorm fused to stay FP32 ({fp32[0]}): {_FP32_FUSION}"
     ctx.log.fusions.append(FusionRecord(node=node.name, op=node.qualified_op, pattern=match.kind,
                                         members=[node_label(n) for n in removed], reason=reason))
     return removed
@@ -412,6 +430,38 @@ def _closed(match: _Match) -> bool:
             if value.is_graph_output or any(id(n) not in inside for n in value.consumers()):
                 return False
     return True
+
+
+_FP32_FUSION = ("left decomposed, its island is entered through a Cast that onnxruntime's own LayerNormFusion "
+                "folds into a LayerNormalization of low-precision X and FP32 scale, which onnxruntime then refuses "
+                "to load ('bound to different types'); fused here, it computes the same in FP32")
+
+
+def _kept_fp32(match: _Match, scope: Graph, ctx: Context, names: frozenset[str],
+               shapes: SymbolicShapes) -> tuple[str, str] | None:
+    """(reason, source) where a LayerNorm that will not run low is to be fused anyway, into an FP32
+    LayerNormalization: at opset 17 and later, where onnxruntime fuses the decomposition itself
+    (folding the Cast into the island into a node it then refuses), when a user's FP32 node pin
+    names a member, or the rules or kernel table give the fused op no low form (``--fp32-ops
+    LayerNormalization``). A low pin on a member, or a pattern an earlier rewrite left unfused,
+    keeps it as it is."""
+    if match.kind != "LayerNorm" or scope.opsets.get("", 0) < 17 or any(n.meta.get("onnx.unfused") for n in match.members):
+        return None
+    rules = [rule for rule in (node_rule_of(ctx.rules, n, names) for n in match.members) if rule is not None]
+    if any(rule.precision != Precision.FP32 for rule in rules):
+        return None
+    if rules:
+        return f"node rule {rules[0].pattern!r} names its member, keeping it FP32", rules[0].source
+    pins = [earlier_pin(n) for n in match.members if earlier_pin(n)]
+    if pins:
+        return f"an earlier rewrite pinned a member FP32 ({pins[0]})", pins[0]
+    if _choose(match, scope, ctx, shapes) is None:
+        entry = ctx.rules.lookup("LayerNormalization", "", scope.opsets.get("", 0))
+        if entry is not None and entry.category not in _LOW_CAPABLE:
+            return f"the rules keep LayerNormalization FP32: {entry.reason}", entry.source
+        missing = missing_low_kernel(ctx, "LayerNormalization", "", scope.opsets.get("", 0))
+        return (missing or "LayerNormalization has no low-precision form here"), "kernel table"
+    return None
 
 
 def _pinned(match: _Match, ctx: Context, names: frozenset[str]) -> bool:

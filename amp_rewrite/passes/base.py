@@ -155,10 +155,10 @@ def node_rule_of(rules, node: Node, names: Collection[str] = ()):
     wins over a low one matching another. ``names``: :func:`node_names`."""
     if not rules.node_rules():
         return None  # (the usual case: no aliases to build)
-    return rules.node_rule(_aliases(node), names)
+    return rules.node_rule(aliases(node), names)
 
 
-def _aliases(node: Node) -> tuple[str, ...]:
+def aliases(node: Node) -> tuple[str, ...]:
     """The names a node pattern may give ``node``: its name, its label, a body node's scope path,
     and a torch node's module path and each module above it (``encoder.layer.0`` pins what runs
     in that module, ``encoder`` all of the encoder)."""
@@ -187,9 +187,9 @@ def _scope_path(node: Node) -> tuple[str, ...]:
 
 
 def node_names(model: Model) -> frozenset[str]:
-    """Every name a node pattern may give a node of ``model`` (:func:`_aliases`): a pattern equal to
+    """Every name a node pattern may give a node of ``model`` (:func:`aliases`): a pattern equal to
     one of them names that node, not a glob (``RuleBook.node_rule``)."""
-    return frozenset(n for node in model.graph.walk() for n in _aliases(node) if n)
+    return frozenset(n for node in model.graph.walk() for n in aliases(node) if n)
 
 
 def earlier_pin(node: Node) -> str | None:

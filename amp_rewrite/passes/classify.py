@@ -36,6 +36,8 @@ _Verdict = tuple[Category, str, str, RuleEntry | None]
 def classify(model: Model, ctx: Context) -> PassResult:
     verdicts: dict[tuple, _Verdict] = {}  # per (op, domain, opset): the same for every such node
     names = node_names(model) if ctx.rules.node_rules() else frozenset()
+    if names and model.meta.get("amp.fused_member_names"):  # (a pin naming a member of a fused node names it)
+        names |= model.meta["amp.fused_member_names"]
     angles = []  # deny ops whose argument must be precise (Sin, Cos)
     dequantized = []  # DequantizeLinear nodes of constant (weight) data
     to_integer = []  # Casts of a float to an integer or bool type
@@ -440,6 +442,9 @@ def _fix_fp32(node: Node, category: Category, reason: str, source: str) -> None:
 
 
 def _lookup(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], names: frozenset[str]) -> _Verdict:
+    kept = node.meta.get("amp.fused_fp32")  # (onnx_fuse: a LayerNorm fused to stay FP32, and why)
+    if kept is not None:
+        return Category.DENY, f"a decomposed LayerNorm fused to stay FP32: {kept[0]}", kept[1], None
     node_rule = node_rule_of(ctx.rules, node, names)
     if node_rule is not None:
         if node_rule.precision == Precision.FP32:
