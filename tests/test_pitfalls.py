@@ -693,6 +693,30 @@ def test_arithmetic_on_constants_only_that_leaves_fp16_keeps_fp32(k, low):
     assert rel_err(run(model, feeds)["y"], run(emulated, feeds)["y"]) < 1e-2
 
 
+@pytest.mark.parametrize(("attrs", "low", "target"), [
+    ("alpha=100000.0", False, "fp16"), ("beta=100000.0", False, "fp16"), ("alpha=1e-09", False, "fp16"),
+    ("alpha=60000.0, beta=0.5", True, "fp16"), ("alpha=100000.0", True, "bf16")])
+def test_a_gemm_scalar_the_low_type_cannot_hold_keeps_the_gemm_fp32(attrs, low, target):
+    """onnxruntime's CUDA Gemm converts alpha and beta to the data type before calling cuBLAS: an
+    alpha of 1e5 in FP16 is inf (every output inf), 1e-9 is 0. The weights are clamped and counted,
+    the scalars were neither: such a Gemm keeps FP32 with the reason (BF16 holds 1e5)."""
+    model = make_model(f"""
+    <ir_version: 10, opset_import: ["" : 18]>
+    g (float[4,8] x) => (float[4,8] y) {{
+      a = MatMul(x, w)
+      y = Gemm<{attrs}>(a, w2, c)
+    }}""", {"w": (8, 8), "w2": (8, 8), "c": (8,)})
+    result = rewrite(model, target=target)
+    full_check(result.model)
+    decision = result.log.decisions["Gemm:y"]
+    assert (decision.precision == Precision.LOW) is low, decision.reason
+    if not low:
+        assert "attribute" in decision.reason and "converts it to" in decision.reason
+        assert result.log.decisions["MatMul:a"].precision == Precision.LOW
+    again = rewrite(result.model, target=target)
+    assert not again.modified
+
+
 @pytest.mark.parametrize("equation,shape,low", [("ij->", "", False), ("ij->i", "[4]", False), ("ii->", "", False),
                                                 ("ij", "[4,8]", True), ("ij->ji", "[8,4]", True), ("ii->i", "[4]", True)])
 def test_a_one_operand_einsum_that_sums_is_a_reduction_kept_fp32(equation, shape, low):

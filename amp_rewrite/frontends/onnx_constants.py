@@ -53,7 +53,16 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
         if node.domain == "" and node.op_type in ("Cast", "Constant", "Identity"):
             continue
         if ctx.rules.category_of(node.op_type, node.domain, node.opset) == Category.ALLOW:
-            continue  # weights of heavy ops: converted with clamping, counted in the report
+            # weights of heavy ops: converted with clamping, counted in the report; but a scalar
+            # the kernel converts to the low type itself is neither clamped nor counted
+            scalar = _kernel_scalar_lost(node, ctx.low)
+            if scalar is not None:
+                name, value, became = scalar
+                node.meta[KERNEL_SCALAR] = (
+                    f"its {name} attribute {value:g} becomes {became} in {ctx.low.short}, which onnxruntime's CUDA "
+                    f"kernel converts it to before it computes (cuBLAS takes alpha and beta in the data type): "
+                    f"it keeps FP32")
+            continue
         found = _beyond(node, limit, seen, folds)
         if found is None and node.domain == "" and node.op_type in _ARITHMETIC and node.outputs:
             big = _largest(_folded(node.outputs[0], folds), limit)  # (computes it from constants: 300 * 300)
@@ -64,6 +73,39 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
             node.meta[META] = (f"reads {where} holding {value:g}, beyond {short}'s finite range (±{limit:g}): in "
                                f"{short} it would be clamped or overflow, so the node keeps FP32")
     return PassResult("out-of-range constants", modified=False)
+
+
+KERNEL_SCALAR = "amp.kernel_scalar"
+# float attributes an allow op's CUDA kernel converts to the data type before it runs (onnxruntime's
+# Gemm and com.microsoft's FusedMatMul/TransposeMatMul: ToCudaType<T>::FromFloat(alpha_))
+_KERNEL_SCALARS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("", "Gemm"): ("alpha", "beta"), ("com.microsoft", "FusedMatMul"): ("alpha",),
+    ("com.microsoft", "TransposeMatMul"): ("alpha",)}
+
+
+def _kernel_scalar_lost(node: Node, low: DType) -> tuple[str, float, str] | None:
+    """(attribute, value, what it becomes) for a scalar of :data:`_KERNEL_SCALARS` that the low type
+    turns into ±inf or 0 (a Gemm's alpha of 1e5 in FP16: every output inf), or None."""
+    for name in _KERNEL_SCALARS.get((node.domain, node.op_type), ()):
+        data = _attribute(node, name)
+        if data is None or data.size != 1 or not np.isfinite(data).all():
+            continue
+        value = float(data.reshape(-1)[0])
+        with np.errstate(over="ignore"):
+            became = float(np.asarray(value, np.float32).astype(_numpy_type(low)).astype(np.float32))
+        if not np.isfinite(became):
+            return name, value, f"{became:+g}"
+        if became == 0.0 and value != 0.0:
+            return name, value, "0"
+    return None
+
+
+def _numpy_type(low: DType) -> np.dtype:
+    if low == DType.BFLOAT16:
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(np.float16)
 
 
 def _beyond(node: Node, limit: float, seen: dict[int, float | None],

@@ -189,6 +189,8 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
         _fix_fp32(node, category, _QDQ_UNIT, "classify")
         return
     gap = _runtime_gap(node, ctx) if category in (Category.ALLOW, Category.INFER, Category.CLEAR) else None
+    if gap is None and category == Category.ALLOW:  # (onnx_constants.KERNEL_SCALAR: a Gemm's alpha past the range)
+        gap = meta.get("amp.kernel_scalar")
     if gap and node_rule_of(ctx.rules, node, names) is None:  # (a node rule making it low is the user's choice)
         _fix_fp32(node, category, gap, "classify")
         return
