@@ -118,7 +118,7 @@ def _as_proto(model: Any, *, load_data: bool = True) -> onnx.ModelProto:
         except Exception as exc:  # noqa: BLE001 (protobuf raises many kinds)
             from .errors import ModelLoadError
 
-            raise ModelLoadError(f"{model}: cannot read the model for --check: {exc}") from exc
+            raise ModelLoadError(f"{model}: cannot read the model to check it: {exc}") from exc
     if type(model).__module__.startswith("onnx_ir"):
         import onnx_ir as ir
 
@@ -790,6 +790,9 @@ class Overflow:
     root: bool  # none of its inputs had overflowed already
     inserted: bool = False  # an inserted Cast (FP32 -> low): the value was too large for the type
     consumers: list[tuple[str, str]] = field(default_factory=list)  # Casts: (label, op) of low nodes reading it
+    # an If/Loop/Scan root: its inputs (outer values its bodies read too) were fine, so the value
+    # overflowed inside a body, whose values are not exposed; pinning the node itself changes nothing
+    in_body: bool = False
 
     def describe(self, low: str) -> str:
         parts = []
@@ -802,12 +805,13 @@ class Overflow:
         what = ", ".join(parts)
         cast = " (inserted Cast to " + low + (f" feeding {', '.join(c for c, _ in self.consumers[:3])}" if self.consumers else "") \
             + ")" if self.inserted else ""
-        return f"{self.node} ({self.op}){cast} — {what} in {low}; FP32 max |x| {self.fp32_max_abs:.3g}"
+        body = f" (made inside its body: --fp32-nodes '{self.node}.*' pins the body's nodes)" if self.in_body else ""
+        return f"{self.node} ({self.op}){cast} — {what} in {low}; FP32 max |x| {self.fp32_max_abs:.3g}{body}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"node": self.node, "op": self.op, "value": self.value, "nan": self.nan, "pos_inf": self.pos_inf,
                 "neg_inf": self.neg_inf, "fp32_max_abs": _jnum(self.fp32_max_abs), "root": self.root,
-                "inserted_cast": self.inserted}
+                "inserted_cast": self.inserted, "in_body": self.in_body}
 
 
 @dataclass
@@ -824,6 +828,8 @@ class CheckResult:
     evaluations: int = 0
     localised: bool = True
     notes: list[str] = field(default_factory=list)
+    # inputs taken in the low type whose values it cannot hold (--no-keep-io-types): no pin helps
+    beyond_inputs: list[str] = field(default_factory=list)
 
     @property
     def roots(self) -> list[Overflow]:
@@ -855,6 +861,8 @@ class CheckResult:
             parts.append(f"output {w.name!r}: {why}" + (f" ({len(bad) - 1} more outputs fail)" if len(bad) > 1 else ""))
         else:
             parts.append("the outputs are within tolerance but intermediate values overflowed")
+        if self.beyond_inputs:
+            parts.append(self.beyond_inputs[0])
         if self.roots:
             parts.append(f"first overflowing node: {self.roots[0].describe(self.target)}")
         return "check failed: " + "; ".join(parts)
@@ -971,17 +979,18 @@ def compare_output(name: str, ref: Any, got: Any, tolerance: float) -> OutputSta
 
 
 def _localise(low_proto: onnx.ModelProto, low_values: Mapping[str, np.ndarray], exposed: Mapping[str, str],
-              ref: Mapping[str, np.ndarray], target: str
+              ref: Mapping[str, np.ndarray], target: str, bad_inputs: Sequence[str] = ()
               ) -> tuple[list[Overflow], int, list[dict[str, Any]], list[dict[str, Any]]]:
     """Overflowing low-precision values in topological order, values near the limit, and values
-    where mask sentinels saturated to ±inf (not counted as overflow)."""
+    where mask sentinels saturated to ±inf (not counted as overflow). ``bad_inputs``: graph inputs
+    fed values beyond the low type's range (their readers are not where it started)."""
     limit = LIMITS[target]
     by_value = {v: k for k, v in exposed.items()}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for n in low_proto.graph.node:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
-    bad_values: set[str] = set()
+    bad_values: set[str] = set(bad_inputs)
     found: list[Overflow] = []
     total = 0
     near: list[dict[str, Any]] = []
@@ -1015,20 +1024,48 @@ def _localise(low_proto: onnx.ModelProto, low_values: Mapping[str, np.ndarray], 
                 # A Cast of values that stay within the low type's range in FP32 cannot overflow
                 # itself: its input was bad already (an FP32 value behind an If/Loop or the model's
                 # own Cast carries an earlier overflow, and such values are not exposed)
-                root = not any(i in bad_values for i in n.input) and not (n.op_type == "Cast" and ref_max < limit)
+                read = [*n.input, *_outer_reads(n)]  # (an If/Loop/Scan reads outer values in its bodies too)
+                root = not any(i in bad_values for i in read) and not (n.op_type == "Cast" and ref_max < limit)
                 users = [(node_label(c), c.op_type) for c in consumers.get(out, []) if _tags(c).get("precision") == "low"]
                 if len(found) < _MAX_LISTED or root:
                     found.append(Overflow(
                         node=n.name if tags.get("inserted") else node_label(n), op=n.op_type, value=out,
                         fp32_value=ref_name, nan=int((new & np.isnan(got)).sum()),
                         pos_inf=int((new & np.isposinf(got)).sum()), neg_inf=int((new & np.isneginf(got)).sum()),
-                        fp32_max_abs=ref_max, root=root, inserted=inserted, consumers=users))
+                        fp32_max_abs=ref_max, root=root, inserted=inserted, consumers=users,
+                        in_body=root and _has_body(n)))
                 continue
             finite = got[np.isfinite(got) & np.isfinite(want) & (np.abs(want) < SENTINEL)]
             peak = float(np.abs(finite).max()) if finite.size else 0.0
             if peak > NEAR_LIMIT * limit and len(near) < _MAX_LISTED:
                 near.append({"node": node_label(n), "op": n.op_type, "value": out, "max_abs": peak})
     return found, total, near, sentinels
+
+
+def _has_body(node: onnx.NodeProto) -> bool:
+    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+
+
+def _outer_reads(node: onnx.NodeProto) -> list[str]:
+    """The outer-scope values ``node``'s bodies (nested ones included) read: inputs of the node as
+    much as its listed ones, though no edge of the outer graph says so."""
+    reads: list[str] = []
+
+    def walk(graph: onnx.GraphProto, defined: set[str]) -> None:
+        defined = defined | {v.name for v in graph.input} | {t.name for t in graph.initializer} | \
+            {o for n in graph.node for o in n.output}
+        for n in graph.node:
+            reads.extend(i for i in n.input if i and i not in defined)
+            for a in n.attribute:
+                for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else
+                          a.graphs if a.type == onnx.AttributeProto.GRAPHS else []):
+                    walk(g, defined)
+
+    for a in node.attribute:
+        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else
+                  a.graphs if a.type == onnx.AttributeProto.GRAPHS else []):
+            walk(g, set())
+    return reads
 
 
 # ===================================================================================================
@@ -1144,7 +1181,8 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, Any] | str | Path 
     low_proto = _as_proto(low)
     target = target or _target_of(low_proto)
     tolerance = default_tolerance(target) if tolerance is None else tolerance
-    notes = list(ref.notes) + _inputs_beyond_range(ref.input_types, low_proto, ref.feeds)
+    beyond = _inputs_beyond_range(ref.input_types, low_proto, ref.feeds)
+    notes = list(ref.notes) + [note for _, note in beyond]
     run_model: Any = low if isinstance(low, (str, Path)) else low_proto
     feeds = ref.feeds
     emulation: _Emulation | None = None
@@ -1187,7 +1225,8 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, Any] | str | Path 
         if values is not None:
             if not outputs:
                 outputs = {k: v for k, v in values.items() if k in set(ref.outputs)}
-            overflow, total, near, sentinels = _localise(low_proto, values, exposed, ref.values, target)
+            overflow, total, near, sentinels = _localise(low_proto, values, exposed, ref.values, target,
+                                                         [name for name, _ in beyond])
     if emulation is not None:
         notes.append(f"CPU provider: every {target} value is rounded to {target} where it is made and carried as "
                      f"FP32 between nodes, as a GPU computes (onnxruntime's CPU kernels alone skip those roundings)")
@@ -1210,7 +1249,8 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, Any] | str | Path 
     passed = all(o.passed for o in stats) and total == 0
     return CheckResult(passed=passed, tolerance=tolerance, target=target, provider=runner.provider, outputs=stats,
                        overflow=overflow, overflow_total=total, near_limit=near, inputs=ref.inputs,
-                       evaluations=runner.evaluations, localised=localise, notes=notes)
+                       evaluations=runner.evaluations, localised=localise, notes=notes,
+                       beyond_inputs=[note for _, note in beyond])
 
 
 def _compare_other(name: str, want: Any, got: Any, tolerance: float, notes: list[str]) -> list[OutputStats]:
@@ -1234,10 +1274,10 @@ def _compare_other(name: str, want: Any, got: Any, tolerance: float, notes: list
 
 
 def _inputs_beyond_range(before: Mapping[str, int], low_proto: onnx.ModelProto,
-                         feeds: Mapping[str, Any]) -> list[str]:
-    """Notes for inputs the rewritten model takes in FP16/BF16 whose values that type cannot hold:
-    they enter as ±inf, whatever the rewrite did. The rewrite's doing (--no-keep-io-types) where
-    the FP32 model took them (``before``: its input types) in another type."""
+                         feeds: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(name, note) of the inputs the rewritten model takes in FP16/BF16 whose values that type
+    cannot hold: they enter as ±inf, whatever the rewrite did. The rewrite's doing
+    (--no-keep-io-types) where the FP32 model took them (``before``: its input types) in another type."""
     notes = []
     for vi in low_proto.graph.input:
         elem = vi.type.tensor_type.elem_type
@@ -1251,8 +1291,8 @@ def _inputs_beyond_range(before: Mapping[str, int], low_proto: onnx.ModelProto,
         peak = float(np.abs(finite).max()) if finite.size else 0.0
         if peak > LIMITS[kind]:
             why = " (--no-keep-io-types)" if before.get(vi.name) != elem else ""
-            notes.append(f"input {vi.name!r} holds values beyond {kind}'s range (max |x| {peak:.4g}); the rewritten "
-                         f"model takes it in {kind}{why}, so they enter as ±inf")
+            notes.append((vi.name, f"input {vi.name!r} holds values beyond {kind}'s range (max |x| {peak:.4g}); the "
+                                   f"rewritten model takes it in {kind}{why}, so they enter as ±inf"))
     return notes
 
 
@@ -1428,6 +1468,12 @@ def auto_fp32(model: Any, *, inputs: Mapping[str, Any] | str | Path | None = Non
     budget = max_candidates if max_candidates is not None else 2 * math.ceil(math.log2(n_low + 1)) + 5
     with progress.stages([f"candidate {i + 2}" for i in range(budget)], desc="auto-fp32") as stage:
         while not cr.passed and state["candidates"] < budget:
+            if cr.beyond_inputs and not _pin_targets(cr, labels):
+                # an input taken in the low type cannot hold its values (--no-keep-io-types): pinning
+                # nodes FP32 would only end where nothing is low and the rewrite keeps the FP32 model
+                state["stopped"] = (f"{cr.beyond_inputs[0]}; no pin helps: keep the inputs FP32 "
+                                    f"(--keep-io-types)")
+                break
             stage(f"candidate {state['candidates'] + 1}")
             new = _pin_targets(cr, labels)
             if new:
@@ -1451,6 +1497,8 @@ def _pin_targets(cr: CheckResult, labels: Sequence[str]) -> list[tuple[str, str,
     seen = set(labels)
     for o in cr.roots:
         why = f"overflow: {o.describe(cr.target)}"
+        if o.in_body:
+            continue  # (pinning an If/Loop/Scan changes nothing: the bisection finds the node in its body)
         if o.inserted or o.op == "Cast":
             targets = list(o.consumers)
         else:
@@ -1586,9 +1634,12 @@ def check_cli(args: "CliArgs", result: RewriteResult, report: "Report") -> Check
     report.extra["check"] = cr.to_dict()
     _say(args, cr.table())
     if not cr.passed:
-        pin = (f"--fp32-nodes {_exact(cr.roots[0].node)!r}" if cr.roots and not cr.roots[0].inserted else "")
+        pin = (f"--fp32-nodes {_exact(cr.roots[0].node)!r}" if cr.roots and not cr.roots[0].inserted
+               and not cr.roots[0].in_body else "")
         # (--auto-fp32 does not take --training graphs: only the pin applies there)
         suggestions = [s for s in ("--auto-fp32" if not args.training else "", pin) if s]
+        if cr.beyond_inputs and not cr.roots:  # (no pin makes an input's ±inf finite)
+            suggestions = ["--keep-io-types, so the inputs stay FP32"]
         hint = f"; try {' or '.join(suggestions)}" if suggestions and not args.auto_fp32 and not cr.reshaped else ""
         _fail(args, report, outputs, cr.failure_message() + hint)
     return cr

@@ -267,23 +267,30 @@ def _tensor_core_dims(op: str, shapes: list) -> dict[str, Any]:
     b = shapes[1] if len(shapes) > 1 else None
     name, op = op, _TORCH_ALIGNMENT.get(op, op)
     dims: dict[str, Any] = {}
+    # (an operand of unknown shape leaves its dims unknown, not absent: absent, a MatMul reading a
+    # Loop's output counted as aligned on its one known dim)
     if op == "MatMul":
         if a:
             if len(a) >= 2:
                 dims["M"] = _product(a[:-1]) if _folds_batch(name, a, b) else a[-2]
             dims["K"] = a[-1]
+        else:
+            dims["M"] = dims["K"] = None
         if b and len(b) >= 2:
             dims["N"] = b[-1]
+        elif not b:
+            dims["N"] = None
     elif op == "linear":  # x [..., K] times weight [N, K]: one GEMM whose M is x's leading dims flattened
         if a:
             if len(a) >= 2:
                 dims["M"] = _product(a[:-1])
             dims["K"] = a[-1]
-        if b:
-            dims["N"] = b[0]
+        else:
+            dims["M"] = dims["K"] = None
+        dims["N"] = b[0] if b else None
     elif op == "Gemm":
         for label, shape in (("A", a), ("B", b)):
-            for axis, size in enumerate(shape or []):
+            for axis, size in enumerate(shape if shape else [None, None]):
                 dims[f"{label}[{axis}]"] = size
     elif op == "Conv" and b and len(b) >= 2:
         dims["C_out"], dims["C_in/group"] = b[0], b[1]

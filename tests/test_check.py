@@ -870,3 +870,75 @@ def test_a_sequence_input_beside_a_bf16_output_is_refused_in_words():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     with pytest.raises(RuntimeError, match="OrtValue inputs, which cannot hold a sequence"):
         ck.Runner(["CPUExecutionProvider"]).run(model, {"s": [np.ones(2, np.float32)]}, what="running it")
+
+
+def _if_reading_an_overflow(inside: bool) -> onnx.ModelProto:
+    """``inside``: the then-branch overflows itself (a Mul by 3e4 feeding a MatMul); otherwise the
+    main graph's MatMul by 3e4 overflows and the branch reads its (scaled) result from outside."""
+    branch = "big = Mul(a, k)  tm = MatMul(big, w)  tb = Mul(tm, s)" if inside else "tb = MatMul(a, w)"
+    main = "a = MatMul(x, w)" if inside else "m = MatMul(x, wk)  a = Mul(m, s)"
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 8)).astype(np.float32)
+    return make_model(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x, bool c) => (float[2,8] y) {{
+          {main}
+          r = If(c) <
+            then_branch = t () => (float[2,8] tb) {{ {branch} }},
+            else_branch = e () => (float[2,8] eb) {{ eb = Identity(a) }}
+          >
+          y = MatMul(r, w)
+        }}""", {"w": w, "wk": w * 3e4, "k": np.array(3e4, np.float32), "s": np.array(1e-4, np.float32)})
+
+
+def _if_feeds() -> dict:
+    return {"x": np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32) * 2, "c": np.array(True)}
+
+
+def test_an_if_reading_an_overflowed_outer_value_is_no_second_root():
+    """The If reads the main graph's overflowed value inside its branch, which no edge of the main
+    graph shows: it was called a second root ('also: if (If)'), and --auto-fp32 pinned it for nothing."""
+    m = _if_reading_an_overflow(inside=False)
+    runner = ck.Runner(["CPUExecutionProvider"])
+    result = ck.check_models(m, rewrite(m).model, inputs=_if_feeds(), runner=runner)
+    assert not result.passed
+    assert [o.node for o in result.roots] == ["MatMul:m"]
+    auto = ck.auto_fp32(m, inputs=_if_feeds(), runner=runner)
+    assert auto.check.passed and [p["node"] for p in auto.pinned] == ["MatMul:m"]
+
+
+def test_an_overflow_inside_an_if_branch_says_so_and_suggests_no_useless_pin(tmp_path):
+    """The If was named with --fp32-nodes 'if' as the fix, which changes nothing (the overflow is in
+    its branch); --auto-fp32 pinned it first. The root now says the value was made inside its body,
+    the hint pins the body's nodes, and --auto-fp32 goes straight to the body."""
+    m = _if_reading_an_overflow(inside=True)
+    save(m, tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", **_if_feeds())
+    proc = run_cli(["m.onnx", "-o", "o.onnx", "--check", "--inputs", "in.npz"], tmp_path)
+    assert proc.returncode == 8
+    root = "If:r"
+    assert f"first overflowing node: {root} (If)" in proc.stderr and "made inside its body" in proc.stderr
+    assert f"--fp32-nodes '{root}'" not in proc.stderr
+    fixed = run_cli(["m.onnx", "-o", "o.onnx", "--overwrite", "--check", "--inputs", "in.npz",
+                     "--fp32-nodes", f"{root}.*"], tmp_path)
+    assert fixed.returncode == 0, fixed.stderr
+    auto = ck.auto_fp32(m, inputs=_if_feeds(), runner=ck.Runner(["CPUExecutionProvider"]))
+    assert auto.check.passed and root not in {p["node"] for p in auto.pinned}
+
+
+def test_an_input_beyond_range_is_the_failure_not_its_reader(tmp_path):
+    """--no-keep-io-types with an input of 1e5: the MatMul reading it was named the first
+    overflowing node and --fp32-nodes on it suggested (it cannot help), and --auto-fp32 pinned node
+    after node until nothing was low. The input is named in the error line, keeping the inputs FP32
+    is the hint, and --auto-fp32 stops at once."""
+    save(benign_model(), tmp_path / "m.onnx")
+    x = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
+    x[0, 0] = 1e5
+    np.savez(tmp_path / "in.npz", x=x)
+    proc = run_cli(["m.onnx", "-o", "o.onnx", "--check", "--no-keep-io-types", "--inputs", "in.npz"], tmp_path)
+    assert proc.returncode == 8
+    assert "input 'x' holds values beyond fp16's range" in proc.stderr and "--keep-io-types" in proc.stderr
+    assert "first overflowing node" not in proc.stderr and "--fp32-nodes" not in proc.stderr
+    auto = ck.auto_fp32(benign_model(), inputs={"x": x}, keep_io_types=False, runner=ck.Runner(["CPUExecutionProvider"]))
+    assert not auto.check.passed and not auto.pinned and auto.candidates == 1
+    assert any("no pin helps" in n for n in auto.check.notes)

@@ -417,6 +417,32 @@ def test_matmul_with_a_2d_b_folds_the_batch_into_m():
     assert by_out[("B", 16, 16, 16, 16)]["status"] == "aligned"
 
 
+def test_a_matmul_reading_a_value_of_unknown_shape_is_unknown_not_aligned():
+    """A MatMul reading a Loop's output (no shape recorded) had only N in its dims, a multiple of 8,
+    and counted as aligned."""
+    from amp_rewrite.report import _tensor_core_dims
+
+    assert _tensor_core_dims("MatMul", [None, [8, 8]]) == {"M": None, "K": None, "N": 8}
+    assert _tensor_core_dims("linear", [None, None]) == {"M": None, "K": None, "N": None}
+    assert _tensor_core_dims("Gemm", [None, [8, 8]]) == {"A[0]": None, "A[1]": None, "B[0]": 8, "B[1]": 8}
+    model = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[4,8] x, int64 n) => (float[4,8] y) {
+          c = Constant<value = bool {1}>()
+          s = Loop(n, c, x) <
+            body = b (int64 i, bool ci, float[4,8] h) => (bool co, float[4,8] h2) {
+              co = Identity(ci)
+              h2 = Relu(h)
+            }
+          >
+          y = MatMul(s, w)
+        }""", {"w": (8, 8)}, ir_version=9)
+    report = rewrite(model).report
+    (matmul,) = report.alignment()
+    assert matmul["shapes"][0] is None and matmul["status"] == "unknown"  # (inference does not follow the Loop)
+    assert report.summary()["alignment"]["unknown"] == 1
+
+
 def test_summary_text_headline():
     text = rewrite(block_model(), fuse=False).report.summary_text()
     assert "nodes: 11 fp16, 10 fp32" in text
