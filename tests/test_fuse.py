@@ -134,6 +134,54 @@ def test_layernorm_with_a_twin_sub_is_fused_too(norm, scale):
     assert {"Sub:d", "Sub:d2"} <= set(fusion.members)
 
 
+def _layernorm_with_affine(source: str, opset: int) -> tuple[onnx.ModelProto, dict]:
+    """x -> MatMul -> decomposed LayerNorm -> MatMul, gamma and beta from ``source``: graph inputs,
+    or a Squeeze of [1, 8] initializers."""
+    g = np.linspace(0.5, 1.5, 8).astype(np.float32)
+    b = np.linspace(-0.5, 0.5, 8).astype(np.float32)
+    inputs = {"x": feeds()["x"]}
+    if source == "input":
+        head, inits, pre = "float[2,4,8] x, float[8] g, float[8] b", {}, ""
+        inputs = {**inputs, "g": g, "b": b}
+    else:
+        head, inits = "float[2,4,8] x", {"g0": g[None], "b0": b[None], "ax": np.array([0], np.int64)}
+        pre = "g = Squeeze(g0, ax)\n      b = Squeeze(b0, ax)"
+    text = f"""
+    <ir_version: 8, opset_import: ["" : {opset}]>
+    gr ({head}) => (float[2,4,8] y) {{
+      {pre}
+      r = MatMul(x, wq){LAYERNORM}
+      y = MatMul(ln, wo)
+    }}"""
+    weights = {k: v for k, v in W.items() if k not in ("g", "b")}
+    return make_model(text, {**weights, **inits}), inputs
+
+
+@pytest.mark.parametrize("source", ["input", "squeeze"])
+def test_a_layernorm_whose_scale_is_no_constant_is_fused_at_opset_17(source):
+    """gamma and beta as graph inputs, or computed (Squeeze of an initializer): the matcher wanted
+    constants and left the FP32 island, which onnxruntime's LayerNormFusion took anyway (it folds
+    the Squeeze, or takes an input) into a LayerNormalization of FP16 X and FP32 scale that it
+    then refused to load. LayerNormalization takes any scale and bias: the pattern is fused."""
+    model, inputs = _layernorm_with_affine(source, 17)
+    result = rewrite(model)
+    full_check(result.model)
+    node = only(result.model, "LayerNormalization")
+    assert value_types(result.model)[node.output[0]] == FP16
+    ref, got = run(model, inputs)["y"], run(result.model, inputs)["y"]  # (default optimisations)
+    assert rel_err(ref, got) < 1e-2
+    assert not rewrite(result.model).modified
+
+
+def test_below_opset_17_a_scale_that_is_no_constant_keeps_the_island():
+    """The skip ops are chosen for constants only: below opset 17 such a LayerNorm stays an FP32
+    island (onnxruntime fuses it into its own LayerNormalization, which takes mixed types)."""
+    model, inputs = _layernorm_with_affine("input", 13)
+    result = rewrite(model)
+    assert not result.log.fusions and [i.pattern for i in result.log.islands] == ["LayerNorm"]
+    assert rel_err(run(model, inputs)["y"], run(result.model, inputs)["y"]) < 1e-2
+
+
 def test_a_second_sub_of_other_operands_is_no_twin():
     """``r - m`` squared but ``x1 - m`` divided: not a LayerNorm, left as it is."""
     norm = LAYERNORM.replace("n = Div(d, sd)", "d2 = Sub(x1, m)\n      n = Div(d2, sd)")

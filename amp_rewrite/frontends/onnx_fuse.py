@@ -33,7 +33,8 @@ Gelu(approximate="tanh") (opset 20+), else com.microsoft FastGelu.
 A pattern is left as it is (painting then makes it an FP32 island, as before) unless:
 - every intermediate value is read only inside the pattern and is not a graph output;
 - the reductions are over the last axis with keepdims; eps, the exponents and the GELU
-  coefficients are constants of the expected values; gamma and beta are 1-D constants;
+  coefficients are constants of the expected values; gamma and beta are 1-D FP32 tensors
+  (constants for the skip ops; LayerNormalization takes an input or a computed one too);
 - the fused op has a low-precision kernel for the target at that opset (the bundled kernel table)
   and the rule set puts it in a low-capable list (normalisations: marked ``accumulates_fp32``);
 - no member is named by a node rule: a user's ``--fp32-nodes`` / ``--fp16-nodes`` keeps its meaning;
@@ -173,14 +174,14 @@ def _match_norm(var_mean: Node) -> _Match | None:
     normed = _through_casts(normed, members)
     scaled = _only_consumer(normed, "Mul")
     gamma = _other_input(scaled, normed) if scaled else None
-    if gamma is None or not _is_vector_const(gamma, x):
+    if gamma is None or not _is_vector(gamma, x):
         return None
     members.append(scaled)
     out, beta = scaled.outputs[0], None
     if kind == "LayerNorm":
         shift = _only_consumer(out, "Add")
         candidate = _other_input(shift, out) if shift else None
-        if candidate is not None and _is_vector_const(candidate, x):
+        if candidate is not None and _is_vector(candidate, x):
             members.append(shift)
             out, beta = shift.outputs[0], candidate
     members += _input_casts(x, members)
@@ -266,6 +267,9 @@ def _choose(match: _Match, scope: Graph, ctx: Context,
     """(domain, op, inputs, attrs) of the first fused form the model's opsets and the target allow."""
     opset = scope.opsets.get("", 0)
     standard_since = {"LayerNorm": 17, "RMSNorm": 23}.get(match.kind)
+    if standard_since and opset < standard_since and not all(
+            v is None or _constant(v) is not None for v in (match.gamma, match.beta)):
+        return None  # (the skip ops are chosen for a constant scale and bias only)
     skip = _residual_operands(match.x, scope, shapes) if standard_since and opset < standard_since else None
     if standard_since and opset < standard_since and skip is None and _zero_skip_rank(match.x) \
             and opset >= _ZEROS_SINCE:
@@ -659,7 +663,16 @@ def _is_vector_const(value: Value, x: Value) -> bool:
     (a broadcast [1] scale, which the skip ops refuse at run time: 'Last dimension of gamma and
     input does not match'; a longer one must equal the dim for the model to run at all)."""
     value = _constant(value)
-    if value is None or value.dtype != DType.FLOAT or value.shape is None or len(value.shape) != 1:
+    return value is not None and _is_vector(value, x)
+
+
+def _is_vector(value: Value, x: Value) -> bool:
+    """``_is_vector_const`` but for any 1-D FP32 value: a graph input, an initializer a caller may
+    override, or one computed from constants (``Squeeze``, a ``Cast`` from double). The standard
+    LayerNormalization/RMSNormalization take such a scale and bias; the skip ops are only chosen
+    for constants (``_choose``). Left unfused, onnxruntime's LayerNormFusion took such a LayerNorm
+    anyway and made a node of FP16 X and FP32 scale it then refused to load."""
+    if value.dtype != DType.FLOAT or value.shape is None or len(value.shape) != 1:
         return False
     last = x.shape[-1] if x.shape else None
     return value.shape[0] == last if isinstance(last, int) else value.shape[0] != 1
