@@ -143,6 +143,15 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
     _record_decisions(model, ctx)
     verify(model.graph)
     modified = any(r.modified for r in results)
+    if modified and model.frontend == "onnx" and not ctx.options.fuse and model.graph.opsets.get("", 0) >= 17:
+        entered = [i for i in ctx.log.islands if i.pattern == "LayerNorm" and i.casts_in]
+        if entered:  # (frontends/onnx_fuse.py: what fusing it would have avoided)
+            ctx.log.notes.append(
+                f"onnxruntime: {len(entered)} decomposed LayerNorm island(s) entered through a Cast (--no-fuse): "
+                f"onnxruntime's own LayerNormFusion folds that Cast into a LayerNormalization of low-precision X "
+                f"and FP32 scale and then refuses the model at its default optimisation levels (it loads with "
+                f"graph optimisations off); rewrite without --no-fuse to avoid it")
+    return modified
     if modified and model.meta.get("onnx.training_info"):
         ctx.log.notes.append(f"dropped: the model's training_info ({model.meta['onnx.training_info']} "
                              f"TrainingInfoProto) is not in the output: its algorithm binds the FP32 initializers "

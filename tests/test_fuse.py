@@ -441,10 +441,16 @@ def test_escaping_intermediate_blocks_fusion():
     full_check(result.model)
 
 
-def test_fuse_false_keeps_the_island():
-    result = rewrite(residual_block(LAYERNORM, 17), fuse=False)
+@pytest.mark.parametrize("opset", [13, 17])
+def test_fuse_false_keeps_the_island(opset):
+    """At opset 17+ onnxruntime's LayerNormFusion refuses that island (test_properties'
+    test_known_ort_layernorm_fusion_issue): the summary says so, with the way out."""
+    result = rewrite(residual_block(LAYERNORM, opset), fuse=False)
     assert not result.log.fusions
     assert [i.pattern for i in result.log.islands] == ["LayerNorm"]
+    warned = [n for n in result.log.notes if n.startswith("onnxruntime:")]
+    assert bool(warned) is (opset >= 17) and (not warned or "without --no-fuse" in warned[0])
+    assert bool(warned) is ("onnxruntime:" in result.report.summary_text())
 
 
 def test_node_rule_on_a_member_blocks_fusion():
