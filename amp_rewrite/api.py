@@ -151,7 +151,6 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
                 f"onnxruntime's own LayerNormFusion folds that Cast into a LayerNormalization of low-precision X "
                 f"and FP32 scale and then refuses the model at its default optimisation levels (it loads with "
                 f"graph optimisations off); rewrite without --no-fuse to avoid it")
-    return modified
     if modified and model.meta.get("onnx.training_info"):
         ctx.log.notes.append(f"dropped: the model's training_info ({model.meta['onnx.training_info']} "
                              f"TrainingInfoProto) is not in the output: its algorithm binds the FP32 initializers "
