@@ -939,6 +939,7 @@ def test_an_input_beyond_range_is_the_failure_not_its_reader(tmp_path):
     assert proc.returncode == 8
     assert "input 'x' holds values beyond fp16's range" in proc.stderr and "--keep-io-types" in proc.stderr
     assert "first overflowing node" not in proc.stderr and "--fp32-nodes" not in proc.stderr
-    auto = ck.auto_fp32(benign_model(), inputs={"x": x}, keep_io_types=False, runner=ck.Runner(["CPUExecutionProvider"]))
+    auto = ck.auto_fp32(benign_model(), inputs={"x": x}, keep_io_types=False,
+                        runner=ck.Runner(["CPUExecutionProvider"]))
     assert not auto.check.passed and not auto.pinned and auto.candidates == 1
     assert any("no pin helps" in n for n in auto.check.notes)

@@ -449,7 +449,8 @@ def _kept_fp32(match: _Match, scope: Graph, ctx: Context, names: frozenset[str],
     names a member, or the rules or kernel table give the fused op no low form (``--fp32-ops
     LayerNormalization``). A low pin on a member, or a pattern an earlier rewrite left unfused,
     keeps it as it is."""
-    if match.kind != "LayerNorm" or scope.opsets.get("", 0) < 17 or any(n.meta.get("onnx.unfused") for n in match.members):
+    if match.kind != "LayerNorm" or scope.opsets.get("", 0) < 17 or any(
+            n.meta.get("onnx.unfused") for n in match.members):
         return None
     rules = [rule for rule in (node_rule_of(ctx.rules, n, names) for n in match.members) if rule is not None]
     if any(rule.precision != Precision.FP32 for rule in rules):
