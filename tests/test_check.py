@@ -581,17 +581,34 @@ def test_a_zero_dim_is_kept_and_values_beyond_the_input_type_are_refused(tmp_pat
         ck.load_inputs(tmp_path / "in.npz", m)
 
 
-def test_an_input_beyond_fp16_range_is_named_and_stderr_is_one_line(tmp_path):
-    """--no-keep-io-types with an input value of 1e5: numpy's overflow warning reached stderr next to
-    the error line, and the failure blamed the MatMul, not the input FP16 cannot hold."""
-    save(benign_model(), tmp_path / "m.onnx")
+def _input_of_1e5() -> np.ndarray:
     x = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
     x[0, 0] = 1e5
-    np.savez(tmp_path / "in.npz", x=x)
+    return x
+
+
+def test_an_input_beyond_fp16_range_is_named_and_stderr_is_one_line(tmp_path):
+    """--no-keep-io-types with an input value of 1e5: numpy's overflow warning reached stderr next to
+    the error line, and the failure blamed the MatMul, not the input FP16 cannot hold (the error
+    line named the MatMul as the first overflowing node and suggested --fp32-nodes on it, which
+    cannot help). The input is named in the error line, and keeping the inputs FP32 is the hint."""
+    save(benign_model(), tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", x=_input_of_1e5())
     proc = run_cli(["m.onnx", "-o", "o.onnx", "--check", "--no-keep-io-types", "--inputs", "in.npz"], tmp_path)
     assert proc.returncode == 8
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "input 'x' holds values beyond fp16's range (max |x| 1e+05)" in proc.stdout
+    assert "input 'x' holds values beyond fp16's range" in proc.stderr and "--keep-io-types" in proc.stderr
+    assert "first overflowing node" not in proc.stderr and "--fp32-nodes" not in proc.stderr
+
+
+def test_auto_fp32_stops_at_an_input_beyond_range():
+    """It pinned node after node until nothing was low (and the rewrite kept the FP32 model): no
+    pin makes an input's ±inf finite, so it stops at once and says why."""
+    auto = ck.auto_fp32(benign_model(), inputs={"x": _input_of_1e5()}, keep_io_types=False,
+                        runner=ck.Runner(["CPUExecutionProvider"]))
+    assert not auto.check.passed and not auto.pinned and auto.candidates == 1
+    assert any("no pin helps" in n for n in auto.check.notes)
 
 
 def test_onnxruntime_messages_keep_their_detail_on_one_line():
@@ -924,22 +941,3 @@ def test_an_overflow_inside_an_if_branch_says_so_and_suggests_no_useless_pin(tmp
     assert fixed.returncode == 0, fixed.stderr
     auto = ck.auto_fp32(m, inputs=_if_feeds(), runner=ck.Runner(["CPUExecutionProvider"]))
     assert auto.check.passed and root not in {p["node"] for p in auto.pinned}
-
-
-def test_an_input_beyond_range_is_the_failure_not_its_reader(tmp_path):
-    """--no-keep-io-types with an input of 1e5: the MatMul reading it was named the first
-    overflowing node and --fp32-nodes on it suggested (it cannot help), and --auto-fp32 pinned node
-    after node until nothing was low. The input is named in the error line, keeping the inputs FP32
-    is the hint, and --auto-fp32 stops at once."""
-    save(benign_model(), tmp_path / "m.onnx")
-    x = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
-    x[0, 0] = 1e5
-    np.savez(tmp_path / "in.npz", x=x)
-    proc = run_cli(["m.onnx", "-o", "o.onnx", "--check", "--no-keep-io-types", "--inputs", "in.npz"], tmp_path)
-    assert proc.returncode == 8
-    assert "input 'x' holds values beyond fp16's range" in proc.stderr and "--keep-io-types" in proc.stderr
-    assert "first overflowing node" not in proc.stderr and "--fp32-nodes" not in proc.stderr
-    auto = ck.auto_fp32(benign_model(), inputs={"x": x}, keep_io_types=False,
-                        runner=ck.Runner(["CPUExecutionProvider"]))
-    assert not auto.check.passed and not auto.pinned and auto.candidates == 1
-    assert any("no pin helps" in n for n in auto.check.notes)
