@@ -1033,7 +1033,7 @@ def _localise(low_proto: onnx.ModelProto, low_values: Mapping[str, np.ndarray], 
                         fp32_value=ref_name, nan=int((new & np.isnan(got)).sum()),
                         pos_inf=int((new & np.isposinf(got)).sum()), neg_inf=int((new & np.isneginf(got)).sum()),
                         fp32_max_abs=ref_max, root=root, inserted=inserted, consumers=users,
-                        in_body=root and _has_body(n)))
+                        in_body=root and bool(_bodies(n))))
                 continue
             finite = got[np.isfinite(got) & np.isfinite(want) & (np.abs(want) < SENTINEL)]
             peak = float(np.abs(finite).max()) if finite.size else 0.0
@@ -1042,8 +1042,10 @@ def _localise(low_proto: onnx.ModelProto, low_values: Mapping[str, np.ndarray], 
     return found, total, near, sentinels
 
 
-def _has_body(node: onnx.NodeProto) -> bool:
-    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+def _bodies(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs ``node`` holds (an If's branches, a Loop's or Scan's body)."""
+    return [g for a in node.attribute for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else
+                                                 a.graphs if a.type == onnx.AttributeProto.GRAPHS else [])]
 
 
 def _outer_reads(node: onnx.NodeProto) -> list[str]:
@@ -1056,15 +1058,11 @@ def _outer_reads(node: onnx.NodeProto) -> list[str]:
             {o for n in graph.node for o in n.output}
         for n in graph.node:
             reads.extend(i for i in n.input if i and i not in defined)
-            for a in n.attribute:
-                for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else
-                          a.graphs if a.type == onnx.AttributeProto.GRAPHS else []):
-                    walk(g, defined)
+            for body in _bodies(n):
+                walk(body, defined)
 
-    for a in node.attribute:
-        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else
-                  a.graphs if a.type == onnx.AttributeProto.GRAPHS else []):
-            walk(g, set())
+    for body in _bodies(node):
+        walk(body, set())
     return reads
 
 
@@ -1401,10 +1399,8 @@ def _low_nodes(proto: onnx.ModelProto) -> list[tuple[str, str]]:
 
     def walk(graph: onnx.GraphProto) -> None:
         for n in graph.node:
-            for attr in n.attribute:
-                for body in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else
-                             list(attr.graphs) if attr.type == onnx.AttributeProto.GRAPHS else []):
-                    walk(body)
+            for body in _bodies(n):
+                walk(body)
             if _tags(n).get("precision") == "low":
                 out.append((node_label(n), n.op_type))
 

@@ -56,9 +56,10 @@ common name prefix (``/layer.0/LayerNorm/LayerNormalization``), so name patterns
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import onnx
 
@@ -109,13 +110,15 @@ def fuse(model: Model, ctx: Context) -> PassResult:
                 continue  # a pattern across an If/Loop body's boundary: the fused op has one place
             if names is None:  # (node patterns match against every name of the input model)
                 names = node_names(model) if ctx.rules.node_rules() else frozenset()
-            fp32 = _kept_fp32(match, scope, ctx, names, shapes)
+            # the fused form, asked once and only when needed (a skip op's shape proof is not cheap)
+            choose = functools.cache(lambda: _choose(match, scope, ctx, shapes))  # noqa: B023 (used in this iteration)
+            fp32 = _kept_fp32(match, scope, ctx, names, choose)
             if fp32 is None and _pinned(match, ctx, names):
                 for member in match.members:  # (tagged: rewriting the output keeps the pattern unfused)
                     member.meta["amp.unfused_by_pin"] = True
                 continue
             namer = namer or Namer.for_model(model)
-            removed = _replace(model, scope, match, ctx, namer, position, shapes, fp32=fp32)
+            removed = _replace(model, scope, match, ctx, namer, position, choose(), fp32=fp32)
             if fp32 is not None and removed:  # (a pin naming a member still names something: the fused node)
                 model.meta.setdefault("amp.fused_member_names", set()).update(
                     alias for member in removed for alias in aliases(member))
@@ -302,14 +305,13 @@ def _low_capable(ctx: Context, op: str, domain: str, opset: int, *, norm: bool) 
 
 
 def _replace(model: Model, scope: Graph, match: _Match, ctx: Context, namer: Namer,
-             position: dict[int, int], shapes: SymbolicShapes, *, fp32: tuple[str, str] | None = None) -> list[Node]:
+             position: dict[int, int], chosen: tuple | None, *, fp32: tuple[str, str] | None = None) -> list[Node]:
     """Put the fused op in place of the pattern; returns the nodes it replaces (none if no fused
-    form is available). ``fp32``: (reason, source) of a LayerNorm fused to stay FP32 (``_kept_fp32``)."""
+    form is available). ``chosen``: ``_choose``'s form. ``fp32``: (reason, source) of a LayerNorm
+    fused to stay FP32 (``_kept_fp32``), which takes the standard LayerNormalization whatever was chosen."""
     if fp32 is not None:
         chosen = ("", "LayerNormalization", [v for v in (match.x, match.gamma, match.beta) if v is not None],
                   {"axis": -1, "epsilon": match.eps})
-    else:
-        chosen = _choose(match, scope, ctx, shapes)
     if chosen is None:
         return []
     domain, op, inputs, attrs = chosen
@@ -442,7 +444,7 @@ _FP32_FUSION = ("left decomposed, its island is entered through a Cast that onnx
 
 
 def _kept_fp32(match: _Match, scope: Graph, ctx: Context, names: frozenset[str],
-               shapes: SymbolicShapes) -> tuple[str, str] | None:
+               choose: Callable[[], tuple | None]) -> tuple[str, str] | None:
     """(reason, source) where a LayerNorm that will not run low is to be fused anyway, into an FP32
     LayerNormalization: at opset 17 and later, where onnxruntime fuses the decomposition itself
     (folding the Cast into the island into a node it then refuses), when a user's FP32 node pin
@@ -460,7 +462,7 @@ def _kept_fp32(match: _Match, scope: Graph, ctx: Context, names: frozenset[str],
     pins = [earlier_pin(n) for n in match.members if earlier_pin(n)]
     if pins:
         return f"an earlier rewrite pinned a member FP32 ({pins[0]})", pins[0]
-    if _choose(match, scope, ctx, shapes) is None:
+    if choose() is None:  # (``_choose``'s form for it: none low)
         entry = ctx.rules.lookup("LayerNormalization", "", scope.opsets.get("", 0))
         if entry is not None and entry.category not in _LOW_CAPABLE:
             return f"the rules keep LayerNormalization FP32: {entry.reason}", entry.source
