@@ -746,6 +746,7 @@ def _exposed_copy(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, st
             g.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
             exposed[name] = out
     g.node.extend(casts)
+    _expose_holders(g, have, exposed)
     return model, exposed
 
 
@@ -1362,7 +1363,30 @@ def _exposed_names(model: onnx.ModelProto, names: set[str]) -> tuple[onnx.ModelP
                     g.output.append(onnx.helper.make_tensor_value_info(out, onnx.TensorProto.FLOAT, None))
                     have.add(out)
                 exposed[out] = out
+    _expose_holders(g, have, exposed)
     return copy, exposed
+
+
+def _expose_holders(g: onnx.GraphProto, have: set[str], exposed: dict[str, str]) -> None:
+    """Also expose the outputs of the If/Loop/Scan nodes whose bodies run low-precision nodes.
+    Their bodies' values are not exposed, and such a node's outputs are FP32 where its body
+    casts back: an overflow made inside (a body MatMul) surfaced first at a Cast further on,
+    which was blamed (``amp_cast/s/to_fp16``, of a value 0.16 in FP32) with no root found. The
+    outputs go untyped (onnxruntime infers them); a non-float one is skipped when compared."""
+    for n in g.node:
+        if not _holds_low(n):
+            continue
+        for out in n.output:
+            if out and out not in exposed:
+                if out not in have:
+                    g.output.add().name = out
+                    have.add(out)
+                exposed[out] = out
+
+
+def _holds_low(node: onnx.NodeProto) -> bool:
+    """Whether a body ``node`` holds (nested ones included) has a low-precision node."""
+    return any(_tags(n).get("precision") == "low" or _holds_low(n) for body in _bodies(node) for n in body.node)
 
 
 def _run_low(runner: Runner, model: Any, feeds: Mapping[str, Any]) -> dict[str, Any]:

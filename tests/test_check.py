@@ -941,3 +941,46 @@ def test_an_overflow_inside_an_if_branch_says_so_and_suggests_no_useless_pin(tmp
     assert fixed.returncode == 0, fixed.stderr
     auto = ck.auto_fp32(m, inputs=_if_feeds(), runner=ck.Runner(["CPUExecutionProvider"]))
     assert auto.check.passed and root not in {p["node"] for p in auto.pinned}
+
+
+def _loop_overflowing_inside(op: str) -> onnx.ModelProto:
+    """A Loop or Scan whose body overflows (a Mul by 3e4 feeding a MatMul) and scales back down:
+    the holder's output is FP32 (its body casts back), and so is the Mul after it."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 8)).astype(np.float32)
+    inner = "big = Mul(c, k)  tm = MatMul(big, w)  cn = Mul(tm, s)"
+    holder = (f"""r = Loop(n, , a) < body = b (int64 i, bool ci, float[2,8] c) => (bool co, float[2,8] cn) {{
+                   {inner}  co = Identity(ci) }} >""" if op == "Loop" else
+              f"""r, ys = Scan(a, xs) < num_scan_inputs = 1,
+                   body = b (float[2,8] c, float[8] xi) => (float[2,8] cn, float[8] yo) {{
+                   {inner}  yo = Identity(xi) }} >""")
+    return make_model(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x) => (float[2,8] y) {{
+          a = MatMul(x, w)
+          {holder}
+          u = Mul(r, s)
+          y = MatMul(u, w)
+        }}""", {"w": w, "n": np.array(1, np.int64), "xs": np.ones((1, 8), np.float32),
+                "k": np.array(3e4, np.float32), "s": np.array(1e-4, np.float32)})
+
+
+@pytest.mark.parametrize("op", ["Loop", "Scan"])
+def test_an_overflow_inside_a_loop_body_is_blamed_on_the_loop(op, tmp_path):
+    """A Loop's or Scan's outputs are FP32 where its body casts back, and body values are not
+    exposed: the overflow first showed at the inserted Cast after the scaling Mul (0.16 in FP32),
+    which was named as the overflowing node, and no root was found. The holder is the root now,
+    made inside its body, and the hint that pins the body's nodes makes the check pass."""
+    m = _loop_overflowing_inside(op)
+    runner = ck.Runner(["CPUExecutionProvider"])
+    result = ck.check_models(m, rewrite(m).model, inputs={"x": _if_feeds()["x"]}, runner=runner)
+    assert not result.passed
+    root = f"{op}:r"
+    assert [(o.node, o.in_body) for o in result.roots] == [(root, True)]
+    save(m, tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", x=_if_feeds()["x"])
+    fixed = run_cli(["m.onnx", "-o", "o.onnx", "--check", "--inputs", "in.npz", "--fp32-nodes", f"{root}.*"],
+                    tmp_path)
+    assert fixed.returncode == 0, fixed.stderr
+    auto = ck.auto_fp32(m, inputs={"x": _if_feeds()["x"]}, runner=runner)
+    assert auto.check.passed and root not in {p["node"] for p in auto.pinned}
