@@ -166,7 +166,9 @@ def _validate(args: CliArgs) -> None:
             raise OutputError(f"--report {args.report}: is {which}; choose another report path")
         if args.report.is_dir():
             raise OutputError(f"--report {args.report}: is a directory")
-        if args.report.exists() and model.parent in report.parents and report in external_data_files(args.model):
+        # (external data is read next to the path given: a symlinked model reads it beside the link)
+        folders = {model.parent, args.model.absolute().parent.resolve()}
+        if args.report.exists() and folders & set(report.parents) and report in external_data_files(args.model):
             raise OutputError(f"--report {args.report}: is a file the input model reads its external data from; "
                               f"choose another report path")
         if args.report.exists() and not args.overwrite:

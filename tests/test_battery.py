@@ -1482,10 +1482,17 @@ def test_a_constant_stored_in_external_data_is_read_from_the_model_folder(tmp_pa
     assert np.abs(got.astype(np.float64) - ref).max() <= 1e-2 * np.abs(ref).max()
 
 
-def test_report_may_not_overwrite_the_inputs_external_data(tmp_path: Path) -> None:
+@pytest.mark.parametrize("via_symlink", [False, True])
+def test_report_may_not_overwrite_the_inputs_external_data(tmp_path: Path, via_symlink: bool) -> None:
     """--report weights.md --overwrite, with the input's tensors stored in weights.md, replaced the
-    data file with the report: exit 0, and the input no longer loaded."""
+    data file with the report: exit 0, and the input no longer loaded. Given through a symlink in
+    another folder (whose data onnx reads beside the link), the check looked in the folder the link
+    points to and let the report replace the data."""
     save_external(mlp(), tmp_path / "m.onnx", location="weights.md")
+    if via_symlink:
+        (tmp_path / "real").mkdir()
+        (tmp_path / "m.onnx").rename(tmp_path / "real" / "m.onnx")
+        (tmp_path / "m.onnx").symlink_to(Path("real") / "m.onnx")
     before = snapshot(tmp_path)
     proc = run_cli(["m.onnx", "-o", "out.onnx", "--report", "weights.md", "--overwrite"], tmp_path)
     assert proc.returncode == 6 and "external data" in proc.stderr, proc.stderr
