@@ -130,7 +130,10 @@ class LossScaler:
         # a second optimizer stepped on those same gradients would unscale them by the new scale
         self._auto_updated: dict[int, tuple[Any, int]] | None = None
         self._discovered = False
-        self._not_scales: set[int] = set()  # data pointers of saved scalars found to be no module's scale
+        # (data pointer, value) of saved scalars found to be no module's scale: with the value, an address
+        # the allocator hands out again (a per-step loss weight freed, a deep-copied module's scale
+        # buffer placed there) is looked at again, not taken for the scalar that was there before
+        self._not_scales: set[tuple[int, float]] = set()
         if module is not None:
             self.attach(*(module if not isinstance(module, torch.nn.Module) else [module]))
 
@@ -200,16 +203,18 @@ class LossScaler:
             return []
         modules = self._known_modules()
         by_ptr = {m._buffers[BUFFER].data_ptr(): m for m in modules if m._buffers.get(BUFFER) is not None}
-        unknown: set[int] = set()
+        unknown: set[tuple[int, float]] = set()
         muls = _scale_muls(loss.grad_fn, by_ptr, unknown)
-        unknown -= self._not_scales
+        # (a scalar of 1.0 scales nothing: whichever module it belongs to, its gradients are right)
+        unknown = {(ptr, value) for ptr, value in unknown if value != 1.0} - self._not_scales
         if unknown:
             # a scalar saved by a Mul that is no known module's scale: a module rewritten since the
             # scaler last looked (a deep copy, a new rewrite) would go unscaled-out, its gradients
             # carrying the scale twice; look again (once per such scalar)
+            pointers = {ptr for ptr, _ in unknown}
             fresh = {m._buffers[BUFFER].data_ptr(): m for m in self._candidates()
-                     if m._buffers[BUFFER].data_ptr() in unknown}
-            self._not_scales |= unknown - set(fresh)
+                     if m._buffers[BUFFER].data_ptr() in pointers}
+            self._not_scales |= {(ptr, value) for ptr, value in unknown if ptr not in fresh}
             if fresh:
                 by_ptr.update(fresh)
                 modules = modules + list(fresh.values())
@@ -606,13 +611,13 @@ def _no_buffer_message(module: torch.nn.Module) -> str:
             f"(or returns no loss); use scaler.backward(loss) or scaler.scale(loss) without attaching it")
 
 
-def _scale_muls(root: Any, by_ptr: dict[int, Any], unknown: set[int]) -> list[tuple[Any, torch.Tensor]]:
+def _scale_muls(root: Any, by_ptr: dict[int, Any], unknown: set[tuple[int, float]]) -> list[tuple[Any, torch.Tensor]]:
     """(Mul node, the loss-scale buffer it saved) for each in-graph loss-scale node of an autograd
     graph, breadth first from its root. The whole graph outside the scaled modules is searched (a
     loss summed with many terms puts the module's scale node deep: a search cut at a fixed count
     missed it); below a scale node lies its module's own graph, which is not. ``unknown`` collects
-    the data pointers of FP32 scalars other Mul nodes saved (candidates for modules not in
-    ``by_ptr``)."""
+    the data pointers and values of FP32 scalars other Mul nodes saved (candidates for modules not
+    in ``by_ptr``)."""
     seen: set[int] = set()
     queue = deque([root])
     found = []
@@ -629,7 +634,7 @@ def _scale_muls(root: Any, by_ptr: dict[int, Any], unknown: set[int]) -> list[tu
     return found
 
 
-def _saved_buffer(fn: Any, by_ptr: dict[int, Any], unknown: set[int]) -> torch.Tensor | None:
+def _saved_buffer(fn: Any, by_ptr: dict[int, Any], unknown: set[tuple[int, float]]) -> torch.Tensor | None:
     if not type(fn).__name__.startswith("MulBackward"):
         return None
     for attr in ("_saved_other", "_saved_self"):
@@ -641,7 +646,7 @@ def _saved_buffer(fn: Any, by_ptr: dict[int, Any], unknown: set[int]) -> torch.T
             return saved
         if isinstance(saved, torch.Tensor) and saved.dim() == 0 and saved.dtype == torch.float32 \
                 and not saved.requires_grad:
-            unknown.add(saved.data_ptr())
+            unknown.add((saved.data_ptr(), float(saved)))
     return None
 
 

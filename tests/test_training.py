@@ -116,6 +116,33 @@ def test_backward_finds_the_module_and_grads_are_the_fp32_grads():
         torch.testing.assert_close(got, want)
 
 
+def test_a_scale_buffer_placed_where_another_scalar_was_is_still_found():
+    """The scaler remembered the address of each saved scalar it found to be no module's scale (a
+    per-step loss weight), and never looked at that address again. A rewritten module created later
+    (a deep copy) whose scale buffer the allocator put there went unnoticed: the scaler scaled its
+    loss again, unscaled once, and the optimizer got gradients 65536 times too large. Here the
+    second module's buffer is given the weight's very storage, as the allocator would."""
+    x, y = _data()
+    first = ScaledLinear()
+    scaler = LossScaler()
+    opt = torch.optim.SGD(first.parameters(), lr=0.0)
+    weight = torch.tensor(0.5)
+    scaler.backward(first(x, y) * weight)  # the weight: a saved FP32 scalar, found to be no scale
+    scaler.step(opt)
+    opt.zero_grad()
+    second = ScaledLinear()
+    second.load_state_dict(first.state_dict())
+    ref = copy.deepcopy(second)
+    ref.amp_loss_scale.fill_(1.0)
+    ref(x, y).backward()
+    second._buffers["amp_loss_scale"] = weight.fill_(scaler.get_scale())  # (the address the weight had)
+    opt2 = torch.optim.SGD(second.parameters(), lr=0.0)
+    scaler.backward(second(x, y))
+    scaler.unscale_(opt2)
+    for got, want in zip(_grads(second), _grads(ref)):
+        torch.testing.assert_close(got, want)
+
+
 def test_plain_loss_backward_with_an_attached_module():
     x, y = _data()
     model = ScaledLinear()
