@@ -265,7 +265,7 @@ def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *
     with progress.stages(["load", "rewrite", "write"], desc=src_path.name) as stage:
         stage("load")
         model = load_onnx(src_path)
-        _refuse_retarget(model, ctx)
+        _refuse_retarget(model, ctx.options.target)
         source_files = _input_files(model, src_path)
         if dst_path.resolve() in source_files:
             raise OutputError(f"{dst_path}: is a file the input reads its external data from; choose another -o "
@@ -297,7 +297,7 @@ def rewrite_onnx_model(proto: Any, **options: Any) -> RewriteResult:
         return rewrite_training_onnx_model(proto, **{k: v for k, v in options.items() if k != "training"})
     ctx = context_for("onnx", options, "rewrite()")
     model = load_onnx(proto)
-    _refuse_retarget(model, ctx)
+    _refuse_retarget(model, ctx.options.target)
     modified = run_pipeline(model, ctx) or _record_pins(model, ctx)
     if not modified:
         if model.meta.get("onnx.sorted_on_load"):  # ONNX requires topological order: the sorted copy
@@ -330,10 +330,14 @@ def _training_graph(options: dict[str, Any]) -> bool:
     if "loss_scaling" in options and not (options.get("training") and loss):
         raise UsageError("loss_scaling applies to a training graph: pass training=True and loss='<loss output>' "
                          "with it (or drop it)")
+    for key in ("grads", "loss_grad"):  # (they were called unknown options, though the README lists them)
+        if options.get(key) is not None and not (options.get("training") and loss):
+            raise UsageError(f"{key} applies to a training graph: pass training=True and loss='<loss output>' "
+                             f"with it (or drop it)")
     return bool(options.get("training") and loss)
 
 
-def _refuse_retarget(model: Any, ctx: Context) -> None:
+def _refuse_retarget(model: Any, target: str) -> None:
     """A model amp-rewrite already rewrote to one low type, asked for the other: its low nodes
     would stay as they are, and a .bf16 file would hold FP16. Say so instead."""
     import json
@@ -344,9 +348,9 @@ def _refuse_retarget(model: Any, ctx: Context) -> None:
         before = json.loads(props.get("amp_rewrite.report", "{}")).get("target")
     except (ValueError, AttributeError):
         return
-    if before and before != ctx.options.target:
+    if before and before != target:
         raise UsageError(f"this model was rewritten to {before} already (its amp_rewrite metadata says so); "
-                         f"rewrite the FP32 original for {ctx.options.target}")
+                         f"rewrite the FP32 original for {target}")
 
 
 def _dispatch(obj: Any, **options: Any) -> RewriteResult:

@@ -171,6 +171,9 @@ def _rewrite(model: Any, *, loss: str, grads: Any, loss_grad: str | None, option
         raise UsageError("--training keeps graph inputs and outputs FP32 (parameters fed as inputs are the FP32 "
                          "master weights; the loss and gradients must come out FP32): drop --no-keep-io-types")
     options["keep_io_types"] = True
+    from .api import _refuse_retarget
+
+    _refuse_retarget(model, options.get("target", "fp16"))  # (a bf16 training graph given fp16 scaling kept its bf16)
     ir_model = model.origin.model
     plan = _make_plan(model, ir_model, loss, grads, loss_grad, config, _rule_book(options), scaling)
     pins = ["re:" + re.escape(name) for name in plan.tail]

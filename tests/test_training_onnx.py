@@ -437,6 +437,16 @@ def test_errors(setup):
         rewrite_training_onnx_model(twice, loss="loss", grads=GRADS)
 
 
+@pytest.mark.parametrize("first, then", [("bf16", "fp16"), ("fp16", "bf16")])
+def test_a_training_graph_rewritten_to_the_other_low_type_is_refused(setup, first, then):
+    """As an inference rewrite refuses it: a bf16 training graph given fp16 loss scaling kept its
+    bf16 casts and said 'fp16' in its metadata."""
+    _, proto = setup
+    once = rewrite_training_onnx_model(proto, loss="loss", grads=GRADS, target=first, loss_scaling=False).model
+    with pytest.raises(UsageError, match=f"rewritten to {first} already"):
+        rewrite_training_onnx_model(once, loss="loss", grads=GRADS, target=then)
+
+
 def test_training_options_are_checked(setup):
     """training="yes" with loss/grads, dynamic="no" (built the dynamic update), growth_interval=2.7
     (recorded 2.7, built 2), growth_factor="2" and grads=3 (raw TypeErrors), and a loss_grad that
@@ -455,6 +465,11 @@ def test_training_options_are_checked(setup):
             amp_rewrite.rewrite(proto, **options)
     assert training_info(amp_rewrite.rewrite(proto, training=True, loss="loss", grads=GRADS,
                                              growth_interval=np.int64(3)))["config"]["growth_interval"] == 3
+    # grads or loss_grad without loss: they were 'unknown options', in a list that left them out
+    for options in ({"training": True, "grads": GRADS}, {"grads": GRADS}, {"training": True, "loss_grad": "loss_grad"}):
+        key = "grads" if "grads" in options else "loss_grad"
+        with pytest.raises(UsageError, match=f"{key} applies to a training graph: pass training=True and loss="):
+            amp_rewrite.rewrite(proto, **options)
 
 
 def test_a_failed_training_check_suggests_what_applies_and_its_report_names_no_removed_file(tmp_path):
