@@ -7,6 +7,7 @@ Only the standard library is imported here, and the package's ``__init__`` impor
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
@@ -24,6 +25,26 @@ def interrupted_import(exc: BaseException | None) -> bool:
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Hold Ctrl-C and SIGTERM back while an extension module imports, and deliver them after it:
+    onnxruntime's, interrupted inside the numpy import it makes, failed with "import numpy failed",
+    and the run went on without onnxruntime's schemas to a false rule-file error (exit 4)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if held:
+        signal.raise_signal(held[0])  # (to the handler it was meant for: KeyboardInterrupt, the CLI's SIGTERM)
 
 
 def main() -> int:

@@ -993,10 +993,13 @@ def has_ort_schema_only(op: str, domain: str, opset: int | None) -> bool:
 @functools.lru_cache(maxsize=1)
 def _ort_schemas() -> dict[tuple[str, str], tuple]:
     """onnxruntime's registered schemas per (domain, op), oldest first; {} without onnxruntime."""
-    try:
-        from onnxruntime.capi import _pybind_state
+    from .._console import interrupts_held
 
-        schemas = _pybind_state.get_all_operator_schema()
+    try:
+        with interrupts_held():
+            from onnxruntime.capi import _pybind_state
+
+            schemas = _pybind_state.get_all_operator_schema()
     except (ImportError, AttributeError, RuntimeError):
         return {}
     index: dict[tuple[str, str], list] = {}
