@@ -129,6 +129,14 @@ def _validate(args: CliArgs) -> None:
     if args.report is not None and args.report.suffix.lower() not in (".json", *RENDERED_SUFFIXES):
         raise UsageError(f"--report {args.report}: the format comes from the extension: .json, .html (.htm) or "
                          f".md (.markdown)")
+    for path, error, option in ((args.report, OutputError, "--report"), (args.inputs, UsageError, "--inputs")):
+        try:
+            if path is not None:
+                path.stat()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # (a name too long, a loop of links: exists() raises those on Python 3.11)
+            raise error(f"{option} {path}: cannot be opened ({exc.strerror or exc})") from None
     if args.report is not None and not args.report.parent.is_dir():
         # checked before any work: failing after the model is written would leave a stray output
         raise OutputError(f"--report {args.report}: folder {args.report.parent} does not exist")

@@ -425,6 +425,12 @@ def _is_toml(item: Traversable) -> bool:
 
 def _read_toml(path: Path) -> dict[str, Any]:
     shown = str(path)
+    try:
+        path.stat()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # (a name too long, a loop of links: is_file() raises those on Python 3.11)
+        raise RuleFileError(shown, "(file)", f"cannot be opened ({exc.strerror or exc})") from None
     if not path.is_file():
         problem = ("is a directory, not a rule file" if path.is_dir() else
                    "is not a regular file" if path.exists() else "file not found")

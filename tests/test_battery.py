@@ -754,6 +754,29 @@ def case_report_is_a_directory(d: Path) -> Case:
     return Case(["m.onnx", "-o", "out.onnx", "--report", "r.json"], 6, r"r\.json: is a directory", inputs=["m.onnx"])
 
 
+_TOO_LONG = "q" * 300  # (a file name no file system here takes: Path.exists() raised on it)
+
+
+def case_report_name_too_long(d: Path) -> Case:
+    """An internal error (exit 70, 'OSError: [Errno 36] File name too long') for --report, --inputs
+    and --rules alike; -o and the model path said it already."""
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "-o", "o.onnx", "--report", _TOO_LONG + ".json"], 6, r"--report q+\.json: cannot be opened",
+                inputs=["m.onnx"])
+
+
+def case_inputs_name_too_long(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "-o", "o.onnx", "--check", "--inputs", _TOO_LONG + ".npz"], 2,
+                r"--inputs q+\.npz: cannot be opened", inputs=["m.onnx"])
+
+
+def case_rules_name_too_long(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "-o", "o.onnx", "--rules", _TOO_LONG + ".toml"], 4, r"q+\.toml.*cannot be opened",
+                inputs=["m.onnx"])
+
+
 def case_failed_check_keeps_the_previous_output(d: Path) -> Case:
     """--overwrite, then --check fails: the rewritten model goes and the file it replaced comes back
     (it used to be lost: the command left nothing at all)."""
@@ -1221,6 +1244,41 @@ def test_ctrl_c_while_the_cli_starts_is_an_interruption(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", _INTERRUPTED_IMPORT, str(ROOT / "pyproject.toml")], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=300)
     assert (proc.returncode, proc.stderr) == (130, "amp-rewrite: interrupted; no output was written\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+_INTERRUPTED_ORT_IMPORT = """
+import os, signal, sys, time, tomllib
+SIGNAL = getattr(signal, sys.argv[2])
+class Interrupt:  # the signal lands while onnxruntime's extension initialises, which swallows it
+    def find_spec(self, name, path, target=None):
+        if name == "onnxruntime.capi.onnxruntime_pybind11_state":
+            try:
+                os.kill(os.getpid(), SIGNAL)
+                time.sleep(0.2)
+            except KeyboardInterrupt:
+                raise ImportError("import numpy failed")  # (what its C initialisation raises then)
+        return None
+sys.meta_path.insert(0, Interrupt())
+module, _, func = tomllib.load(open(sys.argv[1], "rb"))["project"]["scripts"]["amp-rewrite"].partition(":")
+sys.argv = ["amp-rewrite", "m.onnx", "-o", "o.onnx"]
+entry = getattr(__import__(module, fromlist=[func]), func)
+sys.exit(entry())
+"""
+
+
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_ctrl_c_while_onnxruntime_loads_is_an_interruption(tmp_path: Path, sig: str, code: int) -> None:
+    """A Ctrl-C (or SIGTERM) inside onnxruntime's extension initialisation became its ImportError
+    ('import numpy failed'); the run went on without onnxruntime's schemas and stopped at a false
+    rule-file error ('deny.com.microsoft:QLinearReduceMean: unknown com.microsoft op', exit 4)."""
+    save(mlp(), tmp_path / "m.onnx")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPTED_ORT_IMPORT, str(ROOT / "pyproject.toml"), sig],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == code, proc.stderr
+    assert "unknown com.microsoft op" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
 
 
