@@ -81,6 +81,7 @@ values read across scopes, shared initializers, Shape/Size/Cast consumers (they 
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -185,6 +186,9 @@ class Cost:
     @property
     def total(self) -> int:
         return self.cast_bytes + self.fp32_bytes
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.cast_bytes + other.cast_bytes, self.fp32_bytes + other.fp32_bytes, self.casts + other.casts)
 
 
 class Problem:
@@ -412,8 +416,10 @@ class Problem:
         if sym is not None and all(d not in (None, "", 0) for d in sym):
             shapes.append(sym)  # the fuse pass's inference may follow a shape the loader's lost
         own = shape = None
-        if shapes:
-            own, shape = min(((estimate_numel(s), s) for s in shapes), key=lambda pair: pair[0])
+        if len(shapes) == 1:
+            own, shape = _shape_numel(shapes[0]), shapes[0]
+        elif shapes:
+            own, shape = min(((_shape_numel(s), s) for s in shapes), key=lambda pair: pair[0])
         if depth >= 32:
             return own if own is not None else SYMBOLIC_DIM
         # Each unknown dim counts SYMBOLIC_DIM: a Reshape to (batch, seq, heads, head_dim) that
@@ -631,14 +637,19 @@ class Problem:
         labels = list(self.greedy)
         for i, low in self.fixed.items():
             labels[i] = low
-        outcome = Outcome(self.scope, Cost(0, 0, 0), self.cost(self.greedy), rounds=0,
-                          components=len(self.components))
+        # the scope's cost is the components' plus that of the terms no free node touches (the same
+        # in every labelling): summed, not recounted over the whole scope twice
+        in_components = {id(t) for component in self.components for t in component.terms}
+        fixed_cost = self.cost(self.greedy, terms=[t for t in self.terms if id(t) not in in_components], variables=[])
+        outcome = Outcome(self.scope, fixed_cost, fixed_cost, rounds=0, components=len(self.components))
         for component in self.components:
-            self._solve_component(component, labels, outcome)
-        outcome.cost = self.cost(labels)
+            greedy, final = self._solve_component(component, labels, outcome)
+            outcome.greedy_cost += greedy
+            outcome.cost += final
         return labels, outcome
 
-    def _solve_component(self, component: "_Component", labels: list[bool], outcome: Outcome) -> None:
+    def _solve_component(self, component: "_Component", labels: list[bool], outcome: Outcome) -> tuple[Cost, Cost]:
+        """Label the component's variables; returns its cost under greedy's labels and under ours."""
         variables, terms = component.variables, component.terms
         greedy_cost = self.cost(self.greedy, terms=terms, variables=variables)
         greedy_cast = greedy_cost.cast_bytes
@@ -651,7 +662,7 @@ class Problem:
                 labels[i] = self.greedy[i]
             if not self.round_trip_nodes(labels, variables):
                 outcome.rounds = max(outcome.rounds, 1)
-                return
+                return greedy_cost, greedy_cost
         lexicographic = sum(self.node_bytes[i] for i in variables) + 1
         # the fixed labels the component's cut reads (not a copy of the scope-wide dict per component)
         known = {i: self.fixed[i] for i in _references(component) if i in self.fixed}
@@ -704,10 +715,11 @@ class Problem:
             outcome.rounds = max(outcome.rounds, rounds)
             if hopeless:
                 break
-            if self.cost(labels, terms=terms, variables=variables).cast_bytes <= greedy_cast:
+            cost = self.cost(labels, terms=terms, variables=variables)
+            if cost.cast_bytes <= greedy_cast:
                 outcome.repaired.extend(repaired)
                 outcome.weight = max(outcome.weight, weight)
-                return
+                return greedy_cost, cost
             if within_budget:
                 weights = weights[-1:]
             carried = repaired
@@ -716,6 +728,7 @@ class Problem:
             labels[i] = self.greedy[i]
         outcome.kept_greedy += 1
         outcome.kept_nodes.update(variables)
+        return greedy_cost, greedy_cost
 
     # -- recording -----------------------------------------------------------------------------------
     def apply(self, labels: list[bool], outcome: Outcome, ctx: Context) -> bool:
@@ -848,6 +861,19 @@ def _fresh_dims(shape: tuple) -> int:
     """How many dims onnx's shape inference named afresh because it could not compute them
     (``unk__7``)."""
     return sum(1 for d in shape if isinstance(d, str) and d.startswith("unk__"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_numel(shape: tuple) -> int:
+    return estimate_numel(shape)
+
+
+def _shape_numel(shape) -> int:
+    """:func:`estimate_numel`, read once per distinct shape (a 100k-node graph has a handful)."""
+    try:
+        return _cached_numel(shape)
+    except TypeError:  # (an unhashable shape: a list)
+        return estimate_numel(shape)
 
 
 def estimate_numel(shape: tuple) -> int:
