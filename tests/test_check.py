@@ -16,9 +16,10 @@ import numpy as np
 import onnx
 import pytest
 
-from util import ROOT, make_model, rewrite
+from util import ROOT, full_check, make_model, rel_err, rewrite, run
 
 from amp_rewrite import check as ck
+from amp_rewrite.emulate import emulate_low
 
 # -- models ---------------------------------------------------------------------------------------------
 def overflow_model(sign: float = -1.0, *, named: bool = True) -> onnx.ModelProto:
@@ -74,23 +75,25 @@ def cancel_model() -> onnx.ModelProto:
     return m
 
 
-def masked_attention_model() -> onnx.ModelProto:
+def masked_attention_model(opset: int = 17, bias_input: bool = False) -> onnx.ModelProto:
     """scores + (1 - mask) * finfo(float32).min between two MatMuls: the additive mask is an FP32
-    runtime value cast to FP16, where its -3.4e38 becomes -inf. Expected, not an overflow."""
-    m = make_model("""
-        <ir_version: 8, opset_import: ["" : 17]>
-        g (float[N,8,16] x, float[N,1,8] mask) => (float[N,8,16] y) {
+    runtime value cast to the low type. ``bias_input``: the caller feeds the additive mask itself."""
+    bias = "" if bias_input else "inv = Sub(one, mask)  bias = Mul(inv, big)"
+    unsqueeze = "Unsqueeze<axes = [1]>(bias)" if opset < 13 else "Unsqueeze(bias, one_axis)"
+    m = make_model(f"""
+        <ir_version: 8, opset_import: ["" : {opset}]>
+        g (float[N,8,16] x, float[N,8] {"bias" if bias_input else "mask"}) => (float[N,8,16] y) {{
           q = MatMul(x, wq)
           k = MatMul(x, wk)
           kt = Transpose<perm = [0, 2, 1]>(k)
           s = MatMul(q, kt)
-          inv = Sub(one, mask)
-          bias = Mul(inv, big)
-          sb = Add(s, bias)
-          p = Softmax(sb)
+          {bias}
+          b3 = {unsqueeze}
+          sb = Add(s, b3)
+          p = Softmax<axis = -1>(sb)
           y = MatMul(p, x)
-        }""", {"wq": (16, 16), "wk": (16, 16), "one": np.array(1.0, np.float32),
-               "big": np.array(np.finfo(np.float32).min, np.float32)})
+        }}""", {"wq": (16, 16), "wk": (16, 16), "one": np.array(1.0, np.float32),
+                "big": np.array(np.finfo(np.float32).min, np.float32), "one_axis": np.array([1], np.int64)})
     return m
 
 
@@ -272,14 +275,47 @@ def test_auto_fp32_bisects_an_accuracy_failure_within_budget():
 
 
 def test_mask_sentinels_saturating_to_inf_are_not_overflow():
-    m = masked_attention_model()
+    """An additive mask the caller feeds (FP32 graph input, cast to FP16 at run time): its
+    finfo(float32).min becomes -inf. Expected, not an overflow."""
+    m = masked_attention_model(bias_input=True)
     low = rewrite(m).model
     feeds = {"x": np.random.default_rng(0).standard_normal((1, 8, 16)).astype(np.float32),
-             "mask": np.array([[[1, 1, 1, 1, 1, 1, 0, 0]]], np.float32)}
+             "bias": np.array([[0, 0, 0, 0, 0, 0, 1, 1]], np.float32) * np.finfo(np.float32).min}
     result = ck.check_models(m, low, inputs=feeds)
     assert result.passed, result.table()
     assert not result.overflow
     assert any("sentinel" in n for n in result.notes)
+
+
+@pytest.mark.parametrize("opset", [10, 11, 13, 17])
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_a_mask_sentinel_computed_at_run_time_saturates_before_its_cast(target, opset):
+    """(1 - mask) * finfo(float32).min computed in FP32 and cast to the low type at run time: the
+    Cast made it -inf, and a fully masked row (a padded sequence, a left-padded decoder row) NaN
+    after the softmax, where FP32 gives a finite row. A constant the low type reads is converted
+    offline, which saturates; the run-time value is now clamped to the type's largest value before
+    its Cast (Clip, FP32), and the reason says so."""
+    m = masked_attention_model(opset)
+    result = rewrite(m, target=target)
+    low = result.model
+    full_check(low)
+    if target == "bf16" and opset < 13:  # (no bfloat16 kernels before opset 13: nothing goes low)
+        assert not [n for n in low.graph.node if n.op_type == "Clip"]
+        return
+    clip = next(n for n in low.graph.node if n.op_type == "Clip")
+    assert {p.key: p.value for p in clip.metadata_props}["amp_rewrite.inserted"] == "saturate"
+    record = next(c for c in result.log.casts if c.tensor == "bias")
+    assert "mask sentinel" in record.reason and "clamped to" in record.reason
+    assert rewrite(low, target=target).model.graph == low.graph  # (rewriting it again changes nothing)
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32),
+             "mask": np.array([[1, 1, 1, 1, 1, 1, 0, 0], [0] * 8], np.float32)}  # row 2: fully masked
+    emulated, _ = emulate_low(low)  # (every low value rounded where it is made, as a GPU computes)
+    want, got = run(m, feeds)["y"], run(emulated, feeds)["y"]
+    assert np.isfinite(got).all()
+    # the fully masked row attends to padding only: FP32 averages it (every score is finfo.min
+    # alone), the low type nearly picks one (-65504 + score keeps part of the score); both are
+    # finite, neither is meaningful. The other row is compared.
+    assert rel_err(want[0], got[0]) < ck.default_tolerance(target)
 
 
 def test_generated_inputs_follow_names_and_embedding_tables():

@@ -282,7 +282,7 @@ class _Patcher:
             self._retype_constant_of_shape(new, node.outputs[0].dtype)
         self._convert_literal(new, node)  # (the zero skip's literal, where it is Expanded)
         if node.meta.get("amp.inserted") or (node.op_type == "Cast" and not node.domain):
-            new.metadata_props[TAG + "inserted"] = "cast"
+            new.metadata_props[TAG + "inserted"] = node.meta.get("amp.inserted_kind", "cast")
             new.metadata_props[TAG + "reason"] = node.meta.get("amp.reason", "")
             self._tag_cast(new, node.name)
         elif node.meta.get("amp.category") is not None:
@@ -360,6 +360,8 @@ def _attribute(key: str, value) -> ir.Attr:
         return ir.AttrFloat32(key, value)
     if isinstance(value, str):
         return ir.AttrString(key, value)
+    if isinstance(value, np.ndarray):  # (a Constant's value: the saturation bounds of place_casts)
+        return ir.AttrTensor(key, ir.tensor(value))
     raise TypeError(f"attribute {key!r}: cannot emit a {type(value).__name__}")
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..decisions import CastRecord, Precision
+from ..decisions import CastRecord, Category, Precision
 from ..ir import DType, Graph, Model, Node, Value
 from .base import (Context, PassResult, accepts_any_float, group_inputs, group_outputs, node_label,
                    participates, precision, retypable_io, scope_label)
@@ -71,6 +71,13 @@ class Namer:
         self._last[base] = i
         self.taken.add(name)
         return name
+
+
+# the low types' largest finite values (a mask sentinel cast at run time is clamped to it first)
+_LIMITS = {DType.FLOAT16: 65504.0, DType.BFLOAT16: 3.3895313892515355e38}
+_SENTINEL_SCAN = 1 << 24  # elements: a mask constant is a scalar or a mask, not a weight
+# ops outside the painted categories a sentinel passes through unchanged
+_CARRY_SENTINELS = frozenset({"Cast", "CastLike", "Identity"})
 
 
 @dataclass
@@ -167,6 +174,7 @@ class _Placer:
         # id(node) -> its painted group's input slots: asked for every use, and fixed during the
         # pass (rewiring a use to a cast keeps its slot)
         self._group_inputs: dict[int, list[int]] = {}
+        self._sentinels: dict[int, tuple[str, float] | None] = {}  # id(value) -> a mask sentinel it may hold
 
     # -- driver ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -446,13 +454,20 @@ class _Placer:
         out = Value(out_name, need, value.shape)
         if to_output:
             out.meta["amp.takes_output_of"] = value  # (the emitter moves the output's doc and metadata)
-        cast = Node("Cast", [value], name=self.name(f"amp_cast/{tensor}/to_{need.short}"), attrs={"to": int(need)},
+        anchor = value.producer if value.producer is not None and value.producer.graph is scope else None
+        source, saturated = value, None
+        sentinel = self._sentinel(value) if need == self.low and value.dtype == DType.FLOAT else None
+        if sentinel is not None:
+            source, made = self._saturation(value, tensor, scope)
+            for node in made:
+                scope.insert_after(anchor, node)
+            saturated = sentinel
+        cast = Node("Cast", [source], name=self.name(f"amp_cast/{tensor}/to_{need.short}"), attrs={"to": int(need)},
                     outputs=[out])
         cast.input_groups, cast.output_groups = ["T1"], ["T2"]
         cast.opset = scope.opsets.get("")
         cast.meta.update({"amp.inserted": True, "amp.precision": Precision.NONE, "amp.participates": False,
                           "input_names": ["input"]})
-        anchor = value.producer if value.producer is not None and value.producer.graph is scope else None
         scope.insert_after(anchor, cast)
         for use in uses:
             if use.node is None:
@@ -465,9 +480,88 @@ class _Placer:
             while (own := self._existing_cast(value, need, scope)) is not None:
                 own.set_input(0, out)
         reason = self._cast_reason(value, need, uses, scope)
+        if saturated is not None:
+            where, number = saturated
+            reason += (f"; clamped to ±{_LIMITS[self.low]:g} first (Clip): it may hold the mask sentinel {number:g} "
+                       f"({where}), which a Cast makes ±inf (a fully masked softmax row NaN), where a constant "
+                       f"converted offline saturates")
         self._record(cast.name, replaces or value, value.dtype, need, uses, scope, reason, "inserted")
         cast.meta["amp.reason"] = reason
         self.modified = True
+
+    # -- mask sentinels -----------------------------------------------------------------------------------
+    def _sentinel(self, value: Value, depth: int = 0) -> tuple[str, float] | None:
+        """(where, the number) of a mask sentinel the FP32 ``value`` may hold: a constant of
+        magnitude 1e8 or more that the low type cannot hold (-1e9, finfo(float32).min), read
+        through the FP32 elementwise and copying ops that made ``value`` (``(1 - mask) * fmin``).
+        A constant like it that a low node reads is converted offline, which saturates it; cast at
+        run time it became -inf, and a fully masked row of the softmax after it NaN (a padded
+        sequence, a left-padded decoder row), where FP32 gives a finite row. ONNX graphs only: the
+        torch frontend keeps the readers of such a fill FP32."""
+        if self.model.frontend != "onnx" or value is None or depth > 16:
+            return None
+        key = id(value)
+        if key in self._sentinels:
+            return self._sentinels[key]
+        self._sentinels[key] = None  # (a cycle through a body reads as none)
+        found = self._find_sentinel(value, depth)
+        self._sentinels[key] = found
+        return found
+
+    def _find_sentinel(self, value: Value, depth: int) -> tuple[str, float] | None:
+        from ..frontends.onnx_constants import SENTINEL, _attribute, _largest
+        from ..frontends.onnx_loader import constant_array
+
+        if value.meta.get("amp.was", value.dtype) not in (DType.FLOAT, DType.DOUBLE):
+            return None
+        threshold = max(SENTINEL, _LIMITS[self.low])
+        if value.is_constant:
+            if (value.numel or 0) > _SENTINEL_SCAN:
+                return None
+            big = _largest(constant_array(value), threshold, float("inf"))
+            return (repr(value.name), big) if big is not None else None
+        node = value.producer
+        if node is None or node.domain != "" or precision(node) == Precision.LOW:
+            return None
+        if node.op_type == "ConstantOfShape":
+            big = _largest(_attribute(node, "value"), threshold, float("inf"))
+            return (f"the fill of {node_label(node)}", big) if big is not None else None
+        if node.op_type not in _CARRY_SENTINELS and node.meta.get("amp.category") not in (Category.INFER,
+                                                                                         Category.CLEAR):
+            return None
+        for source in node.inputs:
+            found = self._sentinel(source, depth + 1)
+            if found is not None:
+                return found
+        return None
+
+    def _saturation(self, value: Value, tensor: str, scope: Graph) -> tuple[Value, list[Node]]:
+        """``Clip(value, -max, max)`` in FP32, for the Cast to the low type to read: the nodes, in order."""
+        from ..frontends.onnx_loader import schema_slots
+
+        import numpy as np
+
+        opset = scope.opsets.get("") or 0
+        limit = _LIMITS[self.low]
+        name = self.name(f"amp_saturate/{tensor}")
+        out = Value(self.name(f"{tensor}/amp_saturated"), DType.FLOAT, value.shape)
+        if opset >= 11:  # min and max are inputs
+            bounds = []
+            for side, number in (("min", -limit), ("max", limit)):
+                bound = Value(self.name(f"{name}/{side}"), DType.FLOAT, ())
+                bound.const_numel = 1
+                bound.meta["amp.made_by_fusion"] = True  # (not in the input: weight counts leave it out)
+                bounds.append(Node("Constant", [], name=self.name(f"{name}/{side}"),
+                                   attrs={"value": np.asarray(number, np.float32)}, outputs=[bound]))
+            made = [*bounds, Node("Clip", [value, *(b.outputs[0] for b in bounds)], name=name, outputs=[out])]
+        else:  # Clip-6: attributes
+            made = [Node("Clip", [value], name=name, attrs={"min": -limit, "max": limit}, outputs=[out])]
+        for node in made:
+            node.opset = opset
+            schema_slots(node.op_type, "", opset, len(node.inputs), 1).apply(node)
+            node.meta.update({"amp.inserted": True, "amp.inserted_kind": "saturate", "amp.precision": Precision.NONE,
+                              "amp.participates": False})
+        return out, made
 
     @staticmethod
     def _existing_cast(value: Value, need: DType, scope: Graph) -> Node | None:
