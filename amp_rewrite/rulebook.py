@@ -606,7 +606,11 @@ def _parse_entry(
 def _split_op_name(name: str) -> tuple[str, str] | None:
     """``"com.microsoft:Attention"`` -> (domain, op); a bare name, or one with an empty domain
     (``":Softmax"``), is in the default domain. None when malformed. (Rule files and the command
-    line's --fp16-ops / --fp32-ops read op names alike.)"""
+    line's --fp16-ops / --fp32-ops read op names alike.) ``"domain::Op"``, as the summary and report
+    spell an op (``unlisted ops kept FP32: mydom::Foo``), reads the same: copied into a rule file it
+    was a 'malformed op name'."""
+    if name.count("::") == 1 and ":" not in name.replace("::", ""):
+        name = name.replace("::", ":")
     domain, _, op = name.rpartition(":")
     if not op or ":" in domain:
         return None

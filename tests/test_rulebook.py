@@ -489,7 +489,7 @@ BAD_VALUES = [
     ("replace not bool", "[ruleset]\nreplace = 1\n", "ruleset.replace", "true or false"),
     ("nodes not a list", '[nodes]\nfp32 = "a"\n', "nodes.fp32", "list"),
     ("bad regex", '[nodes]\nfp32 = ["re:(unclosed"]\n', "nodes.fp32", "regular expression"),
-    ("malformed op key", '[deny]\n"a::b" = "x"\n', "deny.a::b", "malformed"),
+    ("malformed op key", '[deny]\n"a:b:c" = "x"\n', "deny.a:b:c", "malformed"),
     ("target mismatch", '[ruleset]\ntarget = "bf16"\n', "ruleset.target", "asks for 'fp16'"),
     ("torch provider", '[ruleset]\nfrontend = "torch"\nprovider = "CUDA"\n', "ruleset.provider", "ONNX"),
     # an unquoted domain op: TOML made tables of its dots, and the error said only "unknown key"
@@ -605,6 +605,15 @@ def test_unknown_torch_op_suggests_the_closest(tmp_path):
 def test_custom_domains_are_not_validated(tmp_path):
     path = write(tmp_path, '[allow]\n"com.example:MyGemm" = "our own GEMM kernel"\n')
     assert load_rules([path]).category_of("MyGemm", "com.example") is Category.ALLOW
+
+
+def test_an_op_spelt_as_the_summary_spells_it_is_read(tmp_path):
+    """The summary lists an unlisted custom op as 'mydom::Foo' and says to classify it in a rule
+    file; pasted there, it was a 'malformed op name'."""
+    path = write(tmp_path, '[infer]\n"com.example::MyOp" = "as the summary spells it"\n')
+    assert load_rules([path]).category_of("MyOp", "com.example") is Category.INFER
+    with pytest.raises(RuleFileError, match="malformed op name"):
+        load_rules([write(tmp_path, '[infer]\n"a::b::MyOp" = "two separators"\n', "bad.toml")])
 
 
 def test_onnx_function_ops_without_kernels_are_known(tmp_path):
