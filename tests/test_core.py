@@ -412,6 +412,32 @@ def test_an_fp32_pin_on_a_node_given_low_is_said_to_change_nothing(tmp_path):
     assert not any(n.startswith("without effect:") for n in fresh.log.notes)
 
 
+def test_a_low_pin_the_kernel_table_or_control_flow_overrides_is_said(tmp_path):
+    """--fp16-nodes / --fp16-ops / a rule file's allow naming Det (no CUDA kernel: onnxruntime runs
+    it on the CPU provider), CumSum at opset 13 (no fp16 kernel) or a Loop (whose boundary types
+    are kept) left the node FP32, rightly, and said so only to --explain."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 13]>
+        g (float[3,4,4] x, int64 n) => (float[3] d, float[3,4,4] c, float[3,4,4] r) {
+          a = MatMul(x, w)
+          d = Det(a)
+          c = CumSum(a, axis)
+          r = Loop(n, , a) < body = b (int64 i, bool ci, float[3,4,4] s) => (bool co, float[3,4,4] t) {
+                t = MatMul(s, w)  co = Identity(ci) } >
+        }""", {"w": (4, 4), "axis": np.array(0, np.int64)})
+    rules = tmp_path / "mine.toml"
+    rules.write_text('[allow]\nCumSum = "mine"\n')
+    result = rewrite(m, fp16_nodes=["Det:d", "Loop:r"], rules=[rules])
+    notes = [n for n in result.log.notes if n.startswith("without effect:")]
+    assert len(notes) == 3, notes
+    assert any("--fp16-nodes 'Det:d' names 1 node(s) that stay FP32" in n and "no kernel for Det" in n for n in notes)
+    assert any("--fp16-nodes 'Loop:r'" in n and "control flow" in n for n in notes)
+    assert any("mine.toml: allow.CumSum names 1 node(s)" in n and "no float16 kernel for CumSum at opset 13" in n
+               for n in notes)
+    assert all(n in result.report.summary_text().splitlines() for n in notes)
+    assert not [n for n in rewrite(m).log.notes if n.startswith("without effect:")]  # (no pins, no notes)
+
+
 @pytest.mark.parametrize("op,attr,extra", [("RandomNormalLike", "dtype", {"dtype": 1, "scale": 1e-6}),
                                            ("RandomUniformLike", "dtype", {"dtype": 1, "high": 1e-6}),
                                            ("RandomNormal", "dtype", {"shape": [4, 4], "scale": 1e-6}),

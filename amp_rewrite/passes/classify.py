@@ -43,8 +43,10 @@ def classify(model: Model, ctx: Context) -> PassResult:
     to_integer = []  # Casts of a float to an integer or bool type
     given_low: dict[str, list[tuple[str, str]]] = {}  # a user's FP32 pin → the nodes it names that are low as given
     fixed: dict[str, list[str]] = {}  # a user's low pin → the nodes it names whose float types the schema fixes
+    overridden: dict[str, list[tuple[str, str]]] = {}  # a user's low pin → (node, why it stays FP32)
     for node in model.graph.walk():
         _classify_node(node, ctx, verdicts, names)
+        _pin_overridden(node, ctx, names, overridden)
         if node.meta.get("amp.fp32_argument"):
             angles.append(node)
         if node.op_type == _QDQ[1] and node.domain in ("", "ai.onnx") and node.meta["amp.participates"]:
@@ -64,6 +66,11 @@ def classify(model: Model, ctx: Context) -> PassResult:
             f"without effect: {pin} names {len(labels)} node(s) that compute in {types} as given (e.g. "
             f"{labels[0][0]!r}): a rewrite keeps the types a model already has, so the pin changes nothing here; "
             f"apply it when rewriting the FP32 original")
+    for pin, found in overridden.items():
+        label, why = found[0]
+        ctx.log.notes.append(
+            f"without effect: {pin} names {len(found)} node(s) that stay FP32 whatever a pin says (e.g. {label!r}: "
+            f"{why})")
     for pin, labels in fixed.items():
         ctx.log.notes.append(
             f"without effect: {pin} names {len(labels)} node(s) whose op schema types their float tensors "
@@ -95,6 +102,32 @@ def _pin_on_fixed_fp32(node: Node, ctx: Context, names: frozenset[str], found: d
     if entry is not None and entry.category == Category.ALLOW and is_user_source(entry.source):
         pin = f"{entry.source} {node.qualified_op!r}" if entry.source.startswith("--") else entry.source
         found.setdefault(pin, []).append(node_label(node))
+
+
+def _pin_overridden(node: Node, ctx: Context, names: frozenset[str], found: dict[str, list[tuple[str, str]]]) -> None:
+    """A user's low pin (``--fp16-nodes``, ``--fp16-ops``, a rule file's allow/infer/clear) naming a
+    node the kernel table, the op's schema or control flow keeps FP32 (Det, which CUDA runs on the
+    CPU provider; CumSum at opset 13; a Loop, whose boundary types are kept): only ``--explain``
+    said the pin had been overridden; collected for a note."""
+    meta = node.meta
+    if meta.get("amp.group") is None or (node.domain == "" and node.op_type in _SOURCES):
+        return
+    control = bool(node.all_subgraphs())
+    if not control and meta.get("amp.source") not in ("kernel table", "op schema"):
+        return
+    rule = node_rule_of(ctx.rules, node, names)
+    if rule is not None:
+        if rule.precision != Precision.FP32 and is_user_source(rule.source):
+            pin = f"{rule.source} {rule.pattern!r}"
+        else:
+            return
+    else:
+        entry = ctx.rules.lookup(node.op_type, node.domain, node.opset)
+        if entry is None or entry.category == Category.DENY or not is_user_source(entry.source):
+            return
+        pin = f"{entry.source} {node.qualified_op!r}" if entry.source.startswith("--") else entry.source
+    why = _CONTROL if control else str(meta.get("amp.reason", "")).split(", so node rule")[0]
+    found.setdefault(pin, []).append((node_label(node), why))
 
 
 def _pin_on_given_low(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], names: frozenset[str],
