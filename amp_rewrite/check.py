@@ -1410,10 +1410,13 @@ def _target_of(proto: onnx.ModelProto) -> str:
 # auto fp32
 # ===================================================================================================
 def _exact(label: str) -> str:
-    """An fp32_nodes pattern matching exactly ``label`` (labels may hold glob characters)."""
+    """An fp32_nodes pattern matching exactly ``label`` (labels may hold glob characters), whose
+    decision names ``--auto-fp32`` as its source."""
+    from .rulebook import PinnedBy
+
     if label.startswith("re:") or set("*?[").intersection(label):
-        return "re:" + re.escape(label)
-    return label
+        return PinnedBy("re:" + re.escape(label), "--auto-fp32")
+    return PinnedBy(label, "--auto-fp32")
 
 
 def _low_nodes(proto: onnx.ModelProto) -> list[tuple[str, str]]:

@@ -789,12 +789,24 @@ def _cli_entry(frontend: str, flag: str, category: Category, name: str) -> RuleE
     return RuleEntry(op, domain, category, f"command line: {flag}", flag)
 
 
+class PinnedBy(str):
+    """A node pattern another flag chose (``--auto-fp32``'s pins ride in ``fp32_nodes``): the
+    decision names that flag as its source, not ``--fp32-nodes``, which the user never passed."""
+
+    flag: str
+
+    def __new__(cls, pattern: str, flag: str) -> "PinnedBy":
+        made = super().__new__(cls, pattern)
+        made.flag = flag
+        return made
+
+
 def _cli_node_rules(patterns: list[str], precision: Precision, flag: str) -> tuple[NodeRule, ...]:
     for pattern in patterns:
         problem = "empty node pattern" if not pattern else _pattern_problem(pattern)
         if problem:
             raise UsageError(f"{flag}: {problem}")
-    return tuple(NodeRule(pattern, precision, flag) for pattern in patterns)
+    return tuple(NodeRule(str(pattern), precision, getattr(pattern, "flag", flag)) for pattern in patterns)
 
 
 # --------------------------------------------------------------------------------------------

@@ -269,6 +269,8 @@ def test_auto_fp32_bisects_an_accuracy_failure_within_budget():
     assert auto.check.passed
     assert sorted(p["node"] for p in auto.pinned) == ["/net/p", "/net/q"]
     assert all("bisection" in p["reason"] for p in auto.pinned)
+    # (the decisions named --fp32-nodes, which the user never passed, as the pins' source)
+    assert {auto.result.log.decisions[p["node"]].source for p in auto.pinned} == {"--auto-fp32"}
     n_low = len(ck._low_nodes(rewrite(m).model))
     assert auto.candidates <= auto.budget == 2 * int(np.ceil(np.log2(n_low + 1))) + 5
     assert auto.evaluations == auto.candidates + 1  # + the FP32 reference run
