@@ -117,7 +117,9 @@ def explain_decision(report: Report, name: str) -> str:
     for i, link in enumerate(chain):
         arrow = "  " if i == 0 else "  ← "
         step = _STEPS.get(link.step, link.step)
-        if link.step == "classify" and not _from_rule(link.source):
+        if link.step == "classify" and link.source == "unlisted":
+            step = "no rule entry names it at its opset: unlisted ops keep FP32"
+        elif link.step == "classify" and not _from_rule(link.source):
             step = ("a check at classification, over its rule entry" if link.source in (None, "", "classify")
                     else f"decided by the {link.source}, over its rule entry")
         lines.append(f"{arrow}{link.node} ({link.op}) {_label(report, link)} [{link.step}: {step}]")

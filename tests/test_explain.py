@@ -183,3 +183,22 @@ def test_an_empty_name_is_refused():
     the main graph), or silently explained the only one."""
     with pytest.raises(UsageError, match="--explain needs a node name"):
         explain_node(ROOT / "models" / "transformer_block_op13.onnx", "")
+
+
+def test_an_op_whose_rule_covers_other_opsets_says_so(tmp_path):
+    """A rule file's Softmax entry ending at opset 10 (it replaces every built-in Softmax entry) left
+    an opset-17 Softmax 'no rule names Softmax', and --explain said 'decided by its rule entry'."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x) => (float[2,8] y) {
+          a = MatMul(x, w)
+          p = Softmax(a)
+          y = MatMul(p, w)
+        }""", {"w": (8, 8)})
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    rules = tmp_path / "old_softmax.toml"
+    rules.write_text('[clear.Softmax]\nreason = "old opsets only"\nuntil = 10\n')
+    text = explain_node(path, "Softmax:p", rules=[rules])
+    assert "no rule covers Softmax at opset 17 (old_softmax.toml: clear.Softmax covers opsets 1 to 10)" in text
+    assert "decided by its rule entry" not in text and "no rule entry names it at its opset" in text

@@ -509,6 +509,12 @@ def _op_verdict(node: Node, ctx: Context) -> _Verdict:
     """What the op rules and the kernel table say of the node's op at its opset."""
     entry = ctx.rules.lookup(node.op_type, node.domain, node.opset)
     if entry is None:
+        others = ctx.rules.lookup(node.op_type, node.domain)  # (an entry for other opsets: a file's range)
+        if others is not None and node.opset is not None:
+            covered = f"{others.since or 1} to {others.until}" if others.until else f"{others.since} on"
+            return (Category.UNLISTED, f"no rule covers {node.qualified_op} at opset {node.opset} ({others.source} "
+                                       f"covers opsets {covered}): kept FP32; extend its range or add an entry "
+                                       f"for this opset", "unlisted", None)
         return (Category.UNLISTED, f"no rule names {node.qualified_op}: kept FP32; classify it in a rule file",
                 "unlisted", None)
     category, reason, source = entry.category, entry.reason, entry.source
