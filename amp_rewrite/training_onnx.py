@@ -156,6 +156,7 @@ class _Plan:
     tail: list[str]
     config: ScaleConfig
     scaling: bool = True
+    unnamed_seed: str | None = None  # the graph's backward seed, when no --grads names its gradients
     modified: bool = True  # False: no loss scaling and the pipeline changed nothing (the input as it was)
 
 
@@ -252,8 +253,14 @@ def _make_plan(model: Any, ir_model: Any, loss: str, grads: Any, loss_grad: str 
             raise UsageError(f"--grads matches {name!r}, which is {kind}: gradients are unscaled in FP32 and must "
                              f"come out FP32 (FP32 master weights); narrow --grads to the FP32 gradient outputs")
     seed = None
+    unnamed_seed = None  # a backward seed the graph has, with no --grads naming the gradients it makes
     if grad_names and scaling:
         seed = _find_seed(graph, ir_model, loss, loss_grad)
+    elif scaling and loss_grad is None:
+        try:
+            unnamed_seed = _find_seed(graph, ir_model, loss, None)
+        except UsageError:
+            pass
     elif loss_grad is not None:
         raise UsageError(f"loss_grad={loss_grad!r}: names the backward seed to multiply by the loss scale, and this "
                          f"rewrite scales nothing (no loss scaling); drop it, or pass loss_scaling=True")
@@ -266,7 +273,8 @@ def _make_plan(model: Any, ir_model: Any, loss: str, grads: Any, loss_grad: str 
         if _name_taken(ir_model.graph, name):
             raise UsageError(f"the model already has a value named {name!r}: it looks rewritten for training already")
     tail = _loss_tail(loss_value, graph, rules)
-    return _Plan(loss=loss, grads=grad_names, seed=seed, tail=tail, config=config, scaling=scaling)
+    return _Plan(loss=loss, grads=grad_names, seed=seed, tail=tail, config=config, scaling=scaling,
+                 unnamed_seed=unnamed_seed)
 
 
 def _scaled_already(ir_model: Any) -> bool:
@@ -392,6 +400,10 @@ def _notes(plan: _Plan, target: str) -> list[str]:
                 f"no loss scaling ({no_scaling_reason(target, 'loss_scaling=True / --loss-scaling')}){grads}"]
     notes = [f"training: loss {plan.loss!r} kept FP32 with {len(plan.tail)} node(s) of its island pinned FP32; "
              f"input {LOSS_SCALE!r} and output {SCALED_LOSS!r} added"]
+    if plan.unnamed_seed is not None:
+        notes.append(f"training: the graph has a backward pass (seed input {plan.unnamed_seed!r}) but --grads names no "
+                     f"gradient output: its gradients are computed without loss scaling (small ones flush to zero "
+                     f"in {target}); name them with --grads to scale and unscale them")
     if plan.grads:
         c = plan.config
         mode = (f"dynamic (x{c.growth_factor} after {c.growth_interval} finite steps, x{c.backoff_factor} on "

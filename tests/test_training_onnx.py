@@ -319,8 +319,13 @@ def test_sgd_loop_in_onnxruntime_converges_like_fp32_and_skips_overflow(setup, t
 # -- variants and errors -------------------------------------------------------------------------------------------
 def test_forward_only_training_rewrite(setup):
     model, proto = setup
-    # without --grads: only loss_scale and scaled_loss; the seed and the gradients are left alone
-    m = rewrite_training_onnx_model(proto, loss="loss", target="fp16").model
+    # without --grads: only loss_scale and scaled_loss; the seed and the gradients are left alone,
+    # and the summary says the gradients the graph computes are not scaled (it said nothing)
+    result = rewrite_training_onnx_model(proto, loss="loss", target="fp16")
+    m = result.model
+    assert any("seed input 'loss_grad'" in n and "--grads names no gradient output" in n
+               for n in result.report.summary_text().splitlines())
+    assert not any("--grads names no" in n for n in rewrite_training_onnx_model(proto, loss="loss", grads=GRADS).log.notes)
     assert [i.name for i in m.graph.input][-1] == LOSS_SCALE
     assert [o.name for o in m.graph.output][-1] == SCALED_LOSS
     assert GROWTH_TRACKER not in {i.name for i in m.graph.input}
