@@ -119,7 +119,18 @@ def main(argv: list[str] | None = None) -> int:
     return TERMINATED if terminated and code == INTERRUPTED else code
 
 
+def _interrupted() -> str:
+    from .commands import COMMITTED
+
+    if COMMITTED:  # (the interrupt came after the output was written and kept)
+        return f"amp-rewrite: interrupted after writing {', '.join(str(p) for p in COMMITTED)}"
+    return "amp-rewrite: interrupted; no output was written"
+
+
 def _main(argv: list[str] | None) -> int:
+    from .commands import COMMITTED
+
+    COMMITTED.clear()  # (main() may run more than once in a process)
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
         code = app(args=argv, prog_name="amp-rewrite", standalone_mode=False)
@@ -133,7 +144,7 @@ def _main(argv: list[str] | None) -> int:
             print(f"amp-rewrite: error: {_one_line(exc.message)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print("amp-rewrite: interrupted; no output was written", file=sys.stderr)
+        print(_interrupted(), file=sys.stderr)
         return INTERRUPTED
     except SystemExit as exc:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 1
@@ -141,7 +152,7 @@ def _main(argv: list[str] | None) -> int:
         from ._console import interrupted_import
 
         if interrupted_import(exc):  # (an import the Ctrl-C landed in: numpy's wraps it in ImportError)
-            print("amp-rewrite: interrupted; no output was written", file=sys.stderr)
+            print(_interrupted(), file=sys.stderr)
             return INTERRUPTED
         click_errors, click_aborts = _click_exception_types()
         if isinstance(exc, click_errors):
@@ -152,7 +163,7 @@ def _main(argv: list[str] | None) -> int:
             return exc.exit_code
         if isinstance(exc, click_aborts):
             if isinstance(exc.__cause__, KeyboardInterrupt):  # (click's own spelling of Ctrl-C)
-                print("amp-rewrite: interrupted; no output was written", file=sys.stderr)
+                print(_interrupted(), file=sys.stderr)
                 return INTERRUPTED
             return 1
         if debug:

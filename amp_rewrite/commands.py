@@ -67,6 +67,11 @@ def _split(ops: list[str], flag: str) -> list[str]:
     return names
 
 
+# the files this process's command wrote and kept: an interrupt after that point (while the summary
+# is printed) said "no output was written" with the output complete on disk
+COMMITTED: list[Path] = []
+
+
 def say(args: CliArgs, text: str) -> None:
     if not args.quiet:
         print(text)
@@ -111,6 +116,7 @@ def run(args: CliArgs) -> None:
             from .report import write_report
 
             write_report(report, args.report)
+    COMMITTED.extend(written)  # (kept from here on: an interrupt now must not say nothing was written)
     say(args, report.summary_text())
     if not result.modified:
         say(args, "nothing to rewrite: the model has no FP32 op that the rules and safety checks let run in low "

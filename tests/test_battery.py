@@ -1429,6 +1429,27 @@ def test_ctrl_c_is_exit_130_and_leaves_the_previous_output(tmp_path: Path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "out.onnx"]
 
 
+def test_ctrl_c_after_the_output_is_kept_says_it_was_written(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A Ctrl-C landing while the summary is printed, after the output was renamed into place and
+    kept, said 'no output was written' (exit 130) with the complete output on disk."""
+    from amp_rewrite.cli import main
+    from amp_rewrite.report import Report
+
+    save(mlp(), tmp_path / "m.onnx")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Report, "summary_text", interrupted)
+    code = main([str(tmp_path / "m.onnx"), "-o", str(tmp_path / "out.onnx")])
+    assert code == 130
+    assert capsys.readouterr().err.strip() == f"amp-rewrite: interrupted after writing {tmp_path / 'out.onnx'}"
+    onnx.checker.check_model(onnx.load(str(tmp_path / "out.onnx")), full_check=True)
+    monkeypatch.undo()
+    assert main([str(tmp_path / "m.onnx"), "-o", str(tmp_path / "out.onnx")]) == 6  # (exists: nothing written)
+    assert "interrupted" not in capsys.readouterr().err
+
+
 def test_sigterm_cleans_up_like_ctrl_c_and_exits_143(tmp_path: Path, monkeypatch, capsys) -> None:
     """SIGTERM (kill, timeout, a job scheduler) had no handler: the process died where it stood,
     leaving its temporary folder (a partial data file) and the files --overwrite had set aside.
