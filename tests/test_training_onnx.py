@@ -921,3 +921,20 @@ def test_training_report_cast_records_follow_the_loss_scale_nodes():
     assert grad["consumers"] == ["amp_train/Mul_2"] and "keep_io_types" not in grad["reason"]
     assert "unscaled" in grad["reason"]
     assert Report.from_model(out).to_dict()["casts"] == result.report.to_dict()["casts"]
+
+
+def test_make_training_graph_says_in_one_line_why_neither_exporter_could(capsys, tmp_path, monkeypatch):
+    """A Conv's backward has no ONNX export in either exporter: the command line printed four
+    chained tracebacks. It prints both exporters' reasons in one line and exits 1."""
+    from tools import make_training_graph as tool
+
+    module = tmp_path / "convnet.py"
+    module.write_text("import torch\n\ndef make():\n    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), "
+                      "torch.nn.Flatten(), torch.nn.Linear(36, 2))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = tool.main(["convnet:make", "--input-shape", "2,3,5,5", "--target-shape", "2,2", "--loss", "mse",
+                      "-o", str(tmp_path / "t.onnx")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and err.startswith("make_training_graph: error: neither exporter can export")
+    assert "torchscript: " in err and "dynamo: " in err and "convolution_backward" in err
+    assert not (tmp_path / "t.onnx").exists()

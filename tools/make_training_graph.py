@@ -26,6 +26,9 @@ How: ``make_fx`` traces a function that calls the module functionally and return
 Limits: buffers (BatchNorm running statistics) are constants of the graph and are not updated:
 a module whose normalisation layers are in training mode is refused (call ``.eval()`` on them); the
 caller's module and buffers are never changed. The module's output (or ``loss_fn``'s) must be a scalar.
+A convolution's backward (``aten.convolution_backward``) has no ONNX export in torch 2.13's exporters
+(TorchScript: "unsupported argument type in the JIT tracer"; dynamo: "No ONNX function found"): a
+module with Conv layers is refused with both exporters' errors in one line.
 
 Command line (for a module importable as ``pkg.mod:factory``)::
 
@@ -38,6 +41,7 @@ import argparse
 import importlib
 import json
 import os
+import sys
 from typing import Any, Callable, Sequence
 
 METADATA_KEY = "amp_rewrite.training_graph"
@@ -118,6 +122,20 @@ def make_training_graph(module: Any, inputs: Sequence[Any], targets: Sequence[An
     return proto
 
 
+def _first_line(exc: BaseException) -> str:
+    """The first line of what went wrong, from the bottom of the chain (the dynamo exporter wraps
+    'No ONNX function found for aten.convolution_backward' in 'Failed to convert ... step 3/3')."""
+    import re
+
+    seen = {id(exc)}
+    while exc.__cause__ is not None and id(exc.__cause__) not in seen:
+        exc = exc.__cause__
+        seen.add(id(exc))
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+
+
 def _export(gm: Any, example: tuple, input_names: list[str], output_names: list[str], opset: int, exporter: str):
     import io
     import warnings
@@ -128,8 +146,12 @@ def _export(gm: Any, example: tuple, input_names: list[str], output_names: list[
     if exporter == "auto":
         try:
             return _export(gm, example, input_names, output_names, opset, "torchscript")
-        except Exception:  # noqa: BLE001 - the TorchScript exporter is deprecated: fall back
-            return _export(gm, example, input_names, output_names, opset, "dynamo")
+        except Exception as first:  # noqa: BLE001 - the TorchScript exporter is deprecated: fall back
+            try:
+                return _export(gm, example, input_names, output_names, opset, "dynamo")
+            except Exception as second:  # noqa: BLE001 - both failed: say both, in a line each
+                raise RuntimeError(f"neither exporter can export this forward+gradient graph (torchscript: "
+                                   f"{_first_line(first)}; dynamo: {_first_line(second)})") from second
     if exporter == "dynamo":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -192,8 +214,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         targets = [torch.zeros(shape(s), dtype=torch.long) for s in args.target_shape]
     else:
         targets = [torch.randn(shape(s)) for s in args.target_shape]
-    make_training_graph(module, inputs, targets, loss_fn=loss_fn, opset=args.opset, exporter=args.exporter,
-                        path=args.output)
+    try:
+        make_training_graph(module, inputs, targets, loss_fn=loss_fn, opset=args.opset, exporter=args.exporter,
+                            path=args.output)
+    except (ValueError, RuntimeError) as exc:  # (the module or the exporters: one line, not four tracebacks)
+        print(f"make_training_graph: error: {_first_line(exc) if not isinstance(exc, RuntimeError) else exc}",
+              file=sys.stderr)
+        return 1
     print(f"wrote {args.output}")
     return 0
 
