@@ -182,8 +182,11 @@ class Report:
             lines.append(f"MatMul/Gemm/Conv/attention in {low}: {heavy['low']} of {heavy['total']}")
             for k in heavy["kept_fp32"][:10]:
                 lines.append(f"  kept FP32: {k['node']} ({k['op']}): {k['reason']}")
-        lines.append(f"casts inserted: {s['casts_inserted']} ({_bytes(s['cast_bytes_per_run'])} per run where sizes "
-                     f"are known)"
+        unknown = s.get("casts_unknown_size", 0)
+        moved = (f"{_bytes(s['cast_bytes_per_run'])} per run" if not unknown else
+                 "sizes unknown" if unknown == s["casts_inserted"] else
+                 f"{_bytes(s['cast_bytes_per_run'])} per run, {unknown} of unknown size left out")
+        lines.append(f"casts inserted: {s['casts_inserted']}" + (f" ({moved})" if s["casts_inserted"] else "")
                      + (f", retargeted: {s['casts_retargeted']}" if s["casts_retargeted"] else "")
                      + (f", removed: {s['casts_removed']}" if s["casts_removed"] else ""))
         # --placement optimal: cast bytes and FP32 traffic per run at the default shapes, vs greedy's

@@ -952,3 +952,18 @@ def test_fusions_are_in_every_format_and_the_summary_tells_their_precision():
     for rendered in (render_markdown(report), render_html(report)):
         assert "Fusions" in rendered and fusion.node in rendered
         assert all(m in rendered for m in members)
+
+
+def test_the_cast_line_says_when_sizes_are_unknown():
+    """Every inserted cast of unknown size made 'casts inserted: 2 (0 B per run where sizes are
+    known)': a figure that reads as 'free'. The line says the sizes are unknown, or how many the
+    figure leaves out."""
+    def line(model):
+        return next(x for x in rewrite(model).report.summary_text().splitlines() if x.startswith("casts inserted"))
+
+    text = "g (float[{d}] x) => (float[{d}] y) {{ a = MatMul(x, w)  b = Softmax(a)  y = MatMul(b, w) }}"
+    static = make_model('<ir_version: 8, opset_import: ["" : 17]>\n' + text.format(d="2,8"), {"w": (8, 8)})
+    dynamic = make_model('<ir_version: 8, opset_import: ["" : 17]>\n' + text.format(d="N,8"), {"w": (8, 8)})
+    dynamic.graph.ClearField("value_info")
+    assert line(static) == "casts inserted: 2 (192 B per run)"
+    assert line(dynamic) == "casts inserted: 2 (sizes unknown)", line(dynamic)
