@@ -110,6 +110,9 @@ def _as_list(name: str, value: Any) -> list:
         return [value]
     if value is None:
         return []
+    if isinstance(value, dict):  # (its keys would be taken for the names: rules={"deny": ...} read files 'deny'...)
+        raise UsageError(f"{name}: a dict is not a list of names or paths; write rules in a rule file and pass its "
+                         f"path" if name == "rules" else f"{name}: pass a list of names (or one name), not a dict")
     try:
         items = list(value)
     except TypeError:

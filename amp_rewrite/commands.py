@@ -86,7 +86,7 @@ def run(args: CliArgs) -> None:
     if args.explain is not None:
         from .explain import explain_node
 
-        say(args, explain_node(args.model, args.explain, **args.options()))
+        print(explain_node(args.model, args.explain, **args.options()))  # (asked for: printed under -q too)
         return
     from .files import previous_outputs_kept
 

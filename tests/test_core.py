@@ -438,6 +438,14 @@ def test_a_low_pin_the_kernel_table_or_control_flow_overrides_is_said(tmp_path):
     assert not [n for n in rewrite(m).log.notes if n.startswith("without effect:")]  # (no pins, no notes)
 
 
+def test_rules_given_as_a_dict_is_a_usage_error():
+    """rules={"deny": {...}} read each key as a rule file's path: 'deny: (file): file not found'."""
+    from amp_rewrite.errors import UsageError
+
+    with pytest.raises(UsageError, match="rules: a dict is not a list of names or paths; write rules in a rule file"):
+        rewrite(_mlp(), rules={"deny": {"Relu": "mine"}})
+
+
 @pytest.mark.parametrize("op,attr,extra", [("RandomNormalLike", "dtype", {"dtype": 1, "scale": 1e-6}),
                                            ("RandomUniformLike", "dtype", {"dtype": 1, "high": 1e-6}),
                                            ("RandomNormal", "dtype", {"shape": [4, 4], "scale": 1e-6}),

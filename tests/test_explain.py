@@ -96,6 +96,9 @@ def test_cli_explain_prints_and_writes_nothing(block, capsys):
     out = capsys.readouterr().out
     assert "deny.ReduceMean" in out and "ln_sub" in out
     assert sorted(p.name for p in block.parent.iterdir()) == before
+    # -q (print only errors) printed nothing at all: the explanation is what was asked for
+    assert main([str(block), "--no-fuse", "--explain", "ln_div", "-q"]) == 0
+    assert capsys.readouterr().out == out
 
 
 def test_cli_explain_unknown_node_exits_2(block, capsys):
