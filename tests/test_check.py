@@ -75,10 +75,22 @@ def cancel_model() -> onnx.ModelProto:
     return m
 
 
-def masked_attention_model(opset: int = 17, bias_input: bool = False) -> onnx.ModelProto:
+_MASKS = {  # ways to compute the additive mask ``bias`` from ``mask``
+    "float": "inv = Sub(one, mask)  bias = Mul(inv, big)",
+    "int64 constant": "inv = Sub(one, mask)  bigf = Cast<to = 1>(big64)  bias = Mul(inv, bigf)",
+    "double": """md = Cast<to = 11>(mask)  one64 = Cast<to = 11>(one)  big64d = Cast<to = 11>(big)
+                 inv = Sub(one64, md)  bd = Mul(inv, big64d)  bias = Cast<to = 1>(bd)""",
+    "if": """bias = If(always) <
+               then_branch = t () => (float[N,8] tb) { inv = Sub(one, mask)  tb = Mul(inv, big) },
+               else_branch = e () => (float[N,8] eb) { eb = Identity(mask) } >""",
+}
+
+
+def masked_attention_model(opset: int = 17, bias_input: bool = False, how: str = "float") -> onnx.ModelProto:
     """scores + (1 - mask) * finfo(float32).min between two MatMuls: the additive mask is an FP32
-    runtime value cast to the low type. ``bias_input``: the caller feeds the additive mask itself."""
-    bias = "" if bias_input else "inv = Sub(one, mask)  bias = Mul(inv, big)"
+    runtime value cast to the low type. ``bias_input``: the caller feeds the additive mask itself;
+    ``how``: how the mask is computed (:data:`_MASKS`)."""
+    bias = "" if bias_input else _MASKS[how]
     unsqueeze = "Unsqueeze<axes = [1]>(bias)" if opset < 13 else "Unsqueeze(bias, one_axis)"
     m = make_model(f"""
         <ir_version: 8, opset_import: ["" : {opset}]>
@@ -93,7 +105,8 @@ def masked_attention_model(opset: int = 17, bias_input: bool = False) -> onnx.Mo
           p = Softmax<axis = -1>(sb)
           y = MatMul(p, x)
         }}""", {"wq": (16, 16), "wk": (16, 16), "one": np.array(1.0, np.float32),
-                "big": np.array(np.finfo(np.float32).min, np.float32), "one_axis": np.array([1], np.int64)})
+                "big": np.array(np.finfo(np.float32).min, np.float32), "one_axis": np.array([1], np.int64),
+                "big64": np.array(-10 ** 9, np.int64), "always": np.array(True)})
     return m
 
 
@@ -289,15 +302,18 @@ def test_mask_sentinels_saturating_to_inf_are_not_overflow():
     assert any("sentinel" in n for n in result.notes)
 
 
-@pytest.mark.parametrize("opset", [10, 11, 13, 17])
-@pytest.mark.parametrize("target", ["fp16", "bf16"])
-def test_a_mask_sentinel_computed_at_run_time_saturates_before_its_cast(target, opset):
+_SATURATED = [(target, opset, "float") for target in ("fp16", "bf16") for opset in (10, 11, 13, 17)] + [
+    ("fp16", 17, how) for how in ("int64 constant", "double", "if")]
+
+
+@pytest.mark.parametrize("target, opset, how", _SATURATED)
+def test_a_mask_sentinel_computed_at_run_time_saturates_before_its_cast(target, opset, how):
     """(1 - mask) * finfo(float32).min computed in FP32 and cast to the low type at run time: the
     Cast made it -inf, and a fully masked row (a padded sequence, a left-padded decoder row) NaN
     after the softmax, where FP32 gives a finite row. A constant the low type reads is converted
     offline, which saturates; the run-time value is now clamped to the type's largest value before
     its Cast (Clip, FP32), and the reason says so."""
-    m = masked_attention_model(opset)
+    m = masked_attention_model(opset, how=how)
     result = rewrite(m, target=target)
     low = result.model
     full_check(low)
@@ -306,7 +322,8 @@ def test_a_mask_sentinel_computed_at_run_time_saturates_before_its_cast(target, 
         return
     clip = next(n for n in low.graph.node if n.op_type == "Clip")
     assert {p.key: p.value for p in clip.metadata_props}["amp_rewrite.inserted"] == "saturate"
-    record = next(c for c in result.log.casts if c.tensor == "bias")
+    record = next(c for c in result.log.casts if "mask sentinel" in c.reason)
+    assert record.tensor in ("bias", "b3")
     assert "mask sentinel" in record.reason and "clamped to" in record.reason
     assert rewrite(low, target=target).model.graph == low.graph  # (rewriting it again changes nothing)
     feeds = {"x": np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32),
@@ -318,6 +335,30 @@ def test_a_mask_sentinel_computed_at_run_time_saturates_before_its_cast(target, 
     # alone), the low type nearly picks one (-65504 + score keeps part of the score); both are
     # finite, neither is meaningful. The other row is compared.
     assert rel_err(want[0], got[0]) < ck.default_tolerance(target)
+
+
+def test_no_clip_where_the_mask_stays_fp32():
+    """Scores scaled by a Pow (deny: FP32) keep the mask Add and the Softmax FP32: no run-time cast
+    of the mask, and the Softmax's output, cast for the MatMul after it, holds probabilities. The
+    walk upstream went through the Softmax (an infer op) and clamped its output 'for the mask'."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[N,8,16] x, float[N,8] mask) => (float[N,8,16] y) {
+          s = MatMul(x, x_t)
+          sc = Pow(s, two)
+          inv = Sub(one, mask)
+          bias = Mul(inv, big)
+          b3 = Unsqueeze(bias, one_axis)
+          sb = Add(sc, b3)
+          p = Softmax<axis = -1>(sb)
+          y = MatMul(p, x)
+        }""".replace("MatMul(x, x_t)", "MatMul(x, w)"), {"w": (16, 8), "two": np.array(2.0, np.float32),
+                                                       "one": np.array(1.0, np.float32),
+                                                       "big": np.array(np.finfo(np.float32).min, np.float32),
+                                                       "one_axis": np.array([1], np.int64)})
+    result = rewrite(m)
+    assert not [n for n in result.model.graph.node if n.op_type == "Clip"]
+    assert not [c for c in result.log.casts if "mask sentinel" in c.reason]
 
 
 def test_generated_inputs_follow_names_and_embedding_tables():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..decisions import CastRecord, Category, Precision
+from ..decisions import CastRecord, Precision
 from ..ir import DType, Graph, Model, Node, Value
 from .base import (Context, PassResult, accepts_any_float, group_inputs, group_outputs, node_label,
                    participates, precision, retypable_io, scope_label)
@@ -76,8 +76,14 @@ class Namer:
 # the low types' largest finite values (a mask sentinel cast at run time is clamped to it first)
 _LIMITS = {DType.FLOAT16: 65504.0, DType.BFLOAT16: 3.3895313892515355e38}
 _SENTINEL_SCAN = 1 << 24  # elements: a mask constant is a scalar or a mask, not a weight
-# ops outside the painted categories a sentinel passes through unchanged
-_CARRY_SENTINELS = frozenset({"Cast", "CastLike", "Identity"})
+# ops whose output may still hold a sentinel an input holds (copies, selections, elementwise
+# arithmetic that keeps the magnitude); not bounded ones (Softmax, Sigmoid, Tanh, normalisations)
+# nor those that compute anew: a probability is never clamped for a mask it was made from
+_CARRY_SENTINELS = frozenset({
+    "Cast", "CastLike", "Identity", "Mul", "Add", "Sub", "Div", "Neg", "Abs", "Sum", "Min", "Max", "Where",
+    "Expand", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose", "Concat", "Slice", "Split", "Gather",
+    "GatherElements", "GatherND", "Tile", "Pad", "Trilu", "ScatterND", "ScatterElements", "ReduceMin",
+    "ReduceMax", "DepthToSpace", "SpaceToDepth"})
 
 
 @dataclass
@@ -356,6 +362,10 @@ class _Placer:
         cast = value.producer
         if cast is None or cast.op_type != "Cast" or cast.domain != "" or not cast.inputs or cast.inputs[0] is None:
             return False
+        if any(u.need == self.low for u in uses) and self._sentinel(value) is not None:
+            # retargeted (or cast from its double or int64 source), it would make a mask sentinel -inf:
+            # the low readers get a clamped Cast of the FP32 value instead (_insert_one)
+            return False
         source = cast.inputs[0]
         # (a graph output that takes the low type counts: --no-keep-io-types, or an If's branch
         # output where the If runs low; retargeted, the Cast serves it as well as the nodes)
@@ -512,25 +522,46 @@ class _Placer:
         from ..frontends.onnx_constants import SENTINEL, _attribute, _largest
         from ..frontends.onnx_loader import constant_array
 
-        if value.meta.get("amp.was", value.dtype) not in (DType.FLOAT, DType.DOUBLE):
-            return None
+        dtype = value.meta.get("amp.was", value.dtype)
+        if dtype is None or dtype == DType.BOOL or dtype in (DType.FLOAT16, DType.BFLOAT16):
+            return None  # (a low value holds no sentinel: it was clamped or made low already)
         threshold = max(SENTINEL, _LIMITS[self.low])
         if value.is_constant:
             if (value.numel or 0) > _SENTINEL_SCAN:
                 return None
-            big = _largest(constant_array(value), threshold, float("inf"))
+            big = _largest(constant_array(value), threshold, float("inf"))  # (an int64 -1e9 too)
             return (repr(value.name), big) if big is not None else None
         node = value.producer
-        if node is None or node.domain != "" or precision(node) == Precision.LOW:
+        if node is None or node.domain != "":
             return None
         if node.op_type == "ConstantOfShape":
             big = _largest(_attribute(node, "value"), threshold, float("inf"))
             return (f"the fill of {node_label(node)}", big) if big is not None else None
-        if node.op_type not in _CARRY_SENTINELS and node.meta.get("amp.category") not in (Category.INFER,
-                                                                                         Category.CLEAR):
-            return None
+        if node.op_type in ("If", "Loop", "Scan"):  # what the bodies return in this slot, or the loop starts from
+            return self._sentinel_of_control(node, value, depth)
+        if node.op_type not in _CARRY_SENTINELS:
+            return None  # (a bounded op: Softmax, Sigmoid, a normalisation; or one that computes anew)
         for source in node.inputs:
             found = self._sentinel(source, depth + 1)
+            if found is not None:
+                return found
+        return None
+
+    def _sentinel_of_control(self, node: Node, value: Value, depth: int) -> tuple[str, float] | None:
+        k = next((i for i, out in enumerate(node.outputs) if out is value), None)
+        if k is None:
+            return None
+        candidates: list[Value | None] = []
+        for body in node.all_subgraphs():
+            # If: its branch's output k; Loop: body output k + 1 (after the condition); Scan: body output k
+            at = k + 1 if node.op_type == "Loop" else k
+            candidates.append(body.outputs[at] if at < len(body.outputs) else None)
+        if node.op_type == "Loop" and k + 2 < len(node.inputs):
+            candidates.append(node.inputs[k + 2])  # (a loop-carried value: its initial one)
+        elif node.op_type == "Scan" and k < len(node.inputs):
+            candidates.append(node.inputs[k])
+        for candidate in candidates:
+            found = self._sentinel(candidate, depth + 1)
             if found is not None:
                 return found
         return None
