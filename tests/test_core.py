@@ -195,6 +195,17 @@ def test_a_node_pattern_naming_no_node_is_said_and_an_exact_name_wins_over_its_g
     assert unmatched[0] in Report.from_log(result.log).summary_text()
 
 
+def test_an_op_flag_naming_an_op_the_model_lacks_is_said():
+    """--fp32-ops Conv on a model without Conv (a flag meant for another model) changed nothing,
+    silently, where a node pattern naming no node is said."""
+    result = rewrite(_mlp(), fp32_ops=["Conv", "Relu"], fp16_ops=["com.microsoft:FusedMatMul"])
+    unmatched = sorted(n for n in result.log.notes if n.startswith("unmatched:"))
+    assert unmatched == ["unmatched: --fp16-ops 'com.microsoft:FusedMatMul' names an op this model does not have, "
+                         "so it changes nothing",
+                         "unmatched: --fp32-ops 'Conv' names an op this model does not have, so it changes nothing"]
+    assert all(n in Report.from_log(result.log).summary_text() for n in unmatched)
+
+
 def test_fp16_ops_override_moves_a_deny_op_low():
     m = make_model("""
         <ir_version: 8, opset_import: ["" : 17]>

@@ -60,6 +60,7 @@ def classify(model: Model, ctx: Context) -> PassResult:
     _keep_integer_arithmetic_fp32(to_integer, ctx)
     _dequantize_weights_low(dequantized, ctx, names)
     _note_unmatched_node_rules(ctx, names)
+    _note_unmatched_op_flags(model, ctx)
     for pin, labels in given_low.items():
         types = " or ".join(sorted({t for _, t in labels}))
         ctx.log.notes.append(
@@ -156,6 +157,23 @@ def _note_unmatched_node_rules(ctx: Context, names: frozenset[str]) -> None:
             hint = f" (closest: {', '.join(close)})" if close else ""
             ctx.log.notes.append(f"unmatched: {rule.source} {rule.pattern!r} names no node of this model, so it "
                                  f"pins nothing{hint}")
+
+
+def _note_unmatched_op_flags(model: Model, ctx: Context) -> None:
+    """--fp32-ops / --fp16-ops naming an op the model does not have (a typo of a real op, another
+    model's op) changes nothing: say so, as for a node pattern naming no node."""
+    if ctx.rules.frontend != "onnx":
+        return
+    flagged = [e for e in ctx.rules.entries() if e.reason.startswith("command line: --")]
+    if not flagged:
+        return
+    present = {(n.domain if n.domain != "ai.onnx" else "", n.op_type) for n in model.graph.walk()}
+    for entry in flagged:
+        if (entry.domain, entry.op) not in present:
+            flag = entry.source
+            op = f"{entry.domain}:{entry.op}" if entry.domain else entry.op
+            ctx.log.notes.append(f"unmatched: {flag} {op!r} names an op this model does not have, so it changes "
+                                 f"nothing")
 
 
 def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], names: frozenset[str]) -> None:
