@@ -522,9 +522,9 @@ class _Placer:
         from ..frontends.onnx_constants import SENTINEL, _attribute, _largest
         from ..frontends.onnx_loader import constant_array
 
-        dtype = value.meta.get("amp.was", value.dtype)
+        dtype = value.dtype  # (as painted: a low node's output is low already, its constants converted)
         if dtype is None or dtype == DType.BOOL or dtype in (DType.FLOAT16, DType.BFLOAT16):
-            return None  # (a low value holds no sentinel: it was clamped or made low already)
+            return None  # (a low value holds no sentinel: a constant converted offline is clamped)
         threshold = max(SENTINEL, _LIMITS[self.low])
         if value.is_constant:
             if (value.numel or 0) > _SENTINEL_SCAN:
@@ -532,7 +532,7 @@ class _Placer:
             big = _largest(constant_array(value), threshold, float("inf"))  # (an int64 -1e9 too)
             return (repr(value.name), big) if big is not None else None
         node = value.producer
-        if node is None or node.domain != "":
+        if node is None or node.domain != "" or precision(node) == Precision.LOW:
             return None
         if node.op_type == "ConstantOfShape":
             big = _largest(_attribute(node, "value"), threshold, float("inf"))
