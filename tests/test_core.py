@@ -195,6 +195,33 @@ def test_a_node_pattern_naming_no_node_is_said_and_an_exact_name_wins_over_its_g
     assert unmatched[0] in Report.from_log(result.log).summary_text()
 
 
+@pytest.mark.parametrize("reader", [
+    "z = Cast<to = 7>(w)",
+    "z = Cast<to = 11>(w)",
+    "z = CastLike(w, like)",
+    """z = If(always) < then_branch = t () => (int64[2,2] tz) { tz = Cast<to = 7>(w) },
+                        else_branch = e () => (int64[2,2] ez) { ez = Cast<to = 7>(w) } >""",
+])
+def test_a_weight_a_cast_also_reads_keeps_its_values_for_the_cast(reader):
+    """A weight read by a low MatMul and by a Cast (which reads any float type, so needs no cast of
+    its own and was not counted as a reader) was converted in place: the Cast read FP16 data,
+    0.99987 truncated to 1 and 1e5 became 65504 (found by the fuzzer). The Cast reads the FP32
+    original now, and the MatMul a converted copy."""
+    ztype = "double" if "to = 11" in reader else "int64"
+    m = make_model(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,2] x) => (float[2,2] y, {ztype}[2,2] z) {{
+          y = MatMul(x, w)
+          {reader}
+        }}""", {"w": np.array([[1e5, 0.99987537], [0.1, 3.0001]], np.float32), "like": np.zeros((1,), np.int64),
+                "always": np.array(True)})
+    out = rewrite(m).model
+    full_check(out)
+    feeds = {"x": np.ones((2, 2), np.float32)}
+    np.testing.assert_array_equal(run(out, feeds)["z"], run(m, feeds)["z"])
+    assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in out.graph.initializer)  # (the MatMul's copy)
+
+
 def test_an_op_flag_naming_an_op_the_model_lacks_is_said():
     """--fp32-ops Conv on a model without Conv (a flag meant for another model) changed nothing,
     silently, where a node pattern naming no node is said."""

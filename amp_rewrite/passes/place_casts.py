@@ -287,6 +287,11 @@ class _Placer:
         needs = {u.need for u in uses}
         if needs == {DType.FLOAT}:
             return
+        if self._read_exactly(value):
+            # a Cast (to an integer type, to double, to FLOAT) reads its values as they are: converted
+            # in place for the low readers, 0.99987 became 1.0 and truncated to 1, 1e5 became 65504.
+            # The original stays for it, and the low readers get a converted copy (or a Cast at use)
+            needs = needs | {DType.FLOAT}
         # A training parameter stays FP32 (its gradient lands there), and a buffer the model updates
         # as it runs (``amp.mutable``: a running sum its forward adds to in place) has no fixed value
         # to convert offline: a low copy made now would go stale. Their low readers cast at each use.
@@ -329,6 +334,21 @@ class _Placer:
             self.modified = True
             return
         self._insert_casts(value, uses)
+
+    def _read_exactly(self, value: Value) -> bool:
+        """Whether a Cast or CastLike (which read any float type, so need no cast of their own)
+        reads ``value``'s data into a type other than the low one."""
+        for reader, k in value.uses():
+            if reader.domain != "" or k != 0 or reader.op_type not in ("Cast", "CastLike"):
+                continue
+            if reader.op_type == "Cast":
+                to = reader.attrs.get("to")
+            else:
+                like = reader.inputs[1] if len(reader.inputs) > 1 else None
+                to = int(like.dtype) if like is not None and like.dtype is not None else None
+            if to != int(self.low):
+                return True
+        return False
 
     def _retarget(self, cast: Node, value: Value, uses: list[_Use], reason: str) -> None:
         cast.attrs["to"] = int(self.low)
