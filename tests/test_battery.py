@@ -1219,11 +1219,18 @@ def test_rewrite_onnx_of_a_training_graph_adds_the_loss_scale(tmp_path: Path) ->
 
 
 _INTERRUPTED_IMPORT = """
-import os, signal, sys, tomllib
-class Interrupt:  # Ctrl-C lands while numpy's extension loads (it swallowed the KeyboardInterrupt)
+import os, signal, sys, time, tomllib
+TRIGGER, SIGNAL, SWALLOWED = sys.argv[2], getattr(signal, sys.argv[3]), sys.argv[4] == "swallowed"
+class Interrupt:  # the signal lands while TRIGGER imports
     def find_spec(self, name, path, target=None):
-        if name == "numpy._core._add_newdocs":
-            os.kill(os.getpid(), signal.SIGINT)
+        if name == TRIGGER and not SWALLOWED:  # (numpy's extension swallows it itself)
+            os.kill(os.getpid(), SIGNAL)
+        elif name == TRIGGER:  # (onnxruntime's C initialisation turns it into an ImportError)
+            try:
+                os.kill(os.getpid(), SIGNAL)
+                time.sleep(0.2)
+            except KeyboardInterrupt:
+                raise ImportError("import numpy failed")
         return None
 sys.meta_path.insert(0, Interrupt())
 module, _, func = tomllib.load(open(sys.argv[1], "rb"))["project"]["scripts"]["amp-rewrite"].partition(":")
@@ -1231,6 +1238,14 @@ sys.argv = ["amp-rewrite", "m.onnx", "-o", "o.onnx"]
 entry = getattr(__import__(module, fromlist=[func]), func)
 sys.exit(entry())
 """
+
+
+def _interrupted_import(folder: Path, trigger: str, sig: str, how: str) -> subprocess.CompletedProcess:
+    save(mlp(), folder / "m.onnx")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return subprocess.run([sys.executable, "-c", _INTERRUPTED_IMPORT, str(ROOT / "pyproject.toml"), trigger, sig, how],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_ctrl_c_while_the_cli_starts_is_an_interruption(tmp_path: Path) -> None:
@@ -1238,33 +1253,9 @@ def test_ctrl_c_while_the_cli_starts_is_an_interruption(tmp_path: Path) -> None:
     CLI's handler was in place) printed a traceback (exit -2), or, inside numpy's extension, which
     turns it into an ImportError, 'internal error: ImportError ... please report it' (exit 70). The
     console script's entry point now holds a Ctrl-C through those imports: exit 130, one line."""
-    save(mlp(), tmp_path / "m.onnx")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run([sys.executable, "-c", _INTERRUPTED_IMPORT, str(ROOT / "pyproject.toml")], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = _interrupted_import(tmp_path, "numpy._core._add_newdocs", "SIGINT", "raised")
     assert (proc.returncode, proc.stderr) == (130, "amp-rewrite: interrupted; no output was written\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
-
-
-_INTERRUPTED_ORT_IMPORT = """
-import os, signal, sys, time, tomllib
-SIGNAL = getattr(signal, sys.argv[2])
-class Interrupt:  # the signal lands while onnxruntime's extension initialises, which swallows it
-    def find_spec(self, name, path, target=None):
-        if name == "onnxruntime.capi.onnxruntime_pybind11_state":
-            try:
-                os.kill(os.getpid(), SIGNAL)
-                time.sleep(0.2)
-            except KeyboardInterrupt:
-                raise ImportError("import numpy failed")  # (what its C initialisation raises then)
-        return None
-sys.meta_path.insert(0, Interrupt())
-module, _, func = tomllib.load(open(sys.argv[1], "rb"))["project"]["scripts"]["amp-rewrite"].partition(":")
-sys.argv = ["amp-rewrite", "m.onnx", "-o", "o.onnx"]
-entry = getattr(__import__(module, fromlist=[func]), func)
-sys.exit(entry())
-"""
 
 
 @pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
@@ -1272,11 +1263,7 @@ def test_ctrl_c_while_onnxruntime_loads_is_an_interruption(tmp_path: Path, sig: 
     """A Ctrl-C (or SIGTERM) inside onnxruntime's extension initialisation became its ImportError
     ('import numpy failed'); the run went on without onnxruntime's schemas and stopped at a false
     rule-file error ('deny.com.microsoft:QLinearReduceMean: unknown com.microsoft op', exit 4)."""
-    save(mlp(), tmp_path / "m.onnx")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run([sys.executable, "-c", _INTERRUPTED_ORT_IMPORT, str(ROOT / "pyproject.toml"), sig],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = _interrupted_import(tmp_path, "onnxruntime.capi.onnxruntime_pybind11_state", sig, "swallowed")
     assert proc.returncode == code, proc.stderr
     assert "unknown com.microsoft op" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
