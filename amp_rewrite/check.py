@@ -71,11 +71,12 @@ Auto FP32
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -474,11 +475,8 @@ class Runner:
     def _in_child(self, method: str, model: Any, *args: Any, what: str, **kwargs: Any) -> Any:
         """``self._<method>_here(...)`` in the worker: the model crosses as a path or its bytes
         (one past 2 GB written with external data to a folder that lasts for the call)."""
-        import tempfile
-
-        with tempfile.TemporaryDirectory(prefix="amp-check-") as tmp:
-            result, self.provider = self._worker.call(method, _session_source(model, tmp), *args, what=what,
-                                                      **kwargs)
+        with _session_source(model) as source:
+            result, self.provider = self._worker.call(method, source, *args, what=what, **kwargs)
         return result
 
     def run(self, model: Any, feeds: Mapping[str, Any], *, what: str, fp32: bool = False) -> dict[str, Any]:
@@ -492,16 +490,13 @@ class Runner:
 
     def _run_here(self, model: Any, feeds: Mapping[str, np.ndarray], *, what: str, fp32: bool = False
                   ) -> dict[str, Any]:
-        import tempfile
-
         ort = self.ort
         opts = ort.SessionOptions()
         opts.log_severity_level = 4  # its errors reach the user as one line of ours, not as its log
         if "CUDAExecutionProvider" not in self.providers:
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-        with tempfile.TemporaryDirectory(prefix="amp-check-") as tmp:
-            try:
-                source = _session_source(model, tmp)
+        try:
+            with _session_source(model) as source:
                 sess = self._session(source, opts, fp32)
                 self.provider = sess.get_providers()[0]
                 names = [o.name for o in sess.get_outputs()]
@@ -516,8 +511,8 @@ class Runner:
                     values = [_numpy_of(v) for v in sess.run_with_ort_values(names, ort_feed)]
                 else:
                     values = sess.run(names, feed)
-            except Exception as exc:  # noqa: BLE001 (onnxruntime raises its own pybind types)
-                raise RuntimeError(f"{what}: {_one_line(str(exc))}") from exc
+        except Exception as exc:  # noqa: BLE001 (onnxruntime raises its own pybind types)
+            raise RuntimeError(f"{what}: {_one_line(str(exc))}") from exc
         return dict(zip(names, values))
 
     def load(self, model: Any, *, what: str) -> None:
@@ -532,8 +527,6 @@ class Runner:
             self._in_child("load", model, what=what)
 
     def _load_here(self, model: Any, *, what: str) -> None:
-        import tempfile
-
         ort = self.ort
         opts = ort.SessionOptions()
         opts.log_severity_level = 4
@@ -542,13 +535,13 @@ class Runner:
             from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as not_implemented
         except ImportError:  # (an onnxruntime that names it otherwise: every refusal counts)
             not_implemented = ()
-        with tempfile.TemporaryDirectory(prefix="amp-check-") as tmp:
-            try:
-                ort.InferenceSession(_session_source(model, tmp), opts, providers=["CPUExecutionProvider"])
-            except not_implemented:
-                return
-            except Exception as exc:  # noqa: BLE001 (onnxruntime raises its own pybind types)
-                raise RuntimeError(f"{what}: {_one_line(str(exc))}") from exc
+        try:
+            with _session_source(model) as source:
+                ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+        except not_implemented:
+            return
+        except Exception as exc:  # noqa: BLE001 (onnxruntime raises its own pybind types)
+            raise RuntimeError(f"{what}: {_one_line(str(exc))}") from exc
 
     def _session(self, source: Any, opts: Any, fp32: bool) -> Any:
         ort = self.ort
@@ -580,20 +573,32 @@ def cuda_usable() -> bool:
     return True
 
 
-def _session_source(model: Any, tmp: str) -> Any:
+@contextlib.contextmanager
+def _session_source(model: Any) -> Iterator[Any]:
+    """What an InferenceSession reads ``model`` from: its path, or its bytes; a folder of its own
+    (removed after) only for a proto past 2 GB, written with external data. Made for every call,
+    the folder was left behind in /tmp whenever onnxruntime aborted the worker process running it."""
     if isinstance(model, (str, Path)):
-        return str(model)
+        yield str(model)
+        return
     if isinstance(model, bytes):
-        return model
+        yield model
+        return
     proto = _as_proto(model)
     try:
-        if proto.ByteSize() < (1 << 31) - (1 << 24):
-            return proto.SerializeToString()
+        small = proto.ByteSize() < (1 << 31) - (1 << 24)
     except Exception:  # noqa: BLE001 (ByteSize itself can fail on huge protos)
-        pass
-    path = str(Path(tmp) / "model.onnx")
-    onnx.save_model(proto, path, save_as_external_data=True, all_tensors_to_one_file=True, location="model.onnx.data")
-    return path
+        small = False
+    if small:
+        yield proto.SerializeToString()
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="amp-check-") as tmp:
+        path = str(Path(tmp) / "model.onnx")
+        onnx.save_model(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                        location="model.onnx.data")
+        yield path
 
 
 def _adapt_feeds(sess: Any, feeds: Mapping[str, Any]) -> dict[str, Any]:

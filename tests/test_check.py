@@ -115,8 +115,8 @@ def save(model: onnx.ModelProto, path: Path) -> Path:
     return path
 
 
-def run_cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+def run_cli(argv: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["AMP_REWRITE_NO_PROGRESS"] = "1"
     return subprocess.run([sys.executable, "-m", "amp_rewrite", *argv], cwd=cwd, env=env, capture_output=True,
@@ -456,12 +456,16 @@ def test_cli_check_of_a_model_that_aborts_onnxruntime_exits_with_one_line(tmp_pa
         [onnx.numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")]),
         opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
     save(m, tmp_path / "m.onnx")
-    r = run_cli(["m.onnx", "--check"], tmp_path)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = run_cli(["m.onnx", "--check"], tmp_path, env={"TMPDIR": str(tmp)})
     assert r.returncode in (0, 2), r.stderr
     if r.returncode == 2:
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and "onnxruntime crashed the process running it" in lines[0], r.stderr
         assert "Traceback" not in r.stderr
+    # (the worker onnxruntime aborted left its temporary folder, one per crash, in /tmp)
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith("amp-check-")]
 
 
 def test_fp32_model_failing_on_generated_inputs_asks_for_inputs(tmp_path):
