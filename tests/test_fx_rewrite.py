@@ -2443,3 +2443,45 @@ def test_a_conversion_reported_removed_is_gone_from_the_graph(capture):
     assert_dtypes_consistent(gm, (x,))
     with torch.no_grad():
         assert rel_err(gm(x), model(x)) <= TOL["fp16"]
+
+
+class _BaddbmmMaskedDecoder(nn.Module):
+    """Two attention layers adding an HF-style mask ((1 - allowed) * finfo(float32).min) with
+    baddbmm: the mask is the bias input of an allow op, cast to the low type at run time."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.d, self.h = d, heads
+        self.qkv = nn.ModuleList([nn.Linear(d, 3 * d) for _ in range(2)])
+        self.o = nn.ModuleList([nn.Linear(d, d) for _ in range(2)])
+
+    def forward(self, x, mask):
+        b, t, d, h = 2, 5, self.d, self.h  # (sizes fixed: symbolic_trace cannot make torch.ones of a shape)
+        allowed = torch.ones(t, t, dtype=torch.bool).tril()[None] & mask[:, None, :].bool()
+        ext = ((1.0 - allowed.float()) * torch.finfo(torch.float32).min).repeat_interleave(h, 0)
+        for qkv, o in zip(self.qkv, self.o):
+            q, k, v = qkv(x).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4).reshape(3, b * h, t, d // h)
+            scores = torch.baddbmm(ext, q * (d // h) ** -0.5, k.transpose(1, 2))
+            y = torch.bmm(scores.softmax(-1), v).view(b, h, t, d // h).transpose(1, 2).reshape(b, t, d)
+            x = x + o(y)
+        return x
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_mask_fill_an_allow_op_reads_is_clamped_before_its_cast(capture):
+    """The mask (1 - allowed) * finfo.min fed baddbmm, an allow op, so it was cast to BF16 at run
+    time: -inf, a left-padded row's pad queries gave NaN after the softmax, and the second layer
+    spread it to every real token of that row (FP32 is finite). It is clamped first now, as the ONNX
+    side clamps such a value and as a constant converted offline saturates; rewriting again changes
+    nothing."""
+    torch.manual_seed(0)
+    model = _BaddbmmMaskedDecoder().eval()
+    x = torch.randn(2, 5, 16)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])  # row 1 left-padded
+    gm = amp_rewrite.rewrite(model, example_inputs=(x, mask), target="bf16", capture=capture)
+    with torch.no_grad():
+        out, ref = gm(x, mask), model(x, mask)
+    assert torch.isfinite(ref).all() and torch.isfinite(out).all()
+    assert rel_err(out[0], ref[0]) < TOL["bf16"] and rel_err(out[1, 2:], ref[1, 2:]) < TOL["bf16"]
+    assert any(n.meta.get("amp_rewrite", {}).get("inserted") == "saturate" for n in gm.graph.nodes)
+    assert amp_rewrite.rewrite(gm, example_inputs=(x, mask), target="bf16").code == gm.code

@@ -276,13 +276,29 @@ class _Emitter:
         if value.meta.get("amp.mutable") and consumer is not None:
             # a tensor the forward writes reads its value at the use: a write through another name
             # (a buffer that is a view of the written one) may come between its node and the use
-            ctx = self.graph.inserting_before(consumer)
+            def where():
+                return self.graph.inserting_before(consumer)
         elif leading and self.first_compute is not None:
-            ctx = self.graph.inserting_before(self.first_compute)  # with the weights and inputs, at the top
+            def where():  # with the weights and inputs, at the top
+                return self.graph.inserting_before(self.first_compute)
         else:
-            ctx = self.graph.inserting_after(src)
+            def where():
+                return self.graph.inserting_after(src)
         name = _identifier(node.name)
-        with ctx:
+        limit = node.meta.get("amp.saturate")
+        if limit is not None:  # (a mask fill: clamped first, as a constant converted offline is)
+            target = torch.ops.aten.clamp.default if self.aten else torch.clamp
+            with where():
+                clamped = self.graph.create_node("call_function", target, (src, -limit, limit),
+                                                 name=_identifier(f"{node.name}_saturate"))
+            _set_meta_dtype(clamped, (), DTYPE_TO_TORCH[value.dtype], template=src, template_path=())
+            _copy_debug_meta(consumer if consumer is not None else src, clamped)
+            clamped.meta[TAG] = {"inserted": "saturate", "name": node.name, "reason": node.meta.get("amp.reason", "")}
+            src = clamped
+
+            def where():  # (the cast reads the clamp: right after it)
+                return self.graph.inserting_after(clamped)
+        with where():
             if self.aten:
                 new = self.graph.create_node("call_function", torch.ops.aten._to_copy.default, (src,),
                                              {"dtype": dtype}, name=name)

@@ -1081,10 +1081,17 @@ def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
     limit = torch.finfo(low).max
     holding: dict[int, tuple[str, float]] = {  # id(value) → (the node or tensor with the number, the number)
         id(v): (v.name, v.meta["fx.out_of_range"]) for v in graph.initializers.values() if "fx.out_of_range" in v.meta}
+    def hold(values, source: str, big: float) -> None:
+        for v in values:
+            if v.dtype is not None and v.dtype.is_float:
+                holding[id(v)] = (source, big)
+                if abs(big) >= _SENTINEL:  # (a mask fill: cast_placement clamps it before a run-time cast)
+                    v.meta["amp.sentinel"] = (repr(source), big)
+
     for node in graph.nodes:
         big = node.meta.get("fx.out_of_range")
         if big is not None:
-            holding.update((id(v), (node.name, big)) for v in node.outputs if v.dtype is not None and v.dtype.is_float)
+            hold(node.outputs, node.name, big)
             continue
         found = next(((v, holding[id(v)]) for v in node.inputs if v is not None and id(v) in holding), None)
         if found is None:
@@ -1096,7 +1103,7 @@ def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
             f"reads {value.name!r}, which holds {big:g}{origin}, beyond {short}'s finite range "
             f"(±{limit:g}): in {short} it would be clamped or become ±inf, so the node keeps FP32"))
         if node.op_type in _HOLDS_THROUGH:
-            holding.update((id(v), (source, big)) for v in node.outputs if v.dtype is not None and v.dtype.is_float)
+            hold(node.outputs, source, big)
 
 
 # |x| at or above this is a mask sentinel (-1e9, finfo(float32).min): saturated to the low type's

@@ -487,17 +487,21 @@ class _Placer:
         anchor = value.producer if value.producer is not None and value.producer.graph is scope else None
         source, saturated = value, None
         sentinel = self._sentinel(value) if need == self.low and value.dtype == DType.FLOAT else None
-        if sentinel is not None:
+        if sentinel is not None and self.model.frontend == "onnx":
             source, made = self._saturation(value, tensor, scope)
             for node in made:
                 scope.insert_after(anchor, node)
             saturated = sentinel
+        elif sentinel is not None:
+            saturated = sentinel  # (the fx emitter clamps before the cast it writes)
         cast = Node("Cast", [source], name=self.name(f"amp_cast/{tensor}/to_{need.short}"), attrs={"to": int(need)},
                     outputs=[out])
         cast.input_groups, cast.output_groups = ["T1"], ["T2"]
         cast.opset = scope.opsets.get("")
         cast.meta.update({"amp.inserted": True, "amp.precision": Precision.NONE, "amp.participates": False,
                           "input_names": ["input"]})
+        if saturated is not None and self.model.frontend != "onnx":
+            cast.meta["amp.saturate"] = _LIMITS[self.low]
         scope.insert_after(anchor, cast)
         for use in uses:
             if use.node is None:
@@ -526,8 +530,12 @@ class _Placer:
         through the FP32 elementwise and copying ops that made ``value`` (``(1 - mask) * fmin``).
         A constant like it that a low node reads is converted offline, which saturates it; cast at
         run time it became -inf, and a fully masked row of the softmax after it NaN (a padded
-        sequence, a left-padded decoder row), where FP32 gives a finite row. ONNX graphs only: the
-        torch frontend keeps the readers of such a fill FP32."""
+        sequence, a left-padded decoder row), where FP32 gives a finite row. In a torch graph the
+        frontend marks such values (``amp.sentinel``: a ``mul`` by finfo.min, a ``masked_fill`` of
+        -1e9, and what copies them); it keeps their infer and clear readers FP32, and an allow op
+        reading one (``baddbmm``, an attention's weights path) gets a clamped cast."""
+        if self.model.frontend == "torch" and value is not None:
+            return value.meta.get("amp.sentinel")  # (marked by the torch frontend: a mask fill and its copies)
         if self.model.frontend != "onnx" or value is None or depth > 16:
             return None
         key = id(value)
