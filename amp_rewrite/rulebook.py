@@ -262,13 +262,20 @@ def _distinct_sources(stack: list[_Layer]) -> list[_Layer]:
     (``a/rules.toml``, ``b/rules.toml``) are named by their paths instead, so that a decision's
     reason and an error tell them apart."""
     seen = Counter(Path(layer.path).name for layer in stack if layer.path)
-    return [_sourced_by_path(layer) if layer.path and seen[Path(layer.path).name] > 1 else layer
-            for layer in stack]
+    # (a built-in set keeps its name: re-sourced by its path, its decisions passed for a user's file
+    # beside a user's copy of it, and the copy's pins, named by the bare file name, for built-in
+    # rules, which a rewrite of the output decides afresh)
+    return [_sourced_by_path(layer) if layer.path and seen[Path(layer.path).name] > 1
+            and not layer.identity.startswith("builtin:") else layer for layer in stack]
 
 
 def _sourced_by_path(layer: _Layer) -> _Layer:
+    path = layer.path
+    if Path(path).parent == Path(".") and Path(path).suffix == ".toml" and Path(path).stem in builtin_names():
+        path = f"./{path}"  # (a user's copy of a built-in set, given by its bare name: not the built-in's name)
+
     def by_path(item: Any) -> Any:
-        return dataclasses.replace(item, source=f"{layer.path}: {_entry_key(item)}")
+        return dataclasses.replace(item, source=f"{path}: {_entry_key(item)}")
 
     entries = {key: tuple(map(by_path, group)) for key, group in layer.entries.items()}
     nodes = tuple(map(by_path, layer.nodes))

@@ -103,13 +103,15 @@ def test_no_keep_io_types_leaves_sequence_and_optional_io_alone(placement):
 
 
 @pytest.mark.parametrize("option", ["fp32_nodes", "fp32_ops", "rules", "rules named like a built-in set",
-                                    "rules without a suffix"])
-def test_rewriting_an_output_again_keeps_the_users_pins(option, tmp_path):
+                                    "rules named like a built-in set, by its bare name", "rules without a suffix"])
+def test_rewriting_an_output_again_keeps_the_users_pins(option, tmp_path, monkeypatch):
     """An output rewritten with --fp32-nodes (or --auto-fp32's pins, --fp32-ops, a rule file of the
     user's) kept its pinned MatMul FP32 and said so in its tags; rewriting it again without the
     flag made that MatMul FP16, undoing the fix for an overflow. A built-in deny is decided afresh.
     A user's file named like a built-in set (an edited copy of onnx-cuda-fp16.toml) passed for the
-    built-in set: its pins were decided afresh; so did one whose name had no .toml suffix."""
+    built-in set: its pins were decided afresh; so did one whose name had no .toml suffix, and one
+    given by its bare name from its own folder (the two files of one name were then told apart by
+    path: the copy by its bare name, the built-in set by its full path, each passing for the other)."""
     m = _mlp()
     for i, n in enumerate(m.graph.node):
         n.name = f"{n.op_type}_{i}"
@@ -117,6 +119,9 @@ def test_rewriting_an_output_again_keeps_the_users_pins(option, tmp_path):
     rule_file = tmp_path / {"rules": "mine.toml", "rules without a suffix": "mine"}.get(option, "onnx-cuda-fp16.toml")
     rule_file.write_text(f'[nodes]\nfp32 = ["{pinned}"]\n')
     value = {"fp32_nodes": [pinned], "fp32_ops": ["Relu"]}.get(option, [str(rule_file)])
+    if option.endswith("by its bare name"):
+        monkeypatch.chdir(tmp_path)
+        value = [rule_file.name]
     first = rewrite(m, **{option.split()[0]: value})
     assert _precisions(first)[pinned] == "fp32"
     again = rewrite(first.model)
