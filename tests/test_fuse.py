@@ -801,3 +801,16 @@ def test_an_fp32_zero_skip_counts_no_value_flushed_to_zero():
     fills = nodes_by_type(result.model, "ConstantOfShape")
     assert fills and all(not n.attribute for n in fills)  # (the default float32 zero, as the fuser made it)
     assert result.log.weights.flushed_to_zero == 0
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+def test_an_output_whose_gemms_a_user_pinned_is_not_fused_when_rewritten_again(opset):
+    """--fp32-ops MatMul left no GEMM low, so nothing was fused and the output was the input with
+    tags. Rewritten again without the flag, the MatMuls stayed FP32 (their tags keep the pin), but
+    the fuse pass, which looked at the op rules alone, fused the LayerNorm (FP32 SkipLayerNormalization
+    below opset 17): the graph changed, and a contrib op appeared in an all-FP32 model."""
+    pinned = rewrite(residual_block(LAYERNORM, opset), fp32_ops=["MatMul"]).model
+    again = rewrite(pinned)
+    assert not again.modified
+    assert again.model.graph == pinned.graph
+    assert rewrite(pinned, fp16_ops=["MatMul"]).log.fusions  # (a pin of this run still decides)

@@ -134,7 +134,18 @@ def fuse(model: Model, ctx: Context) -> PassResult:
 
 
 def _has_allow_op(model: Model, ctx: Context) -> bool:
-    return any(ctx.rules.category_of(n.op_type, n.domain, n.opset) == Category.ALLOW for n in model.graph.walk())
+    """Whether some node's op is an allow op that may run low: not one an earlier rewrite pinned FP32
+    (its tags say so, and classify keeps the pin), unless this run's own rules name the op. Every
+    MatMul pinned by --fp32-ops, the output was the input with tags; rewritten again without the flag,
+    its LayerNorms were fused, FP32, and the graph changed."""
+    from ..passes.base import is_user_source
+
+    for node in model.graph.walk():
+        entry = ctx.rules.lookup(node.op_type, node.domain, node.opset)
+        if entry is not None and entry.category == Category.ALLOW and (
+                not earlier_pin(node) or is_user_source(entry.source)):
+            return True
+    return False
 
 
 # -- matching --------------------------------------------------------------------------------------
