@@ -848,3 +848,30 @@ def test_a_name_given_twice_inside_a_body_is_named_in_the_error(tmp_path, clash)
     with pytest.raises(ModelLoadError, match=expected):
         rewrite_onnx(src, tmp_path / "out.onnx")
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_a_cast_in_a_branch_shadowing_an_outer_name_is_typed_by_its_to():
+    """onnxruntime's optimizer writes a fallback Cast under the same name in every scope (a body
+    value shadowing an outer one, which onnxruntime loads). onnx's inference leaves it untyped:
+    the branch's MatMul kept its types, and a rewrite of the output, which reads the value renamed,
+    lowered it: not a fixed point. The Cast's 'to' types it."""
+    h, nh = helper, numpy_helper
+    rng = np.random.default_rng(0)
+    w1 = nh.from_array(rng.standard_normal((8, 8)).astype(np.float32), "W1")
+    w2 = nh.from_array(rng.standard_normal((8, 8)).astype(np.float32), "W2")
+    branch = {name: h.make_graph([h.make_node("Cast", ["h16"], ["t"], to=T.FLOAT),  # 't' shadows the outer 't'
+                                  h.make_node("MatMul", ["t", "W2"], [out])], name, [],
+                                 [h.make_tensor_value_info(out, T.FLOAT, [4, 8])])
+              for name, out in (("then", "o1"), ("else", "o2"))}
+    g = h.make_graph([h.make_node("MatMul", ["x", "W1"], ["a"]), h.make_node("Cast", ["a"], ["h16"], to=T.FLOAT16),
+                      h.make_node("Cast", ["h16"], ["t"], to=T.FLOAT),
+                      h.make_node("If", ["c"], ["y"], then_branch=branch["then"], else_branch=branch["else"]),
+                      h.make_node("Add", ["y", "t"], ["z"])], "g",
+                     [h.make_tensor_value_info("x", T.FLOAT, [4, 8]), h.make_tensor_value_info("c", T.BOOL, [])],
+                     [h.make_tensor_value_info("z", T.FLOAT, [4, 8])], [w1, w2])
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)], ir_version=8)
+    first = rewrite_onnx_model(m)
+    lows = [d.node for d in first.log.decisions.values() if d.op == "MatMul" and d.precision.value == "low"]
+    assert len(lows) == 3, lows  # (the main graph's and both branches')
+    again = rewrite_onnx_model(first.model)
+    assert not again.modified and again.model.graph == first.model.graph

@@ -183,6 +183,13 @@ def _type_from_schema(node: Node, containers: "dict[int, str] | None" = None) ->
     typed = {g: v.dtype for v, g in zip(node.inputs, node.input_groups)
              if v is not None and g not in (None, "?") and v.dtype is not None and plain(v)}
     fixed = node.meta.get("onnx.output_types", ())
+    if node.op_type == "Cast" and node.domain in ("", "ai.onnx") and node.outputs and plain(node.outputs[0]):
+        to = node.attrs.get("to") if node.attrs else None  # (its 'to' says its output type: a body
+        if node.outputs[0].dtype is None and isinstance(to, int):  # Cast shadowing an outer name)
+            try:
+                node.outputs[0].dtype = DType(to)
+            except ValueError:
+                pass
     for k, (v, g) in enumerate(zip(node.outputs, node.output_groups)):
         if v.dtype is None and plain(v):
             v.dtype = typed.get(g) or (fixed[k] if k < len(fixed) else None)
