@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from .decisions import ALIGNMENT_OPS, HEAVY_OPS, Category, Decision, DecisionLog, Precision
 from .errors import ModelLoadError, OutputError, UsageError
-from .ir import Model, verify
+from .ir import DType, Model, verify
 from .passes.base import Context, Options, given_low_type, is_user_source, node_label, run_passes
 from .passes.classify import classify
 from .passes.islands import attach_cast_counts, find_islands
@@ -154,11 +154,35 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
                 f"onnxruntime's own LayerNormFusion folds that Cast into a LayerNormalization of low-precision X "
                 f"and FP32 scale and then refuses the model at its default optimisation levels (it loads with "
                 f"graph optimisations off); rewrite without --no-fuse to avoid it")
+    if modified and model.frontend == "onnx" and ctx.low == DType.FLOAT16:
+        pairs = _batch_transpose_matmuls(model)
+        if pairs:
+            ctx.log.notes.append(
+                f"onnxruntime: {len(pairs)} FP16 Transpose(perm=[1, 0, 2]) → MatMul pair(s) (e.g. {pairs[0]!r}, as "
+                f"around an LSTM): onnxruntime 1.31's CPU provider crashes (SIGSEGV) on them at its default "
+                f"optimisation level, ORT_ENABLE_ALL; on the CPU, load the output with ORT_ENABLE_EXTENDED")
     if modified and model.meta.get("onnx.training_info"):
         ctx.log.notes.append(f"dropped: the model's training_info ({model.meta['onnx.training_info']} "
                              f"TrainingInfoProto) is not in the output: its algorithm binds the FP32 initializers "
                              f"the rewrite converts; build it again for the rewritten model")
     return modified
+
+
+def _batch_transpose_matmuls(model: Model) -> list[str]:
+    """Labels of the FP16 ``Transpose(perm=[1, 0, 2])`` nodes a MatMul reads: onnxruntime 1.31's CPU
+    provider dies on such a pair at ORT_ENABLE_ALL (found by the fuzzer; the corpus's LSTM models
+    have it; ``test_known_ort_fp16_transpose_matmul_crash`` says when onnxruntime fixes it)."""
+    found = []
+    for node in model.graph.walk():
+        if node.op_type != "Transpose" or node.domain != "" or not node.outputs:
+            continue
+        out = node.outputs[0]
+        if out.dtype != DType.FLOAT16 or not any(c.op_type == "MatMul" and c.domain == "" for c, _ in out.uses()):
+            continue
+        perm = node.origin.attributes.get("perm") if getattr(node.origin, "attributes", None) is not None else None
+        if perm is not None and list(perm.as_ints()) == [1, 0, 2]:
+            found.append(node_label(node))
+    return found
 
 
 def _record_pins(model: Model, ctx: Context, internal: Iterable[str] = ()) -> bool:

@@ -968,14 +968,18 @@ def test_constant_of_shape_stays_fp32_where_its_schema_has_no_bf16() -> None:
 def test_known_ort_fp16_transpose_matmul_crash(worker: OrtWorker) -> None:
     """Found by the fuzzer, not ours: onnxruntime 1.31's CPU provider dies with SIGSEGV on an FP16
     ``Transpose(perm=[1, 0, 2]) → MatMul`` with ORT_ENABLE_ALL (fine at EXTENDED and below, and on the
-    FP32 original). The rewritten model is valid and runs correctly without optimisations. Strict
-    xfail: when onnxruntime fixes it, this says so."""
+    FP32 original). The rewritten model is valid and runs correctly without optimisations, and the
+    summary says how to load it on the CPU (the corpus's LSTM models have the pair). Strict xfail:
+    when onnxruntime fixes it, this says so."""
     nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2]), helper.make_node("MatMul", ["t", "w"], ["y"])]
     graph = helper.make_graph(nodes, "tm", [helper.make_tensor_value_info("x", FLOAT, [2, 3, 4])],
                               [helper.make_tensor_value_info("y", FLOAT, [3, 2, 5])],
                               [numpy_helper.from_array(np.full((4, 5), 0.25, np.float32), "w")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION)
-    out = rewrite_onnx_model(model).model
+    result = rewrite_onnx_model(model)
+    out = result.model
+    note = "onnxruntime: 1 FP16 Transpose(perm=[1, 0, 2]) → MatMul pair(s)"
+    assert any(n.startswith(note) and "ORT_ENABLE_EXTENDED" in n for n in result.report.summary_text().splitlines())
     x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
     status, ref = worker.run(model, {"x": x})
     assert status == "ok", ref
