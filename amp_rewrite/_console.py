@@ -48,22 +48,16 @@ def interrupts_held():
 
 
 def main() -> int:
-    held: list[int] = []
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
-        # the extension modules every run loads (a Ctrl-C inside a pure-Python import is a plain
-        # KeyboardInterrupt, which the CLI handles)
-        import ml_dtypes  # noqa: F401
-        import numpy  # noqa: F401
-        import onnx  # noqa: F401
+        with interrupts_held():
+            # the extension modules every run loads (a Ctrl-C inside a pure-Python import is a plain
+            # KeyboardInterrupt, which the CLI handles)
+            import ml_dtypes  # noqa: F401
+            import numpy  # noqa: F401
+            import onnx  # noqa: F401
 
-        from .cli import main as cli_main
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
-    if held:
+            from .cli import main as cli_main
+    except KeyboardInterrupt:  # (one held through the imports, delivered after them)
         print("amp-rewrite: interrupted; no output was written", file=sys.stderr)
         return INTERRUPTED
     return cli_main()

@@ -33,10 +33,9 @@ import onnx_ir as ir
 
 from ..decisions import Category
 from ..ir import DType, Model, Node, Value
-from ..passes.base import Context, PassResult, string_attribute
+from ..passes.base import LOW_LIMITS, Context, PassResult, string_attribute
 from .onnx_loader import constant_array
 
-LIMITS = {DType.FLOAT16: 65504.0, DType.BFLOAT16: 3.3895313892515355e38}
 # |x| at or above this is a mask sentinel (-1e9, finfo(float32).min): it saturates to the low
 # type's limit or infinity and still masks (exp of it is 0), as the report and --check expect
 SENTINEL = 1e8
@@ -44,7 +43,7 @@ META = "amp.exact_constant"
 
 
 def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
-    limit = LIMITS.get(ctx.low)
+    limit = LOW_LIMITS.get(ctx.low)
     if limit is None:
         return PassResult("out-of-range constants", modified=False)
     seen: dict[int, float | None] = {}  # a constant's verdict, by id: a bias or eps read by every layer is read once

@@ -65,7 +65,8 @@ import onnx
 
 from ..decisions import Category, FusionRecord, Precision
 from ..ir import DType, Graph, Model, Node, Value
-from ..passes.base import Context, PassResult, aliases, earlier_pin, node_label, node_names, node_rule_of
+from ..passes.base import (Context, PassResult, aliases, earlier_pin, is_user_source, node_label, node_names,
+                           node_rule_of)
 from ..passes.classify import missing_low_kernel
 from ..passes.place_casts import Namer
 from .onnx_loader import constant_array, schema_slots
@@ -138,8 +139,6 @@ def _has_allow_op(model: Model, ctx: Context) -> bool:
     (its tags say so, and classify keeps the pin), unless this run's own rules name the op. Every
     MatMul pinned by --fp32-ops, the output was the input with tags; rewritten again without the flag,
     its LayerNorms were fused, FP32, and the graph changed."""
-    from ..passes.base import is_user_source
-
     for node in model.graph.walk():
         entry = ctx.rules.lookup(node.op_type, node.domain, node.opset)
         if entry is not None and entry.category == Category.ALLOW and (

@@ -29,6 +29,11 @@ class Options:
     fuse: bool = True  # fuse decomposed LayerNorm/RMSNorm/tanh-GELU into fused ops (ONNX; frontends/onnx_fuse.py)
 
 
+# the low types' largest finite values: constants past them keep their readers FP32
+# (onnx_constants), and a mask sentinel cast at run time is clamped to them first (place_casts)
+LOW_LIMITS = {DType.FLOAT16: 65504.0, DType.BFLOAT16: 3.3895313892515355e38}
+
+
 @dataclass
 class Context:
     rules: "RuleBook"

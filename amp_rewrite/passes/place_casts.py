@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..decisions import CastRecord, Precision
 from ..ir import DType, Graph, Model, Node, Value
-from .base import (Context, PassResult, accepts_any_float, group_inputs, group_outputs, node_label,
+from .base import (LOW_LIMITS, Context, PassResult, accepts_any_float, group_inputs, group_outputs, node_label,
                    participates, precision, retypable_io, scope_label)
 
 
@@ -73,8 +73,6 @@ class Namer:
         return name
 
 
-# the low types' largest finite values (a mask sentinel cast at run time is clamped to it first)
-_LIMITS = {DType.FLOAT16: 65504.0, DType.BFLOAT16: 3.3895313892515355e38}
 _SENTINEL_SCAN = 1 << 24  # elements: a mask constant is a scalar or a mask, not a weight
 # ops whose output may still hold a sentinel an input holds (copies, selections, elementwise
 # arithmetic that keeps the magnitude); not bounded ones (Softmax, Sigmoid, Tanh, normalisations)
@@ -501,7 +499,7 @@ class _Placer:
         cast.meta.update({"amp.inserted": True, "amp.precision": Precision.NONE, "amp.participates": False,
                           "input_names": ["input"]})
         if saturated is not None and self.model.frontend != "onnx":
-            cast.meta["amp.saturate"] = _LIMITS[self.low]
+            cast.meta["amp.saturate"] = LOW_LIMITS[self.low]
         scope.insert_after(anchor, cast)
         for use in uses:
             if use.node is None:
@@ -516,7 +514,8 @@ class _Placer:
         reason = self._cast_reason(value, need, uses, scope)
         if saturated is not None:
             where, number = saturated
-            reason += (f"; clamped to ±{_LIMITS[self.low]:g} first (Clip): it may hold the mask sentinel {number:g} "
+            limit = LOW_LIMITS[self.low]
+            reason += (f"; clamped to ±{limit:g} first (Clip): it may hold the mask sentinel {number:g} "
                        f"({where}), which a Cast makes ±inf (a fully masked softmax row NaN), where a constant "
                        f"converted offline saturates")
         self._record(cast.name, replaces or value, value.dtype, need, uses, scope, reason, "inserted")
@@ -553,7 +552,7 @@ class _Placer:
         dtype = value.dtype  # (as painted: a low node's output is low already, its constants converted)
         if dtype is None or dtype == DType.BOOL or dtype in (DType.FLOAT16, DType.BFLOAT16):
             return None  # (a low value holds no sentinel: a constant converted offline is clamped)
-        threshold = max(SENTINEL, _LIMITS[self.low])
+        threshold = max(SENTINEL, LOW_LIMITS[self.low])
         if value.is_constant:
             if (value.numel or 0) > _SENTINEL_SCAN:
                 return None
@@ -601,7 +600,7 @@ class _Placer:
         import numpy as np
 
         opset = scope.opsets.get("") or 0
-        limit = _LIMITS[self.low]
+        limit = LOW_LIMITS[self.low]
         name = self.name(f"amp_saturate/{tensor}")
         out = Value(self.name(f"{tensor}/amp_saturated"), DType.FLOAT, value.shape)
         if opset >= 11:  # min and max are inputs
