@@ -32,7 +32,11 @@ def test_run_records_placement_and_errors(tmp_path, monkeypatch):
     path = gpu_sweep.prepare(tmp_path, "fp16", ["ScatterND"], lambda _m: None)
     monkeypatch.setattr(gpu_sweep, "PROVIDER", "CPUExecutionProvider")
     out = tmp_path / "r.jsonl"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(gpu_sweep.tempfile, "tempdir", str(scratch))
     gpu_sweep.run_chunk(path, 0, 2, out)
+    assert not list(scratch.iterdir())  # onnxruntime's profile files are gone with the chunk
     records = [r for r in map(__import__("json").loads, out.read_text().splitlines()) if "i" in r]
     assert [r["i"] for r in records] == [0, 1]
     for r in records:

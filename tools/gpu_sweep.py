@@ -232,8 +232,8 @@ def run_chunk(path: Path, lo: int, hi: int, out: Path) -> None:
     names its case)."""
     with lzma.open(path, "rb") as f:
         cases = pickle.load(f)["cases"]
-    workdir = tempfile.mkdtemp(prefix="amp-gpu-sweep-")
-    with open(out, "a") as f:
+    # onnxruntime's profile files: read back per case and not needed after the chunk
+    with tempfile.TemporaryDirectory(prefix="amp-gpu-sweep-") as workdir, open(out, "a") as f:
         for i in range(lo, min(hi, len(cases))):
             case = cases[i]
             f.write(json.dumps({"start": i}) + "\n")
