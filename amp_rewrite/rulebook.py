@@ -365,7 +365,13 @@ def _extended_layers(
             f"no built-in rule set or file named {layer.extends!r} (looked for {target_path})",
             _closest(layer.extends, builtin_names()),
         )
-    return _file_chain(target_path, frontend, target, seen)
+    try:
+        return _file_chain(target_path, frontend, target, seen)
+    except RuleFileError as exc:
+        # the user named the file at the top of the chain: say how the failing one was reached
+        if exc.path != str(layer.path) and "(reached through " not in str(exc):
+            exc.args = (f"{exc.args[0]} (reached through {layer.path}: ruleset.extends)",)
+        raise
 
 
 def _check_matches_request(layer: _Layer, frontend: str, target: str, via: str = "") -> None:

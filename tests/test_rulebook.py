@@ -583,6 +583,20 @@ def test_extends_cycle(tmp_path):
         load_rules([tmp_path / "c.toml"])
 
 
+def test_an_error_in_an_extended_file_says_how_it_was_reached(tmp_path):
+    top = write(tmp_path, '[ruleset]\nextends = "mid.toml"\n', "top.toml")
+    write(tmp_path, '[ruleset]\nextends = "base.toml"\n', "mid.toml")
+    write(tmp_path, '[ruleset]\ntarget = "bf16"\n[allow]\nMatMul = "x"\n', "base.toml")
+    with pytest.raises(RuleFileError) as caught:
+        load_rules([top], target="fp16")
+    # the user named top.toml: the message names the failing file and the chain that reached it
+    assert str(caught.value).startswith(str(tmp_path / "base.toml") + ": ruleset.target:")
+    assert f"(reached through {tmp_path / 'mid.toml'}: ruleset.extends)" in str(caught.value)
+    write(tmp_path, '[ruleset]\n[allow]\nMatMull = "x"\n', "base.toml")
+    with pytest.raises(RuleFileError, match=r"allow\.MatMull: .*\(did you mean 'MatMul'\?\) \(reached through "):
+        load_rules([top])
+
+
 def test_a_file_that_is_not_a_regular_file_is_not_called_missing():
     with pytest.raises(RuleFileError, match="/dev/null: .*is not a regular file"):
         load_rules(["/dev/null"])
