@@ -496,6 +496,21 @@ def test_a_pattern_a_pin_kept_unfused_stays_so_in_a_rewrite_of_the_output(pin, o
     assert again.model.SerializeToString() == first.model.SerializeToString()
 
 
+@pytest.mark.parametrize("opset", [13, 17])
+def test_a_no_fuse_output_rewritten_again_stays_unfused(opset):
+    """A --no-fuse output rewritten with the default options fused its LayerNorm islands then (FP32
+    SkipLayerNormalization at opset 13, its casts kept): the output changed. --no-fuse is remembered
+    as a pin is."""
+    first = rewrite(residual_block(LAYERNORM, opset), fuse=False)
+    assert not first.log.fusions and first.log.islands
+    tags = [{p.key: p.value for p in n.metadata_props} for n in first.model.graph.node if n.op_type == "ReduceMean"]
+    assert tags and all(t.get("amp_rewrite.unfused") == "--no-fuse" for t in tags)
+    again = rewrite(first.model)
+    assert not again.log.fusions and not again.modified
+    assert again.model.SerializeToString() == first.model.SerializeToString()
+    assert rewrite(residual_block(LAYERNORM, opset)).log.fusions  # (the input itself still fuses)
+
+
 def test_no_allow_op_means_no_fusion():
     text = """
     <ir_version: 8, opset_import: ["" : 17]>

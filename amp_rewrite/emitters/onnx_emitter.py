@@ -50,7 +50,7 @@ TAG_ISLAND = TAG + "island"
 TAG_LABEL = TAG + "label"
 TAG_INDEX = TAG + "index"
 TAG_SHAPES = TAG + "shapes"
-TAG_UNFUSED = TAG + "unfused"  # a member of a pattern a user's pin kept unfused: a rewrite of the output keeps it so
+TAG_UNFUSED = TAG + "unfused"  # a pattern member a pin or --no-fuse kept unfused: a rewrite of the output keeps it so
 
 
 def emit_onnx(model: Model, log: DecisionLog) -> ir.Model:
@@ -262,7 +262,8 @@ class _Patcher:
         if meta.get("amp.island") is not None:
             tags[TAG_ISLAND] = str(meta["amp.island"])
         if meta.get("amp.unfused_by_pin"):
-            tags[TAG_UNFUSED] = "pinned"
+            unfused = meta["amp.unfused_by_pin"]
+            tags[TAG_UNFUSED] = unfused if isinstance(unfused, str) else "pinned"
         label = node_label(node)
         if label != n.name:
             tags[TAG_LABEL] = label  # unnamed node: its label names the output as it was before renaming

@@ -90,8 +90,10 @@ class _Match:
 
 
 def fuse(model: Model, ctx: Context) -> PassResult:
-    if (model.frontend != "onnx" or not ctx.options.fuse or ctx.options.training
-            or not _has_allow_op(model, ctx)):
+    if model.frontend != "onnx" or ctx.options.training or not _has_allow_op(model, ctx):
+        return PassResult("fuse", modified=False)
+    if not ctx.options.fuse:
+        _tag_unfused(model)
         return PassResult("fuse", modified=False)
     namer: Namer | None = None  # built at the first fusion: most models have nothing to fuse
     names: frozenset[str] | None = None
@@ -132,6 +134,18 @@ def fuse(model: Model, ctx: Context) -> PassResult:
     if shapes.computed:  # for a skip proof: the optimal placement's size estimates read it too
         model.meta["amp.symbolic_shapes"] = shapes.computed
     return PassResult("fuse", modified=changed)
+
+
+def _tag_unfused(model: Model) -> None:
+    """--no-fuse: the patterns stay FP32 islands, and their members are tagged so, as a pin's are: a
+    rewrite of the output with the default options left them alone no more (it fused them into FP32
+    SkipLayerNormalizations, keeping the casts around them)."""
+    for scope in model.graph.scopes():
+        for node in scope.nodes:
+            match = _match_at(node)
+            if match is not None and match.x.dtype == DType.FLOAT and _closed(match):
+                for member in match.members:
+                    member.meta.setdefault("amp.unfused_by_pin", "--no-fuse")
 
 
 def _has_allow_op(model: Model, ctx: Context) -> bool:
