@@ -1737,6 +1737,33 @@ def test_a_fill_the_low_type_cannot_hold_keeps_fp32(capture, how):
     assert not [d for d in bf16.log.decisions.values() if "finite range" in d.reason]
 
 
+class _DividesBySmall(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(4, 4), nn.Linear(4, 4), how
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h / 1e-6 if self.how == "operator" else torch.div(h, 1e-6) if self.how == "torch" else h.div(1e-6)
+        return self.b(h * 1e-6)
+
+
+@pytest.mark.parametrize("how", ["operator", "torch", "method"])
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_division_by_a_number_whose_reciprocal_leaves_fp16_keeps_fp32(capture, how):
+    """``h / 1e-6`` multiplies by 1e6: ``h * 1e6`` kept FP32 (its number is past 65504), the division
+    ran in FP16 and its output was inf."""
+    torch.manual_seed(0)
+    model, x = _DividesBySmall(how).eval(), torch.randn(3, 4)
+    result = _dispatch(model, example_inputs=(x,), target="fp16", capture=capture)
+    result.model.graph.lint()
+    with torch.no_grad():
+        got = result.model(x)
+        assert torch.isfinite(got).all() and rel_err(got, model(x)) < TOL["fp16"]
+    (div,) = [d for d in result.log.decisions.values() if "divides by" in d.reason]
+    assert div.precision == Precision.FP32 and "divides by 1e-06, which multiplies by 1e+06" in div.reason
+
+
 class _ReadsAFill(nn.Module):
     """Ops that read what an out-of-range number made: an additive padding mask (``where(m, 0.0,
     -1e5)``, read through a view by ``h + bias``) and a lerp towards ``full_like(h, 1e5)``."""

@@ -693,6 +693,34 @@ def test_arithmetic_on_constants_only_that_leaves_fp16_keeps_fp32(k, low):
     assert rel_err(run(model, feeds)["y"], run(emulated, feeds)["y"]) < 1e-2
 
 
+@pytest.mark.parametrize(("k", "low"), [(1e-6, False), (-1e-6, False), (1e-3, True)])
+def test_a_division_by_a_constant_whose_reciprocal_leaves_fp16_keeps_fp32(k, low):
+    """``h / 1e-6`` multiplies by 1e6: ``h * 1e6`` kept FP32 (its constant is past 65504), the division
+    went low and overflowed to inf (each constant fits FP16; the divisor's reciprocal does not). By
+    1e-3 it still goes low."""
+    from amp_rewrite.emulate import emulate_low
+
+    model = make_model("""
+    <ir_version: 10, opset_import: ["" : 18]>
+    g (float[4,8] x) => (float[4,8] y) {
+      a = MatMul(x, w)
+      d = Div(a, k)
+      e = Mul(d, k)
+      y = MatMul(e, w2)
+    }""", {"w": (8, 8), "w2": (8, 8), "k": np.array(k, np.float32)})
+    result = rewrite(model)
+    full_check(result.model)
+    decision = result.log.decisions["Div:d"]
+    assert (decision.precision == Precision.LOW) is low, decision.reason
+    if not low:
+        assert f"divides by 'k' holding {k:g}, which multiplies by {1 / k:g}" in decision.reason
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    emulated, _ = emulate_low(result.model, FP16)
+    got = run(emulated, feeds)["y"]
+    assert np.isfinite(got).all() and rel_err(run(model, feeds)["y"], got) < 1e-2
+    assert not rewrite(result.model).modified
+
+
 @pytest.mark.parametrize(("attrs", "low", "target"), [
     ("alpha=100000.0", False, "fp16"), ("beta=100000.0", False, "fp16"), ("alpha=1e-09", False, "fp16"),
     ("alpha=60000.0, beta=0.5", True, "fp16"), ("alpha=100000.0", True, "bf16")])

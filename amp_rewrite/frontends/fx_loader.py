@@ -818,13 +818,17 @@ class _Builder:
             ir.output_groups = [self._output_group(name, i, v) for i, v in enumerate(outputs)]
             _split_promoted_types(ir)
             big = _scalar_out_of_range(node, self.low, self.gm) if self.low is not None else None
-            if big is not None:
-                short = TORCH_TO_DTYPE[self.low].short
+            divisor = _small_divisor(node, self.low, self.gm) if self.low is not None and big is None else None
+            if big is not None or divisor is not None:
+                short, limit = TORCH_TO_DTYPE[self.low].short, torch.finfo(self.low).max
+                big = big if big is not None else 1 / divisor
                 ir.meta["fx.out_of_range"] = big  # (its readers: _mark_out_of_range_readers)
                 ir.meta.setdefault("amp.keeps_types", (
-                    f"its argument {big:g} is outside {short}'s finite range (±{torch.finfo(self.low).max:g}): "
-                    f"in {short} torch would refuse it ('cannot be converted without overflow') or make it "
-                    f"±inf, so it keeps its types"))
+                    f"its argument {big:g} is outside {short}'s finite range (±{limit:g}): in {short} torch "
+                    f"would refuse it ('cannot be converted without overflow') or make it ±inf, so it keeps its "
+                    f"types") if divisor is None else (
+                    f"it divides by {divisor:g}, which multiplies by {big:g}, more than {short}'s largest value "
+                    f"({limit:g}): in {short} its result overflows to ±inf, so it keeps its types"))
         earlier = node.meta.get("amp_rewrite")  # an earlier rewrite's tag (fx_emitter writes it)
         if isinstance(earlier, dict) and earlier.get("category") == "deny" and earlier.get("precision") == "fp32":
             ir.meta["amp.kept_fp32_by"] = earlier.get("source", "")  # a user's pin survives a rewrite again
@@ -1148,6 +1152,19 @@ def _scalar_out_of_range(node: fx.Node, low: torch.dtype, gm: fx.GraphModule) ->
         numbers += [v for v in (getattr(module, a, None) for a in _MODULE_SCALARS)
                     if isinstance(v, (int, float)) and not isinstance(v, bool)]
     return next((float(x) for x in numbers if math.isfinite(x) and abs(x) > limit), None)
+
+
+def _small_divisor(node: fx.Node, low: torch.dtype, gm: fx.GraphModule) -> float | None:
+    """The number a division divides by where its reciprocal is past ``low``'s range (``h / 1e-6``
+    multiplies by 1e6: the FP32 ``h * 1e6`` beside it kept FP32, the division overflowed in FP16),
+    else None."""
+    if node.op not in ("call_function", "call_method") or canonical_name(node, gm)[1] not in ("div", "floor_divide"):
+        return None
+    divisor = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+    if not isinstance(divisor, (int, float)) or isinstance(divisor, bool) or divisor == 0 \
+            or not math.isfinite(divisor):
+        return None
+    return float(divisor) if 1 / abs(divisor) > torch.finfo(low).max else None
 
 
 def _field_index(node: fx.Node, field: Any, gm: fx.GraphModule) -> int | None:

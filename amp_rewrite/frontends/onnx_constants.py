@@ -66,11 +66,17 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
         if found is None and node.domain == "" and node.op_type in _ARITHMETIC and node.outputs:
             big = _largest(_folded(node.outputs[0], folds), limit)  # (computes it from constants: 300 * 300)
             found = (f"constants only and computes {node.outputs[0].name!r}", big) if big is not None else None
+        short = ctx.low.short
         if found is not None:
             where, value = found
-            short = ctx.low.short
             node.meta[META] = (f"reads {where} holding {value:g}, beyond {short}'s finite range (±{limit:g}): in "
                                f"{short} it would be clamped or overflow, so the node keeps FP32")
+            continue
+        divisor = _small_divisor(node, limit, folds)
+        if divisor is not None:
+            node.meta[META] = (f"divides by {node.inputs[1].name!r} holding {divisor:g}, which multiplies by "
+                               f"{1 / divisor:g}, more than {short}'s largest value ({limit:g}): in {short} its "
+                               f"result overflows, so the node keeps FP32")
     return PassResult("out-of-range constants", modified=False)
 
 
@@ -143,6 +149,24 @@ _ATTRIBUTES: dict[tuple[str, str], tuple[str, ...]] = {
     ("", "Resize"): ("extrapolation_value", "cubic_coeff_a"),
     ("", "RNN"): _RNN, ("", "GRU"): _RNN, ("", "LSTM"): _RNN,
 }
+
+
+def _small_divisor(node: Node, limit: float, folds: dict[int, object]) -> float | None:
+    """The divisor of a Div whose constant divisor (or one computed from constants) holds a value
+    whose reciprocal is past the limit: ``h / 1e-6`` multiplies by 1e6, which overflowed in FP16
+    where ``h * 1e6`` kept FP32. The value of smallest magnitude (zeros left out), or None."""
+    if node.domain != "" or node.op_type != "Div" or len(node.inputs) < 2:
+        return None
+    data = _folded(node.inputs[1], folds)
+    if data is None or data.size == 0:
+        return None
+    with np.errstate(all="ignore"):
+        magnitude = np.abs(data.reshape(-1))
+        nonzero = np.flatnonzero((magnitude > 0) & np.isfinite(magnitude))
+    if not nonzero.size:
+        return None
+    smallest = float(data.reshape(-1)[nonzero[int(np.argmin(magnitude[nonzero]))]])
+    return smallest if 1 / abs(smallest) > limit else None
 
 
 def _attribute_beyond(node: Node, name: str, limit: float) -> float | None:
