@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import os
 import re
@@ -610,7 +611,7 @@ def _as_tuple(example_inputs: Any) -> tuple | None:
 # -- training -------------------------------------------------------------------------------------------------
 def _flat_outputs(model: Model) -> tuple[list[tuple[int, Value, Any, str | None]], int]:
     """The module's tensor outputs as the caller sees them flattened (torch.utils._pytree's order:
-    tuples, lists and dicts opened in order, None no leaf, anything else one leaf, an int batch size
+    tuples, lists and dicts opened in order, None as pytree has it, anything else one leaf, an int batch size
     included): (flat index, value, the loader's slot, the dict key it sits under) for each, and the
     number of leaves. One tensor returned twice is two entries."""
     node = model.graph.meta.get("fx.output_node")
@@ -646,15 +647,23 @@ def _spec_keys(node: Any, count: int) -> dict[int, str]:
 
 def _leaves(obj: Any, path: tuple, key: str | None = None):
     """(path, the dict key it sits under, leaf) for each leaf of a nested output, in pytree's
-    order: tuples, lists and dicts opened in order, None no leaf."""
+    order: tuples, lists and dicts opened in order, None a leaf where this torch's pytree makes it
+    one (torch 2.13 does: a ``loss_output`` index counted without it named the output after the loss)."""
     if isinstance(obj, (tuple, list)):
         for i, item in enumerate(obj):
             yield from _leaves(item, path + (i,), key)
     elif isinstance(obj, dict):
         for k, item in obj.items():
             yield from _leaves(item, path + (k,), k if isinstance(k, str) else key)
-    elif obj is not None:
+    elif obj is not None or _none_is_leaf():
         yield path, key, obj
+
+
+@functools.cache
+def _none_is_leaf() -> bool:
+    from torch.utils import _pytree as pytree
+
+    return len(pytree.tree_flatten(None)[0]) == 1
 
 
 def _loss_value(model: Model, loss_output: int | str | None, notes: list[str]) -> Value | None:

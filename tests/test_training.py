@@ -944,6 +944,39 @@ def test_loss_output_counts_every_flattened_output(capture, loss_output):
                             capture=capture)
 
 
+class _DictWithNone(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        logits = self.l(x)
+        return {"logits": logits, "hidden": None, "loss": F.cross_entropy(logits, y), "aux": logits.pow(2).mean()}
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+@pytest.mark.parametrize("loss_output", ["by index", "loss"])
+def test_loss_output_counts_a_none_output_as_pytree_does(capture, loss_output):
+    """An HF-style output dict holding a None: loss_output=2 (the loss's index in tree_flatten, which
+    keeps None as a leaf) scaled "aux" instead, silently; under export the key "loss" was refused."""
+    from torch.utils._pytree import tree_flatten
+
+    torch.manual_seed(0)
+    model = _DictWithNone()
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    leaves = tree_flatten(model(x, y))[0]
+    index = next(i for i, leaf in enumerate(leaves) if leaf is model(x, y)["loss"] or (
+        isinstance(leaf, torch.Tensor) and leaf.ndim == 0 and torch.equal(leaf, model(x, y)["loss"])))
+    gm = amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x, y), training=True, target="bf16",
+                             loss_scaling=True, loss_output=index if loss_output == "by index" else loss_output,
+                             capture=capture)
+    gm.amp_loss_scale.fill_(100.0)
+    out, ref = gm(x, y), model(x, y)
+    assert out["hidden"] is None
+    assert out["loss"].item() == pytest.approx(100 * ref["loss"].item(), rel=2e-2)
+    assert out["aux"].item() == pytest.approx(ref["aux"].item(), rel=2e-2)
+
+
 def test_a_weight_read_after_its_module_call_keeps_the_graph_valid():
     """symbolic_trace puts `self.l.weight` where forward first reads it directly, after the call of
     self.l; the call, now a functional call reading the FP32 master weight through a cast, read
