@@ -1618,12 +1618,13 @@ def _fail(args: "CliArgs", report: "Report", outputs: Iterable[Path], message: s
     """Write the report (it records the failure), remove the rewritten model (a failed command
     leaves nothing in the output folder: docs/exit-codes.md) and raise."""
     outputs = list(outputs)
-    if args.report is not None:
+    if args.report:
         from .report import write_report
 
         if report.output is not None and any(str(p) == str(report.output) for p in outputs):
             report.output = None  # (removed below: the report names no file that is not there)
-        write_report(report, args.report)
+        for path in args.report:
+            write_report(report, path)
     removed = _remove(outputs)
     raise exc_type(message + ("; the rewritten model was not kept" if removed else ""))
 
@@ -1701,7 +1702,7 @@ def auto_fp32_cli(args: "CliArgs") -> RewriteResult:
     try:
         auto = auto_fp32(args.model, inputs=feeds, tolerance=args.tolerance, runner=runner, **options)
     except CheckRunError as exc:  # a candidate onnxruntime cannot run: the report still records it
-        if args.report is None:
+        if not args.report:
             raise
         from .api import rewrite_onnx_model
 

@@ -72,8 +72,8 @@ def _command(
                               help="Fuse decomposed LayerNorm/RMSNorm/tanh-GELU into fused ops that run low "
                                    "precision safely (default), or keep them as FP32 islands."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
-    report: Optional[Path] = typer.Option(None, "--report", parser=_file_path, metavar="<path>",
-                                          help="Write the report (.json, .html or .md)."),
+    report: List[Path] = typer.Option([], "--report", parser=_file_path, metavar="<path>",
+                                      help="Write the report (.json, .html or .md; repeatable)."),
     explain: Optional[str] = typer.Option(None, "--explain", help="Explain one node's precision; writes no model."),
     check: bool = typer.Option(False, "--check", help="Run FP32 and rewritten models and compare outputs."),
     tolerance: Optional[float] = typer.Option(None, "--tolerance",

@@ -25,7 +25,7 @@ class CliArgs:
     placement: str = "optimal"
     fuse: bool = True
     overwrite: bool = False
-    report: Optional[Path] = None
+    report: list[Path] = field(default_factory=list)  # one file per format asked for (repeatable)
     explain: Optional[str] = None
     check: bool = False
     tolerance: Optional[float] = None  # None: the target's default (check.DEFAULT_TOLERANCE)
@@ -112,17 +112,18 @@ def run(args: CliArgs) -> None:
             from .check import check_cli
 
             check_cli(args, result, report)
-        if args.report is not None:
+        if args.report:
             from .report import write_report
 
-            write_report(report, args.report)
+            for path in args.report:
+                write_report(report, path)
     COMMITTED.extend(written)  # (kept from here on: an interrupt now must not say nothing was written)
     say(args, report.summary_text())
     if not result.modified:
         say(args, "nothing to rewrite: the model has no FP32 op that the rules and safety checks let run in low "
                   "precision")
-    if args.report is not None:
-        say(args, f"report: {args.report}")
+    if args.report:
+        say(args, f"report: {', '.join(map(str, args.report))}")
 
 
 def _validate(args: CliArgs) -> None:
@@ -132,10 +133,12 @@ def _validate(args: CliArgs) -> None:
         raise UsageError(f"--placement {args.placement!r}: choose greedy or optimal")
     from .report_render import RENDERED_SUFFIXES
 
-    if args.report is not None and args.report.suffix.lower() not in (".json", *RENDERED_SUFFIXES):
-        raise UsageError(f"--report {args.report}: the format comes from the extension: .json, .html (.htm) or "
-                         f".md (.markdown)")
-    for path, error, option in ((args.report, OutputError, "--report"), (args.inputs, UsageError, "--inputs")):
+    for report in args.report:
+        if report.suffix.lower() not in (".json", *RENDERED_SUFFIXES):
+            raise UsageError(f"--report {report}: the format comes from the extension: .json, .html (.htm) or "
+                             f".md (.markdown)")
+    for path, error, option in (*((r, OutputError, "--report") for r in args.report),
+                                (args.inputs, UsageError, "--inputs")):
         try:
             if path is not None:
                 path.stat()
@@ -143,9 +146,14 @@ def _validate(args: CliArgs) -> None:
             pass
         except OSError as exc:  # (a name too long, a loop of links: exists() raises those on Python 3.11)
             raise error(f"{option} {path}: cannot be opened ({exc.strerror or exc})") from None
-    if args.report is not None and not args.report.parent.is_dir():
-        # checked before any work: failing after the model is written would leave a stray output
-        raise OutputError(f"--report {args.report}: folder {args.report.parent} does not exist")
+    for report in args.report:
+        if not report.parent.is_dir():
+            # checked before any work: failing after the model is written would leave a stray output
+            raise OutputError(f"--report {report}: folder {report.parent} does not exist")
+    seen: dict[Path, Path] = {}
+    for report in args.report:
+        if seen.setdefault(report.resolve(), report) is not report:
+            raise UsageError(f"--report {report}: given twice (as {seen[report.resolve()]} too); give each file once")
     if (args.loss or args.grads or args.loss_scaling is not None) and not args.training:
         raise UsageError("--loss, --grads and --loss-scaling/--no-loss-scaling need --training")
     if args.training and not args.loss:
@@ -154,7 +162,7 @@ def _validate(args: CliArgs) -> None:
         raise UsageError("--inputs and --tolerance apply to --check and --auto-fp32; add --check")
     if args.auto_fp32 and args.training:
         raise UsageError("--auto-fp32 does not apply to --training graphs; run --check on the training rewrite instead")
-    if args.explain is not None and args.report is not None:
+    if args.explain is not None and args.report:
         raise UsageError("--explain prints one node's reasons and writes nothing; drop --report (or --explain)")
     if args.explain is not None and args.training:
         # (it would explain the inference rewrite: the training plan pins the loss tail FP32)
@@ -171,19 +179,19 @@ def _validate(args: CliArgs) -> None:
         from .check import default_tolerance
 
         args.tolerance = default_tolerance(args.target)
-    if args.report is not None and args.explain is None:
+    for given in args.report if args.explain is None else ():
         from .frontends.onnx_loader import external_data_files
 
-        report, model, output = args.report.resolve(), args.model.resolve(), args.output_path().resolve()
+        report, model, output = given.resolve(), args.model.resolve(), args.output_path().resolve()
         if report in (model, output):
             which = "the input model" if report == model else "the output model"
-            raise OutputError(f"--report {args.report}: is {which}; choose another report path")
-        if args.report.is_dir():
-            raise OutputError(f"--report {args.report}: is a directory")
+            raise OutputError(f"--report {given}: is {which}; choose another report path")
+        if given.is_dir():
+            raise OutputError(f"--report {given}: is a directory")
         # (external data is read next to the path given: a symlinked model reads it beside the link)
         folders = {model.parent, args.model.absolute().parent.resolve()}
-        if args.report.exists() and folders & set(report.parents) and report in external_data_files(args.model):
-            raise OutputError(f"--report {args.report}: is a file the input model reads its external data from; "
+        if given.exists() and folders & set(report.parents) and report in external_data_files(args.model):
+            raise OutputError(f"--report {given}: is a file the input model reads its external data from; "
                               f"choose another report path")
-        if args.report.exists() and not args.overwrite:
-            raise OutputError(f"--report {args.report}: already exists; pass --overwrite to replace it")
+        if given.exists() and not args.overwrite:
+            raise OutputError(f"--report {given}: already exists; pass --overwrite to replace it")

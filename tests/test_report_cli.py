@@ -65,6 +65,23 @@ def test_cli_check_results_go_into_every_report_format(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_cli_report_repeated_writes_every_file(block, tmp_path, capsys):
+    """--report r.json --report r.md --report r.html wrote r.html alone, silently (the last one won)."""
+    paths = [tmp_path / "r.json", tmp_path / "r.md", tmp_path / "r.html"]
+    args = [str(block), "-o", str(tmp_path / "out.onnx")] + [a for p in paths for a in ("--report", str(p))]
+    assert main(args) == 0
+    assert f"report: {', '.join(map(str, paths))}" in capsys.readouterr().out
+    validate(json.loads(paths[0].read_text()))
+    assert paths[1].read_text().startswith("# amp-rewrite report")
+    assert paths[2].read_text().startswith("<!DOCTYPE html>")
+    # one file named twice is a mistake, refused before anything is written
+    again = [str(block), "-o", str(tmp_path / "o2.onnx"), "--report", str(tmp_path / "x.json"),
+             "--report", str(tmp_path / "." / "x.json")]
+    assert main(again) == 2
+    assert "given twice" in capsys.readouterr().err
+    assert not (tmp_path / "o2.onnx").exists() and not (tmp_path / "x.json").exists()
+
+
 def test_cli_check_passing_report_validates(block, tmp_path, capsys):
     assert main([str(block), "-o", str(tmp_path / "o.onnx"), "--check", "--report", str(tmp_path / "r.json")]) == 0
     d = json.loads((tmp_path / "r.json").read_text())
