@@ -511,6 +511,22 @@ def test_a_no_fuse_output_rewritten_again_stays_unfused(opset):
     assert rewrite(residual_block(LAYERNORM, opset)).log.fusions  # (the input itself still fuses)
 
 
+@pytest.mark.parametrize("opset", [13, 17])
+def test_weight_bytes_before_count_the_constants_a_fusion_removes(opset):
+    """The report's weights.bytes_before left out a fused pattern's Constant nodes (the epsilon and
+    the exponent a TorchScript export writes as Constant nodes): they were gone when it counted."""
+    from onnx import numpy_helper
+
+    norm = ("\n      two_c = Constant<value = float {2.0}>()\n      eps_c = Constant<value = float {1e-5}>()"
+            + LAYERNORM.replace("Pow(d, two)", "Pow(d, two_c)").replace("Add(v, eps)", "Add(v, eps_c)"))
+    model = residual_block(norm, opset)
+    result = rewrite(model)
+    assert result.log.fusions and not nodes_by_type(result.model, "Constant")
+    before = sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer) + sum(
+        numpy_helper.to_array(a.t).nbytes for n in model.graph.node if n.op_type == "Constant" for a in n.attribute)
+    assert result.log.weights.bytes_before == before
+
+
 def test_no_allow_op_means_no_fusion():
     text = """
     <ir_version: 8, opset_import: ["" : 17]>

@@ -126,6 +126,7 @@ def fuse(model: Model, ctx: Context) -> PassResult:
                 model.meta.setdefault("amp.fused_member_names", set()).update(
                     alias for member in removed for alias in aliases(member))
             gone.update(id(n) for n in removed)
+            ctx.log.weights.bytes_before += _constant_bytes(removed)  # (they are gone when weights are counted)
         if gone:
             # one pass over the list, not a list.remove per node: graphs can have 100k nodes
             scope.nodes = [n for n in scope.nodes if id(n) not in gone]
@@ -134,6 +135,17 @@ def fuse(model: Model, ctx: Context) -> PassResult:
     if shapes.computed:  # for a skip proof: the optimal placement's size estimates read it too
         model.meta["amp.symbolic_shapes"] = shapes.computed
     return PassResult("fuse", modified=changed)
+
+
+def _constant_bytes(nodes: list[Node]) -> int:
+    """Bytes of the Constant nodes' tensors among ``nodes`` (a pattern's epsilon and exponent)."""
+    total = 0
+    for node in nodes:
+        value = node.outputs[0] if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.outputs \
+            else None
+        if value is not None and value.const_numel is not None and value.dtype is not None:
+            total += int(value.const_numel * value.dtype.itemsize)
+    return total
 
 
 def _tag_unfused(model: Model) -> None:
