@@ -1052,3 +1052,26 @@ def test_shape_arithmetic_cast_to_integer_keeps_fp32(placement, target):
     if target == "fp16":  # (onnxruntime's CPU provider has no bf16 MatMul)
         x = rng.standard_normal((4099, 8)).astype(np.float32)
         assert run(result.model, {"x": x})["y"].shape == (4099, 8)
+
+
+def test_a_loop_bodys_cost_line_says_per_iteration():
+    """A Loop body's cost line said "per run" for one iteration, beside a summary whose cast bytes per
+    run count the trip count's five iterations."""
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4,16] x) => (float[4,16] y, float[5,4,16] all) {
+      trip = Constant<value = int64 {5}>()
+      y, all = Loop(trip, , x) <body = body(int64 i, bool c, float[4,16] s) => (bool c2, float[4,16] s2, float[4,16] so) {
+          c2 = Identity(c)
+          m = MatMul(s, W)
+          e = Exp(m)
+          r = ReduceSum<keepdims=1>(e)
+          s2 = Div(e, r)
+          so = Identity(m)
+      }>
+    }""", {"W": (16, 16)})
+    result = rewrite(model)
+    [line] = [n for n in result.log.notes if n.startswith("optimal placement (Loop")]
+    assert "FP32 traffic per iteration against greedy's" in line
+    report = result.report.to_dict()
+    assert [c["runs"] for c in report["casts"]] == [5] * len(report["casts"])

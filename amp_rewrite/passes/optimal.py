@@ -840,7 +840,11 @@ class Problem:
                          f"cast more")
         # (the cut's own figures: cast placement then folds and retargets the model's own casts, so
         # the casts it inserts, and their bytes, are what the summary's "casts inserted" line says)
-        return (head + f"cost model: {_fmt(c.cast_bytes)} cast + {_fmt(c.fp32_bytes)} FP32 traffic per run against "
+        holder = self.scope.parent
+        # (the summary's cast bytes count a body's casts times its trip count where it is known)
+        unit = "per run" if holder is None else "per iteration" if holder.op_type in ("Loop", "Scan") else \
+            "per run of the branch"
+        return (head + f"cost model: {_fmt(c.cast_bytes)} cast + {_fmt(c.fp32_bytes)} FP32 traffic {unit} against "
                 f"greedy's {_fmt(g.cast_bytes)} + {_fmt(g.fp32_bytes)} ({c.casts} crossings against {g.casts}, before "
                 f"the model's own casts are folded; symbolic dims "
                 f"counted as {SYMBOLIC_DIM}, batch (named, or an unnamed leading dim) as {BATCH_DIM}; {len(self.free)} free nodes in "
