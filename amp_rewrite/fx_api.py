@@ -551,7 +551,14 @@ def _private_copy(gm: torch.nn.Module) -> Any:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree specs deprecations
-        clone = copy.deepcopy(gm)
+        try:
+            clone = copy.deepcopy(gm)
+        except RuntimeError as exc:  # a computed tensor held as an attribute: torch's deepcopy refuses it
+            hint = ("the hook-based torch.nn.utils.weight_norm/spectral_norm keep such a tensor after a "
+                    "forward: use torch.nn.utils.parametrizations.weight_norm/spectral_norm, or "
+                    "capture='export'" if "graph leaves" in str(exc) else "capture='export' may copy it")
+            raise UnsupportedModelError(f"{type(gm).__name__} cannot be copied for the rewrite (the input "
+                                        f"module is never edited): {first_line(exc, 200)}; {hint}") from None
     if isinstance(clone, fx.GraphModule):
         # GraphModule's deepcopy registers every buffer again as persistent (ep.module() keeps a
         # RoPE inv_freq non-persistent, the copy did not): strict checkpoint loads failed both ways

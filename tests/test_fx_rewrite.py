@@ -2521,3 +2521,22 @@ def test_a_mask_fill_an_allow_op_reads_is_clamped_before_its_cast(capture):
     assert rel_err(out[0], ref[0]) < TOL["bf16"] and rel_err(out[1, 2:], ref[1, 2:]) < TOL["bf16"]
     assert any(n.meta.get("amp_rewrite", {}).get("inserted") == "saturate" for n in gm.graph.nodes)
     assert amp_rewrite.rewrite(gm, example_inputs=(x, mask), target="bf16").code == gm.code
+
+
+def test_a_module_torch_cannot_deep_copy_is_refused_with_the_way_out():
+    """The hook-based weight_norm keeps a computed (non-leaf) weight on the module after a forward;
+    the symbolic_trace capture's private copy raised torch's own RuntimeError."""
+    from torch.nn.utils import weight_norm
+
+    from amp_rewrite.errors import UnsupportedModelError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (torch deprecates the hook-based form)
+        model = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    model(x)
+    with pytest.raises(UnsupportedModelError, match=r"cannot be copied .*parametrizations\.weight_norm"):
+        amp_rewrite.rewrite(model, example_inputs=(x,), capture="symbolic_trace")
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), capture="export", target="bf16")
+    with torch.no_grad():
+        assert rel_err(gm(x), model(x)) < TOL["bf16"]
