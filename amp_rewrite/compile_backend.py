@@ -24,7 +24,9 @@ inductor's options). ``torch.compile(..., mode="max-autotune")`` (torch takes ``
 Dynamo hands the backend a torch-level graph whose parameters are graph inputs (dynamo lifts them),
 so weights are cast at use (as torch.autocast does); the inner compiler (inductor) fuses those
 casts into their consumers. The graph is rewritten for inference or training alike: gradients flow
-through the casts into the FP32 parameters. The last rewrite's report is kept in
+through the casts into the FP32 parameters. With ``training=True`` no loss-scale node goes into the
+graph (a graph break or a recompile gives several graphs, none of which need end at the loss):
+scale the loss with ``LossScaler().backward(loss)``, as with torch.amp.GradScaler. The last rewrite's report is kept in
 :data:`last_reports` (one per compiled graph, most recent last).
 """
 
@@ -66,6 +68,10 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, options: dict, mode
     inner_options = options.pop("inner_options", None)
     options.setdefault("target", "fp16")
     _refuse_low_io(options)
+    if options.get("training"):
+        _refuse_in_graph_scaling(options)
+        options["loss_scaling"] = False
+        options["_in_compile"] = True
     if mode is not None:
         if inner != "inductor":
             raise UsageError(f"mode={mode!r} configures inductor; the inner backend here is {inner!r}: drop mode, "
@@ -99,6 +105,21 @@ def _refuse_low_io(options: dict) -> None:
         raise UsageError("keep_io_types=False does not apply under torch.compile: dynamo passes the parameters in "
                          "as graph inputs, which must stay FP32; cast your inputs yourself, or use "
                          "amp_rewrite.rewrite(model, keep_io_types=False) for low-precision inputs and outputs")
+
+
+def _refuse_in_graph_scaling(options: dict) -> None:
+    """Dynamo hands over one graph per compiled region: a graph break makes an intermediate scalar an
+    output (taken for the loss and scaled), a recompile makes a second graph whose scale buffer the
+    scaler never saw (its updates 65536 times too small). Under torch.compile the loss is scaled
+    outside the graph, as torch.amp.GradScaler does it."""
+    from .errors import UsageError
+
+    for name, given in (("loss_scaling", options.get("loss_scaling") is True),
+                        ("loss_output", options.get("loss_output") is not None)):
+        if given:
+            raise UsageError(f"{name}= does not apply under torch.compile: the loss is scaled outside the graph; "
+                             f"call LossScaler().backward(loss) (or scaler.scale(loss).backward()) on the compiled "
+                             f"module's loss")
 
 
 def _inner_compiler(inner: str | Callable) -> Callable:

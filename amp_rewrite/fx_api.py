@@ -65,9 +65,10 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
                   rules: Any = (), keep_io_types: bool = True, training: bool = False,
                   loss_output: int | str | None = None, capture: str = "auto",
                   example_kwargs: dict[str, Any] | None = None, decompose: bool = False,
-                  loss_scaling: bool | None = None, **options: Any) -> RewriteResult:
+                  loss_scaling: bool | None = None, _in_compile: bool = False, **options: Any) -> RewriteResult:
     """Rewrite a torch module or graph; see the module docstring. Extra options are those of
-    :func:`amp_rewrite.api.make_context` (fp32_nodes, fp16_ops, placement, ...)."""
+    :func:`amp_rewrite.api.make_context` (fp32_nodes, fp16_ops, placement, ...). ``_in_compile``:
+    the graph is one dynamo captured (compile_backend), whose outputs need not hold the loss."""
     unknown = sorted(set(options) - set(_CONTEXT_OPTIONS))
     if unknown:
         raise UsageError(f"rewrite() got unknown option(s) {', '.join(unknown)} for a torch model")
@@ -115,7 +116,12 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
     if training and not keep_io_types:
         raise UsageError("training=True keeps graph inputs and outputs FP32 (the loss is scaled and its gradient "
                          "enters the graph in FP32): drop keep_io_types=False")
-    loss_value = _loss_value(model, loss_output, notes) if training else None
+    loss_value = _loss_value(model, loss_output, notes) if training and not _in_compile else None
+    if training and _in_compile:
+        # a graph break makes an intermediate scalar a graph output, and a recompile a second graph with
+        # a buffer of its own: an in-graph scale found the wrong "loss" or went unnoticed by the scaler
+        notes.append("training under torch.compile: the loss is scaled outside the graph (LossScaler().backward(loss) "
+                     "or scaler.scale(loss).backward()); a graph dynamo captures need not end at the loss")
     fp32_nodes = _as_list("fp32_nodes", options.pop("fp32_nodes", None))  # (one pattern, not its letters)
     user_fp32_nodes = list(fp32_nodes)
     tail: list[str] = []

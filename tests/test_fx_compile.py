@@ -316,3 +316,70 @@ def test_an_out_write_that_resizes_is_refused():
 
     with pytest.raises(UnsupportedModelError, match=r"shape \(3, 4\) into 'zeros_like' of shape \(4,\) by out=, which resizes"):
         amp_rewrite.rewrite(Resizes(), example_inputs=(torch.randn(3, 4),), target="bf16", capture="symbolic_trace")
+
+
+class _Gated(torch.nn.Module):
+    """A graph break with a scalar crossing it: dynamo's first graph outputs ``gate``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l, self.o = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.l(x))
+        gate = h.mean()
+        if float(gate) > 100:
+            h = h / gate
+        return self.o(h) * gate
+
+
+def test_compile_training_scales_the_loss_outside_every_graph():
+    """With training=True each graph dynamo made got an in-graph scale: after a recompile (a smaller
+    last batch) the scaler kept unscaling by the first graph's 65536 and every update was 65536
+    times too small; a scalar crossing a graph break was taken for the loss and scaled, the forward
+    output with it. Now no graph holds a scale: the scaler scales the loss, once."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="amp_rewrite", options={"training": True, "backend": "aot_eager"})
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = amp_rewrite.LossScaler()
+    for n in (6, 5):  # batch 5: dynamo compiles a second graph
+        x, y = torch.randn(n, 4), torch.randint(0, 3, (n,))
+        before, ref_before = model[0].weight.detach().clone(), ref[0].weight.detach().clone()
+        scaler.backward(torch.nn.functional.cross_entropy(compiled(x), y))
+        scaler.step(opt)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ratio = ((model[0].weight - before).norm() / (ref[0].weight - ref_before).norm()).item()
+        assert ratio == pytest.approx(1.0, rel=2e-2)
+    assert not any(hasattr(m, "amp_loss_scale") for m in model.modules())
+    # a plain backward leaves the gradients unscaled, and the scaler says it cannot know their scale
+    torch.nn.functional.cross_entropy(compiled(x), y).backward()
+    with pytest.raises(RuntimeError, match="does not know the scale of these gradients"):
+        amp_rewrite.LossScaler().step(opt)
+
+    torch._dynamo.reset()
+    gated = _Gated()
+    backend.last_reports.clear()
+    compiled = torch.compile(gated, backend="amp_rewrite", options={"training": True, "backend": "aot_eager"})
+    x = torch.randn(6, 4)
+    assert rel_err(compiled(x), gated(x)) < TOL["fp16"]
+    notes = [n for r in backend.last_reports for n in r.log.notes]
+    assert not [n for n in notes if "scaled in the graph" in n]
+    assert [n for n in notes if n.startswith("training under torch.compile: the loss is scaled outside")]
+
+
+@pytest.mark.parametrize("option", [{"loss_scaling": True}, {"loss_output": 0}])
+def test_compile_training_refuses_in_graph_scaling(option):
+    from amp_rewrite.errors import UsageError
+
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend="amp_rewrite",
+                             options={"training": True, "backend": "aot_eager", **option})
+    with pytest.raises(Exception) as caught:
+        compiled(torch.randn(2, 4)).sum()
+    error = caught.value
+    error = getattr(error, "inner_exception", error)  # (dynamo wraps a backend's error)
+    assert isinstance(error, UsageError) and "does not apply under torch.compile" in str(error)
