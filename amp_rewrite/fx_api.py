@@ -65,7 +65,8 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
                   rules: Any = (), keep_io_types: bool = True, training: bool = False,
                   loss_output: int | str | None = None, capture: str = "auto",
                   example_kwargs: dict[str, Any] | None = None, decompose: bool = False,
-                  loss_scaling: bool | None = None, _in_compile: bool = False, **options: Any) -> RewriteResult:
+                  loss_scaling: bool | None = None, dynamic_shapes: Any = None, _in_compile: bool = False,
+                  **options: Any) -> RewriteResult:
     """Rewrite a torch module or graph; see the module docstring. Extra options are those of
     :func:`amp_rewrite.api.make_context` (fp32_nodes, fp16_ops, placement, ...). ``_in_compile``:
     the graph is one dynamo captured (compile_backend), whose outputs need not hold the loss."""
@@ -97,7 +98,7 @@ def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, targ
                              f"{before.target} ({low[0]}{' and more' if len(low) > 1 else ''}): training needs "
                              f"them FP32 (master weights); rewrite the FP32 original with training=True")
     gm, how = capture_graph(obj, example_inputs, example_kwargs, capture=capture, decompose=decompose, notes=notes,
-                            training=training)
+                            training=training, dynamic_shapes=dynamic_shapes)
     from .frontends.fx_loader import load_fx
 
     try:
@@ -335,9 +336,15 @@ def _unmatched_rule(note: str) -> str:
 # -- capture --------------------------------------------------------------------------------------------------
 def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict | None, *, capture: str = "auto",
                   decompose: bool = False, notes: list[str] | None = None,
-                  training: bool = False) -> tuple[fx.GraphModule, str]:
-    """A private GraphModule to patch, and how it was obtained."""
+                  training: bool = False, dynamic_shapes: Any = None) -> tuple[fx.GraphModule, str]:
+    """A private GraphModule to patch, and how it was obtained. ``dynamic_shapes``: torch.export's
+    (without it the capture holds the example inputs' sizes, batch included)."""
     notes = notes if notes is not None else []
+    if dynamic_shapes is not None and (capture == "symbolic_trace" or not isinstance(obj, torch.nn.Module)
+                                       or isinstance(obj, fx.GraphModule)):
+        raise UsageError("dynamic_shapes is torch.export's, for capturing an nn.Module with capture='auto' or "
+                         "'export'; a symbolic_trace capture, a GraphModule and an ExportedProgram keep the shapes "
+                         "they have: drop dynamic_shapes")
     exported = getattr(torch.export, "ExportedProgram", None)
     if exported is not None and isinstance(obj, exported):
         if capture == "symbolic_trace":
@@ -356,7 +363,12 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
     export_error: BaseException | None = None
     if capture in ("auto", "export"):  # (example inputs were checked: rewrite_torch asks for them)
         try:
-            ep = torch.export.export(obj, tuple(example_inputs or ()), dict(example_kwargs or {}), strict=False)
+            ep = torch.export.export(obj, tuple(example_inputs or ()), dict(example_kwargs or {}), strict=False,
+                                     dynamic_shapes=dynamic_shapes)
+            if dynamic_shapes is None and _has_sized_input(example_inputs, example_kwargs):
+                notes.append("captured with torch.export for the example inputs' sizes: a call with another "
+                             "batch size fails torch's guard; pass dynamic_shapes= (torch.export's, e.g. "
+                             "{'x': {0: torch.export.Dim.AUTO}}) to keep it dynamic")
             return _module_of(ep, decompose, training), "export"
         except Exception as exc:  # noqa: BLE001 - export fails in many ways; fall back, say why
             if capture == "export":
@@ -549,6 +561,11 @@ def _copy_for_autograd(self: torch.Tensor, src: torch.Tensor, non_blocking: bool
     device = {} if src.device == self.device else {"device": self.device}
     out = aten._to_copy.default(src, dtype=self.dtype, **device)
     return out if out.shape == self.shape else aten.expand.default(out, list(self.shape))
+
+
+def _has_sized_input(example_inputs: tuple | None, example_kwargs: dict | None) -> bool:
+    tensors = [t for t in (*(example_inputs or ()), *(example_kwargs or {}).values()) if isinstance(t, torch.Tensor)]
+    return any(t.ndim > 0 for t in tensors)
 
 
 def _private_copy(gm: torch.nn.Module) -> Any:

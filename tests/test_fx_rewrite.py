@@ -2540,3 +2540,25 @@ def test_a_module_torch_cannot_deep_copy_is_refused_with_the_way_out():
     gm = amp_rewrite.rewrite(model, example_inputs=(x,), capture="export", target="bf16")
     with torch.no_grad():
         assert rel_err(gm(x), model(x)) < TOL["bf16"]
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_dynamic_shapes_keep_an_exported_batch_dynamic(training):
+    """torch.export holds the example inputs' sizes: a rewrite with batch 8 failed torch's guard on a
+    last batch of 3, and rewrite() refused dynamic_shapes as an unknown option."""
+    from torch.export import Dim
+
+    from amp_rewrite.errors import UsageError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).train(training)
+    x = torch.randn(8, 4)
+    gm, result = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", report=True,
+                                     training=training, dynamic_shapes={"input": {0: Dim.AUTO}})
+    small = torch.randn(3, 4)
+    assert rel_err(gm(small), model(small)) < TOL["bf16"]
+    assert not [n for n in result.log.notes if "dynamic_shapes=" in n]
+    _, static = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", report=True, training=training)
+    assert [n for n in static.log.notes if "a call with another batch size fails" in n]
+    with pytest.raises(UsageError, match="dynamic_shapes is torch.export's"):
+        amp_rewrite.rewrite(model, example_inputs=(x,), capture="symbolic_trace", dynamic_shapes={"input": {0: Dim.AUTO}})
