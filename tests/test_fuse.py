@@ -527,6 +527,28 @@ def test_weight_bytes_before_count_the_constants_a_fusion_removes(opset):
     assert result.log.weights.bytes_before == before
 
 
+@pytest.mark.parametrize("keep_io_types", [True, False])
+def test_a_user_allow_rule_for_layernormalization_applies_to_the_fused_op(tmp_path, keep_io_types):
+    """A rule file's [allow] LayerNormalization (no accumulates_fp32 flag): the fused op was kept FP32
+    for want of the flag, and a rewrite of the output, where it is a LayerNormalization like any
+    other, made it low: not a no-op. The user's allow makes the fused op low the first time."""
+    rules = tmp_path / "r.toml"
+    rules.write_text('[allow]\nLayerNormalization = "we want it low"\n')
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,4,8] x) => (float[2,4,8] ln, float[2,4,8] z) {
+      r = Exp(x)""" + LAYERNORM + """
+      z = MatMul(x, wo)
+    }""", W)
+    first = rewrite(model, rules=[str(rules)], keep_io_types=keep_io_types)
+    [fused] = nodes_by_type(first.model, "LayerNormalization")
+    assert first.log.decisions[fused.name].precision == Precision.LOW
+    assert "allow.LayerNormalization" in first.log.decisions[fused.name].source
+    full_check(first.model)
+    again = rewrite(first.model, rules=[str(rules)], keep_io_types=keep_io_types)
+    assert not again.modified
+
+
 def test_no_allow_op_means_no_fusion():
     text = """
     <ir_version: 8, opset_import: ["" : 17]>

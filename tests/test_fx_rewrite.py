@@ -2183,7 +2183,7 @@ def test_a_module_path_pins_what_runs_in_that_module(capture):
     nodes = {n["node"]: n["precision"] for n in report.to_dict()["nodes"] if n["op"] == "linear"}
     assert {name for name, p in nodes.items() if p == "fp32"} == {n for n in nodes if n.startswith("layers.1.")}
     assert any(n.startswith("layers.0.") and p == "fp16" for n, p in nodes.items())
-    assert not report.to_dict()["notes"]
+    assert not [n for n in report.to_dict()["notes"] if not n.startswith("captured with torch.export for")]
     whole, report = amp_rewrite.rewrite(_TwoLayers().eval(), example_inputs=(x,), capture=capture,
                                         fp32_nodes=["layers"], report=True)
     assert all(n["precision"] == "fp32" for n in report.to_dict()["nodes"] if n["op"] == "linear")

@@ -335,7 +335,10 @@ def _choose(match: _Match, scope: Graph, ctx: Context,
 
 def _low_capable(ctx: Context, op: str, domain: str, opset: int, *, norm: bool) -> bool:
     entry = ctx.rules.lookup(op, domain, opset)
-    if entry is None or entry.category not in _LOW_CAPABLE or (norm and not entry.accumulates_fp32):
+    # (an allow entry, a user's "always low", needs no accumulates_fp32 flag: classify makes the op low
+    # either way, and a fused LayerNorm kept FP32 for the missing flag went low in a rewrite of the output)
+    if entry is None or entry.category not in _LOW_CAPABLE or (
+            norm and entry.category != Category.ALLOW and not entry.accumulates_fp32):
         return False
     return missing_low_kernel(ctx, op, domain, opset) is None
 
