@@ -549,6 +549,36 @@ def test_a_user_allow_rule_for_layernormalization_applies_to_the_fused_op(tmp_pa
     assert not again.modified
 
 
+@pytest.mark.parametrize("pin", [{}, {"fp16_ops": ["Sub"]}, {"fp16_nodes": ["Sub:d"]}])
+def test_a_layernorm_whose_centred_value_is_read_outside_fuses_its_rmsnorm_tail(pin):
+    """d = x - mean also read outside the pattern: the LayerNorm cannot be fused, and its tail (an
+    RMSNorm of d) was left an FP32 island; with d made low by a pin, a rewrite of the output found
+    that RMSNorm behind the new Cast and fused it: not a no-op. The tail is fused the first time."""
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,4,8] x) => (float[2,4,8] y, float[2,4,8] other) {
+      a = MatMul(x, wi)
+      m = ReduceMean<axes=[-1]>(a)
+      d = Sub(a, m)
+      other = Relu(d)
+      p = Pow(d, two)
+      v = ReduceMean<axes=[-1]>(p)
+      ve = Add(v, eps)
+      sd = Sqrt(ve)
+      n = Div(d, sd)
+      ng = Mul(n, g)
+      y = MatMul(ng, wo)
+    }""", {**W, "wi": (8, 8)})
+    first = rewrite(model, **pin)
+    assert [f.pattern for f in first.log.fusions] == ["RMSNorm"]
+    assert not nodes_by_type(first.model, "Pow")
+    full_check(first.model)
+    again = rewrite(first.model, **pin)
+    assert not again.modified and not again.log.fusions
+    ref, got = run(model, feeds()), run(first.model, feeds())
+    assert all(rel_err(ref[k], got[k]) < 1e-2 for k in ("y", "other"))
+
+
 def test_no_allow_op_means_no_fusion():
     text = """
     <ir_version: 8, opset_import: ["" : 17]>

@@ -106,8 +106,8 @@ def fuse(model: Model, ctx: Context) -> PassResult:
         for node in nodes:
             if id(node) in gone:
                 continue
-            match = _match_at(node)
-            if match is None or match.x.dtype != DType.FLOAT or not _closed(match):
+            match = _closed_match_at(node)
+            if match is None or match.x.dtype != DType.FLOAT:
                 continue  # only FP32 patterns: an FP16 one is the user's own, and typed to match
             if any(member.graph is not scope for member in match.members):
                 continue  # a pattern across an If/Loop body's boundary: the fused op has one place
@@ -154,8 +154,8 @@ def _tag_unfused(model: Model) -> None:
     SkipLayerNormalizations, keeping the casts around them)."""
     for scope in model.graph.scopes():
         for node in scope.nodes:
-            match = _match_at(node)
-            if match is not None and match.x.dtype == DType.FLOAT and _closed(match):
+            match = _closed_match_at(node)
+            if match is not None and match.x.dtype == DType.FLOAT:
                 for member in match.members:
                     member.meta.setdefault("amp.unfused_by_pin", "--no-fuse")
 
@@ -174,6 +174,18 @@ def _has_allow_op(model: Model, ctx: Context) -> bool:
 
 
 # -- matching --------------------------------------------------------------------------------------
+def _closed_match_at(node: Node) -> _Match | None:
+    """The pattern anchored at ``node`` whose intermediates nothing else reads. A LayerNorm whose
+    centred ``d = x - mean`` (or mean) is read outside it falls back to the RMSNorm of ``d`` its tail
+    computes: unfused, its tail was an FP32 island, and a rewrite of the output (with ``d`` made low
+    by a pin, a Cast now between the Sub and the tail) fused that RMSNorm then."""
+    match = _match_at(node)
+    if match is not None and not _closed(match):
+        match = _match_norm(node, centred=False) if match.kind == "LayerNorm" else None
+        match = match if match is not None and _closed(match) else None
+    return match
+
+
 def _match_at(node: Node) -> _Match | None:
     if node.domain != "":
         return None
@@ -184,8 +196,9 @@ def _match_at(node: Node) -> _Match | None:
     return None
 
 
-def _match_norm(var_mean: Node) -> _Match | None:
-    """Anchored at the variance's ReduceMean: ``ReduceMean(d^2)``."""
+def _match_norm(var_mean: Node, *, centred: bool = True) -> _Match | None:
+    """Anchored at the variance's ReduceMean: ``ReduceMean(d^2)``. ``centred``: a ``d`` made by
+    ``Sub(x, ReduceMean(x))`` makes it a LayerNorm of ``x`` (else the RMSNorm of ``d``)."""
     if not _mean_over_last_axis(var_mean):
         return None
     square = var_mean.inputs[0].producer
@@ -195,7 +208,7 @@ def _match_norm(var_mean: Node) -> _Match | None:
     members = [square, var_mean]
     kind, x = "RMSNorm", _source(d)
     sub = d.producer
-    if _is(sub, "Sub"):
+    if centred and _is(sub, "Sub"):
         mean = _source(sub.inputs[1]).producer
         if _is(mean, "ReduceMean") and _mean_over_last_axis(mean) and \
                 _source(mean.inputs[0]) is _source(sub.inputs[0]):
