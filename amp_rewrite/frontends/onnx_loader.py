@@ -271,6 +271,8 @@ def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: 
     graphs = _graph_protos(proto.graph)
     for graph in graphs:
         _check_initializer_names(graph, where)
+    if len(graphs) > 1:
+        _check_shadowing_initializers(proto.graph, frozenset(), where)
     sparse = any(_has_sparse(graph) for graph in graphs)
     # (sparse initializers are made dense below; the onnx-ir pass infers the types then)
     early = _inferred_proto(proto, graphs, size, owned=owned) if infer_shapes and not sparse else None
@@ -316,6 +318,24 @@ def _graph_protos(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
     for sub in _subgraphs(graph):
         graphs.extend(_graph_protos(sub))
     return graphs
+
+
+def _check_shadowing_initializers(graph: onnx.GraphProto, outer: frozenset[str], where: str) -> None:
+    """A body initializer named like a value of an enclosing graph: onnx's checker accepts it, but
+    the runtimes disagree on which tensor its readers get (onnxruntime reads the outer one where it
+    is an initializer, the inner one where it is an input or a node output; onnx.reference always
+    the outer one). The rewrite read the inner one, and computed with the other tensor than
+    onnxruntime did: refused, naming it."""
+    for init in graph.initializer if outer else ():
+        if init.name in outer:
+            raise UnsupportedModelError(
+                f"{where}graph {graph.name!r} (an If/Loop/Scan body) has an initializer {init.name!r} that shadows a "
+                f"value of an enclosing graph: runtimes disagree on which one its readers get (onnxruntime and "
+                f"onnx.reference differ); rename one of them")
+    visible = outer | {v.name for v in graph.input} | {t.name for t in graph.initializer} | {
+        o for n in graph.node for o in n.output}
+    for sub in _subgraphs(graph):
+        _check_shadowing_initializers(sub, visible, where)
 
 
 def _check_initializer_names(graph: onnx.GraphProto, where: str) -> None:
