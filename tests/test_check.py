@@ -337,6 +337,20 @@ def test_a_mask_sentinel_computed_at_run_time_saturates_before_its_cast(target, 
     assert rel_err(want[0], got[0]) < ck.default_tolerance(target)
 
 
+def test_a_mask_sentinel_an_overridable_input_holds_saturates_before_its_cast():
+    """finfo(float32).min in an initializer also listed as a graph input (IR >= 4: an overridable
+    default, as keep_initializers_as_inputs exports write): not a constant, so no Clip, and -inf."""
+    m = masked_attention_model(17)
+    m.graph.input.append(onnx.helper.make_tensor_value_info("big", onnx.TensorProto.FLOAT, []))
+    result = rewrite(m)
+    full_check(result.model)
+    assert [n for n in result.model.graph.node if n.op_type == "Clip"]
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32),
+             "mask": np.array([[1, 1, 1, 1, 1, 1, 0, 0], [0] * 8], np.float32)}
+    emulated, _ = emulate_low(result.model)
+    assert np.isfinite(run(emulated, feeds)["y"]).all()
+
+
 def test_no_clip_where_the_mask_stays_fp32():
     """Scores scaled by a Pow (deny: FP32) keep the mask Add and the Softmax FP32: no run-time cast
     of the mask, and the Softmax's output, cast for the MatMul after it, holds probabilities. The

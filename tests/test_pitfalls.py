@@ -693,6 +693,30 @@ def test_arithmetic_on_constants_only_that_leaves_fp16_keeps_fp32(k, low):
     assert rel_err(run(model, feeds)["y"], run(emulated, feeds)["y"]) < 1e-2
 
 
+def test_an_overridable_input_default_beyond_fp16_keeps_its_readers_fp32():
+    """An initializer also listed as a graph input (IR >= 4: a default the caller may override, as
+    torch.onnx.export(keep_initializers_as_inputs=True) writes) holding 1e5: as a plain initializer
+    its Add kept FP32; listed, it was cast to FP16 at run time (inf) and the Add ran low."""
+    from amp_rewrite.emulate import emulate_low
+
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4,8] x, float[8] big) => (float[4,8] y) {
+      h = MatMul(x, w)
+      a = Add(h, big)
+      s = Sub(a, big)
+      y = MatMul(s, w2)
+    }""", {"w": (8, 8), "w2": (8, 8), "big": np.full(8, 1e5, np.float32)})
+    result = rewrite(model)
+    full_check(result.model)
+    assert result.log.decisions["Add:a"].precision == Precision.FP32
+    assert "holding 100000" in result.log.decisions["Add:a"].reason
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    emulated, _ = emulate_low(result.model, FP16)
+    got = run(emulated, feeds)["y"]
+    assert np.isfinite(got).all() and rel_err(run(model, feeds)["y"], got) < 1e-2
+
+
 @pytest.mark.parametrize(("k", "low"), [(1e-6, False), (-1e-6, False), (1e-3, True)])
 def test_a_division_by_a_constant_whose_reciprocal_leaves_fp16_keeps_fp32(k, low):
     """``h / 1e-6`` multiplies by 1e6: ``h * 1e6`` kept FP32 (its constant is past 65504), the division

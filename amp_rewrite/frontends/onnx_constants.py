@@ -208,7 +208,7 @@ def _held(value: Value | None, limit: float, depth: int = 0, cast: bool = False,
     an If. ``cast``: ``value`` is read through a Cast/CastLike, so an integer one counts."""
     if value is None or value.dtype not in (_CASTABLE if cast else _FLOATS) or depth > 8:
         return None
-    if value.is_constant:
+    if value.data_known:  # (an overridable input's default too: what it holds unless fed another)
         if seen is None:
             return _largest(constant_array(value), limit)
         if id(value) not in seen:
@@ -259,7 +259,7 @@ def _folded(value: Value | None, memo: dict[int, object] | None = None, depth: i
     if memo is not None and id(value) in memo:
         return memo[id(value)]
     out = None
-    if value.is_constant:
+    if value.data_known:
         data = constant_array(value)
         out = data.astype(np.float64) if data is not None and data.size <= _FOLD_ELEMENTS else None
     else:

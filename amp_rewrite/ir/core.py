@@ -126,6 +126,12 @@ class Value:
         return self.graph is not None and self in self.graph.outputs  # (values compare by identity)
 
     @property
+    def data_known(self) -> bool:
+        """Its data is in the model: a constant, or an overridable input's initializer (the value it
+        holds unless the caller feeds another; ``keep_initializers_as_inputs`` exports write them)."""
+        return self.is_constant or (self.is_initializer and bool(self.meta.get("amp.overridable")))
+
+    @property
     def is_constant(self) -> bool:
         """An initializer or the output of a Constant node: convertible offline."""
         # An initializer listed as a graph input counts as a weight when the IR version (< 4) lists

@@ -553,7 +553,7 @@ class _Placer:
         if dtype is None or dtype == DType.BOOL or dtype in (DType.FLOAT16, DType.BFLOAT16):
             return None  # (a low value holds no sentinel: a constant converted offline is clamped)
         threshold = max(SENTINEL, LOW_LIMITS[self.low])
-        if value.is_constant:
+        if value.data_known:  # (an overridable input's default mask too)
             if (value.numel or 0) > _SENTINEL_SCAN:
                 return None
             big = _largest(constant_array(value), threshold, float("inf"))  # (an int64 -1e9 too)
