@@ -693,6 +693,37 @@ def test_arithmetic_on_constants_only_that_leaves_fp16_keeps_fp32(k, low):
     assert rel_err(run(model, feeds)["y"], run(emulated, feeds)["y"]) < 1e-2
 
 
+@pytest.mark.parametrize(("width", "low"), [(40000, False), (100, True)])
+def test_a_count_from_static_shapes_beyond_fp16_keeps_its_readers_fp32(width, low):
+    """ReduceProd(Shape(x)) of an x of shape [2, 40000], cast to float, scaled activations between two
+    MatMuls: the model's Cast was retargeted to FP16, 80000 became inf and h / inf * inf NaN. Every
+    shape is static, so the count is known when the rewrite runs, as a constant's is."""
+    from amp_rewrite.emulate import emulate_low
+
+    model = make_model(f"""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,8] x, float[2,{width}] big) => (float[2,8] y) {{
+      h = MatMul(x, w)
+      sh = Shape(big)
+      n = ReduceProd<keepdims=0>(sh)
+      c = Cast<to=1>(n)
+      d = Div(h, c)
+      e = Mul(d, c)
+      y = MatMul(e, w2)
+    }}""", {"w": (8, 8), "w2": (8, 8)})
+    result = rewrite(model)
+    full_check(result.model)
+    for node in ("Div:d", "Mul:e"):
+        assert (result.log.decisions[node].precision == Precision.LOW) is low, result.log.decisions[node].reason
+    if not low:
+        assert "holding 80000" in result.log.decisions["Div:d"].reason
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32),
+             "big": np.zeros((2, width), np.float32)}
+    emulated, _ = emulate_low(result.model, FP16)
+    got = run(emulated, feeds)["y"]
+    assert np.isfinite(got).all() and rel_err(run(model, feeds)["y"], got) < 1e-2
+
+
 def test_an_overridable_input_default_beyond_fp16_keeps_its_readers_fp32():
     """An initializer also listed as a graph input (IR >= 4: a default the caller may override, as
     torch.onnx.export(keep_initializers_as_inputs=True) writes) holding 1e5: as a plain initializer

@@ -225,6 +225,10 @@ def _held(value: Value | None, limit: float, depth: int = 0, cast: bool = False,
         big = _attribute_beyond(producer, "value" if producer.op_type == "Pad" else "extrapolation_value", limit)
         if big is not None:
             return big
+    if cast and value.dtype in _INTEGERS and producer.op_type in _SHAPE_OPS:
+        big = _largest(_shape_folded(value), limit)  # (a count from static shapes: 2 * 40000 elements)
+        if big is not None:
+            return big
     if producer.op_type in _COPIES:
         slots = _COPIES[producer.op_type]
         for index in range(len(producer.inputs)) if slots is None else slots:
@@ -243,6 +247,63 @@ def _held(value: Value | None, limit: float, depth: int = 0, cast: bool = False,
             if big is not None:
                 return big
     return None
+
+
+_INTEGERS = (DType.INT32, DType.INT64)
+# integer ops a count or size read from static shapes goes through (Shape -> ReduceProd -> Cast)
+_SHAPE_OPS = {"Shape", "Size", "ReduceProd", "ReduceSum", "ReduceMax", "Gather", "Mul", "Add", "Concat",
+              "Squeeze", "Unsqueeze", "Reshape", "Identity"}
+
+
+def _shape_folded(value: Value | None, depth: int = 0) -> np.ndarray | None:
+    """An integer ``value`` computed from static shapes and integer constants by :data:`_SHAPE_OPS`
+    (the element count ``ReduceProd(Shape(x))`` of an x of shape [2, 40000] is 80000), or None.
+    A float made from it by a Cast is known when the rewrite runs, as a constant's is."""
+    if value is None or value.dtype not in _INTEGERS or depth > 8:
+        return None
+    if value.is_constant:
+        data = constant_array(value)
+        return data.astype(np.int64) if data is not None and data.size <= _FOLD_ELEMENTS else None
+    node = value.producer
+    if node is None or node.domain != "" or node.op_type not in _SHAPE_OPS or not node.inputs:
+        return None
+    op = node.op_type
+    if op in ("Shape", "Size"):
+        shape = node.inputs[0].shape if node.inputs[0] is not None else None
+        if shape is None or not all(isinstance(d, int) and d >= 0 for d in shape):
+            return None
+        if op == "Size":
+            return np.asarray(int(np.prod(shape, dtype=np.int64)), np.int64)
+        start, end = _int_attribute(node, "start", 0), _int_attribute(node, "end", len(shape))
+        return np.asarray(shape[start:end], np.int64)
+    args = [_shape_folded(v, depth + 1) if v is not None else None for v in node.inputs]
+    data = args[0]
+    if data is None:
+        return None
+    try:
+        if op in ("ReduceProd", "ReduceSum", "ReduceMax") and len(node.inputs) == 1 and data.ndim <= 1:
+            reduce = {"ReduceProd": np.prod, "ReduceSum": np.sum, "ReduceMax": np.max}[op]
+            out = np.asarray(reduce(data), np.int64)
+            return out.reshape([1] * data.ndim) if _int_attribute(node, "keepdims", 1) else out
+        if op == "Gather" and len(args) == 2 and args[1] is not None and _int_attribute(node, "axis", 0) == 0:
+            return np.take(data, args[1], axis=0)
+        if op in ("Mul", "Add") and len(args) == 2 and args[1] is not None:
+            return data * args[1] if op == "Mul" else data + args[1]
+        if op == "Concat" and all(a is not None for a in args):
+            return np.concatenate([np.atleast_1d(a) for a in args])
+        if op in ("Squeeze", "Unsqueeze", "Reshape", "Identity") and data.size == 1:
+            return data.reshape(-1)  # (a single count: its shape matters not to its magnitude)
+    except (ValueError, IndexError, OverflowError):
+        return None
+    return None
+
+
+def _int_attribute(node: Node, name: str, default: int) -> int:
+    attr = node.origin.attributes.get(name) if node.origin is not None else None
+    try:
+        return int(attr.as_int()) if attr is not None else default
+    except Exception:  # noqa: BLE001 - an unreadable attribute: the default
+        return default
 
 
 # elementwise arithmetic that a chain of constants can overflow through (FP16: 300 * 300 is inf)
