@@ -146,14 +146,17 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
     _record_decisions(model, ctx)
     verify(model.graph)
     modified = any(r.modified for r in results)
-    if modified and model.frontend == "onnx" and not ctx.options.fuse and model.graph.opsets.get("", 0) >= 17:
+    if modified and model.frontend == "onnx" and model.graph.opsets.get("", 0) >= 17:
         entered = [i for i in ctx.log.islands if i.pattern == "LayerNorm" and i.casts_in]
         if entered:  # (frontends/onnx_fuse.py: what fusing it would have avoided)
+            why, fix = ("--no-fuse", "rewrite without --no-fuse to avoid it") if not ctx.options.fuse else (
+                "a form the fuse pass does not take, such as an epsilon outside (0, 1) or not a scalar",
+                "--fp32-nodes on the node feeding the island keeps the Cast out")
             ctx.log.notes.append(
-                f"onnxruntime: {len(entered)} decomposed LayerNorm island(s) entered through a Cast (--no-fuse): "
+                f"onnxruntime: {len(entered)} decomposed LayerNorm island(s) entered through a Cast ({why}): "
                 f"onnxruntime's own LayerNormFusion folds that Cast into a LayerNormalization of low-precision X "
                 f"and FP32 scale and then refuses the model at its default optimisation levels (it loads with "
-                f"graph optimisations off); rewrite without --no-fuse to avoid it")
+                f"graph optimisations off); {fix}")
     if modified and model.frontend == "onnx" and ctx.low == DType.FLOAT16:
         pairs = _batch_transpose_matmuls(model)
         if pairs:

@@ -579,6 +579,20 @@ def test_a_layernorm_whose_centred_value_is_read_outside_fuses_its_rmsnorm_tail(
     assert all(rel_err(ref[k], got[k]) < 1e-2 for k in ("y", "other"))
 
 
+def test_an_unfusable_layernorm_island_entered_through_a_cast_is_warned_of():
+    """An epsilon of 1e5 (the fuse pass takes 0 < eps < 1): the island stays, entered through a Cast,
+    and onnxruntime's own LayerNormFusion folds that Cast and refuses the model; only --no-fuse had
+    the "onnxruntime:" line."""
+    model = residual_block(LAYERNORM, 17)
+    for init in model.graph.initializer:
+        if init.name == "eps":
+            init.CopyFrom(onnx.numpy_helper.from_array(np.array(1e5, np.float32), "eps"))
+    result = rewrite(model)
+    assert not result.log.fusions and result.log.islands
+    [note] = [n for n in result.log.notes if n.startswith("onnxruntime:")]
+    assert "LayerNorm island(s) entered through a Cast (a form the fuse pass does not take" in note
+
+
 def test_no_allow_op_means_no_fusion():
     text = """
     <ir_version: 8, opset_import: ["" : 17]>
