@@ -47,6 +47,37 @@ def test_existing_cast_to_float_is_retargeted_not_chained():
     assert not any(c.input[0] == retargeted[0].output[0] and c.attribute[0].i == FP16 for c in casts)
 
 
+@pytest.mark.parametrize(("source", "target"), [("int64", "fp16"), ("float16", "bf16")])
+def test_an_existing_cast_writing_a_low_output_is_cast_once_for_every_low_reader(source, target):
+    """v = Cast(ix, to=FLOAT) is a graph output (--no-keep-io-types: low) read by an FP32 ReduceSum
+    and a low MatMul: the MatMul got a Cast of ix to the low type and the output a second Cast of v
+    to it, the same value cast twice."""
+    m = make_model(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g ({source}[2,4] ix) => (float[2,4] v, float[1,1] s, float[2,4] y) {{
+          v = Cast<to=1>(ix)
+          s = ReduceSum<keepdims=1>(v)
+          y = MatMul(v, w)
+        }}""", {"w": np.eye(4, dtype=np.float32)})
+    result = rewrite(m, keep_io_types=False, target=target)
+    full_check(result.model)
+    low = {"fp16": FP16, "bf16": onnx.TensorProto.BFLOAT16}[target]
+    producers = {o: n for n in result.model.graph.node for o in n.output}
+
+    def root(name):
+        while name in producers and producers[name].op_type == "Cast":
+            name = producers[name].input[0]
+        return name
+
+    to_low = [root(n.input[0]) for n in nodes_by_type(result.model, "Cast") if n.attribute[0].i == low]
+    assert len(to_low) == len(set(to_low)), to_low
+    assert not rewrite(result.model, keep_io_types=False, target=target).modified
+    if target == "fp16":
+        ix = np.arange(8, dtype=np.int64).reshape(2, 4)
+        got, want = run(result.model, {"ix": ix}), run(m, {"ix": ix})
+        assert all(rel_err(want[k], got[k].astype(np.float32)) < 1e-3 for k in want)
+
+
 @pytest.mark.parametrize("placement", ["greedy", "optimal"])
 def test_an_existing_cast_serves_the_readers_that_need_its_type(placement):
     # v = MatMul (low) is read by Exp (FP32) and by the model's own Cast(v, to=FLOAT): the rewrite

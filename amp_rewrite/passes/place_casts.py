@@ -428,6 +428,10 @@ class _Placer:
                 self._drop_cast(cast, value, source, "existing Cast(to=FLOAT) of a low value read only in low "
                                 "precision: its readers read the value itself; removed")
                 return True
+        elif any(u.need == self.low for u in rest):
+            # a graph output that takes the low type gets a Cast of ``value`` anyway: the low readers
+            # share it (a Cast of the source for them beside it cast the same value twice)
+            rest = rest + low_uses
         else:
             self._insert_casts(source, [_Use(u.node, u.index, self.low) for u in low_uses], replaces=value)
         self._insert_casts(value, rest)
