@@ -12,6 +12,16 @@ from util import BF16, FP16, FP32, full_check, make_model, nodes_by_type, rel_er
 
 
 # 1. "Type parameter (T) bound to different types": a low MatMul and an FP32 reduction meet in one Add.
+
+def assert_emulated_close(model, low_model, feeds, output="y"):
+    """The low model, run as a GPU computes it (every FP16 value rounded where it is made), is
+    finite and within 1e-2 of the FP32 model."""
+    from amp_rewrite.emulate import emulate_low
+
+    emulated, _ = emulate_low(low_model, FP16)
+    got = run(emulated, feeds)[output]
+    assert np.isfinite(got).all() and rel_err(run(model, feeds)[output], got) < 1e-2
+
 def test_mixed_inputs_of_one_op_get_one_type():
     m = make_model("""
         <ir_version: 8, opset_import: ["" : 17]>
@@ -677,8 +687,6 @@ def test_an_integer_constant_beyond_fp16_read_through_a_cast_keeps_its_reader_fp
     """An int64 100000 cast to float and added to an activation: as an FP32 initializer it kept the
     Add FP32, but through Cast it was folded offline and clamped to 65504, and through CastLike it
     became inf at run time (inf - inf: NaN downstream)."""
-    from amp_rewrite.emulate import emulate_low
-
     model = make_model(f"""
     <ir_version: 10, opset_import: ["" : 18]>
     g (float[4,8] x) => (float[4,8] y) <int64 big = {{100000}}> {{
@@ -693,9 +701,7 @@ def test_an_integer_constant_beyond_fp16_read_through_a_cast_keeps_its_reader_fp
     assert result.log.decisions["Add:a"].precision == Precision.FP32
     assert "holding 100000" in result.log.decisions["Add:a"].reason
     feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
-    emulated, _ = emulate_low(result.model, FP16)
-    got = run(emulated, feeds)["y"]
-    assert np.isfinite(got).all() and rel_err(run(model, feeds)["y"], got) < 1e-2
+    assert_emulated_close(model, result.model, feeds)
 
 
 @pytest.mark.parametrize(("k", "low"), [(300.0, False), (200.0, True)])
@@ -729,8 +735,6 @@ def test_a_count_from_static_shapes_beyond_fp16_keeps_its_readers_fp32(width, lo
     """ReduceProd(Shape(x)) of an x of shape [2, 40000], cast to float, scaled activations between two
     MatMuls: the model's Cast was retargeted to FP16, 80000 became inf and h / inf * inf NaN. Every
     shape is static, so the count is known when the rewrite runs, as a constant's is."""
-    from amp_rewrite.emulate import emulate_low
-
     model = make_model(f"""
     <ir_version: 8, opset_import: ["" : 17]>
     g (float[2,8] x, float[2,{width}] big) => (float[2,8] y) {{
@@ -750,17 +754,13 @@ def test_a_count_from_static_shapes_beyond_fp16_keeps_its_readers_fp32(width, lo
         assert "holding 80000" in result.log.decisions["Div:d"].reason
     feeds = {"x": np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32),
              "big": np.zeros((2, width), np.float32)}
-    emulated, _ = emulate_low(result.model, FP16)
-    got = run(emulated, feeds)["y"]
-    assert np.isfinite(got).all() and rel_err(run(model, feeds)["y"], got) < 1e-2
+    assert_emulated_close(model, result.model, feeds)
 
 
 def test_an_overridable_input_default_beyond_fp16_keeps_its_readers_fp32():
     """An initializer also listed as a graph input (IR >= 4: a default the caller may override, as
     torch.onnx.export(keep_initializers_as_inputs=True) writes) holding 1e5: as a plain initializer
     its Add kept FP32; listed, it was cast to FP16 at run time (inf) and the Add ran low."""
-    from amp_rewrite.emulate import emulate_low
-
     model = make_model("""
     <ir_version: 8, opset_import: ["" : 17]>
     g (float[4,8] x, float[8] big) => (float[4,8] y) {
@@ -774,9 +774,7 @@ def test_an_overridable_input_default_beyond_fp16_keeps_its_readers_fp32():
     assert result.log.decisions["Add:a"].precision == Precision.FP32
     assert "holding 100000" in result.log.decisions["Add:a"].reason
     feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
-    emulated, _ = emulate_low(result.model, FP16)
-    got = run(emulated, feeds)["y"]
-    assert np.isfinite(got).all() and rel_err(run(model, feeds)["y"], got) < 1e-2
+    assert_emulated_close(model, result.model, feeds)
 
 
 @pytest.mark.parametrize(("k", "low"), [(1e-6, False), (-1e-6, False), (1e-3, True)])
@@ -784,8 +782,6 @@ def test_a_division_by_a_constant_whose_reciprocal_leaves_fp16_keeps_fp32(k, low
     """``h / 1e-6`` multiplies by 1e6: ``h * 1e6`` kept FP32 (its constant is past 65504), the division
     went low and overflowed to inf (each constant fits FP16; the divisor's reciprocal does not). By
     1e-3 it still goes low."""
-    from amp_rewrite.emulate import emulate_low
-
     model = make_model("""
     <ir_version: 10, opset_import: ["" : 18]>
     g (float[4,8] x) => (float[4,8] y) {
@@ -801,9 +797,7 @@ def test_a_division_by_a_constant_whose_reciprocal_leaves_fp16_keeps_fp32(k, low
     if not low:
         assert f"divides by 'k' holding {k:g}, which multiplies by {1 / k:g}" in decision.reason
     feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
-    emulated, _ = emulate_low(result.model, FP16)
-    got = run(emulated, feeds)["y"]
-    assert np.isfinite(got).all() and rel_err(run(model, feeds)["y"], got) < 1e-2
+    assert_emulated_close(model, result.model, feeds)
     assert not rewrite(result.model).modified
 
 
