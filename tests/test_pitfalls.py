@@ -11,8 +11,6 @@ from amp_rewrite.decisions import Precision
 from util import BF16, FP16, FP32, full_check, make_model, nodes_by_type, rel_err, rewrite, run, value_types
 
 
-# 1. "Type parameter (T) bound to different types": a low MatMul and an FP32 reduction meet in one Add.
-
 def assert_emulated_close(model, low_model, feeds, output="y"):
     """The low model, run as a GPU computes it (every FP16 value rounded where it is made), is
     finite and within 1e-2 of the FP32 model."""
@@ -22,6 +20,8 @@ def assert_emulated_close(model, low_model, feeds, output="y"):
     got = run(emulated, feeds)[output]
     assert np.isfinite(got).all() and rel_err(run(model, feeds)[output], got) < 1e-2
 
+
+# 1. "Type parameter (T) bound to different types": a low MatMul and an FP32 reduction meet in one Add.
 def test_mixed_inputs_of_one_op_get_one_type():
     m = make_model("""
         <ir_version: 8, opset_import: ["" : 17]>
