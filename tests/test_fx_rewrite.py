@@ -2562,3 +2562,34 @@ def test_dynamic_shapes_keep_an_exported_batch_dynamic(training):
     assert [n for n in static.log.notes if "a call with another batch size fails" in n]
     with pytest.raises(UsageError, match="dynamic_shapes is torch.export's"):
         amp_rewrite.rewrite(model, example_inputs=(x,), capture="symbolic_trace", dynamic_shapes={"input": {0: Dim.AUTO}})
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_qat_leaf_module_is_not_taken_for_its_nn_namesake(training):
+    """torch.ao.nn.qat.Linear/Conv2d stay single module calls under symbolic_trace and were given
+    nn.Linear's and nn.Conv2d's rules by class name: their weights went low, and their fake-quant
+    observer (FP32 only) refused them on the first call ("expected scalar type Float but found
+    Half"), while the summary said the GEMMs ran in fp16."""
+    import torch.ao.nn.qat as nnqat
+    import torch.ao.quantization as tq
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            qconfig = tq.get_default_qat_qconfig("fbgemm")
+            self.conv = nnqat.Conv2d(3, 8, 3, padding=1, qconfig=qconfig)
+            self.fc = nnqat.Linear(8, 4, qconfig=qconfig)
+            self.head = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.head(self.fc(self.conv(x).mean((2, 3))))
+
+    torch.manual_seed(0)
+    model, x = Net().train(training), torch.randn(2, 3, 8, 8)
+    model(x)  # (the observers take their shapes from a first call)
+    gm, report = amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x,), capture="symbolic_trace",
+                                     target="bf16", training=training, report=True)
+    gm.graph.lint()
+    assert gm.conv.weight.dtype == gm.fc.weight.dtype == torch.float32
+    assert rel_err(gm(x), copy.deepcopy(model)(x)) < TOL["bf16"]
+    assert any("qat" in op for op in report.log.unlisted_ops)

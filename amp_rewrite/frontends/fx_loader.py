@@ -240,6 +240,11 @@ def canonical_name(node: fx.Node, gm: fx.GraphModule) -> tuple[str, str]:
     if node.op == "call_module":
         sub = gm.get_submodule(str(node.target))
         cls = type(sub).__name__
+        where = type(sub).__module__ or ""
+        if where.startswith("torch.") and not where.startswith("torch.nn."):
+            # a leaf of torch.ao.nn (QAT, dynamically quantized Linear/Conv2d) named like nn's: its
+            # fake-quant observers refuse a low weight and input, so it is no nn.Linear to the rules
+            return "", f"{where}.{cls}"
         if cls == "RNN":
             return "", "rnn_relu" if getattr(sub, "nonlinearity", "tanh") == "relu" else "rnn_tanh"
         if cls == "RNNCell":
