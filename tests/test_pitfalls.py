@@ -730,6 +730,32 @@ def test_arithmetic_on_constants_only_that_leaves_fp16_keeps_fp32(k, low):
     assert rel_err(run(model, feeds)["y"], run(emulated, feeds)["y"]) < 1e-2
 
 
+@pytest.mark.parametrize(("count", "low"), [("Slice(sh, one, two)\n      n = ReduceProd<keepdims=0>(s2)", False),
+                                            ("Gather<axis=0>(sh, zero)\n      n = Identity(s2)", True)])
+def test_a_count_from_a_sliced_or_gathered_shape_is_read_exactly(count, low):
+    """Shape -> Slice -> ReduceProd of [1, 80000] (80000) was missed (Slice was no shape op), and
+    Shape -> Gather[0] (1) kept its reader FP32 (the walk went on past the exact fold to the shape)."""
+    model = make_model(f"""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,8] x, float[1,80000] big) => (float[2,8] y) {{
+      h = MatMul(x, w)
+      sh = Shape(big)
+      s2 = {count}
+      c = Cast<to=1>(n)
+      q = Mul(h, c)
+      q2 = Mul(q, small)
+      y = MatMul(q2, w)
+    }}""", {"w": (8, 8), "small": np.array(1e-5, np.float32), "one": np.array([1], np.int64),
+            "two": np.array([2], np.int64), "zero": np.array(0, np.int64)})
+    result = rewrite(model)
+    full_check(result.model)
+    decision = result.log.decisions["Mul:q"]
+    assert (decision.precision == Precision.LOW) is low, decision.reason
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32),
+             "big": np.zeros((1, 80000), np.float32)}
+    assert_emulated_close(model, result.model, feeds)
+
+
 @pytest.mark.parametrize(("width", "low"), [(40000, False), (100, True)])
 def test_a_count_from_static_shapes_beyond_fp16_keeps_its_readers_fp32(width, low):
     """ReduceProd(Shape(x)) of an x of shape [2, 40000], cast to float, scaled activations between two
@@ -754,6 +780,29 @@ def test_a_count_from_static_shapes_beyond_fp16_keeps_its_readers_fp32(width, lo
         assert "holding 80000" in result.log.decisions["Div:d"].reason
     feeds = {"x": np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32),
              "big": np.zeros((2, width), np.float32)}
+    assert_emulated_close(model, result.model, feeds)
+
+
+@pytest.mark.parametrize("route", ["Identity(k)", "Cast<to=1>(k64)", "ConstantOfShape<value=float[1] {1e-6}>(dims)",
+                                   "Sqrt(k12)", "Expand(k, dims)"])
+def test_a_small_divisor_read_through_copies_or_sqrt_keeps_its_division_fp32(route):
+    """The divisor's check read the initializer itself and arithmetic on constants: 1e-6 through an
+    Identity, a Cast from double, a ConstantOfShape fill or an Expand, or Sqrt(1e-12), let the
+    Div run low (inf), where Mul by 1e6 through the same ops kept FP32."""
+    model = make_model(f"""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4,8] x) => (float[4,8] y) {{
+      a = MatMul(x, w)
+      c = {route}
+      d = Div(a, c)
+      e = Mul(d, k)
+      y = MatMul(e, w2)
+    }}""", {"w": (8, 8), "w2": (8, 8), "k": np.array(1e-6, np.float32), "k64": np.array(1e-6, np.float64),
+            "k12": np.array(1e-12, np.float32), "dims": np.array([1], np.int64)})
+    result = rewrite(model)
+    full_check(result.model)
+    assert result.log.decisions["Div:d"].precision == Precision.FP32, result.log.decisions["Div:d"].reason
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
     assert_emulated_close(model, result.model, feeds)
 
 

@@ -226,9 +226,9 @@ def _held(value: Value | None, limit: float, depth: int = 0, cast: bool = False,
         if big is not None:
             return big
     if cast and value.dtype in _INTEGERS and producer.op_type in _SHAPE_OPS:
-        big = _largest(_shape_folded(value), limit)  # (a count from static shapes: 2 * 40000 elements)
-        if big is not None:
-            return big
+        counts = _shape_folded(value)  # (a count from static shapes: 2 * 40000 elements)
+        if counts is not None:  # (exact: Gather(Shape, 0) of [1, 80000] holds 1, whatever the shape holds)
+            return _largest(counts, limit)
     if producer.op_type in _COPIES:
         slots = _COPIES[producer.op_type]
         for index in range(len(producer.inputs)) if slots is None else slots:
@@ -236,7 +236,7 @@ def _held(value: Value | None, limit: float, depth: int = 0, cast: bool = False,
                 if index < len(producer.inputs) else None
             if big is not None:
                 return big
-    if producer.op_type in _ARITHMETIC:  # arithmetic on constants only, folded (300 * 300 = 90000)
+    if producer.op_type in _ARITHMETIC or producer.op_type in _FOLD_UNARY:  # on constants only, folded (300 * 300)
         big = _largest(_folded(value, folds), limit)
         if big is not None:
             return big
@@ -252,7 +252,7 @@ def _held(value: Value | None, limit: float, depth: int = 0, cast: bool = False,
 _INTEGERS = (DType.INT32, DType.INT64)
 # integer ops a count or size read from static shapes goes through (Shape -> ReduceProd -> Cast)
 _SHAPE_OPS = {"Shape", "Size", "ReduceProd", "ReduceSum", "ReduceMax", "Gather", "Mul", "Add", "Concat",
-              "Squeeze", "Unsqueeze", "Reshape", "Identity"}
+              "Squeeze", "Unsqueeze", "Reshape", "Identity", "Slice"}
 
 
 def _shape_folded(value: Value | None, depth: int = 0) -> np.ndarray | None:
@@ -289,6 +289,13 @@ def _shape_folded(value: Value | None, depth: int = 0) -> np.ndarray | None:
             return np.take(data, args[1], axis=0)
         if op in ("Mul", "Add") and len(args) == 2 and args[1] is not None:
             return data * args[1] if op == "Mul" else data + args[1]
+        if op == "Slice" and data.ndim == 1 and len(args) >= 3 and all(a is not None for a in args[1:]):
+            starts, ends = args[1].reshape(-1), args[2].reshape(-1)
+            axes = args[3].reshape(-1) if len(args) > 3 else np.zeros(1, np.int64)
+            steps = args[4].reshape(-1) if len(args) > 4 else np.ones(1, np.int64)
+            if starts.size == ends.size == axes.size == steps.size == 1 and int(axes[0]) in (0, -1):
+                return data[slice(int(starts[0]), int(ends[0]), int(steps[0]))]
+            return None
         if op == "Concat" and all(a is not None for a in args):
             return np.concatenate([np.atleast_1d(a) for a in args])
         if op in ("Squeeze", "Unsqueeze", "Reshape", "Identity") and data.size == 1:
@@ -311,13 +318,19 @@ _ARITHMETIC = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.
 _FOLD_ELEMENTS = 1 << 16  # fold small constants only: a weight-sized product is a weight's business
 
 
-def _folded(value: Value | None, memo: dict[int, object] | None = None, depth: int = 0):
+# ops whose output holds their first input's values (reshaped, repeated or cast), and unary ops
+# folded with them: a divisor or factor read through them is known too (Div by Sqrt(1e-12))
+_FOLD_COPIES = {"Identity", "Cast", "CastLike", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Expand"}
+_FOLD_UNARY = {"Sqrt": np.sqrt, "Neg": np.negative, "Abs": np.abs, "Reciprocal": np.reciprocal}
+
+
+def _folded(value: Value | None, memo: dict[int, object] | None = None, depth: int = 0, cast: bool = False):
     """``value``'s data where it is a constant or elementwise arithmetic (:data:`_ARITHMETIC`) on
     constants only, up to a few levels and :data:`_FOLD_ELEMENTS` elements, in float64; else None.
     ``memo`` keeps each value's answer, so a long chain of activations is walked once."""
-    if value is None or value.dtype not in _FLOATS or depth > 4:
+    if value is None or value.dtype not in (_CASTABLE if cast else _FLOATS) or depth > 4:
         return None
-    if memo is not None and id(value) in memo:
+    if memo is not None and id(value) in memo and not cast:
         return memo[id(value)]
     out = None
     if value.data_known:
@@ -325,7 +338,18 @@ def _folded(value: Value | None, memo: dict[int, object] | None = None, depth: i
         out = data.astype(np.float64) if data is not None and data.size <= _FOLD_ELEMENTS else None
     else:
         producer = value.producer
-        if producer is not None and producer.domain == "" and producer.op_type in _ARITHMETIC \
+        op = producer.op_type if producer is not None and producer.domain == "" else None
+        if op == "ConstantOfShape":  # (its fill: the magnitude is what matters)
+            fill = _attribute(producer, "value")
+            out = fill.astype(np.float64).reshape(-1)[:1] if fill is not None and fill.size else np.zeros(1)
+        elif op in _FOLD_COPIES and producer.inputs and producer.inputs[0] is not None:
+            out = _folded(producer.inputs[0], memo, depth + 1, cast=op in _CASTS)
+        elif op in _FOLD_UNARY and producer.inputs:
+            inner = _folded(producer.inputs[0], memo, depth + 1)
+            if inner is not None:
+                with np.errstate(all="ignore"):
+                    out = _FOLD_UNARY[op](inner)
+        elif producer is not None and producer.domain == "" and producer.op_type in _ARITHMETIC \
                 and len(producer.inputs) == 2:
             a = _folded(producer.inputs[0], memo, depth + 1)
             b = _folded(producer.inputs[1], memo, depth + 1) if a is not None else None
@@ -336,7 +360,7 @@ def _folded(value: Value | None, memo: dict[int, object] | None = None, depth: i
                 except ValueError:  # (shapes that do not broadcast: the model's error, not this check's)
                     out = None
                 out = out if out is not None and out.size <= _FOLD_ELEMENTS else None
-    if memo is not None:
+    if memo is not None and not cast:
         memo[id(value)] = out
     return out
 
