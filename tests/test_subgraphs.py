@@ -663,6 +663,25 @@ def _reused_names_models():
             "two loop bodies with the same names": loops}
 
 
+def test_a_sparse_body_initializer_shadowing_an_outer_value_is_refused():
+    """The same with the branch's tensor stored sparse: densified, it was read where onnxruntime reads
+    the outer one."""
+    from amp_rewrite.errors import UnsupportedModelError
+
+    values = numpy_helper.from_array(np.array([5.0], np.float32), "w")
+    sparse = helper.make_sparse_tensor(values, numpy_helper.from_array(np.array([0], np.int64), "w_idx"), [4, 4])
+    then_g = body("then", [helper.make_node("MatMul", ["x", "w"], ["t"], name="then_mm")], [], [vi("t")])
+    then_g.sparse_initializer.append(sparse)
+    else_g = body("else", [helper.make_node("Exp", ["x"], ["e"], name="else_exp")], [], [vi("e")])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"], name="gt"),
+             helper.make_node("If", ["c"], ["z"], name="if", then_branch=then_g, else_branch=else_g),
+             helper.make_node("MatMul", ["z", "w"], ["y"], name="out_mm")]
+    model = make(nodes, [vi("x")], [vi("y")], [weight("w"), scalar("zero", 0.0)])
+    with pytest.raises(UnsupportedModelError, match=r"initializer 'w' that shadows a value of an enclosing graph"):
+        rewrite_onnx_model(model)
+
+
 @pytest.mark.parametrize("outer", ["initializer", "input", "node output"])
 def test_a_body_initializer_shadowing_an_outer_value_is_refused(outer):
     """A branch initializer named like an outer value: the rewrite read the inner tensor, onnxruntime

@@ -326,14 +326,14 @@ def _check_shadowing_initializers(graph: onnx.GraphProto, outer: frozenset[str],
     is an initializer, the inner one where it is an input or a node output; onnx.reference always
     the outer one). The rewrite read the inner one, and computed with the other tensor than
     onnxruntime did: refused, naming it."""
-    for init in graph.initializer if outer else ():
-        if init.name in outer:
+    inner = [t.name for t in graph.initializer] + [t.values.name for t in graph.sparse_initializer]
+    for name in inner if outer else ():
+        if name in outer:
             raise UnsupportedModelError(
-                f"{where}graph {graph.name!r} (an If/Loop/Scan body) has an initializer {init.name!r} that shadows a "
+                f"{where}graph {graph.name!r} (an If/Loop/Scan body) has an initializer {name!r} that shadows a "
                 f"value of an enclosing graph: runtimes disagree on which one its readers get (onnxruntime and "
                 f"onnx.reference differ); rename one of them")
-    visible = outer | {v.name for v in graph.input} | {t.name for t in graph.initializer} | {
-        o for n in graph.node for o in n.output}
+    visible = outer | {v.name for v in graph.input} | set(inner) | {o for n in graph.node for o in n.output}
     for sub in _subgraphs(graph):
         _check_shadowing_initializers(sub, visible, where)
 
