@@ -1750,14 +1750,17 @@ class _DividesBySmall(nn.Module):
     def __init__(self, how: str) -> None:
         super().__init__()
         self.a, self.b, self.how = nn.Linear(4, 4), nn.Linear(4, 4), how
+        self.register_buffer("small", torch.tensor(1e-6))
 
     def forward(self, x):
         h = self.a(x)
+        if self.how == "buffer":  # (a module tensor holding the divisor)
+            return self.b(h / self.small * 1e-6)
         h = h / 1e-6 if self.how == "operator" else torch.div(h, 1e-6) if self.how == "torch" else h.div(1e-6)
         return self.b(h * 1e-6)
 
 
-@pytest.mark.parametrize("how", ["operator", "torch", "method"])
+@pytest.mark.parametrize("how", ["operator", "torch", "method", "buffer"])
 @pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
 def test_a_division_by_a_number_whose_reciprocal_leaves_fp16_keeps_fp32(capture, how):
     """``h / 1e-6`` multiplies by 1e6: ``h * 1e6`` kept FP32 (its number is past 65504), the division

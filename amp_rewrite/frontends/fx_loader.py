@@ -768,6 +768,9 @@ class _Builder:
         big = _beyond_range(tensor, self.low) if self.low is not None else None
         if big is not None:
             value.meta["fx.out_of_range"] = big
+        small = _below_reciprocal_range(tensor, self.low) if self.low is not None else None
+        if small is not None:
+            value.meta["fx.small_divisor"] = small  # (a division by it: _small_divisor)
 
     def _mark_mutable(self, value: Value, target: str) -> None:
         """A module tensor the forward writes in place (a running sum, a cache) changes from call to
@@ -823,7 +826,8 @@ class _Builder:
             ir.output_groups = [self._output_group(name, i, v) for i, v in enumerate(outputs)]
             _split_promoted_types(ir)
             big = _scalar_out_of_range(node, self.low, self.gm) if self.low is not None else None
-            divisor = _small_divisor(node, self.low, self.gm) if self.low is not None and big is None else None
+            divisor = _small_divisor(node, self.low, self.gm, slots, inputs) \
+                if self.low is not None and big is None else None
             if big is not None or divisor is not None:
                 short, limit = TORCH_TO_DTYPE[self.low].short, torch.finfo(self.low).max
                 big = big if big is not None else 1 / divisor
@@ -1136,6 +1140,22 @@ def _beyond_range(tensor: torch.Tensor, low: torch.dtype) -> float | None:
         return float(beyond.max()) if beyond.numel() else None
 
 
+def _below_reciprocal_range(tensor: torch.Tensor, low: torch.dtype) -> float | None:
+    """The smallest nonzero finite magnitude in a small float ``tensor`` whose reciprocal is past
+    ``low``'s range (a divisor of 1e-6 multiplies by 1e6), signed, or None."""
+    if not tensor.is_floating_point() or tensor.is_meta or not 0 < tensor.numel() <= 1 << 16:
+        return None
+    with torch.no_grad():
+        data = tensor.detach().float().reshape(-1)
+        magnitude = data.abs()
+        usable = (magnitude > 0) & torch.isfinite(magnitude)
+        if not bool(usable.any()):
+            return None
+        index = int(torch.where(usable, magnitude, torch.full_like(magnitude, float("inf"))).argmin())
+        smallest = float(data[index])
+    return smallest if 1 / abs(smallest) > torch.finfo(low).max else None
+
+
 def _scalar_out_of_range(node: fx.Node, low: torch.dtype, gm: fx.GraphModule) -> float | None:
     """A scalar argument of ``node`` that ``low`` cannot hold, or None. A mask fill (``new_full(s,
     -1e9)``, ``full_like(x, -1e9)``, ``masked_fill(m, -1e9)`` in FP16; ``finfo(float32).min`` in
@@ -1159,12 +1179,16 @@ def _scalar_out_of_range(node: fx.Node, low: torch.dtype, gm: fx.GraphModule) ->
     return next((float(x) for x in numbers if math.isfinite(x) and abs(x) > limit), None)
 
 
-def _small_divisor(node: fx.Node, low: torch.dtype, gm: fx.GraphModule) -> float | None:
+def _small_divisor(node: fx.Node, low: torch.dtype, gm: fx.GraphModule, slots: list | None = None,
+                  inputs: list | None = None) -> float | None:
     """The number a division divides by where its reciprocal is past ``low``'s range (``h / 1e-6``
     multiplies by 1e6: the FP32 ``h * 1e6`` beside it kept FP32, the division overflowed in FP16),
-    else None."""
+    or the smallest magnitude of a module tensor it divides by (a buffer of 1e-6), else None."""
     if node.op not in ("call_function", "call_method") or canonical_name(node, gm)[1] not in ("div", "floor_divide"):
         return None
+    for slot, value in zip(slots or (), inputs or ()):
+        if slot.where[:2] in (("args", 1), ("kwargs", "other")) and value.meta.get("fx.small_divisor") is not None:
+            return value.meta["fx.small_divisor"]
     divisor = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
     if not isinstance(divisor, (int, float)) or isinstance(divisor, bool) or divisor == 0 \
             or not math.isfinite(divisor):
