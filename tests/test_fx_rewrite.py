@@ -2596,3 +2596,24 @@ def test_a_qat_leaf_module_is_not_taken_for_its_nn_namesake(training):
     assert gm.conv.weight.dtype == gm.fc.weight.dtype == torch.float32
     assert rel_err(gm(x), copy.deepcopy(model)(x)) < TOL["bf16"]
     assert any("qat" in op for op in report.log.unlisted_ops)
+
+
+def test_loading_a_checkpoint_warns_when_a_low_copy_is_clamped():
+    """A weight read by a low op and an FP32 one keeps its FP32 original and a low copy: loading a
+    checkpoint refreshed the copy clamped at 65504, without the warning a converted weight gives."""
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.l(x) + self.l.weight.pow(2).sum() * 0
+
+    torch.manual_seed(0)
+    model, x = Both().eval(), torch.randn(2, 8)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="fp16", capture="symbolic_trace")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["l.weight"][0, 0] = 1e5
+    with pytest.warns(RuntimeWarning, match=r"'l.weight' holds 1 value\(s\) beyond float16's range"):
+        gm.load_state_dict(state)
+    assert gm.l.weight.dtype == torch.float32 and gm.l.weight[0, 0].item() == 1e5

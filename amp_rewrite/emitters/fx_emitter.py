@@ -718,19 +718,23 @@ def _convert_loaded_weights(module: torch.nn.Module, state_dict: dict, prefix: s
         if (id(current) in converted and isinstance(incoming, torch.Tensor) and incoming.is_floating_point()
                 and incoming.dtype != current.dtype):
             state_dict[prefix + name] = convert_tensor(incoming, current.dtype)[0]
-            limit = torch.finfo(current.dtype).max
-            magnitude = incoming.detach().abs()
-            # (mask sentinels, 1e8 and more, saturate and still mask: not counted)
-            clamped = 0 if incoming.is_meta else int(((magnitude > limit) & (magnitude < SENTINEL)).sum())
-            if clamped > 0:
-                # the rewrite chose its readers' precision from the values it saw: one of these would
-                # have kept an infer op FP32, and a learned scale of 1e5 clamped to 65504 gave NaN
-                warnings.warn(
-                    f"amp_rewrite: load_state_dict: {prefix + name!r} holds {clamped} value(s) beyond "
-                    f"{str(current.dtype).removeprefix('torch.')}'s range (±{limit:g}), clamped as it is converted "
-                    f"for the low-precision ops that read it; the rewrite chose their precision from the values it "
-                    f"saw. Load the checkpoint into the FP32 module and rewrite that to keep such readers FP32",
-                    RuntimeWarning, stacklevel=2)
+            _warn_if_clamped(prefix + name, incoming, current.dtype)
+
+
+def _warn_if_clamped(name: str, incoming: torch.Tensor, dtype: torch.dtype) -> None:
+    """A loaded value past the low type's range is clamped as it is converted: the rewrite chose its
+    readers' precision from the values it saw (a learned scale of 1e5, which a rewrite of the trained
+    module keeps FP32 with its reader, clamped to 65504 gave NaN), so it is said."""
+    limit = torch.finfo(dtype).max
+    magnitude = incoming.detach().abs()
+    # (mask sentinels, 1e8 and more, saturate and still mask: not counted)
+    clamped = 0 if incoming.is_meta else int(((magnitude > limit) & (magnitude < SENTINEL)).sum())
+    if clamped > 0:
+        warnings.warn(
+            f"amp_rewrite: load_state_dict: {name!r} holds {clamped} value(s) beyond "
+            f"{str(dtype).removeprefix('torch.')}'s range (±{limit:g}), clamped as it is converted for the "
+            f"low-precision ops that read it; the rewrite chose their precision from the values it saw. Load the "
+            f"checkpoint into the FP32 module and rewrite that to keep such readers FP32", RuntimeWarning, stacklevel=3)
 
 
 def _refresh_low_copies(module: torch.nn.Module, incompatible_keys: Any) -> None:
@@ -745,6 +749,7 @@ def _refresh_low_copies(module: torch.nn.Module, incompatible_keys: Any) -> None
         if low is None or source is None or source.is_meta:
             continue
         fresh = convert_tensor(source.detach(), low.dtype)[0]
+        _warn_if_clamped(original, source, low.dtype)
         if low.is_meta or low.device != fresh.device or low.shape != fresh.shape:
             owner, attr = _owner(module, copy_path)
             owner._buffers[attr] = fresh
