@@ -371,6 +371,9 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
                              "{'x': {0: torch.export.Dim.AUTO}}) to keep it dynamic")
             return _module_of(ep, decompose, training), "export"
         except Exception as exc:  # noqa: BLE001 - export fails in many ways; fall back, say why
+            if dynamic_shapes is not None:  # (the caller asked export for them: no silent fallback)
+                raise UsageError(f"torch.export could not capture {type(obj).__name__} with the dynamic_shapes "
+                                 f"given: {_export_cause(exc)}") from exc
             if capture == "export":
                 raise UnsupportedModelError(f"torch.export could not capture {type(obj).__name__}: "
                                             f"{_export_cause(exc)}; {_EXPORT_ADVICE}") from exc

@@ -2565,6 +2565,9 @@ def test_dynamic_shapes_keep_an_exported_batch_dynamic(training):
     assert [n for n in static.log.notes if "a call with another batch size fails" in n]
     with pytest.raises(UsageError, match="dynamic_shapes is torch.export's"):
         amp_rewrite.rewrite(model, example_inputs=(x,), capture="symbolic_trace", dynamic_shapes={"input": {0: Dim.AUTO}})
+    # a spec export refuses is the caller's mistake: no silent fallback to symbolic_trace
+    with pytest.raises(UsageError, match="could not capture Sequential with the dynamic_shapes given"):
+        amp_rewrite.rewrite(model, example_inputs=(x,), dynamic_shapes={"wrong_name": {0: Dim.AUTO}})
 
 
 @pytest.mark.parametrize("training", [False, True])
