@@ -149,9 +149,9 @@ def _constant_bytes(nodes: list[Node]) -> int:
 
 
 def _tag_unfused(model: Model) -> None:
-    """--no-fuse: the patterns stay FP32 islands, and their members are tagged so, as a pin's are: a
-    rewrite of the output with the default options left them alone no more (it fused them into FP32
-    SkipLayerNormalizations, keeping the casts around them)."""
+    """--no-fuse: the patterns stay FP32 islands, and their members are tagged so, as a pin's are
+    (untagged, a rewrite of the output with the default options fused them into FP32
+    SkipLayerNormalizations and kept the casts around them)."""
     for scope in model.graph.scopes():
         for node in scope.nodes:
             match = _closed_match_at(node)
