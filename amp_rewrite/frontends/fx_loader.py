@@ -768,9 +768,6 @@ class _Builder:
         big = _beyond_range(tensor, self.low) if self.low is not None else None
         if big is not None:
             value.meta["fx.out_of_range"] = big
-        small = _below_reciprocal_range(tensor, self.low) if self.low is not None else None
-        if small is not None:
-            value.meta["fx.small_divisor"] = small  # (a division by it: _small_divisor)
 
     def _mark_mutable(self, value: Value, target: str) -> None:
         """A module tensor the forward writes in place (a running sum, a cache) changes from call to
@@ -1179,16 +1176,17 @@ def _scalar_out_of_range(node: fx.Node, low: torch.dtype, gm: fx.GraphModule) ->
     return next((float(x) for x in numbers if math.isfinite(x) and abs(x) > limit), None)
 
 
-def _small_divisor(node: fx.Node, low: torch.dtype, gm: fx.GraphModule, slots: list | None = None,
-                  inputs: list | None = None) -> float | None:
+def _small_divisor(node: fx.Node, low: torch.dtype, gm: fx.GraphModule, slots: list[Slot],
+                  inputs: list[Value]) -> float | None:
     """The number a division divides by where its reciprocal is past ``low``'s range (``h / 1e-6``
     multiplies by 1e6: the FP32 ``h * 1e6`` beside it kept FP32, the division overflowed in FP16),
     or the smallest magnitude of a module tensor it divides by (a buffer of 1e-6), else None."""
     if node.op not in ("call_function", "call_method") or canonical_name(node, gm)[1] not in ("div", "floor_divide"):
         return None
-    for slot, value in zip(slots or (), inputs or ()):
-        if slot.where[:2] in (("args", 1), ("kwargs", "other")) and value.meta.get("fx.small_divisor") is not None:
-            return value.meta["fx.small_divisor"]
+    for slot, value in zip(slots, inputs):
+        if slot.where[:2] in (("args", 1), ("kwargs", "other")) and "fx.attr" in value.meta:
+            tensor = _fetch_attr(gm, value.meta["fx.attr"])  # (looked into only where it divides)
+            return _below_reciprocal_range(tensor, low) if isinstance(tensor, torch.Tensor) else None
     divisor = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
     if not isinstance(divisor, (int, float)) or isinstance(divisor, bool) or divisor == 0 \
             or not math.isfinite(divisor):
