@@ -146,14 +146,14 @@ def _validate(args: CliArgs) -> None:
             pass
         except OSError as exc:  # (a name too long, a loop of links: exists() raises those on Python 3.11)
             raise error(f"{option} {path}: cannot be opened ({exc.strerror or exc})") from None
+    seen: dict[Path, Path] = {}
     for report in args.report:
         if not report.parent.is_dir():
             # checked before any work: failing after the model is written would leave a stray output
             raise OutputError(f"--report {report}: folder {report.parent} does not exist")
-    seen: dict[Path, Path] = {}
-    for report in args.report:
-        if seen.setdefault(report.resolve(), report) is not report:
-            raise UsageError(f"--report {report}: given twice (as {seen[report.resolve()]} too); give each file once")
+        first = seen.setdefault(report.resolve(), report)
+        if first is not report:
+            raise UsageError(f"--report {report}: given twice (as {first} too); give each file once")
     if (args.loss or args.grads or args.loss_scaling is not None) and not args.training:
         raise UsageError("--loss, --grads and --loss-scaling/--no-loss-scaling need --training")
     if args.training and not args.loss:
