@@ -431,9 +431,11 @@ class _LossScaleBuilder:
         self.opset = model.opset_imports.get("", 0)
         self.new_nodes: list[Any] = []
         self.constants: list[Any] = []  # the initializers the update adds (the report's weights count them)
+        self.unscaled_before: list[str] = []  # nodes that read gradients divided by the scale first
         self.rewired: dict[int, tuple[Any, str | None]] = {}  # our Casts whose edges changed, and a new reason
 
-    def node(self, op: str, inputs: list, reason: str, *, out: str | None = None, **attrs: Any) -> Any:
+    def node(self, op: str, inputs: list, reason: str, *, out: str | None = None, graph: Any = None,
+             **attrs: Any) -> Any:
         ir = self.ir
         out_name = out if out is not None else self.name(f"amp_train/{op.lower()}")
         if out is not None:
@@ -443,7 +445,7 @@ class _LossScaleBuilder:
                        name=self.name(f"amp_train/{op}"))
         node.metadata_props[TAG + "inserted"] = "training"
         node.metadata_props[TAG + "reason"] = reason
-        self.graph.append(node)
+        (graph if graph is not None else self.graph).append(node)
         self.new_nodes.append(node)
         return value
 
@@ -487,11 +489,13 @@ class _LossScaleBuilder:
         added = {"loss": plan.loss, "loss_scale": LOSS_SCALE, "scaled_loss": SCALED_LOSS}
         if plan.grads:
             tracker = self.scalar_input(GROWTH_TRACKER, INT64)
-            self._scale_seed(scale)
+            seed = self._scale_seed(scale)
             inv = self.node("Reciprocal", [scale], "training: 1 / loss_scale, to unscale the gradients in FP32")
+            reached = _reached_from(seed, self.graph)
             sums, scaled_grads = [], []
             scaled_of: dict[str, Any] = {}  # gradient output name -> its scaled value
             backward = _feeding([outputs[name][1] for name in plan.grads])
+            watched: dict[int, str] = {}  # id(gradient output value) -> its name
             for name in plan.grads:
                 index, value = outputs[name]
                 if _from_constants(value):
@@ -502,6 +506,16 @@ class _LossScaleBuilder:
                 if value.producer() is None:
                     raise UsageError(f"gradient output {name!r} is a graph input, not computed by the graph: "
                                      f"nothing to unscale; narrow --grads")
+                if id(value) not in reached:
+                    scaled_of[name] = value  # (refused below, with the others)
+                    continue
+                watched[id(value)] = name
+
+            def unscale_output(value: Any) -> None:
+                """A gradient output, proportional to the scale: divided on its way out (the walk calls
+                this as soon as it has the gradient, so its readers after it read the division)."""
+                name = watched.pop(id(value))
+                index = outputs[name][0]
                 value.name = self.name(name + SCALED_SUFFIX)
                 scaled_grads.append(value.name)
                 scaled_of[name] = value
@@ -524,10 +538,18 @@ class _LossScaleBuilder:
                 self._unscale_low_readers(value, unscaled, backward)
                 sums.append(self.node("ReduceSum", [unscaled], "training: inf/NaN check (sum of the gradient)",
                                       keepdims=0))
+
+            self._unscale_where_not_proportional(scale, inv, watched, unscale_output)
+            for value_id, name in watched.items():
+                # not proportional to the scale where it leaves: computed from gradients the walk
+                # divided already (clipped in the graph); it leaves as it is, and the finiteness
+                # check reads it
+                sums.append(self.node("ReduceSum", [outputs[name][1]], "training: inf/NaN check (sum of the "
+                                      "gradient)", keepdims=0))
             if not sums:
                 raise UsageError(f"--grads matches only constant outputs ({', '.join(plan.grads)}): no gradient "
                                  f"is computed by the graph, so there is nothing to loss-scale")
-            self._refuse_scaled_leftovers(plan.seed, scaled_of)
+            self._refuse_scaled_leftovers(scale, scaled_of, reached)
             total = sums[0] if len(sums) == 1 else self.node("Sum", sums, "training: inf/NaN check (all gradients)")
             bad = self.node("Or", [self.node("IsInf", [total], "training: inf/NaN check"),
                                    self.node("IsNaN", [total], "training: inf/NaN check")], "training: inf/NaN check")
@@ -554,6 +576,12 @@ class _LossScaleBuilder:
 
         added = sum(v.const_value.nbytes for v in self.constants)
         log.weights.bytes_after += added
+        if self.unscaled_before:
+            shown = ", ".join(repr(name) for name in self.unscaled_before[:3])
+            more = f" and {len(self.unscaled_before) - 3} more" if len(self.unscaled_before) > 3 else ""
+            log.notes.append(f"training: {len(self.unscaled_before)} node(s) read the gradients divided by the loss "
+                             f"scale, since their results are not proportional to it (a norm, a clip, a sum with "
+                             f"a weight): {shown}{more}")
         tags = json.loads(self.model.metadata_props[TAG + "report"])
         tags["weights"]["bytes_after"] += added
         self.model.metadata_props[TAG + "report"] = json.dumps(tags)
@@ -590,29 +618,15 @@ class _LossScaleBuilder:
         for user, slot in readers:
             user.replace_input_with(slot, recast)
 
-    def _refuse_scaled_leftovers(self, seed_name: str, scaled_of: dict[str, Any]) -> None:
-        """Graph outputs computed from the scaled backward pass without an unscale on the way (a
-        gradient --grads does not name) would leave scaled; a --grads output the pass does not
-        reach is no gradient of the loss, and dividing it by the scale would be wrong. Both are
-        usage errors, named."""
-        seed = next(v for v in self.graph.inputs if v.name == seed_name)
-        reached: set[int] = set()
-        stack = [seed]
-        scaled = {id(v) for v in scaled_of.values()}
-        unscale = {id(n) for n in self.new_nodes if n.op_type == "Mul" and n.inputs[0] is not None
-                   and id(n.inputs[0]) in scaled}
-        leaves = _subgraph_outputs(self.graph)
-        while stack:
-            value = stack.pop()
-            if id(value) in reached:
-                continue
-            reached.add(id(value))
-            stack.extend(leaves.get(id(value), ()))  # a body's output: the If/Loop/Scan's, outside
-            for user, _ in value.uses():
-                if id(user) not in unscale:
-                    stack.extend(user.outputs)
+    def _refuse_scaled_leftovers(self, scale: Any, scaled_of: dict[str, Any], reached: set[int]) -> None:
+        """Graph outputs still proportional to the loss scale (a gradient --grads does not name)
+        would leave scaled; a --grads output the backward pass does not reach is no gradient of the
+        loss, and dividing it by the scale would be wrong. Both are usage errors, named."""
+        from .scale_degree import ZERO, Degrees
+
+        degrees = Degrees(self.graph, scale, {id(n) for n in self.new_nodes}).run()
         outputs = [v for v in self.graph.outputs if v.name not in (SCALED_LOSS,)]
-        leftover = [v.name for v in outputs if id(v) in reached and v.name not in self.plan.grads]
+        leftover = [v.name for v in outputs if degrees.of(v) not in (ZERO, 0)]
         if leftover:
             raise UsageError(f"output(s) {', '.join(map(repr, leftover))} are computed from the backward pass but --grads "
                              f"does not name them: they would come out multiplied by the loss scale; add them to "
@@ -622,6 +636,55 @@ class _LossScaleBuilder:
             raise UsageError(f"--grads names {', '.join(map(repr, unreached))}, which the backward pass from the loss "
                              f"gradient seed does not reach: not a gradient of the loss, so it is not loss-scaled; "
                              f"narrow --grads")
+
+    def _unscale_where_not_proportional(self, scale: Any, inv: Any, watched: dict[int, str],
+                                        on_gradient: Any) -> None:
+        """Gradients are divided by the scale before a node whose result is not proportional to
+        it (scale_degree): a gradient norm, an in-graph clip, an update adding to the weights."""
+        from .scale_degree import Degrees
+
+        unscaled: dict[int, Any] = {}
+
+        def unscale(node: Any, slot: int) -> None:
+            value = node.inputs[slot]
+            if id(value) not in unscaled:
+                unscaled[id(value)] = self._divided(value, inv, node)
+            node.replace_input_with(slot, unscaled[id(value)])
+
+        degrees = Degrees(self.graph, scale, {id(n) for n in self.new_nodes}, unscale,
+                          watched=watched, on_watched=on_gradient).run()
+        if degrees.refused:
+            node, why = degrees.refused[0]
+            raise UsageError(f"node {_label(node)!r} ({node.op_type}) {why}: loss scaling cannot be undone there; "
+                             f"compute it from the gradient outputs outside the graph, or rewrite with "
+                             f"--no-loss-scaling")
+        self.unscaled_before = [_label(n) for n in degrees.broken]
+
+    def _divided(self, value: Any, inv: Any, reader: Any) -> Any:
+        """``value / loss_scale`` in FP32, cast back to ``value``'s type where that is low; placed in
+        the graph that holds ``value`` (an If branch's own value stays in the branch)."""
+        ir = self.ir
+        producer = value.producer()
+        graph = producer.graph if producer is not None else value.graph
+        graph = graph if graph is not None else self.graph
+        why = (f"training: the gradient divided by the loss scale before {_label(reader)} ({reader.op_type}), "
+               f"whose result is not proportional to it")
+        low = value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+        def typed(v: Any, dtype: Any) -> Any:
+            v.type, v.shape = ir.TensorType(dtype), value.shape  # (the shape as known, or none)
+            return v
+
+        source = value
+        if low:  # (a Cast of it to FP32 already there serves: one cast per value and type)
+            source = next((user.outputs[0] for user, _ in value.uses() if user.op_type == "Cast" and not user.domain
+                           and user.attributes.get("to") is not None and user.attributes["to"].value == 1
+                           and (user.graph is graph or user.graph is None)), None) or typed(
+                self.node("Cast", [value], why, to=int(ir.DataType.FLOAT), graph=graph), ir.DataType.FLOAT)
+        out = typed(self.node("Mul", [source, inv], why, graph=graph), ir.DataType.FLOAT)
+        if low:
+            out = typed(self.node("Cast", [out], why, to=int(value.dtype), graph=graph), value.dtype)
+        return out
 
     def _scale_seed(self, scale: Any) -> None:
         seed = next(v for v in self.graph.inputs if v.name == self.plan.seed)
@@ -637,6 +700,7 @@ class _LossScaleBuilder:
         from onnx_ir.passes.common import TopologicalSortPass
 
         TopologicalSortPass()(self.model)
+        return scaled
 
     def _update(self, scale: Any, tracker: Any, finite: Any) -> tuple[Any, Any]:
         ir = self.ir
@@ -689,6 +753,23 @@ def _subgraph_outputs(graph: Any) -> dict[int, list[Any]]:
                 if 0 <= j - shift < len(node.outputs):
                     leaves.setdefault(id(out), []).append(node.outputs[j - shift])
     return leaves
+
+
+def _reached_from(value: Any, graph: Any) -> set[int]:
+    """ids of the values computed from ``value``: through every reader, and from a body's output
+    to its If/Loop/Scan's."""
+    leaves = _subgraph_outputs(graph)
+    reached: set[int] = set()
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if id(v) in reached:
+            continue
+        reached.add(id(v))
+        stack.extend(leaves.get(id(v), ()))
+        for user, _ in v.uses():
+            stack.extend(user.outputs)
+    return reached
 
 
 def _feeding(values: list[Any]) -> set[int]:

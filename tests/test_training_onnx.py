@@ -602,6 +602,67 @@ def test_nodes_reading_a_gradient_in_the_graph_read_it_unscaled(tmp_path):
     np.testing.assert_allclose(got["grad_norm_sq"], float((want ** 2).sum()), rtol=1e-2)
 
 
+def _clipped(model, max_norm, squares="ReduceSumSquare"):
+    """The hand graph with its gradient clipped in the graph to a global norm (what a training
+    step exported with clip_grad_norm_ computes): grad.W = g * min(1, max_norm / ||g||), and the
+    norm as an output too."""
+    from onnx import helper as h
+
+    T = onnx.TensorProto
+    g = model.graph
+    for node in g.node:
+        node.output[:] = ["raw" if o == "grad.W" else o for o in node.output]
+    g.initializer.extend([onnx.numpy_helper.from_array(np.array(max_norm, np.float32), "max_norm"),
+                          onnx.numpy_helper.from_array(np.array(1.0, np.float32), "one")])
+    if squares == "ReduceSumSquare":
+        g.node.append(h.make_node("ReduceSumSquare", ["raw"], ["sq"], keepdims=0))
+    else:  # (the square of the Gemm's own output, painted low: it reads the gradient in FP16)
+        g.node.extend([h.make_node("Mul", ["gW", "gW"], ["raw2"]), h.make_node("ReduceSum", ["raw2"], ["sq"], keepdims=0)])
+    g.node.extend([h.make_node("Sqrt", ["sq"], ["norm"]),
+                   h.make_node("Div", ["max_norm", "norm"], ["ratio"]), h.make_node("Min", ["ratio", "one"], ["coef"]),
+                   h.make_node("Mul", ["raw", "coef"], ["grad.W"])])
+    g.output.append(h.make_tensor_value_info("norm", T.FLOAT, []))
+    return model
+
+
+@pytest.mark.parametrize("squares", ["ReduceSumSquare", "Mul"])
+def test_gradients_clipped_in_the_graph_are_divided_before_the_clip(tmp_path, squares):
+    """The clip's norm was taken over the scaled gradients: its coefficient came out 1/scale of
+    the truth, and the gradient, divided by the scale once more, 65536x too small, with
+    all_finite true. The gradient is divided by the scale before the norm now (in FP32, where the
+    square reads it in FP16)."""
+    out = rewrite_training_onnx_model(_clipped(_hand_graph(), 5.0, squares), loss="loss", grads=GRADS, target="fp16")
+    onnx.checker.check_model(out.model, full_check=True)
+    assert any("divided by the loss scale" in note and squares in note for note in out.log.notes)
+    divided = [n for n in out.model.graph.node if "not proportional" in
+               dict((p.key, p.value) for p in n.metadata_props).get("amp_rewrite.reason", "")]
+    # (the FP32 gradient the graph casts to already is the one divided: no second Cast of it)
+    assert [n.op_type for n in divided] == (["Mul"] if squares == "ReduceSumSquare" else ["Mul", "Cast"])
+    onnx.save(out.model, tmp_path / "t.onnx")
+    for scale in (1.0, 1024.0):  # (x 4096 the gradient overflows FP16: a skipped step)
+        got, raw = _grad_w(tmp_path / "t.onnx", scale)
+        norm = float(np.sqrt((raw ** 2).sum()))
+        np.testing.assert_allclose(got["grad.W"], raw * min(1.0, 5.0 / norm), rtol=1e-2)
+        np.testing.assert_allclose(got["norm"], norm, rtol=1e-2)
+        assert bool(got[ALL_FINITE])
+
+
+def test_a_backward_pass_proportional_to_its_seed_is_divided_only_at_its_outputs():
+    """Ops a backward pass is made of (a Where with a zero branch, comparisons, a Softmax-like
+    Sub of a sum, reshapes) keep the gradient proportional: nothing is divided before the outputs."""
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 16), nn.ReLU(),
+                           nn.Linear(16, 4), nn.LogSoftmax(-1))
+    proto = make_training_graph(module, (torch.randn(6, 8),), (torch.randn(6, 4),), loss_fn=F.mse_loss)
+    out = rewrite_training_onnx_model(proto, loss="loss", grads=GRADS)
+    assert not any("divided by the loss scale" in note for note in out.log.notes)
+    reasons = [dict((p.key, p.value) for p in n.metadata_props).get("amp_rewrite.reason", "") for n in out.model.graph.node]
+    assert sum("gradient unscaled in FP32" in r for r in reasons) == len(proto.graph.output) - 1
+    assert not any("before" in r and "not proportional" in r for r in reasons)
+
+
 def test_scaled_outputs_grads_does_not_name_and_grads_the_pass_does_not_reach_are_refused():
     """An output the backward pass computes but --grads does not name would leave multiplied by the
     scale (here gy, the loss gradient broadcast); a --grads output the pass does not reach would
