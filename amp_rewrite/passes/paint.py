@@ -53,6 +53,9 @@ class _ScopePainter:
         self.step: dict[int, str] = {}
         self.via: dict[int, int] = {}
         self.left: dict[int, int] = {}  # painted through this neighbour, which the round-trip check kept FP32
+        # nodes reading what the model computed in FP64 and cast to FP32 (index -> that Cast's label):
+        # a deny op's output, as far as painting knows (an Exp in double is still an Exp)
+        self.fp64_read: dict[int, str] = {}
         self._wire()
 
     # -- graph view --------------------------------------------------------------------------------
@@ -68,6 +71,8 @@ class _ScopePainter:
                     self.succs[j].add(i)
                 elif not self._flexible_source(value, keep_io):
                     self.fp32_source[i] = True
+                    if _computed_in_fp64(value):
+                        self.fp64_read[i] = node_label(value.producer)
             if converts_non_float(node):
                 self.fp32_source[i] = True
             for k in self.group_outs[i]:
@@ -147,6 +152,13 @@ class _ScopePainter:
         # A deny op with a bounded output (Sin, Cos) computes in FP32 but seeds no spread: its
         # output in [-1, 1] is as safe in low precision as any other input.
         seeds = sorted(i for i in deny if not self.nodes[i].meta.get("amp.bounded_output"))
+        # A value the model computed in FP64 (an Exp in double, cast back to FLOAT) has no more a
+        # range than an FP32 deny op's output: its readers are painted as that output's would be.
+        for i in sorted(self.fp64_read):
+            if i not in deny and i not in allow and i in upstream:
+                deny.add(i)
+                self.step[i] = "deny-spread"
+                seeds.append(i)
         self._dfs(seeds, lambda i: self.succs[i],
                   lambda j: j not in deny and j not in allow and j in upstream, visit)
 
@@ -246,7 +258,8 @@ class _ScopePainter:
             step = self.step.get(i, "classify")
             meta["amp.step"] = step
             via = self.via.get(i)
-            meta["amp.via"] = node_label(self.nodes[via]) if via is not None else None
+            meta["amp.via"] = node_label(self.nodes[via]) if via is not None else self.fp64_read.get(i) \
+                if step == "deny-spread" else None
             meta["amp.deny_painted"] = i in deny
             if none_allowed:
                 # what it says where the scope changes after all (restate_changed: a low value read
@@ -255,6 +268,10 @@ class _ScopePainter:
                             if self.cat[i] in _LOW_OK else meta["amp.reason"])
                 meta["amp.reason"] = f"no allow op in this scope, so nothing changes ({meta['amp.reason']})"
                 meta["amp.restated"] = (meta["amp.reason"], restated)
+            elif step == "deny-spread" and via is None:
+                meta["amp.reason"] = (f"reads what {meta['amp.via']} casts to FP32 from a value the model computes in "
+                                      f"FP64, whose range is unknown: painted FP32 like a deny op's output, as it "
+                                      f"lies on a path to a deny or infer op")
             elif step == "deny-spread":
                 meta["amp.reason"] = (f"FP32 paint from {meta['amp.via']}: it lies on a path from a deny op to a "
                                       f"deny or infer op")
@@ -274,6 +291,23 @@ class _ScopePainter:
             elif not low and self.cat[i] in _LOW_OK:
                 meta["amp.reason"] = (f"{self.cat[i].value} op not between {low_name} ops: stays FP32 "
                                       f"({meta['amp.reason']})")
+
+
+def _computed_in_fp64(value: Value) -> bool:
+    """``value`` is a ``Cast(to=FLOAT)`` of a double the model computes (not a double graph input or
+    constant, nor a float copied to double and back)."""
+    cast = value.producer
+    if cast is None or cast.op_type != "Cast" or cast.domain not in ("", "ai.onnx") or not cast.inputs:
+        return False
+    source = cast.inputs[0]
+    for _ in range(16):
+        if source is None or source.dtype != DType.DOUBLE or source.producer is None:
+            return False
+        producer = source.producer
+        if producer.op_type != "Cast" or producer.domain not in ("", "ai.onnx"):
+            return producer.op_type not in ("Constant", "Identity")
+        source = producer.inputs[0] if producer.inputs else None
+    return False
 
 
 def restate_changed(scope: Graph) -> None:
