@@ -390,6 +390,31 @@ def test_no_clip_behind_a_low_node_whose_sentinel_was_converted():
     assert not [n for n in result.model.graph.node if n.op_type == "Clip"]
 
 
+@pytest.mark.parametrize("index_input", ["Slice ends", "reversed Slice", "Gather indices"])
+def test_an_index_input_is_no_mask_sentinel(index_input):
+    """``x[..., 4:]`` exports its ``ends`` as INT64_MAX ("to the end"): the walk for a mask sentinel
+    followed every input of a Slice, took 9.2e18 for a mask, put a Clip before the Cast of each
+    layer's KV-cache key and said so in the report. Only the inputs that carry data are followed."""
+    op = {"Slice ends": "s = Slice(x, starts, ends, axes)",
+          "reversed Slice": "s = Slice(x, minus_one, int64_min, axes, minus_one)",  # (x.flip(1)[:, :4])
+          "Gather indices": "s = Gather<axis=1>(x, far)"}[index_input]
+    m = make_model(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x, float[2,4] past) => (float[2,8] y, float[2,8] present) {{
+          {op}
+          s4 = Slice(s, zero, four, axes)
+          present = Concat<axis=1>(past, s4)
+          y = MatMul(present, w)
+        }}""", {"w": (8, 8), "starts": np.array([4], np.int64), "ends": np.array([np.iinfo(np.int64).max], np.int64),
+                "axes": np.array([1], np.int64), "minus_one": np.array([-1], np.int64),
+                "int64_min": np.array([np.iinfo(np.int64).min], np.int64),
+                "far": np.full(8, 2**40, np.int64), "zero": np.array([0], np.int64), "four": np.array([4], np.int64)})
+    result = rewrite(m)
+    full_check(result.model)
+    assert not [n for n in result.model.graph.node if n.op_type == "Clip"]
+    assert not [c for c in result.log.casts if "mask sentinel" in c.reason]
+
+
 def test_generated_inputs_follow_names_and_embedding_tables():
     m = make_model("""
         <ir_version: 8, opset_import: ["" : 17]>

@@ -82,6 +82,12 @@ _CARRY_SENTINELS = frozenset({
     "Expand", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose", "Concat", "Slice", "Split", "Gather",
     "GatherElements", "GatherND", "Tile", "Pad", "Trilu", "ScatterND", "ScatterElements", "ReduceMin",
     "ReduceMax", "DepthToSpace", "SpaceToDepth"})
+# the inputs a sentinel passes through, where not all of them: the others are indices, shapes, axes
+# or a condition (a Slice's int64 ``ends`` of INT64_MAX means "to the end", not a mask)
+_SENTINEL_SLOTS = {op: (0,) for op in ("CastLike", "Expand", "Reshape", "Unsqueeze", "Squeeze", "Slice", "Split",
+                                       "Gather", "GatherElements", "GatherND", "Tile", "Trilu", "ReduceMin",
+                                       "ReduceMax")}
+_SENTINEL_SLOTS.update({"Pad": (0, 2), "ScatterND": (0, 2), "ScatterElements": (0, 2), "Where": (1, 2)})
 
 
 @dataclass
@@ -572,8 +578,9 @@ class _Placer:
             return self._sentinel_of_control(node, value, depth)
         if node.op_type not in _CARRY_SENTINELS:
             return None  # (a bounded op: Softmax, Sigmoid, a normalisation; or one that computes anew)
-        for source in node.inputs:
-            found = self._sentinel(source, depth + 1)
+        slots = _SENTINEL_SLOTS.get(node.op_type, range(len(node.inputs)))
+        for slot in slots:
+            found = self._sentinel(node.inputs[slot], depth + 1) if slot < len(node.inputs) else None
             if found is not None:
                 return found
         return None
