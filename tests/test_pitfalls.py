@@ -926,8 +926,8 @@ def test_the_out_of_range_scan_reads_a_constant_in_chunks_and_finds_the_same_val
 def test_an_exponential_computed_in_fp64_is_an_fp32_island_like_one_in_fp32(double):
     """``Cast(to=DOUBLE) → Exp → Cast(to=FLOAT)``: painting saw no deny op (the Exp is not FP32),
     so the Add and Mul after it ran between the MatMuls in FP16 and exp(12) became inf, where the
-    same graph with an FP32 Exp keeps them FP32. A double the model computes now reads as a deny
-    op's output; a float copied to double and back does not."""
+    same graph with an FP32 Exp keeps them FP32. A deny op computed in double now seeds the spread
+    as an FP32 one does; a float copied to double and back, or double arithmetic, does not."""
     exp = "md = Cast<to=11>(m)\n      e = Exp(md)\n      ef = Cast<to=1>(e)" if double else "ef = Exp(m)"
     model = make_model(f"""
     <ir_version: 8, opset_import: ["" : 17]>
@@ -943,14 +943,14 @@ def test_an_exponential_computed_in_fp64_is_an_fp32_island_like_one_in_fp32(doub
     for label in ("Add:a0", "Mul:a"):
         assert result.log.decisions[label].precision == Precision.FP32, result.log.decisions[label].reason
     if double:
-        assert "computes in FP64" in result.log.decisions["Add:a0"].reason
+        assert "of Exp:e, computed in FP64" in result.log.decisions["Add:a0"].reason
     assert_emulated_close(model, result.model, {"x": np.full((2, 8), 12.0, np.float32)})
     assert not rewrite(result.model).modified
 
 
 def test_a_float_copied_to_double_and_back_stays_in_the_low_chain():
-    """The FP64 rule reads only what the model computes in double: ``Cast(DOUBLE) → Cast(FLOAT)``
-    of an FP32 value copies it (its range is the FP32 value's), and its readers paint as before."""
+    """The FP64 rule reads only deny ops computed in double: ``Cast(DOUBLE) → Cast(FLOAT)`` of an
+    FP32 value copies it (its range is the FP32 value's), and its readers paint as before."""
     model = make_model("""
     <ir_version: 8, opset_import: ["" : 17]>
     g (float[2,8] x) => (float[2,8] y) {

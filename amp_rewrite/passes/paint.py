@@ -53,8 +53,8 @@ class _ScopePainter:
         self.step: dict[int, str] = {}
         self.via: dict[int, int] = {}
         self.left: dict[int, int] = {}  # painted through this neighbour, which the round-trip check kept FP32
-        # nodes reading what the model computed in FP64 and cast to FP32 (index -> that Cast's label):
-        # a deny op's output, as far as painting knows (an Exp in double is still an Exp)
+        # nodes reading what a deny op computed in FP64, cast to FP32 (index -> what they read): an
+        # Exp in double is still an Exp
         self.fp64_read: dict[int, str] = {}
         self._wire()
 
@@ -71,8 +71,9 @@ class _ScopePainter:
                     self.succs[j].add(i)
                 elif not self._flexible_source(value, keep_io):
                     self.fp32_source[i] = True
-                    if _computed_in_fp64(value):
-                        self.fp64_read[i] = node_label(value.producer)
+                    source = _fp64_deny_source(value, self.ctx)
+                    if source is not None:
+                        self.fp64_read[i] = f"{node_label(value.producer)} (of {source}, computed in FP64)"
             if converts_non_float(node):
                 self.fp32_source[i] = True
             for k in self.group_outs[i]:
@@ -152,8 +153,8 @@ class _ScopePainter:
         # A deny op with a bounded output (Sin, Cos) computes in FP32 but seeds no spread: its
         # output in [-1, 1] is as safe in low precision as any other input.
         seeds = sorted(i for i in deny if not self.nodes[i].meta.get("amp.bounded_output"))
-        # A value the model computed in FP64 (an Exp in double, cast back to FLOAT) has no more a
-        # range than an FP32 deny op's output: its readers are painted as that output's would be.
+        # A deny op the model computes in FP64 (an Exp in double, cast back to FLOAT) has no more a
+        # range than an FP32 one: its readers are painted as that output's would be.
         for i in sorted(self.fp64_read):
             if i not in deny and i not in allow and i in upstream:
                 deny.add(i)
@@ -269,9 +270,8 @@ class _ScopePainter:
                 meta["amp.reason"] = f"no allow op in this scope, so nothing changes ({meta['amp.reason']})"
                 meta["amp.restated"] = (meta["amp.reason"], restated)
             elif step == "deny-spread" and via is None:
-                meta["amp.reason"] = (f"reads what {meta['amp.via']} casts to FP32 from a value the model computes in "
-                                      f"FP64, whose range is unknown: painted FP32 like a deny op's output, as it "
-                                      f"lies on a path to a deny or infer op")
+                meta["amp.reason"] = (f"reads {meta['amp.via']}: a deny op's output, though computed in FP64, so "
+                                      f"painted FP32 as it lies on a path from it to a deny or infer op")
             elif step == "deny-spread":
                 meta["amp.reason"] = (f"FP32 paint from {meta['amp.via']}: it lies on a path from a deny op to a "
                                       f"deny or infer op")
@@ -293,21 +293,27 @@ class _ScopePainter:
                                       f"({meta['amp.reason']})")
 
 
-def _computed_in_fp64(value: Value) -> bool:
-    """``value`` is a ``Cast(to=FLOAT)`` of a double the model computes (not a double graph input or
-    constant, nor a float copied to double and back)."""
+def _fp64_deny_source(value: Value, ctx: Context) -> str | None:
+    """The label of a deny op (an Exp, a reduction, an op no rule names) that computed ``value``
+    in double, ``value`` being a ``Cast(to=FLOAT)`` of that double: found walking up the double
+    values it is made from (through copies and the ops the rules would let run low). None for a
+    double graph input or constant, a float copied to double and back, double arithmetic of those."""
     cast = value.producer
     if cast is None or cast.op_type != "Cast" or cast.domain not in ("", "ai.onnx") or not cast.inputs:
-        return False
-    source = cast.inputs[0]
-    for _ in range(16):
-        if source is None or source.dtype != DType.DOUBLE or source.producer is None:
-            return False
-        producer = source.producer
-        if producer.op_type != "Cast" or producer.domain not in ("", "ai.onnx"):
-            return producer.op_type not in ("Constant", "Identity")
-        source = producer.inputs[0] if producer.inputs else None
-    return False
+        return None
+    stack, seen = [cast.inputs[0]], set()
+    while stack and len(seen) < 64:
+        source = stack.pop()
+        if source is None or id(source) in seen or source.dtype != DType.DOUBLE or source.producer is None:
+            continue
+        seen.add(id(source))
+        node = source.producer
+        if node.op_type not in ("Cast", "Identity", "Constant") or node.domain not in ("", "ai.onnx"):
+            entry = ctx.rules.lookup(node.op_type, node.domain, node.opset)
+            if entry is None or (entry.category == Category.DENY and not entry.bounded_output):
+                return node_label(node)
+        stack.extend(node.inputs)
+    return None
 
 
 def restate_changed(scope: Graph) -> None:
