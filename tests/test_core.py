@@ -794,6 +794,35 @@ def test_an_initializer_that_is_also_a_graph_output(keep_io_types):
     assert not rewrite(out, keep_io_types=keep_io_types).modified
 
 
+@pytest.mark.parametrize("overridable", [True, False])
+def test_a_graph_input_passed_straight_out_keeps_one_name_and_type(overridable):
+    """An input that is also a graph output is one value with one name. With --no-keep-io-types,
+    an initializer also listed as an input (an overridable default, kept FP32) took a Cast to FP16
+    for its output, which took the name 'W': the input became 'W/amp_fp32' and a caller feeding W
+    failed ("Invalid input name: W"), while the summary said W was now fp16. Output and input now
+    keep the input's type: FP32 for the default, the low type for a plain input."""
+    inits = {"W": np.eye(8, dtype=np.float32)}
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x, float[8,8] W) => (float[2,8] y, float[8,8] W) {
+          y = MatMul(x, W)
+        }""", inits if overridable else {})
+    result = rewrite(model, keep_io_types=False)
+    out = result.model
+    full_check(out)
+    assert [i.name for i in out.graph.input] == ["x", "W"]
+    types = value_types(out)
+    want = FP32 if overridable else FP16
+    assert types["W"] == want
+    assert ("W" in result.log.io_changed) is (not overridable)
+    assert not [n for n in out.graph.node if n.op_type == "Cast" and "W" in n.output]
+    w = np.eye(8, dtype=np.float32) * 2
+    got = run(out, {"x": np.ones((2, 8), np.float16), "W": w.astype(np.float32 if overridable else np.float16)})
+    np.testing.assert_allclose(got["W"], w)
+    np.testing.assert_allclose(got["y"], np.full((2, 8), 2.0), rtol=1e-3)
+    assert not rewrite(out, keep_io_types=False).modified
+
+
 def _sequence_models():
     """A low MatMul's output collected into a sequence and joined again; a sequence split from the
     FP32 graph input read by SequenceAt before a MatMul."""

@@ -261,6 +261,8 @@ class _Placer:
         if value.is_graph_output:
             main = value.graph is self.model.graph
             need = self.low if (main and not self.ctx.options.keep_io_types and retypable_io(value)) else DType.FLOAT
+            if main and value.is_graph_input:
+                need = value.dtype  # (an input passed straight out: one name, so the input's type, as retyped or kept)
             if not main and self._branch_output_low(value):
                 need = self.low
             uses.append(_Use(None, -1, need))
