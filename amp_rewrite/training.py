@@ -231,22 +231,26 @@ class LossScaler:
 
     @staticmethod
     def _refuse_hidden_scale(loss: torch.Tensor, modules: list[torch.nn.Module]) -> None:
-        """The loss reaches a rewritten module's parameters but no loss-scale node is visible: the
-        module ran inside torch.compile or a reentrant checkpoint, whose backward hides the Mul.
-        Scaling again would scale its gradients twice; not scaling would miss other terms."""
+        """The loss reaches a rewritten module's parameters through a backward that hides what
+        ran (a reentrant checkpoint, a torch.compile'd function) and no loss-scale node is visible:
+        the hidden part may hold the in-graph Mul. Scaling again would scale its gradients twice;
+        not scaling would miss other terms. A loss that reaches them through the module's other
+        outputs (its logits), with every autograd node in sight, passes no scale node and is
+        scaled here like any loss."""
         params = {id(p): m for m in modules if float(m._buffers[BUFFER]) != 1.0 for p in m.parameters()}
         if not params:
             return
-        seen: set[int] = set()
-        stack = [loss.grad_fn]
+        seen: set[tuple[int, bool]] = set()
+        stack: list[tuple[Any, bool]] = [(loss.grad_fn, False)]
         while stack and len(seen) < 200_000:
-            fn = stack.pop()
-            if fn is None or id(fn) in seen:
+            fn, hidden = stack.pop()
+            if fn is None or (id(fn), hidden) in seen:
                 continue
-            seen.add(id(fn))
+            seen.add((id(fn), hidden))
+            name = type(fn).__name__
             # (a reentrant checkpoint's backward reaches the parameters only by running the module again)
             variable = getattr(fn, "variable", None)
-            if type(fn).__name__ == "CheckpointFunctionBackward" or id(variable) in params:
+            if name == "CheckpointFunctionBackward" or (hidden and id(variable) in params):
                 module = params.get(id(variable), next(iter(params.values())))
                 raise RuntimeError(
                     f"this loss reaches the parameters of {type(module).__name__} (rewritten with "
@@ -254,7 +258,8 @@ class LossScaler:
                     f"torch.compile or a reentrant checkpoint), so the scaler cannot tell how its gradients are "
                     f"scaled: call loss.backward() on the module's own output (the graph scaled it already, and "
                     f"the attached scaler unscales by its buffer), or compile with backend='amp_rewrite' instead")
-            stack.extend(nxt for nxt, _ in getattr(fn, "next_functions", ()))
+            hides = hidden or name == "CompiledFunctionBackward"
+            stack.extend((nxt, hides) for nxt, _ in getattr(fn, "next_functions", ()))
 
     # -- scaling ----------------------------------------------------------------------------------------------
     def get_scale(self) -> float:

@@ -747,6 +747,55 @@ def test_a_hidden_scale_node_is_refused_not_scaled_twice():
         torch.testing.assert_close(grad, ref.grad, rtol=3e-2, atol=1e-3 * ref.grad.abs().max().item())
 
 
+class LogitsAndLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 16)
+        self.l2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        logits = self.l2(torch.tanh(self.l1(x)))
+        return logits, F.mse_loss(logits, y)
+
+
+@pytest.mark.parametrize("attached", [True, False])
+def test_a_loss_of_the_users_own_from_the_logits_is_scaled_not_refused(attached):
+    """The module returns (logits, loss); the user trains on a loss of their own from the logits
+    (and a regulariser in its own backward). No scale node lies on that path, as none should: the
+    scaler took that for torch.compile hiding one and refused, naming compile or a checkpoint."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    model = LogitsAndLoss()
+    gm = amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x, y), training=True, target="bf16",
+                             loss_scaling=True)
+    scaler = LossScaler(gm, init_scale=1024.0) if attached else LossScaler(init_scale=1024.0)
+    opt = torch.optim.SGD(gm.parameters(), lr=0.0)
+    for _ in range(2):  # (refused from the first step attached, from the second discovered)
+        gm.zero_grad()
+        logits, _ = gm(x, y)
+        scaler.backward(logits.pow(2).mean())
+        scaler.backward(1e-3 * sum(p.pow(2).sum() for p in gm.parameters()))
+        scaler.unscale_(opt)
+        model.zero_grad()
+        (model(x, y)[0].pow(2).mean() + 1e-3 * sum(p.pow(2).sum() for p in model.parameters())).backward()
+        want = _grads_by_name(model)
+        for name, grad in _grads_by_name(gm).items():
+            torch.testing.assert_close(grad, want[name], rtol=3e-2, atol=1e-2 * want[name].abs().max().item())
+        scaler.step(opt)
+
+
+def test_a_scale_node_compiled_away_is_still_refused():
+    """The refusal now needs a backward that hides what ran on the way to the parameters: one
+    torch.compile wrote (its CompiledFunctionBackward holds the in-graph Mul) is one."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    gm = _rewrite_for_training(MLPLoss(), (x, y), "bf16")
+    scaler = LossScaler(gm, init_scale=1024.0)
+    compiled = torch.compile(gm, backend="aot_eager")
+    with pytest.raises(RuntimeError, match="in-graph loss scale is hidden from autograd"):
+        scaler.backward(compiled(x, y))
+
+
 def test_attaching_a_scaler_between_forward_and_backward():
     """The scaler wrote its buffer in place; a forward pass whose backward was pending failed with
     "modified by an inplace operation"."""
