@@ -147,7 +147,7 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
     verify(model.graph)
     modified = any(r.modified for r in results)
     if modified and model.frontend == "onnx" and model.graph.opsets.get("", 0) >= 17:
-        entered = [i for i in ctx.log.islands if i.pattern == "LayerNorm" and i.casts_in]
+        entered = [i for i in ctx.log.islands if i.pattern == "LayerNorm" and i.casts_in and _ort_can_fuse(model, i)]
         if entered:  # (frontends/onnx_fuse.py: what fusing it would have avoided)
             why, fix = ("--no-fuse", "rewrite without --no-fuse to avoid it") if not ctx.options.fuse else (
                 "a form the fuse pass does not take, such as an epsilon outside (0, 1) or not a scalar",
@@ -169,6 +169,30 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
                              f"TrainingInfoProto) is not in the output: its algorithm binds the FP32 initializers "
                              f"the rewrite converts; build it again for the rewritten model")
     return modified
+
+
+_LN_STATISTICS = {"ReduceMean": 2, "Sub": 3, "Pow": 1, "Sqrt": 1}  # op -> most reads onnxruntime's pattern makes
+
+
+def _ort_can_fuse(model: Model, island) -> bool:
+    """Whether onnxruntime's LayerNormFusion can take the island's LayerNorm: it fuses only where
+    the pattern's statistics (the means, ``x - mean``, its square, the deviation) are read by the
+    pattern alone: no more reads than it makes, none a graph output. A training graph's backward
+    pass reads them too (a Reciprocal of the deviation): no fusion there, and the model loads."""
+    members = set(island.members)
+    scope = next((g for g in model.graph.scopes() if any(node_label(n) in members for n in g.nodes)), None)
+    if scope is None:
+        return True
+    for node in scope.nodes:
+        most = _LN_STATISTICS.get(node.op_type)
+        if most is None or node_label(node) not in members:
+            continue
+        reads = [reader for out in node.outputs for reader, _ in out.uses()]
+        if node.op_type == "Sub" and any(reader.op_type == "Pow" for reader in reads):
+            most = 2  # (x - mean read by its Pow and the Div; squared by a Mul, it is read twice there)
+        if len(reads) > most or any(out.is_graph_output for out in node.outputs):
+            return False
+    return True
 
 
 def _batch_transpose_matmuls(model: Model) -> list[str]:

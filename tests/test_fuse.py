@@ -593,6 +593,28 @@ def test_an_unfusable_layernorm_island_entered_through_a_cast_is_warned_of():
     assert "LayerNorm island(s) entered through a Cast (a form the fuse pass does not take" in note
 
 
+@pytest.mark.parametrize("read_outside", ["Reciprocal", "graph output"])
+def test_no_onnxruntime_warning_where_its_fusion_cannot_take_the_island(read_outside):
+    """onnxruntime's LayerNormFusion fuses only where the statistics are read by the pattern
+    alone; a training graph's backward pass reads the deviation too (a Reciprocal of it). The
+    warning said the model would be refused, but it loads and runs at every level."""
+    if read_outside == "Reciprocal":
+        model = residual_block(LAYERNORM + "\n      out = Reciprocal(sd)", 17,
+                               outputs="float[2,4,8] y, float[2,4,1] out")
+    else:
+        model = residual_block(LAYERNORM, 17, outputs="float[2,4,8] y, float[2,4,1] sd")
+    for init in model.graph.initializer:
+        if init.name == "eps":
+            init.CopyFrom(onnx.numpy_helper.from_array(np.array(1e5, np.float32), "eps"))
+    result = rewrite(model)
+    assert result.log.islands and any(i.casts_in for i in result.log.islands)
+    assert not [n for n in result.log.notes if n.startswith("onnxruntime:")]
+    full_check(result.model)
+    import onnxruntime as ort
+
+    ort.InferenceSession(result.model.SerializeToString(), providers=["CPUExecutionProvider"])  # (loads)
+
+
 def test_no_allow_op_means_no_fusion():
     text = """
     <ir_version: 8, opset_import: ["" : 17]>
