@@ -795,6 +795,7 @@ class Overflow:
     fp32_max_abs: float
     root: bool  # none of its inputs had overflowed already
     inserted: bool = False  # an inserted Cast (FP32 -> low): the value was too large for the type
+    own_cast: bool = False  # (of those) a Cast the model had, retargeted to the low type or written so
     consumers: list[tuple[str, str]] = field(default_factory=list)  # Casts: (label, op) of low nodes reading it
     # an If/Loop/Scan root: its inputs (outer values its bodies read too) were fine, so the value
     # overflowed inside a body, whose values are not exposed; pinning the node itself changes nothing
@@ -809,8 +810,9 @@ class Overflow:
         if self.nan:
             parts.append(f"{self.nan} values NaN")
         what = ", ".join(parts)
-        cast = " (inserted Cast to " + low + (f" feeding {', '.join(c for c, _ in self.consumers[:3])}" if self.consumers else "") \
-            + ")" if self.inserted else ""
+        feeding = f" feeding {', '.join(c for c, _ in self.consumers[:3])}" if self.consumers else ""
+        what_cast = "the model's own Cast, to " if self.own_cast else "inserted Cast to "
+        cast = f" ({what_cast}{low}{feeding})" if self.inserted else ""
         body = f" (made inside its body: --fp32-nodes '{self.node}.*' pins the body's nodes)" if self.in_body else ""
         return f"{self.node} ({self.op}){cast} — {what} in {low}; FP32 max |x| {self.fp32_max_abs:.3g}{body}"
 
@@ -1039,6 +1041,7 @@ def _localise(low_proto: onnx.ModelProto, low_values: Mapping[str, np.ndarray], 
                         fp32_value=ref_name, nan=int((new & np.isnan(got)).sum()),
                         pos_inf=int((new & np.isposinf(got)).sum()), neg_inf=int((new & np.isneginf(got)).sum()),
                         fp32_max_abs=ref_max, root=root, inserted=inserted, consumers=users,
+                        own_cast=inserted and tags.get("inserted") != "cast",
                         in_body=root and bool(_bodies(n))))
                 continue
             finite = got[np.isfinite(got) & np.isfinite(want) & (np.abs(want) < SENTINEL)]

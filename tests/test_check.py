@@ -921,6 +921,23 @@ def test_an_npz_gives_a_sequence_input_by_index_or_stacked(tmp_path, layout):
     assert [float(a[0, 0]) for a in feeds["s"]] == [1.0, 7e4]
 
 
+def test_an_overflow_at_the_models_own_cast_does_not_call_it_inserted(tmp_path):
+    """An int64 input cast to FLOAT for a MatMul: the model's Cast is retargeted to FP16, and 1e5
+    becomes inf there. The check called it an "inserted Cast", which the report lists none of."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (int64[2,8] ids) => (float[2,8] y) {
+          f = Cast<to=1>(ids)
+          y = MatMul(f, w)
+        }""", {"w": (8, 8)})
+    save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", ids=np.full((2, 8), 100000, np.int64))
+    proc = run_cli(["m.onnx", "-o", "o.onnx", "--check", "--inputs", "in.npz"], tmp_path)
+    assert proc.returncode == 8, proc.stderr
+    assert "Cast:f (Cast) (the model's own Cast, to fp16 feeding MatMul:y)" in proc.stdout
+    assert "inserted Cast" not in proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("arrays, needle", [
     ({"s/0": np.ones((3, 4)), "s/2": np.ones((3, 4))}, "sequence input 's' has 's/2' but no 's/1'"),
     ({"s": np.ones((2, 3, 4)), "s/0": np.ones((3, 4))}, "sequence input 's' is given both as one array and as 's/0'"),
