@@ -347,6 +347,12 @@ class LossScaler:
         if has_grads:
             self._refuse_stale_gradients(optimizer)
         if not has_grads and self._applied is not None:
+            own = {id(p) for m in self._live_modules() for p in m.parameters()}
+            if own and all(id(p) in own for group in optimizer.param_groups for p in group["params"]):
+                raise RuntimeError("scaler.backward() ran in this step, but no parameter of this optimizer has a "
+                                   "gradient: they are the rewritten module's, and this step's loss did not reach "
+                                   "them (an unused head?); skip step() for this optimizer in such a step, as with "
+                                   "torch.amp.GradScaler")
             raise RuntimeError("scaler.backward() ran in this step, but no parameter of this optimizer has a gradient: "
                                "was the optimizer built on the original module's parameters? amp_rewrite.rewrite() "
                                "returns a copy; build the optimizer on the rewritten module's parameters "

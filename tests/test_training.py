@@ -915,6 +915,32 @@ def test_an_optimizer_on_the_original_parameters_is_an_error():
         scaler.step(torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def test_an_optimizer_whose_parameters_got_no_gradient_this_step_is_told_so():
+    """The second optimizer holds the rewritten module's own head, unused by this step's loss:
+    refused (as torch.amp.GradScaler does), but the message asked whether it was built on the
+    original module's parameters, which it was not."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+
+    class WithAux(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(8, 4)
+            self.aux = torch.nn.Linear(4, 4)
+
+        def forward(self, x, y):
+            return F.mse_loss(self.body(x), y)
+
+    gm = _rewrite_for_training(WithAux(), (x, y), "bf16")
+    main = [p for n, p in gm.named_parameters() if not n.startswith("aux")]
+    aux = [p for n, p in gm.named_parameters() if n.startswith("aux")]
+    scaler = LossScaler(gm, auto_update=False)
+    scaler.backward(gm(x, y))
+    scaler.step(torch.optim.SGD(main, lr=0.1))
+    with pytest.raises(RuntimeError, match=r"they are the rewritten module's, and this step's loss did not reach them"):
+        scaler.step(torch.optim.SGD(aux, lr=0.1))
+
+
 class _LossAfterAnInt(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
