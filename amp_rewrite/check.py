@@ -72,6 +72,7 @@ Auto FP32
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -502,15 +503,25 @@ class Runner:
                 names = [o.name for o in sess.get_outputs()]
                 feed = _adapt_feeds(sess, feeds)
                 self.evaluations += 1
-                if any(o.type == "tensor(bfloat16)" for o in sess.get_outputs()):
-                    if any(isinstance(v, list) for v in feed.values()):
-                        raise RuntimeError("onnxruntime's Python API reads bfloat16 outputs only with OrtValue inputs, "
-                                           "which cannot hold a sequence: a model with both cannot be run")
-                    ort_feed = {k: v if isinstance(v, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(v)
-                                for k, v in feed.items()}
-                    values = [_numpy_of(v) for v in sess.run_with_ort_values(names, ort_feed)]
-                else:
-                    values = sess.run(names, feed)
+
+                def run_once(feed: dict[str, Any]) -> list[Any]:
+                    if any(o.type == "tensor(bfloat16)" for o in sess.get_outputs()):
+                        if any(isinstance(v, list) for v in feed.values()):
+                            raise RuntimeError("onnxruntime's Python API reads bfloat16 outputs only with OrtValue "
+                                               "inputs, which cannot hold a sequence: a model with both cannot be run")
+                        ort_feed = {k: v if isinstance(v, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(v)
+                                    for k, v in feed.items()}
+                        return [_numpy_of(v) for v in sess.run_with_ort_values(names, ort_feed)]
+                    return sess.run(names, feed)
+
+                values = run_once(feed)
+                finite = _training_finite_output(sess)
+                if finite in names and "loss_scale" not in feeds and "loss_scale" in feed \
+                        and not bool(np.asarray(values[names.index(finite)]).all()):
+                    # the gradients overflowed at the check's scale: a skipped step in training; the
+                    # check compares them at scale 1 instead
+                    self.evaluations += 1
+                    values = run_once({**feed, "loss_scale": np.array(1.0, np.float32)})
         except Exception as exc:  # noqa: BLE001 (onnxruntime raises its own pybind types)
             raise RuntimeError(f"{what}: {_one_line(str(exc))}") from exc
         return dict(zip(names, values))
@@ -601,15 +612,32 @@ def _session_source(model: Any) -> Iterator[Any]:
         yield path
 
 
+CHECK_LOSS_SCALE = 1024.0
+
+
+def _training_finite_output(sess: Any) -> str | None:
+    """The name of a training rewrite's ``all_finite`` output, if the model has one."""
+    raw = sess.get_modelmeta().custom_metadata_map.get("amp_rewrite.training")
+    if not raw:
+        return None
+    try:
+        return json.loads(raw).get("all_finite")
+    except ValueError:
+        return None
+
+
 def _adapt_feeds(sess: Any, feeds: Mapping[str, Any]) -> dict[str, Any]:
     """Only the inputs the session declares, float ones cast to its declared type (a rewrite
     with ``keep_io_types=False`` takes FP16 inputs); a sequence input's list of arrays each cast
     to its element type."""
     types = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
     out = {}
-    # A training rewrite (amp_rewrite.training_onnx) adds loss_scale/growth_tracker: check at scale 1.
+    # A training rewrite (amp_rewrite.training_onnx) adds loss_scale/growth_tracker: checked at a scale
+    # of 1024, where the gradients are computed scaled and unscaled (a value not divided back, or
+    # divided twice, is 1024x off); where they overflow there, at scale 1 (Runner._run_here).
     training = "amp_rewrite.training" in sess.get_modelmeta().custom_metadata_map
-    defaults = {"loss_scale": np.array(1.0, np.float32), "growth_tracker": np.array(0, np.int64)} if training else {}
+    defaults = {"loss_scale": np.array(CHECK_LOSS_SCALE, np.float32),
+                "growth_tracker": np.array(0, np.int64)} if training else {}
     for i in sess.get_inputs():
         if i.name not in feeds:
             if i.name in defaults:

@@ -505,6 +505,25 @@ def test_a_failed_training_check_suggests_what_applies_and_its_report_names_no_r
     assert written["output"] is None and written["check"]["passed"] is False
 
 
+def test_the_check_runs_a_training_model_at_a_scale_a_division_error_shows_at():
+    """--check fed loss_scale 1, where a gradient left scaled (or divided twice) is right: the
+    in-graph clip bug passed it. It runs at 1024 now; where the gradients overflow there (a
+    skipped step in training), at 1."""
+    from amp_rewrite.check import check_models
+
+    model = _hand_graph()
+    good = rewrite_training_onnx_model(model, loss="loss", grads=GRADS).model
+    assert check_models(model, good).passed
+    broken = onnx.ModelProto()
+    broken.CopyFrom(good)
+    unscale = next(n for n in broken.graph.node if list(n.output) == ["grad.W"])
+    unscale.op_type, unscale.input[:] = "Identity", unscale.input[:1]  # (the gradient leaves scaled)
+    result = check_models(model, broken, localise=False)
+    assert not result.passed and not next(o for o in result.outputs if o.name == "grad.W").passed
+    huge = {"x": np.full((2, 4), 300.0, np.float32), "loss_grad": np.array(1.0, np.float32)}  # x 1024: inf
+    assert check_models(model, good, inputs=huge).passed
+
+
 def test_cli_training(setup, tmp_path):
     from amp_rewrite.cli import main
 
@@ -512,7 +531,7 @@ def test_cli_training(setup, tmp_path):
     src = tmp_path / "train.onnx"
     onnx.save(proto, src)
     dst = tmp_path / "train.fp16.onnx"
-    # --check runs both models (the rewritten one at loss_scale 1) and compares loss and gradients
+    # --check runs both models (the rewritten one at loss_scale 1024) and compares loss and gradients
     rc = main([str(src), "-o", str(dst), "--training", "--loss", "loss", "--grads", GRADS, "--check", "-q"])
     assert rc == 0 and dst.exists()
     m = onnx.load(dst)
