@@ -120,6 +120,35 @@ def test_contrib_groups_come_from_onnxruntimes_schemas():
     assert gemma.input_groups == ["U", "T", "T", "T", "T"] and gemma.meta["group_types"]["U"] == {"float"}
 
 
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_group_norm_gamma_and_beta_stay_fp32(target):
+    """GroupNorm's gamma and beta (group M: float16 or float by its schema) were painted with X and
+    converted to FP16: onnxruntime's CUDA kernel refuses them at run time ("GroupNorm only supports
+    gamma and beta in float type"); its own converter keeps them FP32 (ALWAYS_FLOAT_INPUTS)."""
+    c = 8
+    nodes = [oh.make_node("MatMul", ["x", "w1"], ["a"], name="mm1"),
+             oh.make_node("GroupNorm", ["a", "gamma", "beta"], ["gn"], domain=MS, groups=2, activation=1,
+                          epsilon=1e-5, channels_last=1, name="gnorm"),
+             oh.make_node("SkipGroupNorm", ["gn", "gamma", "beta", "a"], ["sg", "s"], domain=MS, groups=2,
+                          activation=0, epsilon=1e-5, channels_last=1, name="sgnorm"),
+             oh.make_node("MatMul", ["sg", "w2"], ["y"], name="mm2")]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", FP32, [1, 4, 4, c])],
+                          [oh.make_tensor_value_info("y", FP32, [1, 4, 4, c])],
+                          _weights(("w1", c, c), ("w2", c, c), ("gamma", c), ("beta", c)))
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid(MS, 1)], ir_version=9)
+    result = rewrite(model, target=target)
+    out = result.model
+    full_check(out)
+    inits = {t.name: t.data_type for t in out.graph.initializer}
+    for node in out.graph.node:
+        if node.op_type in ("GroupNorm", "SkipGroupNorm"):
+            assert [inits.get(v) for v in node.input[1:3]] == [FP32, FP32], node.op_type
+    # (bf16: no bfloat16 CUDA kernel, FP32 throughout)
+    want = Precision.LOW if target == "fp16" else Precision.FP32
+    assert result.log.decisions["gnorm"].precision == result.log.decisions["sgnorm"].precision == want
+    assert rewrite(out, target=target).modified is False
+
+
 # -- 2. contrib ops onnxruntime registers in the default domain ---------------------------------------
 def test_default_domain_layernorm_below_opset_17_is_onnxruntimes():
     """onnxruntime's optimizers write LayerNormalization at opset 13 (its own contrib op, in the

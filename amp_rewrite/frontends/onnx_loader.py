@@ -912,6 +912,13 @@ def _join_groups(node: Node, slots: Slots) -> tuple[tuple, tuple, dict[str, froz
 _LOW_TYPES = frozenset({"float16", "bfloat16"})
 
 
+# Groups a contrib schema lets be low whose CUDA kernel takes in float only: GroupNorm's gamma and
+# beta ("GroupNorm only supports gamma and beta in float type", NOT_IMPLEMENTED at run time; what
+# onnxruntime's own float16 converter keeps FP32 as ALWAYS_FLOAT_INPUTS). Not joined: they keep FP32.
+_KERNEL_FLOAT_GROUPS = {("com.microsoft", "GroupNorm"): frozenset({"M"}),
+                        ("com.microsoft", "SkipGroupNorm"): frozenset({"M"})}
+
+
 def _joinable(group_types: dict[str, frozenset[str]], ins: tuple, outs: tuple) -> tuple[tuple[str, str], ...]:
     """onnxruntime's contrib schemas list apart float groups that their kernels take in one type
     (GroupQueryAttention's KV cache T_CACHE and its query T, MatMulNBits' float zero points,
@@ -972,8 +979,9 @@ def schema_slots(op: str, domain: str, opset: int | None, n_in: int, n_out: int)
         joins = tuple((g, main) for g, main in _JOINED_GROUPS.get((domain or "", op), ())
                       if g in group_types and main in group_types)  # (a later opset may name them otherwise)
         return Slots(ins, outs, tuple(f.name for f in schema.inputs), group_types, joins, output_types)
-    return Slots(ins, outs, tuple(f.name for f in schema.inputs), group_types,
-                 _joinable(group_types, ins, outs), output_types)
+    joins = tuple(join for join in _joinable(group_types, ins, outs)
+                  if join[0] not in _KERNEL_FLOAT_GROUPS.get((domain or "", op), ()))
+    return Slots(ins, outs, tuple(f.name for f in schema.inputs), group_types, joins, output_types)
 
 
 def _formals(formals, count: int) -> list:
