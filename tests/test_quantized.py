@@ -206,11 +206,12 @@ def test_no_note_without_a_pin():
 K, N, BLOCK = 64, 32, 32
 
 
-def _int4_matmul(*, relu: bool = False, extra_reader: bool = False, opset: int = 21) -> onnx.ModelProto:
+def _int4_matmul(*, relu: bool = False, extra_reader: bool = False, opset: int = 21,
+                 weight_scale: float = 1.0) -> onnx.ModelProto:
     """x @ DQ(int4 weight, block-quantized along axis 0, block 32): what onnxruntime's
     matmul_nbits_quantizer writes in QDQ format, and what it fuses into MatMulNBits."""
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((K, N)).astype(np.float32)
+    w = (rng.standard_normal((K, N)) * weight_scale).astype(np.float32)
     scale = (np.abs(w).reshape(K // BLOCK, BLOCK, N).max(1) / 7).astype(np.float32)
     q = np.clip(np.round(w / np.repeat(scale, BLOCK, 0)), -8, 7).astype(np.int8)
     inits = [oh.make_tensor("wq", TP.INT4, [K, N], q.flatten().tolist()), nh.from_array(scale, "ws")]
@@ -257,6 +258,23 @@ def test_weight_dequantize_runs_low_with_its_matmul(placement, tmp_path, monkeyp
     assert "MatMulNBits" in _optimized_ops(out, tmp_path)
     assert rel_err(run(model, _x())["y"], run(out, _x())["y"]) < 1e-2
     assert rewrite(out, placement=placement).model.SerializeToString() == out.SerializeToString()
+
+
+def test_weight_dequantize_with_a_subnormal_scale_stays_fp32():
+    """Weights of magnitude ~1e-6 give scales ~1.5e-7, below FP16's smallest normal (6.1e-5):
+    converted offline they became multiples of 6e-8, each block's weights off by up to 18%, and
+    the output by 15%; the plain FP32 weight of the same layer converts within 1e-2. The scale
+    now keeps the DequantizeLinear FP32 (bf16 reaches 1.2e-38: no such loss there)."""
+    model = _int4_matmul(weight_scale=1e-6)
+    result = rewrite(model)
+    decision = result.log.decisions["dqw"]
+    assert decision.precision == Precision.FP32
+    assert "below fp16's smallest normal number" in decision.reason
+    out = result.model
+    full_check(out)
+    assert result.log.decisions["mm"].precision == Precision.LOW
+    assert rel_err(run(model, _x())["y"], run(out, _x())["y"]) < 1e-2
+    assert not rewrite(out).modified
 
 
 def test_weight_dequantize_stays_fp32_where_its_reader_does():

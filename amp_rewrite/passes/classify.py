@@ -368,12 +368,35 @@ def _dequantize_weights_low(candidates: list[Node], ctx: Context, names: frozens
         group = meta["amp.group"]
         if missing_low_kernel(ctx, node.op_type, node.domain, node.opset) or _schema_refuses_low(node, group, ctx):
             continue
+        subnormal = _subnormal_scale(node, ctx)
+        if subnormal is not None:
+            meta["amp.reason"] = (f"{meta['amp.reason']}; kept FP32 though only {low} GEMMs read it: its scale holds "
+                                  f"{subnormal:.3g}, below {low}'s smallest normal number, where {low} keeps too few "
+                                  f"bits for it (every weight of that channel or block would move with it)")
+            continue
         readers = sorted({reader.op_type for reader, _ in uses})
         meta["amp.category"], meta["amp.source"] = Category.ALLOW, "classify"
         meta["amp.reason"] = (
             f"dequantizes a constant weight that only {low} {'/'.join(readers)} read: computed in {low}, its scale "
             f"converted offline, so no Cast sits between it and its reader (onnxruntime fuses a quantized "
             f"weight's DequantizeLinear → MatMul into MatMulNBits, which a Cast prevents)")
+
+
+def _subnormal_scale(node: Node, ctx: Context) -> float | None:
+    """The smallest nonzero scale of a DequantizeLinear that the low type holds only as a subnormal
+    (below 6.1e-5 in FP16: 1.4e-7 is a multiple of 6e-8 there, up to 18% off), or None."""
+    import numpy as np
+
+    from ..frontends.onnx_loader import constant_array
+
+    scale = node.inputs[1] if len(node.inputs) > 1 else None
+    data = constant_array(scale) if scale is not None else None
+    if data is None or ctx.low is None:
+        return None
+    tiny = float(np.finfo(np.float16).tiny) if ctx.low == DType.FLOAT16 else 1.1754944e-38
+    magnitudes = np.abs(np.asarray(data, np.float64))
+    small = magnitudes[(magnitudes > 0) & (magnitudes < tiny)]
+    return float(small.min()) if small.size else None
 
 
 _CONE_LIMIT = 64  # nodes: an argument computed by more than this is no position encoding
