@@ -1161,6 +1161,11 @@ def reference(fp32: Any, feeds: Mapping[str, Any], runner: Runner,
             hint = "check the arrays in --inputs" if user_inputs else "pass real inputs with --inputs file.npz"
             if isinstance(exc, OrtCrash):  # (no input makes an assertion in a kernel hold)
                 hint = "onnxruntime cannot run it, so the check cannot compare with it"
+            if "NOT_IMPLEMENTED" in str(exc):  # (a session no input can create: an op with no kernel there)
+                raise UsageError(f"onnxruntime's {runner.providers[0]} has no kernel for an op of the FP32 model "
+                                 f"({exc}), so --check cannot run it on this machine: check where onnxruntime "
+                                 f"has one (onnxruntime-gpu's CUDAExecutionProvider for com.microsoft ops), or "
+                                 f"leave out --check") from exc
             raise UsageError(f"onnxruntime cannot run the FP32 model on the {'given' if user_inputs else 'generated'} "
                              f"inputs ({exc}); {hint}") from exc
         notes.append("onnxruntime could not run the FP32 model with its intermediate values exposed: "

@@ -921,6 +921,30 @@ def test_an_npz_gives_a_sequence_input_by_index_or_stacked(tmp_path, layout):
     assert [float(a[0, 0]) for a in feeds["s"]] == [1.0, 7e4]
 
 
+def test_a_check_the_cpu_provider_has_no_kernel_for_says_so(tmp_path):
+    """GroupNorm (com.microsoft) has no CPU kernel: the check said "pass real inputs with --inputs"
+    (and with them "check the arrays in --inputs"), which no input can fix."""
+    from onnx import helper as oh
+
+    c = 8
+    nodes = [oh.make_node("MatMul", ["x", "w"], ["a"], name="mm"),
+             oh.make_node("GroupNorm", ["a", "gamma", "beta"], ["y"], domain="com.microsoft", groups=2,
+                          activation=0, epsilon=1e-5, channels_last=1, name="gnorm")]
+    rng = np.random.default_rng(0)
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4, 4, c])],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 4, c])],
+                          [onnx.numpy_helper.from_array(rng.standard_normal((c, c)).astype(np.float32), "w"),
+                           onnx.numpy_helper.from_array(np.ones(c, np.float32), "gamma"),
+                           onnx.numpy_helper.from_array(np.zeros(c, np.float32), "beta")])
+    save(onnx.helper.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("com.microsoft", 1)],
+                                ir_version=9), tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "-o", "o.onnx", "--check"], tmp_path)
+    assert proc.returncode == 2
+    err = proc.stderr.strip()
+    assert "has no kernel for an op of the FP32 model" in err and "GroupNorm" in err and "--inputs" not in err
+    assert not (tmp_path / "o.onnx").exists()
+
+
 def test_an_overflow_at_the_models_own_cast_does_not_call_it_inserted(tmp_path):
     """An int64 input cast to FLOAT for a MatMul: the model's Cast is retargeted to FP16, and 1e5
     becomes inf there. The check called it an "inserted Cast", which the report lists none of."""
