@@ -34,7 +34,7 @@ _SAME_FIRST = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Expand", "Slice", "
                          "ReverseSequence", "TopK", "Cast", "CastLike"})
 _SAME_SLOTS = {"Pad": (0, 2), "ScatterND": (0, 2), "ScatterElements": (0, 2), "Scatter": (0, 2), "Where": (1, 2)}
 # multilinear: the degrees add up (Conv's and Gemm's bias must have the result's degree)
-_PRODUCT = frozenset({"Mul", "MatMul", "Einsum", "PRelu", "FusedMatMul"})
+_PRODUCT = frozenset({"Mul", "MatMul", "Einsum", "FusedMatMul"})
 _BIASED = {"Gemm": 2, "Conv": 2, "ConvTranspose": 2}
 # degree 0 whatever the (consistent) degree of what they read: order, sign and shape survive S > 0
 _INDEX_OF = frozenset({"Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual"})
@@ -157,10 +157,12 @@ def _rule(node: Any, ins: list[Any]) -> list[Any] | None:
         d = _same([ins[k] for k in slots if k < len(ins)])
         if d is None:
             return None
-        index_out = {"TopK": 1, "Dropout": 1}.get(op)
-        return [Fraction(0) if k == index_out else d for k in range(n_out)]
+        index_out = {"TopK": 1, "Dropout": 1, "MaxPool": 1}.get(op)  # (indices, a mask: degree 0)
+        return [Fraction(0) if k == index_out or not _float(out) else d for k, out in enumerate(node.outputs)]
     if op in _PRODUCT:
         return [_product(ins)] * n_out
+    if op == "PRelu":  # x where x >= 0, x * slope elsewhere: proportional in x for a slope of degree 0
+        return [ins[0]] if len(ins) > 1 and ins[1] in (ZERO, 0) else None
     if op in _BIASED:
         d = _product(ins[:2])
         if len(ins) > 2 and _same([d, ins[2]]) is None:
@@ -187,6 +189,12 @@ def _rule(node: Any, ins: list[Any]) -> list[Any] | None:
     if op in _ANY_TO_ZERO:
         return [Fraction(0)] * n_out
     return None
+
+
+def _float(value: Any) -> bool:
+    """Whether ``value`` may be a float tensor (an untyped one may)."""
+    dtype = value.dtype if value is not None else None
+    return dtype is None or int(dtype) in _FLOATS
 
 
 def _same(degrees: list[Any]) -> Any:

@@ -432,6 +432,9 @@ class _LossScaleBuilder:
         self.new_nodes: list[Any] = []
         self.constants: list[Any] = []  # the initializers the update adds (the report's weights count them)
         self.unscaled_before: list[str] = []  # nodes that read gradients divided by the scale first
+        self.divided: list[Any] = []  # the FP32 values those read (the finiteness check reads them too)
+        self.left_as_computed: list[str] = []  # gradient outputs computed from divided values
+        self.scaled_count: int | None = None  # gradient outputs unscaled on their way out
         self.rewired: dict[int, tuple[Any, str | None]] = {}  # our Casts whose edges changed, and a new reason
 
     def node(self, op: str, inputs: list, reason: str, *, out: str | None = None, graph: Any = None,
@@ -544,8 +547,14 @@ class _LossScaleBuilder:
                 # not proportional to the scale where it leaves: computed from gradients the walk
                 # divided already (clipped in the graph); it leaves as it is, and the finiteness
                 # check reads it
+                self.left_as_computed.append(name)
                 sums.append(self.node("ReduceSum", [outputs[name][1]], "training: inf/NaN check (sum of the "
                                       "gradient)", keepdims=0))
+            for value in self.divided:
+                # a clip or a threshold after the division turns an overflowed gradient into a finite
+                # value (Clip(inf) is the bound, inf > t a mask of ones): the divided values are checked
+                sums.append(self.node("ReduceSum", [value], "training: inf/NaN check (sum of a gradient divided "
+                                      "by the loss scale before a clip, a norm or a threshold)", keepdims=0))
             if not sums:
                 raise UsageError(f"--grads matches only constant outputs ({', '.join(plan.grads)}): no gradient "
                                  f"is computed by the graph, so there is nothing to loss-scale")
@@ -561,6 +570,7 @@ class _LossScaleBuilder:
             from onnx_ir.passes.common import TopologicalSortPass
 
             TopologicalSortPass()(self.model)  # (an unscale Mul, appended last, may feed nodes before it)
+            self.scaled_count = len(scaled_grads)
             added.update({"growth_tracker": GROWTH_TRACKER, "loss_grad": plan.seed, "grads": plan.grads,
                           "scaled_grads": scaled_grads, "all_finite": ALL_FINITE,
                           "next_loss_scale": NEXT_LOSS_SCALE, "next_growth_tracker": NEXT_GROWTH_TRACKER,
@@ -582,8 +592,19 @@ class _LossScaleBuilder:
             log.notes.append(f"training: {len(self.unscaled_before)} node(s) read the gradients divided by the loss "
                              f"scale, since their results are not proportional to it (a norm, a clip, a sum with "
                              f"a weight): {shown}{more}")
+        if self.scaled_count is not None and len(self.plan.grads) != self.scaled_count:
+            said = f"{len(self.plan.grads)} gradient output(s) unscaled in FP32 under their own names"
+            kept = ", ".join(repr(n) for n in self.left_as_computed[:3]) + (" ..." if len(self.left_as_computed) > 3
+                                                                              else "")
+            now = (f"{self.scaled_count} gradient output(s) unscaled in FP32 under their own names"
+                   + (f", {len(self.left_as_computed)} computed from gradients divided before (left as computed: "
+                      f"{kept})" if self.left_as_computed else ""))
+            log.notes[:] = [note.replace(said, now, 1) if note.startswith("training: backward seed") else note
+                            for note in log.notes]
+        self._record_casts(log)
         tags = json.loads(self.model.metadata_props[TAG + "report"])
         tags["weights"]["bytes_after"] += added
+        tags["notes"] = list(log.notes)
         self.model.metadata_props[TAG + "report"] = json.dumps(tags)
         records = {c.name: c for c in log.casts if c.kind == "inserted"}
         for cast, reason in self.rewired.values():
@@ -600,6 +621,33 @@ class _LossScaleBuilder:
                 cast.metadata_props[TAG + "reason"] = reason
             index = json.loads(cast.metadata_props[TAG + "cast"])["index"]
             cast.metadata_props[TAG + "cast"] = json.dumps({**cast_record_dict(record), "index": index})
+
+    def _record_casts(self, log: Any) -> None:
+        """The Casts these nodes include (a gradient divided in FP32 for a low reader, and cast back)
+        are casts of the model like the pipeline's: in the log and tagged, so both reports count them."""
+        import numpy as np
+
+        from .decisions import CastRecord
+        from .emitters.onnx_emitter import cast_record_dict
+        from .ir import DType
+
+        for node in self.new_nodes:
+            if node.op_type != "Cast" or not node.inputs or node.inputs[0] is None:
+                continue
+            source, out = node.inputs[0], node.outputs[0]
+            dims = list(out.shape.dims) if out.shape is not None else None
+            shape = tuple(d if isinstance(d, int) else None for d in dims) if dims is not None else None
+            numel = int(np.prod(shape)) if shape is not None and all(d is not None for d in shape) else None
+            record = CastRecord(
+                name=node.name, tensor=source.name,
+                src=DType(int(source.dtype)).short if source.dtype is not None else "?",
+                dst=DType(int(node.attributes["to"].value)).short,
+                producer=_label(source.producer()) if source.producer() is not None else None,
+                consumers=sorted({_label(user) for user, _ in out.uses()}), shape=shape, numel=numel,
+                scope="main" if node.graph is self.graph else (node.graph.name or "body"),
+                reason=node.metadata_props.get(TAG + "reason", "training"))
+            node.metadata_props[TAG + "cast"] = json.dumps({**cast_record_dict(record), "index": len(log.casts)})
+            log.casts.append(record)
 
     def _unscale_low_readers(self, value: Any, unscaled: Any, backward: set[int]) -> None:
         """A gradient computed low leaves through a Cast to FP32; a low-precision reader outside the
@@ -682,6 +730,8 @@ class _LossScaleBuilder:
                            and (user.graph is graph or user.graph is None)), None) or typed(
                 self.node("Cast", [value], why, to=int(ir.DataType.FLOAT), graph=graph), ir.DataType.FLOAT)
         out = typed(self.node("Mul", [source, inv], why, graph=graph), ir.DataType.FLOAT)
+        if graph is self.graph:
+            self.divided.append(out)
         if low:
             out = typed(self.node("Cast", [out], why, to=int(value.dtype), graph=graph), value.dtype)
         return out

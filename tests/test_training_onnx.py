@@ -666,6 +666,90 @@ def test_gradients_clipped_in_the_graph_are_divided_before_the_clip(tmp_path, sq
         assert bool(got[ALL_FINITE])
 
 
+def _post_processed(kind):
+    """The hand graph's gradient ``raw`` post-processed in the graph into outputs: MaxPool's int64
+    indices picking values again, a PRelu whose slope is the gradient, a clip by value."""
+    from onnx import helper as h
+
+    T = onnx.TensorProto
+    model = _hand_graph()
+    g = model.graph
+    for node in g.node:
+        node.output[:] = ["raw" if o == "grad.W" else o for o in node.output]
+    const = lambda name, value, dtype=np.float32: g.initializer.append(  # noqa: E731
+        onnx.numpy_helper.from_array(np.array(value, dtype), name))
+    if kind == "maxpool indices":
+        const("s4", [1, 1, 4, 4], np.int64)
+        const("flat", [-1], np.int64)
+        g.node.extend([h.make_node("Reshape", ["raw", "s4"], ["g4"]),
+                       h.make_node("MaxPool", ["g4"], ["pooled", "idx"], kernel_shape=[2, 2], strides=[2, 2]),
+                       h.make_node("Reshape", ["idx", "flat"], ["idxf"]), h.make_node("Reshape", ["raw", "flat"], ["gf"]),
+                       h.make_node("Gather", ["gf", "idxf"], ["grad.picked"]), h.make_node("Identity", ["raw"], ["grad.W"])])
+        g.output.append(h.make_tensor_value_info("grad.picked", T.FLOAT, [4]))
+    elif kind == "prelu slope":
+        const("xs", np.linspace(-1, 1, 16).reshape(4, 4))
+        g.node.append(h.make_node("PRelu", ["xs", "raw"], ["grad.W"]))
+    else:  # clip by value
+        const("lo", -0.01)
+        const("hi", 0.01)
+        g.node.append(h.make_node("Clip", ["raw", "lo", "hi"], ["grad.W"]))
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["maxpool indices", "prelu slope", "clip"])
+def test_post_processed_gradients_come_out_as_in_fp32_at_any_scale(tmp_path, kind):
+    """MaxPool's int64 indices were given the gradient's degree and 'divided' (Mul of int64 by a
+    float: the checker and onnxruntime refused the model); PRelu counted as a product, though a
+    gradient as its slope is not proportional (every output 1024x off at scale 1024)."""
+    model = _post_processed(kind)
+    out = rewrite_training_onnx_model(model, loss="loss", grads=GRADS).model
+    onnx.checker.check_model(out, full_check=True)
+    onnx.save(out, tmp_path / "t.onnx")
+    x = np.arange(8, dtype=np.float32).reshape(2, 4) / 8
+    want = run_onnx(model, {"x": x, "loss_grad": np.array(1.0, np.float32)})
+    for scale in (1.0, 1024.0):
+        got = run_onnx(tmp_path / "t.onnx", {"x": x, "loss_grad": np.array(1.0, np.float32),
+                                             LOSS_SCALE: np.array(scale, np.float32), GROWTH_TRACKER: np.array(0, np.int64)})
+        for name in want:
+            if name.startswith("grad."):
+                np.testing.assert_allclose(got[name], want[name], rtol=1e-2, atol=1e-3, err_msg=f"{name} x{scale}")
+        assert bool(got[ALL_FINITE])
+
+
+def test_a_clip_after_the_division_does_not_hide_an_overflow():
+    """Clip(inf) is the bound: a backward pass that overflowed in FP16 came out clipped and
+    finite, all_finite said True and the scale never backed off. The values divided before the
+    clip are checked too."""
+    out = rewrite_training_onnx_model(_post_processed("clip"), loss="loss", grads=GRADS).model
+    x = np.full((2, 4), 7.0, np.float32)  # gradient 14: x 65536 is past FP16's 65504
+    feeds = {"x": x, "loss_grad": np.array(1.0, np.float32), GROWTH_TRACKER: np.array(0, np.int64)}
+    assert bool(run_onnx(out, {**feeds, LOSS_SCALE: np.array(1024.0, np.float32)})[ALL_FINITE])
+    overflowed = run_onnx(out, {**feeds, LOSS_SCALE: np.array(65536.0, np.float32)})
+    assert not bool(overflowed[ALL_FINITE]) and float(overflowed[NEXT_LOSS_SCALE]) == 32768.0
+
+
+def test_the_report_of_gradients_divided_before_a_clip_tells_what_the_model_holds():
+    """The summary said every gradient output was unscaled under its own name where none was;
+    the Casts a division for a low reader adds were in no count; the model's own report lost the
+    note on the division."""
+    from amp_rewrite.report import Report
+
+    clipped = rewrite_training_onnx_model(_post_processed("clip"), loss="loss", grads=GRADS)
+    seed_note = next(n for n in clipped.log.notes if n.startswith("training: backward seed"))
+    assert "0 gradient output(s) unscaled in FP32 under their own names, 1 computed from gradients divided before " \
+           "(left as computed: 'grad.W')" in seed_note
+    result = rewrite_training_onnx_model(_clipped(_hand_graph(), 5.0, "Mul"), loss="loss", grads=GRADS)
+    ours = [n.name for n in result.model.graph.node if n.op_type == "Cast"
+            and dict((p.key, p.value) for p in n.metadata_props).get("amp_rewrite.inserted")]  # (not the model's own)
+    assert sorted(c.name for c in result.log.casts if c.kind == "inserted") == sorted(ours)
+    assert any("divided by the loss scale" in c.reason for c in result.log.casts)
+    rebuilt = Report.from_model(result.model)
+    assert rebuilt.log.notes == result.log.notes
+    assert [c.name for c in rebuilt.log.casts if c.kind == "inserted"] == \
+        [c.name for c in result.log.casts if c.kind == "inserted"]
+
+
 def test_a_backward_pass_proportional_to_its_seed_is_divided_only_at_its_outputs():
     """Ops a backward pass is made of (a Where with a zero branch, comparisons, a Softmax-like
     Sub of a sum, reshapes) keep the gradient proportional: nothing is divided before the outputs."""
