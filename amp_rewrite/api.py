@@ -467,7 +467,9 @@ def _check_output_path(src: Path, dst: Path, overwrite: bool, name: str) -> None
         raise OutputError(f"{dst}: the output would replace the input; choose another -o (the input is never modified)")
     if dst.is_dir():  # (before "exists": --overwrite would not help)
         raise OutputError(f"{dst}: is a directory; -o takes the output file's path (e.g. {dst / name})")
-    if dst.exists() and not overwrite:
+    if dst.exists() and not dst.is_file():  # (a device, a FIFO: --overwrite would put a file in its place)
+        raise OutputError(f"{dst}: is not a regular file (a device or a pipe); -o takes a file path")
+    if (dst.exists() or dst.is_symlink()) and not overwrite:  # (a dangling link would be replaced too)
         raise OutputError(f"{dst}: already exists; pass --overwrite to replace it")
     if not os.access(dst.parent, os.W_OK):
         raise OutputError(f"{dst.parent}: not writable")

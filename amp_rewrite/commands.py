@@ -188,6 +188,8 @@ def _validate(args: CliArgs) -> None:
             raise OutputError(f"--report {given}: is {which}; choose another report path")
         if given.is_dir():
             raise OutputError(f"--report {given}: is a directory")
+        if given.exists() and not given.is_file():  # (--overwrite would put a file in place of a device)
+            raise OutputError(f"--report {given}: is not a regular file (a device or a pipe); give a file path")
         # (external data is read next to the path given: a symlinked model reads it beside the link)
         folders = {model.parent, args.model.absolute().parent.resolve()}
         if given.exists() and folders & set(report.parents) and report in external_data_files(args.model):

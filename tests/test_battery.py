@@ -873,6 +873,28 @@ def case_output_overwrite(d: Path) -> Case:
     return case
 
 
+def case_output_is_a_fifo(d: Path) -> Case:
+    """With --overwrite a FIFO (or a device: as root, -o /dev/null) was replaced by a regular file
+    holding the model."""
+    save(mlp(), d / "m.onnx")
+    os.mkfifo(d / "out.onnx")
+    return Case(["m.onnx", "-o", "out.onnx", "--overwrite"], 6, r"out\.onnx: is not a regular file", inputs=["m.onnx"])
+
+
+def case_report_is_a_fifo(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    os.mkfifo(d / "r.json")
+    return Case(["m.onnx", "-o", "out.onnx", "--report", "r.json", "--overwrite"], 6,
+                r"--report r\.json: is not a regular file", inputs=["m.onnx"])
+
+
+def case_output_is_a_dangling_link(d: Path) -> Case:
+    """A symlink to nothing does not 'exist': it was replaced without --overwrite."""
+    save(mlp(), d / "m.onnx")
+    os.symlink(d / "gone.onnx", d / "out.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 6, r"already exists; pass --overwrite", inputs=["m.onnx"])
+
+
 def case_output_folder_missing(d: Path) -> Case:
     save(mlp(), d / "m.onnx")
     return Case(["m.onnx", "-o", "no/such/dir/out.onnx"], 6, r"output folder does not exist", inputs=["m.onnx"])
