@@ -334,6 +334,24 @@ def _unmatched_rule(note: str) -> str:
 
 
 # -- capture --------------------------------------------------------------------------------------------------
+def _refuse_root_hooks(obj: torch.nn.Module, export_error: BaseException | None) -> None:
+    """Hooks on the module itself run around its forward, which symbolic_trace traces without them
+    (a submodule's hooks run inside, and are traced): the rewritten module would silently compute
+    without them. Refused, with the captures that keep them."""
+    kinds = [kind for kind, table in (("forward", obj._forward_hooks), ("forward pre-", obj._forward_pre_hooks))
+             if table]
+    if not kinds:
+        return
+    hooks = " and ".join(kinds) + "hooks" if len(kinds) > 1 else f"{kinds[0].rstrip()}{'' if '-' in kinds[0] else ' '}hooks"
+    way = (f"torch.export, which keeps them, could not capture it ({_export_cause(export_error)})"
+           if export_error is not None else "capture it with torch.export (capture='export', with example_inputs), "
+           "which keeps them")
+    what = "a GraphModule given to rewrite" if isinstance(obj, fx.GraphModule) else "a symbolic_trace capture"
+    raise UnsupportedModelError(
+        f"{type(obj).__name__} has {hooks} registered on itself, which {what} does not keep "
+        f"(the rewritten module would run without them): {way}, or register them on the rewritten module")
+
+
 def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict | None, *, capture: str = "auto",
                   decompose: bool = False, notes: list[str] | None = None,
                   training: bool = False, dynamic_shapes: Any = None) -> tuple[fx.GraphModule, str]:
@@ -356,6 +374,7 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
             given = f"capture={capture!r}" if capture == "export" else "decompose=True"
             raise UsageError(f"{given} applies to capturing an nn.Module; a GraphModule is already a graph and is "
                              f"rewritten as it is: drop {given.split('=')[0]} (or pass the nn.Module itself)")
+        _refuse_root_hooks(obj, None)
         return _private_copy(obj), "graph_module"
     if not isinstance(obj, torch.nn.Module):
         raise UsageError(f"rewrite_torch takes an nn.Module, a GraphModule or an ExportedProgram, "
@@ -381,6 +400,7 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
             notes.append(f"torch.export failed ({first_line(exc, 300)}); fell back to torch.fx.symbolic_trace")
             warnings.warn(f"amp_rewrite: torch.export failed for {type(obj).__name__} ({first_line(exc, 300)}); "
                           f"falling back to torch.fx.symbolic_trace", stacklevel=3)
+    _refuse_root_hooks(obj, export_error)
     # Tracing runs forward on the module it is given: an attribute forward assigns (self.calls += 1)
     # is set to a Proxy there, and the traced graph shares its submodules. It traces a private copy.
     private = _private_copy(obj)
