@@ -80,14 +80,14 @@ class Degrees:
 
     def _walk(self, graph: Any) -> None:
         for node in list(graph):
-            bodies = list(_bodies(node))
-            for body in bodies:
+            held = list(bodies(node))
+            for body in held:
                 self._walk(body)
             if not any(map(self._reaches, node.inputs)) and not any(
-                    self._reaches(out) for body in bodies for out in body.outputs):
+                    self._reaches(out) for body in held for out in body.outputs):
                 continue  # reads nothing the scale reaches: degree 0
-            if bodies:
-                self._control_flow(node, bodies)
+            if held:
+                self._control_flow(node, held)
                 continue
             result = _rule(node, [self.of(v) for v in node.inputs])
             if id(node) in self.ours:
@@ -262,7 +262,8 @@ def _attr_int(node: Any, key: str) -> int | None:
     return int(attr.value) if attr is not None else None
 
 
-def _bodies(node: Any):
+def bodies(node: Any):
+    """The graphs an onnx-ir node holds (an If's branches, a Loop's or Scan's body)."""
     from onnx_ir import AttributeType
 
     for attr in node.attributes.values():

@@ -860,13 +860,9 @@ def _from_constants(value: Any) -> bool:
 
 
 def _bodies(node: Any):
-    from onnx_ir import AttributeType
+    from .scale_degree import bodies
 
-    for attr in node.attributes.values():
-        if attr.type == AttributeType.GRAPH:
-            yield attr.value
-        elif attr.type == AttributeType.GRAPHS:
-            yield from attr.value
+    return bodies(node)
 
 
 def _attr(ir: Any, key: str, value: Any) -> Any:
