@@ -346,7 +346,7 @@ def _refuse_root_hooks(obj: torch.nn.Module, export_error: BaseException | None)
     way = (f"torch.export, which keeps them, could not capture it ({_export_cause(export_error)})"
            if export_error is not None else "capture it with torch.export (capture='export', with example_inputs), "
            "which keeps them")
-    what = "a GraphModule given to rewrite" if isinstance(obj, fx.GraphModule) else "a symbolic_trace capture"
+    what = "a symbolic_trace capture"
     raise UnsupportedModelError(
         f"{type(obj).__name__} has {hooks} registered on itself, which {what} does not keep "
         f"(the rewritten module would run without them): {way}, or register them on the rewritten module")
@@ -374,7 +374,6 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
             given = f"capture={capture!r}" if capture == "export" else "decompose=True"
             raise UsageError(f"{given} applies to capturing an nn.Module; a GraphModule is already a graph and is "
                              f"rewritten as it is: drop {given.split('=')[0]} (or pass the nn.Module itself)")
-        _refuse_root_hooks(obj, None)
         return _private_copy(obj), "graph_module"
     if not isinstance(obj, torch.nn.Module):
         raise UsageError(f"rewrite_torch takes an nn.Module, a GraphModule or an ExportedProgram, "
