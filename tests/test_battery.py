@@ -1243,6 +1243,9 @@ def test_rewrite_onnx_of_a_training_graph_adds_the_loss_scale(tmp_path: Path) ->
 _INTERRUPTED_IMPORT = """
 import os, signal, sys, time, tomllib
 TRIGGER, SIGNAL, SWALLOWED = sys.argv[2], getattr(signal, sys.argv[3]), sys.argv[4] == "swallowed"
+# a Ctrl-C from a terminal: a suite started in the background by a non-interactive shell ignores
+# SIGINT, and its children inherit that (the signal then did nothing and the run ended with 0)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 class Interrupt:  # the signal lands while TRIGGER imports
     def find_spec(self, name, path, target=None):
         if name == TRIGGER and not SWALLOWED:  # (numpy's extension swallows it itself)
