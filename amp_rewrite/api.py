@@ -441,12 +441,13 @@ def default_output(src: Path, target: str, kind: str = "") -> Path:
 
 
 def check_input_path(src: Path) -> None:
-    """A path the file system refuses to look up at all (a name too long, a loop of links) is a
-    bad input, said as such; a missing file is left for the loader to report."""
+    """A missing input, or a path the file system refuses to look up at all (a name too long, a
+    loop of links), is a bad input, said as such before anything about the output: with both
+    wrong, the missing model is the error to fix first (exit 3, not the output's exit 6)."""
     try:
         src.stat()
     except FileNotFoundError:
-        pass
+        raise ModelLoadError(f"{src}: no such file") from None
     except OSError as exc:
         raise ModelLoadError(f"{src}: cannot be opened ({exc.strerror or exc})") from None
 

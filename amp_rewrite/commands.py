@@ -131,8 +131,10 @@ def _validate(args: CliArgs) -> None:
         raise UsageError(f"--target {args.target!r}: choose fp16 or bf16")
     if args.placement not in ("greedy", "optimal"):
         raise UsageError(f"--placement {args.placement!r}: choose greedy or optimal")
+    from .api import check_input_path
     from .report_render import RENDERED_SUFFIXES
 
+    check_input_path(args.model)  # (a missing model first: before anything about the outputs)
     for report in args.report:
         if report.suffix.lower() not in (".json", *RENDERED_SUFFIXES):
             raise UsageError(f"--report {report}: the format comes from the extension: .json, .html (.htm) or "

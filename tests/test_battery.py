@@ -177,6 +177,22 @@ def case_missing_input(d: Path) -> Case:
     return Case(["nope.onnx"], 3, r"nope\.onnx: no such file")
 
 
+def case_missing_input_with_an_existing_output(d: Path) -> Case:
+    """The output's complaint came first: "out.onnx: already exists" (exit 6) for a model that
+    is not there; the missing model is the error to fix."""
+    (d / "out.onnx").write_bytes(b"kept")
+    return Case(["nope.onnx", "-o", "out.onnx"], 3, r"nope\.onnx: no such file", inputs=["out.onnx"])
+
+
+def case_missing_input_with_a_missing_output_folder(d: Path) -> Case:
+    return Case(["nope.onnx", "-o", "no/dir/out.onnx"], 3, r"nope\.onnx: no such file")
+
+
+def case_missing_input_with_an_existing_report(d: Path) -> Case:
+    (d / "r.json").write_bytes(b"{}")
+    return Case(["nope.onnx", "--report", "r.json"], 3, r"nope\.onnx: no such file", inputs=["r.json"])
+
+
 def case_input_is_directory(d: Path) -> Case:
     (d / "dir.onnx").mkdir()
     return Case(["dir.onnx"], 3, r"is a directory")
@@ -1043,6 +1059,18 @@ def test_battery(name: str, tmp_path: Path) -> None:
         assert load_ok(tmp_path / "out.onnx")[0]
         return
     check_case(case, tmp_path)
+
+
+def test_rewrite_onnx_names_a_missing_input_before_the_output(tmp_path: Path) -> None:
+    """rewrite_onnx() raised OutputError "already exists" for a source that is not there."""
+    import amp_rewrite
+    from amp_rewrite.errors import ModelLoadError
+
+    (tmp_path / "out.onnx").write_bytes(b"kept")
+    for dst in ("out.onnx", "no/dir/out.onnx"):
+        with pytest.raises(ModelLoadError, match=r"nope\.onnx: no such file"):
+            amp_rewrite.rewrite_onnx(tmp_path / "nope.onnx", tmp_path / dst)
+    assert (tmp_path / "out.onnx").read_bytes() == b"kept"
 
 
 def test_debug_shows_traceback(tmp_path: Path) -> None:
