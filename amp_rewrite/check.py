@@ -1660,7 +1660,7 @@ def _fail(args: "CliArgs", report: "Report", outputs: Iterable[Path], message: s
         if report.output is not None and any(str(p) == str(report.output) for p in outputs):
             report.output = None  # (removed below: the report names no file that is not there)
         for path in args.report:
-            write_report(report, path)
+            write_report(report, path, kept=False)  # (it records the failure: it stays)
     removed = _remove(outputs)
     raise exc_type(message + ("; the rewritten model was not kept" if removed else ""))
 

@@ -4,6 +4,7 @@ argument parser stays declarative."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -115,8 +116,12 @@ def run(args: CliArgs) -> None:
         if args.report:
             from .report import write_report
 
-            for path in args.report:
-                write_report(report, path)
+            # one set with the model: a report that fails takes the ones written before it with it
+            # and puts back the files they replaced
+            with previous_outputs_kept() as reports:
+                for path in args.report:
+                    write_report(report, path)
+                    reports.append(path)
     COMMITTED.extend(written)  # (kept from here on: an interrupt now must not say nothing was written)
     say(args, report.summary_text())
     if not result.modified:
@@ -153,6 +158,8 @@ def _validate(args: CliArgs) -> None:
         if not report.parent.is_dir():
             # checked before any work: failing after the model is written would leave a stray output
             raise OutputError(f"--report {report}: folder {report.parent} does not exist")
+        if not os.access(report.parent, os.W_OK):
+            raise OutputError(f"--report {report}: folder {report.parent} is not writable")
         first = seen.setdefault(report.resolve(), report)
         if first is not report:
             raise UsageError(f"--report {report}: given twice (as {first} too); give each file once")

@@ -372,14 +372,17 @@ def validate(report_dict: dict[str, Any]) -> None:
     jsonschema.Draft202012Validator(load_schema(), format_checker=jsonschema.FormatChecker()).validate(report_dict)
 
 
-def write_report(report: Report, path) -> None:
-    """Write ``report`` in the format its extension names, atomically."""
+def write_report(report: Report, path, *, kept: bool = True) -> None:
+    """Write ``report`` in the format its extension names, atomically. Inside
+    :func:`~amp_rewrite.files.previous_outputs_kept` the file it replaces is set aside until the
+    command succeeds, unless ``kept`` is False: a report that must stay although the command fails
+    (the one a failed ``--check`` writes)."""
     import os
     import tempfile
     from pathlib import Path
 
     from .errors import OutputError, UsageError
-    from .files import ordinary_mode
+    from .files import ordinary_mode, replace_into
 
     path = Path(path)
     suffix = path.suffix.lower()
@@ -397,7 +400,7 @@ def write_report(report: Report, path) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         ordinary_mode(tmp)
-        os.replace(tmp, path)
+        (replace_into if kept else os.replace)(Path(tmp), path)
     except BaseException as exc:  # (a failed or interrupted write leaves nothing behind)
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)

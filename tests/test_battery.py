@@ -1001,6 +1001,20 @@ def case_unwritable_output_dir(d: Path) -> Case:
     return Case(["m.onnx", "-o", str(target / "out.onnx")], 6, r"(not writable|cannot write)", inputs=["m.onnx"])
 
 
+def case_unwritable_report_dir(d: Path) -> Case:
+    """Found only when the report was written, after the model: checked before any work now."""
+    save(mlp(), d / "m.onnx")
+    target = _read_only_dir()
+    if os.geteuid() != 0:
+        target = d / "locked"
+        target.mkdir()
+        target.chmod(0o500)
+    if target is None:
+        pytest.skip("no read-only folder available to a root process")
+    return Case(["m.onnx", "-o", "out.onnx", "--report", str(target / "r.json")], 6,
+                r"--report .*r\.json: folder .* is not writable", inputs=["m.onnx"])
+
+
 def _limit_file_size(limit: int) -> Callable[[], None]:
     """Writes past ``limit`` bytes fail with EFBIG (Python ignores SIGXFSZ): a disk filling up midway."""
     def apply() -> None:
@@ -1071,6 +1085,26 @@ def test_rewrite_onnx_names_a_missing_input_before_the_output(tmp_path: Path) ->
         with pytest.raises(ModelLoadError, match=r"nope\.onnx: no such file"):
             amp_rewrite.rewrite_onnx(tmp_path / "nope.onnx", tmp_path / dst)
     assert (tmp_path / "out.onnx").read_bytes() == b"kept"
+
+
+def test_a_report_that_fails_takes_the_earlier_reports_with_it(tmp_path: Path) -> None:
+    """--report a.json --report b.html where b.html's write fails midway (the file-size limit
+    between the two sizes): a.json was left holding a report of an output that had been removed,
+    and the a.json it replaced was lost."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    save(mlp(), probe / "m.onnx")
+    proc = run_cli(["m.onnx", "-o", "out.onnx", "--report", "a.json", "--report", "b.html"], probe)
+    assert proc.returncode == 0, proc.stderr
+    sizes = {name: (probe / name).stat().st_size for name in ("out.onnx", "a.json", "b.html")}
+    limit = max(sizes["out.onnx"], sizes["a.json"]) + 1
+    assert limit < sizes["b.html"], f"test bug: the html report is not the largest file: {sizes}"
+    save(mlp(), tmp_path / "m.onnx")
+    for name in ("out.onnx", "a.json"):
+        (tmp_path / name).write_bytes(b"the previous " + name.encode())
+    check_case(Case(["m.onnx", "-o", "out.onnx", "--overwrite", "--report", "a.json", "--report", "b.html"], 6,
+                    r"b\.html: cannot write the report", inputs=["m.onnx", "out.onnx", "a.json"],
+                    preexec=_limit_file_size(limit)), tmp_path)
 
 
 def test_debug_shows_traceback(tmp_path: Path) -> None:
