@@ -518,3 +518,23 @@ def test_inconsistent_external_data_is_a_load_error(tmp_path, defect, message):
     with pytest.raises(ModelLoadError, match=message):
         api.rewrite_onnx(src, tmp_path / "out.onnx")
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_small_tensors_in_external_data_give_the_shapes_the_same_model_inline_gives(tmp_path):
+    """Saved with size_threshold=0, a Reshape's shape tensor is external: shape inference could not
+    read it, the shapes after it were unknown and the skip-LayerNorm fusion was skipped; the
+    output holds such small tensors inline, so a second rewrite fused what the first had not."""
+    model = onnx.load(str(ROOT / "models" / "transformer_block_op13.onnx"))
+    onnx.save_model(model, str(tmp_path / "inline.onnx"))
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    onnx.save_model(copy, str(tmp_path / "ext.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="ext.bin", size_threshold=0)
+    ops = {}
+    for stem in ("inline", "ext"):
+        api.rewrite_onnx(tmp_path / f"{stem}.onnx", tmp_path / f"{stem}.1.onnx")
+        ops[stem] = sorted(n.op_type for n in onnx.load(str(tmp_path / f"{stem}.1.onnx")).graph.node)
+        again = api.rewrite_onnx(tmp_path / f"{stem}.1.onnx", tmp_path / f"{stem}.2.onnx")
+        assert not again.modified, f"{stem}: a rewrite of the output changed it"
+    assert ops["ext"] == ops["inline"]
+    assert ops["ext"].count("SkipLayerNormalization") >= 1

@@ -275,7 +275,8 @@ def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: 
         _check_shadowing_initializers(proto.graph, frozenset(), where)
     sparse = any(_has_sparse(graph) for graph in graphs)
     # (sparse initializers are made dense below; the onnx-ir pass infers the types then)
-    early = _inferred_proto(proto, graphs, size, owned=owned) if infer_shapes and not sparse else None
+    early = _inferred_proto(proto, graphs, size, owned=owned, base=path.parent if path is not None else None) \
+        if infer_shapes and not sparse else None
     types = None
     if early is not None:
         (proto, types), owned = early, True
@@ -717,8 +718,8 @@ def _keep_denotations(declared: onnx.TypeProto, inferred: onnx.TypeProto) -> Non
             new.denotation = old.denotation
 
 
-def _inferred_proto(proto: onnx.ModelProto, graphs: list[onnx.GraphProto], size: int, *, owned: bool
-                    ) -> tuple[onnx.ModelProto, list[dict[str, onnx.ValueInfoProto]]] | None:
+def _inferred_proto(proto: onnx.ModelProto, graphs: list[onnx.GraphProto], size: int, *, owned: bool,
+                    base: Path | None = None) -> tuple[onnx.ModelProto, list[dict[str, onnx.ValueInfoProto]]] | None:
     """Shape inference on the proto already in hand (``graphs``: its graph and nested bodies,
     ``size``: its serialised size): the proto with its graph outputs' types refined, and the
     types and shapes found for the other values, one table per graph (``_graph_protos`` order).
@@ -738,8 +739,9 @@ def _inferred_proto(proto: onnx.ModelProto, graphs: list[onnx.GraphProto], size:
         return None
     options = {"check_type": False, "strict_mode": False, "data_prop": False}
     try:
-        weighty = any(_is_weight(t) for t in proto.graph.initializer)
-        inferred = onnx.shape_inference.infer_shapes(_without_weights(proto) if weighty else proto, **options)
+        weighty = any(_is_weight(t) or t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
+        inferred = onnx.shape_inference.infer_shapes(_without_weights(proto, base=base) if weighty else proto,
+                                                     **options)
     except Exception:  # inference is best effort
         return None
     nested = len(graphs) > 1  # (else the bodies' walk over every node is skipped)
@@ -805,25 +807,63 @@ def structure_proto(source: OnnxSource) -> onnx.ModelProto | None:
     """The model as read, with its large initializers (in the file or external) turned into graph
     inputs of the same type and shape: a shape-inference tool's input, a fraction of the model's
     size whatever its weights. None where the source proto was not kept."""
-    return _without_weights(source.proto, external_too=True) if source.proto is not None else None
+    if source.proto is None:
+        return None
+    return _without_weights(source.proto, external_too=True,
+                            base=source.path.parent if source.path is not None else None)
 
 
-def _without_weights(proto: onnx.ModelProto, *, external_too: bool = False) -> onnx.ModelProto:
+def _without_weights(proto: onnx.ModelProto, *, external_too: bool = False, base: Path | None = None
+                     ) -> onnx.ModelProto:
     """A copy of ``proto`` whose large main-graph initializers are graph inputs of the same type
     and shape: what shape inference reads from them, without their data. ``external_too``: also
-    those stored in external data (for a reader that would try to load them)."""
+    those stored in external data (for a reader that would try to load them). A small tensor in
+    external data (a Reshape's shape, saved with ``size_threshold=0``) is read in from ``base``,
+    the model's folder: inference cannot follow the reference, and without its values the shapes
+    after it were unknown where the same model stored inline had them (a fusion skipped on the
+    first rewrite was made on the second)."""
     stripped = onnx.ModelProto()
     _copy_fields(stripped, proto, skip="graph")
     _copy_fields(stripped.graph, proto.graph, skip="initializer")
     inputs = {v.name for v in proto.graph.input}
     for tensor in proto.graph.initializer:
         external = tensor.data_location == onnx.TensorProto.EXTERNAL
-        if (external and not external_too) or _numel(tensor) <= _INFER_WITHOUT_DATA_ABOVE:
+        if external and _numel(tensor) <= _INFER_WITHOUT_DATA_ABOVE:
+            stripped.graph.initializer.append(_read_in(tensor, base))
+        elif (external and not external_too) or _numel(tensor) <= _INFER_WITHOUT_DATA_ABOVE:
             stripped.graph.initializer.append(tensor)
         elif tensor.name not in inputs:  # (IR < 4 lists initializers as inputs already)
             stripped.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type,
                                                                            list(tensor.dims)))
     return stripped
+
+
+def _read_in(tensor: onnx.TensorProto, base: Path | None) -> onnx.TensorProto:
+    """A copy of a small external tensor with its data read in from ``base``; the tensor itself
+    where that cannot be done safely (no folder, a location outside it, a short file): the
+    loader reports a bad reference on its own."""
+    from onnx.external_data_helper import ExternalDataInfo
+
+    if base is None:
+        return tensor
+    try:
+        info = ExternalDataInfo(tensor)
+        folder = base.resolve()
+        file = (folder / info.location).resolve()
+        if folder not in file.parents or not file.is_file():
+            return tensor
+        with open(file, "rb") as f:
+            f.seek(info.offset or 0)
+            data = f.read(info.length) if info.length else f.read()
+        copy = onnx.TensorProto()
+        copy.CopyFrom(tensor)
+        del copy.external_data[:]
+        copy.data_location = onnx.TensorProto.DEFAULT
+        copy.raw_data = data
+        onnx.numpy_helper.to_array(copy)  # (a short read fails here: keep the reference)
+        return copy
+    except Exception:  # noqa: BLE001 - best effort, for shape inference only
+        return tensor
 
 
 def _copy_fields(dst, src, *, skip: str) -> None:
