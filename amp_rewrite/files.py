@@ -54,7 +54,9 @@ def replace_into(tmp: Path, dst: Path) -> None:
     """``os.replace(tmp, dst)``; inside :func:`previous_outputs_kept`, the file at ``dst`` is kept aside."""
     kept = _KEPT.get()
     if kept is not None and dst.is_file():
-        aside = dst.with_name(f".{dst.name}.amp-rewrite-previous-{os.getpid()}-{id(kept):x}-{len(kept)}")
+        # (the name's first 64 bytes: a name near the file system's limit has no room for the suffix)
+        head = dst.name.encode()[:64].decode(errors="ignore")
+        aside = dst.with_name(f".{head}.amp-rewrite-previous-{os.getpid()}-{id(kept):x}-{len(kept)}")
         os.replace(dst, aside)
         kept.append((dst, aside))
     os.replace(tmp, dst)

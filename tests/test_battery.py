@@ -1107,6 +1107,18 @@ def test_a_report_that_fails_takes_the_earlier_reports_with_it(tmp_path: Path) -
                     preexec=_limit_file_size(limit)), tmp_path)
 
 
+def test_overwrite_replaces_an_output_whose_name_is_near_the_limit(tmp_path: Path) -> None:
+    """The replaced file was set aside under '.<name>.amp-rewrite-previous-...', 45 bytes longer:
+    a 240-byte name, written once, could not be replaced ('File name too long', exit 6)."""
+    save(mlp(), tmp_path / "m.onnx")
+    name = "y" * 235 + ".onnx"
+    (tmp_path / name).write_bytes(b"the previous output")
+    proc = run_cli(["m.onnx", "-o", name, "--overwrite", "-q"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["m.onnx", name])
+    assert load_ok(tmp_path / name)[0]
+
+
 def test_debug_shows_traceback(tmp_path: Path) -> None:
     """--debug trades the one-line message for the full traceback (same failure)."""
     (tmp_path / "m.onnx").write_bytes(b"")
