@@ -850,6 +850,34 @@ def test_a_division_by_a_constant_whose_reciprocal_leaves_fp16_keeps_fp32(k, low
     assert not rewrite(result.model).modified
 
 
+@pytest.mark.parametrize(("eps", "low"), [(1e-8, False), (1e-12, False), (1e-3, True)])
+def test_an_epsilon_the_low_type_flushes_to_zero_keeps_its_sum_and_division_fp32(eps, low):
+    """``r / (r + 1e-8)`` after a Relu: FP16 holds nothing below 6e-8, so the converted epsilon was
+    0, the sum was r and every zero of the Relu gave 0/0 = NaN, exit 0 (the summary counted "1
+    flushed to zero"). The Add now seeds FP32 like a deny op, so the division by its sum follows
+    it. An epsilon FP16 holds (1e-3) changes nothing."""
+    model = make_model("""
+    <ir_version: 10, opset_import: ["" : 18]>
+    g (float[4,8] x) => (float[4,8] y) {
+      h = MatMul(x, w)
+      r = Relu(h)
+      a = Add(r, eps)
+      q = Div(r, a)
+      y = MatMul(q, w2)
+    }""", {"w": (8, 8), "w2": (8, 8), "eps": np.array(eps, np.float32)})
+    result = rewrite(model)
+    full_check(result.model)
+    add, div = result.log.decisions["Add:a"], result.log.decisions["Div:q"]
+    assert (add.precision == Precision.LOW) is low and (div.precision == Precision.LOW) is low, div.reason
+    if not low:
+        assert f"adds 'eps' holding {eps:g}, below fp16's smallest value" in add.reason
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    assert_emulated_close(model, result.model, feeds)
+    assert not rewrite(result.model).modified
+    bf16 = rewrite(model, target="bf16")  # (bf16 holds 1e-12)
+    assert bf16.log.decisions["Div:q"].precision == Precision.LOW
+
+
 @pytest.mark.parametrize(("attrs", "low", "target"), [
     ("alpha=100000.0", False, "fp16"), ("beta=100000.0", False, "fp16"), ("alpha=1e-09", False, "fp16"),
     ("alpha=60000.0, beta=0.5", True, "fp16"), ("alpha=100000.0", True, "bf16")])

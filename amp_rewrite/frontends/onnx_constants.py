@@ -40,6 +40,7 @@ from .onnx_loader import constant_array
 # type's limit or infinity and still masks (exp of it is 0), as the report and --check expect
 SENTINEL = 1e8
 META = "amp.exact_constant"
+LOST_EPSILON = "amp.lost_epsilon"  # (classify: a deny seed, see _vanishes)
 
 
 def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
@@ -72,6 +73,13 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
             node.meta[META] = (f"reads {where} holding {value:g}, beyond {short}'s finite range (±{limit:g}): in "
                                f"{short} it would be clamped or overflow, so the node keeps FP32")
             continue
+        lost = _vanishes(node, ctx.low, folds)
+        if lost is not None:
+            name, value = lost
+            node.meta[LOST_EPSILON] = (f"adds {name!r} holding {value:g}, below {short}'s smallest value (it "
+                                       f"becomes 0 there: the epsilon is lost, and x / (x + eps) is 0/0): it "
+                                       f"keeps FP32, and so do the nodes after it up to a low-precision op")
+            continue
         divisor = _small_divisor(node, limit, folds)
         if divisor is not None:
             node.meta[META] = (f"divides by {node.inputs[1].name!r} holding {divisor:g}, which multiplies by "
@@ -102,6 +110,27 @@ def _kernel_scalar_lost(node: Node, low: DType) -> tuple[str, float, str] | None
             return name, value, f"{became:+g}"
         if became == 0.0 and value != 0.0:
             return name, value, "0"
+    return None
+
+
+def _vanishes(node: Node, low: DType, folds: dict[int, object]) -> tuple[str, float] | None:
+    """(name, largest magnitude) of a constant an Add or Sub reads whose nonzero values all become
+    0 in the low type (an epsilon of 1e-8 in FP16, whose smallest value is 6e-8), or None. Such a
+    constant exists to keep a sum away from zero: in the low type the sum is the other operand,
+    and the division after it is 0/0. (A Mul by it is the value range's business, like a weight's
+    flushed entries: counted in the report.)"""
+    if node.domain != "" or node.op_type not in ("Add", "Sub") or len(node.inputs) != 2:
+        return None
+    for value in node.inputs:
+        data = _folded(value, folds)
+        if data is None or data.size == 0:
+            continue
+        nonzero = data[data != 0]
+        if nonzero.size == 0 or not np.isfinite(nonzero).all():
+            continue
+        with np.errstate(all="ignore"):
+            if (nonzero.astype(np.float32).astype(_numpy_type(low)) == 0).all():
+                return value.name, float(np.abs(nonzero).max())
     return None
 
 

@@ -198,6 +198,11 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
         or node.meta.get("amp.refuses_low")  # (a frontend's: a model-local function call, a summing Einsum)
     if refused and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
         category, reason, source = Category.DENY, refused, "op schema"
+    elif node.meta.get("amp.lost_epsilon") and category in (Category.INFER, Category.CLEAR) \
+            and node_rule_of(ctx.rules, node, names) is None:
+        # (onnx_constants: it adds an epsilon the low type flushes to 0. Deny, not just FP32: its
+        # sum is near 0 where the epsilon matters, so the readers dividing by it follow it FP32)
+        category, reason, source = Category.DENY, node.meta["amp.lost_epsilon"], "classify"
     meta["amp.category"], meta["amp.reason"], meta["amp.source"] = category, reason, source
     meta["amp.pinned"] = _pinned_inputs(node, entry)
     meta["amp.bounded_output"] = category == Category.DENY and entry is not None and entry.bounded_output
