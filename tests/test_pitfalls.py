@@ -878,6 +878,36 @@ def test_an_epsilon_the_low_type_flushes_to_zero_keeps_its_sum_and_division_fp32
     assert bf16.log.decisions["Div:q"].precision == Precision.LOW
 
 
+@pytest.mark.parametrize(("op", "reduction", "low"), [
+    ("ScatterElements", "add", False), ("ScatterElements", "mul", False), ("ScatterElements", "max", True),
+    ("ScatterElements", "none", True), ("ScatterND", "add", False)])
+def test_a_scatter_that_accumulates_keeps_fp32(op, reduction, low):
+    """ScatterElements(reduction='add') was a clear op: 4096 ones landing on one index ran in FP16,
+    where a GPU's half atomicAdd rounds every partial sum (stuck at 2048, half the true 4096); the
+    emulation summed in FP32 and saw nothing. An accumulating reduction now keeps FP32."""
+    n = 64
+    if op == "ScatterElements":
+        idx = np.zeros((n, 8), np.int64)
+        body = f"s = ScatterElements<axis=0, reduction=\"{reduction}\">(base, idx, h)"
+    else:
+        idx = np.zeros((n, 1), np.int64)
+        body = f"s = ScatterND<reduction=\"{reduction}\">(base, idx, h)"
+    model = make_model(f"""
+    <ir_version: 10, opset_import: ["" : 18]>
+    g (float[{n},8] x) => (float[2,8] y) {{
+      h = MatMul(x, w)
+      {body}
+      y = MatMul(s, w2)
+    }}""", {"w": (8, 8), "w2": (8, 8), "base": np.zeros((2, 8), np.float32), "idx": idx})
+    result = rewrite(model)
+    full_check(result.model)
+    decision = result.log.decisions[f"{op}:s"]
+    assert (decision.precision == Precision.LOW) is low, decision.reason
+    if not low:
+        assert f"reduction={reduction!r} accumulates" in decision.reason
+    assert not rewrite(result.model).modified
+
+
 @pytest.mark.parametrize(("attrs", "low", "target"), [
     ("alpha=100000.0", False, "fp16"), ("beta=100000.0", False, "fp16"), ("alpha=1e-09", False, "fp16"),
     ("alpha=60000.0, beta=0.5", True, "fp16"), ("alpha=100000.0", True, "bf16")])

@@ -1257,6 +1257,15 @@ class _Builder:
                 node.meta["amp.refuses_low"] = (
                     f"Einsum {summed[0]!r} sums over {', '.join(summed[1])}, which only one operand holds: a reduction, "
                     f"not a GEMM contraction, whose sum can pass the low type's range as ReduceSum's does")
+        elif op_type in ("ScatterElements", "ScatterND") and domain in ("", "ai.onnx"):
+            reduction = n.attributes.get("reduction")
+            reduction = reduction.as_string() if reduction is not None else "none"
+            if reduction in ("add", "mul"):
+                # (torch.autocast runs scatter_add in the widest input type: FP32 for an FP32 base)
+                node.meta["amp.refuses_low"] = (
+                    f"{op_type} with reduction={reduction!r} accumulates every update that lands on one index: "
+                    f"in the low type each partial result is rounded (a sum of ones stops at 2048 in FP16), so "
+                    f"it computes in FP32 as a reduction does")
         if (domain, op_type) not in _MERGED_GROUPS:  # (Attention-23 may type V apart from Q and K)
             conflict = group_conflict(node)
             if conflict:
