@@ -25,7 +25,9 @@ def test_prepare_wraps_each_case_in_matmuls_and_rewrites_it(tmp_path):
         assert [n.op_type for n in fp32.graph.node].count("MatMul") >= 2  # the identity MatMuls around the op
         scatter = next(n for n in low.graph.node if n.op_type == "ScatterND")
         tags = {m.key: m.value for m in scatter.metadata_props}
-        assert tags["amp_rewrite.precision"] == "low", tags  # painted low between the MatMuls
+        reduction = next((a.s.decode() for a in scatter.attribute if a.name == "reduction"), "none")
+        # painted low between the MatMuls; an accumulating one (add, mul) keeps FP32 as a reduction
+        assert tags["amp_rewrite.precision"] == ("fp32" if reduction in ("add", "mul") else "low"), tags
 
 
 def test_run_records_placement_and_errors(tmp_path, monkeypatch):
