@@ -190,10 +190,13 @@ def _rewrite(model: Any, *, loss: str, grads: Any, loss_grad: str | None, option
     # The loss island's pins are this rewrite's own, unless the user pinned the node too (an
     # --fp32-ops op, a node pattern, a rule file of theirs, an earlier rewrite's tag): that pin is
     # what its tags must say, so that rewriting the output again keeps it.
+    from .passes.base import node_names
+
     relabel: dict[str, tuple[str, str]] = {}
+    names = node_names(model)
     for node in model.graph.nodes:
         if node.name in plan.tail and node.meta.get("amp.category") is not None:
-            relabel[node.name] = _user_pin(node, ctx, set(pins)) or (_TAIL_REASON, "training")
+            relabel[node.name] = _user_pin(node, ctx, set(pins), names) or (_TAIL_REASON, "training")
             node.meta["amp.reason"], node.meta["amp.source"] = relabel[node.name]
     for label, decision in list(ctx.log.decisions.items()):
         if label in relabel:
@@ -216,13 +219,16 @@ def _rewrite(model: Any, *, loss: str, grads: Any, loss_grad: str | None, option
     return ir_model, ctx.log, plan
 
 
-def _user_pin(node: Any, ctx: Any, ours: set[str]) -> tuple[str, str] | None:
-    """(reason, source) of a user's FP32 pin on ``node`` besides the loss island's own, if any."""
+def _user_pin(node: Any, ctx: Any, ours: set[str], names: frozenset[str]) -> tuple[str, str] | None:
+    """(reason, source) of a user's FP32 pin on ``node`` besides the loss island's own, if any: a
+    pattern matched as classify matches it (any of the node's aliases; a pattern that is some
+    node's exact name names that node only, not a glob)."""
     from .decisions import Category, Precision
-    from .passes.base import earlier_pin, is_user_source
+    from .passes.base import aliases, earlier_pin, is_user_source
 
     for rule in ctx.rules.node_rules():
-        if rule.pattern not in ours and rule.precision == Precision.FP32 and rule.matches(node.name):
+        if rule.pattern not in ours and rule.precision == Precision.FP32 \
+                and any(rule.matches(alias, names) for alias in aliases(node) if alias):
             return f"node rule {rule.pattern!r} keeps it FP32", rule.source
     entry = ctx.rules.lookup(node.op_type, node.domain, node.opset)
     if entry is not None and entry.category == Category.DENY and is_user_source(entry.source):

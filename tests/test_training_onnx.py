@@ -383,6 +383,28 @@ def test_a_users_pin_inside_the_loss_island_survives_rewriting_the_output_again(
     assert not again.modified and again.model.SerializeToString() == first.model.SerializeToString()
 
 
+def test_a_pin_naming_another_node_exactly_is_not_credited_to_a_loss_island_node(setup):
+    """A --fp32-nodes pattern that is one node's exact name names that node only (rules/README.md),
+    as classify matches it; the training relabelling read it as a glob and credited the pin for
+    the loss-island node it also matched ('/S[u]b' for '/Sub'), in the report and the tags."""
+    _, proto = setup
+    plain = rewrite_training_onnx_model(proto, loss="loss", grads=GRADS, target="fp16")
+    tags = {n.name: {p.key: p.value for p in n.metadata_props} for n in plain.model.graph.node}
+    island = next(n.name for n in proto.graph.node
+                  if tags.get(n.name, {}).get("amp_rewrite.source") == "training" and len(n.name) > 2)
+    other = next(n for n in proto.graph.node
+                 if n.name and tags.get(n.name, {}).get("amp_rewrite.source") != "training")
+    glob = f"{island[:1]}[{island[1]}]{island[2:]}"  # names `island` as a glob, `other` exactly
+    renamed = onnx.ModelProto()
+    renamed.CopyFrom(proto)
+    next(n for n in renamed.graph.node if n.name == other.name).name = glob
+    result = rewrite_training_onnx_model(renamed, loss="loss", grads=GRADS, target="fp16", fp32_nodes=[glob])
+    sources = {n.name: {p.key: p.value for p in n.metadata_props}.get("amp_rewrite.source")
+               for n in result.model.graph.node}
+    assert sources[island] == "training"
+    assert sources[glob] == "--fp32-nodes"
+
+
 def test_every_in_memory_entry_point_takes_the_training_options(setup):
     """api.rewrite_onnx_model (what --auto-fp32 and the checks call) took training=True, loss=...
     as an inference rewrite with FP32 weights and no loss scale, and refused grads=; it now does
