@@ -538,3 +538,18 @@ def test_small_tensors_in_external_data_give_the_shapes_the_same_model_inline_gi
         assert not again.modified, f"{stem}: a rewrite of the output changed it"
     assert ops["ext"] == ops["inline"]
     assert ops["ext"].count("SkipLayerNormalization") >= 1
+
+
+def test_a_dangling_link_at_the_outputs_data_file_is_not_replaced_without_overwrite(tmp_path):
+    """A dangling symlink does not 'exist': the output's .data went over it without --overwrite,
+    where a dangling link at the output itself is refused (docs/exit-codes.md)."""
+    from amp_rewrite.errors import OutputError
+
+    save_external(mlp(), tmp_path / "m.onnx")
+    link = tmp_path / "out.onnx.data"
+    link.symlink_to(tmp_path / "gone.bin")
+    with pytest.raises(OutputError, match=r"out\.onnx\.data: already exists"):
+        api.rewrite_onnx(tmp_path / "m.onnx", tmp_path / "out.onnx")
+    assert link.is_symlink() and not (tmp_path / "out.onnx").exists()
+    api.rewrite_onnx(tmp_path / "m.onnx", tmp_path / "out.onnx", overwrite=True)
+    assert not link.is_symlink() and link.stat().st_size > 0

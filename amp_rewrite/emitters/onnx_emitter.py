@@ -655,7 +655,8 @@ def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[P
             ir.save(model, tmp / dst.name)
         # (onnx-ir makes the data file even when every tensor stayed inline: an empty file is no output)
         pair = external and (tmp / data_name).exists() and (tmp / data_name).stat().st_size > 0
-        if pair and (dst.parent / data_name).exists() and not overwrite:
+        existing = dst.parent / data_name
+        if pair and (existing.exists() or existing.is_symlink()) and not overwrite:  # (a dangling link too)
             raise OutputError(f"{dst.parent / data_name}: already exists (the output's external data goes "
                               f"there); pass --overwrite to replace it, or choose another -o")
         # Two renames: a failure (or Ctrl-C) after the first puts the previous data file back, so
