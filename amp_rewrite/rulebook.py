@@ -200,7 +200,7 @@ class RuleBook:
     def file_and_key(self, entry: RuleEntry) -> tuple[str, str]:
         """The file ``entry`` came from, as the user gave it where that is unambiguous (entries name
         it by its base name), and the entry's key in it: for errors that point into the file."""
-        shown, _, key = entry.source.partition(": ")
+        shown, _, key = entry.source.rpartition(": ")  # (a file's name may hold ": ", a key not)
         paths = [path for path in self.files if Path(path).name == shown]
         return (paths[0] if len(paths) == 1 else shown), key
 
@@ -833,7 +833,7 @@ def _canonical_domain(domain: str | None) -> str:
 
 
 def _entry_key(entry: RuleEntry | NodeRule) -> str:
-    return entry.source.split(": ", 1)[-1]
+    return entry.source.rsplit(": ", 1)[-1]
 
 
 def _upper(until: int | None) -> float:

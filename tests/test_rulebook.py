@@ -723,3 +723,25 @@ def test_a_stand_alone_set_checks_kernels_only_against_a_provider_it_names(tmp_p
     _, report = rewrite(model, target="bf16", rules=[rules], report=True)
     assert {n["node"]: n["precision"] for n in report.to_dict()["nodes"]} == {"MatMul:a": "bf16", "Clip:b": clip,
                                                                               "MatMul:y": "bf16"}
+
+
+@pytest.mark.parametrize("name", ["plain.toml", "my: rules.toml"])
+def test_a_rule_files_pin_survives_a_rewrite_of_the_output_whatever_its_file_name(tmp_path, name):
+    """A decision's source is "<file>: <list>.<op>": split at the first ": ", a file named
+    'my: rules.toml' left the key 'rules.toml: deny.Relu', which named no list, so its pin read as a
+    built-in rule's and a rewrite of the output without the file made the Relu low."""
+    from util import rewrite
+
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,8] x) => (float[2,8] y) {
+      a = MatMul(x, w0)
+      b = Relu(a)
+      y = MatMul(b, w1)
+    }""", {"w0": (8, 8), "w1": (8, 8)})
+    rules = tmp_path / name
+    rules.write_text('[deny]\nRelu = "keep it FP32"\n')
+    first = rewrite(model, rules=[rules], fp32_nodes=["MatMul:a", "MatMul:y"])
+    assert first.log.decisions["Relu:b"].precision == Precision.FP32
+    again = rewrite(first.model, fp16_nodes=["MatMul:a", "MatMul:y"])
+    assert again.log.decisions["Relu:b"].precision == Precision.FP32, again.log.decisions["Relu:b"].reason

@@ -211,7 +211,7 @@ def is_user_source(source: str) -> bool:
     built-in set."""
     from ..rulebook import LISTS, builtin_names
 
-    first, _, key = source.partition(": ")
+    first, _, key = source.rpartition(": ")  # (the last ": ": a file's name may hold one, a key not)
     from_file = key.split(".", 1)[0].split("[", 1)[0] in (*LISTS, "nodes")
     # (a rule file's decision names "<file>: <list>.<op>"; a built-in set is "<name>.toml" exactly,
     # a user's file any other name, with or without the .toml suffix)
