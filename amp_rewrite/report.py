@@ -180,8 +180,11 @@ class Report:
         heavy = s["heavy_ops"]
         if heavy["total"]:
             lines.append(f"MatMul/Gemm/Conv/attention in {low}: {heavy['low']} of {heavy['total']}")
-            for k in heavy["kept_fp32"][:10]:
+            kept = heavy["kept_fp32"]
+            for k in kept[:10]:
                 lines.append(f"  kept FP32: {k['node']} ({k['op']}): {k['reason']}")
+            if len(kept) > 10:
+                lines.append(f"  kept FP32: {len(kept) - 10} more (--report FILE lists every node and its reason)")
         unknown = s.get("casts_unknown_size", 0)
         moved = (f"{_bytes(s['cast_bytes_per_run'])} per run" if not unknown else
                  "sizes unknown" if unknown == s["casts_inserted"] else

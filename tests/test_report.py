@@ -967,3 +967,18 @@ def test_the_cast_line_says_when_sizes_are_unknown():
     dynamic.graph.ClearField("value_info")
     assert line(static) == "casts inserted: 2 (192 B per run)"
     assert line(dynamic) == "casts inserted: 2 (sizes unknown)", line(dynamic)
+
+
+def test_the_summary_says_how_many_kept_fp32_lines_it_left_out():
+    """It printed the first 10 heavy ops kept FP32 and nothing of the rest: the user's own rule could
+    be among those silently left out."""
+    lines = [f"h{i + 1} = MatMul(h{i}, w)" for i in range(14)]
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,8] h0) => (float[2,8] h14) {
+      """ + "\n      ".join(lines) + """
+    }""", {"w": (8, 8)})
+    text = rewrite(model, fp32_nodes=[f"MatMul:h{i}" for i in range(1, 14)]).report.summary_text()
+    assert "in fp16: 1 of 14" in text
+    assert len([ln for ln in text.splitlines() if ln.startswith("  kept FP32: MatMul:")]) == 10
+    assert "  kept FP32: 3 more (--report FILE lists every node and its reason)" in text
