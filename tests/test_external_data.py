@@ -419,6 +419,31 @@ def test_a_main_graph_constant_kept_outside_stays_in_the_outputs_data_file(tmp_p
     assert not api.rewrite_onnx(out, again).modified
 
 
+def test_a_constant_kept_outside_and_converted_stays_in_the_outputs_data_file(tmp_path):
+    """Only a Constant left FP32 went to the data file: one converted to FP16 (a MatMul's weight
+    as a Constant) was read into the output .onnx, where a 4 GB one would pass protobuf's limit."""
+    w = (np.random.default_rng(0).standard_normal((H, H)) / 8).astype(np.float32)
+    nodes = [helper.make_node("Constant", [], ["w"], name="cw", value=numpy_helper.from_array(w, "w")),
+             helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, H])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, H])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    onnx.save_model(copy, str(tmp_path / "m.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="m.bin", size_threshold=1024, convert_attribute=True)
+    out = tmp_path / "o.onnx"
+    api.rewrite_onnx(tmp_path / "m.onnx", out)
+    onnx.checker.check_model(str(out), full_check=True)
+    written = onnx.load(str(out), load_external_data=False)
+    [t] = [t for t in written.graph.initializer if t.name == "w"]
+    assert t.data_location == TensorProto.EXTERNAL and t.data_type == TensorProto.FLOAT16
+    assert out.stat().st_size < w.nbytes // 4
+    x = np.random.default_rng(1).standard_normal((2, H)).astype(np.float32)
+    assert np.abs(run_onnx(out, {"x": x})["y"] - run_onnx(model, {"x": x})["y"]).max() < 1e-2
+    assert not api.rewrite_onnx(out, tmp_path / "again.onnx").modified
+
+
 def test_a_proto_over_the_limit_is_an_output_error_not_an_internal_error(tmp_path, monkeypatch):
     import google.protobuf.message
 

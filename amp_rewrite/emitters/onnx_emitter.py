@@ -232,6 +232,8 @@ class _Patcher:
         """A Constant node painting converts: its tensor is written in the low type."""
         if node.op_type == "Constant" and node.domain == "" and node.outputs[0].meta.get("amp.convert"):
             tensor = constant_node_tensor(n)
+            if isinstance(tensor, ir.ExternalTensor):
+                n.meta[_EXTERNAL_CONSTANT] = True  # (converted, it still goes to the data file)
             for shorthand in ("value_float", "value_floats"):  # (the converted tensor replaces them)
                 n.attributes.pop(shorthand, None)
             n.attributes["value"] = ir.AttrTensor("value", self._convert(tensor, node.outputs[0].name,
@@ -548,9 +550,12 @@ def _initializers_are_inputs(ir_version: int | None) -> bool:
     return ir_version is not None and ir_version < 4
 
 
+_EXTERNAL_CONSTANT = "amp.external_constant"  # (an onnx-ir node's meta: its tensor was external, then converted)
+
+
 def _external_constants_to_initializers(model: ir.Model) -> None:
     """A main-graph Constant whose tensor the input kept in external data (onnx's
-    ``convert_attribute=True``) becomes an initializer of the same name, so it stays in the
+    ``convert_attribute=True``), converted to the low type or not, becomes an initializer of the same name, so it stays in the
     output's data file: read into the node, a 2 GB one broke protobuf's limit ('Failed to serialize
     proto', and 12 GB of memory). IR 3 lists every initializer as a graph input: there it stays a
     Constant, read into the node."""
@@ -560,7 +565,8 @@ def _external_constants_to_initializers(model: ir.Model) -> None:
     for node in list(graph):
         attr = node.attributes.get("value")
         if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or attr is None \
-                or attr.type != ir.AttributeType.TENSOR or not isinstance(attr.value, ir.ExternalTensor):
+                or attr.type != ir.AttributeType.TENSOR \
+                or not (isinstance(attr.value, ir.ExternalTensor) or node.meta.get(_EXTERNAL_CONSTANT)):
             continue
         old = node.outputs[0]
         new = ir.Value(name=old.name, type=old.type, shape=old.shape, const_value=attr.value)
