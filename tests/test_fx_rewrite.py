@@ -2643,3 +2643,33 @@ def test_hooks_on_the_module_itself_are_not_dropped_silently():
         amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", capture="symbolic_trace")
     gm = amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x,), target="bf16", capture="export")
     torch.testing.assert_close(gm(x), model(x), rtol=5e-2, atol=5e-2)
+
+
+class _MaskedMaxPool(nn.Module):
+    def __init__(self, fill: float) -> None:
+        super().__init__()
+        self.fc, self.fc2, self.fill = nn.Linear(8, 8), nn.Linear(8, 4), fill
+
+    def forward(self, x, m):
+        mx = self.fc(x).masked_fill(~m[..., None], self.fill).amax(1)  # masked max over time
+        mx = mx.masked_fill(mx == self.fill, 0.0)  # a fully masked row -> 0
+        return self.fc2(mx)
+
+
+@pytest.mark.parametrize(("target", "fill"), [("bf16", -1e4), ("bf16", -1e9), ("fp16", -0.1)])
+def test_a_comparison_of_low_values_with_a_constant_compares_in_the_low_type(target, fill):
+    """Greedy (the torch default) left `mx == fill` FP32 and cast mx up: the bf16-rounded fill
+    (-9984) never equalled -1e4, the guard for fully masked rows missed and the fill went into the
+    next Linear (error 3600; 1.7e9 for -1e9). torch.autocast compares in the operand's type."""
+    torch.manual_seed(0)
+    module = _MaskedMaxPool(fill).eval()
+    x, m = torch.randn(3, 5, 8), torch.ones(3, 5, dtype=torch.bool)
+    m[2] = False
+    with torch.no_grad():
+        ref = module(x, m)
+    for placement in ("greedy", "optimal"):
+        gm = amp_rewrite.rewrite(module, example_inputs=(x, m), target=target, placement=placement)
+        gm.graph.lint()
+        with torch.no_grad():
+            out = gm(x, m)
+        assert (out - ref).abs().max().item() < 1e-2, placement

@@ -1021,3 +1021,24 @@ def test_a_float_copied_to_double_and_back_stays_in_the_low_chain():
     result = rewrite(model)
     full_check(result.model)
     assert result.log.decisions["Add:a"].precision == Precision.LOW
+
+
+def test_a_comparison_of_a_low_value_with_a_constant_compares_in_the_low_type():
+    """--placement greedy left Equal(f, fill) FP32 with f cast up: the FP16-rounded fill (-0.09998)
+    never equalled the exact -0.1, and the guard built on it missed (the optimal placement had it).
+    (Equal has no bfloat16 CUDA kernel: bf16 keeps it FP32 by the kernel table.)"""
+    model = make_model("""
+    <ir_version: 10, opset_import: ["" : 18]>
+    g (float[4,8] x, bool[4,8] m) => (float[4,8] y) {
+      h = MatMul(x, w)
+      f = Where(m, h, fill)
+      e = Equal(f, fill)
+      g2 = Where(e, zero, f)
+      y = MatMul(g2, w2)
+    }""", {"w": (8, 8), "w2": (8, 8), "fill": np.array(-0.1, np.float32), "zero": np.array(0.0, np.float32)})
+    for placement in ("greedy", "optimal"):
+        result = rewrite(model, placement=placement)
+        full_check(result.model)
+        decision = result.log.decisions["Equal:e"]
+        assert decision.precision == Precision.LOW, (placement, decision.reason)
+        assert not rewrite(result.model, placement=placement).modified

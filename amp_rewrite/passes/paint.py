@@ -124,6 +124,7 @@ class _ScopePainter:
         self._spread_deny(deny, allow)
         self._add_between_allow(allow, deny)
         self._spread_allow_through_clear(allow, deny)
+        self._compare_in_operand_type(allow, deny)
         self._remove_round_trips(allow)
         self._finish(allow, deny, none_allowed=False)
 
@@ -196,6 +197,23 @@ class _ScopePainter:
             return False
         node = self.nodes[i]
         return any(node.inputs[k] is not None and node.inputs[k].is_initializer for k in self.group_ins[i])
+
+    def _compare_in_operand_type(self, allow: set[int], deny: set[int]) -> None:
+        """A comparison (an infer or clear op whose painted outputs are all bool: Equal, Less,
+        IsInf) whose float operands are all made low, the rest constants, compares in the low type.
+        Left FP32, it compared the rounded value with the exact constant: a masked max filled with
+        -1e4 (-9984 in bfloat16) never equalled -1e4, and the guard for fully masked rows let the
+        fill through. torch.autocast compares in the operand's type, as this does."""
+        for i, node in enumerate(self.nodes):
+            if i in allow or i in deny or self.cat[i] not in _LOW_OK or not self.group_ins[i] \
+                    or any(v is not None and v.dtype != DType.BOOL for v in node.outputs):
+                continue
+            producers = [self._group_producer(node.inputs[k]) for k in self.group_ins[i]
+                         if node.inputs[k] is not None and not node.inputs[k].is_constant]
+            if producers and all(j is not None and j in allow for j in producers):
+                allow.add(i)
+                self.step[i] = "compare-low"
+                self.via[i] = producers[0]
 
     def _remove_round_trips(self, allow: set[int]) -> None:
         """Keep FP32 every non-allow node that reads an FP32 tensor and feeds an FP32 consumer, and
@@ -282,6 +300,10 @@ class _ScopePainter:
                                       f"{low_name}{after} and the Cast to FP32 follows it")
             elif step == "between-allow":
                 meta["amp.reason"] = f"between {low_name} ops (upstream of {meta['amp.via']}), so it joins them"
+            elif step == "compare-low":
+                meta["amp.reason"] = (f"compares {low_name} values ({meta['amp.via']}) with constants: in "
+                                      f"{low_name}, as those values were made, so a fill value it tests for "
+                                      f"matches (torch.autocast compares in the operand's type)")
             elif step == "clear-spread":
                 meta["amp.reason"] = f"moves data next to {low_name} op {meta['amp.via']}, so it follows it"
             elif step == "safety":
