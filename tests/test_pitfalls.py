@@ -1042,3 +1042,27 @@ def test_a_comparison_of_a_low_value_with_a_constant_compares_in_the_low_type():
         decision = result.log.decisions["Equal:e"]
         assert decision.precision == Precision.LOW, (placement, decision.reason)
         assert not rewrite(result.model, placement=placement).modified
+
+
+@pytest.mark.parametrize("guard", ["a = Max(r, eps)", "a = Clip(r, eps)"])
+def test_a_lower_bound_the_low_type_flushes_to_zero_keeps_its_guard_and_division_fp32(guard):
+    """x / clamp_min(r, 1e-8) (Clip's min, or Max): in FP16 the bound was 0, so a zero row divided
+    0 by 0 (NaN, exit 0), as the Add form did before it was fixed."""
+    model = make_model(f"""
+    <ir_version: 10, opset_import: ["" : 18]>
+    g (float[4,8] x) => (float[4,8] y) {{
+      h = MatMul(x, w)
+      r = Relu(h)
+      {guard}
+      q = Div(r, a)
+      y = MatMul(q, w2)
+    }}""", {"w": (8, 8), "w2": (8, 8), "eps": np.array(1e-8, np.float32)})
+    result = rewrite(model)
+    full_check(result.model)
+    op = guard.split("= ")[1].split("(")[0]
+    assert result.log.decisions[f"{op}:a"].precision == Precision.FP32
+    assert result.log.decisions["Div:q"].precision == Precision.FP32
+    assert "bounds below by 'eps' holding 1e-08" in result.log.decisions[f"{op}:a"].reason
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    assert_emulated_close(model, result.model, feeds)
+    assert not rewrite(result.model).modified

@@ -76,7 +76,8 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
         lost = _vanishes(node, ctx.low, folds)
         if lost is not None:
             name, value = lost
-            node.meta[LOST_EPSILON] = (f"adds {name!r} holding {value:g}, below {short}'s smallest value (it "
+            verb = "adds" if node.op_type in ("Add", "Sub") else "bounds below by"
+            node.meta[LOST_EPSILON] = (f"{verb} {name!r} holding {value:g}, below {short}'s smallest value (it "
                                        f"becomes 0 there: the epsilon is lost, and x / (x + eps) is 0/0): it "
                                        f"keeps FP32, and so do the nodes after it up to a low-precision op")
             continue
@@ -114,14 +115,20 @@ def _kernel_scalar_lost(node: Node, low: DType) -> tuple[str, float, str] | None
 
 
 def _vanishes(node: Node, low: DType, folds: dict[int, object]) -> tuple[str, float] | None:
-    """(name, largest magnitude) of a constant an Add or Sub reads whose nonzero values all become
-    0 in the low type (an epsilon of 1e-8 in FP16, whose smallest value is 6e-8), or None. Such a
+    """(name, largest magnitude) of a constant an Add or Sub reads (or a Max, or a Clip as its min:
+    the guard of x / clamp_min(m, 1e-8)) whose nonzero values all become 0 in the low type (an epsilon of 1e-8 in FP16, whose smallest value is 6e-8), or None. Such a
     constant exists to keep a sum away from zero: in the low type the sum is the other operand,
     and the division after it is 0/0. (A Mul by it is the value range's business, like a weight's
     flushed entries: counted in the report.)"""
-    if node.domain != "" or node.op_type not in ("Add", "Sub") or len(node.inputs) != 2:
+    if node.domain != "" or node.op_type not in ("Add", "Sub", "Max", "Clip"):
         return None
-    for value in node.inputs:
+    if node.op_type == "Clip":  # (its min: a guard as in x / clamp_min(m, 1e-8))
+        slots = node.inputs[1:2]
+    elif node.op_type == "Max":
+        slots = node.inputs
+    else:
+        slots = node.inputs if len(node.inputs) == 2 else ()
+    for value in slots:
         data = _folded(value, folds)
         if data is None or data.size == 0:
             continue
