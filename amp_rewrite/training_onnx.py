@@ -193,7 +193,7 @@ def _rewrite(model: Any, *, loss: str, grads: Any, loss_grad: str | None, option
     from .passes.base import node_names
 
     relabel: dict[str, tuple[str, str]] = {}
-    names = node_names(model)
+    names = node_names(model) if ctx.rules.node_rules() else frozenset()  # (no patterns: no aliases to build)
     for node in model.graph.nodes:
         if node.name in plan.tail and node.meta.get("amp.category") is not None:
             relabel[node.name] = _user_pin(node, ctx, set(pins), names) or (_TAIL_REASON, "training")

@@ -555,8 +555,8 @@ _EXTERNAL_CONSTANT = "amp.external_constant"  # (an onnx-ir node's meta: its ten
 
 def _external_constants_to_initializers(model: ir.Model) -> None:
     """A main-graph Constant whose tensor the input kept in external data (onnx's
-    ``convert_attribute=True``), converted to the low type or not, becomes an initializer of the same name, so it stays in the
-    output's data file: read into the node, a 2 GB one broke protobuf's limit ('Failed to serialize
+    ``convert_attribute=True``), converted to the low type or not, becomes an initializer of the
+    same name, so it stays in the output's data file: read into the node, a 2 GB one broke protobuf's limit ('Failed to serialize
     proto', and 12 GB of memory). IR 3 lists every initializer as a graph input: there it stays a
     Constant, read into the node."""
     if _initializers_are_inputs(model.ir_version):
@@ -663,7 +663,7 @@ def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[P
         pair = external and (tmp / data_name).exists() and (tmp / data_name).stat().st_size > 0
         existing = dst.parent / data_name
         if pair and (existing.exists() or existing.is_symlink()) and not overwrite:  # (a dangling link too)
-            raise OutputError(f"{dst.parent / data_name}: already exists (the output's external data goes "
+            raise OutputError(f"{existing}: already exists (the output's external data goes "
                               f"there); pass --overwrite to replace it, or choose another -o")
         # Two renames: a failure (or Ctrl-C) after the first puts the previous data file back, so
         # an earlier output is never left reading the new model's bytes.

@@ -115,20 +115,15 @@ def _kernel_scalar_lost(node: Node, low: DType) -> tuple[str, float, str] | None
 
 
 def _vanishes(node: Node, low: DType, folds: dict[int, object]) -> tuple[str, float] | None:
-    """(name, largest magnitude) of a constant an Add or Sub reads (or a Max, or a Clip as its min:
-    the guard of x / clamp_min(m, 1e-8)) whose nonzero values all become 0 in the low type (an epsilon of 1e-8 in FP16, whose smallest value is 6e-8), or None. Such a
-    constant exists to keep a sum away from zero: in the low type the sum is the other operand,
-    and the division after it is 0/0. (A Mul by it is the value range's business, like a weight's
-    flushed entries: counted in the report.)"""
+    """(name, largest magnitude) of a constant an Add, Sub or Max reads, or a Clip as its min (the
+    guard of x / clamp_min(m, 1e-8)), whose nonzero values all become 0 in the low type (an
+    epsilon of 1e-8 in FP16, whose smallest value is 6e-8), or None. Such a constant exists to keep
+    a sum or a bound away from zero: in the low type it is gone, and the division after it is 0/0.
+    (A Mul by it is the value range's business, like a weight's flushed entries: counted in the
+    report.)"""
     if node.domain != "" or node.op_type not in ("Add", "Sub", "Max", "Clip"):
         return None
-    if node.op_type == "Clip":  # (its min: a guard as in x / clamp_min(m, 1e-8))
-        slots = node.inputs[1:2]
-    elif node.op_type == "Max":
-        slots = node.inputs
-    else:
-        slots = node.inputs if len(node.inputs) == 2 else ()
-    for value in slots:
+    for value in node.inputs[1:2] if node.op_type == "Clip" else node.inputs:
         data = _folded(value, folds)
         if data is None or data.size == 0:
             continue

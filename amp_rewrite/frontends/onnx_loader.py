@@ -842,24 +842,20 @@ def _read_in(tensor: onnx.TensorProto, base: Path | None) -> onnx.TensorProto:
     """A copy of a small external tensor with its data read in from ``base``; the tensor itself
     where that cannot be done safely (no folder, a location outside it, a short file): the
     loader reports a bad reference on its own."""
-    from onnx.external_data_helper import ExternalDataInfo
+    from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_tensor
 
     if base is None:
         return tensor
     try:
-        info = ExternalDataInfo(tensor)
         folder = base.resolve()
-        file = (folder / info.location).resolve()
+        file = (folder / ExternalDataInfo(tensor).location).resolve()
         if folder not in file.parents or not file.is_file():
             return tensor
-        with open(file, "rb") as f:
-            f.seek(info.offset or 0)
-            data = f.read(info.length) if info.length else f.read()
         copy = onnx.TensorProto()
         copy.CopyFrom(tensor)
+        load_external_data_for_tensor(copy, str(folder))  # (offset and length: onnx's reader)
         del copy.external_data[:]
         copy.data_location = onnx.TensorProto.DEFAULT
-        copy.raw_data = data
         onnx.numpy_helper.to_array(copy)  # (a short read fails here: keep the reference)
         return copy
     except Exception:  # noqa: BLE001 - best effort, for shape inference only
