@@ -311,8 +311,8 @@ def test_a_mask_sentinel_computed_at_run_time_saturates_before_its_cast(target, 
     """(1 - mask) * finfo(float32).min computed in FP32 and cast to the low type at run time: the
     Cast made it -inf, and a fully masked row (a padded sequence, a left-padded decoder row) NaN
     after the softmax, where FP32 gives a finite row. A constant the low type reads is converted
-    offline, which saturates; the run-time value is now clamped to the type's largest value before
-    its Cast (Clip, FP32), and the reason says so."""
+    offline, which saturates; the run-time value is now clamped before its Cast (Clip, FP32), and
+    the reason says so."""
     m = masked_attention_model(opset, how=how)
     result = rewrite(m, target=target)
     low = result.model
@@ -332,9 +332,68 @@ def test_a_mask_sentinel_computed_at_run_time_saturates_before_its_cast(target, 
     want, got = run(m, feeds)["y"], run(emulated, feeds)["y"]
     assert np.isfinite(got).all()
     # the fully masked row attends to padding only: FP32 averages it (every score is finfo.min
-    # alone), the low type nearly picks one (-65504 + score keeps part of the score); both are
+    # alone), the low type nearly picks one (-16384 + score keeps part of the score); both are
     # finite, neither is meaningful. The other row is compared.
     assert rel_err(want[0], got[0]) < ck.default_tolerance(target)
+
+
+def _two_causal_attention_layers(order: str) -> onnx.ModelProto:
+    """Two causal attention layers sharing ``causal (-1e9 above the diagonal) + (1 - mask) * -1e9``,
+    scaled by a negative number so every score is below -16. ``order``: "summed" (the two masks
+    added into one, in FP32, then to the scores) or "chained" (the scores plus the causal constant,
+    converted offline, plus the padding mask)."""
+    masks = {"summed": "m = Add(causal, pad3)\n  a1 = Add(sc1, m)\n  a2 = Add(sc2, m)",
+             "chained": "c1 = Add(sc1, causal)\n  a1 = Add(c1, pad3)\n  c2 = Add(sc2, causal)\n  a2 = Add(c2, pad3)"}
+    lines = masks[order].split("\n  ")
+    text = f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1,6,8] x, float[1,6] mask) => (float[1,6,8] y) {{
+          inv = Sub(one, mask)
+          pad = Mul(inv, big)
+          pad3 = Unsqueeze(pad, one_axis)
+          {lines[0] if order == "summed" else ""}
+          q1 = MatMul(x, wq1)
+          kt1 = Transpose<perm = [0, 2, 1]>(x)
+          s1 = MatMul(q1, kt1)
+          sc1 = Mul(s1, scale)
+          {"; ".join(line for line in lines if "1 = " in line or line.startswith("a1"))}
+          p1 = Softmax<axis = -1>(a1)
+          h1 = MatMul(p1, x)
+          q2 = MatMul(h1, wq2)
+          kt2 = Transpose<perm = [0, 2, 1]>(h1)
+          s2 = MatMul(q2, kt2)
+          sc2 = Mul(s2, scale)
+          {"; ".join(line for line in lines if "2 = " in line or line.startswith("a2"))}
+          p2 = Softmax<axis = -1>(a2)
+          y = MatMul(p2, h1)
+        }}"""
+    text = text.replace("; ", "\n          ")
+    rng = np.random.default_rng(0)
+    return make_model(text, {"wq1": rng.uniform(0.1, 0.5, (8, 8)).astype(np.float32),
+                             "wq2": rng.uniform(0.1, 0.5, (8, 8)).astype(np.float32),
+                             "causal": np.triu(np.full((6, 6), -1e9, np.float32), 1),
+                             "one": np.array(1.0, np.float32), "big": np.array(-1e9, np.float32),
+                             "one_axis": np.array([1], np.int64), "scale": np.array(-0.5, np.float32)})
+
+
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+@pytest.mark.parametrize("order", ["summed", "chained"])
+def test_a_fully_masked_row_stays_finite_when_the_saturated_sentinel_meets_a_low_score(order, placement):
+    """A left-padded sequence under a causal mask: its first rows mask every key. The sentinel
+    saturated to -65504 (its Clip before the run-time Cast, or the causal constant converted
+    offline), and the FP16 sum with a score of -16 or less was -inf: such a row was -inf
+    throughout, NaN after its softmax, and the NaN reached every row through the second layer's
+    keys, where FP32 gives finite rows. A sentinel now saturates to -16384, which still masks."""
+    m = _two_causal_attention_layers(order)
+    low = rewrite(m, placement=placement).model
+    full_check(low)
+    x = np.random.default_rng(1).standard_normal((1, 6, 8)).astype(np.float32) ** 2 + 1  # (scores < -16)
+    feeds = {"x": x, "mask": np.array([[0, 0, 1, 1, 1, 1]], np.float32)}  # (left padding: rows 0, 1 mask all)
+    emulated, _ = emulate_low(low)
+    want, got = run(m, feeds)["y"], run(emulated, feeds)["y"]
+    assert np.isfinite(want).all() and np.isfinite(got).all()
+    # (the fully masked rows attend to padding only, finite but meaningless in both: the rest compare)
+    assert rel_err(want[:, 2:], got[:, 2:]) < ck.default_tolerance("fp16")
 
 
 def test_a_mask_sentinel_an_overridable_input_holds_saturates_before_its_cast():

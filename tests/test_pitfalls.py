@@ -563,13 +563,17 @@ def test_bf16_target_uses_bf16_casts_only():
 
 # -- weight conversion: the counts behind pitfall 9's report -----------------------------------------------
 def _reference_conversion(data: np.ndarray, target):
-    """Each element on its own: clamp finite values beyond the type's range, then count what
-    rounded to zero from a nonzero, non-NaN value, and the sentinels (|x| ≥ 1e8, inf included)."""
+    """Each element on its own: clamp finite values beyond the type's range, set finite mask
+    sentinels (|x| ≥ 1e8) past a quarter of the range to that quarter (2**14 in FP16, 2**126 in
+    BF16), then count what rounded to zero from a nonzero, non-NaN value, and the sentinels
+    (|x| ≥ 1e8, inf included)."""
     import ml_dtypes
 
     limit = float(ml_dtypes.finfo(target).max)
+    fill = 16384.0 if target == np.float16 else 2.0 ** 126
     over = np.isfinite(data) & (np.abs(data) > limit)
-    converted = np.where(over, np.sign(data) * limit, data).astype(target)
+    huge = np.isfinite(data) & (np.abs(data) >= max(1e8, fill))
+    converted = np.where(huge, np.sign(data) * fill, np.where(over, np.sign(data) * limit, data)).astype(target)
     zero_now = (converted.view(np.uint16) & 0x7FFF) == 0
     flushed = int(np.count_nonzero(zero_now & (data != 0) & ~np.isnan(data)))
     hits = data[np.abs(data) >= 1e8]

@@ -1116,8 +1116,9 @@ def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
             hold(node.outputs, source, big)
 
 
-# |x| at or above this is a mask sentinel (-1e9, finfo(float32).min): saturated to the low type's
-# limit it still masks (as onnx_constants.SENTINEL: the report counts it, --check expects it)
+# |x| at or above this is a mask sentinel (-1e9, finfo(float32).min): saturated to a quarter of the
+# low type's range (passes.base.SENTINEL_FILLS) it still masks (as onnx_constants.SENTINEL: the
+# report counts it, --check expects it)
 _SENTINEL = 1e8
 
 

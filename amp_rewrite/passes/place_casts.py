@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..decisions import CastRecord, Precision
 from ..ir import DType, Graph, Model, Node, Value
-from .base import (LOW_LIMITS, Context, PassResult, accepts_any_float, group_inputs, group_outputs, node_label,
+from .base import (LOW_LIMITS, SENTINEL_FILLS, Context, PassResult, accepts_any_float, group_inputs, group_outputs, node_label,
                    participates, precision, retypable_io, scope_label)
 
 
@@ -511,7 +511,7 @@ class _Placer:
         cast.meta.update({"amp.inserted": True, "amp.precision": Precision.NONE, "amp.participates": False,
                           "input_names": ["input"]})
         if saturated is not None and self.model.frontend != "onnx":
-            cast.meta["amp.saturate"] = LOW_LIMITS[self.low]
+            cast.meta["amp.saturate"] = SENTINEL_FILLS[self.low]
         scope.insert_after(anchor, cast)
         for use in uses:
             if use.node is None:
@@ -526,10 +526,10 @@ class _Placer:
         reason = self._cast_reason(value, need, uses, scope)
         if saturated is not None:
             where, number = saturated
-            limit = LOW_LIMITS[self.low]
-            reason += (f"; clamped to ±{limit:g} first (Clip): it may hold the mask sentinel {number:g} "
-                       f"({where}), which a Cast makes ±inf (a fully masked softmax row NaN), where a constant "
-                       f"converted offline saturates")
+            fill = SENTINEL_FILLS[self.low]
+            reason += (f"; clamped to ±{fill:g} first (Clip): it may hold the mask sentinel {number:g} "
+                       f"({where}), which a Cast makes ±inf (a fully masked softmax row NaN); ±{fill:g}, as a "
+                       f"sentinel converted offline, still masks and leaves room to add a score")
         self._record(cast.name, replaces or value, value.dtype, need, uses, scope, reason, "inserted")
         cast.meta["amp.reason"] = reason
         self.modified = True
@@ -539,7 +539,8 @@ class _Placer:
         """(where, the number) of a mask sentinel the FP32 ``value`` may hold: a constant of
         magnitude 1e8 or more that the low type cannot hold (-1e9, finfo(float32).min), read
         through the FP32 elementwise and copying ops that made ``value`` (``(1 - mask) * fmin``).
-        A constant like it that a low node reads is converted offline, which saturates it; cast at
+        A constant like it that a low node reads is converted offline, which saturates it (to
+        :data:`SENTINEL_FILLS`); cast at
         run time it became -inf, and a fully masked row of the softmax after it NaN (a padded
         sequence, a left-padded decoder row), where FP32 gives a finite row. In a torch graph the
         frontend marks such values (``amp.sentinel``: a ``mul`` by finfo.min, a ``masked_fill`` of
@@ -607,13 +608,14 @@ class _Placer:
         return None
 
     def _saturation(self, value: Value, tensor: str, scope: Graph) -> tuple[Value, list[Node]]:
-        """``Clip(value, -max, max)`` in FP32, for the Cast to the low type to read: the nodes, in order."""
+        """``Clip(value, -fill, fill)`` in FP32 (:data:`SENTINEL_FILLS`), for the Cast to the low type to
+        read: the nodes, in order."""
         from ..frontends.onnx_loader import schema_slots
 
         import numpy as np
 
         opset = scope.opsets.get("") or 0
-        limit = LOW_LIMITS[self.low]
+        limit = SENTINEL_FILLS[self.low]
         name = self.name(f"amp_saturate/{tensor}")
         out = Value(self.name(f"{tensor}/amp_saturated"), DType.FLOAT, value.shape)
         if opset >= 11:  # min and max are inputs
