@@ -2675,3 +2675,44 @@ def test_a_comparison_of_low_values_with_a_constant_compares_in_the_low_type(tar
         with torch.no_grad():
             out = gm(x, m)
         assert (out - ref).abs().max().item() < 1e-2, placement
+
+
+class _EpsilonGuard(nn.Module):
+    """``r / (r + eps)`` or ``r / clamp_min(r, eps)`` after a relu, as a number or a buffer."""
+
+    def __init__(self, how: str, eps: float) -> None:
+        super().__init__()
+        self.l1, self.l2, self.how = nn.Linear(8, 8), nn.Linear(8, 8), how
+        self.register_buffer("eps", torch.tensor(eps))
+        self.number = eps
+
+    def forward(self, x):
+        r = torch.relu(self.l1(x))
+        guarded = {"add": lambda: r + self.number, "add buffer": lambda: r + self.eps,
+                   "clamp": lambda: torch.clamp(r, min=self.number), "clamp_min": lambda: r.clamp_min(self.number),
+                   "maximum buffer": lambda: torch.maximum(r, self.eps)}[self.how]()
+        return self.l2(r / guarded)
+
+
+@pytest.mark.parametrize("capture", ["symbolic_trace", "export"])
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+@pytest.mark.parametrize("how", ["add", "add buffer", "clamp", "clamp_min", "maximum buffer"])
+def test_an_epsilon_the_low_type_flushes_to_zero_keeps_its_guard_fp32_in_torch(how, placement, capture):
+    """The torch side of the ONNX frontend's epsilon test: 1e-8 is 0 in FP16 (its smallest value is
+    6e-8), so ``r + 1e-8`` or ``clamp_min(r, 1e-8)`` in FP16 was 0 wherever the relu was, and the
+    division 0/0 = NaN, where FP32 is finite. The guard now keeps FP32 (a deny seed that the
+    division follows), and the reason says why; 1e-3 (which FP16 holds) and BF16 go low."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    model = _EpsilonGuard(how, 1e-8).eval()
+    result = _dispatch(model, example_inputs=(x,), target="fp16", capture=capture, placement=placement)
+    with torch.no_grad():
+        want, got = model(x), result.model(x)
+    assert (want == 0).any() or (torch.relu(model.l1(x)) == 0).any()  # (a zero the epsilon guards)
+    assert torch.isfinite(got).all() and rel_err(got, want) < TOL["fp16"]
+    kept = [d for d in result.log.decisions.values() if "epsilon is lost" in d.reason]
+    assert kept and all(d.precision == Precision.FP32 for d in kept)
+    for eps, target in ((1e-3, "fp16"), (1e-8, "bf16")):
+        other = _dispatch(_EpsilonGuard(how, eps).eval(), example_inputs=(x,), target=target, capture=capture,
+                          placement=placement)
+        assert not [d for d in other.log.decisions.values() if "epsilon is lost" in d.reason]

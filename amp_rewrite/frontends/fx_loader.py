@@ -835,6 +835,16 @@ class _Builder:
                     f"types") if divisor is None else (
                     f"it divides by {divisor:g}, which multiplies by {big:g}, more than {short}'s largest value "
                     f"({limit:g}): in {short} its result overflows to ±inf, so it keeps its types"))
+            lost = _lost_epsilon(node, name, self.low, self.gm, slots, inputs) \
+                if self.low is not None and big is None and divisor is None else None
+            if lost is not None:  # (classify: a deny seed, as onnx_constants marks one)
+                what, number = lost
+                short = TORCH_TO_DTYPE[self.low].short
+                verb = "adds" if name in ("add", "sub") else "bounds below by"
+                ir.meta["amp.lost_epsilon"] = (
+                    f"{verb} {what} {number:g}, below {short}'s smallest value (it becomes 0 there: the "
+                    f"epsilon is lost, and x / (x + eps) is 0/0): it keeps FP32, and so do the nodes after it "
+                    f"up to a low-precision op")
         earlier = node.meta.get("amp_rewrite")  # an earlier rewrite's tag (fx_emitter writes it)
         if isinstance(earlier, dict) and earlier.get("category") == "deny" and earlier.get("precision") == "fp32":
             ir.meta["amp.kept_fp32_by"] = earlier.get("source", "")  # a user's pin survives a rewrite again
@@ -1193,6 +1203,46 @@ def _small_divisor(node: fx.Node, low: torch.dtype, gm: fx.GraphModule, slots: l
             or not math.isfinite(divisor):
         return None
     return float(divisor) if 1 / abs(divisor) > torch.finfo(low).max else None
+
+
+# where the epsilon or lower bound sits: (positions, keyword) by op (torch and aten names alike)
+_EPSILON_ARGUMENTS = {"add": ((0, 1), "other"), "sub": ((0, 1), "other"), "clamp": ((1,), "min"),
+                      "clamp_min": ((1,), "min"), "maximum": ((0, 1), "other"), "max": ((0, 1), "other"),
+                      "fmax": ((0, 1), "other")}
+
+
+def _lost_epsilon(node: fx.Node, name: str, low: torch.dtype, gm: fx.GraphModule, slots: list[Slot],
+                  inputs: list[Value]) -> tuple[str, float] | None:
+    """(what, its largest magnitude) of the epsilon an ``add``/``sub`` adds, or the lower bound a
+    ``clamp``/``clamp_min``/``maximum`` applies, where every nonzero value of it is 0 in ``low``
+    (1e-8 in FP16, whose smallest value is 6e-8): a number argument or a module tensor. In
+    ``r / (r + 1e-8)`` after a relu, or ``x / x.clamp_min(1e-8)``, the low type lost it and every
+    zero gave 0/0 = NaN. As the ONNX frontend's ``onnx_constants._vanishes``."""
+    if node.op not in ("call_function", "call_method") or name not in _EPSILON_ARGUMENTS:
+        return None
+    positions, keyword = _EPSILON_ARGUMENTS[name]
+    candidates: list[tuple[str, Any]] = [("the number", node.args[i]) for i in positions
+                                         if i < len(node.args) and not isinstance(node.args[i], fx.Node)]
+    if keyword in node.kwargs and not isinstance(node.kwargs[keyword], fx.Node):
+        candidates.append(("the number", node.kwargs[keyword]))
+    for slot, value in zip(slots, inputs):
+        at = slot.where[:2]
+        if "fx.attr" in value.meta and (at in [("args", i) for i in positions] or at == ("kwargs", keyword)):
+            candidates.append((f"{value.meta['fx.attr']!r} holding", _fetch_attr(gm, value.meta["fx.attr"])))
+    for what, held in candidates:
+        if isinstance(held, bool) or not isinstance(held, (int, float, torch.Tensor)):
+            continue
+        data = held if isinstance(held, torch.Tensor) else torch.tensor(float(held))
+        if not data.is_floating_point() or data.is_meta or not 0 < data.numel() <= 1 << 16:
+            continue  # (an integer is never below the smallest value; a big tensor is data, not an epsilon)
+        with torch.no_grad():
+            values = data.detach().float().reshape(-1)
+            nonzero = values[values != 0]
+            if nonzero.numel() == 0 or not bool(torch.isfinite(nonzero).all()):
+                continue
+            if bool((nonzero.to(low) == 0).all()):
+                return what, float(nonzero.abs().max())
+    return None
 
 
 def _field_index(node: fx.Node, field: Any, gm: fx.GraphModule) -> int | None:
