@@ -418,6 +418,7 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
             f"torch.fx.symbolic_trace could not trace {type(obj).__name__}: {first_line(exc, 300)}") from exc
     from .emitters.fx_emitter import keep_non_persistent, non_persistent_buffers
 
+    _restore_declaration_order(traced, private)
     # symbolic_trace registers every buffer the graph reads as persistent: a RoPE inv_freq too, and
     # each tensor it computed while tracing (_tensor_constant0: a cos table from buffers alone)
     own = {name for name, _ in private.named_buffers(remove_duplicate=False)}
@@ -437,6 +438,31 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
             f"in-place update that reads no input, such as self.step.add_(1)): it ran once while tracing, and the "
             f"rewritten module would never run it; {way}")
     return traced, "symbolic_trace"
+
+
+def _restore_declaration_order(traced: fx.GraphModule, original: torch.nn.Module) -> None:
+    """Give ``traced``'s submodules, parameters and buffers the order ``original`` declares them in.
+    symbolic_trace copies them in the order the graph first uses them: a module that calls ``b``
+    before ``a`` came back with ``parameters()`` in the order b, a, and an optimizer's state_dict
+    saved on the original (matched by position) loaded without an error into one built on the
+    rewrite, each parameter getting another's moments; ``state_dict()``'s keys came back
+    reordered too. (torch.export keeps the declared order.)"""
+    for path, module in list(traced.named_modules(remove_duplicate=False)):
+        try:
+            source = original.get_submodule(path) if path else original
+        except AttributeError:
+            continue
+        if module is source:  # (a leaf module the graph calls: shared, its order is the original's)
+            continue
+        for slot in ("_modules", "_parameters", "_buffers"):
+            held, declared = getattr(module, slot), getattr(source, slot)
+            if list(held) == [key for key in declared if key in held]:
+                continue  # (already in order, with nothing added between)
+            rank = {key: i for i, key in enumerate(declared)}
+            ordered = sorted(held, key=lambda key: rank.get(key, len(rank)))
+            items = [(key, held[key]) for key in ordered]
+            held.clear()
+            held.update(items)
 
 
 def _tensor_versions(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
