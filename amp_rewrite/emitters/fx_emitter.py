@@ -133,6 +133,7 @@ class _Emitter:
                 self.graph.erase_node(attr_node)
         self.graph.lint()
         self.gm.recompile()
+        _keep_ties(self.gm)
 
     def _pin_dtype_reads(self) -> None:
         """``h.dtype`` read at run time (symbolic_trace keeps ``getattr(h, "dtype")`` as a node, as
@@ -762,6 +763,38 @@ def _refresh_low_copies(module: torch.nn.Module, incompatible_keys: Any) -> None
             continue
         with torch.no_grad():
             low.copy_(fresh)
+
+
+TIED = "amp_rewrite.tied"  # gm.meta: the names of each parameter the module holds under several
+
+
+def _keep_ties(gm: fx.GraphModule) -> None:
+    """Record tied parameters (an embedding and an output projection holding one Parameter) for
+    :func:`_retie`."""
+    groups: dict[int, list[str]] = {}
+    for name, parameter in gm.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(parameter), []).append(name)
+    tied = [names for names in groups.values() if len(names) > 1]
+    if tied and not gm.meta.get(TIED):
+        gm.register_load_state_dict_post_hook(_retie)
+    if tied:
+        gm.meta[TIED] = tied
+
+
+def _retie(module: torch.nn.Module, incompatible_keys: Any) -> None:
+    """load_state_dict post-hook: ``assign=True`` (how a model built on the meta device is given its
+    weights) gives each name of a tied parameter a Parameter of its own. A graph captured by
+    torch.export reads the tied weight by one name only: the other became a parameter nothing
+    read, with no gradient, left behind by the optimizer. Every name is given the first one's
+    Parameter again, as the module held it."""
+    for names in getattr(module, "meta", {}).get(TIED, ()):
+        first = _fetch(module, names[0])
+        if not isinstance(first, torch.nn.Parameter):
+            continue
+        for name in names[1:]:
+            if _fetch(module, name) is not first:
+                owner, attr = _owner(module, name)
+                owner._parameters[attr] = first
 
 
 def _keep_derived_buffers_out_of_copies(gm: fx.GraphModule) -> None:
