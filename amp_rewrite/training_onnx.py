@@ -98,10 +98,14 @@ class ScaleConfig:
             raise UsageError(f"backoff_factor={self.backoff_factor}: must be in (0, 1)")
         if int(self.growth_interval) < 1:
             raise UsageError(f"growth_interval={self.growth_interval}: must be >= 1")
+        if int(self.growth_interval) > _INT64_MAX:  # (the graph counts finite steps in an int64)
+            raise UsageError(f"growth_interval={self.growth_interval}: must be at most 2**63 - 1 "
+                             f"({_INT64_MAX}), the largest step count the model's int64 counter holds")
         if not 0.0 < self.min_scale <= self.max_scale < float("inf"):
             raise UsageError(f"min_scale={self.min_scale}, max_scale={self.max_scale}: need 0 < min <= max < inf")
 
 
+_INT64_MAX = 2 ** 63 - 1
 _SCALE_KEYS = ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale", "dynamic")
 
 

@@ -476,7 +476,8 @@ def test_a_training_graph_rewritten_to_the_other_low_type_is_refused(setup, firs
 
 def test_training_options_are_checked(setup):
     """training="yes" with loss/grads, dynamic="no" (built the dynamic update), growth_interval=2.7
-    (recorded 2.7, built 2), growth_factor="2" and grads=3 (raw TypeErrors), and a loss_grad that
+    (recorded 2.7, built 2), growth_factor="2" and grads=3 (raw TypeErrors), growth_interval=2**63
+    (an OverflowError making the int64 counter's constant), and a loss_grad that
     is a data input (the forward pass ran on x × scale) are usage errors."""
     import amp_rewrite
 
@@ -484,6 +485,7 @@ def test_training_options_are_checked(setup):
     for bad, match in (({"training": "yes"}, "training='yes': pass True or False"),
                        ({"dynamic": "no"}, "dynamic='no': pass True or False"),
                        ({"growth_interval": 2.7}, "growth_interval=2.7: pass a whole number"),
+                       ({"growth_interval": 2 ** 63}, r"growth_interval=9223372036854775808: must be at most 2\*\*63 - 1"),
                        ({"growth_factor": "2"}, "growth_factor='2': pass a number"),
                        ({"grads": 3}, "grads=3: pass glob patterns"),
                        ({"loss_grad": "input_0"}, "loss_grad='input_0': the seed of the backward pass .* FP32 input of one element")):
