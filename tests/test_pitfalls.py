@@ -525,6 +525,25 @@ def _ln_model():
                              "eps": np.array(1e-5, np.float32)})
 
 
+@pytest.mark.parametrize("body, pattern", [
+    ("e = Exp(h)\n      s = ReduceSum<keepdims = 1>(e, axes)\n      z = Div(e, s)", "softmax"),
+    # a GELU's derivative (exp(-h²/2)) beside a bias gradient's sum: an Exp and a ReduceSum, no softmax
+    ("sq = Mul(h, h)\n      ng = Mul(sq, half)\n      e = Exp(ng)\n      d = Mul(e, h)\n"
+     "      s = ReduceSum<keepdims = 1>(h, axes)\n      z = Add(d, s)", "reduction")])
+def test_an_island_is_named_a_softmax_only_when_it_divides_an_exp_by_its_sum(body, pattern):
+    """The report named every FP32 island holding an Exp and a ReduceSum (or a Div) anywhere a
+    softmax pattern: a training graph's GELU backward pass beside a bias gradient's sum was one."""
+    m = make_model(f"""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,8] x) => (float[2,8] y) {{
+      h = MatMul(x, w1)
+      {body}
+      y = MatMul(z, w2)
+    }}""", {"w1": (8, 8), "w2": (8, 8), "axes": np.array([-1], np.int64), "half": np.array(-0.5, np.float32)})
+    islands = rewrite(m).log.islands
+    assert [i.pattern for i in islands] == [pattern]
+
+
 def test_decomposed_layernorm_is_one_fp32_island():
     result = rewrite(_ln_model(), fuse=False)
     out = result.model

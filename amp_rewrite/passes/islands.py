@@ -157,7 +157,8 @@ _NORMALISATION = {"LayerNormalization", "GroupNormalization", "InstanceNormaliza
                   "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional",
                   "cudnn_batch_norm", "local_response_norm"}
 _EXP = {"Exp", "exp"}
-_SUM_OR_DIV = {"ReduceSum", "Div", "sum", "div"}
+_SUM = {"ReduceSum", "sum"}
+_DIVIDE = {"Div", "Mul", "div", "mul"}
 _SOFTMAX = {"Softmax", "LogSoftmax", "softmax", "_softmax", "log_softmax", "_log_softmax", "softmin"}
 _REDUCTION = {"ReduceSum", "ReduceMean", "ReduceProd", "ReduceSumSquare", "ReduceL2", "ReduceLogSumExp", "CumSum",
               "sum", "nansum", "mean", "prod", "cumsum", "cumprod", "logcumsumexp", "logsumexp", "var", "std",
@@ -173,13 +174,26 @@ def recognise_pattern(nodes: list[Node]) -> str | None:
         return "LayerNorm" if names & _SUB else "RMSNorm"
     if names & _NORMALISATION:
         return "normalisation"
-    if (names & _EXP and names & _SUM_OR_DIV) or names & _SOFTMAX:
+    if names & _SOFTMAX or (names & _EXP and _decomposed_softmax(nodes)):
         return "softmax"
     if names & _REDUCTION:
         return "reduction"
     if names & _EXPONENTIAL:
         return "exponential"
     return None
+
+
+def _decomposed_softmax(nodes: list[Node]) -> bool:
+    """An Exp whose output a sum and a division (or product) in the island both read: exp(x) /
+    sum(exp(x)). An Exp and a sum anywhere in the island named a GELU's backward pass beside a
+    bias gradient's sum a softmax."""
+    members = {id(n) for n in nodes}
+    for node in nodes:
+        if node.op_type in _EXP and node.outputs and node.outputs[0] is not None:
+            readers = {r.op_type for r, _ in node.outputs[0].uses() if id(r) in members}
+            if readers & _SUM and readers & _DIVIDE:
+                return True
+    return False
 
 
 def attach_cast_counts(log: DecisionLog) -> None:
