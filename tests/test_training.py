@@ -1505,3 +1505,75 @@ def test_rewriting_a_training_output_again_reports_no_pins_of_its_own():
     assert not again.modified and again.model.code == gm.code
     assert not [n for n in again.log.notes if "without effect" in n], again.log.notes
     assert any(n.startswith("as given: 3 nodes") for n in again.log.notes)
+
+
+class _CalledOutOfOrder(torch.nn.Module):
+    """Declares ``a`` (with a submodule holding a bare parameter) before ``b`` and uses ``b`` first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.inner = torch.nn.Module()
+        self.inner.first = torch.nn.Parameter(torch.randn(8))
+        self.inner.second = torch.nn.Parameter(torch.randn(8))
+        self.register_buffer("offset", torch.zeros(8))
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.b(x)) * self.inner.second + self.inner.first + self.offset
+        return F.mse_loss(self.a(h), y)
+
+
+@pytest.mark.parametrize("capture", ["symbolic_trace", "export"])
+def test_the_rewrite_keeps_the_declared_parameter_order_an_optimizer_checkpoint_relies_on(capture):
+    """symbolic_trace gave the rewrite's parameters the order the graph uses them in (b before a):
+    an Adam state_dict saved on the original loaded into an optimizer on the rewrite without an
+    error, by position, and each parameter resumed with another's moments. The rewrite now keeps
+    the declared order: the same parameter names, buffers and state_dict keys in the same order,
+    and the resumed moments are the parameters' own."""
+    torch.manual_seed(0)
+    model, x, y = _CalledOutOfOrder(), torch.randn(4, 8), torch.randn(4, 8)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    gm = amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x, y), training=True, target="bf16",
+                             capture=capture)
+    assert [n for n, _ in gm.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert [k for k in gm.state_dict() if k in model.state_dict()] == list(model.state_dict())
+    resumed = torch.optim.Adam(gm.parameters(), lr=1e-2)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for name, p in gm.named_parameters():
+        want = opt.state[model.get_parameter(name)]["exp_avg"]
+        assert torch.equal(resumed.state[p]["exp_avg"], want), name
+
+
+class _TiedEmbedding(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 16)
+        self.proj = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 20, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, t, y):
+        return F.cross_entropy(self.out(torch.tanh(self.proj(self.emb(t)))).reshape(-1, 20), y.reshape(-1))
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_loading_with_assign_keeps_tied_weights_tied(capture):
+    """``load_state_dict(sd, assign=True)`` (how a model made on the meta device gets its weights)
+    gave each name of a tied weight its own Parameter. The torch.export graph reads it as
+    ``out.weight`` only: ``emb.weight`` got no gradient and stayed behind. The rewrite ties them
+    again after the load: one Parameter, which every step updates."""
+    torch.manual_seed(0)
+    base = _TiedEmbedding()
+    t, y = torch.randint(0, 20, (2, 5)), torch.randint(0, 20, (2, 5))
+    state = copy.deepcopy(base.state_dict())
+    gm = amp_rewrite.rewrite(copy.deepcopy(base), example_inputs=(t, y), training=True, capture=capture)
+    gm.load_state_dict(state, assign=True)
+    assert gm.get_parameter("emb.weight") is gm.get_parameter("out.weight")
+    assert len(list(gm.parameters())) == len(list(base.parameters()))
+    amp_rewrite.LossScaler(gm).backward(gm(t, y))
+    assert all(p.grad is not None for p in gm.parameters())
