@@ -873,6 +873,29 @@ def test_a_division_by_a_constant_whose_reciprocal_leaves_fp16_keeps_fp32(k, low
     assert not rewrite(result.model).modified
 
 
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+def test_a_divisor_holding_a_tiny_constant_through_a_concat_keeps_the_division_fp32(placement):
+    """A divisor that is partly a constant of 1e-6 (``Concat(h, tiny)``): not a constant, so the
+    check of the divisor's reciprocal, which folded constants only, passed it; the optimal
+    placement made the Div FP16 and 1000 / 1e-6 was inf (found by a fuzzer). The constant is now
+    looked for through copies as an out-of-range constant is."""
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,4] x) => (float[2,3] y) {
+      h = MatMul(x, w)
+      c = Concat<axis = 1>(h, tiny)
+      d = Div(num, c)
+      y = Slice(d, st, en, ax)
+    }""", {"w": (4, 3), "tiny": np.full((2, 3), 1e-6, np.float32), "num": np.full(6, 1000.0, np.float32),
+            "st": np.array([3], np.int64), "en": np.array([6], np.int64), "ax": np.array([1], np.int64)})
+    result = rewrite(model, placement=placement)
+    full_check(result.model)
+    decision = result.log.decisions["Div:d"]
+    assert decision.precision == Precision.FP32 and "which multiplies by 1e+06" in decision.reason
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)}
+    assert_emulated_close(model, result.model, feeds)
+
+
 @pytest.mark.parametrize(("eps", "low"), [(1e-8, False), (1e-12, False), (1e-3, True)])
 def test_an_epsilon_the_low_type_flushes_to_zero_keeps_its_sum_and_division_fp32(eps, low):
     """``r / (r + 1e-8)`` after a Relu: FP16 holds nothing below 6e-8, so the converted epsilon was

@@ -29,6 +29,8 @@ kernels add to FP32 statistics, ratios, seeds and sizes do not.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx_ir as ir
 
@@ -87,6 +89,10 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
             node.meta[META] = (f"divides by {node.inputs[1].name!r} holding {divisor:g}, which multiplies by "
                                f"{1 / divisor:g}, more than {short}'s largest value ({limit:g}): in {short} its "
                                f"result overflows, so the node keeps FP32")
+            for copy in _divisor_copies(node, limit, folds):
+                copy.meta.setdefault(META, (
+                    f"carries {divisor:g} into the divisor of {node.name or node.op_type!r}: in {short} it is a "
+                    f"subnormal, rounded to a few bits (or 0), and the quotient with it, so the node keeps FP32"))
     return PassResult("out-of-range constants", modified=False)
 
 
@@ -189,16 +195,46 @@ def _small_divisor(node: Node, limit: float, folds: dict[int, object]) -> float 
     where ``h * 1e6`` kept FP32. The value of smallest magnitude (zeros left out), or None."""
     if node.domain != "" or node.op_type != "Div" or len(node.inputs) < 2:
         return None
-    data = _folded(node.inputs[1], folds)
-    if data is None or data.size == 0:
-        return None
-    with np.errstate(all="ignore"):
-        magnitude = np.abs(data.reshape(-1))
-        nonzero = np.flatnonzero((magnitude > 0) & np.isfinite(magnitude))
-    if not nonzero.size:
-        return None
-    smallest = float(data.reshape(-1)[nonzero[int(np.argmin(magnitude[nonzero]))]])
-    return smallest if 1 / abs(smallest) > limit else None
+    return _small_divisor_held(node.inputs[1], limit, folds)
+
+
+def _small_divisor_held(value: Value | None, limit: float, folds: dict[int, object]) -> float | None:
+    """The value of smallest magnitude (zeros left out) whose reciprocal is past the limit that
+    ``value`` holds: folded (a constant, or computed from constants), else through a copy (in
+    ``Concat(h, tiny)`` the divisor is not a constant, part of it is); or None."""
+    def tiny(data: np.ndarray | None) -> float | None:
+        if data is None or data.size == 0 or data.dtype.kind not in "fiu":
+            return None
+        with np.errstate(all="ignore"):
+            magnitude = np.abs(data.reshape(-1).astype(np.float64))
+            nonzero = np.flatnonzero((magnitude > 0) & np.isfinite(magnitude))
+        if not nonzero.size:
+            return None
+        smallest = float(data.reshape(-1)[nonzero[int(np.argmin(magnitude[nonzero]))]])
+        return smallest if 1 / abs(smallest) > limit else None
+
+    found = tiny(_folded(value, folds))
+    return found if found is not None else _held(value, limit, folds=folds, judge=tiny)
+
+
+def _divisor_copies(node: Node, limit: float, folds: dict[int, object]) -> list[Node]:
+    """The ops copying a tiny constant into a Div's divisor (``Concat(h, 1e-6)``), divisor first,
+    that :func:`_small_divisor` looked through: a copy in the low type holds 1e-6 as an FP16
+    subnormal (6% off), and the FP32 division by it is as far off."""
+    found: list[Node] = []
+    value = node.inputs[1]
+    while value is not None and not value.data_known and len(found) < 8:
+        producer = value.producer
+        if producer is None or producer.domain != "" or producer.op_type not in _COPIES:
+            break
+        slots = _COPIES[producer.op_type]
+        onward = next((producer.inputs[i] for i in (range(len(producer.inputs)) if slots is None else slots)
+                       if i < len(producer.inputs) and _small_divisor_held(producer.inputs[i], limit, folds)), None)
+        if onward is None:
+            break
+        found.append(producer)
+        value = onward
+    return found
 
 
 def _attribute_beyond(node: Node, name: str, limit: float) -> float | None:
@@ -233,49 +269,58 @@ _CASTS = ("Cast", "CastLike")
 
 
 def _held(value: Value | None, limit: float, depth: int = 0, cast: bool = False,
-          seen: dict[int, float | None] | None = None, folds: dict[int, object] | None = None) -> float | None:
+          seen: dict[int, float | None] | None = None, folds: dict[int, object] | None = None,
+          judge: Callable[[np.ndarray | None], float | None] | None = None) -> float | None:
     """A value beyond the limit that ``value`` holds as a constant: its own data, a ConstantOfShape's
     fill, a OneHot's on/off values, a Pad's fill, or those of a constant copied, sliced, gathered,
     concatenated, split, negated or cast (a double or an integer one too), or returned by a branch of
-    an If. ``cast``: ``value`` is read through a Cast/CastLike, so an integer one counts."""
+    an If. ``cast``: ``value`` is read through a Cast/CastLike, so an integer one counts. ``judge``:
+    what to look for in each constant instead (the value it returns, or None); ``seen`` is then
+    not used."""
     if value is None or value.dtype not in (_CASTABLE if cast else _FLOATS) or depth > 8:
         return None
+    find = judge if judge is not None else (lambda data: _largest(data, limit))
     if value.data_known:  # (an overridable input's default too: what it holds unless fed another)
-        if seen is None:
-            return _largest(constant_array(value), limit)
+        if seen is None or judge is not None:
+            return find(constant_array(value))
         if id(value) not in seen:
-            seen[id(value)] = _largest(constant_array(value), limit)
+            seen[id(value)] = find(constant_array(value))
         return seen[id(value)]
     producer = value.producer
     if producer is None or producer.domain != "":
         return None
     if producer.op_type == "ConstantOfShape":
-        return _largest(_attribute(producer, "value"), limit)
+        return find(_attribute(producer, "value"))
     if producer.op_type == "OneHot" and len(producer.inputs) > 2:
-        return _held(producer.inputs[2], limit, depth + 1, cast, seen, folds)
-    if producer.op_type in ("Pad", "Resize"):  # a fill its output holds (Pad before opset 11)
+        return _held(producer.inputs[2], limit, depth + 1, cast, seen, folds, judge)
+    if producer.op_type == "Pad" and judge is not None:
+        found = find(_attribute(producer, "value"))
+        if found is not None:
+            return found
+    elif producer.op_type in ("Pad", "Resize"):  # a fill its output holds (Pad before opset 11)
         big = _attribute_beyond(producer, "value" if producer.op_type == "Pad" else "extrapolation_value", limit)
         if big is not None:
             return big
     if cast and value.dtype in _INTEGERS and producer.op_type in _SHAPE_OPS:
         counts = _shape_folded(value)  # (a count from static shapes: 2 * 40000 elements)
         if counts is not None:  # (exact: Gather(Shape, 0) of [1, 80000] holds 1, whatever the shape holds)
-            return _largest(counts, limit)
+            return find(counts)
     if producer.op_type in _COPIES:
         slots = _COPIES[producer.op_type]
         for index in range(len(producer.inputs)) if slots is None else slots:
-            big = _held(producer.inputs[index], limit, depth + 1, cast or producer.op_type in _CASTS, seen, folds) \
-                if index < len(producer.inputs) else None
+            big = _held(producer.inputs[index], limit, depth + 1, cast or producer.op_type in _CASTS, seen, folds,
+                        judge) if index < len(producer.inputs) else None
             if big is not None:
                 return big
     if producer.op_type in _ARITHMETIC or producer.op_type in _FOLD_UNARY:  # on constants only, folded (300 * 300)
-        big = _largest(_folded(value, folds), limit)
+        big = find(_folded(value, folds))
         if big is not None:
             return big
     if producer.op_type == "If":  # what either branch returns in this slot
         index = producer.outputs.index(value)
         for branch in producer.all_subgraphs():
-            big = _held(branch.outputs[index], limit, depth + 1, cast, seen, folds) if index < len(branch.outputs) else None
+            big = _held(branch.outputs[index], limit, depth + 1, cast, seen, folds, judge) \
+                if index < len(branch.outputs) else None
             if big is not None:
                 return big
     return None
