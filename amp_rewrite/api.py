@@ -160,10 +160,12 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
     if modified and model.frontend == "onnx" and ctx.low == DType.FLOAT16:
         pairs = _batch_transpose_matmuls(model)
         if pairs:
+            label, perm = pairs[0]
             ctx.log.notes.append(
-                f"onnxruntime: {len(pairs)} FP16 Transpose(perm=[1, 0, 2]) → MatMul pair(s) (e.g. {pairs[0]!r}, as "
-                f"around an LSTM): onnxruntime 1.31's CPU provider crashes (SIGSEGV) on them at its default "
-                f"optimisation level, ORT_ENABLE_ALL; on the CPU, load the output with ORT_ENABLE_EXTENDED")
+                f"onnxruntime: {len(pairs)} FP16 Transpose → MatMul pair(s) moving the first axis back (e.g. "
+                f"{label!r}, perm={perm}; as around an LSTM): onnxruntime 1.31's CPU provider crashes (SIGSEGV) on "
+                f"them at its default optimisation level, ORT_ENABLE_ALL; on the CPU, load the output with "
+                f"ORT_ENABLE_EXTENDED")
     if modified and model.meta.get("onnx.training_info"):
         ctx.log.notes.append(f"dropped: the model's training_info ({model.meta['onnx.training_info']} "
                              f"TrainingInfoProto) is not in the output: its algorithm binds the FP32 initializers "
@@ -195,10 +197,13 @@ def _ort_can_fuse(model: Model, island) -> bool:
     return True
 
 
-def _batch_transpose_matmuls(model: Model) -> list[str]:
-    """Labels of the FP16 ``Transpose(perm=[1, 0, 2])`` nodes a MatMul reads: onnxruntime 1.31's CPU
-    provider dies on such a pair at ORT_ENABLE_ALL (found by the fuzzer; the corpus's LSTM models
-    have it; ``test_known_ort_fp16_transpose_matmul_crash`` says when onnxruntime fixes it)."""
+def _batch_transpose_matmuls(model: Model) -> list[tuple[str, list[int]]]:
+    """(label, perm) of the FP16 Transposes a MatMul reads whose perm moves the first axis behind
+    the batch axes, alone or with the last two swapped (``[1, 0, 2]``, ``[1, 2, 0]``; in 4-D
+    ``[1, 2, 0, 3]``, ``[1, 2, 3, 0]``: what onnxruntime's MatMulTransposeFusion folds into a
+    FusedMatMul's transBatch): onnxruntime 1.31's CPU provider dies on such a pair at
+    ORT_ENABLE_ALL (found by the fuzzer; the corpus's LSTM models have it;
+    ``test_known_ort_fp16_transpose_matmul_crash`` says when onnxruntime fixes it)."""
     found = []
     for node in model.graph.walk():
         if node.op_type != "Transpose" or node.domain != "" or not node.outputs:
@@ -207,8 +212,10 @@ def _batch_transpose_matmuls(model: Model) -> list[str]:
         if out.dtype != DType.FLOAT16 or not any(c.op_type == "MatMul" and c.domain == "" for c, _ in out.uses()):
             continue
         perm = node.origin.attributes.get("perm") if getattr(node.origin, "attributes", None) is not None else None
-        if perm is not None and list(perm.as_ints()) == [1, 0, 2]:
-            found.append(node_label(node))
+        order = list(perm.as_ints()) if perm is not None else []
+        rank = len(order)
+        if rank >= 3 and order in ([*range(1, rank - 1), 0, rank - 1], [*range(1, rank - 1), rank - 1, 0]):
+            found.append((node_label(node), order))
     return found
 
 
