@@ -2716,3 +2716,38 @@ def test_an_epsilon_the_low_type_flushes_to_zero_keeps_its_guard_fp32_in_torch(h
         other = _dispatch(_EpsilonGuard(how, eps).eval(), example_inputs=(x,), target=target, capture=capture,
                           placement=placement)
         assert not [d for d in other.log.decisions.values() if "epsilon is lost" in d.reason]
+
+
+class _TiedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.l = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 10, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, t):
+        return self.out(torch.tanh(self.l(self.emb(t))))
+
+
+def _held_bytes(module: nn.Module) -> int:
+    seen, total = set(), 0
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_tied_weight_counts_once_in_the_weight_bytes(capture):
+    """An embedding tied to the output projection is one tensor under two names: the report
+    counted it twice before (928 B for a module holding 608 B), and showed a saving where the
+    weights grew. Bytes before and after are what the modules hold."""
+    torch.manual_seed(0)
+    model = _TiedHead().eval()
+    gm, report = amp_rewrite.rewrite(model, example_inputs=(torch.tensor([[1, 2, 3]]),), target="fp16",
+                                     capture=capture, report=True)
+    weights = report.summary()["weights"]
+    assert (weights["bytes_before"], weights["bytes_after"]) == (_held_bytes(model), _held_bytes(gm))
+    assert gm.get_parameter("emb.weight") is gm.get_parameter("out.weight")  # (converted once, still tied)

@@ -107,6 +107,7 @@ class _Emitter:
         self.position = {n: i for i, n in enumerate(self.graph.nodes)}
         self.first_index = self.position.get(self.first_compute, len(self.position))
         self.unread_attrs: list[fx.Node] = []
+        self.converted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (it, converted)
 
     def run(self) -> None:
         self._pin_dtype_reads()
@@ -227,17 +228,32 @@ class _Emitter:
         target = value.meta["fx.attr"]
         owner, attr = _owner(self.gm, target)
         old = getattr(owner, attr)
-        new = self._convert(old, target, value.dtype)
         converted = self.gm.meta.setdefault(CONVERTED, [])
         if not converted:
             self.gm.register_load_state_dict_pre_hook(_convert_loaded_weights)
         converted.append(target)
+        if any(new is old for _, new in self.converted.values()):
+            return  # a tied weight, converted under another of its names (below)
+        new = self._convert(old, target, value.dtype)
         if isinstance(old, torch.nn.Parameter):
-            setattr(owner, attr, torch.nn.Parameter(new, requires_grad=old.requires_grad))
-        elif attr in getattr(owner, "_buffers", {}):
-            owner._buffers[attr] = new
-        else:
-            setattr(owner, attr, new)
+            new = torch.nn.Parameter(new, requires_grad=old.requires_grad)
+        self.converted[id(old)] = (old, new)  # (old held: its id is not reused meanwhile)
+        # every name the module holds the weight by (tied weights: an embedding and the output
+        # projection; a torch.export graph reads one of them) that no FP32 node reads gets the one
+        # converted tensor: converted by name, the tie broke, and the module held two tensors or an
+        # FP32 one no node read
+        read_as = {v.meta["fx.attr"]: v for v in self.ir.initializers.values() if "fx.attr" in v.meta}
+        paths = [path for path, t in itertools.chain(self.gm.named_parameters(remove_duplicate=False),
+                                                      self.gm.named_buffers(remove_duplicate=False))
+                 if t is old and (path == target or path not in read_as or read_as[path].meta.get("amp.convert"))]
+        for path in paths or [target]:  # (a name an FP32 node reads keeps the FP32 tensor)
+            owner, attr = _owner(self.gm, path)
+            if isinstance(old, torch.nn.Parameter):
+                setattr(owner, attr, new)
+            elif attr in getattr(owner, "_buffers", {}):
+                owner._buffers[attr] = new
+            else:
+                setattr(owner, attr, new)
 
     def _low_copy(self, value: Value) -> None:
         original: Value = value.meta["amp.copy_of"]

@@ -699,6 +699,7 @@ class _Builder:
         self.by_root: dict[fx.Node, list[tuple[tuple, Value]]] = {}
         self.tuples: dict[fx.Node, tuple[fx.Node, tuple]] = {}  # getitem result that is itself a tuple → (root, path)
         self.attrs: dict[str, Value] = {}
+        self.tensor_names: dict[int, str] = {}  # id(module tensor) -> the first name it was read by
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.mutated = {_mutated_attribute(n, gm) for n in gm.graph.nodes if n.op.startswith("call_")} - {None}
         self.mutated |= _sharing_storage(gm, self.mutated)
@@ -739,6 +740,7 @@ class _Builder:
         value = Value(target, TORCH_TO_DTYPE.get(tensor.dtype), tuple(tensor.shape), origin=("attr", target))
         value.const_numel = tensor.numel()
         value.meta["fx.attr"] = target
+        self._note_alias(value, tensor)
         self._mark_mutable(value, target)
         self._note_beyond_range(value, tensor)
         self.graph.add_initializer(value)
@@ -753,11 +755,20 @@ class _Builder:
         value.const_numel = tensor.numel()
         value.meta["fx.attr"] = qual
         value.meta["fx.module_param"] = (module_target, local)
+        self._note_alias(value, tensor)
         self._mark_mutable(value, qual)
         self._note_beyond_range(value, tensor)
         self.graph.add_initializer(value)
         self.attrs[qual] = value
         return value
+
+    def _note_alias(self, value: Value, tensor: torch.Tensor) -> None:
+        """A tensor the module holds under several names (tied weights: an embedding and the output
+        projection) is one initializer per name here; the later names are marked ``amp.alias_of``
+        the first, so the report counts its bytes once."""
+        first = self.tensor_names.setdefault(id(tensor), value.name)
+        if first != value.name:
+            value.meta["amp.alias_of"] = first
 
     def _note_beyond_range(self, value: Value, tensor: torch.Tensor) -> None:
         """A module tensor (parameter, buffer, a traced constant) holding a finite value the low type

@@ -204,6 +204,7 @@ class _Placer:
         self._remove_identity_casts(scopes)
         for scope in scopes:
             scope.sort()
+        self._convert_unread_aliases()
         self._weight_bytes(scopes)
 
     def _retype_low_outputs(self, scopes: list[Graph]) -> None:
@@ -748,22 +749,47 @@ class _Placer:
         self.model.meta.setdefault("amp.removed_nodes", []).append(node)
         self.modified = True
 
+    def _convert_unread_aliases(self) -> None:
+        """A tied weight (torch: one tensor the module holds by several names) converted in place
+        under one name is converted under the names no node reads too: the emitter gives them the
+        one converted tensor (a torch.export graph reads a tied embedding by one name only)."""
+        if self.model.frontend != "torch":
+            return
+        groups: dict[str, list[Value]] = {}
+        for value in self.model.graph.initializers.values():
+            groups.setdefault(value.meta.get("amp.alias_of", value.name), []).append(value)
+        for members in groups.values():
+            converted = [v for v in members if v.meta.get("amp.convert")]
+            if not converted or len(members) == 1:
+                continue
+            if all(v.meta.get("amp.convert") or not v.has_uses() for v in members):
+                for v in members:
+                    if not v.meta.get("amp.convert") and v.dtype == DType.FLOAT:
+                        v.meta.update({"amp.was": DType.FLOAT, "amp.convert": True})
+                        v.dtype = converted[0].dtype
+
     def _weight_bytes(self, scopes: list[Graph]) -> None:
         """Bytes of the initializers and Constant tensors before and after, and how many were
         converted (those a fused pattern alone read count before only: they leave with it, in the
         emitter)."""
         w = self.ctx.log.weights
+        before: set[str] = set()  # the tensors counted, by their first name (a tied weight is one)
+        after: set[tuple[str, DType]] = set()
         for scope in scopes:
             constants = [n.outputs[0] for n in scope.nodes
                          if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.outputs]
             for value in [*scope.initializers.values(), *constants]:
                 if value.const_numel is None or value.dtype is None:
                     continue
-                if "amp.copy_of" not in value.meta and not value.meta.get("amp.made_by_fusion"):
+                tensor = value.meta.get("amp.alias_of", value.name)
+                if "amp.copy_of" not in value.meta and not value.meta.get("amp.made_by_fusion") \
+                        and tensor not in before:
+                    before.add(tensor)
                     w.bytes_before += int(value.const_numel * value.meta.get("amp.was", value.dtype).itemsize)
-                if value.meta.get("amp.dropped_unread"):
-                    continue  # (in the input, not in the output)
+                if value.meta.get("amp.dropped_unread") or (tensor, value.dtype) in after:
+                    continue  # (in the input, not in the output; a tied weight's other name)
+                after.add((tensor, value.dtype))
                 w.bytes_after += int(value.const_numel * value.dtype.itemsize)
-                if value.meta.get("amp.convert"):
+                if value.meta.get("amp.convert"):  # (a tied weight once: its names are one tensor)
                     w.converted += 1
                     w.converted_elements += value.const_numel
