@@ -65,7 +65,12 @@ def explain_node(model_path: str | os.PathLike, node_name: str, **options: Any) 
         text = (f"{node_name}: fused, with the rest of its {record.pattern} pattern, into {record.node} ({record.op}): "
                 f"{record.reason} (--no-fuse keeps the pattern as it is)")
         return text + ("\n\n" + explain_decision(report, record.node) if record.node in report.log.decisions else "")
-    name = _resolve(label, nodes, casts, model_path, also=list(fused))
+    clamps = _saturating_nodes(model, casts)
+    if label in clamps and label not in nodes and label not in casts:
+        record = casts[clamps[label]]
+        return (f"{node_name}: inserted with {record.name}, to clamp {record.tensor!r} before that Cast (a mask "
+                f"sentinel the Cast would make ±inf)\n\n" + _explain_cast(report, record))
+    name = _resolve(label, nodes, casts, model_path, also=[*fused, *clamps])
     if name in casts:
         return _explain_cast(report, casts[name])
     if name not in report.log.decisions:
@@ -81,6 +86,25 @@ def explain_node(model_path: str | os.PathLike, node_name: str, **options: Any) 
         text += (f"\n\n({len(others)} other node(s) named {name!r}, in If/Loop/Scan bodies: ask for "
                  f"{', '.join(others)})")
     return text
+
+
+def _saturating_nodes(model, casts: dict) -> dict[str, str]:
+    """The names of the nodes place_casts inserted to clamp a mask sentinel (a Clip and its bound
+    Constants), each with the name of the Cast it clamps for."""
+    found: dict[str, str] = {}
+    for node in model.graph.walk():
+        if node.meta.get("amp.inserted_kind") != "saturate" or not node.name:
+            continue
+        frontier, cast = [node], None
+        for _ in range(2):  # Constant -> Clip -> Cast
+            readers = [r for n in frontier for out in n.outputs if out is not None for r, _ in out.uses()]
+            cast = next((r.name for r in readers if r.name in casts), None)
+            if cast is not None:
+                break
+            frontier = readers
+        if cast is not None:
+            found[node.name] = cast
+    return found
 
 
 def _resolve(query: str, nodes: dict, casts: dict, model_path, also: list[str] = ()) -> str:

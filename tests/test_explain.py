@@ -205,3 +205,34 @@ def test_an_op_whose_rule_covers_other_opsets_says_so(tmp_path):
     text = explain_node(path, "Softmax:p", rules=[rules])
     assert "no rule covers Softmax at opset 17 (old_softmax.toml: clear.Softmax covers opsets 1 to 10)" in text
     assert "decided by its rule entry" not in text and "no rule entry names it at its opset" in text
+
+
+def test_explain_answers_for_the_clip_that_saturates_a_mask_before_its_cast(tmp_path):
+    """The Clip (and its bound Constants) inserted before the Cast of a value that may hold a mask
+    sentinel were in no section of the report, and --explain said there was no such node. They
+    now explain as part of their Cast."""
+    import numpy as np
+
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x, float[4,8] keep) => (float[4,8] y) {
+          q = MatMul(x, w1)
+          inv = Sub(one, keep)
+          neg = Mul(inv, big)
+          s = Add(q, neg)
+          sm = Softmax<axis = 1>(s)
+          y = MatMul(sm, w2)
+        }""", {"w1": (8, 8), "w2": (8, 8), "one": np.float32(1.0), "big": np.float32(-1e9)})
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    text = explain_node(path, "amp_saturate/neg")
+    assert text.startswith("amp_saturate/neg: inserted with amp_cast/neg/to_fp16, to clamp 'neg'")
+    assert "amp_cast/neg/to_fp16: Cast inserted on neg (fp32→fp16)" in text and "clamped to ±16384" in text
+    bound = next(n for n in rewrite_names(model) if n.startswith("amp_saturate/neg/min"))
+    assert explain_node(path, bound).startswith(f"{bound}: inserted with amp_cast/neg/to_fp16")
+
+
+def rewrite_names(model: onnx.ModelProto) -> list[str]:
+    from util import rewrite
+
+    return [n.name for n in rewrite(model).model.graph.node]

@@ -917,8 +917,10 @@ def test_a_cast_of_a_constant_converted_offline_is_recorded_with_its_types():
         }""", {"w1": (8, 8), "w2": (8, 8), "k": np.arange(8, dtype=np.int64).reshape(1, 8)}, ir_version=10)
     out, report = amp_rewrite.rewrite(model, report=True)
     assert "Cast" not in [n.op_type for n in out.graph.node if n.output[0] == "kf"]
-    [record] = [c for c in report.to_dict()["casts"] if c["tensor"] == "kf"]
-    assert (record["kind"], record["src"], record["dst"]) == ("removed", "int64", "fp32")
+    [record] = [c for c in report.to_dict()["casts"] if c["name"] == "kf"]  # (the unnamed Cast, by its output)
+    # (the tensor cast is the one the Cast read: the int64 constant, which no node produces)
+    assert (record["kind"], record["src"], record["dst"], record["tensor"], record["producer"]) == (
+        "removed", "int64", "fp32", "k", None)
     assert "k" not in {t.name for t in out.graph.initializer}
     weights = report.to_dict()["summary"]["weights"]
     assert (weights["bytes_before"], weights["bytes_after"]) == (_held_bytes(model), _held_bytes(out)) == (576, 272)
@@ -982,3 +984,22 @@ def test_the_summary_says_how_many_kept_fp32_lines_it_left_out():
     assert "in fp16: 1 of 14" in text
     assert len([ln for ln in text.splitlines() if ln.startswith("  kept FP32: MatMul:")]) == 10
     assert "  kept FP32: 3 more (--report FILE lists every node and its reason)" in text
+
+
+def test_a_retargeted_cast_is_recorded_on_the_tensor_it_reads():
+    """A model's own Cast(to=FLOAT) of a graph input, retargeted to FP16 for the MatMul reading it,
+    was recorded with tensor = the Cast's own output and producer = the Cast itself; the schema
+    says the tensor cast and its producer (null for a graph input)."""
+    import amp_rewrite
+
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {
+          c0 = Cast<to=1>(x)
+          y = MatMul(c0, w1)
+        }""", {"w1": (8, 8)})
+    out, report = amp_rewrite.rewrite(model, report=True)
+    [record] = [c for c in report.to_dict()["casts"] if c["kind"] == "retargeted"]
+    assert (record["tensor"], record["producer"], record["src"], record["dst"]) == ("x", None, "fp32", "fp16")
+    [cast] = [n for n in out.graph.node if n.op_type == "Cast" and n.output[0] == "c0"]
+    assert list(cast.input) == ["x"]

@@ -363,9 +363,11 @@ class _Placer:
         value.dtype = self.low
         cast.meta["amp.retargeted"] = True
         cast.meta["amp.precision"] = Precision.LOW  # (it writes the low type now: the report says so)
-        source = cast.inputs[0].dtype if cast.inputs and cast.inputs[0] is not None else None
-        self._record(cast.name or value.name, value, source or DType.FLOAT, self.low, uses, value.graph, reason,
-                     "retargeted")
+        read = cast.inputs[0] if cast.inputs else None
+        # (the tensor cast is what the Cast reads: its producer, or none for a graph input)
+        self._record(cast.name or value.name, read if read is not None else value,
+                     read.dtype if read is not None and read.dtype is not None else DType.FLOAT, self.low, uses,
+                     value.graph, reason, "retargeted")
         self.modified = True
 
     def _convertible_constant(self, value: Value) -> bool:
@@ -736,7 +738,8 @@ class _Placer:
         source = node.inputs[0] if node.inputs else None
         read = source.dtype if source is not None else None
         wrote = DType(node.attrs["to"]) if isinstance(node.attrs.get("to"), int) else None
-        self._record(name, out, read or src.dtype, wrote or src.dtype, [], node.graph, reason, "removed")
+        self._record(name, source if source is not None else out, read or src.dtype, wrote or src.dtype, [],
+                     node.graph, reason, "removed")
         node.graph.remove(node)
         # An initializer only this Cast read (an int64 constant now converted offline to a low copy)
         # goes with it: the emitter drops such an initializer (onnx_emitter._remove), so the weight
