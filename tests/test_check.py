@@ -432,10 +432,12 @@ def test_no_clip_where_the_mask_stays_fp32():
     assert not [c for c in result.log.casts if "mask sentinel" in c.reason]
 
 
-def test_no_clip_behind_a_low_node_whose_sentinel_was_converted():
+def test_the_sentinel_walk_stops_at_a_low_node_whose_sentinel_was_converted():
     """A Where selecting finfo.min runs low (its constant converted offline, clamped); an FP32 Mul
     reading it (by 1e5, past FP16's range) has its output cast for the next MatMul: the walk went
-    through the low Where to the constant's FP32 data and clamped a value that holds no sentinel."""
+    through the low Where to the constant's FP32 data and clamped a value that holds no sentinel.
+    (The Mul's 1e5 is a number past the range the cast may hold: clamped at ±65504 for it, not at
+    the sentinel's ±16384.)"""
     m = make_model("""
         <ir_version: 8, opset_import: ["" : 17]>
         g (float[2,8] x, bool[2,8] keep) => (float[2,8] y) {
@@ -446,7 +448,9 @@ def test_no_clip_behind_a_low_node_whose_sentinel_was_converted():
         }""", {"w": (8, 8), "big": np.array(np.finfo(np.float32).min, np.float32), "k": np.array(1e5, np.float32)})
     result = rewrite(m)
     assert {d.node: d.precision.value for d in result.log.decisions.values()}["Where:a"] == "low"
-    assert not [n for n in result.model.graph.node if n.op_type == "Clip"]
+    record = next(c for c in result.log.casts if c.tensor == "c")
+    assert "clamped to ±65504 first (Clip): it may hold 100000 ('k')" in record.reason
+    assert "sentinel" not in record.reason
 
 
 @pytest.mark.parametrize("index_input", ["Slice ends", "reversed Slice", "Gather indices"])

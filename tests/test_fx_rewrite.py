@@ -2751,3 +2751,31 @@ def test_a_tied_weight_counts_once_in_the_weight_bytes(capture):
     weights = report.summary()["weights"]
     assert (weights["bytes_before"], weights["bytes_after"]) == (_held_bytes(model), _held_bytes(gm))
     assert gm.get_parameter("emb.weight") is gm.get_parameter("out.weight")  # (converted once, still tied)
+
+
+class _FillPastTheRange(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        with torch.no_grad():
+            self.b.weight.copy_(torch.eye(8) * 0.01)
+            self.b.bias.zero_()
+
+    def forward(self, x, keep):
+        return self.b(self.a(x).masked_fill(~keep, -70000.0))
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_fill_past_the_range_that_reaches_a_low_linear_is_clamped_before_its_cast(capture):
+    """``masked_fill(-70000)`` keeps FP32 (FP16 cannot hold its number), and its output went to an
+    FP16 linear through a plain ``.to()``: -inf, and -inf × 0 NaN in every row with a fill. The
+    cast now reads it clamped to ±65504, as a constant converted offline is."""
+    torch.manual_seed(0)
+    model = _FillPastTheRange().eval()
+    x, keep = torch.randn(2, 8), torch.rand(2, 8) > 0.5
+    result = _dispatch(model, example_inputs=(x, keep), target="fp16", capture=capture)
+    with torch.no_grad():
+        want, got = model(x, keep), result.model(x, keep)
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max() <= 0.1 * want.abs().max()  # (-65504 for -70000: 6.4%, not NaN)
+    assert any("clamped to ±65504 first" in c.reason for c in result.log.casts)

@@ -184,7 +184,7 @@ def test_cast_of_gathered_weights_lets_the_embedding_sum_run_low():
     assert [c.consumers for c in _inserted(best)] == [["<graph output>"]]  # only the output's
     # the position Gather runs low too, so the model's own Cast has nothing left to do: removed,
     # not left dangling
-    assert [c.kind for c in best.log.casts if c.tensor == "pos_f"] == ["removed"]
+    assert [c.kind for c in best.log.casts if c.name == "pos_f"] == ["removed"]  # (the unnamed Cast writing pos_f)
     assert [n.input[0] for n in nodes_by_type(best.model, "Cast")] == ["y/amp_fp16"]
     full_check(best.model)
     rng = np.random.default_rng(0)
@@ -226,8 +226,8 @@ def test_cast_of_an_activation_stays_an_fp32_read():
     assert not any(c.kind == "retargeted" for c in best.log.casts)
     # the model's Cast(fp32 -> FLOAT) of the activation does nothing, and goes as such (not as a
     # cast a low reader made redundant): the Add reads the graph input itself
-    assert [(c.tensor, c.reason) for c in best.log.casts if c.kind == "removed"] == [
-        ("pos_f", "existing Cast of a fp32 value to fp32 does nothing: removed")]
+    assert [(c.name, c.tensor, c.reason) for c in best.log.casts if c.kind == "removed"] == [
+        ("pos_f", "act", "existing Cast of a fp32 value to fp32 does nothing: removed")]
     add = next(n for n in best.model.graph.node if n.op_type == "Add")
     assert "act" in add.input
 

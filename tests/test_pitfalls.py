@@ -873,6 +873,47 @@ def test_a_division_by_a_constant_whose_reciprocal_leaves_fp16_keeps_fp32(k, low
     assert not rewrite(result.model).modified
 
 
+_FILLS = {
+    "Resize": ("float[1,1,8,8]", "r = Resize<mode = \"linear\", coordinate_transformation_mode = \"tf_crop_and_resize\", "
+               "extrapolation_value = -70000.0>(a, roi, sc)", 8),
+    "Pad": ("float[1,1,6,6]", "r = Pad<mode = \"constant\">(a, pads, cv)", 6),
+    "Pad-2": ("float[1,1,6,6]", "r = Pad<mode = \"constant\", pads = [0, 0, 1, 1, 0, 0, 1, 1], value = -70000.0>(a)", 6)}
+
+
+@pytest.mark.parametrize("op", list(_FILLS))
+def test_a_fill_past_the_range_that_reaches_a_low_matmul_is_clamped_before_its_cast(op):
+    """A Resize (tf_crop_and_resize) or Pad filling with -70000 keeps FP32 for that fill, but its
+    output went to an FP16 MatMul through a plain Cast: -70000 became -inf, and -inf × 0 made
+    every output NaN where FP32 is finite. The Cast now reads the value clamped to ±65504, as a
+    constant converted offline is (a mask sentinel of 1e8 and more to ±16384)."""
+    shape, line, n = _FILLS[op]
+    opset = 10 if op == "Pad-2" else 13  # (Pad-2: pads and value are attributes)
+    model = make_model(f"""
+    <ir_version: 8, opset_import: ["" : {opset}]>
+    g (float[1,1,4,4] x) => ({shape} y) {{
+      a = MatMul(x, w)
+      {line}
+      y = MatMul(r, wn)
+    }}""", {"w": np.eye(4, dtype=np.float32), "wn": (np.eye(n) * 0.01).astype(np.float32),
+            "sc": np.array([1, 1, 2, 2], np.float32), "roi": np.array([0, 0, -.5, -.5, 1, 1, 1.5, 1.5], np.float32),
+            "pads": np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64), "cv": np.array(-70000.0, np.float32)})
+    result = rewrite(model)
+    out = result.model
+    full_check(out)
+    from amp_rewrite.emulate import emulate_low
+
+    if not any(c.dst == "fp16" and c.tensor == "r" for c in result.log.casts):
+        pytest.skip(f"{op}: its output is not cast to fp16 at this opset")
+    [clip] = [node for node in out.graph.node if node.op_type == "Clip"]
+    record = next(c for c in result.log.casts if c.tensor == "r")
+    assert "clamped to ±65504 first (Clip): it may hold -70000" in record.reason
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 1, 4, 4)).astype(np.float32)}
+    want, got = run(model, feeds)["y"], run(emulate_low(out, FP16)[0], feeds)["y"]
+    assert np.isfinite(want).all() and np.isfinite(got).all()
+    assert np.abs(got - want).max() <= 0.1 * np.abs(want).max()  # (-65504 for -70000: 6.4%, not NaN)
+    assert not rewrite(out).modified
+
+
 @pytest.mark.parametrize("placement", ["optimal", "greedy"])
 def test_a_divisor_holding_a_tiny_constant_through_a_concat_keeps_the_division_fp32(placement):
     """A divisor that is partly a constant of 1e-6 (``Concat(h, tiny)``): not a constant, so the

@@ -1116,8 +1116,9 @@ def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
         for v in values:
             if v.dtype is not None and v.dtype.is_float:
                 holding[id(v)] = (source, big)
-                if abs(big) >= _SENTINEL:  # (a mask fill: cast_placement clamps it before a run-time cast)
-                    v.meta["amp.sentinel"] = (repr(source), big)
+                # (cast placement clamps it before a run-time cast to the low type: a mask fill to
+                # passes.base.SENTINEL_FILLS, any other number past the range to the type's limit)
+                v.meta["amp.sentinel"] = (repr(source), big)
 
     for node in graph.nodes:
         big = node.meta.get("fx.out_of_range")

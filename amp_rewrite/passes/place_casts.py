@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from ..decisions import CastRecord, Precision
 from ..ir import DType, Graph, Model, Node, Value
-from .base import (LOW_LIMITS, SENTINEL_FILLS, Context, PassResult, accepts_any_float, group_inputs, group_outputs, node_label,
-                   participates, precision, retypable_io, scope_label)
+from .base import (LOW_LIMITS, SENTINEL_FILLS, Context, PassResult, accepts_any_float, group_inputs, group_outputs,
+                   node_label, participates, precision, retypable_io, scope_label, string_attribute)
 
 
 # from -> the types that represent each of its values exactly (a cast there and back is the identity)
@@ -74,6 +74,7 @@ class Namer:
 
 
 _SENTINEL_SCAN = 1 << 24  # elements: a mask constant is a scalar or a mask, not a weight
+SENTINEL_MAGNITUDE = 1e8  # |x| at or above it is a mask sentinel (as onnx_constants.SENTINEL)
 # ops whose output may still hold a sentinel an input holds (copies, selections, elementwise
 # arithmetic that keeps the magnitude); not bounded ones (Softmax, Sigmoid, Tanh, normalisations)
 # nor those that compute anew: a probability is never clamped for a mask it was made from
@@ -81,12 +82,12 @@ _CARRY_SENTINELS = frozenset({
     "Cast", "CastLike", "Identity", "Mul", "Add", "Sub", "Div", "Neg", "Abs", "Sum", "Min", "Max", "Where",
     "Expand", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose", "Concat", "Slice", "Split", "Gather",
     "GatherElements", "GatherND", "Tile", "Pad", "Trilu", "ScatterND", "ScatterElements", "ReduceMin",
-    "ReduceMax", "DepthToSpace", "SpaceToDepth"})
+    "ReduceMax", "DepthToSpace", "SpaceToDepth", "Resize"})
 # the inputs a sentinel passes through, where not all of them: the others are indices, shapes, axes
 # or a condition (a Slice's int64 ``ends`` of INT64_MAX means "to the end", not a mask)
 _SENTINEL_SLOTS = {op: (0,) for op in ("CastLike", "Expand", "Reshape", "Unsqueeze", "Squeeze", "Slice", "Split",
                                        "Gather", "GatherElements", "GatherND", "Tile", "Trilu", "ReduceMin",
-                                       "ReduceMax")}
+                                       "ReduceMax", "Resize")}
 _SENTINEL_SLOTS.update({"Pad": (0, 2), "ScatterND": (0, 2), "ScatterElements": (0, 2), "Where": (1, 2)})
 
 
@@ -500,8 +501,9 @@ class _Placer:
         anchor = value.producer if value.producer is not None and value.producer.graph is scope else None
         source, saturated = value, None
         sentinel = self._sentinel(value) if need == self.low and value.dtype == DType.FLOAT else None
+        bound = self._bound(sentinel[1]) if sentinel is not None else None
         if sentinel is not None and self.model.frontend == "onnx":
-            source, made = self._saturation(value, tensor, scope)
+            source, made = self._saturation(value, tensor, scope, bound)
             for node in made:
                 scope.insert_after(anchor, node)
             saturated = sentinel
@@ -514,7 +516,7 @@ class _Placer:
         cast.meta.update({"amp.inserted": True, "amp.precision": Precision.NONE, "amp.participates": False,
                           "input_names": ["input"]})
         if saturated is not None and self.model.frontend != "onnx":
-            cast.meta["amp.saturate"] = SENTINEL_FILLS[self.low]
+            cast.meta["amp.saturate"] = bound
         scope.insert_after(anchor, cast)
         for use in uses:
             if use.node is None:
@@ -527,17 +529,27 @@ class _Placer:
             while (own := self._existing_cast(value, need, scope)) is not None:
                 own.set_input(0, out)
         reason = self._cast_reason(value, need, uses, scope)
-        if saturated is not None:
+        if saturated is not None and abs(saturated[1]) >= SENTINEL_MAGNITUDE:
             where, number = saturated
-            fill = SENTINEL_FILLS[self.low]
-            reason += (f"; clamped to ±{fill:g} first (Clip): it may hold the mask sentinel {number:g} "
-                       f"({where}), which a Cast makes ±inf (a fully masked softmax row NaN); ±{fill:g}, as a "
+            reason += (f"; clamped to ±{bound:g} first (Clip): it may hold the mask sentinel {number:g} "
+                       f"({where}), which a Cast makes ±inf (a fully masked softmax row NaN); ±{bound:g}, as a "
                        f"sentinel converted offline, still masks and leaves room to add a score")
+        elif saturated is not None:
+            where, number = saturated
+            reason += (f"; clamped to ±{bound:g} first (Clip): it may hold {number:g} ({where}), past "
+                       f"{self.low.short}'s range, which a Cast makes ±inf (and inf × 0 NaN in the op reading it); "
+                       f"clamped, as a constant converted offline is")
         self._record(cast.name, replaces or value, value.dtype, need, uses, scope, reason, "inserted")
         cast.meta["amp.reason"] = reason
         self.modified = True
 
     # -- mask sentinels -----------------------------------------------------------------------------------
+    def _bound(self, number: float) -> float:
+        """What a value that may hold ``number`` is clamped to before its Cast to the low type: a
+        mask sentinel (1e8 and more) to :data:`SENTINEL_FILLS`, any other number past the range to
+        the type's largest value, as offline conversion clamps a constant."""
+        return SENTINEL_FILLS[self.low] if abs(number) >= SENTINEL_MAGNITUDE else LOW_LIMITS[self.low]
+
     def _sentinel(self, value: Value, depth: int = 0) -> tuple[str, float] | None:
         """(where, the number) of a mask sentinel the FP32 ``value`` may hold: a constant of
         magnitude 1e8 or more that the low type cannot hold (-1e9, finfo(float32).min), read
@@ -548,7 +560,10 @@ class _Placer:
         sequence, a left-padded decoder row), where FP32 gives a finite row. In a torch graph the
         frontend marks such values (``amp.sentinel``: a ``mul`` by finfo.min, a ``masked_fill`` of
         -1e9, and what copies them); it keeps their infer and clear readers FP32, and an allow op
-        reading one (``baddbmm``, an attention's weights path) gets a clamped cast."""
+        reading one (``baddbmm``, an attention's weights path) gets a clamped cast. Any other number
+        past the low type's range counts the same way (a Pad's or Resize's fill of -70000 kept the
+        Pad FP32, and the Cast of its output to a MatMul made it -inf, and NaN after the MatMul):
+        the Cast reads it clamped to the type's largest value (:meth:`_bound`)."""
         if self.model.frontend == "torch" and value is not None:
             return value.meta.get("amp.sentinel")  # (marked by the torch frontend: a mask fill and its copies)
         if self.model.frontend != "onnx" or value is None or depth > 16:
@@ -562,13 +577,13 @@ class _Placer:
         return found
 
     def _find_sentinel(self, value: Value, depth: int) -> tuple[str, float] | None:
-        from ..frontends.onnx_constants import SENTINEL, _attribute, _largest
+        from ..frontends.onnx_constants import _attribute, _largest
         from ..frontends.onnx_loader import constant_array
 
         dtype = value.dtype  # (as painted: a low node's output is low already, its constants converted)
         if dtype is None or dtype == DType.BOOL or dtype in (DType.FLOAT16, DType.BFLOAT16):
             return None  # (a low value holds no sentinel: a constant converted offline is clamped)
-        threshold = max(SENTINEL, LOW_LIMITS[self.low])
+        threshold = LOW_LIMITS[self.low]  # (past it: a sentinel of 1e8 and more, or any other number)
         if value.data_known:  # (an overridable input's default mask too)
             if (value.numel or 0) > _SENTINEL_SCAN:
                 return None
@@ -580,6 +595,12 @@ class _Placer:
         if node.op_type == "ConstantOfShape":
             big = _largest(_attribute(node, "value"), threshold, float("inf"))
             return (f"the fill of {node_label(node)}", big) if big is not None else None
+        if node.op_type in ("Pad", "Resize"):  # a fill attribute (Pad before opset 11; Resize's crop)
+            name = "value" if node.op_type == "Pad" else "extrapolation_value"
+            big = _largest(_attribute(node, name), threshold, float("inf"))
+            if big is not None and (node.op_type == "Pad" or string_attribute(
+                    node, "coordinate_transformation_mode") == "tf_crop_and_resize"):
+                return (f"the {name} of {node_label(node)}", big)
         if node.op_type in ("If", "Loop", "Scan"):  # what the bodies return in this slot, or the loop starts from
             return self._sentinel_of_control(node, value, depth)
         if node.op_type not in _CARRY_SENTINELS:
@@ -610,15 +631,14 @@ class _Placer:
                 return found
         return None
 
-    def _saturation(self, value: Value, tensor: str, scope: Graph) -> tuple[Value, list[Node]]:
-        """``Clip(value, -fill, fill)`` in FP32 (:data:`SENTINEL_FILLS`), for the Cast to the low type to
+    def _saturation(self, value: Value, tensor: str, scope: Graph, limit: float) -> tuple[Value, list[Node]]:
+        """``Clip(value, -limit, limit)`` in FP32 (:meth:`_bound`), for the Cast to the low type to
         read: the nodes, in order."""
         from ..frontends.onnx_loader import schema_slots
 
         import numpy as np
 
         opset = scope.opsets.get("") or 0
-        limit = SENTINEL_FILLS[self.low]
         name = self.name(f"amp_saturate/{tensor}")
         out = Value(self.name(f"{tensor}/amp_saturated"), DType.FLOAT, value.shape)
         if opset >= 11:  # min and max are inputs
