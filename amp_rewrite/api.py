@@ -161,11 +161,16 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
         pairs = _batch_transpose_matmuls(model)
         if pairs:
             label, perm = pairs[0]
+            # (at ORT_ENABLE_EXTENDED onnxruntime 1.31's CPU provider computes zeros for an FP16
+            # DequantizeLinear → MatMul; with graph optimisations off both run correctly)
+            dequantized = any(n.op_type == "DequantizeLinear" and n.domain == "" and n.outputs
+                              and n.outputs[0].dtype == DType.FLOAT16 for n in model.graph.walk())
+            level = ("ORT_DISABLE_ALL (not ORT_ENABLE_EXTENDED: there it computes zeros for the model's FP16 "
+                     "DequantizeLinear → MatMul)") if dequantized else "ORT_ENABLE_EXTENDED"
             ctx.log.notes.append(
                 f"onnxruntime: {len(pairs)} FP16 Transpose → MatMul pair(s) moving the first axis back (e.g. "
                 f"{label!r}, perm={perm}; as around an LSTM): onnxruntime 1.31's CPU provider crashes (SIGSEGV) on "
-                f"them at its default optimisation level, ORT_ENABLE_ALL; on the CPU, load the output with "
-                f"ORT_ENABLE_EXTENDED")
+                f"them at its default optimisation level, ORT_ENABLE_ALL; on the CPU, load the output with {level}")
     if modified and model.meta.get("onnx.training_info"):
         ctx.log.notes.append(f"dropped: the model's training_info ({model.meta['onnx.training_info']} "
                              f"TrainingInfoProto) is not in the output: its algorithm binds the FP32 initializers "

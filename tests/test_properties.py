@@ -997,6 +997,31 @@ def test_known_ort_fp16_transpose_matmul_crash(worker: OrtWorker, perm: list[int
     assert status == "ok", got
 
 
+def test_the_crash_note_does_not_send_a_dequantizing_model_to_the_level_that_zeroes_it(worker: OrtWorker) -> None:
+    """The Transpose → MatMul note said: on the CPU, load with ORT_ENABLE_EXTENDED. There onnxruntime
+    1.31 computes zeros for an FP16 DequantizeLinear → MatMul (test_quantized loads at ALL for
+    that): a model with both got all-zero outputs by following the advice. Such a model is told
+    ORT_DISABLE_ALL, where both patterns run correctly."""
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2]), helper.make_node("MatMul", ["t", "w"], ["a"]),
+             helper.make_node("DequantizeLinear", ["wq", "ws"], ["wd"], axis=1), helper.make_node("MatMul", ["a", "wd"], ["y"])]
+    graph = helper.make_graph(nodes, "tmdq", [helper.make_tensor_value_info("x", FLOAT, [3, 2, 8])],
+                              [helper.make_tensor_value_info("y", FLOAT, [2, 3, 8])],
+                              [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32) / 3, "w"),
+                               numpy_helper.from_array(rng.integers(-127, 127, (8, 8)).astype(np.int8), "wq"),
+                               numpy_helper.from_array((np.arange(8) * 0.01 + 0.01).astype(np.float32), "ws")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
+    result = rewrite_onnx_model(model)
+    [note] = [n for n in result.report.summary_text().splitlines() if n.startswith("onnxruntime:")]
+    assert "load the output with ORT_DISABLE_ALL (not ORT_ENABLE_EXTENDED" in note
+    x = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    status, ref = worker.run(model, {"x": x})
+    assert status == "ok", ref
+    status, got = worker.run(result.model, {"x": x}, unoptimized=True)
+    assert status == "ok", got
+    assert np.abs(got["y"] - ref["y"]).max() <= 2e-2 * np.abs(ref["y"]).max()
+
+
 @pytest.mark.parametrize("perm", [[0, 2, 1], [2, 0, 1], [2, 1, 0], [0, 2, 1, 3]])
 def test_a_transpose_onnxruntime_runs_before_a_matmul_gets_no_crash_note(worker: OrtWorker, perm: list[int]) -> None:
     """The other orders load at ORT_ENABLE_ALL: no note for them."""
