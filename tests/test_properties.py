@@ -965,6 +965,17 @@ def test_constant_of_shape_stays_fp32_where_its_schema_has_no_bf16() -> None:
         assert not rewrite_onnx_model(result.model, target="bf16").modified
 
 
+def _transpose_matmul(perm: list[int]) -> tuple[onnx.ModelProto, list[int]]:
+    """``Transpose(x, perm) → MatMul``, and x's shape."""
+    dims = [2, 3, 4, 6][:len(perm)]
+    shape = [dims[p] for p in perm]
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=perm), helper.make_node("MatMul", ["t", "w"], ["y"])]
+    graph = helper.make_graph(nodes, "tm", [helper.make_tensor_value_info("x", FLOAT, dims)],
+                              [helper.make_tensor_value_info("y", FLOAT, [*shape[:-1], 5])],
+                              [numpy_helper.from_array(np.full((shape[-1], 5), 0.25, np.float32), "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION), dims
+
+
 @pytest.mark.parametrize("perm", [[1, 0, 2], [1, 2, 0], [1, 2, 0, 3], [1, 2, 3, 0]])
 def test_known_ort_fp16_transpose_matmul_crash(worker: OrtWorker, perm: list[int]) -> None:
     """Found by the fuzzer, not ours: onnxruntime 1.31's CPU provider dies with SIGSEGV on an FP16
@@ -973,13 +984,7 @@ def test_known_ort_fp16_transpose_matmul_crash(worker: OrtWorker, perm: list[int
     below, and on the FP32 original). The rewritten model is valid and runs correctly without
     optimisations, and the summary says how to load it on the CPU (the corpus's LSTM models have
     the pair). Strict xfail: when onnxruntime fixes it, this says so."""
-    dims = [2, 3, 4, 6][:len(perm)]
-    shape = [dims[p] for p in perm]
-    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=perm), helper.make_node("MatMul", ["t", "w"], ["y"])]
-    graph = helper.make_graph(nodes, "tm", [helper.make_tensor_value_info("x", FLOAT, dims)],
-                              [helper.make_tensor_value_info("y", FLOAT, [*shape[:-1], 5])],
-                              [numpy_helper.from_array(np.full((shape[-1], 5), 0.25, np.float32), "w")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION)
+    model, dims = _transpose_matmul(perm)
     result = rewrite_onnx_model(model)
     out = result.model
     note = f"onnxruntime: 1 FP16 Transpose → MatMul pair(s) moving the first axis back (e.g. 'Transpose:t', perm={perm}"
@@ -1025,13 +1030,7 @@ def test_the_crash_note_does_not_send_a_dequantizing_model_to_the_level_that_zer
 @pytest.mark.parametrize("perm", [[0, 2, 1], [2, 0, 1], [2, 1, 0], [0, 2, 1, 3]])
 def test_a_transpose_onnxruntime_runs_before_a_matmul_gets_no_crash_note(worker: OrtWorker, perm: list[int]) -> None:
     """The other orders load at ORT_ENABLE_ALL: no note for them."""
-    dims = [2, 3, 4, 6][:len(perm)]
-    shape = [dims[p] for p in perm]
-    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=perm), helper.make_node("MatMul", ["t", "w"], ["y"])]
-    graph = helper.make_graph(nodes, "tm", [helper.make_tensor_value_info("x", FLOAT, dims)],
-                              [helper.make_tensor_value_info("y", FLOAT, [*shape[:-1], 5])],
-                              [numpy_helper.from_array(np.full((shape[-1], 5), 0.25, np.float32), "w")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION)
+    model, dims = _transpose_matmul(perm)
     result = rewrite_onnx_model(model)
     assert not any(n.startswith("onnxruntime:") for n in result.report.summary_text().splitlines())
     x = np.random.default_rng(0).standard_normal(dims).astype(np.float32)
