@@ -67,9 +67,15 @@ def explain_node(model_path: str | os.PathLike, node_name: str, **options: Any) 
         return text + ("\n\n" + explain_decision(report, record.node) if record.node in report.log.decisions else "")
     clamps = _saturating_nodes(model, casts)
     if label in clamps and label not in nodes and label not in casts:
-        record = casts[clamps[label]]
-        return (f"{node_name}: inserted with {record.name}, to clamp {record.tensor!r} before that Cast (a mask "
-                f"sentinel the Cast would make ±inf)\n\n" + _explain_cast(report, record))
+        kind, target = clamps[label]
+        if kind == "cast":
+            record = casts[target]
+            return (f"{node_name}: inserted with {record.name}, to clamp {record.tensor!r} before that Cast (a "
+                    f"number past the range, a mask sentinel, that the Cast would make ±inf)\n\n"
+                    + _explain_cast(report, record))
+        text = (f"{node_name}: inserted after {target}, to clamp its fp16 sum to ±65504 (it adds a mask sentinel "
+                f"saturated to -65504, and the sum with a score overflowed to -inf)")
+        return text + ("\n\n" + explain_decision(report, target) if target in report.log.decisions else "")
     name = _resolve(label, nodes, casts, model_path, also=[*fused, *clamps])
     if name in casts:
         return _explain_cast(report, casts[name])
@@ -88,10 +94,13 @@ def explain_node(model_path: str | os.PathLike, node_name: str, **options: Any) 
     return text
 
 
-def _saturating_nodes(model, casts: dict) -> dict[str, str]:
-    """The names of the nodes place_casts inserted to clamp a mask sentinel (a Clip and its bound
-    Constants), each with the name of the Cast it clamps for."""
-    found: dict[str, str] = {}
+def _saturating_nodes(model, casts: dict) -> dict[str, tuple[str, str]]:
+    """The names of the nodes place_casts inserted to clamp (their kind ``saturate``): a Clip and
+    its bound Constants before a Cast, each with ("cast", the Cast's name); a Max/Min and its
+    bound after an FP16 sum, with ("node", the sum's label)."""
+    from .passes.base import node_label
+
+    found: dict[str, tuple[str, str]] = {}
     for node in model.graph.walk():
         if node.meta.get("amp.inserted_kind") != "saturate" or not node.name:
             continue
@@ -103,7 +112,17 @@ def _saturating_nodes(model, casts: dict) -> dict[str, str]:
                 break
             frontier = readers
         if cast is not None:
-            found[node.name] = cast
+            found[node.name] = ("cast", cast)
+            continue
+        clamp = node if node.op_type in ("Max", "Min") else next(
+            (r for out in node.outputs if out is not None for r, _ in out.uses() if r.op_type in ("Max", "Min")), None)
+        while clamp is not None and clamp.meta.get("amp.inserted_kind") == "saturate":
+            source = clamp.inputs[0].producer if clamp.inputs and clamp.inputs[0] is not None else None
+            if source is None or source.meta.get("amp.inserted_kind") != "saturate":
+                if source is not None:
+                    found[node.name] = ("node", node_label(source))
+                break
+            clamp = source  # (a Min after a Max: the sum is before both)
     return found
 
 

@@ -332,7 +332,7 @@ def test_a_mask_sentinel_computed_at_run_time_saturates_before_its_cast(target, 
     want, got = run(m, feeds)["y"], run(emulated, feeds)["y"]
     assert np.isfinite(got).all()
     # the fully masked row attends to padding only: FP32 averages it (every score is finfo.min
-    # alone), the low type nearly picks one (-16384 + score keeps part of the score); both are
+    # alone), the low type nearly picks one (-65504 + score keeps part of the score); both are
     # finite, neither is meaningful. The other row is compared.
     assert rel_err(want[0], got[0]) < ck.default_tolerance(target)
 
@@ -383,7 +383,8 @@ def test_a_fully_masked_row_stays_finite_when_the_saturated_sentinel_meets_a_low
     saturated to -65504 (its Clip before the run-time Cast, or the causal constant converted
     offline), and the FP16 sum with a score of -16 or less was -inf: such a row was -inf
     throughout, NaN after its softmax, and the NaN reached every row through the second layer's
-    keys, where FP32 gives finite rows. A sentinel now saturates to -16384, which still masks."""
+    keys, where FP32 gives finite rows. Such an FP16 sum is now clamped to ±65504 (Max), as HF
+    clamps attention scores to finfo.min: the row is finite."""
     m = _two_causal_attention_layers(order)
     low = rewrite(m, placement=placement).model
     full_check(low)
@@ -394,6 +395,50 @@ def test_a_fully_masked_row_stays_finite_when_the_saturated_sentinel_meets_a_low
     assert np.isfinite(want).all() and np.isfinite(got).all()
     # (the fully masked rows attend to padding only, finite but meaningless in both: the rest compare)
     assert rel_err(want[:, 2:], got[:, 2:]) < ck.default_tolerance("fp16")
+    clamps = [n for n in low.graph.node if n.op_type == "Max"]
+    assert len(clamps) == (2 if order == "summed" else 4)  # (one per sum with a mask, per layer)
+    assert all(n.name.startswith("amp_saturate/") for n in clamps)
+    assert not rewrite(low, placement=placement).modified
+
+
+_NOT_MASKS = {
+    # T5's clamp(h, -finfo.max, finfo.max): a bound, not a mask; FP16 data up to 65504 passes it
+    "clip bound": ("""h = MatMul(x, w)
+          c = Clip(h, lo, hi)
+          y = MatMul(c, w)""", {"x": [[30000, 20000, 100, 1], [-30000, 5, 6, 7]]}),
+    # a masked max: what is not masked keeps its value, 30000 included
+    "masked max": ("""h = MatMul(x, w)
+          mh = Where(keep, h, neg)
+          p = ReduceMax<axes = [0], keepdims = 1>(mh)
+          y = MatMul(p, w)""", {"x": [[20000, 1, 2, 3], [4, 30000, 6, 7]], "keep": [[True] * 4, [True, True, False, True]]}),
+    # the masked entries found by a threshold between -65504 and the sentinel
+    "threshold": ("""h = MatMul(x, w)
+          ms = Where(keep, h, neg)
+          t = Less(ms, thr)
+          z = Where(t, zero, ms)
+          y = MatMul(z, w)""", {"x": [[0, 1, 2, 3], [4, 5, 6, 7]], "keep": [[True, True, False, False], [True, False, True, False]]}),
+}
+
+
+@pytest.mark.parametrize("case", list(_NOT_MASKS))
+def test_sentinel_sized_constants_that_are_no_additive_mask_keep_fp16_data_exact(case):
+    """A fix that saturated mask sentinels to ±16384 instead of ±65504 (for the sum with a score)
+    clipped FP16 data that FP32 keeps: a Clip bound of finfo.max became 16384 (T5's clamp: 45%
+    off), a Where/ReduceMax masked max clipped its 30000s, and Less(ms, -30000) stopped finding
+    the masked entries. Sentinels saturate at ±65504; the sum with a score is clamped after it."""
+    body, feeds = _NOT_MASKS[case]
+    big = np.float32(np.finfo(np.float32).max)
+    model = make_model(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,4] x, bool[2,4] keep) => (float[{1 if case == "masked max" else 2},4] y) {{
+          {body}
+        }}""", {"w": np.eye(4, dtype=np.float32), "lo": np.array(-big), "hi": np.array(big),
+                "neg": np.array(-1e9, np.float32), "thr": np.array(-3e4, np.float32), "zero": np.array(0, np.float32)})
+    low = rewrite(model).model
+    full_check(low)
+    feeds = {"x": np.asarray(feeds["x"], np.float32), "keep": np.asarray(feeds.get("keep", [[True] * 4] * 2))}
+    want, got = run(model, feeds)["y"], run(emulate_low(low)[0], feeds)["y"]
+    assert np.isfinite(got).all() and rel_err(want, got) < 1e-3
 
 
 def test_a_mask_sentinel_an_overridable_input_holds_saturates_before_its_cast():
@@ -436,8 +481,8 @@ def test_the_sentinel_walk_stops_at_a_low_node_whose_sentinel_was_converted():
     """A Where selecting finfo.min runs low (its constant converted offline, clamped); an FP32 Mul
     reading it (by 1e5, past FP16's range) has its output cast for the next MatMul: the walk went
     through the low Where to the constant's FP32 data and clamped a value that holds no sentinel.
-    (The Mul's 1e5 is a number past the range the cast may hold: clamped at ±65504 for it, not at
-    the sentinel's ±16384.)"""
+    (The Mul's 1e5 is a number past the range the cast may hold: clamped at ±65504 for it, and
+    the reason names it, not the sentinel.)"""
     m = make_model("""
         <ir_version: 8, opset_import: ["" : 17]>
         g (float[2,8] x, bool[2,8] keep) => (float[2,8] y) {

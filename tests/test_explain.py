@@ -227,7 +227,7 @@ def test_explain_answers_for_the_clip_that_saturates_a_mask_before_its_cast(tmp_
     onnx.save(model, path)
     text = explain_node(path, "amp_saturate/neg")
     assert text.startswith("amp_saturate/neg: inserted with amp_cast/neg/to_fp16, to clamp 'neg'")
-    assert "amp_cast/neg/to_fp16: Cast inserted on neg (fp32→fp16)" in text and "clamped to ±16384" in text
+    assert "amp_cast/neg/to_fp16: Cast inserted on neg (fp32→fp16)" in text and "clamped to ±65504" in text
     bound = next(n for n in rewrite_names(model) if n.startswith("amp_saturate/neg/min"))
     assert explain_node(path, bound).startswith(f"{bound}: inserted with amp_cast/neg/to_fp16")
 
@@ -236,3 +236,22 @@ def rewrite_names(model: onnx.ModelProto) -> list[str]:
     from util import rewrite
 
     return [n.name for n in rewrite(model).model.graph.node]
+
+
+def test_explain_answers_for_the_clamp_after_an_fp16_sum_with_a_mask(tmp_path):
+    """The Max that clamps an FP16 Add of scores and a saturated mask explains as part of the Add."""
+    import numpy as np
+
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {
+          q = MatMul(x, w1)
+          s = Add(q, causal)
+          sm = Softmax<axis = 1>(s)
+          y = MatMul(sm, w2)
+        }""", {"w1": (8, 8), "w2": (8, 8), "causal": np.triu(np.full((4, 8), -1e9, np.float32), 1)})
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    text = explain_node(path, "amp_saturate/s")
+    assert text.startswith("amp_saturate/s: inserted after Add:s, to clamp its fp16 sum to ±65504")
+    assert "Add:s (Add) computes in fp16" in text

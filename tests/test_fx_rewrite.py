@@ -449,7 +449,7 @@ def test_loading_a_checkpoint_clamps_a_converted_weight_as_the_rewrite_does():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gm.load_state_dict(state)
-    assert gm.l2.weight[0, 0].item() == -16384.0  # (a quarter of the range, as the rewrite converts one)
+    assert gm.l2.weight[0, 0].item() == -65504.0
 
 
 class _Rope(nn.Module):
@@ -1866,7 +1866,7 @@ def test_readers_of_a_module_tensor_past_the_range_keep_fp32(capture, how, train
 
 
 def test_a_mask_sentinel_in_a_buffer_does_not_keep_its_reader_fp32():
-    """-1e9 in a mask buffer is a sentinel (saturated to -16384 it still masks): its ``add`` may
+    """-1e9 in a mask buffer is a sentinel (saturated to -65504 it still masks): its ``add`` may
     go low with the softmax input around it, as on the ONNX side."""
     torch.manual_seed(0)
     model = _HoldsABigTensor("mask").eval()

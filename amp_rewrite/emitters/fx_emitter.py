@@ -29,7 +29,6 @@ clamped and flushed-to-zero counts and huge sentinels go in the report.
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 import warnings
 from typing import Any
@@ -562,11 +561,6 @@ def convert_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tens
         clamped = int(over.sum())
         if clamped:
             data = torch.where(over, torch.sign(data) * limit, data)
-        if sentinel is not None:  # a mask sentinel: to the fill (passes.base.SENTINEL_FILLS), room for a sum
-            fill = 2.0 ** (math.frexp(limit)[1] - 2)
-            huge = big & (data.abs() >= min(fill, limit))  # (past the fill: clamped above, if past the limit)
-            if bool(huge.any()):
-                data = torch.where(huge, torch.sign(data) * fill, data)
         converted = data.to(dtype)
         flushed = int(((data != 0) & (converted == 0)).sum())
     return converted.contiguous(), clamped, flushed, sentinel

@@ -480,10 +480,6 @@ def convert_array(data: np.ndarray, target) -> tuple[np.ndarray, int, int, dict 
         clamped = int(np.count_nonzero(over))
         if clamped:
             data = np.where(over, np.sign(data) * info.max, data)
-    if top >= max(SENTINEL, info.sentinel_fill):  # a mask sentinel: to the fill, which leaves room for a sum
-        fill = (magnitude >= max(SENTINEL, info.sentinel_fill)) & (magnitude < np.inf)
-        if fill.any():
-            data = np.where(fill, np.sign(data) * info.sentinel_fill, data)
     converted = data.astype(target)
     flushed = 0
     if bottom < info.smallest_subnormal:  # (below it, a value may round to zero)
@@ -494,17 +490,14 @@ def convert_array(data: np.ndarray, target) -> tuple[np.ndarray, int, int, dict 
 
 @functools.lru_cache(maxsize=None)
 def _limits(target):
-    """The 16-bit type's largest finite value, smallest subnormal and mask-sentinel fill, as Python
-    floats."""
+    """The 16-bit type's largest finite value and smallest subnormal, as Python floats."""
     finfo = ml_dtypes.finfo(target)
-    # (a quarter of the range: passes.base.SENTINEL_FILLS, here by the numpy type)
-    return _Limits(float(finfo.max), float(finfo.smallest_subnormal), 2.0 ** (int(finfo.maxexp) - 2))
+    return _Limits(float(finfo.max), float(finfo.smallest_subnormal))
 
 
 class _Limits(NamedTuple):
     max: float
     smallest_subnormal: float
-    sentinel_fill: float
 
 
 def _zeros(values: np.ndarray) -> int:

@@ -1116,8 +1116,8 @@ def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
         for v in values:
             if v.dtype is not None and v.dtype.is_float:
                 holding[id(v)] = (source, big)
-                # (cast placement clamps it before a run-time cast to the low type: a mask fill to
-                # passes.base.SENTINEL_FILLS, any other number past the range to the type's limit)
+                # (cast placement clamps it to the type's limit before a run-time cast to the low
+                # type: a mask fill, or any other number past the range)
                 v.meta["amp.sentinel"] = (repr(source), big)
 
     for node in graph.nodes:
@@ -1138,9 +1138,8 @@ def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
             hold(node.outputs, source, big)
 
 
-# |x| at or above this is a mask sentinel (-1e9, finfo(float32).min): saturated to a quarter of the
-# low type's range (passes.base.SENTINEL_FILLS) it still masks (as onnx_constants.SENTINEL: the
-# report counts it, --check expects it)
+# |x| at or above this is a mask sentinel (-1e9, finfo(float32).min): saturated to the low type's
+# limit it still masks (as onnx_constants.SENTINEL: the report counts it, --check expects it)
 _SENTINEL = 1e8
 
 

@@ -15,8 +15,7 @@ target's finite range is marked; classify keeps such an infer or clear op FP32, 
 Small constants combined by elementwise arithmetic alone (``Mul(k, k)`` of a 300 is 90000) are
 folded: the node computing a value past the range and its readers keep FP32 the same way.
 Infinities are left alone (the low types hold them), and so are mask sentinels of magnitude 1e8
-and more (-1e9, finfo(float32).min): saturated (to a quarter of the range, -16384 in FP16:
-``passes.base.SENTINEL_FILLS``), they still mask, which the report counts and
+and more (-1e9, finfo(float32).min): saturated, they still mask, which the report counts and
 ``--check`` expects; keeping every mask op FP32 for them would add casts to every attention block
 for nothing.
 
@@ -39,8 +38,8 @@ from ..ir import DType, Model, Node, Value
 from ..passes.base import LOW_LIMITS, Context, PassResult, string_attribute
 from .onnx_loader import constant_array
 
-# |x| at or above this is a mask sentinel (-1e9, finfo(float32).min): it saturates (to
-# passes.base.SENTINEL_FILLS) and still masks (exp of it is 0), as the report and --check expect
+# |x| at or above this is a mask sentinel (-1e9, finfo(float32).min): it saturates to the low
+# type's limit or infinity and still masks (exp of it is 0), as the report and --check expect
 SENTINEL = 1e8
 META = "amp.exact_constant"
 LOST_EPSILON = "amp.lost_epsilon"  # (classify: a deny seed, see _vanishes)

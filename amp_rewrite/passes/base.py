@@ -30,16 +30,9 @@ class Options:
 
 
 # the low types' largest finite values: constants past them keep their readers FP32
-# (onnx_constants)
+# (onnx_constants), and a value that may hold one cast at run time is clamped to them first
+# (place_casts)
 LOW_LIMITS = {DType.FLOAT16: 65504.0, DType.BFLOAT16: 3.3895313892515355e38}
-
-# What a mask sentinel (|x| >= 1e8: -1e9, finfo(float32).min) becomes in the low type, converted
-# offline or clamped before a run-time cast: a quarter of the range (a power of two, exact in
-# both types), not its limit. A sentinel is not data: it only has to make exp() 0, and -16384
-# does. At -65504, the FP16 sum of it and a score of -16 or less was -inf, and a row every
-# entry of which is masked (a left-padded sequence) was -inf throughout: its softmax NaN, where
-# FP32 gives a finite row. At a quarter, two sentinels and a score still sum finite.
-SENTINEL_FILLS = {DType.FLOAT16: 16384.0, DType.BFLOAT16: 2.0 ** 126}
 
 
 @dataclass

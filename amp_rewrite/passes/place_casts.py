@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..decisions import CastRecord, Precision
 from ..ir import DType, Graph, Model, Node, Value
-from .base import (LOW_LIMITS, SENTINEL_FILLS, Context, PassResult, accepts_any_float, group_inputs, group_outputs,
+from .base import (LOW_LIMITS, Context, PassResult, accepts_any_float, group_inputs, group_outputs,
                    node_label, participates, precision, retypable_io, scope_label, string_attribute)
 
 
@@ -203,6 +203,7 @@ class _Placer:
             if before == DType.FLOAT and value.dtype == self.low and name not in self.ctx.log.io_changed:
                 self.ctx.log.io_changed.append(name)  # (--no-keep-io-types: a caller now reads it low)
         self._remove_identity_casts(scopes)
+        self._saturate_low_sums(scopes)
         for scope in scopes:
             scope.sort()
         self._convert_unread_aliases()
@@ -501,7 +502,7 @@ class _Placer:
         anchor = value.producer if value.producer is not None and value.producer.graph is scope else None
         source, saturated = value, None
         sentinel = self._sentinel(value) if need == self.low and value.dtype == DType.FLOAT else None
-        bound = self._bound(sentinel[1]) if sentinel is not None else None
+        bound = LOW_LIMITS[self.low]
         if sentinel is not None and self.model.frontend == "onnx":
             source, made = self._saturation(value, tensor, scope, bound)
             for node in made:
@@ -517,6 +518,8 @@ class _Placer:
                           "input_names": ["input"]})
         if saturated is not None and self.model.frontend != "onnx":
             cast.meta["amp.saturate"] = bound
+        if saturated is not None:
+            out.meta["amp.saturated"] = saturated[1]  # (its low readers: _saturate_low_sums)
         scope.insert_after(anchor, cast)
         for use in uses:
             if use.node is None:
@@ -532,8 +535,8 @@ class _Placer:
         if saturated is not None and abs(saturated[1]) >= SENTINEL_MAGNITUDE:
             where, number = saturated
             reason += (f"; clamped to ±{bound:g} first (Clip): it may hold the mask sentinel {number:g} "
-                       f"({where}), which a Cast makes ±inf (a fully masked softmax row NaN); ±{bound:g}, as a "
-                       f"sentinel converted offline, still masks and leaves room to add a score")
+                       f"({where}), which a Cast makes ±inf (a fully masked softmax row NaN), where a constant "
+                       f"converted offline saturates")
         elif saturated is not None:
             where, number = saturated
             reason += (f"; clamped to ±{bound:g} first (Clip): it may hold {number:g} ({where}), past "
@@ -544,18 +547,115 @@ class _Placer:
         self.modified = True
 
     # -- mask sentinels -----------------------------------------------------------------------------------
-    def _bound(self, number: float) -> float:
-        """What a value that may hold ``number`` is clamped to before its Cast to the low type: a
-        mask sentinel (1e8 and more) to :data:`SENTINEL_FILLS`, any other number past the range to
-        the type's largest value, as offline conversion clamps a constant."""
-        return SENTINEL_FILLS[self.low] if abs(number) >= SENTINEL_MAGNITUDE else LOW_LIMITS[self.low]
+    def _saturate_low_sums(self, scopes: list[Graph]) -> None:
+        """An FP16 Add/Sub (Sum) reading a value that may hold a number FP16 saturates (a mask
+        sentinel of -1e9 converted offline, or clamped before its run-time Cast, to -65504) is
+        followed by ``Max(sum, -65504)`` (``Min(sum, 65504)`` for a positive one), in FP16. Its
+        sum with a score of -16 or less was -inf, where FP32 (-1e9 + score) is finite: a row every
+        entry of which is masked (a left-padded sequence under a causal mask) was -inf throughout,
+        its softmax NaN, and the next layer spread the NaN to every row. Clamped, such a row is
+        -65504 throughout and its softmax finite, as HF's models clamp attention scores to
+        finfo.min. (ONNX, FP16: BF16 holds -1e9 and 2 * finfo(float32).min overflows in FP32
+        too.)"""
+        if self.model.frontend != "onnx" or self.low != DType.FLOAT16:
+            return
+        memo: dict[int, float | None] = {}
+        made = 0
+        first = None
+        for scope in scopes:
+            for node in list(scope.nodes):
+                if node.domain != "" or node.op_type not in ("Add", "Sub", "Sum") or not node.outputs:
+                    continue
+                out = node.outputs[0]
+                if out is None or out.dtype != DType.FLOAT16 or out.is_graph_output or not out.has_uses():
+                    continue
+                numbers = [self._saturated_in(v, memo) for v in node.inputs]
+                if node.op_type == "Sub" and len(numbers) > 1 and numbers[1] is not None:
+                    numbers[1] = -numbers[1]  # (a - (-1e9) overflows upwards)
+                numbers = [n for n in numbers if n is not None]
+                if not numbers:
+                    continue
+                signs = {n < 0 for n in numbers}
+                self._clamp_sum(node, out, scope, signs)
+                made += 1
+                first = first or node_label(node)
+        if made:
+            self.ctx.log.notes.append(
+                f"{made} fp16 Add/Sub reading a mask sentinel saturated to ±65504 (e.g. {first!r}) clamp their sum "
+                f"to ±65504 (Max/Min, tagged inserted: saturate): the fp16 sum of -65504 and a score of -16 or less "
+                f"is -inf, and a fully masked row's softmax NaN, where FP32 is finite")
+            self.modified = True
+
+    def _saturated_in(self, value: Value | None, memo: dict[int, float | None], depth: int = 0) -> float | None:
+        """A number past FP16's range that the FP16 ``value`` may hold saturated (as -65504): a
+        constant converted offline, a value clamped before its run-time Cast, or what copies or
+        adds them (:data:`_CARRY_SENTINELS`); None where there is none."""
+        from ..frontends.onnx_constants import _attribute, _largest
+        from ..frontends.onnx_loader import constant_array
+
+        if value is None or value.dtype != DType.FLOAT16 or depth > 16:
+            return None
+        if id(value) in memo:
+            return memo[id(value)]
+        memo[id(value)] = None  # (a cycle through a body reads as none)
+        limit, found = LOW_LIMITS[self.low], None
+        if "amp.saturated" in value.meta:
+            found = value.meta["amp.saturated"]
+        elif value.data_known:
+            source = value.meta.get("amp.copy_of", value)
+            if value.meta.get("amp.was") == DType.FLOAT and (source.numel or 0) <= _SENTINEL_SCAN:
+                found = _largest(constant_array(source), limit, float("inf"))
+        elif (node := value.producer) is not None and node.domain == "":
+            if node.op_type == "ConstantOfShape":
+                found = _largest(_attribute(node, "value"), limit, float("inf"))
+            elif node.op_type in _CARRY_SENTINELS or node.meta.get("amp.inserted_kind") == "saturate":
+                slots = _SENTINEL_SLOTS.get(node.op_type, range(len(node.inputs)))
+                for slot in slots:
+                    found = self._saturated_in(node.inputs[slot], memo, depth + 1) if slot < len(node.inputs) else None
+                    if found is not None:
+                        break
+        memo[id(value)] = found
+        return found
+
+    def _clamp_sum(self, node: Node, out: Value, scope: Graph, signs: set[bool]) -> None:
+        """``Max(out, -65504)`` and/or ``Min(·, 65504)`` in FP16 after ``node``; its readers read the clamp."""
+        import numpy as np
+
+        from ..frontends.onnx_loader import schema_slots
+
+        opset = scope.opsets.get("") or 0
+        readers = list(out.uses())
+        anchor, current = node, out
+        limit = LOW_LIMITS[self.low]
+        for negative in sorted(signs, reverse=True):  # (Max for a negative sentinel first)
+            op = "Max" if negative else "Min"
+            name = self.name(f"amp_saturate/{out.name}")
+            bound = Value(self.name(f"{name}/bound"), DType.FLOAT16, ())
+            bound.const_numel = 1
+            bound.meta["amp.made_by_fusion"] = True  # (not in the input: weight counts leave it out)
+            constant = Node("Constant", [], name=self.name(f"{name}/bound"),
+                            attrs={"value": np.asarray(-limit if negative else limit, np.float16)}, outputs=[bound])
+            clamped = Value(self.name(f"{out.name}/amp_saturated"), DType.FLOAT16, out.shape)
+            clamp = Node(op, [current, bound], name=name, outputs=[clamped])
+            for made in (constant, clamp):
+                made.opset = opset
+                schema_slots(made.op_type, "", opset, len(made.inputs), 1).apply(made)
+                made.meta.update({"amp.inserted": True, "amp.inserted_kind": "saturate",
+                                  "amp.precision": Precision.NONE, "amp.participates": False,
+                                  "amp.reason": f"clamps the fp16 sum of {node_label(node)} to ±{limit:g}: it may "
+                                                f"add a mask sentinel saturated to ±{limit:g}, and overflow to ±inf"})
+                scope.insert_after(anchor, made)
+                anchor = made
+            clamped.meta["amp.saturated"] = -limit if negative else limit
+            current = clamped
+        for reader, index in readers:
+            reader.set_input(index, current)
 
     def _sentinel(self, value: Value, depth: int = 0) -> tuple[str, float] | None:
         """(where, the number) of a mask sentinel the FP32 ``value`` may hold: a constant of
         magnitude 1e8 or more that the low type cannot hold (-1e9, finfo(float32).min), read
         through the FP32 elementwise and copying ops that made ``value`` (``(1 - mask) * fmin``).
-        A constant like it that a low node reads is converted offline, which saturates it (to
-        :data:`SENTINEL_FILLS`); cast at
+        A constant like it that a low node reads is converted offline, which saturates it; cast at
         run time it became -inf, and a fully masked row of the softmax after it NaN (a padded
         sequence, a left-padded decoder row), where FP32 gives a finite row. In a torch graph the
         frontend marks such values (``amp.sentinel``: a ``mul`` by finfo.min, a ``masked_fill`` of
@@ -563,7 +663,7 @@ class _Placer:
         reading one (``baddbmm``, an attention's weights path) gets a clamped cast. Any other number
         past the low type's range counts the same way (a Pad's or Resize's fill of -70000 kept the
         Pad FP32, and the Cast of its output to a MatMul made it -inf, and NaN after the MatMul):
-        the Cast reads it clamped to the type's largest value (:meth:`_bound`)."""
+        the Cast reads it clamped to the type's largest value."""
         if self.model.frontend == "torch" and value is not None:
             return value.meta.get("amp.sentinel")  # (marked by the torch frontend: a mask fill and its copies)
         if self.model.frontend != "onnx" or value is None or depth > 16:
@@ -632,8 +732,8 @@ class _Placer:
         return None
 
     def _saturation(self, value: Value, tensor: str, scope: Graph, limit: float) -> tuple[Value, list[Node]]:
-        """``Clip(value, -limit, limit)`` in FP32 (:meth:`_bound`), for the Cast to the low type to
-        read: the nodes, in order."""
+        """``Clip(value, -limit, limit)`` in FP32 (``limit``: the low type's largest value), for the
+        Cast to the low type to read: the nodes, in order."""
         from ..frontends.onnx_loader import schema_slots
 
         import numpy as np
