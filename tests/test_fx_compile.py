@@ -383,3 +383,44 @@ def test_compile_training_refuses_in_graph_scaling(option):
     error = caught.value
     error = getattr(error, "inner_exception", error)  # (dynamo wraps a backend's error)
     assert isinstance(error, UsageError) and "does not apply under torch.compile" in str(error)
+
+
+class _Rotary(torch.nn.Module):
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), persistent=False)
+        self.l = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, pos):
+        f = (self.inv_freq[None, :, None].expand(pos.shape[0], -1, 1) @ pos[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((f, f), -1)
+        return self.l(x) * emb.cos() + x * emb.sin()
+
+
+class _LearnedScale(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l, self.l2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.scale = torch.nn.Parameter(torch.full((8,), 1e5))
+
+    def forward(self, x):
+        return self.l2(self.l(x) * self.scale) * 1e-5
+
+
+@pytest.mark.parametrize("case", ["rotary fp16", "rotary bf16", "learned scale"])
+def test_a_parameter_or_buffer_dynamo_passes_in_is_checked_as_the_module_holds_it(case):
+    """torch.compile lifts parameters and buffers to graph inputs: the checks on module tensors'
+    values never ran. A rotary inv_freq buffer was an activation to the position check (angles
+    in fp16 at position 3000: 92% off; bf16 at 300: 62%), and a learned scale of 1e5 was cast to
+    fp16 at run time (inf, NaN outputs). They are read as the module's tensors now."""
+    torch.manual_seed(0)
+    target = "bf16" if case == "rotary bf16" else "fp16"
+    if case.startswith("rotary"):
+        model, x = _Rotary(), torch.randn(2, 6, 8)
+        args = (x, torch.arange(6).expand(2, 6) + (3000 if target == "fp16" else 300))
+    else:
+        model, args = _LearnedScale(), (torch.randn(4, 8) * 0.01,)
+    compiled = torch.compile(model, backend="amp_rewrite", options={"target": target, "backend": "aot_eager"})
+    with torch.no_grad():
+        want, got = model(*args), compiled(*args)
+    assert torch.isfinite(got).all() and rel_err(got, want) < TOL[target]

@@ -724,9 +724,16 @@ class _Builder:
     # -- sources --------------------------------------------------------------------------------------
     def _placeholder(self, node: fx.Node) -> None:
         metas = leaf_metas(node)
+        lifted = _lifted_module_tensor(node)
         for path, m in metas:
             value = self._new_value(node, path, m)
             self.graph.add_input(value)
+            if lifted is not None and path == ():
+                # a parameter or buffer dynamo passes in as an input (torch.compile): its values are
+                # the module's, as a module tensor's are (out-of-range numbers, epsilons, divisors,
+                # rotary frequencies); it stays an input of the graph
+                value.meta["fx.lifted_tensor"] = lifted
+                self._note_beyond_range(value, lifted)
 
     def _get_attr(self, node: fx.Node) -> None:
         target = str(node.target)
@@ -1111,7 +1118,8 @@ def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
     short = TORCH_TO_DTYPE[low].short
     limit = torch.finfo(low).max
     holding: dict[int, tuple[str, float]] = {  # id(value) → (the node or tensor with the number, the number)
-        id(v): (v.name, v.meta["fx.out_of_range"]) for v in graph.initializers.values() if "fx.out_of_range" in v.meta}
+        id(v): (v.name, v.meta["fx.out_of_range"]) for v in [*graph.initializers.values(), *graph.inputs]
+        if "fx.out_of_range" in v.meta}  # (an input: a parameter torch.compile lifted)
     def hold(values, source: str, big: float) -> None:
         for v in values:
             if v.dtype is not None and v.dtype.is_float:
@@ -1141,6 +1149,36 @@ def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
 # |x| at or above this is a mask sentinel (-1e9, finfo(float32).min): saturated to the low type's
 # limit it still masks (as onnx_constants.SENTINEL: the report counts it, --check expects it)
 _SENTINEL = 1e8
+
+
+def _lifted_module_tensor(node: fx.Node) -> torch.Tensor | None:
+    """The parameter or buffer a dynamo graph's placeholder stands for (torch.compile lifts them
+    to inputs: ``l_self_modules_fc_parameters_weight_``), with its data; None for a real input or
+    where dynamo does not say."""
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    if source is None:
+        return None
+    try:
+        from torch._dynamo.source import is_from_unspecialized_param_buffer_source
+
+        if not is_from_unspecialized_param_buffer_source(source):
+            return None
+        example = grapharg.example
+    except Exception:  # noqa: BLE001 - dynamo internals: without them, it is an input like any other
+        return None
+    if not isinstance(example, torch.Tensor) or example.is_meta or type(example).__name__ == "FakeTensor":
+        return None
+    return example
+
+
+def module_tensor(value: Value, gm: fx.GraphModule) -> torch.Tensor | None:
+    """The module tensor ``value`` reads: a get_attr's (``fx.attr``), or a parameter or buffer
+    torch.compile passes in (``fx.lifted_tensor``); else None."""
+    if "fx.attr" in value.meta:
+        tensor = _fetch_attr(gm, value.meta["fx.attr"])
+        return tensor if isinstance(tensor, torch.Tensor) else None
+    return value.meta.get("fx.lifted_tensor")
 
 
 def _beyond_range(tensor: torch.Tensor, low: torch.dtype) -> float | None:
@@ -1206,8 +1244,9 @@ def _small_divisor(node: fx.Node, low: torch.dtype, gm: fx.GraphModule, slots: l
     if node.op not in ("call_function", "call_method") or canonical_name(node, gm)[1] not in ("div", "floor_divide"):
         return None
     for slot, value in zip(slots, inputs):
-        if slot.where[:2] in (("args", 1), ("kwargs", "other")) and "fx.attr" in value.meta:
-            tensor = _fetch_attr(gm, value.meta["fx.attr"])  # (looked into only where it divides)
+        if slot.where[:2] in (("args", 1), ("kwargs", "other")) and ("fx.attr" in value.meta
+                                                                      or "fx.lifted_tensor" in value.meta):
+            tensor = module_tensor(value, gm)  # (looked into only where it divides)
             return _below_reciprocal_range(tensor, low) if isinstance(tensor, torch.Tensor) else None
     divisor = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
     if not isinstance(divisor, (int, float)) or isinstance(divisor, bool) or divisor == 0 \
@@ -1238,8 +1277,9 @@ def _lost_epsilon(node: fx.Node, name: str, low: torch.dtype, gm: fx.GraphModule
         candidates.append(("the number", node.kwargs[keyword]))
     for slot, value in zip(slots, inputs):
         at = slot.where[:2]
-        if "fx.attr" in value.meta and (at in [("args", i) for i in positions] or at == ("kwargs", keyword)):
-            candidates.append((f"{value.meta['fx.attr']!r} holding", _fetch_attr(gm, value.meta["fx.attr"])))
+        tensor = module_tensor(value, gm)
+        if tensor is not None and (at in [("args", i) for i in positions] or at == ("kwargs", keyword)):
+            candidates.append((f"{value.meta.get('fx.attr', value.name)!r} holding", tensor))
     for what, held in candidates:
         if isinstance(held, bool) or not isinstance(held, (int, float, torch.Tensor)):
             continue

@@ -471,7 +471,7 @@ def _position_cone(node: Node) -> list[Node]:
             return []
         if not value.dtype.is_float:
             continue  # integer data: positions, shapes, indices
-        if value.is_constant:
+        if value.is_constant or "fx.lifted_tensor" in value.meta:  # (a buffer torch.compile passes in)
             continue
         producer = value.producer
         if producer is None or producer.graph is not node.graph or producer.all_subgraphs():
