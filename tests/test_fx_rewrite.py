@@ -2690,13 +2690,18 @@ class _EpsilonGuard(nn.Module):
         r = torch.relu(self.l1(x))
         guarded = {"add": lambda: r + self.number, "add buffer": lambda: r + self.eps,
                    "clamp": lambda: torch.clamp(r, min=self.number), "clamp_min": lambda: r.clamp_min(self.number),
-                   "maximum buffer": lambda: torch.maximum(r, self.eps)}[self.how]()
+                   "maximum buffer": lambda: torch.maximum(r, self.eps),
+                   "where": lambda: torch.where(r > 0, r, self.number),
+                   "masked_fill": lambda: r.masked_fill(r == 0, self.number),
+                   "rsub": lambda: -torch.rsub(r, -self.number), "full_like": lambda: r + torch.full_like(r, self.number),
+                   "add alpha": lambda: torch.add(r, self.number * 1e4, alpha=1e-4)}[self.how]()
         return self.l2(r / guarded)
 
 
 @pytest.mark.parametrize("capture", ["symbolic_trace", "export"])
 @pytest.mark.parametrize("placement", ["optimal", "greedy"])
-@pytest.mark.parametrize("how", ["add", "add buffer", "clamp", "clamp_min", "maximum buffer"])
+@pytest.mark.parametrize("how", ["add", "add buffer", "clamp", "clamp_min", "maximum buffer", "where", "masked_fill",
+                                 "rsub", "full_like", "add alpha"])
 def test_an_epsilon_the_low_type_flushes_to_zero_keeps_its_guard_fp32_in_torch(how, placement, capture):
     """The torch side of the ONNX frontend's epsilon test: 1e-8 is 0 in FP16 (its smallest value is
     6e-8), so ``r + 1e-8`` or ``clamp_min(r, 1e-8)`` in FP16 was 0 wherever the relu was, and the

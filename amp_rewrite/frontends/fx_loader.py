@@ -1256,9 +1256,13 @@ def _small_divisor(node: fx.Node, low: torch.dtype, gm: fx.GraphModule, slots: l
 
 
 # where the epsilon or lower bound sits: (positions, keyword) by op (torch and aten names alike)
-_EPSILON_ARGUMENTS = {"add": ((0, 1), "other"), "sub": ((0, 1), "other"), "clamp": ((1,), "min"),
-                      "clamp_min": ((1,), "min"), "maximum": ((0, 1), "other"), "max": ((0, 1), "other"),
-                      "fmax": ((0, 1), "other")}
+_EPSILON_ARGUMENTS = {"add": ((0, 1), "other"), "sub": ((0, 1), "other"), "rsub": ((0, 1), "other"),
+                      "clamp": ((1,), "min"), "clamp_min": ((1,), "min"), "maximum": ((0, 1), "other"),
+                      "max": ((0, 1), "other"), "fmax": ((0, 1), "other"),
+                      # a fill that stands in for zeros: where(r > 0, r, 1e-8), masked_fill(r == 0, 1e-8),
+                      # full_like(r, 1e-8) added to r
+                      "where": ((1, 2), "other"), "masked_fill": ((2,), "value"), "full_like": ((1,), "fill_value"),
+                      "full": ((1,), "fill_value"), "new_full": ((2,), "fill_value")}
 
 
 def _lost_epsilon(node: fx.Node, name: str, low: torch.dtype, gm: fx.GraphModule, slots: list[Slot],
@@ -1275,6 +1279,11 @@ def _lost_epsilon(node: fx.Node, name: str, low: torch.dtype, gm: fx.GraphModule
                                          if i < len(node.args) and not isinstance(node.args[i], fx.Node)]
     if keyword in node.kwargs and not isinstance(node.kwargs[keyword], fx.Node):
         candidates.append(("the number", node.kwargs[keyword]))
+    alpha = node.kwargs.get("alpha")
+    if name in ("add", "sub", "rsub") and isinstance(alpha, (int, float)) and not isinstance(alpha, bool):
+        # torch.add(r, 1e-4, alpha=1e-4) adds 1e-8
+        candidates = [(what, held * alpha if isinstance(held, (int, float)) and not isinstance(held, bool) else held)
+                      for what, held in candidates]
     for slot, value in zip(slots, inputs):
         at = slot.where[:2]
         tensor = module_tensor(value, gm)
