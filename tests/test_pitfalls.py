@@ -933,6 +933,30 @@ def test_a_divisor_holding_a_tiny_constant_through_a_concat_keeps_the_division_f
     assert_emulated_close(model, result.model, feeds)
 
 
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+def test_a_reciprocal_of_a_tiny_constant_through_a_copy_keeps_fp32_with_its_readers(placement):
+    """``Reciprocal(Concat(h, 1e-8))`` then a Mul by zeros where the 1e-8s are: the reciprocal is
+    1e8, inf in FP16, and 0 × inf NaN, where FP32 gives 0. A Reciprocal is checked as a Div's
+    divisor is, and its readers keep FP32 with it (its output is the number past the range)."""
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,2] x) => (float[2,4] y) {
+      h = MatMul(x, w)
+      n = Concat<axis = 1>(h, zeros)
+      c = Concat<axis = 1>(h, tiny)
+      r = Reciprocal(c)
+      q = Mul(n, r)
+      y = MatMul(q, w4)
+    }""", {"w": np.eye(2, dtype=np.float32), "w4": np.eye(4, dtype=np.float32),
+            "zeros": np.zeros((2, 2), np.float32), "tiny": np.full((2, 2), 1e-8, np.float32)})
+    result = rewrite(model, placement=placement)
+    full_check(result.model)
+    assert result.log.decisions["Reciprocal:r"].precision == Precision.FP32
+    assert result.log.decisions["Mul:q"].precision == Precision.FP32
+    feeds = {"x": np.array([[1.0, -2.0], [0.5, 3.0]], np.float32)}
+    assert_emulated_close(model, result.model, feeds)
+
+
 @pytest.mark.parametrize(("eps", "low"), [(1e-8, False), (1e-12, False), (1e-3, True)])
 def test_an_epsilon_the_low_type_flushes_to_zero_keeps_its_sum_and_division_fp32(eps, low):
     """``r / (r + 1e-8)`` after a Relu: FP16 holds nothing below 6e-8, so the converted epsilon was

@@ -85,9 +85,16 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
             continue
         divisor = _small_divisor(node, limit, folds)
         if divisor is not None:
-            node.meta[META] = (f"divides by {node.inputs[1].name!r} holding {divisor:g}, which multiplies by "
+            slot = _DIVISOR_SLOTS[node.op_type]
+            verb = "divides by" if node.op_type == "Div" else "takes the reciprocal of"
+            node.meta[META] = (f"{verb} {node.inputs[slot].name!r} holding {divisor:g}, which multiplies by "
                                f"{1 / divisor:g}, more than {short}'s largest value ({limit:g}): in {short} its "
                                f"result overflows, so the node keeps FP32")
+            if node.op_type == "Reciprocal":  # (its output is the number past the range: its readers too)
+                for reader, _ in node.outputs[0].uses():
+                    reader.meta.setdefault(META, (
+                        f"reads {node.outputs[0].name!r}, the reciprocal of {divisor:g} ({1 / divisor:g}), beyond "
+                        f"{short}'s finite range (±{limit:g}): in {short} it would overflow, so the node keeps FP32"))
             for copy in _divisor_copies(node, limit, folds):
                 copy.meta.setdefault(META, (
                     f"carries {divisor:g} into the divisor of {node.name or node.op_type!r}: in {short} it is a "
@@ -192,9 +199,13 @@ def _small_divisor(node: Node, limit: float, folds: dict[int, object]) -> float 
     """The divisor of a Div whose constant divisor (or one computed from constants) holds a value
     whose reciprocal is past the limit: ``h / 1e-6`` multiplies by 1e6, which overflowed in FP16
     where ``h * 1e6`` kept FP32. The value of smallest magnitude (zeros left out), or None."""
-    if node.domain != "" or node.op_type != "Div" or len(node.inputs) < 2:
+    slot = _DIVISOR_SLOTS.get(node.op_type) if node.domain == "" else None
+    if slot is None or len(node.inputs) <= slot:
         return None
-    return _small_divisor_held(node.inputs[1], limit, folds)
+    return _small_divisor_held(node.inputs[slot], limit, folds)
+
+
+_DIVISOR_SLOTS = {"Div": 1, "Reciprocal": 0}  # the input a node divides by
 
 
 def _small_divisor_held(value: Value | None, limit: float, folds: dict[int, object]) -> float | None:
@@ -221,7 +232,7 @@ def _divisor_copies(node: Node, limit: float, folds: dict[int, object]) -> list[
     that :func:`_small_divisor` looked through: a copy in the low type holds 1e-6 as an FP16
     subnormal (6% off), and the FP32 division by it is as far off."""
     found: list[Node] = []
-    value = node.inputs[1]
+    value = node.inputs[_DIVISOR_SLOTS[node.op_type]]
     while value is not None and not value.data_known and len(found) < 8:
         producer = value.producer
         if producer is None or producer.domain != "" or producer.op_type not in _COPIES:
