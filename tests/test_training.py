@@ -1577,3 +1577,33 @@ def test_loading_with_assign_keeps_tied_weights_tied(capture):
     assert len(list(gm.parameters())) == len(list(base.parameters()))
     amp_rewrite.LossScaler(gm).backward(gm(t, y))
     assert all(p.grad is not None for p in gm.parameters())
+
+
+class _TiedLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.emb(ids)))
+
+
+def test_a_tied_weight_read_fp32_by_one_name_keeps_the_tie_and_loads_a_deduplicated_checkpoint():
+    """symbolic_trace: the embedding reads the tied weight in FP32 and the head in FP16; the head's
+    name was converted in place, an FP16 head.weight beside the FP32 emb.weight, tie gone. The
+    head now reads a converted copy and both names keep the one FP32 Parameter; a checkpoint
+    holding the tensor under one name (safetensors de-duplicates ties) loads into both."""
+    torch.manual_seed(0)
+    model, ids = _TiedLM().eval(), torch.tensor([[1, 2, 3], [4, 5, 9]])
+    gm = amp_rewrite.rewrite(model, example_inputs=(ids,), capture="symbolic_trace")
+    assert gm.get_parameter("emb.weight") is gm.get_parameter("head.weight")
+    assert {k: v.dtype for k, v in gm.state_dict().items()} == {k: v.dtype for k, v in model.state_dict().items()}
+    torch.manual_seed(1)
+    trained = _TiedLM().eval()
+    gm.load_state_dict({"head.weight": trained.head.weight.detach().clone()}, strict=False, assign=True)
+    assert gm.get_parameter("emb.weight") is gm.get_parameter("head.weight")
+    with torch.no_grad():
+        want, got = trained(ids), gm(ids).float()
+    assert (got - want).abs().max() <= 1e-2 * want.abs().max()

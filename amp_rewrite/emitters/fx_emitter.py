@@ -795,13 +795,16 @@ def _retie(module: torch.nn.Module, incompatible_keys: Any) -> None:
     """load_state_dict post-hook: ``assign=True`` (how a model built on the meta device is given its
     weights) gives each name of a tied parameter a Parameter of its own. A graph captured by
     torch.export reads the tied weight by one name only: the other became a parameter nothing
-    read, with no gradient, left behind by the optimizer. Every name is given the first one's
-    Parameter again, as the module held it."""
+    read, with no gradient, left behind by the optimizer. Every name is given one Parameter again,
+    as the module held it: the one loaded (the first name the checkpoint holds)."""
+    missing = set(getattr(incompatible_keys, "missing_keys", ()) or ())
     for names in getattr(module, "meta", {}).get(TIED, ()):
-        first = _fetch(module, names[0])
+        # (the name the checkpoint gave a tensor: a de-duplicated one holds the tied weight once)
+        loaded = next((name for name in names if name not in missing), names[0])
+        first = _fetch(module, loaded)
         if not isinstance(first, torch.nn.Parameter):
             continue
-        for name in names[1:]:
+        for name in names:
             if _fetch(module, name) is not first:
                 owner, attr = _owner(module, name)
                 owner._parameters[attr] = first

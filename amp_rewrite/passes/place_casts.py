@@ -875,7 +875,8 @@ class _Placer:
     def _convert_unread_aliases(self) -> None:
         """A tied weight (torch: one tensor the module holds by several names) converted in place
         under one name is converted under the names no node reads too: the emitter gives them the
-        one converted tensor (a torch.export graph reads a tied embedding by one name only)."""
+        one converted tensor (a torch.export graph reads a tied embedding by one name only). Where
+        an FP32 node reads it by another name, its low readers read a converted copy instead."""
         if self.model.frontend != "torch":
             return
         groups: dict[str, list[Value]] = {}
@@ -884,6 +885,18 @@ class _Placer:
         for members in groups.values():
             converted = [v for v in members if v.meta.get("amp.convert")]
             if not converted or len(members) == 1:
+                continue
+            if any(not v.meta.get("amp.convert") and v.has_uses() for v in members):
+                # an FP32 node reads the weight by another name (an FP32 embedding tied to a low
+                # head): converted in place under one name, the tie broke (an FP16 head.weight
+                # beside the FP32 emb.weight). The low readers get a converted copy instead.
+                for v in converted:
+                    v.dtype = v.meta.pop("amp.was", DType.FLOAT)
+                    v.meta.pop("amp.convert", None)
+                    copy = self._low_copy(v)
+                    for reader, index in list(v.uses()):
+                        reader.set_input(index, copy)
+                    self.ctx.log.weights.duplicated += 1
                 continue
             if all(v.meta.get("amp.convert") or not v.has_uses() for v in members):
                 for v in members:
