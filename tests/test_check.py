@@ -386,7 +386,8 @@ def test_a_fully_masked_row_stays_finite_when_the_saturated_sentinel_meets_a_low
     keys, where FP32 gives finite rows. Such an FP16 sum is now clamped to ±65504 (Max), as HF
     clamps attention scores to finfo.min: the row is finite."""
     m = _two_causal_attention_layers(order)
-    low = rewrite(m, placement=placement).model
+    result = rewrite(m, placement=placement)
+    low = result.model
     full_check(low)
     x = np.random.default_rng(1).standard_normal((1, 6, 8)).astype(np.float32) ** 2 + 1  # (scores < -16)
     feeds = {"x": x, "mask": np.array([[0, 0, 1, 1, 1, 1]], np.float32)}  # (left padding: rows 0, 1 mask all)
@@ -398,6 +399,7 @@ def test_a_fully_masked_row_stays_finite_when_the_saturated_sentinel_meets_a_low
     clamps = [n for n in low.graph.node if n.op_type == "Max"]
     assert len(clamps) == (2 if order == "summed" else 4)  # (one per sum with a mask, per layer)
     assert all(n.name.startswith("amp_saturate/") for n in clamps)
+    assert f"clamped sums: {len(clamps)} fp16 Add/Sub reading a mask sentinel" in result.report.summary_text()
     assert not rewrite(low, placement=placement).modified
 
 

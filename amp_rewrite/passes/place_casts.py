@@ -581,9 +581,9 @@ class _Placer:
                 first = first or node_label(node)
         if made:
             self.ctx.log.notes.append(
-                f"{made} fp16 Add/Sub reading a mask sentinel saturated to ±65504 (e.g. {first!r}) clamp their sum "
-                f"to ±65504 (Max/Min, tagged inserted: saturate): the fp16 sum of -65504 and a score of -16 or less "
-                f"is -inf, and a fully masked row's softmax NaN, where FP32 is finite")
+                f"clamped sums: {made} fp16 Add/Sub reading a mask sentinel saturated to ±65504 (e.g. {first!r}) "
+                f"clamp their sum to ±65504 (Max/Min, tagged inserted: saturate): the fp16 sum of -65504 and a "
+                f"score of -16 or less is -inf, and a fully masked row's softmax NaN, where FP32 is finite")
             self.modified = True
 
     def _saturated_in(self, value: Value | None, memo: dict[int, float | None], depth: int = 0) -> float | None:
