@@ -74,7 +74,7 @@ def explain_node(model_path: str | os.PathLike, node_name: str, **options: Any) 
                     f"number past the range, a mask sentinel, that the Cast would make ±inf)\n\n"
                     + _explain_cast(report, record))
         text = (f"{node_name}: inserted after {target}, to clamp its fp16 sum to ±65504 (it adds a mask sentinel "
-                f"saturated to -65504, and the sum with a score overflowed to -inf)")
+                f"saturated to ±65504, and the sum with a score could overflow to ±inf)")
         return text + ("\n\n" + explain_decision(report, target) if target in report.log.decisions else "")
     name = _resolve(label, nodes, casts, model_path, also=[*fused, *clamps])
     if name in casts:
@@ -96,8 +96,8 @@ def explain_node(model_path: str | os.PathLike, node_name: str, **options: Any) 
 
 def _saturating_nodes(model, casts: dict) -> dict[str, tuple[str, str]]:
     """The names of the nodes place_casts inserted to clamp (their kind ``saturate``): a Clip and
-    its bound Constants before a Cast, each with ("cast", the Cast's name); a Max/Min and its
-    bound after an FP16 sum, with ("node", the sum's label)."""
+    its bound Constants before a Cast, each with ("cast", the Cast's name); a Clip (Max and Min
+    before opset 12) and its bounds after an FP16 sum, with ("node", the sum's label)."""
     from .passes.base import node_label
 
     found: dict[str, tuple[str, str]] = {}
@@ -114,8 +114,9 @@ def _saturating_nodes(model, casts: dict) -> dict[str, tuple[str, str]]:
         if cast is not None:
             found[node.name] = ("cast", cast)
             continue
-        clamp = node if node.op_type in ("Max", "Min") else next(
-            (r for out in node.outputs if out is not None for r, _ in out.uses() if r.op_type in ("Max", "Min")), None)
+        clamp = node if node.op_type in ("Clip", "Max", "Min") else next(
+            (r for out in node.outputs if out is not None for r, _ in out.uses() if r.op_type in ("Clip", "Max", "Min")),
+            None)
         while clamp is not None and clamp.meta.get("amp.inserted_kind") == "saturate":
             source = clamp.inputs[0].producer if clamp.inputs and clamp.inputs[0] is not None else None
             if source is None or source.meta.get("amp.inserted_kind") != "saturate":

@@ -396,11 +396,50 @@ def test_a_fully_masked_row_stays_finite_when_the_saturated_sentinel_meets_a_low
     assert np.isfinite(want).all() and np.isfinite(got).all()
     # (the fully masked rows attend to padding only, finite but meaningless in both: the rest compare)
     assert rel_err(want[:, 2:], got[:, 2:]) < ck.default_tolerance("fp16")
-    clamps = [n for n in low.graph.node if n.op_type == "Max"]
+    clamps = [n for n in low.graph.node if n.op_type == "Clip" and n.input[0] in ("a1", "a2", "c1", "c2")]
     assert len(clamps) == (2 if order == "summed" else 4)  # (one per sum with a mask, per layer)
     assert all(n.name.startswith("amp_saturate/") for n in clamps)
     assert f"clamped sums: {len(clamps)} fp16 Add/Sub reading a mask sentinel" in result.report.summary_text()
     assert not rewrite(low, placement=placement).modified
+
+
+@pytest.mark.parametrize("mask, opset", [("(1 - m) * -1e9", 17), ("(m - 1) * 1e9", 17), ("-((1 - m) * 1e9)", 17),
+                                         ("(1 - m) * -1e9", 10), ("(1 - m) * -1e9", 7)])
+def test_a_padding_mask_added_to_fp16_scores_is_clamped_whatever_its_sign_and_opset(mask, opset):
+    """A fully padded sequence with scores near -20 (an ALiBi-like bias): each masked score is
+    -65504 - 20 in FP16, -inf, and the softmax row NaN. The sum is clamped on both sides: the
+    clamp chosen by the constant's sign (+1e9 in ``(m - 1) * 1e9``) was a Min, and the row NaN;
+    before opset 12 (no FP16 Clip) a Max and a Min; before opset 8 (Max does not broadcast) none,
+    and the model still runs (the inserted Max failed in onnxruntime there)."""
+    spelled = {"(1 - m) * -1e9": "inv = Sub(one, m)\n          pm = Mul(inv, neg)",
+               "(m - 1) * 1e9": "inv = Sub(m, one)\n          pm = Mul(inv, pos)",
+               "-((1 - m) * 1e9)": "inv = Sub(one, m)\n          pp = Mul(inv, pos)\n          pm = Neg(pp)"}[mask]
+    model = make_model(f"""
+        <ir_version: 7, opset_import: ["" : {opset}]>
+        g (float[2,6,8] x, float[2,1,6] m) => (float[2,6,8] y) {{
+          q = MatMul(x, wq)
+          kt = Transpose<perm = [0, 2, 1]>(x)
+          s = MatMul(q, kt)
+          s2 = Add(s, bias)
+          {spelled}
+          s3 = Add(s2, pm)
+          p = Softmax<axis = 2>(s3)
+          y = MatMul(p, x)
+        }}""", {"wq": (np.random.default_rng(0).standard_normal((8, 8)) / 3).astype(np.float32),
+                "bias": np.array(-20.0, np.float32), "one": np.array(1.0, np.float32),
+                "neg": np.array(-1e9, np.float32), "pos": np.array(1e9, np.float32)}, ir_version=7)
+    low = rewrite(model).model
+    full_check(low)
+    clamps = {n.op_type for n in low.graph.node if n.name.startswith("amp_saturate/") and n.op_type != "Constant"
+              and n.input[0] != "pm"}
+    assert clamps == ({"Clip"} if opset >= 12 else {"Max", "Min"} if opset >= 8 else set())
+    m = np.ones((2, 1, 6), np.float32)
+    m[0] = 0  # (sequence 0: all padding)
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 6, 8)).astype(np.float32), "m": m}
+    want, got = run(model, feeds)["y"], run(emulate_low(low)[0], feeds)["y"]
+    assert np.isfinite(want).all()
+    if opset >= 8:
+        assert np.isfinite(got).all() and rel_err(want[1], got[1]) < ck.default_tolerance("fp16")
 
 
 _NOT_MASKS = {

@@ -239,7 +239,7 @@ def rewrite_names(model: onnx.ModelProto) -> list[str]:
 
 
 def test_explain_answers_for_the_clamp_after_an_fp16_sum_with_a_mask(tmp_path):
-    """The Max that clamps an FP16 Add of scores and a saturated mask explains as part of the Add."""
+    """The Clip that clamps an FP16 Add of scores and a saturated mask explains as part of the Add."""
     import numpy as np
 
     model = make_model("""

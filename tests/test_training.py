@@ -1607,3 +1607,20 @@ def test_a_tied_weight_read_fp32_by_one_name_keeps_the_tie_and_loads_a_deduplica
     with torch.no_grad():
         want, got = trained(ids), gm(ids).float()
     assert (got - want).abs().max() <= 1e-2 * want.abs().max()
+
+
+def test_a_reloaded_tie_remakes_the_low_copy_from_the_loaded_tensor():
+    """An FP32 embedding tied to an FP16 head (which reads a converted copy): a checkpoint holding
+    the tensor as emb.weight only, loaded with assign=True, re-tied head.weight to it after the
+    copy had been made again from head.weight's old tensor: the head computed with the old
+    weights. The copy is made again after the re-tie."""
+    torch.manual_seed(0)
+    model, ids = _TiedLM().eval(), torch.tensor([[1, 2, 3], [4, 5, 9]])
+    gm = amp_rewrite.rewrite(model, example_inputs=(ids,), capture="symbolic_trace")
+    torch.manual_seed(1)
+    trained = _TiedLM().eval()
+    gm.load_state_dict({"emb.weight": trained.emb.weight.detach().clone()}, strict=False, assign=True)
+    assert gm.get_parameter("emb.weight") is gm.get_parameter("head.weight")
+    with torch.no_grad():
+        want, got = trained(ids), gm(ids).float()
+    assert (got - want).abs().max() <= 1e-2 * want.abs().max()

@@ -798,6 +798,7 @@ def _retie(module: torch.nn.Module, incompatible_keys: Any) -> None:
     read, with no gradient, left behind by the optimizer. Every name is given one Parameter again,
     as the module held it: the one loaded (the first name the checkpoint holds)."""
     missing = set(getattr(incompatible_keys, "missing_keys", ()) or ())
+    changed = False
     for names in getattr(module, "meta", {}).get(TIED, ()):
         # (the name the checkpoint gave a tensor: a de-duplicated one holds the tied weight once)
         loaded = next((name for name in names if name not in missing), names[0])
@@ -808,6 +809,9 @@ def _retie(module: torch.nn.Module, incompatible_keys: Any) -> None:
             if _fetch(module, name) is not first:
                 owner, attr = _owner(module, name)
                 owner._parameters[attr] = first
+                changed = True
+    if changed:  # (the low copies were made again before this hook, from the names' old tensors)
+        _refresh_low_copies(module, incompatible_keys)
 
 
 def _keep_derived_buffers_out_of_copies(gm: fx.GraphModule) -> None:

@@ -550,40 +550,39 @@ class _Placer:
     def _saturate_low_sums(self, scopes: list[Graph]) -> None:
         """An FP16 Add/Sub (Sum) reading a value that may hold a number FP16 saturates (a mask
         sentinel of -1e9 converted offline, or clamped before its run-time Cast, to -65504) is
-        followed by ``Max(sum, -65504)`` (``Min(sum, 65504)`` for a positive one), in FP16. Its
-        sum with a score of -16 or less was -inf, where FP32 (-1e9 + score) is finite: a row every
-        entry of which is masked (a left-padded sequence under a causal mask) was -inf throughout,
-        its softmax NaN, and the next layer spread the NaN to every row. Clamped, such a row is
-        -65504 throughout and its softmax finite, as HF's models clamp attention scores to
-        finfo.min. (ONNX, FP16: BF16 holds -1e9 and 2 * finfo(float32).min overflows in FP32
-        too.)"""
+        followed by a clamp of its sum to ±65504, in FP16 (``Clip``; ``Max`` and ``Min`` before
+        opset 12, where onnxruntime has no FP16 Clip). Its sum with a score of -16 or less was
+        -inf, where FP32 (-1e9 + score) is finite: a row every entry of which is masked (a
+        left-padded sequence under a causal mask) was -inf throughout, its softmax NaN, and the
+        next layer spread the NaN to every row. Clamped, such a row is -65504 throughout and its
+        softmax finite, as HF's models clamp attention scores to finfo.min. Both sides: the sign
+        a mask takes at run time is not the constant's (``(m - 1) * 1e9``). (ONNX, FP16, opset 8
+        and later: Max-6 does not broadcast. BF16 holds -1e9, and 2 * finfo(float32).min
+        overflows in FP32 too.)"""
         if self.model.frontend != "onnx" or self.low != DType.FLOAT16:
             return
         memo: dict[int, float | None] = {}
         made = 0
         first = None
         for scope in scopes:
+            if (scope.opsets.get("") or 0) < 8:
+                continue
             for node in list(scope.nodes):
                 if node.domain != "" or node.op_type not in ("Add", "Sub", "Sum") or not node.outputs:
                     continue
                 out = node.outputs[0]
                 if out is None or out.dtype != DType.FLOAT16 or out.is_graph_output or not out.has_uses():
                     continue
-                numbers = [self._saturated_in(v, memo) for v in node.inputs]
-                if node.op_type == "Sub" and len(numbers) > 1 and numbers[1] is not None:
-                    numbers[1] = -numbers[1]  # (a - (-1e9) overflows upwards)
-                numbers = [n for n in numbers if n is not None]
-                if not numbers:
+                if not any(self._saturated_in(v, memo) is not None for v in node.inputs):
                     continue
-                signs = {n < 0 for n in numbers}
-                self._clamp_sum(node, out, scope, signs)
+                self._clamp_sum(node, out, scope)
                 made += 1
                 first = first or node_label(node)
         if made:
             self.ctx.log.notes.append(
                 f"clamped sums: {made} fp16 Add/Sub reading a mask sentinel saturated to ±65504 (e.g. {first!r}) "
-                f"clamp their sum to ±65504 (Max/Min, tagged inserted: saturate): the fp16 sum of -65504 and a "
-                f"score of -16 or less is -inf, and a fully masked row's softmax NaN, where FP32 is finite")
+                f"clamp their sum to ±65504 (tagged inserted: saturate): the fp16 sum of -65504 and a score of "
+                f"-16 or less is -inf, and a fully masked row's softmax NaN, where FP32 is finite")
             self.modified = True
 
     def _saturated_in(self, value: Value | None, memo: dict[int, float | None], depth: int = 0) -> float | None:
@@ -617,39 +616,48 @@ class _Placer:
         memo[id(value)] = found
         return found
 
-    def _clamp_sum(self, node: Node, out: Value, scope: Graph, signs: set[bool]) -> None:
-        """``Max(out, -65504)`` and/or ``Min(·, 65504)`` in FP16 after ``node``; its readers read the clamp."""
+    def _clamp_sum(self, node: Node, out: Value, scope: Graph) -> None:
+        """``Clip(out, -65504, 65504)`` in FP16 after ``node`` (``Min(Max(out, -65504), 65504)``
+        before opset 12); its readers read the clamp."""
         import numpy as np
 
         from ..frontends.onnx_loader import schema_slots
 
         opset = scope.opsets.get("") or 0
         readers = list(out.uses())
-        anchor, current = node, out
         limit = LOW_LIMITS[self.low]
-        for negative in sorted(signs, reverse=True):  # (Max for a negative sentinel first)
-            op = "Max" if negative else "Min"
-            name = self.name(f"amp_saturate/{out.name}")
-            bound = Value(self.name(f"{name}/bound"), DType.FLOAT16, ())
+        name = self.name(f"amp_saturate/{out.name}")
+        reason = (f"clamps the fp16 sum of {node_label(node)} to ±{limit:g}: it may add a mask sentinel saturated "
+                  f"to ±{limit:g}, and the sum overflow to ±inf")
+
+        def constant(number: float) -> Node:
+            bound = Value(self.name(f"{name}/{'min' if number < 0 else 'max'}"), DType.FLOAT16, ())
             bound.const_numel = 1
             bound.meta["amp.made_by_fusion"] = True  # (not in the input: weight counts leave it out)
-            constant = Node("Constant", [], name=self.name(f"{name}/bound"),
-                            attrs={"value": np.asarray(-limit if negative else limit, np.float16)}, outputs=[bound])
+            return Node("Constant", [], name=bound.name, attrs={"value": np.asarray(number, np.float16)},
+                        outputs=[bound])
+
+        low, high = constant(-limit), constant(limit)
+        made: list[Node] = [low, high]
+        if opset >= 12:
             clamped = Value(self.name(f"{out.name}/amp_saturated"), DType.FLOAT16, out.shape)
-            clamp = Node(op, [current, bound], name=name, outputs=[clamped])
-            for made in (constant, clamp):
-                made.opset = opset
-                schema_slots(made.op_type, "", opset, len(made.inputs), 1).apply(made)
-                made.meta.update({"amp.inserted": True, "amp.inserted_kind": "saturate",
-                                  "amp.precision": Precision.NONE, "amp.participates": False,
-                                  "amp.reason": f"clamps the fp16 sum of {node_label(node)} to ±{limit:g}: it may "
-                                                f"add a mask sentinel saturated to ±{limit:g}, and overflow to ±inf"})
-                scope.insert_after(anchor, made)
-                anchor = made
-            clamped.meta["amp.saturated"] = -limit if negative else limit
-            current = clamped
+            made.append(Node("Clip", [out, low.outputs[0], high.outputs[0]], name=name, outputs=[clamped]))
+        else:
+            floor = Value(self.name(f"{out.name}/amp_floor"), DType.FLOAT16, out.shape)
+            clamped = Value(self.name(f"{out.name}/amp_saturated"), DType.FLOAT16, out.shape)
+            made.append(Node("Max", [out, low.outputs[0]], name=name, outputs=[floor]))
+            made.append(Node("Min", [floor, high.outputs[0]], name=self.name(f"{name}/max"), outputs=[clamped]))
+        anchor = node
+        for each in made:
+            each.opset = opset
+            schema_slots(each.op_type, "", opset, len(each.inputs), 1).apply(each)
+            each.meta.update({"amp.inserted": True, "amp.inserted_kind": "saturate", "amp.precision": Precision.NONE,
+                              "amp.participates": False, "amp.reason": reason})
+            scope.insert_after(anchor, each)
+            anchor = each
+        clamped.meta["amp.saturated"] = -limit
         for reader, index in readers:
-            reader.set_input(index, current)
+            reader.set_input(index, clamped)
 
     def _sentinel(self, value: Value, depth: int = 0) -> tuple[str, float] | None:
         """(where, the number) of a mask sentinel the FP32 ``value`` may hold: a constant of
