@@ -256,7 +256,8 @@ def _record_decisions(model: Model, ctx: Context) -> None:
             continue
         if meta.get("amp.category") is None:
             low = given_low_type(node)
-            if low is not None and not (node.domain == "" and node.op_type in ("Cast", "Constant")):
+            if low is not None and not (node.domain == "" and node.op_type in ("Cast", "Constant")) \
+                    and not meta.get("onnx.given_saturate"):  # (an earlier rewrite's clamp of a masked sum)
                 given[low.short, node.qualified_op in HEAVY_OPS] += 1
             continue
         precision = meta.get("amp.precision", Precision.NONE)

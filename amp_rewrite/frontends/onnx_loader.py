@@ -1220,6 +1220,8 @@ class _Builder:
             node.meta["amp.kept_fp32_by"] = props.get("amp_rewrite.source", "")  # (an earlier rewrite's tags)
         if props and props.get("amp_rewrite.unfused"):
             node.meta["onnx.unfused"] = True  # an earlier rewrite left its pattern unfused for a user's pin
+        if props and props.get("amp_rewrite.inserted") == "saturate":
+            node.meta["onnx.given_saturate"] = True  # (an earlier rewrite's clamp: not one of the model's nodes)
         attributes = n.attributes
         if attributes or op_type == "ConstantOfShape":  # (most nodes have no attributes)
             node.attrs = _interesting_attrs(n)
