@@ -74,7 +74,6 @@ class Namer:
 
 
 _SENTINEL_SCAN = 1 << 24  # elements: a mask constant is a scalar or a mask, not a weight
-SENTINEL_MAGNITUDE = 1e8  # |x| at or above it is a mask sentinel (as onnx_constants.SENTINEL)
 # ops whose output may still hold a sentinel an input holds (copies, selections, elementwise
 # arithmetic that keeps the magnitude); not bounded ones (Softmax, Sigmoid, Tanh, normalisations)
 # nor those that compute anew: a probability is never clamped for a mask it was made from
@@ -206,7 +205,7 @@ class _Placer:
         self._saturate_low_sums(scopes)
         for scope in scopes:
             scope.sort()
-        self._convert_unread_aliases()
+        self._settle_tied_weights()
         self._weight_bytes(scopes)
 
     def _retype_low_outputs(self, scopes: list[Graph]) -> None:
@@ -502,9 +501,8 @@ class _Placer:
         anchor = value.producer if value.producer is not None and value.producer.graph is scope else None
         source, saturated = value, None
         sentinel = self._sentinel(value) if need == self.low and value.dtype == DType.FLOAT else None
-        bound = LOW_LIMITS[self.low]
         if sentinel is not None and self.model.frontend == "onnx":
-            source, made = self._saturation(value, tensor, scope, bound)
+            source, made = self._saturation(value, tensor, scope)
             for node in made:
                 scope.insert_after(anchor, node)
             saturated = sentinel
@@ -517,7 +515,7 @@ class _Placer:
         cast.meta.update({"amp.inserted": True, "amp.precision": Precision.NONE, "amp.participates": False,
                           "input_names": ["input"]})
         if saturated is not None and self.model.frontend != "onnx":
-            cast.meta["amp.saturate"] = bound
+            cast.meta["amp.saturate"] = LOW_LIMITS[self.low]
         if saturated is not None:
             out.meta["amp.saturated"] = saturated[1]  # (its low readers: _saturate_low_sums)
         scope.insert_after(anchor, cast)
@@ -532,14 +530,15 @@ class _Placer:
             while (own := self._existing_cast(value, need, scope)) is not None:
                 own.set_input(0, out)
         reason = self._cast_reason(value, need, uses, scope)
-        if saturated is not None and abs(saturated[1]) >= SENTINEL_MAGNITUDE:
+        if saturated is not None:
+            from ..frontends.onnx_constants import SENTINEL
+
             where, number = saturated
-            reason += (f"; clamped to ±{bound:g} first (Clip): it may hold the mask sentinel {number:g} "
+            limit = LOW_LIMITS[self.low]
+            reason += (f"; clamped to ±{limit:g} first (Clip): it may hold the mask sentinel {number:g} "
                        f"({where}), which a Cast makes ±inf (a fully masked softmax row NaN), where a constant "
-                       f"converted offline saturates")
-        elif saturated is not None:
-            where, number = saturated
-            reason += (f"; clamped to ±{bound:g} first (Clip): it may hold {number:g} ({where}), past "
+                       f"converted offline saturates" if abs(number) >= SENTINEL else
+                       f"; clamped to ±{limit:g} first (Clip): it may hold {number:g} ({where}), past "
                        f"{self.low.short}'s range, which a Cast makes ±inf (and inf × 0 NaN in the op reading it); "
                        f"clamped, as a constant converted offline is")
         self._record(cast.name, replaces or value, value.dtype, need, uses, scope, reason, "inserted")
@@ -587,53 +586,54 @@ class _Placer:
 
     def _any_saturated(self, scopes: list[Graph]) -> bool:
         """Whether anything in the model holds a number FP16 saturates (a clamped Cast's output, a
-        converted constant past the range, a ConstantOfShape's fill): most models hold none, and
-        :meth:`_saturate_low_sums` then walks nothing (0.2 s of a 100k-node graph)."""
+        converted constant past the range that a sum or a copy reads, a ConstantOfShape's fill):
+        most models hold none, and :meth:`_saturate_low_sums` then walks nothing (0.2 s of a
+        100k-node graph)."""
+        readers = _CARRY_SENTINELS | {"Add", "Sub", "Sum"}
+        for scope in scopes:
+            values = [*scope.initializers.values(), *(o for n in scope.nodes for o in n.outputs if o is not None)]
+            for value in values:
+                if "amp.saturated" in value.meta:
+                    return True
+                if (value.data_known or (value.producer is not None and value.producer.op_type == "ConstantOfShape")) \
+                        and any(r.op_type in readers for r, _ in value.uses()) \
+                        and self._saturated_source(value) is not None:
+                    return True
+        return False
+
+    def _saturated_source(self, value: Value) -> float | None:
+        """The number past FP16's range that the FP16 ``value`` holds saturated as a constant
+        converted offline or a ConstantOfShape's fill, or None."""
         from ..frontends.onnx_constants import _attribute, _largest
         from ..frontends.onnx_loader import constant_array
 
         limit = LOW_LIMITS[self.low]
-        readers = _CARRY_SENTINELS | {"Add", "Sub", "Sum"}
-        for scope in scopes:
-            for node in scope.nodes:
-                if node.op_type == "ConstantOfShape" and _largest(_attribute(node, "value"), limit, float("inf")):
-                    return True
-                if any("amp.saturated" in out.meta for out in node.outputs if out is not None):
-                    return True
-            constants = [n.outputs[0] for n in scope.nodes if n.op_type == "Constant" and n.outputs]
-            for value in [*scope.initializers.values(), *constants]:
-                if value is None or value.dtype != DType.FLOAT16 or value.meta.get("amp.was") != DType.FLOAT:
-                    continue
-                source = value.meta.get("amp.copy_of", value)
-                if (source.numel or 0) > _SENTINEL_SCAN or not any(r.op_type in readers for r, _ in value.uses()):
-                    continue
-                if _largest(constant_array(source), limit, float("inf")) is not None:
-                    return True
-        return False
+        if value.dtype != DType.FLOAT16:
+            return None
+        if value.data_known:
+            source = value.meta.get("amp.copy_of", value)
+            if value.meta.get("amp.was") != DType.FLOAT or (source.numel or 0) > _SENTINEL_SCAN:
+                return None
+            return _largest(constant_array(source), limit, float("inf"))
+        node = value.producer
+        if node is not None and node.domain == "" and node.op_type == "ConstantOfShape":
+            return _largest(_attribute(node, "value"), limit, float("inf"))
+        return None
 
     def _saturated_in(self, value: Value | None, memo: dict[int, float | None], depth: int = 0) -> float | None:
         """A number past FP16's range that the FP16 ``value`` may hold saturated (as -65504): a
         constant converted offline, a value clamped before its run-time Cast, or what copies or
         adds them (:data:`_CARRY_SENTINELS`); None where there is none."""
-        from ..frontends.onnx_constants import _attribute, _largest
-        from ..frontends.onnx_loader import constant_array
-
         if value is None or value.dtype != DType.FLOAT16 or depth > 16:
             return None
         if id(value) in memo:
             return memo[id(value)]
         memo[id(value)] = None  # (a cycle through a body reads as none)
-        limit, found = LOW_LIMITS[self.low], None
-        if "amp.saturated" in value.meta:
-            found = value.meta["amp.saturated"]
-        elif value.data_known:
-            source = value.meta.get("amp.copy_of", value)
-            if value.meta.get("amp.was") == DType.FLOAT and (source.numel or 0) <= _SENTINEL_SCAN:
-                found = _largest(constant_array(source), limit, float("inf"))
-        elif (node := value.producer) is not None and node.domain == "":
-            if node.op_type == "ConstantOfShape":
-                found = _largest(_attribute(node, "value"), limit, float("inf"))
-            elif node.op_type in _CARRY_SENTINELS or node.meta.get("amp.inserted_kind") == "saturate":
+        found = value.meta.get("amp.saturated")
+        if found is None:
+            found = self._saturated_source(value)
+        if found is None and (node := value.producer) is not None and node.domain == "":
+            if node.op_type in _CARRY_SENTINELS or node.meta.get("amp.inserted_kind") == "saturate":
                 slots = _SENTINEL_SLOTS.get(node.op_type, range(len(node.inputs)))
                 for slot in slots:
                     found = self._saturated_in(node.inputs[slot], memo, depth + 1) if slot < len(node.inputs) else None
@@ -645,40 +645,23 @@ class _Placer:
     def _clamp_sum(self, node: Node, out: Value, scope: Graph) -> None:
         """``Clip(out, -65504, 65504)`` in FP16 after ``node`` (``Min(Max(out, -65504), 65504)``
         before opset 12); its readers read the clamp."""
-        import numpy as np
-
-        from ..frontends.onnx_loader import schema_slots
-
         opset = scope.opsets.get("") or 0
         readers = list(out.uses())
         limit = LOW_LIMITS[self.low]
         name = self.name(f"amp_saturate/{out.name}")
-        reason = (f"clamps the fp16 sum of {node_label(node)} to ±{limit:g}: it may add a mask sentinel saturated "
-                  f"to ±{limit:g}, and the sum overflow to ±inf")
-
-        def constant(number: float) -> Node:
-            bound = Value(self.name(f"{name}/{'min' if number < 0 else 'max'}"), DType.FLOAT16, ())
-            bound.const_numel = 1
-            bound.meta["amp.made_by_fusion"] = True  # (not in the input: weight counts leave it out)
-            return Node("Constant", [], name=bound.name, attrs={"value": np.asarray(number, np.float16)},
-                        outputs=[bound])
-
-        low, high = constant(-limit), constant(limit)
+        low, high = self._bound(f"{name}/min", -limit, DType.FLOAT16), self._bound(f"{name}/max", limit, DType.FLOAT16)
         made: list[Node] = [low, high]
+        clamped = Value(self.name(f"{out.name}/amp_saturated"), DType.FLOAT16, out.shape)
         if opset >= 12:
-            clamped = Value(self.name(f"{out.name}/amp_saturated"), DType.FLOAT16, out.shape)
             made.append(Node("Clip", [out, low.outputs[0], high.outputs[0]], name=name, outputs=[clamped]))
         else:
             floor = Value(self.name(f"{out.name}/amp_floor"), DType.FLOAT16, out.shape)
-            clamped = Value(self.name(f"{out.name}/amp_saturated"), DType.FLOAT16, out.shape)
             made.append(Node("Max", [out, low.outputs[0]], name=name, outputs=[floor]))
             made.append(Node("Min", [floor, high.outputs[0]], name=self.name(f"{name}/max"), outputs=[clamped]))
+        self._saturating(made, opset, f"clamps the fp16 sum of {node_label(node)} to ±{limit:g}: it may add a mask "
+                                      f"sentinel saturated to ±{limit:g}, and the sum overflow to ±inf")
         anchor = node
         for each in made:
-            each.opset = opset
-            schema_slots(each.op_type, "", opset, len(each.inputs), 1).apply(each)
-            each.meta.update({"amp.inserted": True, "amp.inserted_kind": "saturate", "amp.precision": Precision.NONE,
-                              "amp.participates": False, "amp.reason": reason})
             scope.insert_after(anchor, each)
             anchor = each
         clamped.meta["amp.saturated"] = -limit
@@ -765,33 +748,43 @@ class _Placer:
                 return found
         return None
 
-    def _saturation(self, value: Value, tensor: str, scope: Graph, limit: float) -> tuple[Value, list[Node]]:
-        """``Clip(value, -limit, limit)`` in FP32 (``limit``: the low type's largest value), for the
-        Cast to the low type to read: the nodes, in order."""
-        from ..frontends.onnx_loader import schema_slots
-
-        import numpy as np
-
+    def _saturation(self, value: Value, tensor: str, scope: Graph) -> tuple[Value, list[Node]]:
+        """``Clip(value, -max, max)`` in FP32, for the Cast to the low type to read: the nodes, in order."""
         opset = scope.opsets.get("") or 0
+        limit = LOW_LIMITS[self.low]
         name = self.name(f"amp_saturate/{tensor}")
         out = Value(self.name(f"{tensor}/amp_saturated"), DType.FLOAT, value.shape)
         if opset >= 11:  # min and max are inputs
-            bounds = []
-            for side, number in (("min", -limit), ("max", limit)):
-                bound = Value(self.name(f"{name}/{side}"), DType.FLOAT, ())
-                bound.const_numel = 1
-                bound.meta["amp.made_by_fusion"] = True  # (not in the input: weight counts leave it out)
-                bounds.append(Node("Constant", [], name=self.name(f"{name}/{side}"),
-                                   attrs={"value": np.asarray(number, np.float32)}, outputs=[bound]))
+            bounds = [self._bound(f"{name}/min", -limit, DType.FLOAT), self._bound(f"{name}/max", limit, DType.FLOAT)]
             made = [*bounds, Node("Clip", [value, *(b.outputs[0] for b in bounds)], name=name, outputs=[out])]
         else:  # Clip-6: attributes
             made = [Node("Clip", [value], name=name, attrs={"min": -limit, "max": limit}, outputs=[out])]
-        for node in made:
+        self._saturating(made, opset)
+        return out, made
+
+    def _bound(self, name: str, number: float, dtype: DType) -> Node:
+        """A scalar Constant of ``number`` in ``dtype`` (FLOAT or FLOAT16): a clamp's bound."""
+        import numpy as np
+
+        bound = Value(self.name(name), dtype, ())
+        bound.const_numel = 1
+        bound.meta["amp.made_by_fusion"] = True  # (not in the input: weight counts leave it out)
+        return Node("Constant", [], name=bound.name,
+                    attrs={"value": np.asarray(number, np.float16 if dtype == DType.FLOAT16 else np.float32)},
+                    outputs=[bound])
+
+    @staticmethod
+    def _saturating(nodes: list[Node], opset: int, reason: str | None = None) -> None:
+        """Give the nodes of an inserted clamp their opset, schema slots and tags."""
+        from ..frontends.onnx_loader import schema_slots
+
+        for node in nodes:
             node.opset = opset
             schema_slots(node.op_type, "", opset, len(node.inputs), 1).apply(node)
             node.meta.update({"amp.inserted": True, "amp.inserted_kind": "saturate", "amp.precision": Precision.NONE,
                               "amp.participates": False})
-        return out, made
+            if reason is not None:
+                node.meta["amp.reason"] = reason
 
     @staticmethod
     def _existing_cast(value: Value, need: DType, scope: Graph) -> Node | None:
@@ -906,7 +899,7 @@ class _Placer:
         self.model.meta.setdefault("amp.removed_nodes", []).append(node)
         self.modified = True
 
-    def _convert_unread_aliases(self) -> None:
+    def _settle_tied_weights(self) -> None:
         """A tied weight (torch: one tensor the module holds by several names) converted in place
         under one name is converted under the names no node reads too: the emitter gives them the
         one converted tensor (a torch.export graph reads a tied embedding by one name only). Where
@@ -932,11 +925,10 @@ class _Placer:
                         reader.set_input(index, copy)
                     self.ctx.log.weights.duplicated += 1
                 continue
-            if all(v.meta.get("amp.convert") or not v.has_uses() for v in members):
-                for v in members:
-                    if not v.meta.get("amp.convert") and v.dtype == DType.FLOAT:
-                        v.meta.update({"amp.was": DType.FLOAT, "amp.convert": True})
-                        v.dtype = converted[0].dtype
+            for v in members:  # (the others are read by no node)
+                if not v.meta.get("amp.convert") and v.dtype == DType.FLOAT:
+                    v.meta.update({"amp.was": DType.FLOAT, "amp.convert": True})
+                    v.dtype = converted[0].dtype
 
     def _weight_bytes(self, scopes: list[Graph]) -> None:
         """Bytes of the initializers and Constant tensors before and after, and how many were
