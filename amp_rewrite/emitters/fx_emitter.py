@@ -106,7 +106,9 @@ class _Emitter:
         self.position = {n: i for i, n in enumerate(self.graph.nodes)}
         self.first_index = self.position.get(self.first_compute, len(self.position))
         self.unread_attrs: list[fx.Node] = []
-        self.converted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (it, converted)
+        self.converted: set[int] = set()  # id() of the converted tensors (held by the module)
+        # id(module tensor) -> (it, every path the module holds it by): a tied weight has several
+        self.tensor_paths: dict[int, tuple[torch.Tensor, list[str]]] = {}
 
     def run(self) -> None:
         self._pin_dtype_reads()
@@ -217,6 +219,9 @@ class _Emitter:
 
     # -- weights -------------------------------------------------------------------------------------------
     def _weights(self) -> None:
+        for path, tensor in itertools.chain(self.gm.named_parameters(remove_duplicate=False),
+                                            self.gm.named_buffers(remove_duplicate=False)):
+            self.tensor_paths.setdefault(id(tensor), (tensor, []))[1].append(path)
         for value in list(self.ir.initializers.values()):
             if "amp.copy_of" in value.meta:
                 self._low_copy(value)
@@ -231,21 +236,20 @@ class _Emitter:
         if not converted:
             self.gm.register_load_state_dict_pre_hook(_convert_loaded_weights)
         converted.append(target)
-        if any(new is old for _, new in self.converted.values()):
+        if id(old) in self.converted:
             return  # a tied weight, converted under another of its names (below)
         new = self._convert(old, target, value.dtype)
         if isinstance(old, torch.nn.Parameter):
             new = torch.nn.Parameter(new, requires_grad=old.requires_grad)
-        self.converted[id(old)] = (old, new)  # (old held: its id is not reused meanwhile)
+        self.converted.add(id(new))
         # every name the module holds the weight by (tied weights: an embedding and the output
-        # projection; a torch.export graph reads one of them) that no FP32 node reads gets the one
-        # converted tensor: converted by name, the tie broke, and the module held two tensors or an
-        # FP32 one no node read
-        read_as = {v.meta["fx.attr"]: v for v in self.ir.initializers.values() if "fx.attr" in v.meta}
-        paths = [path for path, t in itertools.chain(self.gm.named_parameters(remove_duplicate=False),
-                                                      self.gm.named_buffers(remove_duplicate=False))
-                 if t is old and (path == target or path not in read_as or read_as[path].meta.get("amp.convert"))]
-        for path in paths or [target]:  # (a name an FP32 node reads keeps the FP32 tensor)
+        # projection; a torch.export graph reads one of them) gets the one converted tensor: the
+        # names a node reads are all converted (place_casts gives an FP32 reader's tie a low copy
+        # instead), and a name no node reads has no IR value. Converted by name, the tie broke,
+        # and the module held two tensors or an FP32 one no node read.
+        entry = self.tensor_paths.get(id(old))
+        paths = entry[1] if entry is not None and entry[0] is old else [target]
+        for path in paths:
             owner, attr = _owner(self.gm, path)
             if isinstance(old, torch.nn.Parameter):
                 setattr(owner, attr, new)
@@ -271,7 +275,7 @@ class _Emitter:
         value.meta["fx.attr"] = prefix + name
         copies = self.gm.meta.setdefault(LOW_COPIES, [])
         if not copies:
-            self.gm.register_load_state_dict_post_hook(_refresh_low_copies)
+            _register_after_load(self.gm)
             _keep_derived_buffers_out_of_copies(self.gm)
         copies.append((prefix + name, target))
 
@@ -754,12 +758,28 @@ def _warn_if_clamped(name: str, incoming: torch.Tensor, dtype: torch.dtype) -> N
             f"checkpoint into the FP32 module and rewrite that to keep such readers FP32", RuntimeWarning, stacklevel=3)
 
 
+AFTER_LOAD = "amp_rewrite.after_load"  # gm.meta: _after_load is registered
+
+
+def _register_after_load(gm: fx.GraphModule) -> None:
+    if not gm.meta.get(AFTER_LOAD):
+        gm.register_load_state_dict_post_hook(_after_load)
+        gm.meta[AFTER_LOAD] = True
+
+
+def _after_load(module: torch.nn.Module, incompatible_keys: Any) -> None:
+    """load_state_dict post-hook: tie the tied weights again, then make the low copies again
+    (from the tensors their names hold once tied)."""
+    _retie(module, incompatible_keys)
+    _refresh_low_copies(module, incompatible_keys)
+
+
 def _refresh_low_copies(module: torch.nn.Module, incompatible_keys: Any) -> None:
-    """load_state_dict post-hook: a weight read both low and FP32 keeps its FP32 original (in the
-    state dict) and a low copy (a buffer, not in it); loading new weights makes the copy again,
-    or the low readers would go on computing with the old ones. A copy that cannot take the
-    original's values in place (still on the meta device after ``assign=True`` gave the original
-    its data, or on another device) is made anew."""
+    """A weight read both low and FP32 keeps its FP32 original (in the state dict) and a low copy
+    (a buffer, not in it); loading new weights makes the copy again, or the low readers would go
+    on computing with the old ones. A copy that cannot take the original's values in place (still
+    on the meta device after ``assign=True`` gave the original its data, or on another device) is
+    made anew."""
     for copy_path, original in getattr(module, "meta", {}).get(LOW_COPIES, ()):
         low = _fetch(module, copy_path)
         source = _fetch(module, original)
@@ -785,20 +805,18 @@ def _keep_ties(gm: fx.GraphModule) -> None:
     for name, parameter in gm.named_parameters(remove_duplicate=False):
         groups.setdefault(id(parameter), []).append(name)
     tied = [names for names in groups.values() if len(names) > 1]
-    if tied and not gm.meta.get(TIED):
-        gm.register_load_state_dict_post_hook(_retie)
     if tied:
         gm.meta[TIED] = tied
+        _register_after_load(gm)
 
 
 def _retie(module: torch.nn.Module, incompatible_keys: Any) -> None:
-    """load_state_dict post-hook: ``assign=True`` (how a model built on the meta device is given its
+    """``load_state_dict(..., assign=True)`` (how a model built on the meta device is given its
     weights) gives each name of a tied parameter a Parameter of its own. A graph captured by
     torch.export reads the tied weight by one name only: the other became a parameter nothing
     read, with no gradient, left behind by the optimizer. Every name is given one Parameter again,
     as the module held it: the one loaded (the first name the checkpoint holds)."""
     missing = set(getattr(incompatible_keys, "missing_keys", ()) or ())
-    changed = False
     for names in getattr(module, "meta", {}).get(TIED, ()):
         # (the name the checkpoint gave a tensor: a de-duplicated one holds the tied weight once)
         loaded = next((name for name in names if name not in missing), names[0])
@@ -809,9 +827,6 @@ def _retie(module: torch.nn.Module, incompatible_keys: Any) -> None:
             if _fetch(module, name) is not first:
                 owner, attr = _owner(module, name)
                 owner._parameters[attr] = first
-                changed = True
-    if changed:  # (the low copies were made again before this hook, from the names' old tensors)
-        _refresh_low_copies(module, incompatible_keys)
 
 
 def _keep_derived_buffers_out_of_copies(gm: fx.GraphModule) -> None:
