@@ -1244,10 +1244,9 @@ def _small_divisor(node: fx.Node, low: torch.dtype, gm: fx.GraphModule, slots: l
     if node.op not in ("call_function", "call_method") or canonical_name(node, gm)[1] not in ("div", "floor_divide"):
         return None
     for slot, value in zip(slots, inputs):
-        if slot.where[:2] in (("args", 1), ("kwargs", "other")) and ("fx.attr" in value.meta
-                                                                      or "fx.lifted_tensor" in value.meta):
-            tensor = module_tensor(value, gm)  # (looked into only where it divides)
-            return _below_reciprocal_range(tensor, low) if isinstance(tensor, torch.Tensor) else None
+        tensor = module_tensor(value, gm) if slot.where[:2] in (("args", 1), ("kwargs", "other")) else None
+        if tensor is not None:  # (a module tensor, looked into only where it divides)
+            return _below_reciprocal_range(tensor, low)
     divisor = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
     if not isinstance(divisor, (int, float)) or isinstance(divisor, bool) or divisor == 0 \
             or not math.isfinite(divisor):
@@ -1284,10 +1283,10 @@ def _lost_epsilon(node: fx.Node, name: str, low: torch.dtype, gm: fx.GraphModule
         # torch.add(r, 1e-4, alpha=1e-4) adds 1e-8
         candidates = [(what, held * alpha if isinstance(held, (int, float)) and not isinstance(held, bool) else held)
                       for what, held in candidates]
+    where = {("args", i) for i in positions} | {("kwargs", keyword)}
     for slot, value in zip(slots, inputs):
-        at = slot.where[:2]
-        tensor = module_tensor(value, gm)
-        if tensor is not None and (at in [("args", i) for i in positions] or at == ("kwargs", keyword)):
+        tensor = module_tensor(value, gm) if slot.where[:2] in where else None
+        if tensor is not None:
             candidates.append((f"{value.meta.get('fx.attr', value.name)!r} holding", tensor))
     for what, held in candidates:
         if isinstance(held, bool) or not isinstance(held, (int, float, torch.Tensor)):
