@@ -310,6 +310,25 @@ def case_duplicate_value_names(d: Path) -> Case:
     return Case(["m.onnx"], 3, r"'h'", inputs=["m.onnx"])
 
 
+def case_duplicate_graph_input(d: Path) -> Case:
+    """An input listed twice (onnx-ir reads it): exit 7, 'a bug in amp-rewrite', before."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["y"], name="mm")]
+    save(model(nodes, [vi("x"), vi("x")], [vi("y")], [weight("w1")]), d / "m.onnx")
+    return Case(["m.onnx"], 3, r"input 'x' is listed twice", inputs=["m.onnx"])
+
+
+def case_duplicate_loop_body_input(d: Path) -> Case:
+    """The same in a Loop body: exit 0 before, with an output as invalid as the input."""
+    body = helper.make_graph([helper.make_node("MatMul", ["v", "w1"], ["v2"], name="body_mm"),
+                              helper.make_node("Identity", ["cond"], ["cond_out"], name="body_cond")], "body",
+                             [vi("i", TensorProto.INT64, []), vi("cond", TensorProto.BOOL, []), vi("v"), vi("v")],
+                             [vi("cond_out", TensorProto.BOOL, []), vi("v2")])
+    nodes = [helper.make_node("Loop", ["n", "", "x"], ["y"], name="loop", body=body)]
+    trips = numpy_helper.from_array(np.array(3, np.int64), "n")
+    save(model(nodes, [vi("x")], [vi("y")], [weight("w1"), trips]), d / "m.onnx")
+    return Case(["m.onnx"], 3, r"graph 'body': input 'v' is listed twice", inputs=["m.onnx"])
+
+
 def case_dangling_input(d: Path) -> Case:
     nodes = [helper.make_node("MatMul", ["x", "w_missing"], ["y"], name="mm")]
     save(model(nodes, [vi("x")], [vi("y")]), d / "m.onnx")

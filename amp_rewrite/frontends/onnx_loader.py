@@ -1143,7 +1143,13 @@ class _Builder:
         graph.parent = parent
         graph.opsets = self.opsets
         scope: dict[int, Value] = dict(outer)
+        listed: set[str] = set()
         for v in g.inputs:
+            # (onnx-ir reads an input listed twice; the checker and onnxruntime refuse the model)
+            if v.name in listed:
+                raise ModelLoadError(f"graph {g.name!r}: input {v.name!r} is listed twice; every graph input needs "
+                                     f"a name of its own (onnxruntime rejects the model too): remove or rename one")
+            listed.add(v.name)
             scope[id(v)] = graph.add_input(self._value(v))
         for name, v in g.initializers.items():
             if id(v) in scope:  # an initializer listed as a graph input
