@@ -1006,10 +1006,10 @@ def compare_output(name: str, ref: Any, got: Any, tolerance: float) -> OutputSta
         cosine = float(np.dot(a[both], b[both]) / (na * nb)) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
     else:
         max_abs, max_rel, cosine = 0.0, 0.0, None
-    if new:
-        max_rel = max(max_rel, float("inf"))
     # the same non-finite pattern is not an error (an FP32 -inf stays -inf)
     mismatched = int((~fa & ~fb & ~((a == b) | (np.isnan(a) & np.isnan(b)))).sum())
+    if new or mismatched:  # (a finite value against NaN/inf, or two different ones: infinitely far apart)
+        max_abs, max_rel = float("inf"), float("inf")
     passed = new == 0 and mismatched == 0 and max_rel <= tolerance
     return OutputStats(name, max_abs, max_rel, cosine, **stats, new_nonfinite=new, passed=passed)
 

@@ -587,6 +587,9 @@ def test_integer_outputs_compare_by_mismatch_fraction():
     assert s.passed and s.max_rel == 0.25 and s.compared == "mismatch fraction"
     f = ck.compare_output("y", np.array([1.0, 2.0], np.float32), np.array([1.0, np.nan], np.float16), 0.1)
     assert not f.passed and f.new_nonfinite == 1 and f.nan_low == 1
+    assert f.max_abs == f.max_rel == np.inf  # (max_abs said 0 beside max_rel inf: over the finite pairs only)
+    swapped = ck.compare_output("y", np.array([np.inf, 2.0], np.float32), np.array([-np.inf, 2.0], np.float16), 0.1)
+    assert not swapped.passed and swapped.max_abs == swapped.max_rel == np.inf  # (both said 0)
     same = ck.compare_output("y", np.array([-np.inf, 1.0], np.float32), np.array([-np.inf, 1.0], np.float16), 0.1)
     assert same.passed  # the same non-finite value in both is not an error
 
