@@ -330,6 +330,11 @@ def load_inputs(path: str | Path, model: Any) -> tuple[dict[str, Any], list[dict
     optional = {t.name for t in proto.graph.initializer} & {v.name for v in proto.graph.input}
     where = f"--inputs {path}"
     try:
+        with open(path, "rb") as f:
+            magic = f.read(6)
+        if magic[:2] != b"PK" and magic != b"\x93NUMPY":  # (numpy takes anything else for a pickle)
+            raise UsageError(f"{where}: not an .npz file (an .npz is a zip archive of arrays): save the inputs by "
+                             f"name with np.savez(path, <input name>=array, ...)")
         data = np.load(str(path), allow_pickle=False)
         if not hasattr(data, "files"):  # an .npy file: one unnamed array
             raise UsageError(f"{where}: an .npy file holds one unnamed array; save the inputs by name in an .npz "

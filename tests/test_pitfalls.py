@@ -1039,6 +1039,38 @@ def test_a_gemm_scalar_the_low_type_cannot_hold_keeps_the_gemm_fp32(attrs, low, 
     assert not again.modified
 
 
+@pytest.mark.parametrize(("op", "bias", "low", "target"), [
+    ("Gemm", [1e5, -1e5, 1e-3, 3.0], False, "fp16"), ("Conv", [1e5, -1e5, 1e-3, 3.0], False, "fp16"),
+    ("Gemm", [6e4, -1.0, 1e-3, 3.0], True, "fp16"), ("Gemm", [1e5, -1e5, 1e-3, 3.0], True, "bf16"),
+    ("Gemm", [-1e9, 0.0, 0.0, 0.0], True, "fp16")])
+def test_a_bias_the_low_type_cannot_hold_keeps_its_gemm_or_conv_fp32(op, bias, low, target):
+    """A Gemm's C or a Conv's B of 1e5 was clamped to 65504 with the weights and the node ran FP16:
+    the output was 35% off where the same sum as MatMul + Add kept its Add FP32 and was exact. The
+    bias is added to the output as it is, so such a node keeps FP32 (BF16 holds 1e5; a mask
+    sentinel saturates and still masks, as everywhere)."""
+    from amp_rewrite.emulate import emulate_low
+
+    conv = op == "Conv"
+    model = make_model(f"""
+    <ir_version: 10, opset_import: ["" : 18]>
+    g (float{"[1,4,2,2]" if conv else "[2,4]"} x) => (float{"[1,4,2,2]" if conv else "[2,4]"} y) {{
+      a = {op}(x, w, b)
+      y = Relu(a)
+    }}""", {"w": np.eye(4, dtype=np.float32).reshape((4, 4, 1, 1) if conv else (4, 4)),
+            "b": np.array(bias, np.float32)})
+    result = rewrite(model, target=target)
+    full_check(result.model)
+    decision = result.log.decisions[f"{op}:a"]
+    assert (decision.precision == Precision.LOW) is low, decision.reason
+    if not low:
+        assert "its bias 'b' holds 100000" in decision.reason
+        x = np.ones((1, 4, 2, 2) if conv else (2, 4), np.float32)
+        ref = run(model, {"x": x})["y"]
+        got = run(emulate_low(result.model, onnx.TensorProto.FLOAT16)[0], {"x": x})["y"]
+        assert rel_err(ref, got) < 1e-3
+    assert not rewrite(result.model, target=target).modified
+
+
 @pytest.mark.parametrize("equation,shape,low", [("ij->", "", False), ("ij->i", "[4]", False), ("ii->", "", False),
                                                 ("ij", "[4,8]", True), ("ij->ji", "[8,4]", True), ("ii->i", "[4]", True)])
 def test_a_one_operand_einsum_that_sums_is_a_reduction_kept_fp32(equation, shape, low):

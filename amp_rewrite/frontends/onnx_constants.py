@@ -2,7 +2,8 @@
 
 A weight of a MatMul/Gemm/Conv (an allow op) is converted offline with clamping at the type's true
 limit (±65504 for FP16), and the report counts every clamped value: that is the contract for
-weights. An infer or clear op is different: it goes low only where painting (or the optimal
+weights. A bias is not such a weight (a Gemm's C, a Conv's B): it is added to the output as it is,
+so one past the range keeps its node FP32, as the Add of MatMul + Add would be. An infer or clear op is different: it goes low only where painting (or the optimal
 placement's cost model) finds it cheaper, and nothing in that choice looks at the constant it
 reads. ``Add(h, ConstantOfShape(value=1e5))`` or ``Mul(h, OneHot(values=[0, 1e5]))`` made FP16
 clamp the constant to 65504 (34% error) or overflow to inf, where leaving the op FP32 is exact.
@@ -64,6 +65,16 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
                     f"its {name} attribute {value:g} becomes {became} in {ctx.low.short}, which onnxruntime's CUDA "
                     f"kernel converts it to before it computes (cuBLAS takes alpha and beta in the data type): "
                     f"it keeps FP32")
+                continue
+            slot = _BIAS_SLOTS.get((node.domain, node.op_type))
+            bias = node.inputs[slot] if slot is not None and len(node.inputs) > slot else None
+            big = _held(bias, limit, seen=seen, folds=folds) if bias is not None else None
+            if big is not None:
+                short = ctx.low.short
+                node.meta[KERNEL_SCALAR] = (
+                    f"its bias {bias.name!r} holds {big:g}, beyond {short}'s finite range (±{limit:g}): clamped, it "
+                    f"would be added to every output as is (as MatMul + Add, the Add keeps FP32), so the node "
+                    f"keeps FP32")
             continue
         found = _beyond(node, limit, seen, folds)
         if found is None and node.domain == "" and node.op_type in _ARITHMETIC and node.outputs:
@@ -103,6 +114,9 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
 
 
 KERNEL_SCALAR = "amp.kernel_scalar"
+# the input an allow op adds to its result as it is: a value past the range there is an error of
+# its full size in the output, not the clamp of one weight among the many a dot product sums
+_BIAS_SLOTS: dict[tuple[str, str], int] = {("", "Gemm"): 2, ("", "Conv"): 2, ("", "ConvTranspose"): 2}
 # float attributes an allow op's CUDA kernel converts to the data type before it runs (onnxruntime's
 # Gemm and com.microsoft's FusedMatMul/TransposeMatMul: ToCudaType<T>::FromFloat(alpha_))
 _KERNEL_SCALARS: dict[tuple[str, str], tuple[str, ...]] = {

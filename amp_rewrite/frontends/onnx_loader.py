@@ -14,6 +14,7 @@ import functools
 import itertools
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -289,6 +290,7 @@ def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: 
     except Exception as exc:  # onnx-ir raises many kinds on malformed protos
         for graph in graphs:  # a tensor written twice, which onnx-ir refuses without naming it
             _check_names(graph, where)
+        _check_external_numbers(proto, where)
         raise ModelLoadError(f"{where}the model could not be read: {first_line(_root_cause(exc))}") from exc
 
 
@@ -299,9 +301,26 @@ def _quiet_onnx_ir():
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        yield
+        with warnings.catch_warnings():
+            # (an external-data key onnx does not know is ignored by every reader: not the user's concern)
+            warnings.filterwarnings("ignore", message="Ignoring unknown external data key", category=UserWarning)
+            yield
     finally:
         logger.setLevel(level)
+
+
+def _check_external_numbers(proto: onnx.ModelProto, where: str) -> None:
+    """An external tensor's offset or length that is not a whole number, named (onnx-ir's error
+    is ``invalid literal for int()``, naming neither the tensor nor the key)."""
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    for tensor in _get_all_tensors(proto):
+        if not uses_external_data(tensor):
+            continue
+        for entry in tensor.external_data:
+            if entry.key in ("offset", "length") and not entry.value.strip().isdigit():
+                raise ModelLoadError(f"{where}tensor {tensor.name!r}: its external data {entry.key} is {entry.value!r}, "
+                                     f"not a whole number of bytes")
 
 
 def _subgraphs(graph: onnx.GraphProto):
@@ -503,7 +522,10 @@ def _bind_external_data(graphs: list[ir.Graph], path: Path) -> frozenset[Path]:
         if Path(tensor.location) == Path("."):  # (also the empty location)
             raise ModelLoadError(f"{path}: tensor {name!r} is stored as external data but names no file "
                                  f"(its 'location' is empty)")
-        if tensor.location.startswith("/") or ".." in Path(tensor.location).parts:
+        if Path(tensor.location).is_absolute():
+            raise ModelLoadError(f"{path}: external data location {tensor.location!r} is an absolute path; ONNX "
+                                 f"locations are relative to the model's folder: save the model with a relative one")
+        if ".." in Path(tensor.location).parts:
             raise ModelLoadError(f"{path}: external data location {tensor.location!r} escapes the model folder")
         if (tensor.offset or 0) < 0 or (tensor.length is not None and tensor.length < 0):
             raise ModelLoadError(f"{path}: external data of tensor {name!r} has a negative offset or length")
