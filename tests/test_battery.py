@@ -224,6 +224,42 @@ def case_external_data_escapes(d: Path) -> Case:
     return Case(["sub/m.onnx"], 3, r"escapes the model folder", inputs=["sub/m.onnx", "weights.bin"])
 
 
+def _set_external(path: Path, key: str, value: str) -> None:
+    proto = onnx.load(str(path), load_external_data=False)
+    for tensor in proto.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == key:
+                entry.value = value
+    save(proto, path)
+
+
+def case_external_data_absolute_location(d: Path) -> Case:
+    """An absolute location inside the model's folder was said to escape it."""
+    save_external(mlp(), d / "m.onnx")
+    _set_external(d / "m.onnx", "location", str(d / "weights.bin"))
+    return Case(["m.onnx"], 3, r"is an absolute path; ONNX locations are relative", inputs=["m.onnx", "weights.bin"])
+
+
+def case_external_data_offset_not_a_number(d: Path) -> Case:
+    """onnx-ir's 'invalid literal for int()' named neither the tensor nor the key."""
+    save_external(mlp(), d / "m.onnx")
+    _set_external(d / "m.onnx", "offset", "abc")
+    return Case(["m.onnx"], 3, r"tensor 'w1': its external data offset is 'abc', not a whole number",
+                inputs=["m.onnx", "weights.bin"])
+
+
+def case_external_data_unknown_key(d: Path) -> Case:
+    """onnx-ir printed a UserWarning with its source line per tensor; every reader ignores the key."""
+    save_external(mlp(), d / "m.onnx")
+    proto = onnx.load(str(d / "m.onnx"), load_external_data=False)
+    for tensor in proto.graph.initializer:
+        entry = tensor.external_data.add()
+        entry.key, entry.value = "foo", "bar"
+    save(proto, d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx"], 0, outputs=["out.onnx"], inputs=["m.onnx", "weights.bin"],
+                feeds={"x": feed()})
+
+
 def case_external_data_hard_link(d: Path) -> Case:
     save_external(mlp(), d / "m.onnx")
     os.link(d / "weights.bin", d / "weights-link.bin")
@@ -838,6 +874,14 @@ def case_inputs_is_an_npy_file(d: Path) -> Case:
     np.save(d / "x.npy", feed())
     return Case(["m.onnx", "-o", "out.onnx", "--check", "--inputs", "x.npy"], 2, r"\.npy file holds one unnamed array",
                 inputs=["m.onnx", "x.npy"])
+
+
+def case_inputs_is_not_an_archive(d: Path) -> Case:
+    """A text file given as .npz got numpy's advice to load it with allow_pickle."""
+    save(mlp(), d / "m.onnx")
+    (d / "i.npz").write_text("x = 1, 2, 3\n")
+    return Case(["m.onnx", "-o", "out.onnx", "--check", "--inputs", "i.npz"], 2,
+                r"not an \.npz file \(an \.npz is a zip archive", inputs=["m.onnx", "i.npz"])
 
 
 def case_input_is_the_current_directory(d: Path) -> Case:

@@ -25,6 +25,10 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from ..errors import ModelLoadError, UnsupportedModelError, first_line
+
+# onnx (and onnx-ir through it) warns, with its source line, at every read of an external tensor
+# with a key it does not know; every reader ignores such a key, and so does the output
+warnings.filterwarnings("ignore", message="Ignoring unknown external data key", category=UserWarning)
 from ..ir import DType, Graph, Model, Node, Value
 from ..ir.verifier import group_conflict
 
@@ -301,10 +305,7 @@ def _quiet_onnx_ir():
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
-            # (an external-data key onnx does not know is ignored by every reader: not the user's concern)
-            warnings.filterwarnings("ignore", message="Ignoring unknown external data key", category=UserWarning)
-            yield
+        yield
     finally:
         logger.setLevel(level)
 
