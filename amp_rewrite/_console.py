@@ -60,4 +60,16 @@ def main() -> int:
     except KeyboardInterrupt:  # (one held through the imports, delivered after them)
         print("amp-rewrite: interrupted; no output was written", file=sys.stderr)
         return INTERRUPTED
-    return cli_main()
+    try:
+        code = cli_main()
+    except KeyboardInterrupt:
+        # (after the run: the model's memory is freed as its frames return, which takes a while for
+        # large weights; a Ctrl-C there ended the process by SIGINT, saying nothing of what was written)
+        from .cli import _interrupted
+
+        print(_interrupted(), file=sys.stderr)
+        code = INTERRUPTED
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the outcome is decided: the exit is not interrupted
+            signal.signal(sig, signal.SIG_IGN)
+    return code

@@ -1431,6 +1431,38 @@ def test_ctrl_c_while_onnxruntime_loads_is_an_interruption(tmp_path: Path, sig: 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
 
 
+_INTERRUPTED_EXIT = """
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (as from a terminal: see _INTERRUPTED_IMPORT)
+import amp_rewrite.cli as cli
+real = cli.main
+def main():  # the Ctrl-C lands after the run, while its frames return (freeing a large model takes a while)
+    code = real()
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.5)
+    return code
+cli.main = main
+sys.argv = ["amp-rewrite", "m.onnx", "-o", "o.onnx"]
+from amp_rewrite._console import main as entry
+code = entry()
+os.kill(os.getpid(), signal.SIGINT)  # (and another on the way out)
+time.sleep(0.2)
+sys.exit(code)
+"""
+
+
+def test_ctrl_c_after_the_output_is_written_says_so(tmp_path: Path) -> None:
+    """A Ctrl-C after the run, as its frames freed the model, ended the process by SIGINT with
+    nothing said, though the output was written and kept (the shell's 130 reads 'no output')."""
+    save(mlp(), tmp_path / "m.onnx")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPTED_EXIT], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert (proc.returncode, proc.stderr) == (130, "amp-rewrite: interrupted after writing o.onnx\n"), proc.stderr
+    onnx.checker.check_model(str(tmp_path / "o.onnx"), full_check=True)
+
+
 def test_version_flag(tmp_path: Path) -> None:
     from amp_rewrite import __version__
 
