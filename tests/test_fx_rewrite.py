@@ -384,6 +384,33 @@ def test_loading_a_state_dict_makes_the_low_copy_again(capture):
         assert rel_err(copied(x), model(x)) < TOL["bf16"] and rel_err(gm(x), other(x)) < TOL["bf16"]
 
 
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_weight_written_in_place_makes_its_low_copy_again(capture):
+    """Only load_state_dict made the low copy again: after ``gm.w.copy_(w)`` (or nn.init, an EMA,
+    an optimizer step) the linear computed with the old weight while exp().sum() read the new one
+    (error 1.5). The copy is made again at the next call after its original changes, and only then."""
+    torch.manual_seed(0)
+    model, x = SharedWeight().eval(), torch.randn(2, 8)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", capture=capture)
+    low = next(b for n, b in gm.named_buffers() if "_amp_" in n)
+    with torch.no_grad():
+        gm(x)
+        made = low._version
+        gm(x)
+        assert low._version == made  # (nothing changed: not made again)
+        w = torch.randn(8, 8) * 0.3
+        model.w.copy_(w)
+        gm.w.copy_(w)
+        assert rel_err(gm(x), model(x)) < TOL["bf16"]
+        gm.w.mul_(0.5)
+        model.w.mul_(0.5)
+        assert rel_err(gm(x), model(x)) < TOL["bf16"]
+    gm.w = nn.Parameter(torch.randn(8, 8) * 0.3)  # (replaced, not written)
+    with torch.no_grad():
+        model.w.copy_(gm.w)
+        assert rel_err(gm(x), model(x)) < TOL["bf16"]
+
+
 
 class _ConvertedAndCopied(nn.Module):
     """l.weight is read low (linear) and FP32 (sum): a low copy; l2's weight only low: converted."""
@@ -1863,6 +1890,51 @@ def test_readers_of_a_module_tensor_past_the_range_keep_fp32(capture, how, train
     readers = [d for d in result.log.decisions.values() if "beyond fp16's finite range" in d.reason]
     assert readers and all(d.precision == Precision.FP32 for d in readers)
     assert result.log.weights.clamped == 0
+
+
+class _BigBias(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.how = how
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.conv = nn.Conv1d(16, 16, 1)
+        if how == "linear":
+            with torch.no_grad():
+                self.a.bias[:2] = torch.tensor([1e5, -1e5])
+        self.const = torch.full((16,), 1e5)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.how == "linear":
+            h = h - self.a.bias
+        elif self.how == "addmm":
+            h = torch.addmm(torch.full((16,), 1e5), h, torch.eye(16)) - 1e5
+        elif self.how == "attr":
+            h = torch.addmm(self.const, h, torch.eye(16)) - 1e5
+        elif self.how == "conv":
+            h = F.conv1d(h.unsqueeze(-1), self.conv.weight, self.const).squeeze(-1) - 1e5
+        return self.b(h)
+
+
+@pytest.mark.parametrize("how", ["addmm", "attr", "conv", "linear"])
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_gemm_or_conv_adding_a_bias_past_the_range_keeps_fp32(capture, how):
+    """torch.addmm(full(1e5), h, w) was cast to fp16 (the bias clamped to 65504 at run time) and
+    came out 4.5e4 times off, with no clamp counted; an nn.Linear's bias of 1e5 was clamped offline.
+    The bias is added to the output as it is: the node keeps FP32, as the ONNX Gemm does."""
+    model = _BigBias(how).eval()
+    x = torch.randn(16, 16)
+    result = _dispatch(model, example_inputs=(x,), target="fp16", capture=capture)
+    result.model.graph.lint()
+    with torch.no_grad():
+        out, ref = result.model(x), model(x)
+    # (h + 1e5 - 1e5 keeps FP32's 0.008 spacing at 1e5 around values of 0.3: 1-2%; it was 4.5e4 times off)
+    assert rel_err(out, ref) < 0.03
+    kept = [d for d in result.log.decisions.values() if "its bias" in d.reason]
+    assert len(kept) == 1 and kept[0].precision == Precision.FP32, [d.reason for d in result.log.decisions.values()]
+    low = [d for d in result.log.decisions.values() if d.op == "linear" and d.precision == Precision.LOW]
+    assert len(low) == (1 if how == "linear" else 2)  # (the other GEMMs still run low)
 
 
 def test_a_mask_sentinel_in_a_buffer_does_not_keep_its_reader_fp32():

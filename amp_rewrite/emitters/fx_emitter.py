@@ -277,7 +277,9 @@ class _Emitter:
         if not copies:
             _register_after_load(self.gm)
             _keep_derived_buffers_out_of_copies(self.gm)
+            self.gm.register_forward_pre_hook(_refresh_changed_copies)
         copies.append((prefix + name, target))
+        _note_source(self.gm, prefix + name, getattr(owner, attr))
 
     def _convert(self, tensor: torch.Tensor, name: str, dtype: DType) -> torch.Tensor:
         converted, clamped, flushed, sentinel = convert_tensor(tensor, DTYPE_TO_TORCH[dtype])
@@ -781,18 +783,55 @@ def _refresh_low_copies(module: torch.nn.Module, incompatible_keys: Any) -> None
     on the meta device after ``assign=True`` gave the original its data, or on another device) is
     made anew."""
     for copy_path, original in getattr(module, "meta", {}).get(LOW_COPIES, ()):
-        low = _fetch(module, copy_path)
-        source = _fetch(module, original)
-        if low is None or source is None or source.is_meta:
-            continue
-        fresh = convert_tensor(source.detach(), low.dtype)[0]
+        _refresh_copy(module, copy_path, original, warn=True)
+
+
+def _refresh_copy(module: torch.nn.Module, copy_path: str, original: str, warn: bool) -> None:
+    low = _fetch(module, copy_path)
+    source = _fetch(module, original)
+    if low is None or source is None or source.is_meta:
+        return
+    fresh = convert_tensor(source.detach(), low.dtype)[0]
+    if warn:
         _warn_if_clamped(original, source, low.dtype)
-        if low.is_meta or low.device != fresh.device or low.shape != fresh.shape:
-            owner, attr = _owner(module, copy_path)
-            owner._buffers[attr] = fresh
-            continue
+    if low.is_meta or low.device != fresh.device or low.shape != fresh.shape:
+        owner, attr = _owner(module, copy_path)
+        owner._buffers[attr] = fresh
+    else:
         with torch.no_grad():
             low.copy_(fresh)
+    _note_source(module, copy_path, source)
+
+
+COPY_SOURCES = "amp_rewrite.copy_sources"  # gm.meta: copy path -> (id, version) of the tensor it was made from
+
+
+def _note_source(module: torch.nn.Module, copy_path: str, source: torch.Tensor) -> None:
+    module.meta.setdefault(COPY_SOURCES, {})[copy_path] = _stamp(source)
+
+
+def _stamp(tensor: Any) -> tuple[int, int | None]:
+    try:
+        return id(tensor), tensor._version
+    except (AttributeError, RuntimeError):  # (an inference-mode tensor has no version counter)
+        return id(tensor), None
+
+
+def _refresh_changed_copies(module: torch.nn.Module, args: Any) -> None:
+    """Forward pre-hook: a low copy whose FP32 original was written in place since the copy was
+    made (``weight.copy_(w)``, ``nn.init``, an EMA, an optimizer step) or replaced is made again,
+    or the low readers would compute with the old weight while the FP32 readers see the new one.
+    (Not inside torch.compile's trace: there the copies are as last refreshed.)"""
+    if torch.compiler.is_compiling():
+        return
+    stamps = module.meta.get(COPY_SOURCES, {})
+    for copy_path, original in module.meta.get(LOW_COPIES, ()):
+        source = _fetch(module, original)
+        if source is None:
+            continue
+        stamp = _stamp(source)
+        if stamp[1] is None or stamps.get(copy_path) != stamp:
+            _refresh_copy(module, copy_path, original, warn=stamp[1] is not None)
 
 
 TIED = "amp_rewrite.tied"  # gm.meta: the names of each parameter the module holds under several

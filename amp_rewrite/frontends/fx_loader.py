@@ -1133,6 +1133,13 @@ def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
         if big is not None:
             hold(node.outputs, node.name, big)
             continue
+        bias = _bias_beyond(node, holding)
+        if bias is not None:  # (classify keeps an allow op with this FP32, as onnx_constants a Gemm's C)
+            value, (source, big) = bias
+            node.meta["amp.kernel_scalar"] = (
+                f"its bias {value.meta.get('fx.attr', value.name)!r} holds {big:g}, beyond {short}'s finite range "
+                f"(±{limit:g}): clamped, it would be added to every output as is (as matmul + add, the add keeps "
+                f"FP32), so the node keeps FP32")
         found = next(((v, holding[id(v)]) for v in node.inputs if v is not None and id(v) in holding), None)
         if found is None:
             continue
@@ -1144,6 +1151,26 @@ def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
             f"(±{limit:g}): in {short} it would be clamped or become ±inf, so the node keeps FP32"))
         if node.op_type in _HOLDS_THROUGH:
             hold(node.outputs, source, big)
+
+
+_ADDEND = frozenset({("args", 0), ("kwargs", "input")})
+_BIAS = frozenset({("args", 2), ("kwargs", "bias"), ("param", "bias")})
+# where a GEMM or convolution takes the tensor it adds to its result as it is (a bias)
+_BIAS_SLOTS = {**dict.fromkeys(("addmm", "addmv", "addr", "addbmm", "baddbmm"), _ADDEND),
+               **dict.fromkeys(("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                                "conv_transpose3d", "convolution", "_convolution"), _BIAS)}
+
+
+def _bias_beyond(node: Node, holding: dict[int, tuple[str, float]]) -> tuple[Value, tuple[str, float]] | None:
+    """(the bias, what it holds) where a GEMM or convolution adds one beyond the low type's range."""
+    where = _BIAS_SLOTS.get(node.op_type)
+    if where is None:
+        return None
+    for slot, value in zip(node.meta.get("fx.slots", ()), node.inputs):
+        if value is not None and id(value) in holding and slot.where[:2] in where \
+                and abs(holding[id(value)][1]) < _SENTINEL:  # (a mask sentinel saturates and still masks)
+            return value, holding[id(value)]
+    return None
 
 
 # |x| at or above this is a mask sentinel (-1e9, finfo(float32).min): saturated to the low type's
