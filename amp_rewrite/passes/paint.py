@@ -280,11 +280,11 @@ class _ScopePainter:
             meta["amp.via"] = node_label(self.nodes[via]) if via is not None else self.fp64_read.get(i) \
                 if step == "deny-spread" else None
             meta["amp.deny_painted"] = i in deny
-            if none_allowed:
+            if none_allowed and self.cat[i] in _LOW_OK:
                 # what it says where the scope changes after all (restate_changed: a low value read
-                # from around it, an If the optimal placement made low): as in a painted scope
-                restated = (f"{self.cat[i].value} op not between {low_name} ops: stays FP32 ({meta['amp.reason']})"
-                            if self.cat[i] in _LOW_OK else meta["amp.reason"])
+                # from around it, an If the optimal placement made low): as in a painted scope.
+                # (A deny op, a pin, keeps FP32 for its own reason, whatever the scope holds.)
+                restated = f"{self.cat[i].value} op not between {low_name} ops: stays FP32 ({meta['amp.reason']})"
                 meta["amp.reason"] = f"no allow op in this scope, so nothing changes ({meta['amp.reason']})"
                 meta["amp.restated"] = (meta["amp.reason"], restated)
             elif step == "deny-spread" and via is None:
