@@ -41,48 +41,68 @@ def emulate_low(model: onnx.ModelProto, low: int | None = None) -> tuple[onnx.Mo
     """(the FP32 emulation of ``model``, the names of the values it holds in the low type).
 
     ``low``: TensorProto.FLOAT16 or BFLOAT16; by default whichever the model uses (FP16 if both)."""
-    types = _value_types(model)
+    types, shapes = _value_types(model)
     if low is None:
         used = set(types.values())
         low = next((t for t in LOW_TYPES if t in used), TensorProto.FLOAT16)
-    return _emulate(model, types, {low})
+    return _emulate(model, types, {low}, shapes)
 
 
 def emulate_all(model: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
     """:func:`emulate_low` for every low type the model holds at once (a BF16 rewrite of a model
     with FP16 parts of its own holds both); the names rounded to either."""
-    return _emulate(model, _value_types(model), set(LOW_TYPES))
+    types, shapes = _value_types(model)
+    return _emulate(model, types, set(LOW_TYPES), shapes)
 
 
-def _value_types(model: onnx.ModelProto) -> dict[str, int]:
-    """Element type by value name, model-wide (names are unique in a rewritten model)."""
+def _value_types(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, onnx.TensorShapeProto]]:
+    """Element type by value name, model-wide (names are unique in a rewritten model), and the
+    shapes inference knows."""
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     types: dict[str, int] = {}
+    shapes: dict[str, onnx.TensorShapeProto] = {}
     for g in _graph_protos(inferred.graph):
         for vi in [*g.input, *g.output, *g.value_info]:
             if vi.type.HasField("tensor_type"):
                 types[vi.name] = vi.type.tensor_type.elem_type
+                if vi.type.tensor_type.HasField("shape"):
+                    shapes[vi.name] = vi.type.tensor_type.shape
         for t in g.initializer:
             types[t.name] = t.data_type
         for n in g.node:
             if n.op_type == "Cast" and n.domain in ("", "ai.onnx") and n.output:
                 types[n.output[0]] = _attr(n, "to")
-    return types
+    return types, shapes
 
 
-def _emulate(model: onnx.ModelProto, types: dict[str, int], lows: set[int]) -> tuple[onnx.ModelProto, set[str]]:
+def _emulate(model: onnx.ModelProto, types: dict[str, int], lows: set[int],
+             shapes: dict[str, onnx.TensorShapeProto] | None = None) -> tuple[onnx.ModelProto, set[str]]:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     rounded: set[str] = set()
     taken = {name for g in _graph_protos(out.graph) for name in _names(g)}
-    _Rewriter(types, lows, rounded, taken).graph(out.graph)
+    _Rewriter(types, lows, rounded, taken, shapes or {}).graph(out.graph)
     return out, rounded
 
 
 class _Rewriter:
-    def __init__(self, types: dict[str, int], lows: set[int], rounded: set[str], taken: set[str]) -> None:
+    def __init__(self, types: dict[str, int], lows: set[int], rounded: set[str], taken: set[str],
+                 shapes: dict[str, onnx.TensorShapeProto]) -> None:
         self.types, self.lows, self.rounded, self.taken = types, lows, rounded, taken
+        self.shapes = shapes
         self.counter = 0
+        # value_info for the names a scope's rounding makes, with the shape of the value they stand
+        # for: onnxruntime's planner otherwise trusts its own inference for them, which for
+        # GroupQueryAttention's present (past's shape, as if sharing its buffer) was too small
+        self.declared: list[onnx.ValueInfoProto] = []
+
+    def _declare(self, name: str, like: str, elem_type: int) -> None:
+        shape = self.shapes.get(like)
+        if shape is not None:
+            info = onnx.ValueInfoProto(name=name)
+            info.type.tensor_type.elem_type = elem_type
+            info.type.tensor_type.shape.CopyFrom(shape)
+            self.declared.append(info)
 
     def fresh(self, base: str) -> str:
         while True:
@@ -103,10 +123,13 @@ class _Rewriter:
             low = _widen_type(vi.type, self.lows)
             if low is not None and vi.type.HasField("tensor_type"):
                 nodes.extend(self._round_in_place(vi.name, low, graph))
+        outer, self.declared = self.declared, []
         for node in graph.node:
             nodes.extend(self.node(node))
         del graph.node[:]
         graph.node.extend(nodes)
+        graph.value_info.extend(self.declared)
+        self.declared = outer
 
     def _round_in_place(self, name: str, low: int, graph: onnx.GraphProto) -> list[onnx.NodeProto]:
         """Round graph input ``name``: its readers read a rounded copy under a fresh name. (An input
@@ -155,6 +178,8 @@ class _Rewriter:
                 nodes.append(helper.make_node("Cast", [renamed[o]], [o], to=FLOAT, name=self.fresh("amp_emu_back")))
                 continue
             mid = self.fresh(o)
+            self._declare(renamed[o], o, FLOAT)
+            self._declare(mid, o, self.types[o])
             nodes.append(helper.make_node("Cast", [renamed[o]], [mid], to=self.types[o], name=self.fresh("amp_emu_round")))
             nodes.append(helper.make_node("Cast", [mid], [o], to=FLOAT, name=self.fresh("amp_emu_back")))
         return nodes

@@ -276,3 +276,45 @@ def test_an_ai_onnx_ml_output_is_typed_from_its_schema():
     x = np.random.default_rng(1).standard_normal((2, 4, H)).astype(np.float32)
     assert rel_err(run(model, {"x": x})["out"], run(result.model, {"x": x})["out"]) < 1e-2
     assert not rewrite(result.model).modified
+
+
+def test_the_emulation_of_a_gqa_prompt_step_reading_a_past_cache_runs():
+    """emulate_low (what --check runs on a CPU) renamed each low output without its declared shape:
+    onnxruntime's GroupQueryAttention inference takes present for past's shape (a shared buffer),
+    and its planner reused past's (1,1,3,16) buffer for the (1,1,7,16) present, so the emulation
+    failed to run and --check left the FP16 rounding of every such model unchecked."""
+    from amp_rewrite.emulate import emulate_low
+
+    b, s, h, heads, kv_heads, past = 1, 4, 32, 2, 1, 3
+    d = h // heads
+    rng = np.random.default_rng(0)
+
+    def w(name, *shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32), name)
+
+    nodes = [oh.make_node("MatMul", ["x", "wq"], ["q"]), oh.make_node("MatMul", ["x", "wk"], ["k"]),
+             oh.make_node("MatMul", ["x", "wv"], ["v"]),
+             oh.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "seqlens", "total"], ["att", "prk", "prv"],
+                          domain=MS, num_heads=heads, kv_num_heads=kv_heads, name="gqa"),
+             oh.make_node("MatMul", ["att", "wo"], ["out"])]
+    vi = oh.make_tensor_value_info
+    graph = oh.make_graph(
+        nodes, "g",
+        [vi("x", onnx.TensorProto.FLOAT, [b, s, h]), vi("pk", onnx.TensorProto.FLOAT, [b, kv_heads, past, d]),
+         vi("pv", onnx.TensorProto.FLOAT, [b, kv_heads, past, d]), vi("seqlens", onnx.TensorProto.INT32, [b]),
+         vi("total", onnx.TensorProto.INT32, [])],
+        [vi("out", onnx.TensorProto.FLOAT, [b, s, h]), vi("prk", onnx.TensorProto.FLOAT, [b, kv_heads, s + past, d]),
+         vi("prv", onnx.TensorProto.FLOAT, [b, kv_heads, s + past, d])],
+        [w("wq", h, h), w("wk", h, kv_heads * d), w("wv", h, kv_heads * d), w("wo", h, h)])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid(MS, 1)], ir_version=9)
+    feeds = {"x": rng.standard_normal((b, s, h)).astype(np.float32),
+             "pk": rng.standard_normal((b, kv_heads, past, d)).astype(np.float32),
+             "pv": rng.standard_normal((b, kv_heads, past, d)).astype(np.float32),
+             "seqlens": np.array([s + past - 1], np.int32), "total": np.array(s + past, np.int32)}
+    result = rewrite(model)
+    full_check(result.model)
+    emulated, rounded = emulate_low(result.model)
+    assert "att" in rounded
+    ref, got = run(model, feeds), run(emulated, feeds)
+    for name in ("out", "prk", "prv"):
+        assert got[name].shape == ref[name].shape and rel_err(ref[name], got[name]) < 1e-2, name

@@ -626,9 +626,11 @@ def test_weight_conversion_counts_match_an_element_by_element_reference(target):
 def _rotary(angle_from: str) -> onnx.ModelProto:
     """An in-graph rotary table as HF Llama exports it: inv_freq @ positions -> Transpose -> Concat
     -> Cos, multiplied into the activations. ``angle_from``: "positions" (an int64 input cast to
-    float) or "features" (a float graph input: Fourier features)."""
-    source = "int64[1,1,16] pid" if angle_from == "positions" else "float[1,1,16] pid"
-    cast = "pf = Cast<to=1>(pid)" if angle_from == "positions" else "pf = Identity(pid)"
+    float), "range" (a float Range from an offset of 4000 to a float limit given at run time) or
+    "features" (a float graph input: Fourier features)."""
+    source = {"positions": "int64[1,1,16] pid", "range": "float pid"}.get(angle_from, "float[1,1,16] pid")
+    cast = {"positions": "pf = Cast<to=1>(pid)",
+            "range": "r = Range(start, pid, one)\n      pf = Reshape(r, shape3)"}.get(angle_from, "pf = Identity(pid)")
     text = f"""
     <ir_version: 10, opset_import: ["" : 17]>
     g (float[1,16,8] x, {source}) => (float[1,16,8] y) {{
@@ -642,19 +644,24 @@ def _rotary(angle_from: str) -> onnx.ModelProto:
       y = MatMul(hc, w2)
     }}"""
     invf = (1.0 / (10000 ** (np.arange(0, 8, 2) / 8))).astype(np.float32).reshape(4, 1)
-    return make_model(text, {"invf": invf, "w": (8, 8), "w2": (8, 8)})
+    extra = {"start": np.array(4000.0, np.float32), "one": np.array(1.0, np.float32),
+             "shape3": np.array([1, 1, 16], np.int64)} if angle_from == "range" else {}
+    return make_model(text, {"invf": invf, "w": (8, 8), "w2": (8, 8), **extra})
 
 
+@pytest.mark.parametrize("angle_from", ["positions", "range"])
 @pytest.mark.parametrize("placement", ["optimal", "greedy"])
 @pytest.mark.parametrize("target", ["fp16", "bf16"])
-def test_rotary_angles_from_positions_are_computed_in_fp32(placement, target):
+def test_rotary_angles_from_positions_are_computed_in_fp32(placement, target, angle_from):
     """Cos is kept FP32 for its argument's precision, but the angle inv_freq @ positions was an
     allow MatMul made low (and the positions' Cast retargeted to it): the angle arrived rounded
     (positions 4000-4015: rel err 0.83 in FP16). The nodes computing a Sin/Cos argument from
-    integers and constants only now keep FP32; the model's other MatMuls stay low."""
+    integers and constants only now keep FP32; the model's other MatMuls stay low. A float Range
+    counts positions whatever its limit: one given at run time (a float input) made the search
+    stop there, and the angles went low (0.43 off)."""
     from amp_rewrite.emulate import emulate_low
 
-    model = _rotary("positions")
+    model = _rotary(angle_from)
     result = rewrite(model, placement=placement, target=target)
     full_check(result.model)
     decisions = result.log.decisions
@@ -663,8 +670,9 @@ def test_rotary_angles_from_positions_are_computed_in_fp32(placement, target):
         assert "from integers and constants only" in decisions[name].reason
     assert decisions["MatMul:h"].precision == decisions["MatMul:y"].precision == Precision.LOW
     assert value_types(result.model)["pf"] == FP32  # the positions' Cast is not retargeted
-    feeds = {"x": np.random.default_rng(0).standard_normal((1, 16, 8)).astype(np.float32),
-             "pid": (np.arange(16) + 4000).reshape(1, 1, 16).astype(np.int64)}
+    pid = (np.arange(16) + 4000).reshape(1, 1, 16).astype(np.int64) if angle_from == "positions" \
+        else np.array(4016.0, np.float32)
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 16, 8)).astype(np.float32), "pid": pid}
     emulated, _ = emulate_low(result.model, FP16 if target == "fp16" else BF16)
     assert rel_err(run(model, feeds)["y"], run(emulated, feeds)["y"]) < (1e-2 if target == "fp16" else 5e-2)
     assert not rewrite(result.model, placement=placement, target=target).modified

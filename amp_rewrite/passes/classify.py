@@ -481,7 +481,12 @@ def _position_cone(node: Node) -> list[Node]:
             cone.append(producer)
             if len(cone) > _CONE_LIMIT:
                 return []
-            stack.extend(v for v in producer.inputs if v is not None)
+            inputs = producer.inputs
+            if producer.op_type == "Range" and producer.domain in ("", "com.microsoft") and len(inputs) == 3:
+                # start + i * delta: positions however far the limit goes (a float graph input or a
+                # length computed at run time only sets how many)
+                inputs = [inputs[0], inputs[2]]
+            stack.extend(v for v in inputs if v is not None)
     return cone
 
 
