@@ -311,15 +311,15 @@ def _quiet_onnx_ir():
 
 
 def _check_external_numbers(proto: onnx.ModelProto, where: str) -> None:
-    """An external tensor's offset or length that is not a whole number, named (onnx-ir's error
-    is ``invalid literal for int()``, naming neither the tensor nor the key)."""
+    """An external tensor's offset or length that is not a number, named (onnx-ir's error is
+    ``invalid literal for int()``, naming neither the tensor nor the key; a negative one it names)."""
     from onnx.external_data_helper import _get_all_tensors, uses_external_data
 
     for tensor in _get_all_tensors(proto):
         if not uses_external_data(tensor):
             continue
         for entry in tensor.external_data:
-            if entry.key in ("offset", "length") and not entry.value.strip().isdigit():
+            if entry.key in ("offset", "length") and not entry.value.strip().lstrip("+-").isdigit():
                 raise ModelLoadError(f"{where}tensor {tensor.name!r}: its external data {entry.key} is {entry.value!r}, "
                                      f"not a whole number of bytes")
 
