@@ -76,12 +76,12 @@ def _value_types(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, onnx
 
 
 def _emulate(model: onnx.ModelProto, types: dict[str, int], lows: set[int],
-             shapes: dict[str, onnx.TensorShapeProto] | None = None) -> tuple[onnx.ModelProto, set[str]]:
+             shapes: dict[str, onnx.TensorShapeProto]) -> tuple[onnx.ModelProto, set[str]]:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     rounded: set[str] = set()
     taken = {name for g in _graph_protos(out.graph) for name in _names(g)}
-    _Rewriter(types, lows, rounded, taken, shapes or {}).graph(out.graph)
+    _Rewriter(types, lows, rounded, taken, shapes).graph(out.graph)
     return out, rounded
 
 

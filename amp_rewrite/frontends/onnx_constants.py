@@ -3,9 +3,9 @@
 A weight of a MatMul/Gemm/Conv (an allow op) is converted offline with clamping at the type's true
 limit (±65504 for FP16), and the report counts every clamped value: that is the contract for
 weights. A bias is not such a weight (a Gemm's C, a Conv's B): it is added to the output as it is,
-so one past the range keeps its node FP32, as the Add of MatMul + Add would be. An infer or clear op is different: it goes low only where painting (or the optimal
-placement's cost model) finds it cheaper, and nothing in that choice looks at the constant it
-reads. ``Add(h, ConstantOfShape(value=1e5))`` or ``Mul(h, OneHot(values=[0, 1e5]))`` made FP16
+so one past the range keeps its node FP32, as the Add of MatMul + Add would be. An infer or clear
+op is different: it goes low only where painting (or the optimal placement's cost model) finds it
+cheaper, and nothing in that choice looks at the constant it reads. ``Add(h, ConstantOfShape(value=1e5))`` or ``Mul(h, OneHot(values=[0, 1e5]))`` made FP16
 clamp the constant to 65504 (34% error) or overflow to inf, where leaving the op FP32 is exact.
 
 So before classify, every non-allow node of the ONNX graph that reads, in a float slot, a constant

@@ -25,12 +25,12 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from ..errors import ModelLoadError, UnsupportedModelError, first_line
+from ..ir import DType, Graph, Model, Node, Value
+from ..ir.verifier import group_conflict
 
 # onnx (and onnx-ir through it) warns, with its source line, at every read of an external tensor
 # with a key it does not know; every reader ignores such a key, and so does the output
 warnings.filterwarnings("ignore", message="Ignoring unknown external data key", category=UserWarning)
-from ..ir import DType, Graph, Model, Node, Value
-from ..ir.verifier import group_conflict
 
 MIN_OPSET = 7
 MIN_IR_VERSION = 3  # the first with opset imports
