@@ -2856,3 +2856,31 @@ def test_a_fill_past_the_range_that_reaches_a_low_linear_is_clamped_before_its_c
     assert torch.isfinite(got).all()
     assert (got - want).abs().max() <= 0.1 * want.abs().max()  # (-65504 for -70000: 6.4%, not NaN)
     assert any("clamped to ±65504 first" in c.reason for c in result.log.casts)
+
+
+class _SquaredReLU(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.fc, self.pr, self.how = nn.Linear(8, 16), nn.Linear(16, 8), how
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x) * 300)  # up to ~1000: fine in FP16
+        h = torch.square(h) if self.how == "square" else h * h  # up to ~1e6: past FP16's 65504
+        return self.pr(h * 1e-4)
+
+
+@pytest.mark.parametrize("capture", ["symbolic_trace", "export"])
+@pytest.mark.parametrize("how", ["square", "mul"])
+def test_a_square_written_as_square_or_a_product_is_held_fp32_like_pow(how, capture):
+    """``torch.square(h)`` and ``h * h`` ran FP16 (both were infer) while ``h.pow(2)`` is held FP32:
+    a squared-ReLU MLP overflowed to inf. Both now take pow's verdict."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    model = _SquaredReLU(how).eval()
+    gm, report = amp_rewrite.rewrite(model, example_inputs=(x,), target="fp16", capture=capture, report=True)
+    squares = [d for d in report.log.decisions.values()
+               if d.op == "square" or (d.op == "mul" and "a square" in d.reason)]
+    assert len(squares) == 1 and squares[0].precision == Precision.FP32 and "256" in squares[0].reason
+    got, want = gm(x).float(), model(x)
+    assert torch.isfinite(got).all()
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2

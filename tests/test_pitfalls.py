@@ -1213,3 +1213,36 @@ def test_a_lower_bound_the_low_type_flushes_to_zero_keeps_its_guard_and_division
     feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
     assert_emulated_close(model, result.model, feeds)
     assert not rewrite(result.model).modified
+
+
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
+def test_a_value_multiplied_by_itself_is_a_square_held_fp32_like_pow(placement):
+    """``torch.square(h)`` exports as ``Mul(h, h)``. It ran FP16 while ``Pow(h, 2)`` is denied
+    (x^2 overflows fp16 for |x| > 256): a squared-ReLU MLP with activations near 1000 gave inf/NaN.
+    A Mul of a value by itself now takes Pow's verdict; a Mul of two values stays low."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y, float[4,8] z) {
+          a = MatMul(x, w1)
+          h = Relu(a)
+          s = Mul(h, h)
+          t = Mul(s, k)
+          y = MatMul(t, w2)
+          c = MatMul(x, w2)
+          p = Mul(c, x2)
+          z = MatMul(p, w2)
+        }""", {"w1": np.full((8, 8), 150.0, np.float32), "w2": np.full((8, 8), 0.1, np.float32),
+               "k": np.array(1e-4, np.float32), "x2": np.full((4, 8), 0.5, np.float32)})
+    result = rewrite(m, placement=placement)
+    full_check(result.model)
+    decisions = {d.node: d for d in result.log.decisions.values()}
+    assert decisions["Mul:s"].precision.value == "fp32"
+    assert "square" in decisions["Mul:s"].reason and "256" in decisions["Mul:s"].reason
+    assert decisions["Mul:p"].precision.value == "low" and decisions["MatMul:y"].precision.value == "low"
+    x = np.abs(np.random.default_rng(0).normal(size=(4, 8))).astype(np.float32)  # h up to ~3000: h^2 ~1e7
+    got, want = run(result.model, {"x": x}), run(m, {"x": x})
+    assert np.isfinite(got["y"]).all()
+    assert rel_err(want["y"], got["y"]) < 1e-2
+    # BF16 has FP32's range: the rules make Pow infer there, and so the square
+    bf16 = rewrite(m, placement=placement, target="bf16")
+    assert {d.node: d for d in bf16.log.decisions.values()}["Mul:s"].precision.value == "low"

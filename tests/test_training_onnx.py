@@ -659,8 +659,9 @@ def _clipped(model, max_norm, squares="ReduceSumSquare"):
                           onnx.numpy_helper.from_array(np.array(1.0, np.float32), "one")])
     if squares == "ReduceSumSquare":
         g.node.append(h.make_node("ReduceSumSquare", ["raw"], ["sq"], keepdims=0))
-    else:  # (the square of the Gemm's own output, painted low: it reads the gradient in FP16)
-        g.node.extend([h.make_node("Mul", ["gW", "gW"], ["raw2"]), h.make_node("ReduceSum", ["raw2"], ["sq"], keepdims=0)])
+    else:  # (the dot product of the Gemm's own output with itself, low: it reads the gradient in FP16)
+        g.initializer.append(onnx.numpy_helper.from_array(np.array([-1], np.int64), "flat"))
+        g.node.extend([h.make_node("Reshape", ["gW", "flat"], ["gflat"]), h.make_node("MatMul", ["gflat", "gflat"], ["sq"])])
     g.node.extend([h.make_node("Sqrt", ["sq"], ["norm"]),
                    h.make_node("Div", ["max_norm", "norm"], ["ratio"]), h.make_node("Min", ["ratio", "one"], ["coef"]),
                    h.make_node("Mul", ["raw", "coef"], ["grad.W"])])
@@ -668,7 +669,7 @@ def _clipped(model, max_norm, squares="ReduceSumSquare"):
     return model
 
 
-@pytest.mark.parametrize("squares", ["ReduceSumSquare", "Mul"])
+@pytest.mark.parametrize("squares", ["ReduceSumSquare", "MatMul"])
 def test_gradients_clipped_in_the_graph_are_divided_before_the_clip(tmp_path, squares):
     """The clip's norm was taken over the scaled gradients: its coefficient came out 1/scale of
     the truth, and the gradient, divided by the scale once more, 65536x too small, with
@@ -679,8 +680,9 @@ def test_gradients_clipped_in_the_graph_are_divided_before_the_clip(tmp_path, sq
     assert any("divided by the loss scale" in note and squares in note for note in out.log.notes)
     divided = [n for n in out.model.graph.node if "not proportional" in
                dict((p.key, p.value) for p in n.metadata_props).get("amp_rewrite.reason", "")]
-    # (the FP32 gradient the graph casts to already is the one divided: no second Cast of it)
-    assert [n.op_type for n in divided] == (["Mul"] if squares == "ReduceSumSquare" else ["Mul", "Cast"])
+    # (the FP32 gradient the graph casts to already is the one divided; the low Reshape's output is
+    # divided in FP32 between two Casts)
+    assert [n.op_type for n in divided] == (["Mul"] if squares == "ReduceSumSquare" else ["Cast", "Mul", "Cast"])
     onnx.save(out.model, tmp_path / "t.onnx")
     for scale in (1.0, 1024.0):  # (x 4096 the gradient overflows FP16: a skipped step)
         got, raw = _grad_w(tmp_path / "t.onnx", scale)
@@ -763,7 +765,7 @@ def test_the_report_of_gradients_divided_before_a_clip_tells_what_the_model_hold
     seed_note = next(n for n in clipped.log.notes if n.startswith("training: backward seed"))
     assert "0 gradient output(s) unscaled in FP32 under their own names, 1 computed from gradients divided before " \
            "(left as computed: 'grad.W')" in seed_note
-    result = rewrite_training_onnx_model(_clipped(_hand_graph(), 5.0, "Mul"), loss="loss", grads=GRADS)
+    result = rewrite_training_onnx_model(_clipped(_hand_graph(), 5.0, "MatMul"), loss="loss", grads=GRADS)
     ours = [n.name for n in result.model.graph.node if n.op_type == "Cast"
             and dict((p.key, p.value) for p in n.metadata_props).get("amp_rewrite.inserted")]  # (not the model's own)
     assert sorted(c.name for c in result.log.casts if c.kind == "inserted") == sorted(ours)

@@ -203,6 +203,10 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
         # (onnx_constants: it adds an epsilon the low type flushes to 0. Deny, not just FP32: its
         # sum is near 0 where the epsilon matters, so the readers dividing by it follow it FP32)
         category, reason, source = Category.DENY, node.meta["amp.lost_epsilon"], "classify"
+    elif category in (Category.INFER, Category.CLEAR) and node_rule_of(ctx.rules, node, names) is None:
+        square = _square_verdict(node, ctx, verdicts)
+        if square is not None:
+            category, reason, source = square
     meta["amp.category"], meta["amp.reason"], meta["amp.source"] = category, reason, source
     meta["amp.pinned"] = _pinned_inputs(node, entry)
     meta["amp.bounded_output"] = category == Category.DENY and entry is not None and entry.bounded_output
@@ -497,6 +501,26 @@ _SOURCE_REASONS = {
     "Constant": "a literal: converted offline where every reader is low precision, like an initializer, whatever "
                 "the rule files say",
 }
+
+
+_SQUARES = {"Mul": "Pow", "mul": "pow"}  # (the IR spells ONNX's ai.onnx domain and torch's ops "")
+
+
+def _square_verdict(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -> tuple[Category, str, str] | None:
+    """A value multiplied by itself is a square, as ``Pow(x, 2)`` is: the rules' word on the
+    power op decides it (FP16: x^2 overflows for |x| > 256, deny; BF16: infer). Without this,
+    ``torch.square(h)`` exported as ``Mul(h, h)`` ran FP16 where ``h.pow(2)`` stayed FP32: a
+    squared-ReLU MLP gave NaN."""
+    power = _SQUARES.get(node.op_type) if node.domain == "" else None
+    if power is None or len(node.inputs) != 2 or node.inputs[0] is None or node.inputs[0] is not node.inputs[1]:
+        return None
+    probe = Node(power, [], domain=node.domain)
+    probe.opset = node.opset
+    category, reason, source, _ = _cached_verdict(probe, ctx, verdicts)
+    if category != Category.DENY:
+        return None
+    return Category.DENY, f"a square ({node.op_type} of a value by itself), which the rules treat as {power}: {reason}", \
+        source
 
 
 def _own_source(node: Node, category: Category, source: str, ctx: Context) -> None:
