@@ -77,6 +77,8 @@ def cancel_model() -> onnx.ModelProto:
 
 _MASKS = {  # ways to compute the additive mask ``bias`` from ``mask``
     "float": "inv = Sub(one, mask)  bias = Mul(inv, big)",
+    # (HF's (causal + padding).clamp(min=finfo.min): the Clip's min is the sentinel too)
+    "clip": "inv = Sub(one, mask)  am = Mul(inv, big)  bias = Clip(am, big)",
     "int64 constant": "inv = Sub(one, mask)  bigf = Cast<to = 1>(big64)  bias = Mul(inv, bigf)",
     "double": """md = Cast<to = 11>(mask)  one64 = Cast<to = 11>(one)  big64d = Cast<to = 11>(big)
                  inv = Sub(one64, md)  bd = Mul(inv, big64d)  bias = Cast<to = 1>(bd)""",
@@ -303,7 +305,7 @@ def test_mask_sentinels_saturating_to_inf_are_not_overflow():
 
 
 _SATURATED = [(target, opset, "float") for target in ("fp16", "bf16") for opset in (10, 11, 13, 17)] + [
-    ("fp16", 17, how) for how in ("int64 constant", "double", "if")]
+    ("fp16", 17, how) for how in ("int64 constant", "double", "if", "clip")]
 
 
 @pytest.mark.parametrize("target, opset, how", _SATURATED)
@@ -320,8 +322,8 @@ def test_a_mask_sentinel_computed_at_run_time_saturates_before_its_cast(target, 
     if target == "bf16" and opset < 13:  # (no bfloat16 kernels before opset 13: nothing goes low)
         assert not [n for n in low.graph.node if n.op_type == "Clip"]
         return
-    clip = next(n for n in low.graph.node if n.op_type == "Clip")
-    assert {p.key: p.value for p in clip.metadata_props}["amp_rewrite.inserted"] == "saturate"
+    clips = [n for n in low.graph.node if n.op_type == "Clip"]  # (how="clip": the model's own first)
+    assert {p.key: p.value for p in clips[-1].metadata_props}["amp_rewrite.inserted"] == "saturate"
     record = next(c for c in result.log.casts if "mask sentinel" in c.reason)
     assert record.tensor in ("bias", "b3")
     assert "mask sentinel" in record.reason and "clamped to" in record.reason

@@ -78,7 +78,7 @@ _SENTINEL_SCAN = 1 << 24  # elements: a mask constant is a scalar or a mask, not
 # arithmetic that keeps the magnitude); not bounded ones (Softmax, Sigmoid, Tanh, normalisations)
 # nor those that compute anew: a probability is never clamped for a mask it was made from
 _CARRY_SENTINELS = frozenset({
-    "Cast", "CastLike", "Identity", "Mul", "Add", "Sub", "Div", "Neg", "Abs", "Sum", "Min", "Max", "Where",
+    "Cast", "CastLike", "Identity", "Mul", "Add", "Sub", "Div", "Neg", "Abs", "Sum", "Min", "Max", "Clip", "Where",
     "Expand", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose", "Concat", "Slice", "Split", "Gather",
     "GatherElements", "GatherND", "Tile", "Pad", "Trilu", "ScatterND", "ScatterElements", "ReduceMin",
     "ReduceMax", "DepthToSpace", "SpaceToDepth", "Resize"})
