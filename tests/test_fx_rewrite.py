@@ -2865,12 +2865,15 @@ class _SquaredReLU(nn.Module):
 
     def forward(self, x):
         h = torch.relu(self.fc(x) * 300)  # up to ~1000: fine in FP16
-        h = torch.square(h) if self.how == "square" else h * h  # up to ~1e6: past FP16's 65504
+        if self.how == "einsum":  # (an Einsum of a value with itself under one subscript: squares)
+            h = torch.einsum("bd,bd->bd", h, h)
+        else:  # up to ~1e6: past FP16's 65504
+            h = torch.square(h) if self.how == "square" else h * h
         return self.pr(h * 1e-4)
 
 
 @pytest.mark.parametrize("capture", ["symbolic_trace", "export"])
-@pytest.mark.parametrize("how", ["square", "mul"])
+@pytest.mark.parametrize("how", ["square", "mul", "einsum"])
 def test_a_square_written_as_square_or_a_product_is_held_fp32_like_pow(how, capture):
     """``torch.square(h)`` and ``h * h`` ran FP16 (both were infer) while ``h.pow(2)`` is held FP32:
     a squared-ReLU MLP overflowed to inf. Both now take pow's verdict."""
@@ -2879,7 +2882,7 @@ def test_a_square_written_as_square_or_a_product_is_held_fp32_like_pow(how, capt
     model = _SquaredReLU(how).eval()
     gm, report = amp_rewrite.rewrite(model, example_inputs=(x,), target="fp16", capture=capture, report=True)
     squares = [d for d in report.log.decisions.values()
-               if d.op == "square" or (d.op == "mul" and "a square" in d.reason)]
+               if d.op == "square" or (d.op in ("mul", "einsum") and d.reason.startswith("a square"))]
     assert len(squares) == 1 and squares[0].precision == Precision.FP32 and "256" in squares[0].reason
     got, want = gm(x).float(), model(x)
     assert torch.isfinite(got).all()

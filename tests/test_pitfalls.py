@@ -1246,3 +1246,39 @@ def test_a_value_multiplied_by_itself_is_a_square_held_fp32_like_pow(placement):
     # BF16 has FP32's range: the rules make Pow infer there, and so the square
     bf16 = rewrite(m, placement=placement, target="bf16")
     assert {d.node: d for d in bf16.log.decisions.values()}["Mul:s"].precision.value == "low"
+
+
+_SQUARE_SPELLINGS = {
+    "Einsum bd,bd->bd": ("s = Einsum<equation = \"bd,bd->bd\">(h, h)", "Einsum:s"),
+    "Einsum bd,bd->b": ("n = Einsum<equation = \"bd,bd->b\">(h, h)\n          u = Unsqueeze(n, ax)\n"
+                        "          s = Expand(u, shape)", "Einsum:n"),
+    "Mul(h, Identity(h))": ("i = Identity(h)\n          s = Mul(h, i)", "Mul:s"),
+    "Mul(Cast(h), Cast(h))": ("c1 = Cast<to = 1>(h)\n          c2 = Cast<to = 1>(h)\n          s = Mul(c1, c2)", "Mul:s"),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(_SQUARE_SPELLINGS))
+def test_a_square_spelled_another_way_is_held_fp32_too(spelling):
+    """An Einsum of a value with itself under one subscript (no contraction: squares; a summed
+    label: a sum of squares) was an allow op, and a Mul of a value by a copy of itself (Identity, a
+    Cast to its own type) no square: each overflowed FP16 for |h| > 256 (inf at the output)."""
+    line, node = _SQUARE_SPELLINGS[spelling]
+    m = make_model(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {{
+          a = MatMul(x, w1)
+          h = Relu(a)
+          {line}
+          t = Mul(s, k)
+          y = MatMul(t, w2)
+        }}""", {"w1": np.full((8, 8), 150.0, np.float32), "w2": np.full((8, 8), 0.1, np.float32),
+                "k": np.array(1e-4, np.float32), "ax": np.array([1], np.int64), "shape": np.array([4, 8], np.int64)})
+    x = np.abs(np.random.default_rng(0).normal(size=(4, 8))).astype(np.float32)
+    for placement in ("greedy", "optimal"):
+        result = rewrite(m, placement=placement)
+        full_check(result.model)
+        decision = {d.node: d for d in result.log.decisions.values()}[node]
+        assert decision.precision.value == "fp32" and decision.reason.startswith("a square"), placement
+        assert_emulated_close(m, result.model, {"x": x})
+    # (BF16 holds FP32's range: the rules make Pow infer there, and no square is held for being one)
+    assert not {d.node: d for d in rewrite(m, target="bf16").log.decisions.values()}[node].reason.startswith("a square")

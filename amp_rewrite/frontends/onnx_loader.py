@@ -1284,6 +1284,11 @@ class _Builder:
                 node.meta["amp.refuses_low"] = (
                     f"Einsum {summed[0]!r} sums over {', '.join(summed[1])}, which only one operand holds: a reduction, "
                     f"not a GEMM contraction, whose sum can pass the low type's range as ReduceSum's does")
+            elif len(inputs) == 2 and inputs[0] is not None and inputs[0] is inputs[1]:
+                equation = _einsum_equation(n)
+                operands = equation.replace(" ", "").partition("->")[0].split(",") if equation else []
+                if len(operands) == 2 and operands[0] == operands[1]:
+                    node.meta["amp.einsum_square"] = equation  # (classify: squares, as Pow(x, 2) makes)
         elif op_type in ("ScatterElements", "ScatterND") and domain in ("", "ai.onnx"):
             reduction = n.attributes.get("reduction")
             reduction = reduction.as_string() if reduction is not None else "none"
@@ -1447,15 +1452,19 @@ def _expand(formals, count: int, type_vars: set[str]) -> list[str | None]:
     return out
 
 
+def _einsum_equation(n: ir.Node) -> str | None:
+    attr = n.attributes.get("equation") if n.attributes else None
+    try:
+        return attr.as_string() if attr is not None else None
+    except Exception:  # noqa: BLE001 - an unreadable attribute: the checker's concern
+        return None
+
+
 def _einsum_reduction(n: ir.Node) -> tuple[str, list[str]] | None:
     """(equation, the summed labels) where an Einsum sums a label that only one operand holds
     (``ij->``, ``ii->``, ``ij,jk->i``: a reduction, as ReduceSum is); None for pure contractions,
     transposes and diagonals (``ij,jk->ik``, ``ij->ji``, ``ii->i``) or an equation it cannot read."""
-    attr = n.attributes.get("equation") if n.attributes else None
-    try:
-        equation = attr.as_string() if attr is not None else None
-    except Exception:  # noqa: BLE001 - an unreadable attribute: the checker's concern
-        return None
+    equation = _einsum_equation(n)
     if not equation:
         return None
     text = equation.replace(" ", "").replace("...", "")

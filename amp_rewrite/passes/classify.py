@@ -21,7 +21,7 @@ from __future__ import annotations
 import difflib
 
 from ..decisions import Category, Precision
-from ..ir import DType, Model, Node
+from ..ir import DType, Model, Node, Value
 from ..rulebook import RuleEntry
 from .base import (Context, PassResult, earlier_pin, given_low_type, is_float32, is_user_source, node_label,
                    node_names, node_rule_of, painted_group, string_attribute)
@@ -203,7 +203,8 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
         # (onnx_constants: it adds an epsilon the low type flushes to 0. Deny, not just FP32: its
         # sum is near 0 where the epsilon matters, so the readers dividing by it follow it FP32)
         category, reason, source = Category.DENY, node.meta["amp.lost_epsilon"], "classify"
-    elif category in (Category.INFER, Category.CLEAR) and node_rule_of(ctx.rules, node, names) is None:
+    elif category in (Category.ALLOW, Category.INFER, Category.CLEAR) and not is_user_source(source) \
+            and node_rule_of(ctx.rules, node, names) is None:  # (a user's rule making it low is their choice)
         square = _square_verdict(node, ctx, verdicts)
         if square is not None:
             category, reason, source = square
@@ -510,17 +511,67 @@ def _square_verdict(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -
     """A value multiplied by itself is a square, as ``Pow(x, 2)`` is: the rules' word on the
     power op decides it (FP16: x^2 overflows for |x| > 256, deny; BF16: infer). Without this,
     ``torch.square(h)`` exported as ``Mul(h, h)`` ran FP16 where ``h.pow(2)`` stayed FP32: a
-    squared-ReLU MLP gave NaN."""
-    power = _SQUARES.get(node.op_type) if node.domain == "" else None
-    if power is None or len(node.inputs) != 2 or node.inputs[0] is None or node.inputs[0] is not node.inputs[1]:
+    squared-ReLU MLP gave NaN. The same holds for ``Mul(x, Identity(x))`` and for an Einsum of a
+    value with itself under one subscript (``bd,bd->bd`` squares, ``bd,bd->b`` sums them)."""
+    if node.domain != "" or len(node.inputs) != 2 or node.inputs[0] is None:
         return None
+    equation = _einsum_square(node)
+    if equation is not None:
+        power = "pow" if "fx.torch_name" in node.meta else "Pow"
+        what = f"{node.op_type} {equation!r} of a value with itself"
+    else:
+        power = _SQUARES.get(node.op_type)
+        base = _copied_from(node.inputs[0])
+        if power is None or base is not _copied_from(node.inputs[1]) or _constant_only(base):
+            return None  # (a square of constants is known: onnx_constants folds it and holds it if it must)
+        what = f"{node.op_type} of a value by itself"
     probe = Node(power, [], domain=node.domain)
     probe.opset = node.opset
     category, reason, source, _ = _cached_verdict(probe, ctx, verdicts)
     if category != Category.DENY:
         return None
-    return Category.DENY, f"a square ({node.op_type} of a value by itself), which the rules treat as {power}: {reason}", \
-        source
+    return Category.DENY, f"a square ({what}), which the rules treat as {power}: {reason}", source
+
+
+def _einsum_square(node: Node) -> str | None:
+    """The equation of an Einsum of one value with itself under one subscript (squares, or sums of
+    them); None for any other node. (ONNX: the loader's note; torch: the call's arguments.)"""
+    if node.op_type == "Einsum":
+        return node.meta.get("amp.einsum_square")
+    origin = node.origin
+    if node.op_type != "einsum" or "fx.torch_name" not in node.meta or not getattr(origin, "args", None):
+        return None
+    equation, *operands = origin.args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(equation, str) or len(operands) != 2 or operands[0] is not operands[1]:
+        return None
+    subscripts = equation.replace(" ", "").partition("->")[0].split(",")
+    return equation if len(subscripts) == 2 and subscripts[0] == subscripts[1] else None
+
+
+def _constant_only(value: Value, depth: int = 0) -> bool:
+    """Whether ``value`` is computed from constants alone (no graph input, no run-time shape)."""
+    if value.data_known:
+        return True
+    node = value.producer
+    if node is None or depth > 8 or not node.inputs or node.all_subgraphs() or node.op_type in ("Shape", "Size"):
+        return False  # (a graph input, a random draw, a run-time shape: not known)
+    return all(v is None or _constant_only(v, depth + 1) for v in node.inputs)
+
+
+def _copied_from(value: Value | None) -> Value | None:
+    """The value ``value`` copies unchanged: through Identity and Casts to the type it already has."""
+    for _ in range(8):
+        node = value.producer if value is not None else None
+        if node is None or node.domain != "" or not node.inputs or node.inputs[0] is None:
+            break
+        if node.op_type == "Identity" or (node.op_type == "Cast" and node.inputs[0].dtype is not None
+                                          and node.inputs[0].dtype == value.dtype):
+            value = node.inputs[0]
+        else:
+            break
+    return value
 
 
 def _own_source(node: Node, category: Category, source: str, ctx: Context) -> None:
