@@ -1075,3 +1075,74 @@ def test_a_loop_bodys_cost_line_says_per_iteration():
     assert "FP32 traffic per iteration against greedy's" in line
     report = result.report.to_dict()
     assert [c["runs"] for c in report["casts"]] == [5] * len(report["casts"])
+
+
+_WIDENING_CASES = {
+    # torch.log(torch.softmax(z, -1)): probabilities below 6e-8 are 0 in FP16, and the Log -inf
+    "log of softmax": ("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,32] x) => (float[4,32] y) {
+          h = MatMul(x, w)
+          p = Softmax<axis=-1>(h)
+          y = Log(p)
+        }""", {"w": (np.random.default_rng(3).standard_normal((32, 32)) * 1.5).astype(np.float32)},
+        "Softmax:p", 1.5),
+    # torch.log(p + 1e-10): the FP32 Add keeps the epsilon FP16 flushes, for the values that underflow
+    "log of softmax plus epsilon": ("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,32] x) => (float[4,32] y) {
+          h = MatMul(x, w)
+          p = Softmax<axis=-1>(h)
+          q = Add(p, eps)
+          y = Log(q)
+        }""", {"w": (np.random.default_rng(3).standard_normal((32, 32)) * 1.5).astype(np.float32),
+               "eps": np.array(1e-10, np.float32)}, "Softmax:p", 1.5),
+    # (a * b).sum(-1) of two activations near 750: the products pass 65504 before the FP32 sum
+    "products summed": ("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,16] x) => (float[4] y) {
+          a = MatMul(x, w)
+          b = MatMul(x, w2)
+          p = Mul(a, b)
+          y = ReduceSum<keepdims=0>(p, axes)
+        }""", {"w": np.full((16, 16), 20.0, np.float32), "w2": np.full((16, 16), -20.0, np.float32),
+               "axes": np.array([-1], np.int64)}, "Mul:p", 1.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_WIDENING_CASES))
+def test_a_cast_never_moves_downstream_across_an_op_whose_result_fp16_cannot_hold(case):
+    """The optimal placement computed a Softmax (or a product of two activations) in FP16 and cast
+    its result up for the FP32 op reading it, where greedy kept it FP32 and cast its inputs: the
+    probabilities underflowed to 0 (Log: -inf at 74 of 128 outputs), the products overflowed to inf.
+    Such an op keeps FP32 where an FP32 reader reads it; a copying op may still move."""
+    from amp_rewrite.emulate import emulate_low
+
+    text, inits, node, scale = _WIDENING_CASES[case]
+    model = make_model(text, inits)
+    feeds = {"x": (np.abs(np.random.default_rng(0).standard_normal((4, model.graph.input[0].type.tensor_type
+                                                                      .shape.dim[1].dim_value))) * scale)
+             .astype(np.float32)}
+    want = run(model, feeds)["y"]
+    assert np.isfinite(want).all()
+    for placement in ("optimal", "greedy"):
+        result = rewrite(model, placement=placement)
+        full_check(result.model)
+        assert result.log.decisions[node].precision == Precision.FP32, placement
+        got = run(emulate_low(result.model, TensorProto.FLOAT16)[0], feeds)["y"]
+        assert np.isfinite(got).all() and rel_err(want, got) < 1e-2, placement
+
+
+def test_a_copying_op_before_an_fp32_reader_may_still_take_the_low_type():
+    """Only ops that make new values are held: a Transpose between a low GEMM and an FP32 Log moves
+    nothing FP16 cannot hold, and the optimal cut still casts after it when that is cheaper."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,32] x) => (float[32,4] y) {
+          h = MatMul(x, w)
+          r = Relu(h)
+          t = Transpose<perm=[1,0]>(r)
+          y = Log(t)
+        }""", {"w": (32, 32)})
+    decisions = rewrite(model, placement="optimal").log.decisions
+    assert decisions["Relu:r"].precision == decisions["Transpose:t"].precision == Precision.LOW

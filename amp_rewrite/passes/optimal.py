@@ -57,6 +57,12 @@ Safety, never less than greedy's:
   cast never moves *upstream* across a value-changing op (``x → Div(1000) → MatMul`` keeps casting
   the normalised value, not raw ``x``), and a node reading an FP32 tensor nobody can change stays
   FP32, as does what follows it;
+- nor *downstream* across an op whose result the low type may not hold although its inputs fit,
+  where an FP32 reader reads that result, directly or through copying ops: a product or quotient
+  of two activations or a reciprocal (:data:`_OVERFLOWING`) read by any FP32 op or output
+  (``(a * b).sum()`` keeps its Mul: 300 × 300 passes 65504 before the FP32 sum), a softmax or
+  sigmoid (:data:`_UNDERFLOWING`) read by a Log, a division or a power (``log(softmax(z))`` keeps
+  its Softmax: FP16 probabilities below 6e-8 are 0, and the Log -inf), as greedy keeps them;
 - round trips: no low-precision path of non-allow nodes may run from a node that reads an FP32
   tensor to a node that feeds an FP32 consumer (an FP32 → low → FP32 trip overflows above 65504).
   This is greedy's per-node rule extended to paths. A cut that breaks it is repaired — the nodes
@@ -116,6 +122,17 @@ _SAME_NUMEL = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Ident
                "Relu", "LeakyRelu", "Gelu", "Tanh", "Sigmoid", "HardSigmoid", "Erf", "Neg", "Abs", "Sqrt",
                "Reciprocal", "Exp", "Log", "Sin", "Cos", "Softmax", "LogSoftmax", "LayerNormalization",
                "BatchNormalization", "InstanceNormalization", "Not", "IsNaN", "IsInf", "Clip"}
+# ops whose output the low type may not hold although their (low) inputs fit it: a product or
+# quotient of two activations overflows (300 x 300 > 65504), a reciprocal of a small one too;
+# computed low and cast up for an FP32 reader, they hand it inf where greedy kept them FP32
+_OVERFLOWING = {"Mul", "Div", "Reciprocal", "mul", "div", "true_divide", "reciprocal"}
+_OF_TWO = {"Mul", "Div", "mul", "div", "true_divide"}  # (overflowing only between two activations)
+# ... and probabilities, which underflow (a softmax or sigmoid below 6e-8 is 0 in FP16): harmless
+# to a sum or a GEMM, fatal to an FP32 op that takes their log or divides by them (-inf, inf)
+_UNDERFLOWING = {"Softmax", "Sigmoid", "softmax", "_softmax", "sigmoid"}
+_SMALL_VALUE_READERS = {"Log", "Reciprocal", "Div", "Pow", "log", "log2", "log10", "reciprocal", "rsqrt", "div",
+                        "true_divide", "pow", "xlogy", "special_xlog1py"}
+_WIDENING = _OVERFLOWING | _UNDERFLOWING
 _BROADCAST = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "Greater",
               "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Mod", "PRelu"}
 _BATCH = re.compile("batch", re.IGNORECASE)
@@ -354,7 +371,9 @@ class Problem:
         Div → Conv`` keeps its cast right before the Conv (raw ``x`` may exceed 65504 where the
         normalised value does not), and an LSTM reading a graph input stays as greedy left it."""
         follow = [i for i in self.free if not self.greedy[i]]
-        pending = [i for i in follow if self.fp32_source[i] or any(self.fixed.get(p) is False for p in self.preds[i])]
+        widening = self._widening_for_fp32_readers()
+        pending = [i for i in follow if self.fp32_source[i] or any(self.fixed.get(p) is False for p in self.preds[i])
+                   or i in widening]
         for i in pending:
             self.fixed[i] = False
         while pending:  # a node that must stay FP32 pins the followers reading it
@@ -364,6 +383,56 @@ class Problem:
                     self.fixed[j] = False
                     pending.append(j)
         return [(i, p) for i in follow if i not in self.fixed for p in sorted(self.preds[i]) if p not in self.fixed]
+
+    def _widening_for_fp32_readers(self) -> set[int]:
+        """The free nodes that make a value the low type may not hold (:data:`_WIDENING`) that an
+        FP32 reader reads, directly or through free nodes that only move, select or add values: a
+        cast moved downstream across one would hand that reader inf (``(a * b).sum()``'s products)
+        or 0 (``log(softmax(z))``'s probabilities: a reader of :data:`_SMALL_VALUE_READERS`, or
+        one adding an epsilon the low type flushes) where FP32 is finite."""
+        def widening(i: int) -> bool:
+            node = self.nodes[i]
+            if i in self.branch_nodes or node.op_type not in _WIDENING:
+                return False
+            # (scaled by a constant: one rounding, and a constant past the range is kept apart)
+            return node.op_type not in _OF_TWO or sum(
+                1 for k in self.group_in[i] if not node.inputs[k].data_known) >= 2
+
+        def feeds_fp32(i: int) -> bool:
+            return self.fp32_sink[i] or any(self.fixed.get(k) is False for k in self.succs[i])
+
+        def feeds_small_value_reader(i: int) -> bool:
+            # (an epsilon the low type flushes, added or clamped to: ``log(p + 1e-10)`` is there
+            # for exactly the values that underflow)
+            return any(self.fixed.get(k) is False and (self.nodes[k].op_type in _SMALL_VALUE_READERS
+                                                       or "amp.lost_epsilon" in self.nodes[k].meta)
+                       for k in self.succs[i])
+
+        free = [i for i in range(len(self.nodes)) if i not in self.fixed]
+        widen = {i for i in free if widening(i)}
+        if not widen:
+            return set()
+
+        def reaching(feeds) -> set[int]:
+            # free copying nodes through which a value reaches such a reader: walked back from
+            # those that feed one, once for all widening nodes
+            stack = [i for i in free if i not in widen and feeds(i)]
+            seen = set(stack)
+            while stack:
+                j = stack.pop()
+                for p in self.preds[j]:
+                    if p not in seen and p not in self.fixed and p not in widen:
+                        seen.add(p)
+                        stack.append(p)
+            return seen
+
+        held = set()
+        for kind, feeds in ((_OVERFLOWING, feeds_fp32), (_UNDERFLOWING, feeds_small_value_reader)):
+            nodes = {i for i in widen if self.nodes[i].op_type in kind}
+            if nodes:
+                seen = reaching(feeds)
+                held |= {i for i in nodes if feeds(i) or any(k in seen for k in self.succs[i])}
+        return held
 
     def feasible(self, labels: list[bool]) -> bool:
         """The downstream-only rule holds (and fixed nodes have their labels)."""
