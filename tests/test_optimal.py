@@ -1146,3 +1146,40 @@ def test_a_copying_op_before_an_fp32_reader_may_still_take_the_low_type():
         }""", {"w": (32, 32)})
     decisions = rewrite(model, placement="optimal").log.decisions
     assert decisions["Relu:r"].precision == decisions["Transpose:t"].precision == Precision.LOW
+
+
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+@pytest.mark.parametrize("where", ["main graph", "if branch"])
+def test_an_identity_of_a_constant_fp16_cannot_hold_keeps_fp32(where, placement):
+    """An Identity was no reader in the constant check (Reshape, Neg... were): ``b = Identity(B)`` of
+    a 1e5 went FP16 and B was converted offline, clamped to 65504, in a graph output (34% off) or
+    in the value an If's branch returns (the optimal placement made the If's output FP16)."""
+    big = ",".join(["100000.0"] * 64)
+    if where == "main graph":
+        text = f"""<ir_version: 8, opset_import: ["" : 17]>
+            g (float[4,8] x) => (float[8,8] y, float[4,8] z) {{
+              B = Constant<value = float[8,8] {{{big}}}>()
+              y = Identity(B)
+              a = MatMul(x, W)
+              z = MatMul(a, y)
+            }}"""
+    else:
+        text = f"""<ir_version: 8, opset_import: ["" : 17]>
+            g (float[4,8] x, bool c) => (float[4,8] y) {{
+              y = If(c) <
+                then_branch = t () => (float[4,8] a) {{
+                  B = Constant<value = float[4,8] {{{big[:len(big) // 2]}}}>()
+                  a = Identity(B)
+                }},
+                else_branch = e () => (float[4,8] b) {{ m = MatMul(x, W)  b = Relu(m) }}
+              >
+            }}"""
+    model = make_model(text, {"W": (8, 8)})
+    result = rewrite(model, placement=placement)
+    full_check(result.model)
+    identity = next(d for d in result.log.decisions.values() if d.op == "Identity")
+    assert identity.precision == Precision.FP32 and "100000" in identity.reason
+    feeds = {"x": np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32), "c": np.array(True)}
+    feeds = {k: v for k, v in feeds.items() if k in {i.name for i in model.graph.input}}
+    assert run(result.model, feeds)["y"].max() == 1e5
+    assert not rewrite(result.model, placement=placement).modified

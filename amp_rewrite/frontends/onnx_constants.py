@@ -53,7 +53,7 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
     seen: dict[int, float | None] = {}  # a constant's verdict, by id: a bias or eps read by every layer is read once
     folds: dict[int, object] = {}  # a value's folded data (or None), by id: a chain is walked once
     for node in model.graph.walk():
-        if node.domain == "" and node.op_type in ("Cast", "Constant", "Identity"):
+        if node.domain == "" and node.op_type in ("Cast", "Constant"):
             continue
         if ctx.rules.category_of(node.op_type, node.domain, node.opset) == Category.ALLOW:
             # weights of heavy ops: converted with clamping, counted in the report; but a scalar
