@@ -17,6 +17,7 @@ feeds is degree 0. What is degree 1 at a gradient output is divided there, as be
 
 from __future__ import annotations
 
+import re
 from fractions import Fraction
 from typing import Any, Callable
 
@@ -36,6 +37,9 @@ _SAME_SLOTS = {"Pad": (0, 2), "ScatterND": (0, 2), "ScatterElements": (0, 2), "S
 # multilinear: the degrees add up (Conv's and Gemm's bias must have the result's degree)
 _PRODUCT = frozenset({"Mul", "MatMul", "Einsum", "FusedMatMul"})
 _BIASED = {"Gemm": 2, "Conv": 2, "ConvTranspose": 2}
+# onnxruntime-training's backward ops (ReluGrad, SoftmaxGrad_13, BiasGeluGrad_dX...): linear in the
+# incoming gradient; not GradientAccumulator (an Add) or ClipGradNorm, which only name gradients
+_GRADIENT_OP = re.compile(r"Grad(_\w+)?$")
 # degree 0 whatever the (consistent) degree of what they read: order, sign and shape survive S > 0
 _INDEX_OF = frozenset({"Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual"})
 _ANY_TO_ZERO = frozenset({"ArgMax", "ArgMin", "Sign", "IsInf", "IsNaN", "Shape", "Size", "NonZero"})
@@ -144,9 +148,12 @@ def _rule(node: Any, ins: list[Any]) -> list[Any] | None:
     """The outputs' degrees, or None where the node is not proportional to the scale."""
     op, n_out = node.op_type, len(node.outputs)
     if node.domain not in ("", "ai.onnx"):
-        if node.domain == "com.microsoft" and ("Grad" in op or op in _PRODUCT):
+        if node.domain == "com.microsoft" and (_GRADIENT_OP.search(op) or op in _PRODUCT):
             return [_product(ins)] * n_out  # a gradient op: linear in the incoming gradient
-        return None
+        return None  # (GradientAccumulator, ClipGradNorm... and every op not known: unscaled before)
+    if op in ("ScatterND", "ScatterElements") and _attr_str(node, "reduction") == "mul" \
+            and ins[2] not in (ZERO, 0):
+        return None  # (the updated entries are data x updates: degrees add there, not elsewhere)
     if op in _SAME_ALL or op in _SAME_FIRST or op in _SAME_SLOTS:
         slots = range(len(ins)) if op in _SAME_ALL else (0,) if op in _SAME_FIRST else _SAME_SLOTS[op]
         if op == "Cast" and _attr_int(node, "to") not in _FLOATS:
@@ -260,6 +267,12 @@ def _scalar(value: Any) -> float | None:
 def _attr_int(node: Any, key: str) -> int | None:
     attr = node.attributes.get(key)
     return int(attr.value) if attr is not None else None
+
+
+def _attr_str(node: Any, key: str) -> str | None:
+    attr = node.attributes.get(key)
+    value = attr.value if attr is not None else None
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def bodies(node: Any):

@@ -1128,3 +1128,59 @@ def test_make_training_graph_says_in_one_line_why_neither_exporter_could(capsys,
     assert code == 1 and err.startswith("make_training_graph: error: neither exporter can export")
     assert "torchscript: " in err and "dynamo: " in err and "convolution_backward" in err
     assert not (tmp_path / "t.onnx").exists()
+
+
+def _gradient_post_processed_by(op: str, domain: str = "") -> onnx.ModelProto:
+    """loss = sum(x @ W) with its backward written out: grad.W = x^T @ (ones * loss_grad), and then
+    ``op`` reading the gradient: a ScatterND multiplying rows of it by other rows of it, or an
+    accumulator adding it to a running sum ``acc`` (a graph input, not scaled)."""
+    from onnx import helper as h
+
+    T = onnx.TensorProto
+    nodes = [h.make_node("MatMul", ["x", "W"], ["y"]), h.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
+             h.make_node("Constant", [], ["ones"], value=h.make_tensor("o", T.FLOAT, [4, 4], [1.0] * 16)),
+             h.make_node("Mul", ["ones", "loss_grad"], ["dy"]), h.make_node("Transpose", ["x"], ["xt"], perm=[1, 0]),
+             h.make_node("MatMul", ["xt", "dy"], ["grad.W"])]
+    inputs = [h.make_tensor_value_info("x", T.FLOAT, [4, 8]), h.make_tensor_value_info("W", T.FLOAT, [8, 4]),
+              h.make_tensor_value_info("loss_grad", T.FLOAT, [])]
+    if op == "ScatterND":
+        nodes += [h.make_node("Constant", [], ["rows"], value=h.make_tensor("r", T.INT64, [2], [0, 3])),
+                  h.make_node("Gather", ["grad.W", "rows"], ["upd"], axis=0),
+                  h.make_node("Constant", [], ["idx"], value=h.make_tensor("i", T.INT64, [2, 1], [1, 2])),
+                  h.make_node("ScatterND", ["grad.W", "idx", "upd"], ["grad.out"], reduction="mul")]
+    else:
+        inputs.append(h.make_tensor_value_info("acc", T.FLOAT, [8, 4]))
+        nodes.append(h.make_node(op, ["acc", "grad.W"], ["grad.out"], domain=domain))
+    graph = h.make_graph(nodes, "g", inputs, [h.make_tensor_value_info("loss", T.FLOAT, []),
+                                              h.make_tensor_value_info("grad.W", T.FLOAT, [8, 4]),
+                                              h.make_tensor_value_info("grad.out", T.FLOAT, [8, 4])])
+    opsets = [h.make_opsetid("", 18)] + ([h.make_opsetid(domain, 1)] if domain else [])
+    return h.make_model(graph, opset_imports=opsets, ir_version=8)
+
+
+@pytest.mark.parametrize("op", ["ScatterND", "GradientAccumulator"])
+def test_a_gradient_post_processed_not_in_proportion_to_the_scale_is_divided_before(tmp_path, op):
+    """ScatterND(reduction='mul') of gradient rows by gradient rows makes those rows S^2 x the truth,
+    and com.microsoft GradientAccumulator(acc, g) adds an unscaled sum to a scaled gradient; both
+    were taken as proportional to the scale (every com.microsoft op named *Grad* was), so only
+    their output was divided: rows 1024x too large, an accumulator shrinking by 1/S each step,
+    with all_finite true. The gradient is now divided before them."""
+    domain = "com.microsoft" if op == "GradientAccumulator" else ""
+    out = rewrite_training_onnx_model(_gradient_post_processed_by(op, domain), loss="loss", grads=GRADS)
+    onnx.checker.check_model(out.model, full_check=True)
+    model = out.model
+    if domain:  # (onnxruntime's inference build has no GradientAccumulator: it computes acc + g)
+        for node in model.graph.node:
+            if node.op_type == op:
+                node.op_type, node.domain = "Add", ""
+    reference = _gradient_post_processed_by("ScatterND") if op == "ScatterND" else _gradient_post_processed_by("Add")
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((4, 8)).astype(np.float32), "W": rng.standard_normal((8, 4)).astype(np.float32),
+             "loss_grad": np.array(1, np.float32)}
+    if op != "ScatterND":
+        feeds["acc"] = rng.standard_normal((8, 4)).astype(np.float32)
+    want = run_onnx(reference, feeds)["grad.out"]
+    for scale in (1.0, 1024.0):
+        got = run_onnx(model, {**feeds, LOSS_SCALE: np.array(scale, np.float32), GROWTH_TRACKER: np.array(0, np.int64)})
+        np.testing.assert_allclose(got["grad.out"], want, rtol=1e-2, atol=1e-2)
+        assert bool(got[ALL_FINITE])
