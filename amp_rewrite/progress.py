@@ -18,6 +18,7 @@ import contextlib
 import io
 import os
 import sys
+import time
 from typing import Any, Callable, Iterable, Iterator, Sequence, TextIO, TypeVar
 
 T = TypeVar("T")
@@ -84,7 +85,13 @@ def stages(names: Sequence[str], *, desc: str = "", stream: TextIO | None = None
         if started:
             t.update(1)
         started.append(name)
-        t.set_postfix_str(name, refresh=True)
+        t.set_postfix_str(name, refresh=False)
+        # Shown at once only past the delay, as tqdm's update shows it: a forced refresh drew quick
+        # work's bar, which close() then left on the terminal (it clears only what it counts as shown).
+        now = time.time()
+        if now - t.start_t >= DELAY_S:
+            t.refresh()
+            t.last_print_t = now
 
     try:
         yield stage

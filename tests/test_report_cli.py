@@ -191,6 +191,25 @@ def test_progress_shown_on_a_terminal(fresh_progress):
     assert "model.onnx" in stream.getvalue() and "rewrite" in stream.getvalue()
 
 
+def test_stages_of_quick_work_show_nothing_and_a_shown_bar_is_cleared(fresh_progress, monkeypatch):
+    """A stage's name was drawn at once, whatever the delay, and close() then left that line on the
+    terminal (the summary went on after it): quick work shows nothing now, and a bar shown past the
+    delay is erased when the work ends."""
+    monkeypatch.setattr(progress, "DELAY_S", 60)
+    stream = FakeTTY()
+    with progress.stages(["load", "rewrite", "write"], desc="model.onnx", stream=stream) as stage:
+        for name in ("load", "rewrite", "write"):
+            stage(name)
+    assert stream.getvalue() == ""
+    monkeypatch.setattr(progress, "DELAY_S", 0)
+    stream = FakeTTY()
+    with progress.stages(["load", "rewrite"], desc="model.onnx", stream=stream) as stage:
+        stage("load")
+        stage("rewrite")
+    shown = stream.getvalue()
+    assert "rewrite" in shown and shown.rsplit("\r", 1)[-1].strip() == ""  # (the last thing drawn: blanks)
+
+
 def test_progress_can_be_turned_off(fresh_progress, monkeypatch):
     assert progress.enabled(FakeTTY())
     monkeypatch.setenv(progress.ENV_OFF, "1")
@@ -231,7 +250,7 @@ def _run_with_tty_stderr(args: list[str], cwd) -> str:
 
 def test_long_rewrite_shows_a_bar_on_a_terminal_only(tmp_path):
     src = tmp_path / "chain.onnx"
-    onnx.save(chain_model(2500), src)
+    onnx.save(chain_model(10_000), src)  # (about 2 s of work: bars show past half a second)
     on_tty = _run_with_tty_stderr([str(src), "-o", str(tmp_path / "a.onnx")], ROOT)
     assert "chain.onnx" in on_tty and "/3" in on_tty  # e.g. "chain.onnx: 1/3 rewrite [00:01]"
     quiet = _run_with_tty_stderr([str(src), "-q", "-o", str(tmp_path / "b.onnx")], ROOT)
