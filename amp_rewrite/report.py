@@ -195,7 +195,8 @@ class Report:
         # --placement optimal: cast bytes and FP32 traffic per run at the default shapes, vs greedy's
         lines += [n for n in self.log.notes if n.startswith(("optimal placement", "dropped:", "unmatched:", "without effect:",
                                                                    "as given:", "as pinned:", "training:",
-                                                                   "clamped sums:", "onnxruntime:"))]
+                                                                   "clamped sums:", "onnxruntime:",
+                                                                   "model-local function calls"))]
         if self.log.fusions:
             fp32 = [f.node for f in self.log.fusions
                     if f.node in self.log.decisions and self.precision_of(self.log.decisions[f.node]) == "fp32"]

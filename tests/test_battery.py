@@ -1767,3 +1767,19 @@ def test_rewrite_onnx_refuses_a_destination_ending_in_a_slash(tmp_path):
     with pytest.raises(OutputError, match="ends with a slash, so it names a folder"):
         rewrite_onnx(src, str(tmp_path / "outdir") + "/")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+def test_an_unlisted_local_function_call_advises_inlining_not_a_rule_file(tmp_path: Path) -> None:
+    """The summary listed a model-local function call among the unlisted ops, to classify in a rule
+    file; a rule file doing so was then 'without effect' (a call's body is not rewritten). The
+    summary and the node's reason now say to inline it."""
+    case_model_local_function(tmp_path)
+    proc = run_cli(["m.onnx", "-o", "out.onnx", "--report", "r.json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "unlisted ops" not in proc.stdout
+    assert "model-local function calls kept FP32: local::HalfIt ×1" in proc.stdout
+    assert "onnx.inliner.inline_local_functions" in proc.stdout
+    import json
+
+    nodes = {n["node"]: n for n in json.loads((tmp_path / "r.json").read_text())["nodes"]}
+    assert nodes["fn"]["precision"] == "fp32" and "inline it first" in nodes["fn"]["reason"]

@@ -1274,6 +1274,7 @@ class _Builder:
         if (domain, op_type) in self.functions:
             # its body is not rewritten, and a Constant or Cast in it fixes its own type: a call given
             # low inputs made a model the checker and onnxruntime refuse ('B has inconsistent type')
+            node.meta["amp.function_call"] = True
             node.meta["amp.refuses_low"] = (
                 f"calls the model-local function {domain}:{op_type}, whose body is not rewritten (its constants "
                 f"and casts keep their types): inline it first (onnx.inliner.inline_local_functions) to rewrite "

@@ -44,9 +44,12 @@ def classify(model: Model, ctx: Context) -> PassResult:
     given_low: dict[str, list[tuple[str, str]]] = {}  # a user's FP32 pin → the nodes it names that are low as given
     fixed: dict[str, list[str]] = {}  # a user's low pin → the nodes it names whose float types the schema fixes
     overridden: dict[str, list[tuple[str, str]]] = {}  # a user's low pin → (node, why it stays FP32)
+    calls: dict[str, int] = {}  # model-local functions called, by name: their bodies are not rewritten
     for node in model.graph.walk():
         _classify_node(node, ctx, verdicts, names)
         _pin_overridden(node, ctx, names, overridden)
+        if node.meta.get("amp.function_call"):
+            calls[node.qualified_op] = calls.get(node.qualified_op, 0) + 1
         if node.meta.get("amp.fp32_argument"):
             angles.append(node)
         if node.op_type == _QDQ[1] and node.domain in ("", "ai.onnx") and node.meta["amp.participates"]:
@@ -59,6 +62,10 @@ def classify(model: Model, ctx: Context) -> PassResult:
     _keep_position_arguments_fp32(angles, ctx)
     _keep_integer_arithmetic_fp32(to_integer, ctx)
     _dequantize_weights_low(dequantized, ctx, names)
+    if calls:
+        listed = ", ".join(f"{name} ×{n}" for name, n in sorted(calls.items()))
+        ctx.log.notes.append(f"model-local function calls kept FP32: {listed} — their bodies are not rewritten; "
+                             f"inline them first (onnx.inliner.inline_local_functions) to rewrite what they compute")
     _note_unmatched_node_rules(ctx, names)
     _note_unmatched_op_flags(model, ctx)
     for pin, labels in given_low.items():
@@ -198,6 +205,10 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
         or node.meta.get("amp.refuses_low")  # (a frontend's: a model-local function call, a summing Einsum)
     if refused and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
         category, reason, source = Category.DENY, refused, "op schema"
+    elif refused and category == Category.UNLISTED and node.meta.get("amp.function_call"):
+        # (no rule file can classify a call of a model-local function: the summary's advice to
+        # write one was a dead end; the way out is inlining)
+        category, reason, source = Category.DENY, refused, "classify"
     elif node.meta.get("amp.lost_epsilon") and category in (Category.INFER, Category.CLEAR) \
             and node_rule_of(ctx.rules, node, names) is None:
         # (onnx_constants: it adds an epsilon the low type flushes to 0. Deny, not just FP32: its
