@@ -460,8 +460,8 @@ class _Placer:
             if use.need == produced:
                 continue
             scope = use.node.graph if use.node is not None else value.graph
-            if use.need == DType.FLOAT and home is not None and scope is not home and _in_loop_body(scope, home):
-                scope = home  # (in a Loop/Scan body the Cast would run on every iteration)
+            if home is not None and scope is not home and _in_loop_body(scope, home):
+                scope = home  # (in a Loop/Scan body the Cast of an outer value would run on every iteration)
             placed.append((use, scope))
         # An outer value a body reads in FP32 takes the Cast a scope around it makes anyway (its own
         # scope, or a branch it is nested in: a second Cast would cast the value again); the
