@@ -2887,3 +2887,26 @@ def test_a_square_written_as_square_or_a_product_is_held_fp32_like_pow(how, capt
     got, want = gm(x).float(), model(x)
     assert torch.isfinite(got).all()
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
+class _InPlacePow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.l1(x).clone()
+        y.pow_(2)  # (a hand-written variance or squared ReLU, in place)
+        return self.l2(y)
+
+
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
+def test_an_in_place_op_made_out_of_place_takes_the_overload_with_its_arguments(placement):
+    """aten.pow_.Scalar(Tensor self, Scalar exponent) was made out of place as aten.pow.Scalar, which
+    is (Scalar self, Tensor exponent): the exported rewrite failed on every call. Its twin is the
+    overload taking the same arguments, pow.Tensor_Scalar."""
+    torch.manual_seed(0)
+    x, model = torch.randn(2, 4), _InPlacePow().eval()
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="fp16", capture="export", placement=placement)
+    assert torch.allclose(gm(x).float(), model(x), atol=1e-2, rtol=1e-2)
+    gm.graph.lint()

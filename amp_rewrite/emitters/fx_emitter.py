@@ -643,10 +643,25 @@ def _make_out_of_place(node: fx.Node, gm: fx.GraphModule) -> None:
     elif node.op == "call_method" and str(node.target).endswith("_"):
         node.target = str(node.target)[:-1]
     elif isinstance(node.target, torch._ops.OpOverload):
-        packet = getattr(torch.ops.aten, node.target.overloadpacket.__name__.rstrip("_"), None)
-        overload = getattr(packet, node.target._overloadname, None) if packet is not None else None
+        overload = _out_of_place_twin(node.target)
         if overload is not None:
             node.target = overload
+
+
+def _out_of_place_twin(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The out-of-place overload taking the arguments ``op`` (in place) takes. Not always the one of
+    the same name: ``pow_.Scalar(Tensor self, Scalar exponent)``'s twin is ``pow.Tensor_Scalar``;
+    ``pow.Scalar`` is ``(Scalar self, Tensor exponent)``, and the module failed on every call."""
+    packet = getattr(torch.ops.aten, op.overloadpacket.__name__.rstrip("_"), None)
+    if packet is None:
+        return None
+    want = [str(a.type) for a in op._schema.arguments]
+    same = getattr(packet, op._overloadname, None)
+    others = [getattr(packet, name) for name in packet.overloads() if name != op._overloadname]
+    for candidate in ([same] if same is not None else []) + others:
+        if [str(a.type) for a in candidate._schema.arguments] == want:
+            return candidate
+    return None
 
 
 def _meta_key(node: fx.Node) -> str:
