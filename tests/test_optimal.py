@@ -1087,6 +1087,17 @@ _WIDENING_CASES = {
           y = Log(p)
         }""", {"w": (np.random.default_rng(3).standard_normal((32, 32)) * 1.5).astype(np.float32)},
         "Softmax:p", 1.5),
+    # (a * b).float().sum(-1): the model's own upcast before the FP32 reader
+    "products cast up, then summed": ("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,16] x) => (float[4] y) {
+          a = MatMul(x, w)
+          b = MatMul(x, w2)
+          p = Mul(a, b)
+          c = Cast<to = 1>(p)
+          y = ReduceSum<keepdims=0>(c, axes)
+        }""", {"w": np.full((16, 16), 20.0, np.float32), "w2": np.full((16, 16), -20.0, np.float32),
+               "axes": np.array([-1], np.int64)}, "Mul:p", 1.0),
     # torch.log(p + 1e-10): the FP32 Add keeps the epsilon FP16 flushes, for the values that underflow
     "log of softmax plus epsilon": ("""
         <ir_version: 8, opset_import: ["" : 17]>

@@ -398,15 +398,18 @@ class Problem:
             return node.op_type not in _OF_TWO or sum(
                 1 for k in self.group_in[i] if not node.inputs[k].data_known) >= 2
 
+        # (readers behind the model's own Cast out of the low type, ``(a * b).float().sum()``,
+        # read the result in FP32 too: trip_succs)
         def feeds_fp32(i: int) -> bool:
-            return self.fp32_sink[i] or any(self.fixed.get(k) is False for k in self.succs[i])
+            return self.fp32_sink[i] or bool(self.trip_succs[i]) or any(
+                self.fixed.get(k) is False for k in self.succs[i])
 
         def feeds_small_value_reader(i: int) -> bool:
             # (an epsilon the low type flushes, added or clamped to: ``log(p + 1e-10)`` is there
             # for exactly the values that underflow)
-            return any(self.fixed.get(k) is False and (self.nodes[k].op_type in _SMALL_VALUE_READERS
-                                                       or "amp.lost_epsilon" in self.nodes[k].meta)
-                       for k in self.succs[i])
+            return any((self.fixed.get(k) is False or k in self.trip_succs[i])
+                       and (self.nodes[k].op_type in _SMALL_VALUE_READERS or "amp.lost_epsilon" in self.nodes[k].meta)
+                       for k in (*self.succs[i], *self.trip_succs[i]))
 
         free = [i for i in range(len(self.nodes)) if i not in self.fixed]
         widen = {i for i in free if widening(i)}
