@@ -2910,3 +2910,37 @@ def test_an_in_place_op_made_out_of_place_takes_the_overload_with_its_arguments(
     gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="fp16", capture="export", placement=placement)
     assert torch.allclose(gm(x).float(), model(x), atol=1e-2, rtol=1e-2)
     gm.graph.lint()
+
+
+_TORCH_SQUARES = {
+    "addcmul": lambda h: torch.addcmul(torch.zeros_like(h), h, h),  # (Adam's second moment)
+    "detach": lambda h: h * h.detach(),
+    "view": lambda h: h * h.view(h.shape),
+    "vecdot": lambda h: torch.linalg.vecdot(h, h).unsqueeze(-1).expand_as(h),
+    "einsum": lambda h: torch.einsum("bd,bd->bd", h, h),
+}
+
+
+class _Squares(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.fc, self.pr, self.how = nn.Linear(8, 16), nn.Linear(16, 8), how
+
+    def forward(self, x):
+        h = self.fc(x) * 600  # |h| up to ~1000: its square passes FP16's 65504
+        return self.pr(_TORCH_SQUARES[self.how](h) * 1e-6)
+
+
+@pytest.mark.parametrize("capture, decompose", [("symbolic_trace", False), ("export", False), ("export", True)])
+@pytest.mark.parametrize("how", sorted(_TORCH_SQUARES))
+def test_a_torch_square_through_a_copy_or_a_fused_op_is_held_fp32(how, capture, decompose):
+    """Squares that were no square to the rewrite ran FP16 and overflowed: addcmul(z, h, h), h times
+    a copy or same-shape view of itself, vecdot(h, h), and what decompositions write for them
+    (mul(mul(h, 1), h); two identical permutes of h multiplied)."""
+    torch.manual_seed(0)
+    x, model = torch.randn(2, 8), _Squares(how).eval()
+    want = model(x)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="fp16", capture=capture, decompose=decompose)
+    got = gm(x).float()
+    assert torch.isfinite(got).all()
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2

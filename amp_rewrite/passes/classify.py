@@ -516,6 +516,12 @@ _SOURCE_REASONS = {
 
 
 _SQUARES = {"Mul": "Pow", "mul": "pow"}  # (the IR spells ONNX's ai.onnx domain and torch's ops "")
+# torch ops that square where two of their tensor inputs are one value: addcmul(acc, g, g) (Adam's
+# second moment), dot products of a vector with itself (sums of squares)
+_TORCH_SQUARES = {"addcmul": (1, 2), "linalg_vecdot": (0, 1), "vdot": (0, 1), "dot": (0, 1), "inner": (0, 1)}
+# torch ops that hand on their input's values in the same order (a view of the same shape, a copy)
+_TORCH_COPIES = {"detach", "contiguous", "clone", "alias", "lift_fresh_copy", "view", "reshape", "_unsafe_view",
+                 "view_as", "reshape_as"}
 
 
 def _square_verdict(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -> tuple[Category, str, str] | None:
@@ -524,16 +530,23 @@ def _square_verdict(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -
     ``torch.square(h)`` exported as ``Mul(h, h)`` ran FP16 where ``h.pow(2)`` stayed FP32: a
     squared-ReLU MLP gave NaN. The same holds for ``Mul(x, Identity(x))`` and for an Einsum of a
     value with itself under one subscript (``bd,bd->bd`` squares, ``bd,bd->b`` sums them)."""
-    if node.domain != "" or len(node.inputs) != 2 or node.inputs[0] is None:
+    if node.domain != "" or len(node.inputs) < 2:
         return None
     equation = _einsum_square(node)
+    torch_op = "fx.torch_name" in node.meta
     if equation is not None:
-        power = "pow" if "fx.torch_name" in node.meta else "Pow"
+        power = "pow" if torch_op else "Pow"
         what = f"{node.op_type} {equation!r} of a value with itself"
+    elif torch_op and node.op_type in _TORCH_SQUARES:
+        a, b = (node.inputs[k] if k < len(node.inputs) else None for k in _TORCH_SQUARES[node.op_type])
+        if a is None or _copied_from(a) is not _copied_from(b) or _constant_only(_copied_from(a)):
+            return None
+        power, what = "pow", f"{node.op_type} of a value with itself"
     else:
         power = _SQUARES.get(node.op_type)
         base = _copied_from(node.inputs[0])
-        if power is None or base is not _copied_from(node.inputs[1]) or _constant_only(base):
+        if power is None or len(node.inputs) != 2 or base is None or base is not _copied_from(node.inputs[1]) \
+                or _constant_only(base):
             return None  # (a square of constants is known: onnx_constants folds it and holds it if it must)
         what = f"{node.op_type} of a value by itself"
     probe = Node(power, [], domain=node.domain)
@@ -571,8 +584,22 @@ def _constant_only(value: Value, depth: int = 0) -> bool:
     return all(v is None or _constant_only(v, depth + 1) for v in node.inputs)
 
 
+def _torch_identity(node: Node) -> bool:
+    """A torch op that hands its input on as it is: a permute to the same order, a product with 1
+    (decompositions write both: addcmul(z, h, h) becomes mul(mul(h, 1), h))."""
+    args = getattr(node.origin, "args", None)
+    if not args or len(node.inputs) != 1:
+        return False
+    if node.op_type == "permute" and len(args) > 1 and isinstance(args[1], (list, tuple)):
+        return list(args[1]) == list(range(len(args[1])))
+    if node.op_type in ("mul", "div", "true_divide") and len(args) == 2:
+        return any(type(a) in (int, float) and a == 1 for a in args)
+    return False
+
+
 def _copied_from(value: Value | None) -> Value | None:
-    """The value ``value`` copies unchanged: through Identity and Casts to the type it already has."""
+    """The value ``value`` copies unchanged: through Identity and Casts to the type it already has
+    (ONNX), and torch's copies and same-shape views."""
     for _ in range(8):
         node = value.producer if value is not None else None
         if node is None or node.domain != "" or not node.inputs or node.inputs[0] is None:
@@ -580,6 +607,9 @@ def _copied_from(value: Value | None) -> Value | None:
         if node.op_type == "Identity" or (node.op_type == "Cast" and node.inputs[0].dtype is not None
                                           and node.inputs[0].dtype == value.dtype):
             value = node.inputs[0]
+        elif "fx.torch_name" in node.meta and node.inputs[0].shape == value.shape and value.shape is not None \
+                and (node.op_type in _TORCH_COPIES or _torch_identity(node)):
+            value = node.inputs[0]  # (h.detach(), h.contiguous(), h.view(h.shape): h's values in h's order)
         else:
             break
     return value
