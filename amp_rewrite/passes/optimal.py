@@ -58,8 +58,8 @@ Safety, never less than greedy's:
   the normalised value, not raw ``x``), and a node reading an FP32 tensor nobody can change stays
   FP32, as does what follows it;
 - nor *downstream* across an op whose result the low type may not hold although its inputs fit,
-  where an FP32 reader reads that result, directly or through copying ops: a product or quotient
-  of two activations or a reciprocal (:data:`_OVERFLOWING`) read by any FP32 op or output
+  where an FP32 reader reads that result, directly or through copying ops: a product, quotient or
+  sum of two activations or a reciprocal (:data:`_OVERFLOWING`) read by any FP32 op or output
   (``(a * b).sum()`` keeps its Mul: 300 × 300 passes 65504 before the FP32 sum), a softmax or
   sigmoid (:data:`_UNDERFLOWING`) read by a Log, a division or a power (``log(softmax(z))`` keeps
   its Softmax: FP16 probabilities below 6e-8 are 0, and the Log -inf), as greedy keeps them;
@@ -125,8 +125,10 @@ _SAME_NUMEL = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Ident
 # ops whose output the low type may not hold although their (low) inputs fit it: a product or
 # quotient of two activations overflows (300 x 300 > 65504), a reciprocal of a small one too;
 # computed low and cast up for an FP32 reader, they hand it inf where greedy kept them FP32
-_OVERFLOWING = {"Mul", "Div", "Reciprocal", "mul", "div", "true_divide", "reciprocal"}
-_OF_TWO = {"Mul", "Div", "mul", "div", "true_divide"}  # (overflowing only between two activations)
+_OVERFLOWING = {"Mul", "Div", "Reciprocal", "Add", "Sub", "Sum", "mul", "div", "true_divide", "reciprocal", "add",
+                "sub"}
+# (overflowing only between two activations: a residual sum, 36000 + 30000, passes 65504 too)
+_OF_TWO = {"Mul", "Div", "Add", "Sub", "Sum", "mul", "div", "true_divide", "add", "sub"}
 # ... and probabilities, which underflow (a softmax or sigmoid below 6e-8 is 0 in FP16): harmless
 # to a sum or a GEMM, fatal to an FP32 op that takes their log or divides by them (-inf, inf)
 _UNDERFLOWING = {"Softmax", "Sigmoid", "softmax", "_softmax", "sigmoid"}
@@ -394,9 +396,10 @@ class Problem:
             node = self.nodes[i]
             if i in self.branch_nodes or node.op_type not in _WIDENING:
                 return False
-            # (scaled by a constant: one rounding, and a constant past the range is kept apart)
+            # (scaled or shifted by a constant or a weight a Gather/Slice moves, a position table: one
+            # rounding, and a constant past the range is kept apart)
             return node.op_type not in _OF_TWO or sum(
-                1 for k in self.group_in[i] if not node.inputs[k].data_known) >= 2
+                1 for k in self.group_in[i] if not node.inputs[k].data_known and not _only_weights(node.inputs[k], 0)) >= 2
 
         # (readers behind the model's own Cast out of the low type, ``(a * b).float().sum()``,
         # read the result in FP32 too: trip_succs)
