@@ -1152,6 +1152,9 @@ def test_a_cast_never_moves_downstream_across_an_op_whose_result_fp16_cannot_hol
         assert result.log.decisions[node].precision == Precision.FP32, placement
         got = run(emulate_low(result.model, TensorProto.FLOAT16)[0], feeds)["y"]
         assert np.isfinite(got).all() and rel_err(want, got) < 1e-2, placement
+    assert "the optimal placement keeps it FP32 too" in rewrite(model).log.decisions[node].reason
+    # BF16 holds FP32's exponent range: nothing is held for it there (the cut decides)
+    assert "keeps it FP32 too" not in rewrite(model, target="bf16").log.decisions[node].reason
 
 
 def test_a_copying_op_before_an_fp32_reader_may_still_take_the_low_type():
@@ -1204,3 +1207,22 @@ def test_an_identity_of_a_constant_fp16_cannot_hold_keeps_fp32(where, placement)
     feeds = {k: v for k, v in feeds.items() if k in {i.name for i in model.graph.input}}
     assert run(result.model, feeds)["y"].max() == 1e5
     assert not rewrite(result.model, placement=placement).modified
+
+
+def test_bf16_holds_no_product_or_softmax_for_the_range_fp16_lacks():
+    """The FP16 holds (a product of two activations before an FP32 sum, a Softmax before a Log) held
+    BF16 nodes FP32 too, one Cast and FP32 traffic more than before: BF16 has FP32's exponent
+    range, so the min-cut decides them there."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,64] x, float[4,64] y) => (float[4] z, float[4,64] l) {
+          a = MatMul(x, W1)
+          b = MatMul(y, W2)
+          p = Mul(a, b)
+          z = ReduceSum<keepdims=0>(p, ax)
+          s = Softmax(a)
+          l = Log(s)
+        }""", {"W1": (64, 64), "W2": (64, 64), "ax": np.array([1], np.int64)})
+    fp16, bf16 = (_precisions(rewrite(model, target=t)) for t in ("fp16", "bf16"))
+    assert fp16["Mul:p"] == fp16["Softmax:s"] == "fp32"
+    assert bf16["Mul:p"] == bf16["Softmax:s"] == "low"

@@ -373,7 +373,15 @@ class Problem:
         Div → Conv`` keeps its cast right before the Conv (raw ``x`` may exceed 65504 where the
         normalised value does not), and an LSTM reading a graph input stays as greedy left it."""
         follow = [i for i in self.free if not self.greedy[i]]
-        widening = self._widening_for_fp32_readers()
+        # (FP16 only: BF16 has FP32's exponent range, so its products, sums and probabilities
+        # overflow or underflow where FP32's would)
+        widening = self._widening_for_fp32_readers() if self.ctx.low == DType.FLOAT16 else {}
+        for i in widening:
+            node = self.nodes[i]
+            if not node.meta.get("amp.widening_hold"):  # (said once: a Problem may be built again)
+                node.meta["amp.widening_hold"] = True
+                node.meta["amp.reason"] = (f"{node.meta.get('amp.reason', '')}; the optimal placement keeps it FP32 "
+                                           f"too: {widening[i]}")
         pending = [i for i in follow if self.fp32_source[i] or any(self.fixed.get(p) is False for p in self.preds[i])
                    or i in widening]
         for i in pending:
@@ -386,7 +394,7 @@ class Problem:
                     pending.append(j)
         return [(i, p) for i in follow if i not in self.fixed for p in sorted(self.preds[i]) if p not in self.fixed]
 
-    def _widening_for_fp32_readers(self) -> set[int]:
+    def _widening_for_fp32_readers(self) -> dict[int, str]:
         """The free nodes that make a value the low type may not hold (:data:`_WIDENING`) that an
         FP32 reader reads, directly or through free nodes that only move, select or add values: a
         cast moved downstream across one would hand that reader inf (``(a * b).sum()``'s products)
@@ -417,7 +425,7 @@ class Problem:
         free = [i for i in range(len(self.nodes)) if i not in self.fixed]
         widen = {i for i in free if widening(i)}
         if not widen:
-            return set()
+            return {}
 
         def reaching(feeds) -> set[int]:
             # free copying nodes through which a value reaches such a reader: walked back from
@@ -432,12 +440,17 @@ class Problem:
                         stack.append(p)
             return seen
 
-        held = set()
-        for kind, feeds in ((_OVERFLOWING, feeds_fp32), (_UNDERFLOWING, feeds_small_value_reader)):
+        held: dict[int, str] = {}
+        whys = {"over": f"its result may pass {self.ctx.low.short}'s range (a product, quotient or sum of two "
+                        f"activations, a reciprocal) before an FP32 reader, which a Cast after it would hand inf",
+                "under": f"its probabilities below 6e-8 are 0 in {self.ctx.low.short}, and an FP32 reader takes "
+                         f"their log, divides by them or adds an epsilon to them"}
+        for kind, feeds, why in ((_OVERFLOWING, feeds_fp32, whys["over"]),
+                                 (_UNDERFLOWING, feeds_small_value_reader, whys["under"])):
             nodes = {i for i in widen if self.nodes[i].op_type in kind}
             if nodes:
                 seen = reaching(feeds)
-                held |= {i for i in nodes if feeds(i) or any(k in seen for k in self.succs[i])}
+                held.update({i: why for i in nodes if feeds(i) or any(k in seen for k in self.succs[i])})
         return held
 
     def feasible(self, labels: list[bool]) -> bool:
