@@ -432,3 +432,35 @@ def test_explain_names_a_classify_check_not_a_rule_entry(tmp_path):
     assert "rule entry: classify" not in text
     rule = explain_node(path, "q1")  # a deny rule entry decided this one
     assert "[classify: decided by its rule entry]" in rule and "rule entry: onnx-cuda-fp16.toml: deny." in rule
+
+
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+def test_a_quantized_weight_dequantizing_past_the_range_keeps_fp32_and_is_clamped_before_its_cast(placement):
+    """int8 weights with a scale of 800 dequantize to up to 101600: the DequantizeLinear was made
+    FP16 with its scale (800 fits), computed inf at run time, and the MatMul gave NaN, with 0 values
+    counted clamped. It keeps FP32, and its output is clamped to ±65504 before the Cast to the
+    MatMul, as the same weights stored as a plain initializer are clamped offline."""
+    from amp_rewrite.emulate import emulate_low
+
+    rng = np.random.default_rng(0)
+    wq = rng.integers(-127, 128, (64, 32)).astype(np.int8)
+    nodes = [oh.make_node("DequantizeLinear", ["wq", "s", "z"], ["w"], axis=1, name="dq"),
+             oh.make_node("MatMul", ["x", "w"], ["y"], name="mm")]
+    inits = [nh.from_array(wq, "wq"), nh.from_array(np.full(32, 800.0, np.float32), "s"),
+             nh.from_array(np.zeros(32, np.int8), "z")]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TP.FLOAT, [4, 64])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, [4, 32])], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 19)], ir_version=9)
+    result = rewrite(model, placement=placement)
+    full_check(result.model)
+    decision = result.log.decisions["dq"]
+    assert decision.precision == Precision.FP32 and "101600" in decision.reason
+    assert any("clamped to" in c.reason for c in result.log.casts)
+    feeds = {"x": (rng.standard_normal((4, 64)) * 1e-3).astype(np.float32)}
+    got = run(emulate_low(result.model, TP.FLOAT16)[0], feeds)["y"]
+    assert np.isfinite(got).all()
+    # (the clamped weights, as a plain initializer's: 65504 where the model holds up to 101600)
+    clamped = np.clip(wq.astype(np.float32) * 800.0, -65504, 65504)
+    assert rel_err(feeds["x"] @ clamped, got) < 1e-2
+    # BF16 holds 101600: nothing is held for the range there
+    assert "101600" not in rewrite(model, placement=placement, target="bf16").log.decisions["dq"].reason

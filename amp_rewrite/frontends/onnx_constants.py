@@ -502,3 +502,19 @@ def _largest(data, limit: float, ceiling: float = SENTINEL) -> float | None:
 
 
 _CHUNK = 1 << 22  # elements
+
+
+def dequantized_bound(node: Node) -> float | None:
+    """An upper bound on what a DequantizeLinear of constants computes, max|x| + max|zero_point|
+    times max|scale| (per channel or block, the largest of each), or None where an input is not a
+    constant or its type does not widen to float."""
+    arrays = [constant_array(v) if v is not None else None for v in node.inputs[:3]]
+    if node.op_type != "DequantizeLinear" or len(arrays) < 2 or arrays[0] is None or arrays[1] is None:
+        return None
+    try:
+        span = float(np.max(np.abs(np.asarray(arrays[0]).astype(np.float64))))
+        if len(arrays) > 2 and arrays[2] is not None:
+            span += float(np.max(np.abs(np.asarray(arrays[2]).astype(np.float64))))  # (|x - zp| ≤ |x| + |zp|)
+        return span * float(np.max(np.abs(np.asarray(arrays[1]).astype(np.float64))))
+    except (TypeError, ValueError):  # (a packed type numpy cannot widen: nothing proven)
+        return None

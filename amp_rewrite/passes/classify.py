@@ -23,7 +23,7 @@ import difflib
 from ..decisions import Category, Precision
 from ..ir import DType, Model, Node, Value
 from ..rulebook import RuleEntry
-from .base import (Context, PassResult, earlier_pin, given_low_type, is_float32, is_user_source, node_label,
+from .base import (LOW_LIMITS, Context, PassResult, earlier_pin, given_low_type, is_float32, is_user_source, node_label,
                    node_names, node_rule_of, painted_group, string_attribute)
 
 _CONTROL = "control flow: its boundary types are kept and each body is rewritten as a scope of its own"
@@ -395,6 +395,12 @@ def _dequantize_weights_low(candidates: list[Node], ctx: Context, names: frozens
                                   f"{subnormal:.3g}, below {low}'s smallest normal number, where {low} keeps too few "
                                   f"bits for it (every weight of that channel or block would move with it)")
             continue
+        beyond = _dequantized_beyond(node, ctx)
+        if beyond is not None:
+            meta["amp.reason"] = (f"{meta['amp.reason']}; kept FP32 though only {low} GEMMs read it: its weights "
+                                  f"dequantize to up to {beyond:.6g}, beyond {low}'s finite range, where they would "
+                                  f"be ±inf (computed at run time, nothing clamps them)")
+            continue
         readers = sorted({reader.op_type for reader, _ in uses})
         meta["amp.category"], meta["amp.source"] = Category.ALLOW, "classify"
         meta["amp.reason"] = (
@@ -418,6 +424,17 @@ def _subnormal_scale(node: Node, ctx: Context) -> float | None:
     magnitudes = np.abs(np.asarray(data, np.float64))
     small = magnitudes[(magnitudes > 0) & (magnitudes < tiny)]
     return float(small.min()) if small.size else None
+
+
+def _dequantized_beyond(node: Node, ctx: Context) -> float | None:
+    """What a DequantizeLinear of constants may compute (:func:`onnx_constants.dequantized_bound`)
+    where it passes the low type's finite range (int8 × a scale of 800 is 101600: inf in FP16), or
+    None."""
+    from ..frontends.onnx_constants import dequantized_bound
+
+    limit = LOW_LIMITS.get(ctx.low) if ctx.low is not None else None
+    bound = dequantized_bound(node) if limit is not None else None
+    return bound if bound is not None and bound > limit else None
 
 
 _CONE_LIMIT = 64  # nodes: an argument computed by more than this is no position encoding

@@ -718,6 +718,11 @@ class _Placer:
             if big is not None and (node.op_type == "Pad" or string_attribute(
                     node, "coordinate_transformation_mode") == "tf_crop_and_resize"):
                 return (f"the {name} of {node_label(node)}", big)
+        if node.op_type == "DequantizeLinear":  # a quantized weight whose values pass the range (int8 × 800)
+            from ..frontends.onnx_constants import dequantized_bound
+
+            bound = dequantized_bound(node)
+            return (f"what {node_label(node)} dequantizes", bound) if bound is not None and bound > threshold else None
         if node.op_type in ("If", "Loop", "Scan"):  # what the bodies return in this slot, or the loop starts from
             return self._sentinel_of_control(node, value, depth)
         if node.op_type not in _CARRY_SENTINELS:
