@@ -389,17 +389,13 @@ def _dequantize_weights_low(candidates: list[Node], ctx: Context, names: frozens
         group = meta["amp.group"]
         if missing_low_kernel(ctx, node.op_type, node.domain, node.opset) or _schema_refuses_low(node, group, ctx):
             continue
-        subnormal = _subnormal_scale(node, ctx)
-        if subnormal is not None:
-            meta["amp.reason"] = (f"{meta['amp.reason']}; kept FP32 though only {low} GEMMs read it: its scale holds "
-                                  f"{subnormal:.3g}, below {low}'s smallest normal number, where {low} keeps too few "
-                                  f"bits for it (every weight of that channel or block would move with it)")
-            continue
-        beyond = _dequantized_beyond(node, ctx)
-        if beyond is not None:
-            meta["amp.reason"] = (f"{meta['amp.reason']}; kept FP32 though only {low} GEMMs read it: its weights "
-                                  f"dequantize to up to {beyond:.6g}, beyond {low}'s finite range, where they would "
-                                  f"be ±inf (computed at run time, nothing clamps them)")
+        subnormal, beyond = _subnormal_scale(node, ctx), _dequantized_beyond(node, ctx)
+        why = (f"its scale holds {subnormal:.3g}, below {low}'s smallest normal number, where {low} keeps too few "
+               f"bits for it (every weight of that channel or block would move with it)" if subnormal is not None else
+               f"its weights dequantize to up to {beyond:.6g}, beyond {low}'s finite range, where they would be ±inf "
+               f"(computed at run time, nothing clamps them)" if beyond is not None else None)
+        if why is not None:
+            meta["amp.reason"] = f"{meta['amp.reason']}; kept FP32 though only {low} GEMMs read it: {why}"
             continue
         readers = sorted({reader.op_type for reader, _ in uses})
         meta["amp.category"], meta["amp.source"] = Category.ALLOW, "classify"
