@@ -504,9 +504,10 @@ def _largest(data, limit: float, ceiling: float = SENTINEL) -> float | None:
 _CHUNK = 1 << 22  # elements
 
 
-def dequantized_bound(node: Node) -> float | None:
+def dequantized_past(node: Node, limit: float) -> float | None:
     """An upper bound on what a DequantizeLinear of constants computes, max|x| + max|zero_point|
-    times max|scale| (per channel or block, the largest of each), or None where an input is not a
+    times max|scale| (per channel or block, the largest of each), where it passes ``limit`` (int8 ×
+    a scale of 800 is 101600: inf in FP16); None where it does not, where an input is not a
     constant or its type does not widen to float."""
     arrays = [constant_array(v) if v is not None else None for v in node.inputs[:3]]
     if node.op_type != "DequantizeLinear" or len(arrays) < 2 or arrays[0] is None or arrays[1] is None:
@@ -515,6 +516,7 @@ def dequantized_bound(node: Node) -> float | None:
         span = float(np.max(np.abs(np.asarray(arrays[0]).astype(np.float64))))
         if len(arrays) > 2 and arrays[2] is not None:
             span += float(np.max(np.abs(np.asarray(arrays[2]).astype(np.float64))))  # (|x - zp| ≤ |x| + |zp|)
-        return span * float(np.max(np.abs(np.asarray(arrays[1]).astype(np.float64))))
+        bound = span * float(np.max(np.abs(np.asarray(arrays[1]).astype(np.float64))))
     except (TypeError, ValueError):  # (a packed type numpy cannot widen: nothing proven)
         return None
+    return bound if bound > limit else None

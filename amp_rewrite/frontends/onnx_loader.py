@@ -1287,8 +1287,7 @@ class _Builder:
                     f"not a GEMM contraction, whose sum can pass the low type's range as ReduceSum's does")
             elif len(inputs) == 2 and inputs[0] is not None and inputs[0] is inputs[1]:
                 equation = _einsum_equation(n)
-                operands = equation.replace(" ", "").partition("->")[0].split(",") if equation else []
-                if len(operands) == 2 and operands[0] == operands[1]:
+                if equation and one_subscript_twice(equation):
                     node.meta["amp.einsum_square"] = equation  # (classify: squares, as Pow(x, 2) makes)
         elif op_type in ("ScatterElements", "ScatterND") and domain in ("", "ai.onnx"):
             reduction = n.attributes.get("reduction")
@@ -1451,6 +1450,13 @@ def _expand(formals, count: int, type_vars: set[str]) -> list[str | None]:
         else:
             out.append(formal.type_str)
     return out
+
+
+def one_subscript_twice(equation: str) -> bool:
+    """Whether an Einsum equation takes two operands under one subscript (``bd,bd->b``): of one
+    value twice, it squares it (and may sum the squares)."""
+    operands = equation.replace(" ", "").partition("->")[0].split(",")
+    return len(operands) == 2 and operands[0] == operands[1]
 
 
 def _einsum_equation(n: ir.Node) -> str | None:

@@ -371,6 +371,8 @@ def _dequantize_weights_low(candidates: list[Node], ctx: Context, names: frozens
     an int4 block-quantized weight (1.31 also an int8 per-channel one) into MatMulNBits, its
     weight-only kernel (its selector takes an FP16 scale). The deny rule stands where the DQ
     dequantizes an activation (a QDQ unit's input) or a user pins it FP32."""
+    from ..frontends.onnx_constants import dequantized_past
+
     low = ctx.low.short if ctx.low is not None else "the low type"
     for node in candidates:
         meta = node.meta
@@ -389,7 +391,8 @@ def _dequantize_weights_low(candidates: list[Node], ctx: Context, names: frozens
         group = meta["amp.group"]
         if missing_low_kernel(ctx, node.op_type, node.domain, node.opset) or _schema_refuses_low(node, group, ctx):
             continue
-        subnormal, beyond = _subnormal_scale(node, ctx), _dequantized_beyond(node, ctx)
+        subnormal = _subnormal_scale(node, ctx)
+        beyond = dequantized_past(node, LOW_LIMITS[ctx.low]) if ctx.low in LOW_LIMITS else None
         why = (f"its scale holds {subnormal:.3g}, below {low}'s smallest normal number, where {low} keeps too few "
                f"bits for it (every weight of that channel or block would move with it)" if subnormal is not None else
                f"its weights dequantize to up to {beyond:.6g}, beyond {low}'s finite range, where they would be ±inf "
@@ -420,17 +423,6 @@ def _subnormal_scale(node: Node, ctx: Context) -> float | None:
     magnitudes = np.abs(np.asarray(data, np.float64))
     small = magnitudes[(magnitudes > 0) & (magnitudes < tiny)]
     return float(small.min()) if small.size else None
-
-
-def _dequantized_beyond(node: Node, ctx: Context) -> float | None:
-    """What a DequantizeLinear of constants may compute (:func:`onnx_constants.dequantized_bound`)
-    where it passes the low type's finite range (int8 × a scale of 800 is 101600: inf in FP16), or
-    None."""
-    from ..frontends.onnx_constants import dequantized_bound
-
-    limit = LOW_LIMITS.get(ctx.low) if ctx.low is not None else None
-    bound = dequantized_bound(node) if limit is not None else None
-    return bound if bound is not None and bound > limit else None
 
 
 _CONE_LIMIT = 64  # nodes: an argument computed by more than this is no position encoding
@@ -528,10 +520,13 @@ _SOURCE_REASONS = {
 }
 
 
-_SQUARES = {"Mul": "Pow", "mul": "pow"}  # (the IR spells ONNX's ai.onnx domain and torch's ops "")
-# torch ops that square where two of their tensor inputs are one value: addcmul(acc, g, g) (Adam's
-# second moment), dot products of a vector with itself (sums of squares)
-_TORCH_SQUARES = {"addcmul": (1, 2), "linalg_vecdot": (0, 1), "vdot": (0, 1), "dot": (0, 1), "inner": (0, 1)}
+# ops that square where two of their inputs are one value: the power op whose rule decides them,
+# those two input slots, and how the reason says it. ONNX's Mul and torch's mul; torch's
+# addcmul(acc, g, g) (Adam's second moment) and dot products of a vector with itself (sums of squares)
+_SQUARES = {"Mul": ("Pow", (0, 1), "by"), "mul": ("pow", (0, 1), "by"),
+            **{op: ("pow", slots, "with") for op, slots in (("addcmul", (1, 2)), ("linalg_vecdot", (0, 1)),
+                                                           ("vdot", (0, 1)), ("dot", (0, 1)), ("inner", (0, 1)))}}
+_TORCH_ONLY_SQUARES = frozenset(_SQUARES) - {"Mul", "mul"}
 # torch ops that hand on their input's values in the same order (a view of the same shape, a copy)
 _TORCH_COPIES = {"detach", "contiguous", "clone", "alias", "lift_fresh_copy", "view", "reshape", "_unsafe_view",
                  "view_as", "reshape_as"}
@@ -550,18 +545,15 @@ def _square_verdict(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -
     if equation is not None:
         power = "pow" if torch_op else "Pow"
         what = f"{node.op_type} {equation!r} of a value with itself"
-    elif torch_op and node.op_type in _TORCH_SQUARES:
-        a, b = (node.inputs[k] if k < len(node.inputs) else None for k in _TORCH_SQUARES[node.op_type])
-        if a is None or _copied_from(a) is not _copied_from(b) or _constant_only(_copied_from(a)):
-            return None
-        power, what = "pow", f"{node.op_type} of a value with itself"
     else:
-        power = _SQUARES.get(node.op_type)
-        base = _copied_from(node.inputs[0])
-        if power is None or len(node.inputs) != 2 or base is None or base is not _copied_from(node.inputs[1]) \
-                or _constant_only(base):
+        if node.op_type not in _SQUARES or (node.op_type in _TORCH_ONLY_SQUARES and not torch_op):
+            return None
+        power, slots, word = _SQUARES[node.op_type]
+        a, b = (node.inputs[k] if k < len(node.inputs) else None for k in slots)
+        base = _copied_from(a)
+        if base is None or base is not _copied_from(b) or _constant_only(base):
             return None  # (a square of constants is known: onnx_constants folds it and holds it if it must)
-        what = f"{node.op_type} of a value by itself"
+        what = f"{node.op_type} of a value {word} itself"
     probe = Node(power, [], domain=node.domain)
     probe.opset = node.opset
     category, reason, source, _ = _cached_verdict(probe, ctx, verdicts)
@@ -583,8 +575,9 @@ def _einsum_square(node: Node) -> str | None:
         operands = list(operands[0])
     if not isinstance(equation, str) or len(operands) != 2 or operands[0] is not operands[1]:
         return None
-    subscripts = equation.replace(" ", "").partition("->")[0].split(",")
-    return equation if len(subscripts) == 2 and subscripts[0] == subscripts[1] else None
+    from ..frontends.onnx_loader import one_subscript_twice
+
+    return equation if one_subscript_twice(equation) else None
 
 
 def _constant_only(value: Value, depth: int = 0) -> bool:

@@ -440,13 +440,15 @@ class Problem:
                         stack.append(p)
             return seen
 
+        low = self.ctx.low.short
         held: dict[int, str] = {}
-        whys = {"over": f"its result may pass {self.ctx.low.short}'s range (a product, quotient or sum of two "
-                        f"activations, a reciprocal) before an FP32 reader, which a Cast after it would hand inf",
-                "under": f"its probabilities below 6e-8 are 0 in {self.ctx.low.short}, and an FP32 reader takes "
-                         f"their log, divides by them or adds an epsilon to them"}
-        for kind, feeds, why in ((_OVERFLOWING, feeds_fp32, whys["over"]),
-                                 (_UNDERFLOWING, feeds_small_value_reader, whys["under"])):
+        for kind, feeds, why in (
+                (_OVERFLOWING, feeds_fp32, f"its result may pass {low}'s range (a product, quotient or sum of two "
+                                           f"activations, a reciprocal) before an FP32 reader, which a Cast after it "
+                                           f"would hand inf"),
+                (_UNDERFLOWING, feeds_small_value_reader, f"its probabilities below 6e-8 are 0 in {low}, and an FP32 "
+                                                          f"reader takes their log, divides by them or adds an epsilon "
+                                                          f"to them")):
             nodes = {i for i in widen if self.nodes[i].op_type in kind}
             if nodes:
                 seen = reaching(feeds)

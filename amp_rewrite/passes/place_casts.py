@@ -719,10 +719,10 @@ class _Placer:
                     node, "coordinate_transformation_mode") == "tf_crop_and_resize"):
                 return (f"the {name} of {node_label(node)}", big)
         if node.op_type == "DequantizeLinear":  # a quantized weight whose values pass the range (int8 × 800)
-            from ..frontends.onnx_constants import dequantized_bound
+            from ..frontends.onnx_constants import dequantized_past
 
-            bound = dequantized_bound(node)
-            return (f"what {node_label(node)} dequantizes", bound) if bound is not None and bound > threshold else None
+            bound = dequantized_past(node, threshold)
+            return (f"what {node_label(node)} dequantizes", bound) if bound is not None else None
         if node.op_type in ("If", "Loop", "Scan"):  # what the bodies return in this slot, or the loop starts from
             return self._sentinel_of_control(node, value, depth)
         if node.op_type not in _CARRY_SENTINELS:
