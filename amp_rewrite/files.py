@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import shutil
 from pathlib import Path
 
 
@@ -51,12 +52,18 @@ def previous_outputs_kept():
 
 
 def replace_into(tmp: Path, dst: Path) -> None:
-    """``os.replace(tmp, dst)``; inside :func:`previous_outputs_kept`, the file at ``dst`` is kept aside."""
+    """``os.replace(tmp, dst)``; inside :func:`previous_outputs_kept`, the file at ``dst`` is kept
+    aside as well: a second name for it (a hard link, a copy where the file system has none), made
+    before the replacing rename, so ``dst`` names a whole file at every moment. (Renaming it aside
+    first left a window with no file at ``dst``: a reader, or a kill -9, met none there.)"""
     kept = _KEPT.get()
     if kept is not None and dst.is_file():
         # (the name's first 64 bytes: a name near the file system's limit has no room for the suffix)
         head = dst.name.encode()[:64].decode(errors="ignore")
         aside = dst.with_name(f".{head}.amp-rewrite-previous-{os.getpid()}-{id(kept):x}-{len(kept)}")
-        os.replace(dst, aside)
+        try:
+            os.link(dst, aside)
+        except OSError:  # (no hard links here: FAT, some network mounts)
+            shutil.copy2(dst, aside)
         kept.append((dst, aside))
     os.replace(tmp, dst)

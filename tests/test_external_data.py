@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import mmap
+import os
 import sys
 from pathlib import Path
 
@@ -297,6 +298,35 @@ def test_a_failure_between_the_two_renames_leaves_the_earlier_output_whole(tmp_p
         api.rewrite_onnx(src, out, overwrite=True)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no stray file, nothing replaced
     check_runs_like(earlier, out)
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_an_overwritten_output_is_a_whole_file_at_every_moment(tmp_path, monkeypatch, external):
+    """--overwrite renamed the earlier output aside and then the new one into place: between the two
+    renames no file had the output's name, and a kill -9 there (or a reader) found none, the
+    earlier output only under a hidden name. The earlier file is now kept by a second name, and
+    the new one replaces it in one rename."""
+    from amp_rewrite import files
+
+    src, out = tmp_path / "m.onnx", tmp_path / "out.onnx"
+    (save_external if external else lambda m, p: onnx.save(m, str(p)))(mlp(), src)
+    api.rewrite_onnx(src, out)
+    names = [out, *([tmp_path / "out.onnx.data"] if external else [])]
+    earlier = {path: path.read_bytes() for path in names}
+    seen = []
+    real_replace = os.replace
+
+    def watching(a, b):
+        if Path(b) in earlier:  # the rename that puts the new file in place: the earlier one is still there
+            seen.append((Path(b), Path(b).is_file() and Path(b).read_bytes() == earlier[Path(b)]))
+        real_replace(a, b)
+
+    monkeypatch.setattr(files.os, "replace", watching)
+    api.rewrite_onnx(src, out, overwrite=True, placement="greedy")
+    assert sorted(seen) == sorted((path, True) for path in names)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["m.onnx", *(["m.onnx.weights"] if external else []),
+                                                                  *(p.name for p in names)])
+    check_runs_like(mlp(), out)
 
 
 def test_an_output_over_the_limit_from_an_inline_input_gets_external_data(tmp_path, monkeypatch):
