@@ -701,9 +701,30 @@ def _check_op_names(layer: _Layer, frontend: str, known_extra: set[str]) -> None
         vocabulary = _vocabulary(frontend, domain, known_extra)
         if vocabulary is None or op in vocabulary:
             continue
-        suggestion = _closest(op, vocabulary)
+        suggestion = _suggest(frontend, domain, op, vocabulary)
         problem = _UNKNOWN_OP[frontend] if not domain else f"unknown {domain} op"
         raise RuleFileError(str(layer.path), _entry_key(group[0]), problem, suggestion)
+
+
+# the custom domains whose ops this tool knows in full (the kernel table's rows, onnxruntime's schemas)
+_KNOWN_DOMAINS = ("com.microsoft", "ai.onnx.ml")
+
+
+def _suggest(frontend: str, domain: str, op: str, vocabulary: Iterable[str]) -> str | None:
+    """The spelling meant by an op name its domain does not have, as an entry is written: the same
+    name in another domain this tool knows (``FusedMatMul`` is ``com.microsoft:FusedMatMul``, as
+    onnxruntime's optimizer output names it in op_type alone; ``com.microsoft:Relu`` is ``Relu``)
+    before the closest name in its own (which made ``FusedMatMul`` 'MatMul', a pin on every MatMul)."""
+    if frontend == "onnx":
+        for other in ("", *_KNOWN_DOMAINS):
+            if other == domain:
+                continue
+            known = _vocabulary(frontend, other) or frozenset()
+            exact = op if op in known else _closest(op, [k for k in known if k.lower() == op.lower()])
+            if exact:
+                return f"{other}:{exact}" if other else exact
+    suggestion = _closest(op, vocabulary)
+    return f"{domain}:{suggestion}" if suggestion and domain else suggestion
 
 
 def _vocabulary(frontend: str, domain: str, extra: frozenset[str] | set[str] = frozenset()) -> frozenset[str] | None:
@@ -796,8 +817,8 @@ def _cli_entry(frontend: str, flag: str, category: Category, name: str) -> RuleE
     domain, op = split or ("", "")
     known = _vocabulary(frontend, domain)
     if not op or (known is not None and op not in known):
-        suggestion = _closest(op, known or frozenset())
-        hint = f" (did you mean {f'{domain}:{suggestion}' if domain else suggestion!r}?)" if suggestion else ""
+        suggestion = _suggest(frontend, domain, op, known or frozenset())
+        hint = f" (did you mean {suggestion!r}?)" if suggestion else ""
         raise UsageError(f"{flag}: unknown {frontend} op {name!r}{hint}")
     return RuleEntry(op, domain, category, f"command line: {flag}", flag)
 
