@@ -461,8 +461,9 @@ def test_node_rule_on_a_member_blocks_fusion():
     assert value_types(result.model)["sd"] == FP32
 
 
-@pytest.mark.parametrize("pin", [{"fp32_nodes": ["Sqrt:sd"]}, {"fp32_ops": ["LayerNormalization"]}],
-                         ids=["member pin", "op rule"])
+@pytest.mark.parametrize("pin", [{"fp32_nodes": ["Sqrt:sd"]}, {"fp32_ops": ["LayerNormalization"]},
+                                 {"fp32_ops": ["Pow"]}],
+                         ids=["member pin", "op rule", "member op flag"])
 def test_a_layernorm_kept_fp32_at_opset_17_is_fused_fp32_and_loads(pin):
     """Left decomposed, the FP32 island (Cast, ReduceMean, Sub, ...) met onnxruntime's own
     LayerNormFusion, which folded the Cast into a LayerNormalization of FP16 X and FP32 scale and
@@ -482,6 +483,20 @@ def test_a_layernorm_kept_fp32_at_opset_17_is_fused_fp32_and_loads(pin):
     assert rel_err(ref, got) < 1e-2
     again = rewrite(out)
     assert not again.modified
+
+
+@pytest.mark.parametrize("pin, opset, kept", [({"fp32_ops": ["Pow"]}, 13, FP32), ({"fp16_ops": ["ReduceMean"]}, 17, FP16),
+                                              ({"fp16_ops": ["ReduceMean"]}, 13, FP16)])
+def test_an_op_flag_naming_a_member_pins_the_pattern_as_a_node_pin_does(pin, opset, kept):
+    """--fp32-ops Pow / --fp16-ops ReduceMean named ops the fusion then removed: the pin was
+    dropped and the summary said the model had no such op. A flag on a member now keeps the
+    pattern as written (or, FP32 at opset 17+, fused FP32: the test above), as a node pin does."""
+    result = rewrite(residual_block(LAYERNORM, opset), **pin)
+    assert not result.log.fusions
+    [op] = [*pin.values()][0]
+    assert {value_types(result.model)[n.output[0]] for n in nodes_by_type(result.model, op)} == {kept}
+    assert not [n for n in result.log.notes if n.startswith("unmatched")]
+    full_check(result.model)
 
 
 @pytest.mark.parametrize("pin, opset", [({"fp32_nodes": ["Sqrt:sd"]}, 13), ({"fp16_nodes": ["Add:ln"]}, 17)])

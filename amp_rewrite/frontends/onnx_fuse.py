@@ -125,6 +125,8 @@ def fuse(model: Model, ctx: Context) -> PassResult:
             if fp32 is not None and removed:  # (a pin naming a member still names something: the fused node)
                 model.meta.setdefault("amp.fused_member_names", set()).update(
                     alias for member in removed for alias in aliases(member))
+                model.meta.setdefault("amp.fused_member_ops", set()).update(  # (so an op flag names them)
+                    (member.domain if member.domain != "ai.onnx" else "", member.op_type) for member in removed)
             gone.update(id(n) for n in removed)
             ctx.log.weights.bytes_before += _constant_bytes(removed)  # (they are gone when weights are counted)
         if gone:
@@ -511,6 +513,12 @@ def _kept_fp32(match: _Match, scope: Graph, ctx: Context, names: frozenset[str],
         return None
     if rules:
         return f"node rule {rules[0].pattern!r} names its member, keeping it FP32", rules[0].source
+    flagged = [(n, e) for n in match.members if (e := _op_flag(n, ctx)) is not None]
+    if any(e.category in _LOW_CAPABLE for _, e in flagged):
+        return None
+    if flagged:
+        member, entry = flagged[0]
+        return f"{entry.source} {member.op_type!r} names its member {node_label(member)}, keeping it FP32", entry.source
     pins = [earlier_pin(n) for n in match.members if earlier_pin(n)]
     if pins:
         return f"an earlier rewrite pinned a member FP32 ({pins[0]})", pins[0]
@@ -524,10 +532,19 @@ def _kept_fp32(match: _Match, scope: Graph, ctx: Context, names: frozenset[str],
 
 
 def _pinned(match: _Match, ctx: Context, names: frozenset[str]) -> bool:
-    """A node rule names a member, an earlier rewrite pinned one FP32, or an earlier rewrite left
-    the pattern (or a larger one around it) unfused for such a pin: it stays unfused."""
-    return any(node_rule_of(ctx.rules, n, names) is not None or earlier_pin(n) or n.meta.get("onnx.unfused")
-               for n in match.members)
+    """A node rule or an op flag names a member, an earlier rewrite pinned one FP32, or an earlier
+    rewrite left the pattern (or a larger one around it) unfused for such a pin: it stays unfused."""
+    return any(node_rule_of(ctx.rules, n, names) is not None or _op_flag(n, ctx) is not None or earlier_pin(n)
+               or n.meta.get("onnx.unfused") for n in match.members)
+
+
+def _op_flag(node: Node, ctx: Context):
+    """The ``--fp32-ops`` / ``--fp16-ops`` entry naming ``node``'s op, or None. It pins the pattern
+    as a node rule on that member does: fused, the member was gone, the flag silently pinned
+    nothing, and the summary called its op one the model does not have. (A rule file's entries
+    are not pins: they classify ops, and the fused op has its own.)"""
+    entry = ctx.rules.lookup(node.op_type, node.domain, node.opset)
+    return entry if entry is not None and entry.reason.startswith("command line: --") else None
 
 
 def _residual_operands(x: Value, scope: Graph, shapes: "SymbolicShapes") -> list[Value] | None:

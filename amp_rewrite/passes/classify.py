@@ -175,6 +175,7 @@ def _note_unmatched_op_flags(model: Model, ctx: Context) -> None:
     if not flagged:
         return
     present = {(n.domain if n.domain != "ai.onnx" else "", n.op_type) for n in model.graph.walk()}
+    present |= model.meta.get("amp.fused_member_ops", set())  # (a flag on a member kept its fused op FP32)
     for entry in flagged:
         if (entry.domain, entry.op) not in present:
             flag = entry.source
