@@ -1783,3 +1783,27 @@ def test_an_unlisted_local_function_call_advises_inlining_not_a_rule_file(tmp_pa
 
     nodes = {n["node"]: n for n in json.loads((tmp_path / "r.json").read_text())["nodes"]}
     assert nodes["fn"]["precision"] == "fp32" and "inline it first" in nodes["fn"]["reason"]
+
+
+def test_a_model_holding_maps_is_refused_as_unsupported_with_what_to_do(tmp_path: Path) -> None:
+    """skl2onnx's default classifier ends in ai.onnx.ml's ZipMap, a sequence of maps: a valid model
+    (onnxruntime runs it) that onnx-ir cannot hold. It was exit 3, 'could not be read', with
+    onnx-ir's request for a pull request; it is exit 5, naming the value and the way out."""
+    from onnx import TensorProto as T
+
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["lg"]), helper.make_node("Softmax", ["lg"], ["pr"], axis=1),
+             helper.make_node("ZipMap", ["pr"], ["zm"], domain="ai.onnx.ml", classlabels_int64s=[0, 1, 2])]
+    zm = helper.make_value_info("zm", helper.make_sequence_type_proto(
+        helper.make_map_type_proto(T.INT64, helper.make_tensor_type_proto(T.FLOAT, []))))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.FLOAT, [3, 4])], [zm],
+                              [numpy_helper.from_array(np.ones((4, 3), np.float32), "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid("ai.onnx.ml", 3)],
+                              ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    save(model, tmp_path / "clf.onnx")
+    before = snapshot(tmp_path)
+    proc = run_cli(["clf.onnx", "-o", "out.onnx"], tmp_path)
+    assert proc.returncode == 5, proc.stderr
+    assert "'zm' holds maps (sequence(map(int64, float32)), made by ai.onnx.ml:ZipMap)" in proc.stderr
+    assert "zipmap" in proc.stderr and "Traceback" not in proc.stderr and "PR" not in proc.stderr
+    assert snapshot(tmp_path) == before

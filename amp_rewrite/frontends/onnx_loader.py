@@ -294,8 +294,41 @@ def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: 
     except Exception as exc:  # onnx-ir raises many kinds on malformed protos
         for graph in graphs:  # a tensor written twice, which onnx-ir refuses without naming it
             _check_names(graph, where)
+            _check_map_types(graph, where)
         _check_external_numbers(proto, where)
         raise ModelLoadError(f"{where}the model could not be read: {first_line(_root_cause(exc))}") from exc
+
+
+def _check_map_types(graph: onnx.GraphProto, where: str) -> None:
+    """A valid model with a map-typed value (ai.onnx.ml's ZipMap, which skl2onnx writes after a
+    classifier by default) is one onnx-ir cannot represent: say so and what to do (exit 5), not
+    'could not be read' with onnx-ir's request for a pull request."""
+    def has_map(t: onnx.TypeProto) -> bool:
+        kind = t.WhichOneof("value")
+        if kind == "map_type":
+            return True
+        inner = {"sequence_type": lambda: t.sequence_type.elem_type, "optional_type": lambda: t.optional_type.elem_type}
+        return kind in inner and has_map(inner[kind]())
+
+    def text(t: onnx.TypeProto) -> str:
+        kind = t.WhichOneof("value")
+        if kind == "map_type":
+            key = onnx.helper.tensor_dtype_to_np_dtype(t.map_type.key_type).name
+            return f"map({key}, {text(t.map_type.value_type)})"
+        if kind in ("sequence_type", "optional_type"):
+            return f"{kind[:-5]}({text(getattr(t, kind).elem_type)})"
+        if kind == "tensor_type":
+            return onnx.helper.tensor_dtype_to_np_dtype(t.tensor_type.elem_type).name
+        return kind or "?"
+
+    for info in [*graph.input, *graph.output, *graph.value_info]:
+        if has_map(info.type):
+            maker = next((n for n in graph.node if info.name in n.output), None)
+            made = f", made by {maker.domain or 'ai.onnx'}:{maker.op_type}" if maker is not None else ""
+            raise UnsupportedModelError(
+                f"{where}{info.name!r} holds maps ({text(info.type)}{made}), a type the ONNX "
+                f"reader this tool uses (onnx-ir) cannot hold; rewrite the model without it (skl2onnx: "
+                f"options={{'zipmap': False}}, which writes the probabilities as a tensor) and map the labels after")
 
 
 @contextlib.contextmanager
