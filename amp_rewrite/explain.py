@@ -170,7 +170,7 @@ def explain_decision(report: Report, name: str) -> str:
         lines.append(f"{' ' * len(arrow)}    {link.reason}")
     root = chain[-1]
     if _from_rule(root.source):
-        lines.append(f"  rule entry: {root.source} ({_category(root)} {root.op})"
+        lines.append(f"  rule entry: {root.source} ({_listed(root)})"
                      + (f" — {root.reason}" if root.step == "classify" and root is not d else ""))
     else:  # (a safety check of classify, the kernel table, the op's schema, the frontend: not a rule)
         by = "a check at classification" if root.source in (None, "", "classify") else f"the {root.source}"
@@ -189,7 +189,10 @@ def explain_decision(report: Report, name: str) -> str:
             for seed in island.seeds:
                 s = log.decisions.get(seed)
                 if s is not None:
-                    lines.append(f"    {s.node} ({s.op}): {_category(s)} rule {s.source} — {s.reason}")
+                    listed = _list_of(s)
+                    lines.append(f"    {s.node} ({s.op}): {_category(s)} rule {s.source} — {s.reason}"
+                                 if listed in (None, _category(s)) else
+                                 f"    {s.node} ({s.op}): {_category(s)}: {s.source} lists it {listed}, but {s.reason}")
             if name not in island.seeds and not any(link.node in island.seeds for link in chain):
                 lines.append(f"  {name} joined it as an FP32 neighbour of the seeds (it is not between "
                              f"{log.target} ops), so the cast enters the island before it")
@@ -226,3 +229,19 @@ def _label(report: Report, d: Decision) -> str:
 
 def _category(d: Decision) -> str:
     return getattr(d.category, "value", d.category) or "-"
+
+
+def _listed(d: Decision) -> str:
+    """The list the rule entry puts the op in, and the category the node took where that differs
+    (an allow entry whose fp32_inputs pin an input sharing its type: held FP32, deny). 'deny Mul'
+    next to 'allow.Mul' read as a contradiction."""
+    category, listed = _category(d), _list_of(d)
+    if listed not in (None, category):
+        return f"{listed} {d.op}; this node is {category}: {d.reason}"
+    return f"{category} {d.op}"
+
+
+def _list_of(d: Decision) -> str | None:
+    """The list of the rule entry ``d.source`` names (``<file>: <list>.<op>``), or None."""
+    listed = (d.source or "").rsplit(": ", 1)[-1].split(".", 1)[0]
+    return listed if listed in ("allow", "infer", "clear", "deny") else None

@@ -255,3 +255,29 @@ def test_explain_answers_for_the_clamp_after_an_fp16_sum_with_a_mask(tmp_path):
     text = explain_node(path, "amp_saturate/s")
     assert text.startswith("amp_saturate/s: inserted after Add:s, to clamp its fp16 sum to ±65504")
     assert "Add:s (Add) computes in fp16" in text
+
+
+def test_an_allow_entry_holding_its_node_fp32_is_not_called_a_deny_rule(tmp_path):
+    """An allow entry whose fp32_inputs pin an input sharing the op's type keeps the node FP32
+    (deny): --explain printed 'rule entry: pin.toml: allow.Mul (deny Mul)' and 'deny rule
+    pin.toml: allow.Mul', the user's allow entry called a deny rule."""
+    import numpy as np
+
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4,16] x) => (float[4,16] y) {
+      h = MatMul(x, w)
+      m = Mul(h, s)
+      e = Exp(m)
+      y = MatMul(e, w2)
+    }""", {"w": (16, 16), "w2": (16, 16), "s": np.full((16,), 0.5, np.float32)})
+    path, rules = tmp_path / "m.onnx", tmp_path / "pin.toml"
+    onnx.save(model, path)
+    rules.write_text('[allow.Mul]\nreason = "always low, but keep the scale FP32"\nfp32_inputs = ["B"]\n')
+    lines = _lines(explain_node(path, "Mul:m", rules=[rules]))
+    assert lines[0] == "Mul:m (Mul) computes in fp32"
+    [entry] = [line for line in lines if line.startswith("rule entry:")]
+    assert entry.startswith("rule entry: pin.toml: allow.Mul (allow Mul; this node is deny: input 'B' is pinned FP32")
+    [seed] = [line for line in lines if line.startswith("Mul:m (Mul): deny")]
+    assert seed.startswith("Mul:m (Mul): deny: pin.toml: allow.Mul lists it allow, but input 'B'")
+    assert not [line for line in lines if "deny rule" in line and "allow.Mul" in line]
