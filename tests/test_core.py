@@ -477,7 +477,7 @@ def test_a_low_pin_the_kernel_table_or_control_flow_overrides_is_said(tmp_path):
     notes = [n for n in result.log.notes if n.startswith("without effect:")]
     assert len(notes) == 3, notes
     assert any("--fp16-nodes 'Det:d' names 1 node(s) that stay FP32" in n and "no kernel for Det" in n for n in notes)
-    assert any("--fp16-nodes 'Loop:r'" in n and "control flow" in n for n in notes)
+    assert any("--fp16-nodes 'Loop:r' names 1 control-flow node(s)" in n for n in notes)
     assert any("mine.toml: allow.CumSum names 1 node(s)" in n and "no float16 kernel for CumSum at opset 13" in n
                for n in notes)
     assert all(n in result.report.summary_text().splitlines() for n in notes)
@@ -1103,3 +1103,22 @@ def test_island_is_one_across_a_no_op_cast():
     assert len(result.log.islands) == 1
     island = result.log.islands[0]
     assert island.seeds == ["Exp:e"] and len(island.members) == 3
+
+
+def test_a_low_pin_on_an_if_whose_output_turns_low_is_not_said_to_stay_fp32():
+    """--fp16-nodes naming an If: the note said the If 'stays FP32 whatever a pin says' while the
+    optimal placement (which solves an If's outputs with its branches) made its output fp16 in
+    the report and the file. The note now says what holds: the If's outputs follow its bodies."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 13]>
+        g (float[4,16] x, bool c) => (float[4,16] y) {
+          h = MatMul(x, w)
+          t = If(c) <then_branch = tb () => (float[4,16] ty) { ta = MatMul(h, w2)  ty = Relu(ta) },
+                     else_branch = eb () => (float[4,16] ey) { ea = MatMul(h, w2)  ey = Sigmoid(ea) }>
+          y = MatMul(t, w3)
+        }""", {"w": (16, 16), "w2": (16, 16), "w3": (16, 16)})
+    result = rewrite(m, fp16_nodes=["If:t"], placement="optimal")
+    assert value_types(result.model)["t"] == FP16
+    [note] = [n for n in result.log.notes if n.startswith("without effect:")]
+    assert "control-flow node(s) (e.g. 'If:t'), whose outputs take the type their bodies compute" in note
+    assert "stay FP32" not in note

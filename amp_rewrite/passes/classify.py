@@ -75,10 +75,17 @@ def classify(model: Model, ctx: Context) -> PassResult:
             f"{labels[0][0]!r}): a rewrite keeps the types a model already has, so the pin changes nothing here; "
             f"apply it when rewriting the FP32 original")
     for pin, found in overridden.items():
-        label, why = found[0]
-        ctx.log.notes.append(
-            f"without effect: {pin} names {len(found)} node(s) that stay FP32 whatever a pin says (e.g. {label!r}: "
-            f"{why})")
+        control = [label for label, why in found if why == _CONTROL]
+        kept = [(label, why) for label, why in found if why != _CONTROL]
+        if kept:
+            label, why = kept[0]
+            ctx.log.notes.append(
+                f"without effect: {pin} names {len(kept)} node(s) that stay FP32 whatever a pin says (e.g. {label!r}: "
+                f"{why})")
+        if control:  # (their outputs take what their bodies compute: FP32, or low where every branch is)
+            ctx.log.notes.append(
+                f"without effect: {pin} names {len(control)} control-flow node(s) (e.g. {control[0]!r}), whose "
+                f"outputs take the type their bodies compute whatever a pin says; pin the nodes inside the bodies")
     for pin, labels in fixed.items():
         ctx.log.notes.append(
             f"without effect: {pin} names {len(labels)} node(s) whose op schema types their float tensors "
