@@ -715,15 +715,16 @@ def _suggest(frontend: str, domain: str, op: str, vocabulary: Iterable[str]) -> 
     name in another domain this tool knows (``FusedMatMul`` is ``com.microsoft:FusedMatMul``, as
     onnxruntime's optimizer output names it in op_type alone; ``com.microsoft:Relu`` is ``Relu``)
     before the closest name in its own (which made ``FusedMatMul`` 'MatMul', a pin on every MatMul)."""
-    if frontend == "onnx":
-        for other in ("", *_KNOWN_DOMAINS):
-            if other == domain:
-                continue
-            known = _vocabulary(frontend, other) or frozenset()
-            exact = op if op in known else _closest(op, [k for k in known if k.lower() == op.lower()])
-            if exact:
-                return f"{other}:{exact}" if other else exact
-    suggestion = _closest(op, vocabulary)
+    same_case = {v.lower(): v for v in vocabulary}.get(op.lower())  # ('gelu' is Gelu, not com.microsoft:Gelu)
+    if frontend == "onnx" and same_case is None:
+        for exact in (True, False):
+            for other in ("", *_KNOWN_DOMAINS):
+                known = (_vocabulary(frontend, other) or frozenset()) if other != domain else frozenset()
+                found = op if exact and op in known else \
+                    (None if exact else {k.lower(): k for k in known}.get(op.lower()))
+                if found:
+                    return f"{other}:{found}" if other else found
+    suggestion = same_case or _closest(op, vocabulary)
     return f"{domain}:{suggestion}" if suggestion and domain else suggestion
 
 

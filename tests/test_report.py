@@ -24,7 +24,7 @@ SCHEMA_FILE = ROOT / "amp_rewrite" / "data" / "report.schema.json"
 # (removed), and an op no rule names (unlisted).
 CASTS_AND_CUSTOM = """
 <ir_version: 9, opset_import: ["" : 17, "custom.ops" : 1]>
-g (int64[4,8] ids, float[4,8] x) => (float[4,8] y) {
+g (int64[4,8] ids, float[4,8] x) => (float[4,8] y) <float[4,8] c> {
   f = Cast<to=1>(ids)
   a = MatMul(f, w1)
   h = MatMul(x, w2)
@@ -292,9 +292,12 @@ def test_unlisted_retargeted_and_removed_casts():
     assert "unlisted ops kept FP32: custom.ops::Weird ×1" in report.summary_text()
 
 
-def test_every_unlisted_op_of_a_chain_is_counted():
+def test_every_untyped_op_of_a_chain_is_counted_and_told_to_get_a_type():
     """The second of two chained custom ops reads a value of unknown type (no schema types the
-    first's output): it was kept FP32 without being counted, so the summary said ×1 for two."""
+    first's output): it was kept FP32 without being counted, so the summary said ×1 for two. Both
+    were listed as unlisted, with the advice to classify them in a rule file, which changed
+    nothing (nor did --fp16-ops): untyped, they cannot be made low. The summary says so and what
+    to do first; given a type, the op is unlisted, and a rule decides it."""
     model = onnx.parser.parse_model("""
     <ir_version: 8, opset_import: ["" : 17, "custom.ops" : 1]>
     g (float[2,8] x) => (float[2,8] y) {
@@ -304,9 +307,16 @@ def test_every_unlisted_op_of_a_chain_is_counted():
       y = MatMul(b, w)
     }""")
     model.graph.initializer.append(onnx.numpy_helper.from_array(np.eye(8, dtype=np.float32), "w"))
-    report = rewrite(model).report
-    assert report.summary()["unlisted_ops"] == {"custom.ops::Weird": 2}
-    assert "custom.ops::Weird ×2" in report.summary_text()
+    for options in ({}, {"fp16_ops": ["custom.ops:Weird"]}):
+        report = rewrite(model, **options).report
+        assert report.summary()["unlisted_ops"] == {}
+        [line] = [ln for ln in report.summary_text().splitlines() if ln.startswith("untyped values kept FP32:")]
+        assert "custom.ops::Weird ×2" in line and "MatMul ×1" in line and "value_info" in line
+    typed = onnx.ModelProto()
+    typed.CopyFrom(model)
+    typed.graph.value_info.extend(onnx.helper.make_tensor_value_info(v, onnx.TensorProto.FLOAT, [2, 8]) for v in "ab")
+    assert rewrite(typed).report.summary()["unlisted_ops"] == {"custom.ops::Weird": 2}
+    assert rewrite(typed, fp16_ops=["custom.ops:Weird"]).report.summary()["unlisted_ops"] == {}
 
 
 def test_unlisted_constants_and_casts_are_not_counted_as_kept_fp32(tmp_path):

@@ -45,9 +45,12 @@ def classify(model: Model, ctx: Context) -> PassResult:
     fixed: dict[str, list[str]] = {}  # a user's low pin → the nodes it names whose float types the schema fixes
     overridden: dict[str, list[tuple[str, str]]] = {}  # a user's low pin → (node, why it stays FP32)
     calls: dict[str, int] = {}  # model-local functions called, by name: their bodies are not rewritten
+    untyped: dict[str, list[str]] = {}  # ops reading or writing values no schema types, by op: their nodes
     for node in model.graph.walk():
         _classify_node(node, ctx, verdicts, names)
         _pin_overridden(node, ctx, names, overridden)
+        if "amp.untyped" in node.meta:
+            untyped.setdefault(node.qualified_op, []).append(node_label(node))
         if node.meta.get("amp.function_call"):
             calls[node.qualified_op] = calls.get(node.qualified_op, 0) + 1
         if node.meta.get("amp.fp32_argument"):
@@ -66,6 +69,14 @@ def classify(model: Model, ctx: Context) -> PassResult:
         listed = ", ".join(f"{name} ×{n}" for name, n in sorted(calls.items()))
         ctx.log.notes.append(f"model-local function calls kept FP32: {listed} — their bodies are not rewritten; "
                              f"inline them first (onnx.inliner.inline_local_functions) to rewrite what they compute")
+    if untyped:
+        listed = ", ".join(f"{op} ×{len(nodes)}" for op, nodes in sorted(untyped.items()))
+        first = next(iter(untyped.values()))[0]
+        ctx.log.notes.append(
+            f"untyped values kept FP32: {listed} (e.g. {first!r}) — no schema or value_info gives their float "
+            f"outputs (or inputs) a type, so no rule or pin can make them low (their readers could not be given a "
+            f"Cast); give those values a type in the model's value_info (onnx.helper.make_tensor_value_info), then "
+            f"classify the ops in a rule file")
     _note_unmatched_node_rules(ctx, names)
     _note_unmatched_op_flags(model, ctx)
     for pin, labels in given_low.items():
@@ -204,9 +215,9 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
                   f"parameter: it cannot compute in a low type, and low neighbours meet it through a Cast"
                   if _fixed_fp32(node) else "no FP32 float tensor to paint")
         meta["amp.category"], meta["amp.reason"], meta["amp.source"] = None, reason, "classify"
-        if any(v is not None and v.dtype is None for v in (*node.inputs, *node.outputs)):
-            # types unknown (an unlisted op reading another's untyped output): still one to classify
-            _count_unlisted(node, _lookup(node, ctx, verdicts, names)[0], ctx)
+        unknown = [v.name for v in (*node.inputs, *node.outputs) if v is not None and v.dtype is None]
+        if unknown:  # (an op reading another's untyped output: a rule classifying it could not make it low)
+            meta["amp.untyped"] = unknown[0]
         return
     category, reason, source, entry = _lookup(node, ctx, verdicts, names)
     refused = _schema_refuses_low(node, group, ctx) or _cast_refuses_low(node, ctx) \
@@ -251,17 +262,18 @@ def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], na
         return
     unknown = [v.name for i, v in enumerate(node.inputs) if v is not None and i < len(node.input_groups)
                and node.input_groups[i] == group and v.dtype is None]
-    if unknown:
-        _count_unlisted(node, category, ctx)  # (an unlisted op after another: still one to classify)
+    if unknown:  # (not counted unlisted: a rule classifying it, or a pin, could not make it low either)
         _fix_fp32(node, category, f"dtype of {unknown[0]!r} is unknown, so the node keeps its types", "classify")
+        meta["amp.untyped"] = unknown[0]
         return
     # An output of unknown type (a custom-domain op that shape inference has no schema for): were
     # the node painted low, its readers could not tell they read the low type, and get no Cast.
     unknown = [v.name for v, g in zip(node.outputs, node.output_groups) if g == group and v.dtype is None and v.uses()]
     if unknown:
-        _count_unlisted(node, category, ctx)  # (still one to classify: the summary lists it)
+        # (not counted unlisted: a rule classifying it, or a pin, could not make it low either)
         _fix_fp32(node, category, f"dtype of its output {unknown[0]!r} is unknown (no schema infers it), so its "
                                   f"readers could not be given a Cast: the node keeps its types", "classify")
+        meta["amp.untyped"] = unknown[0]
         return
     if category in (Category.ALLOW, Category.INFER, Category.CLEAR) and _in_quantized_unit(node, group) \
             and node_rule_of(ctx.rules, node, names) is None:  # (a node rule making it low is the user's choice)
