@@ -1122,3 +1122,26 @@ def test_a_low_pin_on_an_if_whose_output_turns_low_is_not_said_to_stay_fp32():
     [note] = [n for n in result.log.notes if n.startswith("without effect:")]
     assert "control-flow node(s) (e.g. 'If:t'), whose outputs take the type their bodies compute" in note
     assert "stay FP32" not in note
+
+
+def test_an_initializer_declared_another_type_by_value_info_is_taken_at_its_data_type():
+    """onnxruntime's float16 converter with MatMul/Gemm blocked writes an FP32 weight that a stale
+    value_info declares float16 (GPT-2); onnxruntime runs it, taking the data's type. The rewrite
+    believed the declaration: it left the weight FP32 beside an FP16 MatMul, removed its Cast as
+    a widening, and wrote a model the checker and onnxruntime refuse."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x) => (float[2,8] y) {
+          wf = Cast<to=1>(W)
+          h = MatMul(x, wf)
+          y = Relu(h)
+        }""", {"W": (8, 8)})
+    m.graph.value_info.append(onnx.helper.make_tensor_value_info("W", onnx.TensorProto.FLOAT16, [8, 8]))
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32)}
+    ref = run(m, feeds)["y"]
+    result = rewrite(m)
+    full_check(result.model)
+    [matmul] = nodes_by_type(result.model, "MatMul")
+    assert value_types(result.model)[matmul.input[1]] == FP16
+    assert result.log.weights.converted == 1
+    assert rel_err(ref, run(result.model, feeds)["y"]) < 1e-2

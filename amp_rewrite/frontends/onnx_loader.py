@@ -91,6 +91,7 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     bodies = graphs + [function.graph for function in ir_model.functions.values()]
     data_files = _bind_external_data(bodies, path) if path is not None else frozenset()
     _check_supported(ir_model, graphs, path)
+    _trust_initializer_types(graphs)
     unsorted = False
     if inferred is None:  # (types come from onnx-ir's pass, which wants the graph sorted first)
         unsorted = not all(_is_sorted(g) for g in graphs)
@@ -297,6 +298,19 @@ def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: 
             _check_map_types(graph, where)
         _check_external_numbers(proto, where)
         raise ModelLoadError(f"{where}the model could not be read: {first_line(_root_cause(exc))}") from exc
+
+
+def _trust_initializer_types(graphs) -> None:
+    """An initializer's element type is its data's, as onnxruntime takes it, whatever a stale
+    value_info entry declares: onnxruntime's float16 converter with MatMul/Gemm blocked writes an
+    FP32 weight declared float16 (GPT-2). onnx-ir typed the value from the declaration; the rewrite
+    took the weight for FP16, converted nothing, removed its Cast as a widening, and wrote a model
+    the checker and onnxruntime refuse ('bound to different types')."""
+    for graph in graphs:
+        for value in graph.initializers.values():
+            data = value.const_value
+            if data is not None and value.dtype is not None and data.dtype != value.dtype:
+                value.dtype = data.dtype
 
 
 def _check_map_types(graph: onnx.GraphProto, where: str) -> None:
