@@ -347,6 +347,26 @@ def test_an_output_over_the_limit_from_an_inline_input_gets_external_data(tmp_pa
     check_runs_like(model, tmp_path / "out.onnx")
 
 
+def test_weights_held_by_constant_nodes_count_toward_the_limit(tmp_path, monkeypatch):
+    """The choice of external data counted initializers only: weights held by Constant nodes (one
+    of 1.4 GB, read by both types, so 2.2 GB out) were not counted, the output was written inline,
+    and the write failed, blaming 'a Constant inside an If/Loop body or a function'."""
+    monkeypatch.setattr(api, "EXTERNAL_DATA_ABOVE", 60 * 1024)
+    model = mlp()
+    for i, tensor in enumerate(list(model.graph.initializer)):  # every weight a Constant node
+        model.graph.node.insert(i, helper.make_node("Constant", [], [tensor.name], value=tensor, name=f"c{i}"))
+    del model.graph.initializer[:]
+    sums = [helper.make_node("ReduceSum", [w], [f"s{w}"], keepdims=0, name=f"sum_{w}") for w in ("w0", "w1", "w2")]
+    model.graph.node.extend(sums)
+    model.graph.output.extend(helper.make_tensor_value_info(f"s{w}", TensorProto.FLOAT, []) for w in ("w0", "w1", "w2"))
+    src = tmp_path / "m.onnx"
+    onnx.save(model, str(src))
+    assert src.stat().st_size < 60 * 1024
+    result = api.rewrite_onnx(src, tmp_path / "out.onnx")
+    assert sorted(p.name for p in result.outputs) == ["out.onnx", "out.onnx.data"]
+    check_runs_like(model, tmp_path / "out.onnx")
+
+
 @pytest.mark.parametrize("modified", [True, False])
 def test_without_external_data_the_inputs_file_weights_are_read_in(tmp_path, modified):
     """rewrite_onnx(..., external_data=False) on an external-data input left the tensors it did
@@ -608,3 +628,23 @@ def test_a_dangling_link_at_the_outputs_data_file_is_not_replaced_without_overwr
     assert link.is_symlink() and not (tmp_path / "out.onnx").exists()
     api.rewrite_onnx(tmp_path / "m.onnx", tmp_path / "out.onnx", overwrite=True)
     assert not link.is_symlink() and link.stat().st_size > 0
+
+
+def test_an_output_past_the_limit_without_external_data_is_told_to_use_it(tmp_path, monkeypatch):
+    """external_data=False on an output past protobuf's 2 GB: the error said it did not fit 'even
+    with its initializers in out.onnx.data', a file it had not been asked to write."""
+    import google.protobuf.message
+
+    from amp_rewrite.errors import OutputError
+
+    def too_big(*args, **kwargs):
+        raise google.protobuf.message.EncodeError("Failed to serialize proto")
+
+    src = tmp_path / "m.onnx"
+    onnx.save(mlp(), str(src))
+    monkeypatch.setattr(onnx_emitter.ir, "save", too_big)
+    with pytest.raises(OutputError) as caught:
+        api.rewrite_onnx(src, tmp_path / "out.onnx", external_data=False)
+    assert "without external data; write it with external data" in str(caught.value)
+    assert ".data" not in str(caught.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]

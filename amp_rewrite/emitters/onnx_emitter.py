@@ -523,9 +523,18 @@ def _np_dtype(dtype: DType):
 
 # -- saving ----------------------------------------------------------------------------------------------
 def tensor_bytes(model: ir.Model) -> int:
-    """Bytes of the initializers of every graph of ``model``: what its weights take in a file."""
-    return sum(value.const_value.nbytes for graph in ir_graphs(model) for value in graph.initializers.values()
-               if value.const_value is not None)
+    """Bytes of the initializers and Constant nodes' tensors of every graph of ``model``: what its
+    weights take in a file. (A 1.4 GB weight held by a Constant node was left out: the output was
+    written without external data and failed past protobuf's limit.)"""
+    total = 0
+    for graph in ir_graphs(model):
+        total += sum(value.const_value.nbytes for value in graph.initializers.values() if value.const_value is not None)
+        for node in graph:
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+                attr = node.attributes.get("value")
+                tensor = attr.value if attr is not None else None
+                total += getattr(tensor, "nbytes", 0) or 0
+    return total
 
 
 def _inline_external_initializers(model: ir.Model, dst: Path) -> None:
@@ -676,7 +685,10 @@ def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[P
         written.extend(renamed)
     except OSError as exc:
         raise OutputError(f"{dst}: writing failed ({exc.strerror or exc}); nothing was left behind") from exc
-    except google.protobuf.message.EncodeError as exc:  # (a proto past 2 GB even with external data)
+    except google.protobuf.message.EncodeError as exc:  # (a proto past 2 GB)
+        if not external:
+            raise OutputError(f"{dst}: the model does not fit in one protobuf (2 GB) without external data; write "
+                              f"it with external data; nothing was left behind") from exc
         raise OutputError(f"{dst}: the model does not fit in one protobuf (2 GB) even with its initializers in "
                           f"{data_name}: a tensor held inline (a Constant inside an If/Loop body or a "
                           f"function) is too large; nothing was left behind") from exc
