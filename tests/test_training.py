@@ -572,6 +572,33 @@ def test_rewritten_module_keeps_fp32_parameters_and_loss():
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in gm.parameters())
 
 
+def test_the_readmes_recipe_logs_the_true_loss_from_the_first_step():
+    """The README built LossScaler() without the module and logged loss.item() / get_scale(): the
+    scaler learns the module at its first backward, so the first forward ran at scale 1 and the
+    logged loss was 65536 times too small (every HF and vision model logged 0.0000 first). The
+    README now gives the scaler the module and divides by the scale the forward applied."""
+    torch.manual_seed(0)
+    model = MLPLoss()
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    data = [(x, y), (x * 0.5, y)]
+    ref, gm = copy.deepcopy(model), _rewrite_for_training(model, (x, y), "bf16")
+    scaler = LossScaler(gm)
+    optimizer, ref_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (gm, ref))
+    for step, (xb, yb) in enumerate(data):
+        loss = gm(xb, yb)
+        logged = loss.item() / float(gm.amp_loss_scale)
+        scaler.backward(loss)
+        scaler.step(optimizer)
+        optimizer.zero_grad()
+        want = ref(xb, yb)
+        want.backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        assert float(gm.amp_loss_scale) == 2.0 ** 16 and math.isclose(logged, want.item(), rel_tol=2e-2), step
+    unattached, fresh = LossScaler(), _rewrite_for_training(MLPLoss(), (x, y), "bf16")
+    assert unattached.get_scale() == 2.0 ** 16 and float(fresh.amp_loss_scale) == 1.0  # (why the README attaches it)
+
+
 def test_fp16_gradients_underflow_without_scaling():
     torch.manual_seed(0)
     model = MLPLoss(loss_factor=1e-6)  # tiny loss: dL/dout ~ 3e-8, below FP16's smallest subnormal
