@@ -182,6 +182,7 @@ def _validate(args: CliArgs) -> None:
                          "(or --explain)")
     if args.inputs is not None and not args.inputs.exists():
         raise UsageError(f"--inputs {args.inputs}: no such file")
+    _refuse_writing_what_is_read(args)
     if args.tolerance is not None and (not math.isfinite(args.tolerance) or args.tolerance <= 0):
         raise UsageError(f"--tolerance {args.tolerance}: must be a positive number")
     if args.tolerance is None and (args.check or args.auto_fp32):
@@ -206,3 +207,15 @@ def _validate(args: CliArgs) -> None:
                               f"choose another report path")
         if given.exists() and not args.overwrite:
             raise OutputError(f"--report {given}: already exists; pass --overwrite to replace it")
+
+
+def _refuse_writing_what_is_read(args) -> None:
+    """-o or --report naming a file the command reads besides the model (a rule file, the --inputs
+    arrays): with --overwrite the rule file was replaced by the model, and the arrays by the
+    output before --check read them."""
+    read = [(r, "--rules") for r in args.rules] + ([(args.inputs, "--inputs")] if args.inputs is not None else [])
+    written = [(args.output_path(), "-o")] + ([] if args.explain is not None else [(r, "--report") for r in args.report])
+    for out, flag in written:
+        for given, option in read:
+            if given.exists() and out.exists() and out.resolve() == given.resolve():
+                raise OutputError(f"{flag} {out}: is the {option} file this command reads; choose another path")

@@ -1807,3 +1807,23 @@ def test_a_model_holding_maps_is_refused_as_unsupported_with_what_to_do(tmp_path
     assert "'zm' holds maps (sequence(map(int64, float32)), made by ai.onnx.ml:ZipMap)" in proc.stderr
     assert "zipmap" in proc.stderr and "Traceback" not in proc.stderr and "PR" not in proc.stderr
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("option", ["--rules", "--inputs", "--report"])
+def test_an_output_naming_a_file_the_command_reads_is_refused(tmp_path: Path, option: str) -> None:
+    """-o my_rules.toml --rules my_rules.toml --overwrite replaced the user's rule file by the model
+    (exit 0); -o in.npz with --inputs in.npz replaced the arrays before --check read them."""
+    save(mlp(), tmp_path / "m.onnx")
+    for name in ("my.toml", "my.json"):
+        (tmp_path / name).write_text("[deny]\nRelu = \"mine\"\n")
+    np.savez(tmp_path / "in.npz", x=np.ones((2, 4), np.float32))
+    read = {"--rules": "my.toml", "--inputs": "in.npz", "--report": "my.json"}[option]
+    extra = ["--check"] if option == "--inputs" else []
+    written = ["--report", read, "--rules", read] if option == "--report" else ["-o", read, option, read]
+    before = snapshot(tmp_path)
+    proc = run_cli(["m.onnx", *written, *extra, "--overwrite"], tmp_path)
+    assert proc.returncode == 6, proc.stderr
+    flag, source = ("--report" if option == "--report" else "-o"), ("--inputs" if option == "--inputs" else "--rules")
+    assert f"{flag} {read}: is the {source} file this command reads" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert snapshot(tmp_path) == before
