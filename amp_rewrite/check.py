@@ -1753,31 +1753,35 @@ def auto_fp32_cli(args: "CliArgs") -> RewriteResult:
         _fail(args, report, [], exc.message, type(exc))
     labels = [p["node"] for p in auto.pinned]
     final_options = dict(options, fp32_nodes=list(options.get("fp32_nodes", [])) + [_exact(lb) for lb in labels])
-    result = rewrite_onnx(args.model, dst, overwrite=args.overwrite, **final_options)
-    try:
-        cr = check_models(args.model, result.outputs[-1] if result.outputs else result.model,
-                          tolerance=args.tolerance, runner=runner, ref=auto.ref, localise=False, target=target)
-    except CheckRunError as exc:
-        report = result.report
-        report.extra["check"] = {"passed": False, "tolerance": args.tolerance, "provider": runner.provider,
-                                 "evaluations": runner.evaluations, "notes": [exc.message]}
-        _fail(args, report, [p for p in result.outputs if p.exists()], exc.message)
-    cr.overflow, cr.overflow_total, cr.near_limit = auto.check.overflow, auto.check.overflow_total, auto.check.near_limit
-    cr.passed = cr.passed and auto.check.passed
-    cr.inputs = described
-    cr.notes = auto.check.notes + ["overflow localisation: from the last candidate's run with its intermediates "
-                                   "exposed (the same rewrite as the written model)"]
-    info = auto.to_dict()
-    info["evaluations"] = runner.evaluations
-    info["passed"] = cr.passed
-    checked = CheckedRewriteResult(result.model, result.log, result.modified, result.outputs, result.source,
-                                   extra={"check": cr.to_dict(), "auto_fp32": info})
-    _say(args, _auto_text(auto, info))
-    _say(args, cr.table())
-    if not cr.passed:
-        _fail(args, checked.report, [p for p in result.outputs if p.exists()],
-              f"--auto-fp32 did not pass the check after {info['candidates']} candidates "
-              f"({info['evaluations']} model evaluations): " + cr.failure_message().removeprefix("check failed: "))
+    from .commands import _staged_check, publish_stage
+
+    with _staged_check(args) as stage:  # (written and checked beside dst, then moved into place)
+        result = rewrite_onnx(args.model, stage / dst.name, overwrite=True, **final_options)
+        try:
+            cr = check_models(args.model, result.outputs[-1] if result.outputs else result.model,
+                              tolerance=args.tolerance, runner=runner, ref=auto.ref, localise=False, target=target)
+        except CheckRunError as exc:
+            report = result.report
+            report.extra["check"] = {"passed": False, "tolerance": args.tolerance, "provider": runner.provider,
+                                     "evaluations": runner.evaluations, "notes": [exc.message]}
+            _fail(args, report, [p for p in result.outputs if p.exists()], exc.message)
+        cr.overflow, cr.overflow_total, cr.near_limit = auto.check.overflow, auto.check.overflow_total, auto.check.near_limit
+        cr.passed = cr.passed and auto.check.passed
+        cr.inputs = described
+        cr.notes = auto.check.notes + ["overflow localisation: from the last candidate's run with its intermediates "
+                                       "exposed (the same rewrite as the written model)"]
+        info = auto.to_dict()
+        info["evaluations"] = runner.evaluations
+        info["passed"] = cr.passed
+        checked = CheckedRewriteResult(result.model, result.log, result.modified, result.outputs, result.source,
+                                       extra={"check": cr.to_dict(), "auto_fp32": info})
+        _say(args, _auto_text(auto, info))
+        _say(args, cr.table())
+        if not cr.passed:
+            _fail(args, checked.report, [p for p in result.outputs if p.exists()],
+                  f"--auto-fp32 did not pass the check after {info['candidates']} candidates "
+                  f"({info['evaluations']} model evaluations): " + cr.failure_message().removeprefix("check failed: "))
+        result.outputs = checked.outputs = publish_stage(args, result.outputs)
     return checked
 
 

@@ -3,8 +3,10 @@ argument parser stays declarative."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -91,7 +93,7 @@ def run(args: CliArgs) -> None:
         return
     from .files import previous_outputs_kept
 
-    with previous_outputs_kept() as written:
+    with previous_outputs_kept() as written, _staged(args) as stage:
         if args.training:
             from .training_onnx import rewrite_training_cli
 
@@ -103,8 +105,12 @@ def run(args: CliArgs) -> None:
         else:
             from .api import rewrite_onnx
 
-            result = rewrite_onnx(args.model, args.output, overwrite=args.overwrite, **args.options())
-        written.extend(result.outputs)
+            if stage is None:
+                result = rewrite_onnx(args.model, args.output, overwrite=args.overwrite, **args.options())
+            else:  # (--check: written and checked in the stage, then moved into place)
+                result = rewrite_onnx(args.model, stage / args.output_path().name, overwrite=True, **args.options())
+        if stage is None:
+            written.extend(result.outputs)
         report = result.report
         if not result.modified:
             report.log.notes.append("nothing to rewrite: no FP32 op that the rules and safety checks let run in low "
@@ -113,6 +119,10 @@ def run(args: CliArgs) -> None:
             from .check import check_cli
 
             check_cli(args, result, report)
+        if stage is not None:
+            result.outputs = publish_stage(args, result.outputs)
+            written.extend(result.outputs)
+            report.output = str(result.outputs[-1])
         if args.report:
             from .report import write_report
 
@@ -217,5 +227,43 @@ def _refuse_writing_what_is_read(args) -> None:
     written = [(args.output_path(), "-o")] + ([] if args.explain is not None else [(r, "--report") for r in args.report])
     for out, flag in written:
         for given, option in read:
-            if given.exists() and out.exists() and out.resolve() == given.resolve():
+            try:
+                same = given.exists() and out.exists() and out.resolve() == given.resolve()
+            except OSError:  # (a name too long, a loop of links: the file's own check says so)
+                same = False
+            if same:
                 raise OutputError(f"{flag} {out}: is the {option} file this command reads; choose another path")
+
+
+@contextlib.contextmanager
+def _staged(args: CliArgs):
+    """The stage a --check rewrite is written to and checked in before it takes its place (None
+    without --check, or for --training and --auto-fp32, which place their own); removed after."""
+    if not args.check or args.training or args.auto_fp32:
+        yield None
+        return
+    with _staged_check(args) as stage:
+        yield stage
+
+
+@contextlib.contextmanager
+def _staged_check(args: CliArgs):
+    from .api import _check_output, default_output
+    from .files import stage_beside
+
+    dst = args.output_path()
+    _check_output(args.model, dst, args.overwrite, default_output(args.model, args.target).name)
+    stage = stage_beside(dst)
+    try:
+        yield stage
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def publish_stage(args, staged: list[Path]) -> list[Path]:
+    """Move a checked rewrite from its stage to the output's folder (see :func:`files.stage_beside`)."""
+    from .files import publish
+    from .frontends.onnx_loader import external_data_files
+
+    return publish(staged, args.output_path().parent, overwrite=args.overwrite,
+                   reserved=external_data_files(args.model))

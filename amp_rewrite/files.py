@@ -67,3 +67,82 @@ def replace_into(tmp: Path, dst: Path) -> None:
             shutil.copy2(dst, aside)
         kept.append((dst, aside))
     os.replace(tmp, dst)
+
+
+def stage_beside(dst: Path) -> Path:
+    """A fresh hidden folder beside ``dst`` for a command that checks its output before keeping it
+    (``--check``, ``--auto-fp32``): the output is written there, checked there, and only then
+    moved to ``dst`` (:func:`publish`), so ``dst`` never names an unchecked model, even when the
+    process is killed during the check (an OOM kill while onnxruntime runs a large model left the
+    failing model at ``dst`` and the earlier output under a hidden name). Its name carries the
+    process id, so a later command can tell a leftover of a killed one (:func:`remove_stale_stages`)."""
+    import tempfile
+
+    remove_stale_stages(dst.parent)
+    return Path(tempfile.mkdtemp(prefix=stage_prefix(), dir=dst.parent))
+
+
+STAGE_PREFIX = ".amp-rewrite-"
+
+
+def stage_prefix() -> str:
+    """``.amp-rewrite-<pid>-<host>-``: a temporary folder's name says which process on which
+    machine made it (a folder shared between machines holds others' live ones)."""
+    import socket
+    import zlib
+
+    return f"{STAGE_PREFIX}{os.getpid()}-{zlib.crc32(socket.gethostname().encode()):08x}-"
+
+
+def publish(staged: list[Path], folder: Path, *, overwrite: bool, reserved: set[Path] = frozenset()) -> list[Path]:
+    """Move the files of a stage into ``folder`` under their names, the model (the last) after its
+    data file, each in one rename; inside :func:`previous_outputs_kept` the files they replace are
+    kept until the command succeeds. ``reserved``: files that must not be replaced (the input's
+    external data). Returns the paths written."""
+    from .errors import OutputError
+
+    finals = [folder / path.name for path in staged]
+    for path, final in zip(staged, finals):
+        if final.resolve() in reserved:
+            raise OutputError(f"{final}: would overwrite the input's external data; choose another -o")
+        if path is not staged[-1] and (final.exists() or final.is_symlink()) and not overwrite:
+            raise OutputError(f"{final}: already exists (the output's external data goes there); pass "
+                              f"--overwrite to replace it, or choose another -o")
+    try:
+        for path, final in zip(staged, finals):
+            replace_into(path, final)
+    except OSError as exc:
+        raise OutputError(f"{finals[-1]}: writing failed ({exc.strerror or exc}); nothing was left behind") from exc
+    return finals
+
+
+def remove_stale_stages(folder: Path) -> None:
+    """Remove the stages (and the emitter's temporary folders) of commands killed in ``folder``:
+    hidden ``.amp-rewrite-<pid>-*`` folders whose process is gone. They hold partial or unchecked
+    outputs only (never a previous output: that is kept by a hard link beside it), up to a model's
+    size each."""
+    import shutil
+
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return
+    host = stage_prefix().split("-")[-2]
+    for entry in entries:
+        pid, _, rest = entry.name[len(STAGE_PREFIX):].partition("-")
+        if not entry.name.startswith(STAGE_PREFIX) or not pid.isdigit() or not rest.startswith(host + "-") \
+                or not entry.is_dir() or entry.is_symlink() or _alive(int(pid)):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (another user's process: alive)
+        return True
+    return True

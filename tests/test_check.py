@@ -1316,3 +1316,60 @@ def test_an_overflow_inside_a_loop_body_is_blamed_on_the_loop(op, tmp_path):
     assert fixed.returncode == 0, fixed.stderr
     auto = ck.auto_fp32(m, inputs={"x": _if_feeds()["x"]}, runner=runner)
     assert auto.check.passed and root not in {p["node"] for p in auto.pinned}
+
+
+# -- the output is checked before it takes its place -------------------------------------------------------------
+@pytest.mark.parametrize("flag", ["--check", "--auto-fp32"])
+def test_the_model_is_checked_before_it_replaces_the_previous_output(tmp_path, monkeypatch, flag):
+    """--check --overwrite put the new model at -o and then ran the check: a kill -9 during the
+    check (an OOM kill while onnxruntime runs a large model) left the unchecked model there and the
+    previous output under a hidden name. The model is now written and checked beside -o, and
+    moved into place once it passed."""
+    from amp_rewrite.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AMP_REWRITE_NO_PROGRESS", "1")
+    save(benign_model(), tmp_path / "m.onnx")
+    (tmp_path / "o.onnx").write_bytes(b"the previous output")
+    seen = []
+    real = ck.check_models
+
+    def watching(src, low, **kwargs):
+        if isinstance(low, (str, os.PathLike)):  # (--auto-fp32 checks its candidates in memory first)
+            seen.append((Path(low).resolve() != (tmp_path / "o.onnx").resolve(), (tmp_path / "o.onnx").read_bytes()))
+        return real(src, low, **kwargs)
+
+    monkeypatch.setattr(ck, "check_models", watching)
+    assert main(["m.onnx", "-o", "o.onnx", flag, "--overwrite", "-q"]) == 0
+    assert seen and all(elsewhere and held == b"the previous output" for elsewhere, held in seen)
+    full_check(onnx.load(str(tmp_path / "o.onnx")))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "o.onnx"]  # (no stage left)
+
+
+def test_a_failed_check_leaves_the_previous_output_and_no_stage(tmp_path):
+    save(overflow_model(), tmp_path / "m.onnx")
+    (tmp_path / "o.onnx").write_bytes(b"the previous output")
+    proc = run_cli(["m.onnx", "-o", "o.onnx", "--check", "--overwrite"], tmp_path)
+    assert proc.returncode == 8, proc.stderr
+    assert (tmp_path / "o.onnx").read_bytes() == b"the previous output"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "o.onnx"]
+
+
+def test_a_killed_commands_temporary_folders_are_removed_by_the_next_write_there(tmp_path):
+    """Each kill -9 left a hidden .amp-rewrite-* folder of up to a model's size that no later run
+    removed (two of 579 MB and 639 MB in one folder). A folder's name now says which process on
+    which machine made it; a write removes those of this machine's processes that are gone."""
+    from amp_rewrite.files import stage_prefix
+
+    save(benign_model(), tmp_path / "m.onnx")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    ours, other_host = stage_prefix().split("-")[-2], "0badc0de"
+    folders = {"dead": f".amp-rewrite-{dead.stdout.strip()}-{ours}-abc", "alive": f".amp-rewrite-{os.getpid()}-{ours}-abc",
+               "elsewhere": f".amp-rewrite-{dead.stdout.strip()}-{other_host}-abc"}
+    for name in folders.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "o.onnx").write_bytes(b"partial")
+    proc = run_cli(["m.onnx", "-o", "o.onnx", "-q"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    left = {p.name for p in tmp_path.iterdir()}
+    assert folders["dead"] not in left and {folders["alive"], folders["elsewhere"]} <= left

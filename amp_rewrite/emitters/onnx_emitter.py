@@ -29,7 +29,7 @@ import onnx_ir as ir
 
 from ..decisions import CastRecord, DecisionLog, Precision
 from ..errors import OutputError
-from ..files import previous_outputs_kept, replace_into
+from ..files import previous_outputs_kept, remove_stale_stages, replace_into, stage_prefix
 from ..ir import DType, Graph, Model, Node, Value
 from ..frontends.onnx_loader import OnnxSource, constant_node_tensor, ir_graphs
 from ..passes.base import node_label
@@ -654,7 +654,8 @@ def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[P
     if not external:
         _inline_external_initializers(model, dst)
     try:
-        tmpdir = tempfile.mkdtemp(prefix=".amp-rewrite-", dir=dst.parent)
+        remove_stale_stages(dst.parent)  # (what a killed write left: up to a model's size)
+        tmpdir = tempfile.mkdtemp(prefix=stage_prefix(), dir=dst.parent)
     except OSError as exc:
         raise OutputError(f"{dst.parent}: cannot write here ({exc.strerror or exc})") from exc
     tmp = Path(tmpdir)
