@@ -37,12 +37,14 @@ FP32's); a bf16 rewrite adds no buffer, ``gm.amp_loss_scaling`` is False, and it
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import inspect
 import os
 import re
+import threading
 import warnings
 from typing import Any, Mapping, Sequence
 
@@ -61,15 +63,29 @@ _TRAINING_LOSS_REASON = ("training: the loss and what feeds it after the last al
                          "(precision contract, 'Loss in FP32')")
 
 
-def rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, target: str = "fp16",
-                  rules: Any = (), keep_io_types: bool = True, training: bool = False,
-                  loss_output: int | str | None = None, capture: str = "auto",
-                  example_kwargs: dict[str, Any] | None = None, decompose: bool = False,
-                  loss_scaling: bool | None = None, dynamic_shapes: Any = None, _in_compile: bool = False,
-                  **options: Any) -> RewriteResult:
-    """Rewrite a torch module or graph; see the module docstring. Extra options are those of
-    :func:`amp_rewrite.api.make_context` (fp32_nodes, fp16_ops, placement, ...). ``_in_compile``:
-    the graph is one dynamo captured (compile_backend), whose outputs need not hold the loss."""
+# torch's captures are not thread-safe: torch.export keeps a process-wide dispatch-mode stack and
+# fx.symbolic_trace patches nn.Module.__call__ for the whole process. Rewrites in several threads
+# failed with errors blaming the model or the example inputs, or fell back to symbolic_trace with a
+# different graph; one torch rewrite at a time (the ONNX path needs no lock).
+_TORCH_REWRITE = threading.RLock()
+
+
+def rewrite_torch(obj: Any, **kwargs: Any) -> RewriteResult:
+    """Rewrite a torch module or graph; see the module docstring and :func:`_rewrite_torch`. Calls
+    from several threads run one at a time."""
+    with _TORCH_REWRITE:
+        return _rewrite_torch(obj, **kwargs)
+
+
+def _rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, target: str = "fp16",
+                   rules: Any = (), keep_io_types: bool = True, training: bool = False,
+                   loss_output: int | str | None = None, capture: str = "auto",
+                   example_kwargs: dict[str, Any] | None = None, decompose: bool = False,
+                   loss_scaling: bool | None = None, dynamic_shapes: Any = None, _in_compile: bool = False,
+                   **options: Any) -> RewriteResult:
+    """Extra options are those of :func:`amp_rewrite.api.make_context` (fp32_nodes, fp16_ops,
+    placement, ...). ``_in_compile``: the graph is one dynamo captured (compile_backend), whose
+    outputs need not hold the loss."""
     unknown = sorted(set(options) - set(_CONTEXT_OPTIONS))
     if unknown:
         raise UsageError(f"rewrite() got unknown option(s) {', '.join(unknown)} for a torch model")
@@ -405,7 +421,8 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
     private = _private_copy(obj)
     before = _tensor_versions(private)
     try:
-        traced = fx.symbolic_trace(private)
+        with _mode_switches() as switched:
+            traced = fx.symbolic_trace(private)
     except Exception as exc:  # noqa: BLE001
         if export_error is not None:
             # export's failure is the one to fix: symbolic_trace cannot run most modules export
@@ -437,7 +454,53 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
             f"{type(obj).__name__}.forward changes {listed} in a way torch.fx.symbolic_trace does not record (an "
             f"in-place update that reads no input, such as self.step.add_(1)): it ran once while tracing, and the "
             f"rewritten module would never run it; {way}")
+    _refuse_unrecorded_modes(obj, switched, training, export_error)
     return traced, "symbolic_trace"
+
+
+@contextlib.contextmanager
+def _mode_switches():
+    """Records the autocast and grad-mode switches a forward makes while symbolic_trace runs it:
+    ``torch.autocast(...)`` and ``torch.no_grad()`` blocks run at trace time and leave nothing in
+    the graph. Yields the list of ("autocast" | "grad", value) switches."""
+    switched: list[tuple[str, Any]] = []
+    set_autocast, set_grad = torch.set_autocast_enabled, torch._C._set_grad_enabled
+    tracer = threading.get_ident()  # (another thread's no_grad is not this forward's; rewrites hold a lock)
+
+    def autocast(*args):
+        if threading.get_ident() == tracer:
+            switched.append(("autocast", args[-1] if args else None))
+        return set_autocast(*args)
+
+    def grad(mode):
+        if threading.get_ident() == tracer:
+            switched.append(("grad", bool(mode)))
+        return set_grad(mode)
+
+    torch.set_autocast_enabled, torch._C._set_grad_enabled = autocast, grad
+    try:
+        yield switched
+    finally:
+        torch.set_autocast_enabled, torch._C._set_grad_enabled = set_autocast, set_grad
+
+
+def _refuse_unrecorded_modes(obj: Any, switched: list, training: bool, export_error: Exception | None) -> None:
+    """A ``torch.autocast`` region (``enabled=False`` around a Gram matrix, say) or, in training, a
+    ``torch.no_grad()`` block (a frozen teacher, an EMA target) that symbolic_trace dropped: the
+    README promises the region is left as written and the block stays gradient-free, and the
+    capture silently made the fenced matmul FP16 (inf) and gave the frozen weights gradients,
+    which the optimizer then updated. (An inference rewrite loses nothing with a no_grad block.)"""
+    kinds = {kind for kind, _ in switched if kind == "autocast" or training}
+    if not kinds:
+        return
+    what = " and ".join(sorted({"autocast": "a torch.autocast region", "grad": "a torch.no_grad()/enable_grad() block"}[k]
+                               for k in kinds))
+    way = (f"torch.export, which records them, could not capture it ({_export_cause(export_error)})"
+           if export_error is not None else "capture it with torch.export (capture='export'), which records them")
+    raise UnsupportedModelError(
+        f"{type(obj).__name__}.forward has {what}, which torch.fx.symbolic_trace runs while tracing and does not "
+        f"record: the rewrite would drop it (a region kept FP32 would run low, frozen weights would get gradients); "
+        f"{way}")
 
 
 def _restore_declaration_order(traced: fx.GraphModule, original: torch.nn.Module) -> None:

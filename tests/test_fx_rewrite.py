@@ -781,16 +781,19 @@ class Promotes(nn.Module):
     """Ops whose float inputs and outputs differ in type: torch's type promotion decides each one's
     result (and an autocast region's output is BF16 whatever goes in)."""
 
-    def __init__(self) -> None:
+    def __init__(self, region: bool = True) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
         self.register_buffer("scale64", torch.linspace(0.5, 1.5, 8, dtype=torch.float64))
+        self.region = region
 
     def forward(self, x, half):
         h = self.fc1(x)
         a = (h * self.scale64).float()  # fp32 * fp64 -> fp64
         b = h + half  # fp32 + fp16 -> fp32
         c = h.softmax(-1, dtype=torch.float64).float()  # fp32 in, fp64 out
+        if not self.region:
+            return a + b + c + self.fc2(x)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             d = self.fc2(x)  # export: one higher-order op, fp32 in, bf16 out
         return a + b + c + d.float()
@@ -804,7 +807,11 @@ def test_ops_that_mix_float_types_keep_them(capture, target):
     written with (lowering its FP32 tensors could change what the promotion gives: FP16 with BF16
     promotes to FP32), says why, and the heavy op before it still runs low."""
     torch.manual_seed(0)
-    model, inputs = Promotes().eval(), (torch.randn(2, 8), torch.randn(8).half())
+    inputs = (torch.randn(2, 8), torch.randn(8).half())
+    if capture == "symbolic_trace":  # (it drops an autocast region: refused, test_symbolic_trace_refuses_...)
+        with pytest.raises(UnsupportedModelError, match="has a torch.autocast region"):
+            _dispatch(Promotes().eval(), example_inputs=inputs, target=target, capture=capture)
+    model = Promotes(region=capture == "export").eval()
     result = _dispatch(model, example_inputs=inputs, target=target, capture=capture)
     gm = result.model
     gm.graph.lint()
@@ -2944,3 +2951,81 @@ def test_a_torch_square_through_a_copy_or_a_fused_op_is_held_fp32(how, capture, 
     got = gm(x).float()
     assert torch.isfinite(got).all()
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
+class _Fenced(nn.Module):
+    """A Gram matrix fenced off FP32 with autocast(enabled=False), or a frozen teacher under
+    no_grad; ``fallback``: a data-dependent helper makes torch.export fail (capture='auto' then
+    falls back to symbolic_trace)."""
+
+    def __init__(self, block: str):
+        super().__init__()
+        self.fc, self.teacher, self.block = nn.Linear(8, 8), nn.Linear(8, 8), block
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.block == "autocast":
+            with torch.autocast("cpu", enabled=False):
+                g = h.float().T @ h.float()
+            return g.sum()
+        with torch.no_grad():
+            t = self.teacher(x)
+        return ((h - t) ** 2).mean()
+
+
+@pytest.mark.parametrize("block, training", [("autocast", False), ("no_grad", True)])
+def test_symbolic_trace_refuses_a_block_it_would_drop(block, training):
+    """symbolic_trace runs a torch.autocast region and a torch.no_grad() block while tracing and
+    records neither: the fenced Gram matrix ran FP16 (inf), and in training the frozen teacher
+    got gradients that the optimizer applied. Refused, pointing at torch.export; export keeps them.
+    (An inference rewrite loses nothing with a no_grad block: not refused.)"""
+    x = torch.randn(4, 8)
+    with pytest.raises(UnsupportedModelError, match=r"_Fenced\.forward has a torch\.(autocast region|no_grad).*capture='export'"):
+        _dispatch(_Fenced(block), example_inputs=(x,), capture="symbolic_trace", training=training, target="bf16")
+    if block == "no_grad":
+        _dispatch(_Fenced(block).eval(), example_inputs=(x,), capture="symbolic_trace", target="bf16")
+    result = _dispatch(_Fenced(block), example_inputs=(x,), capture="export", training=training, target="bf16")
+    result.model.graph.lint()
+
+
+def test_torch_rewrites_in_several_threads_give_the_sequential_results():
+    """torch.export and fx.symbolic_trace change process-wide state: four threads rewriting at once
+    failed ('_EXPORT_MODULE_HIERARCHY must not be None', 'module is not installed as a
+    submodule'), blaming the model or its inputs, or fell back to symbolic_trace silently. Torch
+    rewrites now run one at a time; a thread's own no_grad does not count as the traced model's."""
+    import threading
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Softmax(-1)).eval()
+
+    x = torch.randn(2, 8)
+    want = {capture: _dispatch(model(), example_inputs=(x,), capture=capture, target="bf16", training=False)
+            for capture in ("export", "symbolic_trace")}
+    got, errors, stop = [], [], threading.Event()
+
+    def work(capture):
+        try:
+            got.append((capture, _dispatch(model(), example_inputs=(x,), capture=capture, target="bf16")))
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    def inference():
+        layer = nn.Linear(8, 8)
+        while not stop.is_set():
+            with torch.no_grad():
+                layer(x)
+
+    side = threading.Thread(target=inference)
+    side.start()
+    threads = [threading.Thread(target=work, args=(c,)) for c in ("export", "symbolic_trace") * 3]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    side.join()
+    assert not errors, errors
+    for capture, result in got:
+        assert result.model.code == want[capture].model.code
+        assert result.report.to_dict()["nodes"] == want[capture].report.to_dict()["nodes"]
