@@ -533,7 +533,9 @@ def _tensor_versions(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
     a cheap way to see that running forward changed one, without a copy of the weights."""
     from .frontends.fx_loader import module_tensors
 
-    return {name: (id(t), t._version) for name, t in module_tensors(module).items()}
+    # (an inference tensor, made by a copy under torch.inference_mode, has no version counter and
+    # cannot be written in place outside it)
+    return {name: (id(t), t._version) for name, t in module_tensors(module).items() if not t.is_inference()}
 
 
 _EXPORT_ADVICE = ("torch.compile(model, backend=\"amp_rewrite\") rewrites such a module graph by graph, around "

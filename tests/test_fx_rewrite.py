@@ -3029,3 +3029,37 @@ def test_torch_rewrites_in_several_threads_give_the_sequential_results():
     for capture, result in got:
         assert result.model.code == want[capture].model.code
         assert result.report.to_dict()["nodes"] == want[capture].report.to_dict()["nodes"]
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_sparse_buffer_is_read_by_its_stored_values(capture):
+    """A GCN's sparse adjacency buffer: the range check ran aminmax on it (no sparse kernel: a raw
+    NotImplementedError), and symbolic_trace's buffer restore torch.equal (called a problem with
+    the example inputs)."""
+
+    class GCN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.register_buffer("adj", torch.eye(6).to_sparse())
+
+        def forward(self, x):
+            return torch.sparse.mm(self.adj, self.fc(x)).relu()
+
+    torch.manual_seed(0)
+    model, x = GCN().eval(), torch.randn(6, 8)
+    gm = _dispatch(model, example_inputs=(x,), capture=capture, target="bf16").model
+    gm.graph.lint()
+    assert rel_err(gm(x), model(x)) < TOL["bf16"]
+
+
+def test_a_rewrite_inside_inference_mode_works_under_symbolic_trace():
+    """The private copy made under torch.inference_mode holds inference tensors, which have no
+    version counter: reading it was a raw RuntimeError ('Inference tensors do not track version
+    counter')."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).eval(), torch.randn(2, 8)
+    with torch.inference_mode():
+        gm = _dispatch(model, example_inputs=(x,), capture="symbolic_trace", target="bf16").model
+        out = gm(x)
+    assert rel_err(out, model(x)) < TOL["bf16"]

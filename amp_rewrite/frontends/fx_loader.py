@@ -589,7 +589,8 @@ def _ensure_metadata(gm: fx.GraphModule, example_inputs: tuple | None, example_k
                     weight.copy_(before)
                 for name, buffer in gm.named_buffers():
                     # (only what the run changed: an expanded buffer, stride 0, cannot be written to)
-                    if name in saved and not buffer.is_meta and not torch.equal(buffer, saved[name]):
+                    if name in saved and not buffer.is_meta and buffer.layout == torch.strided \
+                            and not torch.equal(buffer, saved[name]):  # (a sparse one: torch.equal has no kernel)
                         buffer.copy_(saved[name])
             for param, grad_before in grads.items():
                 if param.grad is not grad_before:
@@ -1208,11 +1209,21 @@ def module_tensor(value: Value, gm: fx.GraphModule) -> torch.Tensor | None:
     return value.meta.get("fx.lifted_tensor")
 
 
+def _stored_values(tensor: torch.Tensor) -> torch.Tensor:
+    """A sparse tensor's stored values (a GCN's adjacency buffer): the range checks have no sparse
+    kernels (aminmax, abs); a dense tensor as it is."""
+    if tensor.layout == torch.strided:
+        return tensor
+    with torch.no_grad():
+        return tensor.coalesce().values() if tensor.layout == torch.sparse_coo else tensor.values()
+
+
 def _beyond_range(tensor: torch.Tensor, low: torch.dtype) -> float | None:
     """The largest finite magnitude in ``tensor`` past ``low``'s range and below a mask sentinel,
     or None (a tensor without data, on the meta device, is not looked into)."""
     if not tensor.is_floating_point() or tensor.is_meta or tensor.numel() == 0 or tensor.dtype == low:
         return None
+    tensor = _stored_values(tensor)
     limit = torch.finfo(low).max
     with torch.no_grad():
         data = tensor.detach()
@@ -1230,7 +1241,7 @@ def _below_reciprocal_range(tensor: torch.Tensor, low: torch.dtype) -> float | N
     if not tensor.is_floating_point() or tensor.is_meta or not 0 < tensor.numel() <= 1 << 16:
         return None
     with torch.no_grad():
-        data = tensor.detach().float().reshape(-1)
+        data = _stored_values(tensor).detach().float().reshape(-1)
         magnitude = data.abs()
         usable = (magnitude > 0) & torch.isfinite(magnitude)
         if not bool(usable.any()):
