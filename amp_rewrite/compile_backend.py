@@ -64,7 +64,22 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, options: dict, mode
     from .errors import InPlaceMutationError, UsageError
     from .fx_api import rewrite_torch
 
+    from .fx_api import ambient_autocast
+
+    if ambient_autocast():
+        raise UsageError(f"the amp_rewrite backend was called inside torch.autocast ({', '.join(ambient_autocast())}): "
+                         f"amp_rewrite replaces autocast, and the graph dynamo hands over holds autocast's types; "
+                         f"call the compiled module outside the torch.autocast context")
+    supplied = sorted(set(options) & {"example_inputs", "example_kwargs", "capture", "decompose", "dynamic_shapes"})
+    if supplied:
+        raise UsageError(f"option(s) {', '.join(supplied)} do not apply under torch.compile: dynamo captures the graph "
+                         f"and supplies its inputs")
     inner = options.pop("backend", "inductor") or "inductor"
+    if not (isinstance(inner, str) or callable(inner)):
+        raise UsageError(f"options['backend'] must be a backend name or a callable, got {type(inner).__name__}")
+    if inner == BACKEND_NAME:
+        raise UsageError("options['backend']: the amp_rewrite backend cannot hand the graph to itself; name the "
+                         "backend that compiles the rewritten graph (inductor, aot_eager, ...)")
     inner_options = options.pop("inner_options", None)
     options.setdefault("target", "fp16")
     _refuse_low_io(options)

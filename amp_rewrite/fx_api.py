@@ -73,8 +73,22 @@ _TORCH_REWRITE = threading.RLock()
 def rewrite_torch(obj: Any, **kwargs: Any) -> RewriteResult:
     """Rewrite a torch module or graph; see the module docstring and :func:`_rewrite_torch`. Calls
     from several threads run one at a time."""
-    with _TORCH_REWRITE:
+    with _TORCH_REWRITE, contextlib.ExitStack() as stack:
+        for device in ambient_autocast():  # (the capture's types are the module's, not autocast's)
+            stack.enter_context(torch.autocast(device, enabled=False))
         return _rewrite_torch(obj, **kwargs)
+
+
+def ambient_autocast() -> list[str]:
+    """The device types whose torch.autocast is on where this is called."""
+    on = []
+    for device in ("cpu", "cuda", "xpu", "mps"):
+        try:
+            if torch.is_autocast_enabled(device):
+                on.append(device)
+        except (RuntimeError, TypeError, ValueError):  # (a device type this torch does not know)
+            pass
+    return on
 
 
 def _rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, target: str = "fp16",

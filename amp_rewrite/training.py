@@ -135,6 +135,9 @@ class LossScaler:
         # buffer placed there) is looked at again, not taken for the scalar that was there before
         self._not_scales: set[tuple[int, float]] = set()
         if module is not None:
+            if isinstance(module, (str, bytes, torch.Tensor)):  # (iterable, but no modules)
+                raise TypeError(f"LossScaler: {module!r} is not a torch module; pass the module "
+                                f"amp_rewrite.rewrite(..., training=True) returned")
             self.attach(*(module if not isinstance(module, torch.nn.Module) else [module]))
 
     # -- the in-graph scale -------------------------------------------------------------------------------
@@ -142,6 +145,9 @@ class LossScaler:
         """Keep the ``amp_loss_scale`` buffer of these modules (or of their submodules, e.g. inside
         DDP) equal to the scaler's scale. Returns self."""
         for module in modules:
+            if not isinstance(module, torch.nn.Module):
+                raise TypeError(f"LossScaler: {module!r} is not a torch module; pass the module "
+                                f"amp_rewrite.rewrite(..., training=True) returned")
             found = [m for m in module.modules() if isinstance(m._buffers.get(BUFFER), torch.Tensor)]
             if not found:
                 if not self.enabled:

@@ -5,6 +5,7 @@ eager FP32 within the tolerances of test_fx_rewrite (3e-2 BF16, 5e-3 FP16, relat
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import sys
 
@@ -424,3 +425,29 @@ def test_a_parameter_or_buffer_dynamo_passes_in_is_checked_as_the_module_holds_i
     with torch.no_grad():
         want, got = model(*args), compiled(*args)
     assert torch.isfinite(got).all() and rel_err(got, want) < TOL[target]
+
+
+def test_the_backend_under_an_ambient_autocast_and_misused_options_say_what_to_do():
+    """Called inside torch.autocast, the backend blamed 'example inputs of the wrong dtype' (the
+    graph dynamo hands over holds autocast's types); backend=3, example_inputs= and the backend
+    naming itself were raw TypeErrors/ValueErrors."""
+    import amp_rewrite
+    from amp_rewrite.compile_backend import _compile
+    from amp_rewrite.errors import UsageError
+
+    model, x = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval(), torch.randn(2, 8)
+    gm = torch.fx.symbolic_trace(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(UsageError, match=r"inside torch\.autocast \(cpu\)"):
+        _compile(gm, [x], {"target": "bf16"})
+    for options, needle in (({"backend": 3}, "must be a backend name or a callable"),
+                            ({"example_inputs": (x,)}, "example_inputs do not apply under torch.compile"),
+                            ({"backend": "amp_rewrite"}, "cannot hand the graph to itself")):
+        with pytest.raises(UsageError, match=re.escape(needle)):
+            _compile(gm, [x], {"target": "bf16", **options})
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (rewrite() captures the module's own types)
+        out = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16")(x)
+    assert out.dtype == torch.float32
+    with pytest.raises(UsageError, match="takes an onnx.ModelProto .*use amp_rewrite.rewrite"):
+        amp_rewrite.api.rewrite_onnx_model(model)
+    with pytest.raises(TypeError, match="is not a torch module"):
+        amp_rewrite.LossScaler("gm")
