@@ -1039,12 +1039,12 @@ def _localise(low_proto: onnx.ModelProto, low_values: Mapping[str, np.ndarray], 
     for n in low_proto.graph.node:
         for out in n.output:
             key = by_value.get(out)
-            if key is None or key not in low_values:
-                continue
+            if key is None or key not in low_values or not isinstance(low_values[key], np.ndarray):
+                continue  # (an If's or Loop's sequence output, whose tensors may differ in shape: not a tensor)
             got = np.asarray(low_values[key], np.float64)
             ref_name = _fp32_name(out)
             want = ref.get(ref_name)
-            if want is None or np.asarray(want).shape != got.shape or np.asarray(want).dtype.kind != "f":
+            if want is None or not isinstance(want, np.ndarray) or want.shape != got.shape or want.dtype.kind != "f":
                 continue
             want = np.asarray(want, np.float64)
             new = np.isfinite(want) & ~np.isfinite(got)

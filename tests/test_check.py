@@ -1373,3 +1373,29 @@ def test_a_killed_commands_temporary_folders_are_removed_by_the_next_write_there
     assert proc.returncode == 0, proc.stderr
     left = {p.name for p in tmp_path.iterdir()}
     assert folders["dead"] not in left and {folders["alive"], folders["elsewhere"]} <= left
+
+
+def test_check_runs_on_an_if_that_returns_a_sequence_of_tensors_of_different_shapes(tmp_path):
+    """The overflow localisation turned every exposed If output into one float array: an If whose
+    branches split a low MatMul's output into a sequence of [2,4] and [2,12] crashed --check
+    (exit 70, 'inhomogeneous shape'). A sequence is not a tensor to localise in."""
+    m = make_model("""<ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,16] x, bool c) => (float[2,16] y, seq(float[2,?]) s) {
+      h = MatMul(x, W)
+      s = If(c) <
+        then_branch = t () => (seq(float[2,?]) st) {
+          m1 = MatMul(h, W2)
+          sp = Constant<value = int64[2] {4, 12}>()
+          st = SplitToSequence<axis=1>(m1, sp)
+        },
+        else_branch = e () => (seq(float[2,?]) se) {
+          m2 = MatMul(h, W3)
+          sp2 = Constant<value = int64[2] {8, 8}>()
+          se = SplitToSequence<axis=1>(m2, sp2)
+        }>
+      y = MatMul(h, W4)
+    }""", {"W": (16, 16), "W2": (16, 16), "W3": (16, 16), "W4": (16, 16)})
+    save(m, tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "-o", "o.onnx", "--check"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "check passed" in proc.stdout
