@@ -75,6 +75,7 @@ import contextlib
 import json
 import math
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
@@ -1704,7 +1705,8 @@ def check_cli(args: "CliArgs", result: RewriteResult, report: "Report") -> Check
     report.extra["check"] = cr.to_dict()
     _say(args, cr.table())
     if not cr.passed:
-        pin = (f"--fp32-nodes {_exact(cr.roots[0].node)!r}" if cr.roots and not cr.roots[0].inserted
+        # (quoted for a shell: repr doubled a regex's backslashes, and left $ and ' to the shell)
+        pin = (f"--fp32-nodes {shlex.quote(str(_exact(cr.roots[0].node)))}" if cr.roots and not cr.roots[0].inserted
                and not cr.roots[0].in_body else "")
         # (--auto-fp32 does not take --training graphs: only the pin applies there)
         suggestions = [s for s in ("--auto-fp32" if not args.training else "", pin) if s]

@@ -1399,3 +1399,27 @@ def test_check_runs_on_an_if_that_returns_a_sequence_of_tensors_of_different_sha
     proc = run_cli(["m.onnx", "-o", "o.onnx", "--check"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "check passed" in proc.stdout
+
+
+def test_the_pin_the_check_suggests_works_pasted_into_a_shell(tmp_path):
+    """The hint printed the pattern with Python's repr: for a node named 'layers[0]/ReduceSum' the
+    escaped regex's backslashes came out doubled, and the pasted pin named no node (exit 8 again)."""
+    import re
+    import shlex
+
+    m = make_model("""<ir_version: 8, opset_import: ["" : 17]>
+    g (float[1,64] x) => (float[1,1] y) {
+      h = MatMul(x, W)
+      s = ReduceSum<keepdims=1>(h, axes)
+      y = Mul(s, k)
+    }""", {"W": np.full((64, 4096), 1.0, np.float32), "axes": np.array([1], np.int64),
+           "k": np.array([1e-3], np.float32)})
+    next(n for n in m.graph.node if n.op_type == "ReduceSum").name = "layers[0]/ReduceSum"
+    save(m, tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", x=np.ones((1, 64), np.float32))
+    argv = ["m.onnx", "-o", "o.onnx", "--check", "--inputs", "in.npz", "--fp16-ops", "ReduceSum"]
+    proc = run_cli(argv, tmp_path)
+    assert proc.returncode == 8, proc.stderr
+    hint = re.search(r"try --auto-fp32 or (--fp32-nodes (?:'[^']*'|[^\s;]+))", proc.stderr).group(1)
+    pasted = run_cli(argv + shlex.split(hint), tmp_path)
+    assert pasted.returncode == 0, pasted.stderr
