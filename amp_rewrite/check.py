@@ -429,6 +429,11 @@ def _checked_array(where: str, label: str, arr: np.ndarray, tt: onnx.TypeProto.T
         if _kind(want) == "float" and np.count_nonzero(np.isfinite(arr)) != np.count_nonzero(np.isfinite(cast)):
             raise UsageError(f"{where}: {label} holds values beyond {want}'s range (max |x| "
                              f"{float(np.nanmax(np.abs(arr[np.isfinite(arr)]))):.4g}), the model's input type")
+        if _kind(want) == "int" and arr.size and not np.array_equal(cast.astype(arr.dtype), arr):
+            info = np.iinfo(want)  # (int64 ids of 2**32 + 1 wrapped to 1 in an int32 input, silently)
+            wrong = arr[cast.astype(arr.dtype) != arr].reshape(-1)[0]
+            raise UsageError(f"{where}: {label} holds {wrong}, beyond {want}'s range ({info.min}..{info.max}), "
+                             f"the model's input type")
         arr = cast
     if tt.HasField("shape"):
         dims = list(tt.shape.dim)

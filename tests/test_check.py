@@ -1423,3 +1423,21 @@ def test_the_pin_the_check_suggests_works_pasted_into_a_shell(tmp_path):
     hint = re.search(r"try --auto-fp32 or (--fp32-nodes (?:'[^']*'|[^\s;]+))", proc.stderr).group(1)
     pasted = run_cli(argv + shlex.split(hint), tmp_path)
     assert pasted.returncode == 0, pasted.stderr
+
+
+def test_integer_inputs_past_the_models_input_type_are_refused_not_wrapped(tmp_path):
+    """int64 ids of 2**32 + 1 for an int32 input wrapped to 1: the check ran on other inputs than
+    the file's, and the table said they came from it. Float inputs past the range were refused
+    already; integers are too, naming the value."""
+    m = make_model("""<ir_version: 8, opset_import: ["" : 17]>
+    g (int32[1,4] ids) => (float[1,4,8] y) {
+      e = Gather(E, ids)
+      y = MatMul(e, W)
+    }""", {"E": (8, 8), "W": (8, 8)})
+    save(m, tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", ids=np.array([[2**32 + 1, 2**32 + 2, 3, 4]], np.int64))
+    proc = run_cli(["m.onnx", "--check", "--inputs", "in.npz"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "'ids' holds 4294967297, beyond int32's range" in proc.stderr
+    np.savez(tmp_path / "in.npz", ids=np.array([[1, 2, 3, 4]], np.int64))  # (in range: taken as int32)
+    assert run_cli(["m.onnx", "--check", "--inputs", "in.npz", "-o", "o.onnx"], tmp_path).returncode == 0
