@@ -1746,9 +1746,10 @@ def auto_fp32_cli(args: "CliArgs") -> RewriteResult:
     dst = args.output if args.output is not None else default
     _check_output(args.model, dst, args.overwrite, default.name)  # fail before running anything
     runner = Runner()
-    feeds, described = _cli_inputs(args)
+    _, described = _cli_inputs(args)  # (checked and described here; auto_fp32 reads the file itself)
     try:
-        auto = auto_fp32(args.model, inputs=feeds, tolerance=args.tolerance, runner=runner, **options)
+        # (the file, or None: generated inputs are not "given", and a failure must not blame --inputs)
+        auto = auto_fp32(args.model, inputs=args.inputs, tolerance=args.tolerance, runner=runner, **options)
     except CheckRunError as exc:  # a candidate onnxruntime cannot run: the report still records it
         if not args.report:
             raise

@@ -1441,3 +1441,19 @@ def test_integer_inputs_past_the_models_input_type_are_refused_not_wrapped(tmp_p
     assert "'ids' holds 4294967297, beyond int32's range" in proc.stderr
     np.savez(tmp_path / "in.npz", ids=np.array([[1, 2, 3, 4]], np.int64))  # (in range: taken as int32)
     assert run_cli(["m.onnx", "--check", "--inputs", "in.npz", "-o", "o.onnx"], tmp_path).returncode == 0
+
+
+@pytest.mark.parametrize("flag", ["--check", "--auto-fp32"])
+def test_a_model_the_generated_inputs_cannot_run_is_told_to_pass_inputs(tmp_path, flag):
+    """--auto-fp32 handed its generated inputs on as if the user had given them: the error said
+    'on the given inputs ... check the arrays in --inputs' with no --inputs passed."""
+    m = make_model("""<ir_version: 8, opset_import: ["" : 17]>
+    g (float[N,M] x) => (float[4,4] y) {
+      r = Reshape(x, shape)
+      y = MatMul(r, w)
+    }""", {"shape": np.array([4, 4], np.int64), "w": (4, 4)})
+    save(m, tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", flag], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "on the generated inputs" in proc.stderr and "pass real inputs with --inputs file.npz" in proc.stderr
+    assert "given inputs" not in proc.stderr
