@@ -192,6 +192,9 @@ def _validate(args: CliArgs) -> None:
                          "(or --explain)")
     if args.inputs is not None and not args.inputs.exists():
         raise UsageError(f"--inputs {args.inputs}: no such file")
+    if args.inputs is not None and not args.inputs.is_file():  # (a FIFO blocked the read; <(cat f) is read twice)
+        raise UsageError(f"--inputs {args.inputs}: is not a regular file (a pipe, a device or a folder); save the "
+                         f"arrays to an .npz file")
     _refuse_writing_what_is_read(args)
     if args.tolerance is not None and (not math.isfinite(args.tolerance) or args.tolerance <= 0):
         raise UsageError(f"--tolerance {args.tolerance}: must be a positive number")

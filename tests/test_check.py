@@ -1457,3 +1457,14 @@ def test_a_model_the_generated_inputs_cannot_run_is_told_to_pass_inputs(tmp_path
     assert proc.returncode == 2, proc.stderr
     assert "on the generated inputs" in proc.stderr and "pass real inputs with --inputs file.npz" in proc.stderr
     assert "given inputs" not in proc.stderr
+
+
+def test_inputs_naming_a_pipe_is_refused_up_front(tmp_path):
+    """--inputs naming a FIFO blocked reading it (the .npz is opened twice), and <(cat in.npz) was
+    called 'not a readable .npz file'. Refused before anything runs, as a pipe for the model is."""
+    save(benign_model(), tmp_path / "m.onnx")
+    os.mkfifo(tmp_path / "in.npz")
+    proc = run_cli(["m.onnx", "--check", "--inputs", "in.npz"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "--inputs in.npz: is not a regular file" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.npz", "m.onnx"]
