@@ -362,9 +362,7 @@ def rewrite_onnx_model(proto: Any, **options: Any) -> RewriteResult:
         from .training_onnx import rewrite_training_onnx_model
 
         return rewrite_training_onnx_model(proto, **{k: v for k, v in options.items() if k != "training"})
-    import onnx
-
-    if not isinstance(proto, (onnx.ModelProto, str, os.PathLike)):
+    if not isinstance(proto, (str, os.PathLike)) and type(proto).__name__ != "ModelProto":  # (api.py imports no onnx)
         raise UsageError(f"rewrite_onnx_model takes an onnx.ModelProto (or a path), got {type(proto).__name__}"
                          + (": for a torch module use amp_rewrite.rewrite()" if _is_torch_module(proto) else ""))
     ctx = context_for("onnx", options, "rewrite()")

@@ -1145,3 +1145,51 @@ def test_an_initializer_declared_another_type_by_value_info_is_taken_at_its_data
     assert value_types(result.model)[matmul.input[1]] == FP16
     assert result.log.weights.converted == 1
     assert rel_err(ref, run(result.model, feeds)["y"]) < 1e-2
+
+
+def test_graph_outputs_answer_membership_and_replacement_by_identity_in_step_with_the_list():
+    """Graph outputs keep an index so that is_graph_output and a replacement take O(1) (each was a
+    scan: 32k graph outputs, each given a Cast, took 30 s); the index must follow every change."""
+    from amp_rewrite.ir import DType, Graph, Value
+
+    g = Graph("g")
+    a, b, c, d = (Value(n, DType.FLOAT, (1,)) for n in "abcd")
+    for v in (a, b, c):
+        v.graph = g
+    g.outputs = [a, b, a]
+    assert a.is_graph_output and b.is_graph_output and not c.is_graph_output
+    g.outputs.replace(a, c)
+    assert list(g.outputs) == [c, b, c] and not a.is_graph_output and c.is_graph_output
+    g.outputs.append(d)
+    g.outputs[1] = a
+    assert list(g.outputs) == [c, a, c, d] and a in g.outputs and b not in g.outputs
+    g.outputs.pop()
+    g.outputs.insert(0, b)
+    assert list(g.outputs) == [b, c, a, c] and d not in g.outputs and b in g.outputs
+    g.outputs.replace(c, d)
+    assert list(g.outputs) == [b, d, a, d]
+    del g.outputs[1:]
+    assert list(g.outputs) == [b] and d not in g.outputs and a not in g.outputs
+    assert Value("e", DType.FLOAT, (1,)) not in g.outputs  # (identity, not equality)
+
+
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
+def test_a_node_with_many_inputs_each_cast_is_written_whole(placement):
+    """A Concat of many inputs, half made by low MatMuls and half by FP32 Exps: the emitter now sets
+    such a node's inputs in one pass (onnx-ir rebuilt the whole input tuple per changed input,
+    quadratic). Every input must still be the right value, with the use lists kept."""
+    n = 48
+    body = "\n".join(f"m{i} = MatMul(x, w)" if i % 2 == 0 else f"m{i} = Exp(x)" for i in range(n))
+    m = make_model(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,4] x) => (float[2,{4 * n}] y) {{
+          {body}
+          y = Concat<axis=1>({", ".join(f"m{i}" for i in range(n))})
+        }}""", {"w": (4, 4)})
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32) * 0.5}
+    result = rewrite(m, placement=placement)
+    full_check(result.model)
+    assert rel_err(run(m, feeds)["y"], run(result.model, feeds)["y"]) < 1e-2
+    [concat] = nodes_by_type(result.model, "Concat")
+    types = value_types(result.model)
+    assert len({types[v] for v in concat.input}) == 1 and len(set(concat.input)) == n

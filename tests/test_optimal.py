@@ -1226,3 +1226,31 @@ def test_bf16_holds_no_product_or_softmax_for_the_range_fp16_lacks():
     fp16, bf16 = (_precisions(rewrite(model, target=t)) for t in ("fp16", "bf16"))
     assert fp16["Mul:p"] == fp16["Softmax:s"] == "fp32"
     assert bf16["Mul:p"] == bf16["Softmax:s"] == "low"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_flow_pushed_straight_through_terminal_pairs_keeps_networkx_s_cut(seed):
+    """Nodes joined to both terminals send min(a, b) straight through before Boykov-Kolmogorov runs
+    (it found those paths one at a time, quadratic on a 12k-node cut). The source side must stay
+    the one networkx's minimum_cut gives on the same network."""
+    import networkx as nx
+
+    from amp_rewrite.passes.optimal import _S, _T, _max_flow_source_side
+
+    rng = random.Random(seed)
+    nodes = set(range(30))
+    edges = []
+    for n in nodes:
+        if rng.random() < 0.8:
+            edges.append((_S, n, rng.choice([1, 2, 5, 8])))
+        if rng.random() < 0.8:
+            edges.append((n, _T, rng.choice([1, 3, 5, 8, None])))
+    for _ in range(60):
+        u, v = rng.sample(sorted(nodes), 2)
+        edges.append((u, v, rng.choice([1, 2, 4, None])))
+    graph = nx.DiGraph()
+    graph.add_nodes_from([*nodes, _S, _T])
+    for u, v, cap in edges:
+        graph.add_edge(u, v, **({} if cap is None else {"capacity": cap}))
+    _, (source_side, _) = nx.minimum_cut(graph, _S, _T)
+    assert _max_flow_source_side(nodes, edges) == source_side

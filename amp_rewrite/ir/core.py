@@ -123,7 +123,7 @@ class Value:
 
     @property
     def is_graph_output(self) -> bool:
-        return self.graph is not None and self in self.graph.outputs  # (values compare by identity)
+        return self.graph is not None and self in self.graph.outputs  # (by identity, O(1): OutputList)
 
     @property
     def data_known(self) -> bool:
@@ -158,7 +158,7 @@ class Value:
         for node, index in self.uses():
             node.set_input(index, other)
         if include_outputs and self.graph is not None:
-            self.graph.outputs = [other if v is self else v for v in self.graph.outputs]
+            self.graph.outputs.replace(self, other)
 
     def __repr__(self) -> str:
         dt = self.dtype.short if self.dtype is not None else "?"
@@ -239,8 +239,72 @@ class Node:
         return f"Node({self.qualified_op}, {self.name!r})"
 
 
+class OutputList(list):
+    """A graph's outputs: a list whose membership test (by identity) and :meth:`replace` take O(1),
+    from a count and the positions of each value. Each was a scan of the list: 16k graph outputs,
+    each given a Cast, took 30 s (quadratic)."""
+
+    def __init__(self, items: Iterable["Value"] = ()) -> None:
+        super().__init__(items)
+        self._recount()
+
+    def _recount(self) -> None:
+        self._where: dict[int, list[int]] = {}
+        for k, v in enumerate(self):
+            self._where.setdefault(id(v), []).append(k)
+
+    def __contains__(self, value: object) -> bool:
+        return id(value) in self._where
+
+    def replace(self, value: "Value", by: "Value") -> None:
+        """Every position of ``value`` now holds ``by``."""
+        for k in self._where.pop(id(value), []):
+            list.__setitem__(self, k, by)
+            self._where.setdefault(id(by), []).append(k)
+
+    def append(self, value: "Value") -> None:
+        super().append(value)
+        self._where.setdefault(id(value), []).append(len(self) - 1)
+
+    def extend(self, values: Iterable["Value"]) -> None:
+        for value in values:
+            self.append(value)
+
+    def __setitem__(self, index, value) -> None:
+        super().__setitem__(index, value)
+        self._recount()
+
+    def __delitem__(self, index) -> None:
+        super().__delitem__(index)
+        self._recount()
+
+    def __iadd__(self, values):
+        self.extend(values)
+        return self
+
+    def _changed(name: str):  # (the other in-place list methods: recount after them)
+        def method(self, *args, **kwargs):
+            result = getattr(list, name)(self, *args, **kwargs)
+            self._recount()
+            return result
+
+        return method
+
+    insert, remove, pop = _changed("insert"), _changed("remove"), _changed("pop")
+    clear, sort, reverse = _changed("clear"), _changed("sort"), _changed("reverse")
+    del _changed
+
+
 class Graph:
     """One scope. ``nodes`` is kept in topological order by the passes (``sort`` restores it)."""
+
+    @property
+    def outputs(self) -> OutputList:
+        return self._outputs
+
+    @outputs.setter
+    def outputs(self, values: Iterable["Value"]) -> None:
+        self._outputs = OutputList(values)
 
     def __init__(self, name: str = "", *, origin: Any = None) -> None:
         self.name = name
@@ -250,7 +314,7 @@ class Graph:
         # ``nodes`` places them on its next read: one O(n) pass instead of an O(n) list.index per insert.
         self._pending: dict[int | None, list[Node]] = {}
         self.inputs: list[Value] = []
-        self.outputs: list[Value] = []
+        self._outputs = OutputList()
         self.initializers: dict[str, Value] = {}
         self.parent: Node | None = None  # the node whose attribute holds this subgraph
         self.opsets: dict[str, int] = {}

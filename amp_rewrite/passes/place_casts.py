@@ -521,7 +521,7 @@ class _Placer:
         scope.insert_after(anchor, cast)
         for use in uses:
             if use.node is None:
-                scope.outputs = [out if v is value else v for v in scope.outputs]
+                scope.outputs.replace(value, out)
             else:
                 use.node.set_input(use.index, out)
         if to_output:
