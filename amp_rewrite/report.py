@@ -401,7 +401,8 @@ def write_report(report: Report, path, *, kept: bool = True) -> None:
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=".amp-report-", dir=path.parent or ".")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        # (a path whose name is not UTF-8 holds surrogates: shown escaped, not an internal error)
+        with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as f:
             f.write(text)
         ordinary_mode(tmp)
         (replace_into if kept else os.replace)(Path(tmp), path)

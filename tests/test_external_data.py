@@ -648,3 +648,26 @@ def test_an_output_past_the_limit_without_external_data_is_told_to_use_it(tmp_pa
     assert "without external data; write it with external data" in str(caught.value)
     assert ".data" not in str(caught.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="file names of arbitrary bytes")
+def test_a_non_utf8_output_name_is_refused_for_external_data_and_shown_escaped_in_reports(tmp_path):
+    """-o out<0xfe>.onnx with external data was exit 70 (a SerdeError: the model names its data file
+    in UTF-8), and an .html/.md report of such a path a UnicodeEncodeError."""
+    import os as _os
+
+    from amp_rewrite.errors import OutputError
+    from amp_rewrite.report import write_report
+
+    src = tmp_path / "m.onnx"
+    save_external(mlp(), src)
+    bad = Path(_os.fsdecode(_os.fsencode(str(tmp_path)) + b"/out\xfe.onnx"))
+    with pytest.raises(OutputError, match="not valid UTF-8"):
+        api.rewrite_onnx(src, bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.weights"]
+    result = api.rewrite_onnx(src, tmp_path / "out.onnx")
+    report = result.report
+    report.output = str(bad)
+    for suffix in (".html", ".md"):
+        write_report(report, tmp_path / f"r{suffix}")
+        assert "out\\udcfe.onnx" in (tmp_path / f"r{suffix}").read_text()

@@ -546,6 +546,14 @@ def _replace_inputs(node: ir.Node, changes: list[tuple[int, ir.Value | None]]) -
             node._drop_sharding_for_value(old[index])  # noqa: SLF001
 
 
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # (a byte of a non-UTF-8 file name, kept as a surrogate)
+        return False
+    return True
+
+
 def tensor_bytes(model: ir.Model) -> int:
     """Bytes of the initializers and Constant nodes' tensors of every graph of ``model``: what its
     weights take in a file. (A 1.4 GB weight held by a Constant node was left out: the output was
@@ -671,6 +679,9 @@ def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[P
     read into the output (which names no file then)."""
     dst = Path(dst)
     data_name = dst.name + ".data"
+    if external and not _utf8(data_name):
+        raise OutputError(f"{dst}: its name is not valid UTF-8, and an ONNX model names its external data file in "
+                          f"UTF-8; choose an output name that is")
     if dst.resolve() in source_files:
         raise OutputError(f"{dst}: is a file the input reads its external data from; choose another -o")
     if external and (dst.parent / data_name).resolve() in source_files:
