@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -671,3 +672,32 @@ def test_a_non_utf8_output_name_is_refused_for_external_data_and_shown_escaped_i
     for suffix in (".html", ".md"):
         write_report(report, tmp_path / f"r{suffix}")
         assert "out\\udcfe.onnx" in (tmp_path / f"r{suffix}").read_text()
+
+
+@pytest.mark.parametrize("location, needle", [("missing.bin", "external data file 'missing.bin' is missing"),
+                                              ("../outside.bin", "external data location '../outside.bin' is not a file name relative")])
+def test_a_sparse_initializers_bad_external_data_is_a_read_error(tmp_path, location, needle):
+    """A sparse initializer whose values name a missing file or one outside the folder was exit 5,
+    'cannot be densified; store it as a dense tensor'; the same fault in a dense tensor is exit 3
+    (docs/exit-codes.md), naming the file."""
+    from onnx.external_data_helper import set_external_data
+
+    from amp_rewrite.errors import ModelLoadError
+
+    (tmp_path / "d").mkdir()
+    np.arange(8, dtype=np.float32).tofile(tmp_path / "outside.bin")
+    m = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 17]>
+    g (float[2, 8] x) => (float[2, 8] y) { h = MatMul(x, W)  y = Add(h, S) }""")
+    m.graph.initializer.append(numpy_helper.from_array(np.ones((8, 8), np.float32), "W"))
+    values = helper.make_tensor("S", TensorProto.FLOAT, [8], np.zeros(8, np.float32))
+    values.ClearField("float_data")
+    values.raw_data = b"\0" * 32
+    set_external_data(values, location, offset=0, length=32)
+    values.data_location = TensorProto.EXTERNAL
+    values.ClearField("raw_data")
+    m.graph.sparse_initializer.append(helper.make_sparse_tensor(
+        values, helper.make_tensor("i", TensorProto.INT64, [8], list(range(8))), [8]))
+    onnx.save(m, str(tmp_path / "d" / "m.onnx"))
+    with pytest.raises(ModelLoadError, match=f"sparse initializer 'S': {re.escape(needle)}"):
+        api.rewrite_onnx(tmp_path / "d" / "m.onnx", tmp_path / "d" / "o.onnx")
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["m.onnx"]

@@ -476,6 +476,16 @@ def _densify_sparse_initializers(graph: onnx.GraphProto, where: str, base_dir: s
 def _dense(sparse: onnx.SparseTensorProto, where: str, what: str, base_dir: str) -> onnx.TensorProto:
     from onnx import numpy_helper
 
+    for part in (sparse.values, sparse.indices):  # (a bad reference is a read error, as for a dense tensor)
+        if part.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = next((e.value for e in part.external_data if e.key == "location"), "")
+        if not location or Path(location).is_absolute() or ".." in Path(location).parts:
+            raise ModelLoadError(f"{where}{what}: external data location {location!r} is not a file name relative "
+                                 f"to the model's folder")
+        if not (Path(base_dir) / location).is_file():
+            raise ModelLoadError(f"{where}{what}: external data file {location!r} is missing (expected next to the "
+                                 f"model in {base_dir or '.'})")
     try:
         values = numpy_helper.to_array(sparse.values, base_dir=base_dir)
         indices = numpy_helper.to_array(sparse.indices, base_dir=base_dir).astype(np.int64)
