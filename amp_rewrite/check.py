@@ -1480,7 +1480,10 @@ def _low_nodes(proto: onnx.ModelProto) -> list[tuple[str, str]]:
         for n in graph.node:
             for body in _bodies(n):
                 walk(body)
-            if _tags(n).get("precision") == "low":
+            # (a Constant or Cast is no computation to pin: weight conversion and cast placement decide
+            # them whatever a pin says, and the summary then called those pins without effect)
+            if _tags(n).get("precision") == "low" and not (n.op_type in ("Constant", "Cast")
+                                                            and n.domain in ("", "ai.onnx")):
                 out.append((node_label(n), n.op_type))
 
     walk(proto.graph)

@@ -1468,3 +1468,20 @@ def test_inputs_naming_a_pipe_is_refused_up_front(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "--inputs in.npz: is not a regular file" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.npz", "m.onnx"]
+
+
+def test_auto_fp32_bisects_over_computations_not_constants_or_casts():
+    """The bisection pinned every low node of its window, Constants too: a pinned Constant changes
+    nothing (weight conversion decides it), the pin count overstated what was kept FP32, and the
+    summary called the tool's own pins without effect."""
+    m = make_model("""<ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,8] x) => (float[2,8] y) {
+      k = Constant<value = float[8] {1,2,3,4,5,6,7,8}>()
+      h = MatMul(x, W)
+      a = Add(h, k)
+      y = MatMul(a, W)
+    }""", {"W": (8, 8)})
+    low = rewrite(m).model
+    assert any(n.op_type == "Constant" for n in low.graph.node) and any(n.op_type == "Cast" for n in low.graph.node)
+    ops = [op for _, op in ck._low_nodes(low)]
+    assert ops == ["MatMul", "Add", "MatMul"]
