@@ -970,5 +970,6 @@ def _check_rule_input_names(model: Model, book) -> None:
                 close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.5)
                 raise RuleFileError(shown, f"{key}.fp32_inputs",
                                     f"{name!r} is not an input of any {entry.op} call in this model (their inputs: "
-                                    f"{', '.join(sorted(known)) or 'none'}; a module's own tensors go by their "
-                                    f"names, a call's arguments by the names of the op's schema)", close[0] if close else None)
+                                    f"{', '.join(sorted(known)) or 'none'}; a module call's own tensors go by their "
+                                    f"names (a Linear's 'weight'), a function's arguments by the names of the aten op's "
+                                    f"schema, whatever tensor they hold: 'other' for self.scale in x * self.scale)", close[0] if close else None)

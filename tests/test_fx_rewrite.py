@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import operator
 import re
 import warnings
@@ -3063,3 +3064,30 @@ def test_a_rewrite_inside_inference_mode_works_under_symbolic_trace():
         gm = _dispatch(model, example_inputs=(x,), capture="symbolic_trace", target="bf16").model
         out = gm(x)
     assert rel_err(out, model(x)) < TOL["bf16"]
+
+
+class _CatScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.cat([h, h * x], dim=-1)
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+@pytest.mark.parametrize("op, name", [("cat", "tensors.1"), ("mul", "other")])
+def test_one_torch_rule_file_names_arguments_alike_under_either_capture(tmp_path, capture, op, name):
+    """Under symbolic_trace the arguments of torch.cat were named by position ('0.1' for the
+    README's 'tensors.1') and operator.mul's by Python's spelling ('a', 'b' for 'self', 'other'):
+    a rule file written for one capture was refused under the other. Both now take the aten op's
+    schema names."""
+    rules = tmp_path / "r.toml"
+    rules.write_text(f'[ruleset]\nname = "r"\nfrontend = "torch"\nextends = "torch-bf16"\n'
+                     f'[infer.{op}]\nreason = "mine"\nfp32_inputs = ["{name}"]\n')
+    x = torch.randn(2, 8)
+    gm, report = amp_rewrite.rewrite(_CatScale().eval(), example_inputs=(x,), rules=[rules], capture=capture,
+                                     target="bf16", report=True)
+    gm.graph.lint()
+    assert f"input '{name}' is pinned FP32 by the rules" in json.dumps(report.to_dict())

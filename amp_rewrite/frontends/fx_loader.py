@@ -1414,8 +1414,36 @@ def _cached_argument_names(target: Any) -> tuple[str, ...]:
     return _read_argument_names(target)
 
 
+# Python operators whose aten op has another name
+_OPERATOR_ATEN = {"truediv": "div", "floordiv": "floor_divide", "and_": "bitwise_and", "or_": "bitwise_or",
+                  "xor": "bitwise_xor", "inv": "bitwise_not", "invert": "bitwise_not"}
+
+
+def _aten_schema(target: Any) -> Any:
+    """The schema of the aten op a torch-level call runs (torch.cat, operator.mul, F.softmax), so
+    that its arguments have the names they have under torch.export: a symbolic_trace capture named
+    them by position (cat's 'tensors.1' was '0.1') or by Python's spelling (operator.mul's 'a', 'b'
+    for 'self', 'other'), and one rule file did not fit both captures. None for anything else."""
+    name = getattr(target, "__name__", None)
+    module = getattr(target, "__module__", None) or ""
+    if not isinstance(name, str) or not (module in ("_operator", "operator") or module.startswith("torch")
+                                         or isinstance(target, type(torch.cat))):
+        return None
+    packet = getattr(torch.ops.aten, _OPERATOR_ATEN.get(name, name), None)
+    if packet is None or not hasattr(packet, "overloads"):
+        return None
+    overloads = packet.overloads()
+    for choice in ("Tensor", "default", "int", *overloads):
+        if choice in overloads:
+            return getattr(packet, choice)._schema
+    return None
+
+
 def _read_argument_names(target: Any) -> tuple[str, ...]:
     schema = getattr(target, "_schema", None)
+    if schema is None:
+        with contextlib.suppress(Exception):  # (a name torch.ops cannot look up)
+            schema = _aten_schema(target)
     if schema is not None:
         return tuple(a.name for a in schema.arguments if not a.kwarg_only)
     try:
