@@ -3091,3 +3091,14 @@ def test_one_torch_rule_file_names_arguments_alike_under_either_capture(tmp_path
                                      target="bf16", report=True)
     gm.graph.lint()
     assert f"input '{name}' is pinned FP32 by the rules" in json.dumps(report.to_dict())
+
+
+def test_an_op_flag_naming_an_op_the_torch_model_lacks_is_said():
+    """fp16_ops=["softmax"] on a module without one changed nothing, silently, where the ONNX path
+    says so: the note was ONNX-only."""
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval(), torch.randn(2, 8)
+    _, report = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", fp16_ops=["softmax"], report=True)
+    assert [n for n in report.log.notes if n.startswith("unmatched:")] == [
+        "unmatched: --fp16-ops 'softmax' names an op this model does not have, so it changes nothing"]
+    _, report = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", fp32_ops=["relu"], report=True)
+    assert not [n for n in report.log.notes if n.startswith("unmatched:")]

@@ -187,8 +187,6 @@ def _note_unmatched_node_rules(ctx: Context, names: frozenset[str]) -> None:
 def _note_unmatched_op_flags(model: Model, ctx: Context) -> None:
     """--fp32-ops / --fp16-ops naming an op the model does not have (a typo of a real op, another
     model's op) changes nothing: say so, as for a node pattern naming no node."""
-    if ctx.rules.frontend != "onnx":
-        return
     flagged = [e for e in ctx.rules.entries() if e.reason.startswith("command line: --")]
     if not flagged:
         return
