@@ -147,7 +147,8 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
     verify(model.graph)
     modified = any(r.modified for r in results)
     if modified and model.frontend == "onnx" and model.graph.opsets.get("", 0) >= 17:
-        entered = [i for i in ctx.log.islands if i.pattern == "LayerNorm" and i.casts_in and _ort_can_fuse(model, i)]
+        entered = [i for i in ctx.log.islands if i.pattern == "LayerNorm" and i.casts_in and _ort_can_fuse(model, i)
+                   and _cast_is_x(model, i)]
         if entered:  # (frontends/onnx_fuse.py: what fusing it would have avoided)
             why, fix = ("--no-fuse", "rewrite without --no-fuse to avoid it") if not ctx.options.fuse else (
                 "a form the fuse pass does not take, such as an epsilon outside (0, 1) or not a scalar",
@@ -200,6 +201,21 @@ def _ort_can_fuse(model: Model, island) -> bool:
         if len(reads) > most or any(out.is_graph_output for out in node.outputs):
             return False
     return True
+
+
+def _cast_is_x(model: Model, island) -> bool:
+    """Whether the Cast into a LayerNorm island makes the normalised input X itself (what its mean and
+    ``x - mean`` read): only that Cast does onnxruntime's LayerNormFusion fold into a node of mixed
+    types. One into a member before X (the residual Add of a pre-LN block, x + Cast(o)) leaves X
+    FP32: the model loads, and the warning was false."""
+    members = set(island.members)
+    for node in model.graph.walk():
+        if node.op_type != "ReduceMean" or node_label(node) not in members or not node.inputs:
+            continue
+        x = node.inputs[0]
+        if x is not None and any(r.op_type == "Sub" and node_label(r) in members for r, _ in x.uses()):
+            return x.producer is not None and x.producer.op_type == "Cast"
+    return True  # (no X found: warn as before)
 
 
 def _batch_transpose_matmuls(model: Model) -> list[tuple[str, list[int]]]:

@@ -98,6 +98,8 @@ DEFAULT_VOCAB = 100
 SEQUENCE_ITEMS = 2  # tensors in a generated sequence input
 NEAR_LIMIT = 0.5  # warn when |x| > NEAR_LIMIT * the type's largest finite value
 LIMITS = {"fp16": 65504.0, "bf16": 3.3895313892515355e38}
+# where rounding to nearest overflows: the largest value plus half its ulp (fp16: 65504 + 16)
+_OVERFLOW_AT = {"fp16": 65520.0, "bf16": 3.3895313892515355e38 + 2.0 ** 119}
 _LOW_TYPES = {onnx.TensorProto.FLOAT16: "fp16", onnx.TensorProto.BFLOAT16: "bf16"}
 _RENAMED = re.compile(r"/amp_(?:fp16|bf16)(?:_\d+)?$")  # the rewrite's low-precision copies
 _PASS_THROUGH = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand", "Transpose"}
@@ -1340,7 +1342,7 @@ def _inputs_beyond_range(before: Mapping[str, int], low_proto: onnx.ModelProto,
         kind = _LOW_TYPES[elem]
         finite = arr[np.isfinite(arr)]
         peak = float(np.abs(finite).max()) if finite.size else 0.0
-        if peak > LIMITS[kind]:
+        if peak >= _OVERFLOW_AT[kind]:  # (65504 < |x| < 65520 rounds to 65504, finite)
             why = " (--no-keep-io-types)" if before.get(vi.name) != elem else ""
             notes.append((vi.name, f"input {vi.name!r} holds values beyond {kind}'s range (max |x| {peak:.4g}); the "
                                    f"rewritten model takes it in {kind}{why}, so they enter as ±inf"))

@@ -58,7 +58,10 @@ def emulate_all(model: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
 def _value_types(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, onnx.TensorShapeProto]]:
     """Element type by value name, model-wide (names are unique in a rewritten model), and the
     shapes inference knows."""
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    from .frontends.onnx_loader import _without_weights
+
+    # (on the structure: inference serialises its input, and a model past 2 GB does not serialise)
+    inferred = onnx.shape_inference.infer_shapes(_without_weights(model), strict_mode=False)
     types: dict[str, int] = {}
     shapes: dict[str, onnx.TensorShapeProto] = {}
     for g in _graph_protos(inferred.graph):
@@ -79,6 +82,14 @@ def _emulate(model: onnx.ModelProto, types: dict[str, int], lows: set[int],
              shapes: dict[str, onnx.TensorShapeProto]) -> tuple[onnx.ModelProto, set[str]]:
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    if len(out.functions):
+        # a model-local function's body holds its own low values and Casts (not in the types the
+        # emulation reads): inlined, they are rounded like any other; left as they were, a body
+        # widened at its call met its own FP16 Cast and onnxruntime refused the model
+        from onnx import inliner
+
+        out = inliner.inline_local_functions(out)
+        types = {**types, **_value_types(out)[0]}
     rounded: set[str] = set()
     taken = {name for g in _graph_protos(out.graph) for name in _names(g)}
     _Rewriter(types, lows, rounded, taken, shapes).graph(out.graph)
@@ -166,6 +177,8 @@ class _Rewriter:
         low_outputs = [o for o in node.output if o and self.types.get(o) in self.lows]
         if not low_outputs:
             return [node]
+        if node.op_type == "Sum" and node.domain in ("", "ai.onnx") and len(node.input) > 2:
+            return self._sum_pairwise(node, self.types[node.output[0]])
         renamed = {o: self.fresh(o) for o in low_outputs}
         made = onnx.NodeProto()
         made.CopyFrom(node)
@@ -182,6 +195,24 @@ class _Rewriter:
             self._declare(mid, o, self.types[o])
             nodes.append(helper.make_node("Cast", [renamed[o]], [mid], to=self.types[o], name=self.fresh("amp_emu_round")))
             nodes.append(helper.make_node("Cast", [mid], [o], to=FLOAT, name=self.fresh("amp_emu_back")))
+        return nodes
+
+
+    def _sum_pairwise(self, node: onnx.NodeProto, low: int) -> list[onnx.NodeProto]:
+        """A low Sum of k > 2 inputs as onnxruntime's CUDA kernel computes it: each partial sum is
+        held in the low type (``output = in0 + in1; output = output + in_k``), so 40000 + 40000 -
+        40000 is inf in FP16, where one rounding of the FP32 sum gave 40000."""
+        nodes: list[onnx.NodeProto] = []
+        acc = node.input[0]
+        for k, x in enumerate(node.input[1:], start=1):
+            last = k == len(node.input) - 1
+            out = node.output[0] if last else self.fresh(node.output[0])
+            raw, mid = self.fresh(out), self.fresh(out)
+            nodes.append(helper.make_node("Sum", [acc, x], [raw], name=node.name if last else self.fresh(node.name)))
+            nodes.append(helper.make_node("Cast", [raw], [mid], to=low, name=self.fresh("amp_emu_round")))
+            nodes.append(helper.make_node("Cast", [mid], [out], to=FLOAT, name=self.fresh("amp_emu_back")))
+            acc = out
+        self.rounded.add(node.output[0])
         return nodes
 
 

@@ -948,3 +948,37 @@ def test_an_output_whose_gemms_a_user_pinned_is_not_fused_when_rewritten_again(o
     assert not again.modified
     assert again.model.graph == pinned.graph
     assert rewrite(pinned, fp16_ops=["MatMul"]).log.fusions  # (a pin of this run still decides)
+
+
+@pytest.mark.parametrize("src, warned", [("h", True), ("r", False)])
+def test_the_layernorm_fusion_warning_is_given_where_the_cast_makes_x(src, warned):
+    """--no-fuse at opset 17: the warning that onnxruntime's LayerNormFusion refuses the output was
+    given for any LayerNorm island entered through a Cast, also one into the residual Add before the
+    LayerNorm (x + Cast(h): the second LayerNorm of a pre-LN block), whose output loads and runs.
+    onnxruntime folds only a Cast that makes the normalised input itself."""
+    text = f"""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,16] x) => (float[2,16] y) {{
+      h = MatMul(x, W0)
+      r = Add(x, h)
+      mean = ReduceMean<axes=[-1]>({src})
+      d = Sub({src}, mean)
+      sq = Pow(d, two)
+      var = ReduceMean<axes=[-1]>(sq)
+      ve = Add(var, eps)
+      sd = Sqrt(ve)
+      n = Div(d, sd)
+      g = Mul(n, gamma)
+      ln = Add(g, beta)
+      y = MatMul(ln, W1)
+    }}"""
+    model = make_model(text, {"W0": (16, 16), "W1": (16, 16), "two": np.array(2.0, np.float32),
+                              "eps": np.array(1e-5, np.float32), "gamma": np.ones(16, np.float32),
+                              "beta": np.zeros(16, np.float32)})
+    if src == "h":
+        model.graph.node.remove(next(n for n in model.graph.node if n.output[0] == "r"))
+    result = rewrite(model, fuse=False)
+    assert bool([n for n in result.log.notes if n.startswith("onnxruntime:")]) is warned
+    x = {"x": np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)}
+    if not warned:  # (onnxruntime at its extended level, where LayerNormFusion runs: it loads and runs)
+        assert rel_err(run(model, x)["y"], run(result.model, x)["y"]) < 1e-2

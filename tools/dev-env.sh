@@ -17,8 +17,12 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip >/dev/null
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
-    # CPU wheel: the unpinned torch would pull several GB of CUDA packages.
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+    # CPU wheel: the unpinned torch (and plain torch==2.13.0 from PyPI, on Linux) would pull several
+    # GB of CUDA packages. The local version +cpu comes from a wheel house or index that has it; else
+    # from PyTorch's CPU index.
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0+cpu" 2>/dev/null \
+        || "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+            --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
 fi
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[test]"
 echo "$want" > "$stamp"

@@ -1342,6 +1342,11 @@ class _Builder:
                 node.meta["amp.refuses_low"] = (
                     f"Einsum {summed[0]!r} sums over {', '.join(summed[1])}, which only one operand holds: a reduction, "
                     f"not a GEMM contraction, whose sum can pass the low type's range as ReduceSum's does")
+            elif len(inputs) >= 3:
+                node.meta["amp.refuses_low"] = (
+                    f"Einsum of {len(inputs)} operands: onnxruntime's CUDA kernel computes it as pairwise products "
+                    f"and keeps each in the low type, so an intermediate past its range is inf (NaN after) where "
+                    f"the result fits")
             elif len(inputs) == 2 and inputs[0] is not None and inputs[0] is inputs[1]:
                 equation = _einsum_equation(n)
                 if equation and one_subscript_twice(equation):
