@@ -16,10 +16,11 @@ import numpy as np
 import onnx
 import pytest
 
-from util import ROOT, full_check, make_model, rel_err, rewrite, run
+from util import ROOT, full_check, make_model, rel_err, rewrite, run, value_types
 
 from amp_rewrite import check as ck
-from amp_rewrite.emulate import emulate_low
+from amp_rewrite.decisions import Precision
+from amp_rewrite.emulate import emulate_all, emulate_low
 
 # -- models ---------------------------------------------------------------------------------------------
 def overflow_model(sign: float = -1.0, *, named: bool = True) -> onnx.ModelProto:
@@ -1485,3 +1486,92 @@ def test_auto_fp32_bisects_over_computations_not_constants_or_casts():
     assert any(n.op_type == "Constant" for n in low.graph.node) and any(n.op_type == "Cast" for n in low.graph.node)
     ops = [op for _, op in ck._low_nodes(low)]
     assert ops == ["MatMul", "Add", "MatMul"]
+
+
+# -- the emulation stands in for the GPU ---------------------------------------------------------------------
+def test_a_low_sum_of_three_inputs_is_emulated_with_its_partial_sums_rounded(tmp_path):
+    """onnxruntime's CUDA Sum keeps each partial sum in the low type (out = in0 + in1; out = out + in2):
+    40000 + 40000 - 40000 is inf in FP16. The emulation rounded only the node's output (40000), and
+    --check passed a model that gives inf on the GPU."""
+    m = make_model("""<ir_version: 8, opset_import: ["" : 17]>
+    g (float[1,4] x) => (float[1,4] y) {
+      a = MatMul(x, W)
+      b = MatMul(x, W)
+      c = MatMul(x, V)
+      s = Sum(a, b, c)
+      y = MatMul(s, I)
+    }""", {"W": np.full((4, 4), 10000.0, np.float32), "V": np.full((4, 4), -10000.0, np.float32),
+           "I": np.eye(4, dtype=np.float32) * 0.5})
+    low = rewrite(m).model
+    assert value_types(low)[next(n for n in low.graph.node if n.op_type == "Sum").output[0]] == onnx.TensorProto.FLOAT16
+    emulated, _ = emulate_low(low)
+    assert not np.isfinite(run(emulated, {"x": np.ones((1, 4), np.float32)})["y"]).any()  # (inf, NaN after the MatMul)
+    save(m, tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", x=np.ones((1, 4), np.float32))
+    proc = run_cli(["m.onnx", "--check", "--inputs", "in.npz"], tmp_path)
+    assert proc.returncode == 8, proc.stdout + proc.stderr
+
+
+def test_an_einsum_of_three_operands_stays_fp32():
+    """onnxruntime's CUDA Einsum computes pairwise products and keeps each in the low type: an
+    intermediate of 360000 was inf (NaN after) where the result, 3600, fits."""
+    m = make_model("""<ir_version: 8, opset_import: ["" : 17]>
+    g (float[4,4] x) => (float[4,4] y) {
+      h = MatMul(x, A)
+      y = Einsum<equation = "ij,jk,kl->il">(h, B, C)
+    }""", {"A": np.eye(4, dtype=np.float32), "B": np.full((4, 4), 300.0, np.float32),
+           "C": (np.eye(4) * 0.01).astype(np.float32)})
+    result = rewrite(m)
+    decision = next(d for d in result.log.decisions.values() if d.op == "Einsum")
+    assert decision.precision == Precision.FP32 and "pairwise products" in decision.reason
+
+
+def test_a_model_local_functions_low_body_is_emulated():
+    """The emulation widened a low value at a function call but never visited the body, whose own
+    Cast to FP16 then met it in a Mul: onnxruntime refused the emulated model and --check blamed
+    the user's inputs. Function bodies are inlined first."""
+    from onnx import helper
+
+    body = [helper.make_node("Constant", [], ["two"], value=helper.make_tensor("t", onnx.TensorProto.FLOAT, [], [2.0])),
+            helper.make_node("Cast", ["two"], ["two16"], to=onnx.TensorProto.FLOAT16),
+            helper.make_node("Mul", ["a", "two16"], ["b"])]
+    fn = helper.make_function("local", "scale", ["a"], ["b"], body, [helper.make_opsetid("", 17)])
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["x16"], to=onnx.TensorProto.FLOAT16),
+         helper.make_node("scale", ["x16"], ["y16"], domain="local"),
+         helper.make_node("Cast", ["y16"], ["y"], to=onnx.TensorProto.FLOAT)], "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("local", 1)],
+                              functions=[fn], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    emulated, _ = emulate_all(model)
+    x = np.full((1, 4), 40000.0, np.float32)
+    assert np.isinf(run(emulated, {"x": x})["y"]).all()  # (40000 * 2 in FP16, as the GPU computes it)
+
+
+def test_the_emulation_infers_types_on_the_structure_not_the_weights(monkeypatch):
+    """Shape inference serialises its input: on a model past 2 GB the emulation failed and --check
+    fell back to an unrounded CPU run with a note. It now infers on the weights' types and shapes."""
+    import amp_rewrite.emulate as em
+
+    m = make_model("""<ir_version: 8, opset_import: ["" : 17]>
+    g (float[1,256] x) => (float[1,256] y) { y = MatMul(x, W) }""", {"W": (256, 256)})
+    low = rewrite(m).model
+    seen = []
+    real = onnx.shape_inference.infer_shapes
+    monkeypatch.setattr(em.onnx.shape_inference, "infer_shapes", lambda p, **k: seen.append(p.ByteSize()) or real(p, **k))
+    emulate_low(low)
+    assert seen and max(seen) < 256 * 256 * 2 // 4  # (the FP16 weight, 128 KiB, is not in it)
+
+
+def test_an_input_that_rounds_to_the_largest_fp16_is_not_said_to_enter_as_inf():
+    notes = ck._inputs_beyond_range({}, _low_input_model(), {"x": np.array([[65510.0, 1.0]], np.float32)})
+    assert notes == []
+    notes = ck._inputs_beyond_range({}, _low_input_model(), {"x": np.array([[65520.0, 1.0]], np.float32)})
+    assert len(notes) == 1 and "enter as ±inf" in notes[0][1]
+
+
+def _low_input_model() -> onnx.ModelProto:
+    return make_model("""<ir_version: 8, opset_import: ["" : 17]>
+    g (float16[1,2] x) => (float16[1,2] y) { y = Relu(x) }""", {})
