@@ -330,33 +330,20 @@ def test_an_overwritten_output_is_a_whole_file_at_every_moment(tmp_path, monkeyp
     check_runs_like(mlp(), out)
 
 
-def test_an_output_over_the_limit_from_an_inline_input_gets_external_data(tmp_path, monkeypatch):
+@pytest.mark.parametrize("held_by", ["initializers", "Constant nodes"])
+def test_an_output_over_the_limit_from_an_inline_input_gets_external_data(tmp_path, monkeypatch, held_by):
     """The choice went by the input's size: an inline input whose weights are each read by both
     types (an FP32 original and a low copy) grew past protobuf's 2 GB limit in the output, and the
     write died in serialisation (exit 70). Threshold lowered to 60 KiB: 48 KiB of weights in, 48 KiB
-    of FP32 originals plus 24 KiB of low copies out."""
+    of FP32 originals plus 24 KiB of low copies out. Weights held by Constant nodes were not counted
+    (one of 1.4 GB, read by both types, so 2.2 GB out): written inline, the write failed, blaming 'a
+    Constant inside an If/Loop body or a function'."""
     monkeypatch.setattr(api, "EXTERNAL_DATA_ABOVE", 60 * 1024)
     model = mlp()
-    sums = [helper.make_node("ReduceSum", [w], [f"s{w}"], keepdims=0, name=f"sum_{w}") for w in ("w0", "w1", "w2")]
-    model.graph.node.extend(sums)
-    model.graph.output.extend(helper.make_tensor_value_info(f"s{w}", TensorProto.FLOAT, []) for w in ("w0", "w1", "w2"))
-    src = tmp_path / "m.onnx"
-    onnx.save(model, str(src))
-    assert src.stat().st_size < 60 * 1024
-    result = api.rewrite_onnx(src, tmp_path / "out.onnx")
-    assert sorted(p.name for p in result.outputs) == ["out.onnx", "out.onnx.data"]
-    check_runs_like(model, tmp_path / "out.onnx")
-
-
-def test_weights_held_by_constant_nodes_count_toward_the_limit(tmp_path, monkeypatch):
-    """The choice of external data counted initializers only: weights held by Constant nodes (one
-    of 1.4 GB, read by both types, so 2.2 GB out) were not counted, the output was written inline,
-    and the write failed, blaming 'a Constant inside an If/Loop body or a function'."""
-    monkeypatch.setattr(api, "EXTERNAL_DATA_ABOVE", 60 * 1024)
-    model = mlp()
-    for i, tensor in enumerate(list(model.graph.initializer)):  # every weight a Constant node
-        model.graph.node.insert(i, helper.make_node("Constant", [], [tensor.name], value=tensor, name=f"c{i}"))
-    del model.graph.initializer[:]
+    if held_by == "Constant nodes":
+        for i, tensor in enumerate(list(model.graph.initializer)):
+            model.graph.node.insert(i, helper.make_node("Constant", [], [tensor.name], value=tensor, name=f"c{i}"))
+        del model.graph.initializer[:]
     sums = [helper.make_node("ReduceSum", [w], [f"s{w}"], keepdims=0, name=f"sum_{w}") for w in ("w0", "w1", "w2")]
     model.graph.node.extend(sums)
     model.graph.output.extend(helper.make_tensor_value_info(f"s{w}", TensorProto.FLOAT, []) for w in ("w0", "w1", "w2"))
