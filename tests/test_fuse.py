@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+from onnx import TensorProto, helper
 import pytest
 
 from amp_rewrite.decisions import Precision
@@ -982,3 +983,18 @@ def test_the_layernorm_fusion_warning_is_given_where_the_cast_makes_x(src, warne
     x = {"x": np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)}
     if not warned:  # (onnxruntime at its extended level, where LayerNormFusion runs: it loads and runs)
         assert rel_err(run(model, x)["y"], run(result.model, x)["y"]) < 1e-2
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+def test_a_dead_noop_cast_of_a_patterns_value_neither_blocks_fusion_nor_breaks_idempotence(opset):
+    """A Cast of a LayerNorm's internal value to the type it has, read by nothing, counted as a
+    reader outside the pattern: the first rewrite left the pattern unfused and removed the Cast
+    (cast placement drops no-op Casts), and the rewrite of its output fused it."""
+    model = residual_block(LAYERNORM, opset)
+    model.graph.node.append(helper.make_node("Cast", ["n"], ["dead"], to=TensorProto.FLOAT))
+    first = rewrite(model)
+    assert [f.pattern for f in first.log.fusions] == [f.pattern for f in rewrite(residual_block(LAYERNORM, opset)).log.fusions]
+    assert first.log.fusions and not any(o == "dead" for n in first.model.graph.node for o in n.output)
+    full_check(first.model)
+    again = rewrite(first.model)
+    assert not again.modified and again.model.SerializeToString() == first.model.SerializeToString()

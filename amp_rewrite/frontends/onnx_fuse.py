@@ -98,7 +98,7 @@ def fuse(model: Model, ctx: Context) -> PassResult:
     namer: Namer | None = None  # built at the first fusion: most models have nothing to fuse
     names: frozenset[str] | None = None
     shapes = SymbolicShapes(model)
-    changed = False
+    changed = _drop_dead_noop_casts(model)
     for scope in list(model.graph.scopes()):
         nodes = list(scope.nodes)
         position = {id(n): i for i, n in enumerate(nodes)}
@@ -529,6 +529,24 @@ def _kept_fp32(match: _Match, scope: Graph, ctx: Context, names: frozenset[str],
         missing = missing_low_kernel(ctx, "LayerNormalization", "", scope.opsets.get("", 0))
         return (missing or "LayerNormalization has no low-precision form here"), "kernel table"
     return None
+
+
+def _drop_dead_noop_casts(model: Model) -> bool:
+    """Remove Casts to the type their input has whose output nothing reads: cast placement removes
+    them anyway, after this pass. Left here, such a Cast of a pattern's value counted as a reader
+    outside the pattern and kept it unfused, and the rewrite of the output (the Cast gone) fused
+    it: rewriting the output again changed it."""
+    dropped = False
+    for scope in model.graph.scopes():
+        dead = [n for n in scope.nodes if n.op_type == "Cast" and n.domain in ("", "ai.onnx") and n.inputs
+                and n.inputs[0] is not None and n.inputs[0].dtype is not None
+                and int(n.inputs[0].dtype) == n.attrs.get("to")
+                and not any(o.has_uses() or o.is_graph_output for o in n.outputs)]
+        for node in dead:
+            scope.remove(node)
+            model.meta.setdefault("amp.removed_nodes", []).append(node)  # (the emitter drops its origin)
+            dropped = True
+    return dropped
 
 
 def _pinned(match: _Match, ctx: Context, names: frozenset[str]) -> bool:
