@@ -66,8 +66,9 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, options: dict, mode
 
     from .fx_api import ambient_autocast
 
-    if ambient_autocast():
-        raise UsageError(f"the amp_rewrite backend was called inside torch.autocast ({', '.join(ambient_autocast())}): "
+    autocast = ambient_autocast()
+    if autocast:
+        raise UsageError(f"the amp_rewrite backend was called inside torch.autocast ({', '.join(autocast)}): "
                          f"amp_rewrite replaces autocast, and the graph dynamo hands over holds autocast's types; "
                          f"call the compiled module outside the torch.autocast context")
     supplied = sorted(set(options) & {"example_inputs", "example_kwargs", "capture", "decompose", "dynamic_shapes"})

@@ -41,6 +41,7 @@ def emulate_low(model: onnx.ModelProto, low: int | None = None) -> tuple[onnx.Mo
     """(the FP32 emulation of ``model``, the names of the values it holds in the low type).
 
     ``low``: TensorProto.FLOAT16 or BFLOAT16; by default whichever the model uses (FP16 if both)."""
+    model = _inlined(model)
     types, shapes = _value_types(model)
     if low is None:
         used = set(types.values())
@@ -51,8 +52,20 @@ def emulate_low(model: onnx.ModelProto, low: int | None = None) -> tuple[onnx.Mo
 def emulate_all(model: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
     """:func:`emulate_low` for every low type the model holds at once (a BF16 rewrite of a model
     with FP16 parts of its own holds both); the names rounded to either."""
+    model = _inlined(model)
     types, shapes = _value_types(model)
     return _emulate(model, types, set(LOW_TYPES), shapes)
+
+
+def _inlined(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its model-local functions inlined: a body holds its own low values and Casts,
+    which are then typed and rounded like any other (left in the function, a body widened at its
+    call met its own FP16 Cast, and onnxruntime refused the emulation). Main-graph names stay."""
+    if not len(model.functions):
+        return model
+    from onnx import inliner
+
+    return inliner.inline_local_functions(model)
 
 
 def _value_types(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, onnx.TensorShapeProto]]:
@@ -82,14 +95,6 @@ def _emulate(model: onnx.ModelProto, types: dict[str, int], lows: set[int],
              shapes: dict[str, onnx.TensorShapeProto]) -> tuple[onnx.ModelProto, set[str]]:
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    if len(out.functions):
-        # a model-local function's body holds its own low values and Casts (not in the types the
-        # emulation reads): inlined, they are rounded like any other; left as they were, a body
-        # widened at its call met its own FP16 Cast and onnxruntime refused the model
-        from onnx import inliner
-
-        out = inliner.inline_local_functions(out)
-        types = {**types, **_value_types(out)[0]}
     rounded: set[str] = set()
     taken = {name for g in _graph_protos(out.graph) for name in _names(g)}
     _Rewriter(types, lows, rounded, taken, shapes).graph(out.graph)
@@ -190,13 +195,18 @@ class _Rewriter:
             if is_cast:  # Cast(to=low) rounds already: back to FLOAT
                 nodes.append(helper.make_node("Cast", [renamed[o]], [o], to=FLOAT, name=self.fresh("amp_emu_back")))
                 continue
-            mid = self.fresh(o)
-            self._declare(renamed[o], o, FLOAT)
-            self._declare(mid, o, self.types[o])
-            nodes.append(helper.make_node("Cast", [renamed[o]], [mid], to=self.types[o], name=self.fresh("amp_emu_round")))
-            nodes.append(helper.make_node("Cast", [mid], [o], to=FLOAT, name=self.fresh("amp_emu_back")))
+            nodes.extend(self._rounding(renamed[o], o, self.types[o], like=o))
         return nodes
 
+    def _rounding(self, raw: str, out: str, low: int, like: str | None) -> list[onnx.NodeProto]:
+        """``out`` = ``raw`` rounded to ``low`` and carried as FP32 (Cast there and back); the names
+        made are declared with the shape of value ``like`` where given."""
+        mid = self.fresh(out)
+        if like is not None:
+            self._declare(raw, like, FLOAT)
+            self._declare(mid, like, low)
+        return [helper.make_node("Cast", [raw], [mid], to=low, name=self.fresh("amp_emu_round")),
+                helper.make_node("Cast", [mid], [out], to=FLOAT, name=self.fresh("amp_emu_back"))]
 
     def _sum_pairwise(self, node: onnx.NodeProto, low: int) -> list[onnx.NodeProto]:
         """A low Sum of k > 2 inputs as onnxruntime's CUDA kernel computes it: each partial sum is
@@ -207,10 +217,10 @@ class _Rewriter:
         for k, x in enumerate(node.input[1:], start=1):
             last = k == len(node.input) - 1
             out = node.output[0] if last else self.fresh(node.output[0])
-            raw, mid = self.fresh(out), self.fresh(out)
+            raw = self.fresh(out)
             nodes.append(helper.make_node("Sum", [acc, x], [raw], name=node.name if last else self.fresh(node.name)))
-            nodes.append(helper.make_node("Cast", [raw], [mid], to=low, name=self.fresh("amp_emu_round")))
-            nodes.append(helper.make_node("Cast", [mid], [out], to=FLOAT, name=self.fresh("amp_emu_back")))
+            # (a partial sum of broadcast inputs may have another shape: only the last is declared)
+            nodes.extend(self._rounding(raw, out, low, like=node.output[0] if last else None))
             acc = out
         self.rounded.add(node.output[0])
         return nodes

@@ -121,8 +121,6 @@ def remove_stale_stages(folder: Path) -> None:
     hidden ``.amp-rewrite-<pid>-*`` folders whose process is gone. They hold partial or unchecked
     outputs only (never a previous output: that is kept by a hard link beside it), up to a model's
     size each."""
-    import shutil
-
     try:
         entries = list(folder.iterdir())
     except OSError:

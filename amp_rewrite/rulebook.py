@@ -717,13 +717,10 @@ def _suggest(frontend: str, domain: str, op: str, vocabulary: Iterable[str]) -> 
     before the closest name in its own (which made ``FusedMatMul`` 'MatMul', a pin on every MatMul)."""
     same_case = {v.lower(): v for v in vocabulary}.get(op.lower())  # ('gelu' is Gelu, not com.microsoft:Gelu)
     if frontend == "onnx" and same_case is None:
-        for exact in (True, False):
-            for other in ("", *_KNOWN_DOMAINS):
-                known = (_vocabulary(frontend, other) or frozenset()) if other != domain else frozenset()
-                found = op if exact and op in known else \
-                    (None if exact else {k.lower(): k for k in known}.get(op.lower()))
-                if found:
-                    return f"{other}:{found}" if other else found
+        for other in (d for d in ("", *_KNOWN_DOMAINS) if d != domain):
+            found = {k.lower(): k for k in _vocabulary(frontend, other) or ()}.get(op.lower())
+            if found:
+                return f"{other}:{found}" if other else found
     suggestion = same_case or _closest(op, vocabulary)
     return f"{domain}:{suggestion}" if suggestion and domain else suggestion
 

@@ -134,11 +134,8 @@ class LossScaler:
         # the allocator hands out again (a per-step loss weight freed, a deep-copied module's scale
         # buffer placed there) is looked at again, not taken for the scalar that was there before
         self._not_scales: set[tuple[int, float]] = set()
-        if module is not None:
-            if isinstance(module, (str, bytes, torch.Tensor)):  # (iterable, but no modules)
-                raise TypeError(f"LossScaler: {module!r} is not a torch module; pass the module "
-                                f"amp_rewrite.rewrite(..., training=True) returned")
-            self.attach(*(module if not isinstance(module, torch.nn.Module) else [module]))
+        if module is not None:  # (a str or a tensor is iterable, but attach says what it is not)
+            self.attach(*(module if not isinstance(module, (torch.nn.Module, str, bytes, torch.Tensor)) else [module]))
 
     # -- the in-graph scale -------------------------------------------------------------------------------
     def attach(self, *modules: torch.nn.Module) -> "LossScaler":

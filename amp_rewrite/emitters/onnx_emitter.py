@@ -526,9 +526,7 @@ def _replace_inputs(node: ir.Node, changes: list[tuple[int, ir.Value | None]]) -
     """``node.replace_input_with`` for each (index, value), in one pass where there are many:
     onnx-ir rebuilds the whole input tuple per call, so a Concat of 32k inputs half of which read a
     Cast took 30 s (quadratic). The batch keeps the use lists as that method does."""
-    if len(changes) < 16 or not all(hasattr(v, a) for v in (node.inputs[0], *(t for _, t in changes))
-                                    if v is not None for a in ("_remove_usage", "_add_usage")) \
-            or not hasattr(node, "_inputs"):
+    if len(changes) < 16 or not _BATCHED_INPUTS:
         for index, value in changes:  # (few, or an onnx-ir whose internals differ: the public method)
             node.replace_input_with(index, value)
         return
@@ -544,6 +542,11 @@ def _replace_inputs(node: ir.Node, changes: list[tuple[int, ir.Value | None]]) -
             value._add_usage(node, index)  # noqa: SLF001
         if old[index] is not None and old[index] is not value and hasattr(node, "_drop_sharding_for_value"):
             node._drop_sharding_for_value(old[index])  # noqa: SLF001
+
+
+# (the onnx-ir internals replace_input_with uses; another onnx-ir version takes the public method)
+_BATCHED_INPUTS = all(hasattr(ir.Value, a) for a in ("_remove_usage", "_add_usage")) and "_inputs" in getattr(
+    ir.Node, "__slots__", ("_inputs",))
 
 
 def _utf8(name: str) -> bool:
@@ -563,9 +566,8 @@ def tensor_bytes(model: ir.Model) -> int:
         total += sum(value.const_value.nbytes for value in graph.initializers.values() if value.const_value is not None)
         for node in graph:
             if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-                attr = node.attributes.get("value")
-                tensor = attr.value if attr is not None else None
-                total += getattr(tensor, "nbytes", 0) or 0
+                tensor = constant_node_tensor(node)
+                total += tensor.nbytes if tensor is not None else 0
     return total
 
 

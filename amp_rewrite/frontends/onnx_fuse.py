@@ -65,8 +65,8 @@ import onnx
 
 from ..decisions import Category, FusionRecord, Precision
 from ..ir import DType, Graph, Model, Node, Value
-from ..passes.base import (Context, PassResult, aliases, earlier_pin, is_user_source, node_label, node_names,
-                           node_rule_of)
+from ..passes.base import (Context, PassResult, aliases, earlier_pin, is_noop_cast, is_user_source, node_label,
+                           node_names, node_rule_of)
 from ..passes.classify import missing_low_kernel
 from ..passes.place_casts import Namer
 from .onnx_loader import constant_array, schema_slots
@@ -538,10 +538,8 @@ def _drop_dead_noop_casts(model: Model) -> bool:
     it: rewriting the output again changed it."""
     dropped = False
     for scope in model.graph.scopes():
-        dead = [n for n in scope.nodes if n.op_type == "Cast" and n.domain in ("", "ai.onnx") and n.inputs
-                and n.inputs[0] is not None and n.inputs[0].dtype is not None
-                and int(n.inputs[0].dtype) == n.attrs.get("to")
-                and not any(o.has_uses() or o.is_graph_output for o in n.outputs)]
+        dead = [n for n in scope.nodes
+                if is_noop_cast(n) and not any(o.has_uses() or o.is_graph_output for o in n.outputs)]
         for node in dead:
             scope.remove(node)
             model.meta.setdefault("amp.removed_nodes", []).append(node)  # (the emitter drops its origin)

@@ -319,10 +319,9 @@ def _check_map_types(graph: onnx.GraphProto, where: str) -> None:
     'could not be read' with onnx-ir's request for a pull request."""
     def has_map(t: onnx.TypeProto) -> bool:
         kind = t.WhichOneof("value")
-        if kind == "map_type":
-            return True
-        inner = {"sequence_type": lambda: t.sequence_type.elem_type, "optional_type": lambda: t.optional_type.elem_type}
-        return kind in inner and has_map(inner[kind]())
+        if kind in ("sequence_type", "optional_type"):
+            return has_map(getattr(t, kind).elem_type)
+        return kind == "map_type"
 
     def text(t: onnx.TypeProto) -> str:
         kind = t.WhichOneof("value")

@@ -285,6 +285,12 @@ def is_float32(value: Value | None) -> bool:
     return value is not None and value.dtype == DType.FLOAT
 
 
+def is_noop_cast(node: Node) -> bool:
+    """A standard-domain Cast to the type its input already has: it does nothing."""
+    src = node.inputs[0] if node.op_type == "Cast" and node.domain in ("", "ai.onnx") and node.inputs else None
+    return src is not None and src.dtype is not None and int(src.dtype) == node.attrs.get("to")
+
+
 ANY_FLOAT_CONSUMERS = {"Cast", "Shape", "Size"}
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..decisions import CastRecord, Precision
 from ..ir import DType, Graph, Model, Node, Value
-from .base import (LOW_LIMITS, Context, PassResult, accepts_any_float, group_inputs, group_outputs,
+from .base import (LOW_LIMITS, Context, PassResult, accepts_any_float, group_inputs, group_outputs, is_noop_cast,
                    node_label, participates, precision, retypable_io, scope_label, string_attribute)
 
 
@@ -845,7 +845,7 @@ class _Placer:
                 if node.meta.get("amp.inserted"):
                     continue
                 src, out = node.inputs[0], node.outputs[0]
-                if src is None or src.dtype is None or int(src.dtype) != node.attrs.get("to") or out.is_graph_output:
+                if not is_noop_cast(node) or out.is_graph_output:
                     continue
                 if mutates and src.meta.get("amp.was") is None:
                     continue
