@@ -127,6 +127,7 @@ class FusionRecord:
     pattern: str  # LayerNorm | RMSNorm | tanh-GELU
     members: list[str]  # labels of the nodes it replaced
     reason: str
+    casts: int = 0  # how many of them were the model's own Casts (gone with the pattern)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 from .decisions import HEAVY_OPS, Category, Decision, DecisionLog, Precision  # noqa: F401 (HEAVY_OPS: re-exported)
 from .passes.islands import describe
 
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 TENSOR_CORE_MULTIPLE = 8  # fp16/bf16 tensor cores want GEMM dims (M, N, K) and channels in multiples of 8
 _PRECISIONS = ("fp16", "bf16", "fp32", "unchanged")
 
@@ -130,6 +130,7 @@ class Report:
             "casts_inserted": self.casts_inserted,
             "casts_retargeted": sum(1 for c in self.log.casts if c.kind == "retargeted"),
             "casts_removed": sum(1 for c in self.log.casts if c.kind == "removed"),
+            "casts_fused": sum(f.casts for f in self.log.fusions),
             "cast_bytes_per_run": sum(c.bytes_per_run or 0 for c in self.log.casts if c.kind == "inserted"),
             "casts_unknown_size": sum(1 for c in self.log.casts if c.kind == "inserted" and c.bytes_per_run is None),
             "islands": len(self.log.islands),
@@ -191,7 +192,8 @@ class Report:
                  f"{_bytes(s['cast_bytes_per_run'])} per run, {unknown} of unknown size left out")
         lines.append(f"casts inserted: {s['casts_inserted']}" + (f" ({moved})" if s["casts_inserted"] else "")
                      + (f", retargeted: {s['casts_retargeted']}" if s["casts_retargeted"] else "")
-                     + (f", removed: {s['casts_removed']}" if s["casts_removed"] else ""))
+                     + (f", removed: {s['casts_removed']}" if s["casts_removed"] else "")
+                     + (f", fused away: {s['casts_fused']}" if s.get("casts_fused") else ""))
         # --placement optimal: cast bytes and FP32 traffic per run at the default shapes, vs greedy's
         lines += [n for n in self.log.notes if n.startswith(("optimal placement", "dropped:", "unmatched:", "without effect:",
                                                                    "as given:", "as pinned:", "training:",

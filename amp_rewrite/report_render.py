@@ -87,7 +87,8 @@ def render_markdown(report: "Report") -> str:
         [f"MatMul/Gemm/Conv/attention in {low}", f"{heavy['low']} of {heavy['total']}"],
         ["casts inserted", f"{s['casts_inserted']} ({_bytes(s['cast_bytes_per_run'])} per run"
                            + (f"; {s['casts_unknown_size']} of unknown size" if s["casts_unknown_size"] else "") + ")"],
-        ["casts retargeted / removed", f"{s['casts_retargeted']} / {s['casts_removed']}"],
+        ["casts retargeted / removed / fused away",
+         f"{s['casts_retargeted']} / {s['casts_removed']} / {s.get('casts_fused', 0)}"],
         ["FP32 islands", s["islands"]],
         ["weights", f"{_bytes(w['bytes_before'])} → {_bytes(w['bytes_after'])} ({w['converted']} tensors converted)"],
         ["values clamped / flushed to zero", f"{w['clamped']} / {w['flushed_to_zero']}"],
@@ -237,7 +238,8 @@ def _summary_html(d: dict[str, Any]) -> str:
               f"{_bytes(s['cast_bytes_per_run'])} per run"
               + (f", {s['casts_unknown_size']} of unknown size" if s["casts_unknown_size"] else "")
               + (f"; {s['casts_retargeted']} retargeted" if s["casts_retargeted"] else "")
-              + (f"; {s['casts_removed']} removed" if s["casts_removed"] else "")),
+              + (f"; {s['casts_removed']} removed" if s["casts_removed"] else "")
+              + (f"; {s['casts_fused']} fused away" if s.get("casts_fused") else "")),
         _card("sum-cast-bytes", _bytes(s["cast_bytes_per_run"]), "cast traffic per run",
               f"{s['cast_bytes_per_run']} bytes read + written", raw=s["cast_bytes_per_run"]),
         _card("sum-islands", s["islands"], "FP32 islands"),

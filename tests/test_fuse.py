@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 import pytest
 
 from amp_rewrite.decisions import Precision
-from amp_rewrite.report import Report
+from amp_rewrite.report import Report, validate
 from tests.util import FP16, FP32, full_check, make_model, nodes_by_type, rel_err, rewrite, run, value_types
 
 W = {"wq": (8, 8), "wo": (8, 8), "g": np.linspace(0.5, 1.5, 8, dtype=np.float32),
@@ -998,3 +998,23 @@ def test_a_dead_noop_cast_of_a_patterns_value_neither_blocks_fusion_nor_breaks_i
     full_check(first.model)
     again = rewrite(first.model)
     assert not again.modified and again.model.SerializeToString() == first.model.SerializeToString()
+
+
+@pytest.mark.parametrize("norm, dead_cast", [(RMSNORM, False), (LAYERNORM, True), (RMSNORM, True)])
+def test_the_summary_accounts_for_every_cast_the_fusion_took(norm, dead_cast):
+    """The summary's Cast counts add up to the output's: an RMSNorm's own Cast went with the fused
+    pattern, and a dead no-op Cast the fuse pass dropped, but neither was counted (a T5 export's
+    summary said 31 + 1 − 23 where the output had 7)."""
+    model = residual_block(norm, 17)
+    if dead_cast:
+        model.graph.node.append(helper.make_node("Cast", ["n"], ["dead"], to=TensorProto.FLOAT))
+    result = rewrite(model)
+    report = Report.from_log(result.log)
+    s = report.summary()
+    before, after = len(nodes_by_type(model, "Cast")), len(nodes_by_type(result.model, "Cast"))
+    assert result.log.fusions
+    assert after == before + s["casts_inserted"] - s["casts_removed"] - s["casts_fused"]
+    assert s["casts_fused"] == (1 if norm is RMSNORM else 0)
+    assert s["casts_removed"] == (1 if dead_cast else 0)
+    assert ("fused away: 1" in report.summary_text()) == (norm is RMSNORM)
+    validate(report.to_dict())

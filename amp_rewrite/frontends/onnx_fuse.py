@@ -63,10 +63,10 @@ from typing import Any, Callable
 
 import onnx
 
-from ..decisions import Category, FusionRecord, Precision
+from ..decisions import CastRecord, Category, FusionRecord, Precision
 from ..ir import DType, Graph, Model, Node, Value
 from ..passes.base import (Context, PassResult, aliases, earlier_pin, is_noop_cast, is_user_source, node_label,
-                           node_names, node_rule_of)
+                           node_names, node_rule_of, scope_label)
 from ..passes.classify import missing_low_kernel
 from ..passes.place_casts import Namer
 from .onnx_loader import constant_array, schema_slots
@@ -98,7 +98,7 @@ def fuse(model: Model, ctx: Context) -> PassResult:
     namer: Namer | None = None  # built at the first fusion: most models have nothing to fuse
     names: frozenset[str] | None = None
     shapes = SymbolicShapes(model)
-    changed = _drop_dead_noop_casts(model)
+    changed = _drop_dead_noop_casts(model, ctx)
     for scope in list(model.graph.scopes()):
         nodes = list(scope.nodes)
         position = {id(n): i for i, n in enumerate(nodes)}
@@ -421,7 +421,8 @@ def _replace(model: Model, scope: Graph, match: _Match, ctx: Context, namer: Nam
         node.meta["amp.fused_fp32"] = fp32
         reason = f"decomposed LayerNorm fused to stay FP32 ({fp32[0]}): {_FP32_FUSION}"
     ctx.log.fusions.append(FusionRecord(node=node.name, op=node.qualified_op, pattern=match.kind,
-                                        members=[node_label(n) for n in removed], reason=reason))
+                                        members=[node_label(n) for n in removed], reason=reason,
+                                        casts=sum(1 for n in removed if n.op_type == "Cast" and n.domain in ("", "ai.onnx"))))
     return removed
 
 
@@ -531,16 +532,24 @@ def _kept_fp32(match: _Match, scope: Graph, ctx: Context, names: frozenset[str],
     return None
 
 
-def _drop_dead_noop_casts(model: Model) -> bool:
+def _drop_dead_noop_casts(model: Model, ctx: Context) -> bool:
     """Remove Casts to the type their input has whose output nothing reads: cast placement removes
     them anyway, after this pass. Left here, such a Cast of a pattern's value counted as a reader
     outside the pattern and kept it unfused, and the rewrite of the output (the Cast gone) fused
-    it: rewriting the output again changed it."""
+    it: rewriting the output again changed it. Each is recorded as removed, as cast placement
+    records those it removes."""
     dropped = False
     for scope in model.graph.scopes():
         dead = [n for n in scope.nodes
                 if is_noop_cast(n) and not any(o.has_uses() or o.is_graph_output for o in n.outputs)]
         for node in dead:
+            src, out = node.inputs[0], node.outputs[0]
+            ctx.log.casts.append(CastRecord(
+                name=node.name or out.name, tensor=src.name, src=src.dtype.short, dst=src.dtype.short,
+                producer=node_label(src.producer) if src.producer is not None else None, consumers=[],
+                shape=src.shape, numel=src.numel, scope=scope_label(scope),
+                reason=f"casts a {src.dtype.short} value to {src.dtype.short} and nothing reads it: removed",
+                kind="removed"))
             scope.remove(node)
             model.meta.setdefault("amp.removed_nodes", []).append(node)  # (the emitter drops its origin)
             dropped = True
