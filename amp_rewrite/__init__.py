@@ -11,9 +11,15 @@ Public API (everything else is private and may change):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import AmpRewriteError
+
+if TYPE_CHECKING:  # (loaded lazily at run time, below; type checkers and IDEs see the real names)
+    from .api import RewriteResult, rewrite, rewrite_onnx
+    from .report import Report
+    from .rulebook import RuleBook
+    from .training import LossScaler
 
 __version__ = "0.1.0"
 
@@ -21,10 +27,15 @@ __all__ = ["rewrite", "rewrite_onnx", "load_rules", "Report", "LossScaler", "Rew
            "__version__"]
 
 
-def load_rules(*args: Any, **kwargs: Any):
+def load_rules(*args: Any, **kwargs: Any) -> "RuleBook":
+    """See :func:`amp_rewrite.rulebook.load_rules`."""
     from .rulebook import load_rules as _load_rules
 
     return _load_rules(*args, **kwargs)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def __getattr__(name: str) -> Any:

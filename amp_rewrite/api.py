@@ -9,7 +9,7 @@ import gc
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, ParamSpec, Sequence, TypeVar
 
 from .decisions import ALIGNMENT_OPS, HEAVY_OPS, Category, Decision, DecisionLog, Precision
 from .errors import ModelLoadError, OutputError, UsageError
@@ -70,17 +70,27 @@ def make_context(*, frontend: str, target: str = "fp16", rules: Iterable[str | o
     if placement not in ("greedy", "optimal"):
         raise UsageError(f"unknown placement {placement!r}: choose greedy or optimal")
     if isinstance(rules, RuleBook):
-        book = rules
+        for what, wanted, have in (("frontend", frontend, rules.frontend), ("target", target, rules.target)):
+            if have != wanted:
+                raise UsageError(f"rules: the RuleBook given was composed for {what} {have!r}, this rewrite's is "
+                                 f"{wanted!r}; build it with load_rules(..., {what}={wanted!r})")
+        # (the pins go on top, as load_rules puts them over its files)
+        book = rules.with_overrides(fp32_ops=fp32_ops, low_ops=fp16_ops, fp32_nodes=fp32_nodes, low_nodes=fp16_nodes)
     else:
-        book = load_rules([str(r) for r in _as_list("rules", rules)], frontend=frontend, target=target, fp32_ops=fp32_ops,
-                          low_ops=fp16_ops, fp32_nodes=fp32_nodes, low_nodes=fp16_nodes)
-        if frontend == "onnx":
-            from .frontends.onnx_loader import check_rule_input_names
+        book = load_rules([os.fspath(r) for r in _as_list("rules", rules)], frontend=frontend, target=target,
+                          fp32_ops=fp32_ops, low_ops=fp16_ops, fp32_nodes=fp32_nodes, low_nodes=fp16_nodes)
+    if frontend == "onnx":
+        from .frontends.onnx_loader import check_rule_input_names
 
-            check_rule_input_names(book)
+        check_rule_input_names(book)
     options = Options(target=target, keep_io_types=keep_io_types, training=training, placement=placement,
                       loss=loss, verify_each=verify_each, fuse=fuse)
     return Context(rules=book, options=options, log=DecisionLog(target=target))
+
+
+# what rewrite(training=True, loss=...) takes beyond make_context's options (training_onnx)
+_ONNX_TRAINING_OPTIONS = ("grads", "loss_grad", "loss_scaling", "growth_factor", "backoff_factor", "growth_interval",
+                          "min_scale", "max_scale", "dynamic")
 
 
 def context_for(frontend: str, options: dict[str, Any], where: str) -> Context:
@@ -92,8 +102,10 @@ def context_for(frontend: str, options: dict[str, Any], where: str) -> Context:
     known = [p for p in inspect.signature(make_context).parameters if p != "frontend"]
     unknown = [k for k in options if k not in known]
     if unknown:
-        close = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]!r}?)" if close else f"; it takes: {', '.join(known)}"
+        # (an ONNX rewrite with training=True and loss= takes the training graph's options too)
+        offered = known + (list(_ONNX_TRAINING_OPTIONS) if frontend == "onnx" else [])
+        close = difflib.get_close_matches(unknown[0], offered, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else f"; it takes: {', '.join(offered)}"
         raise UsageError(f"{where} got an unknown option {unknown[0]!r}{hint}")
     return make_context(frontend=frontend, **options)
 
@@ -106,7 +118,7 @@ def flag(name: str, value: Any, *, none: bool = False) -> Any:
 
 
 def _as_list(name: str, value: Any) -> list:
-    if isinstance(value, (str, os.PathLike)):
+    if isinstance(value, str) or (name == "rules" and isinstance(value, os.PathLike)):
         return [value]
     if value is None:
         return []
@@ -117,9 +129,10 @@ def _as_list(name: str, value: Any) -> list:
         items = list(value)
     except TypeError:
         raise UsageError(f"{name}={value!r}: pass a list (or one name)") from None
-    bad = [item for item in items if not isinstance(item, (str, os.PathLike))]
+    paths = name == "rules"
+    bad = [item for item in items if not isinstance(item, (str, os.PathLike) if paths else str)]
     if bad:
-        raise UsageError(f"{name}: {bad[0]!r} is not a name or path")
+        raise UsageError(f"{name}: {bad[0]!r} is not a {'name or path' if paths else 'name (a str)'}")
     return items
 
 
@@ -294,13 +307,17 @@ def _record_decisions(model: Model, ctx: Context) -> None:
                              + "; they keep their types")
 
 
-def _gc_paused(func):
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _gc_paused(func: Callable[_P, _R]) -> Callable[_P, _R]:
     """Run without the cyclic garbage collector. A rewrite allocates millions of small objects
     (nodes and values point at each other) that stay alive until it returns, so every collection
     scans them all for nothing: about 45% of the time on a 100k-node graph."""
 
     @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any):
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         was_enabled = gc.isenabled()
         gc.disable()
         try:
@@ -327,6 +344,10 @@ def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *
     flag("external_data", external_data, none=True)
     if isinstance(dst, str) and dst.endswith(("/", os.sep)):  # (Path() would drop the slash: a file 'outdir')
         raise OutputError(f"{dst}: ends with a slash, so it names a folder; pass the output file's path")
+    for name, value in (("src", src), ("dst", dst)):
+        if not isinstance(value, (str, os.PathLike)) and not (name == "dst" and value is None):
+            raise UsageError(f"rewrite_onnx: {name} must be a path, got {type(value).__name__}"
+                             + (" (for a ModelProto use rewrite())" if name == "src" else ""))
     if _training_graph(options):
         # an ONNX training graph: the loss-scale (and unscale/all_finite) nodes go in too, as
         # rewrite() does for a ModelProto
@@ -334,10 +355,6 @@ def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *
 
         options = {k: v for k, v in options.items() if k != "training"}
         return rewrite_training_onnx(src, dst, overwrite=overwrite, external_data=external_data, **options)
-    for name, value in (("src", src), ("dst", dst)):
-        if not isinstance(value, (str, os.PathLike)) and not (name == "dst" and value is None):
-            raise UsageError(f"rewrite_onnx: {name} must be a path, got {type(value).__name__}"
-                             + (" (for a ModelProto use rewrite())" if name == "src" else ""))
     src_path = Path(src)
     default = default_output(src_path, options.get("target", "fp16"))
     dst_path = Path(dst) if dst is not None else default
@@ -374,24 +391,26 @@ def rewrite_onnx_model(proto: Any, **options: Any) -> RewriteResult:
     from .emitters.onnx_emitter import emit_onnx, to_proto
     from .frontends.onnx_loader import load_onnx
 
+    if not isinstance(proto, (str, os.PathLike)) and type(proto).__name__ != "ModelProto":  # (api.py imports no onnx)
+        raise UsageError(f"rewrite_onnx_model takes an onnx.ModelProto (or a path), got {type(proto).__name__}"
+                         + (": for a torch module use amp_rewrite.rewrite()" if _is_torch_module(proto) else ""))
     if _training_graph(options):  # (as rewrite() and rewrite_onnx() do: the loss-scale nodes go in too)
         from .training_onnx import rewrite_training_onnx_model
 
         return rewrite_training_onnx_model(proto, **{k: v for k, v in options.items() if k != "training"})
-    if not isinstance(proto, (str, os.PathLike)) and type(proto).__name__ != "ModelProto":  # (api.py imports no onnx)
-        raise UsageError(f"rewrite_onnx_model takes an onnx.ModelProto (or a path), got {type(proto).__name__}"
-                         + (": for a torch module use amp_rewrite.rewrite()" if _is_torch_module(proto) else ""))
     ctx = context_for("onnx", options, "rewrite()")
     model = load_onnx(proto)
     _refuse_retarget(model, ctx.options.target)
+    source = os.fspath(proto) if isinstance(proto, (str, os.PathLike)) else None
     modified = run_pipeline(model, ctx) or _record_pins(model, ctx)
     if not modified:
-        if model.meta.get("onnx.sorted_on_load"):  # ONNX requires topological order: the sorted copy
-            return RewriteResult(to_proto(model.origin.model), ctx.log, False)
+        # ONNX requires topological order: the sorted copy; a path's model: the one read
+        if model.meta.get("onnx.sorted_on_load") or source is not None:
+            return RewriteResult(to_proto(model.origin.model), ctx.log, False, source=source)
         out = type(proto)()
         out.CopyFrom(proto)
         return RewriteResult(out, ctx.log, False)
-    return RewriteResult(to_proto(emit_onnx(model, ctx.log)), ctx.log, True)
+    return RewriteResult(to_proto(emit_onnx(model, ctx.log)), ctx.log, True, source=source)
 
 
 def rewrite(obj: Any, *, report: bool = False, **options: Any) -> Any:

@@ -36,7 +36,11 @@ class RuleFileError(AmpRewriteError):
         super().__init__(f"{path}: {key}: {problem}{hint}")
         self.path = path
         self.key = key
+        self.problem = problem
         self.suggestion = suggestion
+
+    def __reduce__(self):  # (pickled from a worker process: rebuilt from its arguments, not the message)
+        return type(self), (self.path, self.key, self.problem, self.suggestion)
 
 
 class UnsupportedModelError(AmpRewriteError):
@@ -52,6 +56,10 @@ class InPlaceMutationError(UnsupportedModelError):
     def __init__(self, finding: str, advice: str) -> None:
         super().__init__(f"{finding}. {advice}")
         self.finding = finding
+        self.advice = advice
+
+    def __reduce__(self):
+        return type(self), (self.finding, self.advice)
 
 
 class OutputError(AmpRewriteError):

@@ -36,7 +36,7 @@ def _from_rule(source: str | None) -> bool:
 def explain_node(model_path: str | os.PathLike, node_name: str, **options: Any) -> str:
     """Explain ``node_name``'s precision in the rewrite of ``model_path`` (options as for
     ``rewrite_onnx``). Raises UsageError, naming the closest node names, if there is no such node."""
-    from .api import make_context, run_pipeline
+    from .api import context_for, run_pipeline
     from .frontends.onnx_loader import load_onnx
     from .passes.base import node_label
 
@@ -44,7 +44,9 @@ def explain_node(model_path: str | os.PathLike, node_name: str, **options: Any) 
 
     if not str(node_name).strip():
         raise UsageError("--explain needs a node name (or the name of a tensor it writes); got an empty one")
-    ctx = make_context(frontend="onnx", **options)
+    # (rewrite_onnx's options about the file it writes mean nothing here: nothing is written)
+    options = {k: v for k, v in options.items() if k not in ("overwrite", "external_data")}
+    ctx = context_for("onnx", options, "explain_node()")
     with progress.stages(["load", "rewrite"], desc=os.path.basename(str(model_path))) as stage:
         stage("load")
         model = load_onnx(model_path)

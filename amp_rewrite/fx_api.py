@@ -912,7 +912,7 @@ def _loss_tail(model: Model, target: str, rules: Any, loss: Value) -> list[str]:
     from .passes.base import given_low_type, loss_tail
     from .rulebook import RuleBook, load_rules
 
-    book = rules if isinstance(rules, RuleBook) else load_rules([str(r) for r in _as_list("rules", rules)],
+    book = rules if isinstance(rules, RuleBook) else load_rules([os.fspath(r) for r in _as_list("rules", rules)],
                                                                 frontend="torch", target=target)
     return [n.name for n in loss_tail(model.graph, loss, book)
             if n.op_type != "Cast" and n.name and given_low_type(n) is None]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import fnmatch
 import functools
 import re
@@ -197,6 +198,16 @@ class RuleBook:
     def node_rules(self) -> list[NodeRule]:
         return list(self._node_rules)
 
+    def with_overrides(self, *, fp32_ops: Iterable[str] = (), low_ops: Iterable[str] = (),
+                       fp32_nodes: Iterable[str] = (), low_nodes: Iterable[str] = ()) -> "RuleBook":
+        """This book with command-line style overrides on top (what ``load_rules`` does with its
+        ``fp32_ops`` ... arguments): an op named moves to deny/allow, a node pattern pins nodes."""
+        cli = _cli_layer(self.frontend, list(fp32_ops), list(low_ops), list(fp32_nodes), list(low_nodes))
+        if cli is None:
+            return self
+        return dataclasses.replace(self, _table=MappingProxyType({**self._table, **cli.entries}),
+                                   _node_rules=tuple(cli.nodes) + self._node_rules)
+
     def file_and_key(self, entry: RuleEntry) -> tuple[str, str]:
         """The file ``entry`` came from, as the user gave it where that is unambiguous (entries name
         it by its base name), and the entry's key in it: for errors that point into the file."""
@@ -223,7 +234,7 @@ def default_ruleset(frontend: str, target: str) -> str:
 
 
 def load_rules(
-    files: Iterable[str | Path] = (),
+    files: Iterable[str | os.PathLike] = (),
     *,
     frontend: str = "onnx",
     target: str = "fp16",
@@ -238,7 +249,7 @@ def load_rules(
     its chain) with ``replace = true`` discards everything below it. Command-line op overrides
     are the top layer, so they win over every file.
     """
-    if isinstance(files, (str, Path)):  # one path, not an iterable of characters
+    if isinstance(files, (str, os.PathLike)):  # one path, not an iterable of characters
         files = [files]
     stack = [_builtin_layer(default_ruleset(frontend, target))]
     for file in files:

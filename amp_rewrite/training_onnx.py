@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from .api import RewriteResult, _as_list, _record_pins, context_for, run_pipeline
+from .api import _ONNX_TRAINING_OPTIONS, RewriteResult, _as_list, _record_pins, context_for, flag, run_pipeline
 from .errors import UsageError
 from .loss_scale import BACKOFF_FACTOR, GROWTH_FACTOR, GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE, loss_scaling_for
 from .loss_scale import no_scaling_reason
@@ -107,6 +107,7 @@ class ScaleConfig:
 
 _INT64_MAX = 2 ** 63 - 1
 _SCALE_KEYS = ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale", "dynamic")
+assert set(_SCALE_KEYS) <= set(_ONNX_TRAINING_OPTIONS)  # (the option hints offer them)
 
 
 # -- entry points ------------------------------------------------------------------------------------------
@@ -172,6 +173,8 @@ def _rewrite(model: Any, *, loss: str, grads: Any, loss_grad: str | None, option
     options.pop("loss", None)
     config = ScaleConfig(**{k: options.pop(k) for k in _SCALE_KEYS if k in options})
     scaling = loss_scaling_for(options.get("target", "fp16"), options.pop("loss_scaling", None))
+    if "keep_io_types" in options:
+        flag("keep_io_types", options["keep_io_types"])
     if options.get("keep_io_types") is False:
         raise UsageError("--training keeps graph inputs and outputs FP32 (parameters fed as inputs are the FP32 "
                          "master weights; the loss and gradients must come out FP32): drop --no-keep-io-types")
@@ -185,11 +188,6 @@ def _rewrite(model: Any, *, loss: str, grads: Any, loss_grad: str | None, option
     options["fp32_nodes"] = _as_list("fp32_nodes", options.get("fp32_nodes")) + pins
     ctx = context_for("onnx", {**options, "training": True, "loss": loss}, "rewrite(training=True)")
     ctx.log.notes.extend(_notes(plan, options.get("target", "fp16")))
-    from .rulebook import RuleBook
-
-    if isinstance(options.get("rules"), RuleBook) and plan.tail:
-        ctx.log.notes.append("training: rules were given as a RuleBook, which takes no node pins: the loss island "
-                             "is painted by the rules alone")
     modified = run_pipeline(model, ctx)
     # The loss island's pins are this rewrite's own, unless the user pinned the node too (an
     # --fp32-ops op, a node pattern, a rule file of theirs, an earlier rewrite's tag): that pin is
@@ -271,6 +269,10 @@ def _make_plan(model: Any, ir_model: Any, loss: str, grads: Any, loss_grad: str 
             unnamed_seed = _find_seed(graph, ir_model, loss, None)
         except UsageError:
             pass
+    elif loss_grad is not None and scaling:
+        raise UsageError(f"loss_grad={loss_grad!r}: names the backward seed to multiply by the loss scale, but no "
+                         f"gradient output is named to unscale: pass grads= (glob patterns over the gradient outputs) "
+                         f"with it")
     elif loss_grad is not None:
         raise UsageError(f"loss_grad={loss_grad!r}: names the backward seed to multiply by the loss scale, and this "
                          f"rewrite scales nothing (no loss scaling); drop it, or pass loss_scaling=True")
@@ -378,11 +380,11 @@ def _rule_book(options: dict) -> Any:
     from .rulebook import RuleBook, load_rules
 
     rules = options.get("rules", ())
+    fp32_ops, low_ops = _as_list("fp32_ops", options.get("fp32_ops")), _as_list("fp16_ops", options.get("fp16_ops"))
     if isinstance(rules, RuleBook):
-        return rules
-    return load_rules([str(r) for r in _as_list("rules", rules)], frontend="onnx", target=options.get("target", "fp16"),
-                      fp32_ops=_as_list("fp32_ops", options.get("fp32_ops")),
-                      low_ops=_as_list("fp16_ops", options.get("fp16_ops")))
+        return rules.with_overrides(fp32_ops=fp32_ops, low_ops=low_ops)
+    return load_rules([os.fspath(r) for r in _as_list("rules", rules)], frontend="onnx",
+                      target=options.get("target", "fp16"), fp32_ops=fp32_ops, low_ops=low_ops)
 
 
 def _loss_tail(loss: Any, graph: Any, book: Any) -> list[str]:

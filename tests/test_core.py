@@ -1193,3 +1193,93 @@ def test_a_node_with_many_inputs_each_cast_is_written_whole(placement):
     [concat] = nodes_by_type(result.model, "Concat")
     types = value_types(result.model)
     assert len({types[v] for v in concat.input}) == 1 and len(set(concat.input)) == n
+
+
+def test_a_rulebook_given_as_rules_takes_the_pins_and_must_fit_the_rewrite():
+    """rules=<RuleBook> threw away fp32_ops / fp32_nodes (nodes pinned FP32 ran FP16, silently) and
+    took a RuleBook composed for another target or frontend as it was."""
+    import amp_rewrite
+    from amp_rewrite.errors import UsageError
+
+    m = _mlp()
+    for node in m.graph.node:
+        node.name = node.output[0]
+    book = amp_rewrite.load_rules()
+    for pins in ({"fp32_ops": ["MatMul"]}, {"fp32_nodes": ["y"]}):
+        plain = {d.node: d.precision for d in rewrite(m, **pins).log.decisions.values()}
+        given = {d.node: d.precision for d in rewrite(m, rules=book, **pins).log.decisions.values()}
+        assert given == plain and Precision.FP32 in given.values(), pins
+    with pytest.raises(UsageError, match="composed for target 'bf16'"):
+        amp_rewrite.rewrite(m, rules=amp_rewrite.load_rules(target="bf16"))
+    with pytest.raises(UsageError, match="composed for frontend 'torch'"):
+        amp_rewrite.rewrite(m, rules=amp_rewrite.load_rules(frontend="torch"))
+
+
+def test_any_pathlike_names_a_rule_file_and_names_must_be_strings(tmp_path):
+    """An os.PathLike other than pathlib.Path was read as its repr() ("<MyPath object at ...>: file
+    not found"); a Path among node names passed the check and crashed in the rule book."""
+    import os
+
+    import amp_rewrite
+    from amp_rewrite.errors import UsageError
+
+    class MyPath(os.PathLike):
+        def __init__(self, p):
+            self.p = str(p)
+
+        def __fspath__(self):
+            return self.p
+
+    rules = tmp_path / "r.toml"
+    rules.write_text('[deny]\nMatMul = "keep FP32"\n')
+    m = _mlp()
+    for given in (MyPath(rules), [MyPath(rules)]):
+        decisions = rewrite(m, rules=given).log.decisions.values()
+        assert all(d.precision is Precision.FP32 for d in decisions if d.op == "MatMul")
+    with pytest.raises(UsageError, match=r"fp32_nodes: PosixPath\('y'\) is not a name \(a str\)"):
+        amp_rewrite.rewrite(m, fp32_nodes=[Path("y")])
+
+
+def test_a_path_given_to_rewrite_onnx_model_with_nothing_to_rewrite_comes_back_as_its_model(tmp_path):
+    """The unchanged branch copied the argument into a ModelProto: a path crashed there."""
+    from onnx import helper
+
+    from amp_rewrite.api import rewrite_onnx_model
+
+    g = helper.make_graph([helper.make_node("Add", ["a", "a"], ["b"])], "g",
+                          [helper.make_tensor_value_info("a", onnx.TensorProto.INT64, [2])],
+                          [helper.make_tensor_value_info("b", onnx.TensorProto.INT64, [2])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    path = tmp_path / "int.onnx"
+    onnx.save(model, path)
+    for given in (path, str(path)):
+        result = rewrite_onnx_model(given)
+        assert not result.modified and result.source == str(path)
+        assert result.model.graph.SerializeToString() == model.graph.SerializeToString()
+
+
+def test_training_options_are_checked_before_the_training_rewrite():
+    """With training=True the ONNX entry points skipped their argument checks (a raw TypeError from
+    pathlib for a ModelProto src or an int dst; keep_io_types=0 accepted), loss_grad without grads
+    was told to turn on the loss scaling that was on, and errors could not cross a process pool."""
+    import pickle
+
+    import amp_rewrite
+    from amp_rewrite.api import rewrite_onnx_model
+    from amp_rewrite.errors import InPlaceMutationError, RuleFileError, UsageError
+
+    m = _mlp()
+    training = {"training": True, "loss": "y"}
+    with pytest.raises(UsageError, match="src must be a path, got ModelProto"):
+        amp_rewrite.rewrite_onnx(m, "out.onnx", **training)
+    with pytest.raises(UsageError, match="dst must be a path, got int"):
+        amp_rewrite.rewrite_onnx("m.onnx", 123, **training)
+    with pytest.raises(UsageError, match="takes an onnx.ModelProto"):
+        rewrite_onnx_model(5, **training)
+    with pytest.raises(UsageError, match="keep_io_types=0: pass True or False"):
+        amp_rewrite.rewrite(m, keep_io_types=0, **training)
+    with pytest.raises(UsageError, match="did you mean 'loss_scaling'"):
+        amp_rewrite.rewrite(m, loss_scalling=True)
+    for error in (RuleFileError("r.toml", "deny.Foo", "unknown op", "Floor"), InPlaceMutationError("add_ mutates x", "do y")):
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is type(error) and str(again) == str(error) and again.exit_code == error.exit_code

@@ -281,3 +281,11 @@ def test_an_allow_entry_holding_its_node_fp32_is_not_called_a_deny_rule(tmp_path
     [seed] = [line for line in lines if line.startswith("Mul:m (Mul): deny")]
     assert seed.startswith("Mul:m (Mul): deny: pin.toml: allow.Mul lists it allow, but input 'B'")
     assert not [line for line in lines if "deny rule" in line and "allow.Mul" in line]
+
+
+def test_explain_node_takes_rewrite_onnx_s_options_and_names_a_misspelt_one(block):
+    """Documented as taking rewrite_onnx's options: a misspelt one was Python's TypeError, and
+    overwrite (which rewrite_onnx takes) was one too."""
+    assert "ln_div" in explain_node(block, "ln_div", fuse=False, overwrite=True, external_data=None)
+    with pytest.raises(UsageError, match=r"explain_node\(\) got an unknown option 'targt' \(did you mean 'target'\?\)"):
+        explain_node(block, "ln_div", targt="bf16")

@@ -499,6 +499,10 @@ def test_training_options_are_checked(setup):
         key = "grads" if "grads" in options else "loss_grad"
         with pytest.raises(UsageError, match=f"{key} applies to a training graph: pass training=True and loss="):
             amp_rewrite.rewrite(proto, **options)
+    # loss_grad without grads: it was told to pass loss_scaling=True, which was on (and changed nothing)
+    for scaling in ({}, {"loss_scaling": True}):
+        with pytest.raises(UsageError, match="no gradient output is named to unscale: pass grads="):
+            amp_rewrite.rewrite(proto, training=True, loss="loss", loss_grad="loss_grad", **scaling)
 
 
 def test_a_failed_training_check_suggests_what_applies_and_its_report_names_no_removed_file(tmp_path):

@@ -1404,7 +1404,9 @@ def check_rule_input_names(book) -> None:
 
     for entry in book.entries():
         names = [item for item in entry.fp32_inputs if isinstance(item, str)]
-        known = _schema_input_names(entry.op, entry.domain) if names else ()
+        if not names:
+            continue
+        known = _schema_input_names(entry.op, entry.domain)
         shown, key = book.file_and_key(entry)
         for name in names:
             if known and name not in known:
