@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import numpy as np
 
@@ -57,8 +57,11 @@ class Degrees:
 
     def __init__(self, graph: Any, scale: Any, ours: set[int],
                  unscale: Callable[[Any, int], None] | None = None, *, watched: Any = (),
-                 on_watched: Callable[[Any], None] | None = None) -> None:
+                 on_watched: Callable[[Any], None] | None = None, fed: Collection[int] = frozenset()) -> None:
         self.graph = graph
+        # ids of initializers also listed as graph inputs (IR >= 4): defaults a caller may feed, so
+        # their zeros are not known zeros (an accumulator fed 5.0 came out divided by the scale)
+        self.fed = fed
         self.watched = watched  # ids of values handed to on_watched once found degree 1
         self.on_watched = on_watched
         self.ours = ours
@@ -73,7 +76,7 @@ class Degrees:
         known = self.degree.get(id(value))
         if known is not None:
             return known
-        return ZERO if _is_zero(value) else Fraction(0)
+        return ZERO if _is_zero(value, self.fed) else Fraction(0)
 
     def run(self) -> "Degrees":
         self._walk(self.graph)
@@ -94,6 +97,8 @@ class Degrees:
                 self._control_flow(node, held)
                 continue
             result = _rule(node, [self.of(v) for v in node.inputs])
+            if node.op_type == "Pow" and len(node.inputs) > 1 and id(node.inputs[1]) in self.fed:
+                result = None  # (an exponent a caller may feed: its value is not known)
             if id(node) in self.ours:
                 result = result if result is not None else [Fraction(0)] * len(node.outputs)
             elif result is None or any(d not in (ZERO, 0, 1) for d in result):
@@ -220,14 +225,16 @@ def _product(degrees: list[Any]) -> Any:
 _COPIES = frozenset({"Expand", "Reshape", "Cast", "CastLike", "Squeeze", "Unsqueeze", "Identity", "Tile", "Transpose"})
 
 
-def _is_zero(value: Any, depth: int = 0) -> bool:
+def _is_zero(value: Any, fed: Collection[int] = frozenset(), depth: int = 0) -> bool:
     """A constant whose every element is 0 (an initializer, a Constant node, a ConstantOfShape),
-    or a copy of one (Expand, Reshape, Cast...)."""
+    or a copy of one (Expand, Reshape, Cast...); not an initializer a caller may feed (``fed``)."""
+    if id(value) in fed:
+        return False
     tensor = value.const_value
     producer = value.producer()
     if tensor is None and producer is not None and producer.domain in ("", "ai.onnx"):
         if producer.op_type in _COPIES and producer.inputs and producer.inputs[0] is not None and depth < 8:
-            return _is_zero(producer.inputs[0], depth + 1)
+            return _is_zero(producer.inputs[0], fed, depth + 1)
         if producer.op_type == "ConstantOfShape":
             attr = producer.attributes.get("value")
             if attr is None:

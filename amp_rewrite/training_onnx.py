@@ -45,7 +45,7 @@ import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from .api import _ONNX_TRAINING_OPTIONS, RewriteResult, _as_list, _record_pins, context_for, flag, run_pipeline
 from .errors import UsageError
@@ -441,6 +441,10 @@ class _LossScaleBuilder:
         self.taken = taken
         self.name = Namer(taken)  # shares ``taken``: names added by hand are avoided too
         self.opset = model.opset_imports.get("", 0)
+        # initializers also listed as graph inputs: from IR 4 on, defaults a caller may feed (below
+        # it, the weights every initializer had to be listed as)
+        self.fed = frozenset(id(v) for v in self.graph.inputs
+                             if v.const_value is not None and (model.ir_version or 0) >= 4)
         self.new_nodes: list[Any] = []
         self.constants: list[Any] = []  # the initializers the update adds (the report's weights count them)
         self.unscaled_before: list[str] = []  # nodes that read gradients divided by the scale first
@@ -513,7 +517,7 @@ class _LossScaleBuilder:
             watched: dict[int, str] = {}  # id(gradient output value) -> its name
             for name in plan.grads:
                 index, value = outputs[name]
-                if _from_constants(value):
+                if _from_constants(value, self.fed):
                     # a constant gradient (an unused parameter's zero, folded by the exporter into an
                     # initializer or a Constant node) never went through the scaled backward pass: it
                     # leaves as it is
@@ -684,7 +688,7 @@ class _LossScaleBuilder:
         loss, and dividing it by the scale would be wrong. Both are usage errors, named."""
         from .scale_degree import ZERO, Degrees
 
-        degrees = Degrees(self.graph, scale, {id(n) for n in self.new_nodes}).run()
+        degrees = Degrees(self.graph, scale, {id(n) for n in self.new_nodes}, fed=self.fed).run()
         outputs = [v for v in self.graph.outputs if v.name not in (SCALED_LOSS,)]
         leftover = [v.name for v in outputs if degrees.of(v) not in (ZERO, 0)]
         if leftover:
@@ -712,7 +716,7 @@ class _LossScaleBuilder:
             node.replace_input_with(slot, unscaled[id(value)])
 
         degrees = Degrees(self.graph, scale, {id(n) for n in self.new_nodes}, unscale,
-                          watched=watched, on_watched=on_gradient).run()
+                          watched=watched, on_watched=on_gradient, fed=self.fed).run()
         if degrees.refused:
             node, why = degrees.refused[0]
             raise UsageError(f"node {_label(node)!r} ({node.op_type}) {why}: loss scaling cannot be undone there; "
@@ -850,9 +854,10 @@ def _feeding(values: list[Any]) -> set[int]:
     return seen
 
 
-def _from_constants(value: Any) -> bool:
+def _from_constants(value: Any, fed: Collection[int]) -> bool:
     """Whether ``value`` is computed from constants alone: initializers and Constant nodes, through
-    nodes without bodies (no graph input, no outer value read by a body)."""
+    nodes without bodies (no graph input, no outer value read by a body, no initializer a caller
+    may feed: ``fed``)."""
     seen: set[int] = set()
     stack = [value]
     while stack:
@@ -862,7 +867,7 @@ def _from_constants(value: Any) -> bool:
         seen.add(id(v))
         producer = v.producer()
         if producer is None:
-            if v.const_value is None:  # (a graph input; an initializer, listed as one or not, is constant)
+            if v.const_value is None or id(v) in fed:  # (a graph input, or a default one may feed)
                 return False
             continue
         if next(_bodies(producer), None) is not None:

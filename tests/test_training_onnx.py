@@ -1188,3 +1188,42 @@ def test_a_gradient_post_processed_not_in_proportion_to_the_scale_is_divided_bef
         got = run_onnx(model, {**feeds, LOSS_SCALE: np.array(scale, np.float32), GROWTH_TRACKER: np.array(0, np.int64)})
         np.testing.assert_allclose(got["grad.out"], want, rtol=1e-2, atol=1e-2)
         assert bool(got[ALL_FINITE])
+
+
+_ACCUMULATE = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[8,4] x, float[8,4] t, float loss_grad, float[4,4] acc_in) => (float loss, float[4,4] grad_acc)
+<float[4,4] W, float two{inits}>
+{{
+  y = MatMul(x, W)
+  d = Sub(y, t)
+  d2 = Mul(d, d)
+  loss = ReduceSum<keepdims=0>(d2)
+  s = Mul(loss_grad, two)
+  gy = Mul(d, s)
+  gW = Gemm<transA=1>(x, gy)
+  grad_acc = Add(acc_in, gW)
+}}
+"""
+
+
+@pytest.mark.parametrize("default", [False, True])
+def test_an_initializer_a_caller_may_feed_is_not_taken_for_a_constant_zero(default):
+    """A gradient accumulator that is an initializer of zeros listed as a graph input (a default the
+    caller feeds) was taken for a constant 0 by the loss-scale analysis: acc_in + S·g was divided
+    by S as a whole on its way out, so the fed buffer came back divided by the scale."""
+    from tests.util import make_model, rel_err
+
+    extra = {"acc_in": np.zeros((4, 4), np.float32)} if default else {}
+    model = make_model(_ACCUMULATE.format(inits=", float[4,4] acc_in" if default else ""),
+                       {"W": (4, 4), "two": np.array(2, np.float32), **extra})
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((8, 4)).astype(np.float32), "t": rng.standard_normal((8, 4)).astype(np.float32),
+             "loss_grad": np.array(1, np.float32), "acc_in": np.full((4, 4), 5.0, np.float32)}
+    ref = run_onnx(model, feeds)["grad_acc"]
+    out = rewrite_training_onnx_model(model, loss="loss", grads="grad_acc").model
+    onnx.checker.check_model(out, full_check=True)
+    for scale in (1.0, 1024.0):
+        got = run_onnx(out, {**feeds, "loss_scale": np.array(scale, np.float32),
+                             "growth_tracker": np.array(0, np.int64)})["grad_acc"]
+        assert rel_err(ref, got) < 2e-3, scale
