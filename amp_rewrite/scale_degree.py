@@ -66,7 +66,7 @@ class Degrees:
         self.on_watched = on_watched
         self.ours = ours
         self.unscale = unscale
-        self.degree: dict[int, Any] = {id(scale): Fraction(1)}
+        self.degree: dict[int, Any] = {id(scale): Fraction(1)} if scale is not None else {}
         self.broken: list[Any] = []
         self.refused: list[tuple[Any, str]] = []  # (node, why) where no unscale can help
 
@@ -88,6 +88,8 @@ class Degrees:
     def _walk(self, graph: Any) -> None:
         for node in list(graph):
             held = list(bodies(node))
+            if self._loop_at_its_degrees(node, held):
+                continue
             for body in held:
                 self._walk(body)
             if not any(map(self._reaches, node.inputs)) and not any(
@@ -124,6 +126,55 @@ class Degrees:
                     continue
                 self.unscale(node, slot)
         self.broken.append(node)
+
+    def _loop_at_its_degrees(self, node: Any, held: list[Any]) -> bool:
+        """A Loop or Scan given scaled values (a backward pass through time) runs its body on them as
+        they are, where every carried value leaves an iteration at the degree it entered with (a
+        linear recurrence: ``dh_prev = dh @ Wᵀ``): the body's inputs take the degrees of what the
+        node reads, its outputs those of the body's. Anything else (a carried value whose degree
+        changes, a body node that cannot be unscaled) leaves it to :meth:`_control_flow`, which
+        reads the scaled values divided by the scale. True when it walked the body."""
+        if node.op_type not in ("Loop", "Scan") or node.domain not in ("", "ai.onnx") or len(held) != 1:
+            return False
+        body = held[0]
+        if not any(map(self._reaches, node.inputs)):
+            return False
+        first = 2 if node.op_type == "Loop" else 0  # (a Loop's trip count and condition; a Scan-8's lengths)
+        outer = list(node.inputs)[len(node.inputs) - len(body.inputs):] if node.op_type == "Scan" else list(node.inputs)
+        pairs = list(zip(outer[first:], list(body.inputs)[first:]))
+        shift = 1 if node.op_type == "Loop" else 0  # (a Loop body's first output is its condition)
+        n_carried = len(pairs) - (_int_attr(node, "num_scan_inputs") if node.op_type == "Scan" else 0)
+        carried = [(b, body.outputs[shift + j]) for j, (_, b) in enumerate(pairs[:n_carried])
+                   if shift + j < len(body.outputs)]
+        seeds = {id(b): self.of(v) for v, b in pairs if self.of(v) != 0}
+        for _ in range(4):  # (a carried zero takes the degree its iteration gives it: at most once each)
+            probe = Degrees(body, None, self.ours, fed=self.fed)
+            probe.degree = {**self.degree, **seeds}
+            probe._walk(body)
+            if probe.refused:
+                return False
+            settled = True
+            for b_in, b_out in carried:
+                d_in, d_out = seeds.get(id(b_in), Fraction(0)), probe.of(b_out)
+                if d_out == d_in or d_out is ZERO:
+                    continue
+                if d_in is not ZERO or d_out not in (0, 1):
+                    return False  # (an unscaled start mixed with scaled steps, or the reverse)
+                if d_out == 0:
+                    seeds.pop(id(b_in))
+                else:
+                    seeds[id(b_in)] = d_out
+                settled = False
+            if settled:
+                break
+        else:
+            return False
+        self.degree.update(seeds)
+        self._walk(body)
+        outs = [self.of(body.outputs[k + shift]) if k + shift < len(body.outputs) else Fraction(0)
+                for k in range(len(node.outputs))]
+        self._set(node, outs)
+        return True
 
     def _control_flow(self, node: Any, bodies: list[Any]) -> None:
         """An If's outputs have its branches' degree; a Loop or Scan given a scaled value as a
@@ -274,6 +325,11 @@ def _scalar(value: Any) -> float | None:
 def _attr_int(node: Any, key: str) -> int | None:
     attr = node.attributes.get(key)
     return int(attr.value) if attr is not None else None
+
+
+def _int_attr(node: Any, key: str) -> int:
+    attr = node.attributes.get(key)
+    return int(attr.value) if attr is not None else 0
 
 
 def _attr_str(node: Any, key: str) -> str | None:

@@ -1227,3 +1227,113 @@ def test_an_initializer_a_caller_may_feed_is_not_taken_for_a_constant_zero(defau
         got = run_onnx(out, {**feeds, "loss_scale": np.array(scale, np.float32),
                              "growth_tracker": np.array(0, np.int64)})["grad_acc"]
         assert rel_err(ref, got) < 2e-3, scale
+
+
+_BPTT = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[4,1,8] xs, float loss_grad) => (float loss, float[8,8] grad_W)
+<float[8,8] W, float[8,8] WT, float[1,8] h0, float lam, int64[1] ax0, float[8,8] zeros>
+{{
+  hT, hs = Scan<num_scan_inputs=1, body = fwd (float[1,8] h_in, float[1,8] x_t) => (float[1,8] h_out, float[1,8] h_prev) {{
+        hw = MatMul(h_in, W)
+        h_out = Add(hw, x_t)
+        h_prev = Identity(h_in)
+     }}>(h0, xs)
+  s = ReduceSum<keepdims=0>(hT)
+  loss = Mul(s, lam)
+  g0 = Mul(loss_grad, lam)
+  sh = Shape(hT)
+  dhT = Expand(g0, sh)
+  {backward}
+}}
+"""
+# the backward pass through time, a Scan over the saved states: dW summed outside, or carried
+_SCAN_OUT = """dh0, dWs = Scan<num_scan_inputs=1, scan_input_directions=[1], scan_output_directions=[1], body = bwd (float[1,8] dh, float[1,8] hp) => (float[1,8] dh_prev, float[8,8] dW) {
+        hpT = Transpose<perm=[1,0]>(hp)
+        dW = MatMul(hpT, dh)
+        dh_prev = MatMul(dh, WT)
+     }>(dhT, hs)
+  grad_W = ReduceSum<keepdims=0>(dWs, ax0)"""
+_CARRIED = """dh0, grad_W = Scan<num_scan_inputs=1, scan_input_directions=[1], body = bwd (float[1,8] dh, float[8,8] acc, float[1,8] hp) => (float[1,8] dh_prev, float[8,8] acc_out) {
+        hpT = Transpose<perm=[1,0]>(hp)
+        dW = MatMul(hpT, dh)
+        acc_out = Add(acc, dW)
+        dh_prev = MatMul(dh, WT)
+     }>(dhT, zeros, hs)"""
+# a carried value that leaves each iteration at another degree than it came in with (dh²): the
+# body cannot run on scaled values; it reads them divided by the scale, as before
+_SQUARED = _SCAN_OUT.replace("dh_prev = MatMul(dh, WT)", "dt = MatMul(dh, WT)\n        dh_prev = Mul(dt, dh)")
+
+
+@pytest.mark.parametrize("backward", [_SCAN_OUT, _CARRIED, _SQUARED], ids=["scan output", "carried from zero", "squared"])
+def test_a_backward_pass_through_time_runs_on_the_scaled_gradient(backward):
+    """A Scan or Loop computing the backward pass (BPTT) read the gradient divided by the loss
+    scale: its FP16 body computed unscaled gradients of 6e-8, which flushed to zero at every scale
+    (100% error, all_finite True). Linear in the gradient, it now runs on the scaled values."""
+    from amp_rewrite.emulate import emulate_low
+    from tests.util import make_model, rel_err
+
+    rng = np.random.default_rng(0)
+    W = (rng.standard_normal((8, 8)) * 0.3).astype(np.float32)
+    model = make_model(_BPTT.format(backward=backward), {
+        "W": W, "WT": W.T.copy(), "h0": np.zeros((1, 8), np.float32), "lam": np.array(1e-8, np.float32),
+        "ax0": np.array([0], np.int64), "zeros": np.zeros((8, 8), np.float32)})
+    feeds = {"xs": rng.standard_normal((4, 1, 8)).astype(np.float32), "loss_grad": np.array(1, np.float32)}
+    ref = run_onnx(model, feeds)["grad_W"]
+    result = rewrite_training_onnx_model(model, loss="loss", grads="grad_W")
+    onnx.checker.check_model(result.model, full_check=True)
+    divided = [n for n in result.log.notes if "divided by the loss scale" in n]
+    emulated, _ = emulate_low(result.model)
+    got = run_onnx(emulated, {**feeds, "loss_scale": np.array(32768.0, np.float32),
+                              "growth_tracker": np.array(0, np.int64)})["grad_W"]
+    if backward is _SQUARED:  # (dh² of 1e-8 is 0 in FP32 too: only where the scale goes is checked)
+        assert divided and "'Scan:dh0'" in divided[0]
+        return
+    assert not divided and rel_err(ref, got) < 5e-3
+
+
+def test_a_backward_pass_in_a_loop_runs_on_the_scaled_gradient():
+    """The Loop form of the same: the carried gradient and the per-step dW (a scan output)."""
+    from amp_rewrite.emulate import emulate_low
+    from tests.util import make_model, rel_err
+
+    text = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1,8] x, float loss_grad) => (float loss, float[8,8] grad_W)
+<float[8,8] W, float[8,8] WT, float lam, int64 K, bool tr, int64[1] ax0, int64[1] one>
+{
+  h1 = MatMul(x, W)
+  h2 = MatMul(h1, W)
+  h3 = MatMul(h2, W)
+  s = ReduceSum<keepdims=0>(h3)
+  loss = Mul(s, lam)
+  g0 = Mul(loss_grad, lam)
+  sh = Shape(h3)
+  dh3 = Expand(g0, sh)
+  hs = Concat<axis=0>(h2, h1, x)
+  dh_last, dWs = Loop(K, tr, dh3) <body = b (int64 i, bool c, float[1,8] dh) => (bool co, float[1,8] dhp, float[8,8] dW) {
+      co = Identity(c)
+      i1 = Unsqueeze(i, ax0)
+      i2 = Add(i1, one)
+      hp = Slice(hs, i1, i2, ax0)
+      hpT = Transpose<perm=[1,0]>(hp)
+      dW = MatMul(hpT, dh)
+      dhp = MatMul(dh, WT)
+  }>
+  grad_W = ReduceSum<keepdims=0>(dWs, ax0)
+}
+"""
+    rng = np.random.default_rng(0)
+    W = (rng.standard_normal((8, 8)) * 0.3).astype(np.float32)
+    model = make_model(text, {"W": W, "WT": W.T.copy(), "lam": np.array(1e-8, np.float32),
+                              "K": np.array(3, np.int64), "tr": np.array(True), "ax0": np.array([0], np.int64),
+                              "one": np.array([1], np.int64)})
+    feeds = {"x": rng.standard_normal((1, 8)).astype(np.float32), "loss_grad": np.array(1, np.float32)}
+    ref = run_onnx(model, feeds)["grad_W"]
+    result = rewrite_training_onnx_model(model, loss="loss", grads="grad_W")
+    onnx.checker.check_model(result.model, full_check=True)
+    assert not [n for n in result.log.notes if "divided by the loss scale" in n]
+    emulated, _ = emulate_low(result.model)
+    got = run_onnx(emulated, {**feeds, "loss_scale": np.array(32768.0, np.float32),
+                              "growth_tracker": np.array(0, np.int64)})["grad_W"]
+    assert rel_err(ref, got) < 5e-3
