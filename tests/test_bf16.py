@@ -252,3 +252,61 @@ def test_bf16_reasons_and_summary_state_bf16_facts():
                     target="bf16")
     safety = [d.reason for d in block.log.decisions.values() if d.step == "safety"]
     assert safety and all("rounds to bf16's 8 significant bits" in r for r in safety)
+
+
+_SOFTPLUS = """<ir_version: 8, opset_import: ["" : 17]>
+g (float[64,16] x) => (float loss) {
+ z = MatMul(x, w)
+ n = Neg(z)
+ e = Exp(n)
+ one = Constant<value=float {1.0}>()
+ a = Add(one, e)
+ l = Log(a)
+ loss = ReduceMean<keepdims=0>(l)
+}"""
+
+
+@pytest.mark.parametrize("target", ["bf16", "fp16"])
+def test_a_sum_a_log_reads_stays_fp32_under_the_optimal_placement(target):
+    """log(1 + exp(-z)) with z in [4, 8]: the optimal placement moved the Cast past Neg, Exp and
+    the Add (bf16's range holds the values), so 1 + exp(-z) was rounded to bf16, whose spacing
+    above 1 is 2^-7: every term with z > 5.5 became log(1) = 0, a 12% error where greedy's 0.2%."""
+    from amp_rewrite.emulate import emulate_low
+
+    w = np.zeros((16, 1), np.float32)
+    w[0, 0] = 1.0
+    model = make_model(_SOFTPLUS, {"w": w})
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 16)).astype(np.float32)
+    x[:, 0] = np.linspace(4, 8, 64, dtype=np.float32)
+    ref = float(run(model, {"x": x})["loss"])
+    for placement in ("optimal", "greedy"):
+        result = rewrite(model, target=target, placement=placement)
+        got = float(run(emulate_low(result.model)[0], {"x": x})["loss"])
+        assert abs(got - ref) / abs(ref) < 0.01, placement
+        assert result.log.decisions["Add:a"].precision.value == "fp32"
+
+
+def test_a_sum_a_log_reads_stays_fp32_on_the_torch_path_too():
+    torch = pytest.importorskip("torch")
+    import amp_rewrite
+
+    class Softplus(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(16, 1)
+
+        def forward(self, x):
+            return torch.log(1 + torch.exp(-self.l(x))).mean()
+
+    module = Softplus().eval()
+    with torch.no_grad():
+        module.l.weight.zero_()
+        module.l.weight[0, 0] = 1.0
+        module.l.bias.zero_()
+    x = torch.randn(64, 16)
+    x[:, 0] = torch.linspace(4, 8, 64)
+    ref = module(x).item()
+    for placement in ("optimal", "greedy"):
+        gm = amp_rewrite.rewrite(module, example_inputs=(x,), target="bf16", placement=placement)
+        assert abs(gm(x).item() - ref) / abs(ref) < 0.01, placement

@@ -63,6 +63,8 @@ Safety, never less than greedy's:
   (``(a * b).sum()`` keeps its Mul: 300 × 300 passes 65504 before the FP32 sum), a softmax or
   sigmoid (:data:`_UNDERFLOWING`) read by a Log, a division or a power (``log(softmax(z))`` keeps
   its Softmax: FP16 probabilities below 6e-8 are 0, and the Log -inf), as greedy keeps them;
+  and, for either low type, a sum a log reads (:data:`_ABSORBING`: ``log(1 + exp(-z))`` keeps its
+  Add, as bf16's 8 significant bits round 1 + 0.002 to 1);
 - round trips: no low-precision path of non-allow nodes may run from a node that reads an FP32
   tensor to a node that feeds an FP32 consumer (an FP32 → low → FP32 trip overflows above 65504).
   This is greedy's per-node rule extended to paths. A cut that breaks it is repaired — the nodes
@@ -135,6 +137,9 @@ _UNDERFLOWING = {"Softmax", "Sigmoid", "softmax", "_softmax", "sigmoid"}
 _SMALL_VALUE_READERS = {"Log", "Reciprocal", "Div", "Pow", "log", "log2", "log10", "reciprocal", "rsqrt", "div",
                         "true_divide", "pow", "xlogy", "special_xlog1py"}
 _WIDENING = _OVERFLOWING | _UNDERFLOWING
+# sums whose small addend the low type's few significant bits drop, fatal before a log
+_ABSORBING = {"Add", "Sub", "Sum", "add", "sub"}
+_LOGS = {"Log", "log", "log2", "log10", "log1p"}
 _BROADCAST = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "Greater",
               "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Mod", "PRelu"}
 _BATCH = re.compile("batch", re.IGNORECASE)
@@ -374,8 +379,10 @@ class Problem:
         normalised value does not), and an LSTM reading a graph input stays as greedy left it."""
         follow = [i for i in self.free if not self.greedy[i]]
         # (FP16 only: BF16 has FP32's exponent range, so its products, sums and probabilities
-        # overflow or underflow where FP32's would)
+        # overflow or underflow where FP32's would; but a sum read by a log loses its small
+        # addend in either: precision, not range)
         widening = self._widening_for_fp32_readers() if self.ctx.low == DType.FLOAT16 else {}
+        widening = {**self._absorbing_before_a_log(), **widening}
         for i in widening:
             node = self.nodes[i]
             if not node.meta.get("amp.widening_hold"):  # (said once: a Problem may be built again)
@@ -393,6 +400,30 @@ class Problem:
                     self.fixed[j] = False
                     pending.append(j)
         return [(i, p) for i in follow if i not in self.fixed for p in sorted(self.preds[i]) if p not in self.fixed]
+
+    def _absorbing_before_a_log(self) -> dict[int, str]:
+        """The free sums (:data:`_ABSORBING`) a log reads, directly or through free nodes: computed
+        low and cast up, ``log(1 + exp(-z))`` rounds ``1 + 0.002`` to 1 (bf16 keeps 8 bits, FP16
+        11), and the log of what is left is 0, a 100% error where greedy kept the sum FP32."""
+        free = [i for i in range(len(self.nodes)) if i not in self.fixed]
+        sums = {i for i in free if i not in self.branch_nodes and self.nodes[i].op_type in _ABSORBING}
+        if not sums:
+            return {}
+
+        def feeds_log(i: int) -> bool:  # (an FP32 log, or one the rules leave free: greedy's FP32 too)
+            return any(self.nodes[k].op_type in _LOGS for k in (*self.succs[i], *self.trip_succs[i]))
+
+        stack = [i for i in free if feeds_log(i)]
+        seen = set(stack)
+        while stack:  # (through free nodes: a Max or a Mul between the sum and the log rounds no less)
+            j = stack.pop()
+            for p in self.preds[j]:
+                if p not in seen and p not in self.fixed:
+                    seen.add(p)
+                    stack.append(p)
+        why = (f"a sum read by a log: {self.ctx.low.short} rounds 1 + 0.002 to 1 ({self.ctx.low.short} keeps "
+               f"{8 if self.ctx.low == DType.BFLOAT16 else 11} significant bits), whose log is then 0")
+        return {i: why for i in sums & seen}
 
     def _widening_for_fp32_readers(self) -> dict[int, str]:
         """The free nodes that make a value the low type may not hold (:data:`_WIDENING`) that an
