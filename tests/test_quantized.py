@@ -464,3 +464,27 @@ def test_a_quantized_weight_dequantizing_past_the_range_keeps_fp32_and_is_clampe
     assert rel_err(feeds["x"] @ clamped, got) < 1e-2
     # BF16 holds 101600: nothing is held for the range there
     assert "101600" not in rewrite(model, placement=placement, target="bf16").log.decisions["dq"].reason
+
+
+@pytest.mark.parametrize("form", ["Cast * scale", "DequantizeLinear"])
+def test_a_weight_dequantized_by_hand_past_fp16_s_range_is_clamped_like_a_dequantize_linear(form):
+    """Cast(int8 weight) × 800 (the pre-DequantizeLinear form) reaches 101600: cast to FP16 at run
+    time for the FP16 MatMul it became inf and the output NaN, where the same weight written as a
+    DequantizeLinear gets its saturating Clip."""
+    from amp_rewrite.emulate import emulate_low
+
+    rng = np.random.default_rng(0)
+    wq = rng.integers(-127, 128, (8, 6)).astype(np.int8)
+    body = "w = DequantizeLinear(wq, sc)" if form == "DequantizeLinear" else "wf = Cast<to=1>(wq)\n  w = Mul(wf, sc)"
+    model = onnx.parser.parse_model(f"""<ir_version: 8, opset_import: ["" : 17]> g (float[4,8] x) => (float[4,6] y) {{
+  {body}
+  y = MatMul(x, w)
+}}""")
+    model.graph.initializer.extend([nh.from_array(wq, "wq"), nh.from_array(np.array(800.0, np.float32), "sc")])
+    x = (rng.standard_normal((4, 8)) * 1e-3).astype(np.float32)
+    ref = run(model, {"x": x})["y"]
+    result = rewrite(model)
+    full_check(result.model)
+    got = run(emulate_low(result.model)[0], {"x": x})["y"]
+    assert np.isfinite(got).all() and np.abs(got).max() > 0.5 * np.abs(ref).max()
+    assert [n.op_type for n in result.model.graph.node].count("Clip") == 1

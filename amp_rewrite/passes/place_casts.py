@@ -90,6 +90,39 @@ _SENTINEL_SLOTS = {op: (0,) for op in ("CastLike", "Expand", "Reshape", "Unsquee
 _SENTINEL_SLOTS.update({"Pad": (0, 2), "ScatterND": (0, 2), "ScatterElements": (0, 2), "Where": (1, 2)})
 
 
+_BOUND_COPIES = frozenset({"Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Transpose", "Flatten", "Expand",
+                           "Neg", "Abs"})
+
+
+def _constant_bound(value: Value | None, depth: int = 0) -> float | None:
+    """An upper bound on the magnitudes of an FP32 ``value`` computed from constants alone through
+    copies, products and sums (``Cast(int8 weight) * scale``), or None where it reads anything else."""
+    import numpy as np
+
+    from ..frontends.onnx_loader import constant_array
+
+    if value is None or depth > 8:
+        return None
+    if value.data_known:
+        if (value.numel or 0) > _SENTINEL_SCAN:
+            return None
+        data = constant_array(value)
+        if data is None or data.dtype.kind not in "fiu":
+            return None
+        return float(np.max(np.abs(data.astype(np.float64)))) if data.size else 0.0
+    node = value.producer
+    if node is None or node.domain != "" or precision(node) == Precision.LOW or len(node.outputs) != 1:
+        return None
+    if node.op_type in _BOUND_COPIES:
+        return _constant_bound(node.inputs[0] if node.inputs else None, depth + 1)
+    if node.op_type in ("Mul", "Add", "Sub") and len(node.inputs) == 2:
+        a, b = (_constant_bound(v, depth + 1) for v in node.inputs)
+        if a is None or b is None:
+            return None
+        return a * b if node.op_type == "Mul" else a + b
+    return None
+
+
 @dataclass
 class _Use:
     node: Node | None  # None: the graph output slot
@@ -725,6 +758,10 @@ class _Placer:
             return (f"what {node_label(node)} dequantizes", bound) if bound is not None else None
         if node.op_type in ("If", "Loop", "Scan"):  # what the bodies return in this slot, or the loop starts from
             return self._sentinel_of_control(node, value, depth)
+        if node.op_type in ("Mul", "Add", "Sub"):  # a weight dequantized by hand: Cast(int8) × 800 is 101600
+            bound = _constant_bound(value)
+            if bound is not None and bound > threshold:
+                return (f"what {node_label(node)} computes from constants", bound)
         if node.op_type not in _CARRY_SENTINELS:
             return None  # (a bounded op: Softmax, Sigmoid, a normalisation; or one that computes anew)
         slots = _SENTINEL_SLOTS.get(node.op_type, range(len(node.inputs)))
