@@ -404,8 +404,9 @@ def rewrite_onnx_model(proto: Any, **options: Any) -> RewriteResult:
     source = os.fspath(proto) if isinstance(proto, (str, os.PathLike)) else None
     modified = run_pipeline(model, ctx) or _record_pins(model, ctx)
     if not modified:
-        # ONNX requires topological order: the sorted copy; a path's model: the one read
-        if model.meta.get("onnx.sorted_on_load") or source is not None:
+        # ONNX requires topological order: the sorted copy (or retyped: _trust_initializer_types);
+        # a path's model: the one read
+        if model.meta.get("onnx.changed_on_load") or source is not None:
             return RewriteResult(to_proto(model.origin.model), ctx.log, False, source=source)
         out = type(proto)()
         out.CopyFrom(proto)
@@ -554,7 +555,7 @@ def _copy_unchanged(src: Path, dst: Path, model: Model, external: bool, source_f
 
     from .files import ordinary_mode, replace_into
 
-    if not external and not model.meta.get("onnx.sorted_on_load") and len(source_files) == 1:
+    if not external and not model.meta.get("onnx.changed_on_load") and len(source_files) == 1:
         fd, tmp = tempfile.mkstemp(prefix=".amp-rewrite-", dir=dst.parent)
         os.close(fd)
         try:

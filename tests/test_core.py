@@ -1283,3 +1283,31 @@ def test_training_options_are_checked_before_the_training_rewrite():
     for error in (RuleFileError("r.toml", "deny.Foo", "unknown op", "Floor"), InPlaceMutationError("add_ mutates x", "do y")):
         again = pickle.loads(pickle.dumps(error))
         assert type(again) is type(error) and str(again) == str(error) and again.exit_code == error.exit_code
+
+
+def test_a_peer_model_whose_initializer_is_declared_another_type_comes_back_retyped(tmp_path):
+    """onnxconverter-common's output of an IR 3 zoo model lists each FP16 initializer as an FP32
+    graph input; onnxruntime refuses it. With nothing else to rewrite the rewrite returned (and
+    the CLI wrote) the input as it was, exit 0, so its output did not load either."""
+    from onnx import TensorProto as TP
+    from onnx import helper, numpy_helper
+
+    from amp_rewrite.api import rewrite_onnx
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((3, 4)).astype(np.float16), "w")
+    g = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["xc"], to=TP.FLOAT16, name="cx"),
+         helper.make_node("MatMul", ["xc", "w"], ["y16"], name="mm"),
+         helper.make_node("Cast", ["y16"], ["y"], to=TP.FLOAT, name="cy")], "g",
+        [helper.make_tensor_value_info("x", TP.FLOAT, [2, 3]), helper.make_tensor_value_info("w", TP.FLOAT, [3, 4])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, [2, 4])], initializer=[w])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 9)])
+    model.ir_version = 3
+    onnx.save(model, tmp_path / "peer.onnx")
+    in_memory = rewrite(model).model
+    rewrite_onnx(tmp_path / "peer.onnx", tmp_path / "out.onnx")
+    for out in (in_memory, onnx.load(tmp_path / "out.onnx")):
+        full_check(out)
+        assert next(i for i in out.graph.input if i.name == "w").type.tensor_type.elem_type == TP.FLOAT16
+        x = np.random.default_rng(1).standard_normal((2, 3)).astype(np.float32)
+        assert run(out, {"x": x})["y"].shape == (2, 4)

@@ -91,7 +91,7 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     bodies = graphs + [function.graph for function in ir_model.functions.values()]
     data_files = _bind_external_data(bodies, path) if path is not None else frozenset()
     _check_supported(ir_model, graphs, path)
-    _trust_initializer_types(graphs)
+    retyped = _trust_initializer_types(graphs)
     unsorted = False
     if inferred is None:  # (types come from onnx-ir's pass, which wants the graph sorted first)
         unsorted = not all(_is_sorted(g) for g in graphs)
@@ -117,8 +117,9 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
             model.graph = build(None)
         except _Unsorted as exc:
             raise ModelLoadError(str(exc)) from None
-    # (even with nothing to rewrite, the output is then the sorted model, not a copy of the input)
-    model.meta["onnx.sorted_on_load"] = unsorted
+    # (even with nothing to rewrite, the output is then the sorted or retyped model, not a copy of
+    # the input: a copy of a peer's model whose initializer is declared another type loads nowhere)
+    model.meta["onnx.changed_on_load"] = unsorted or retyped
     if nested:
         _unique_value_names(model.graph)
     _unique_labels(model.graph)
@@ -300,17 +301,22 @@ def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: 
         raise ModelLoadError(f"{where}the model could not be read: {first_line(_root_cause(exc))}") from exc
 
 
-def _trust_initializer_types(graphs) -> None:
+def _trust_initializer_types(graphs) -> bool:
     """An initializer's element type is its data's, as onnxruntime takes it, whatever a stale
     value_info entry declares: onnxruntime's float16 converter with MatMul/Gemm blocked writes an
     FP32 weight declared float16 (GPT-2). onnx-ir typed the value from the declaration; the rewrite
     took the weight for FP16, converted nothing, removed its Cast as a widening, and wrote a model
-    the checker and onnxruntime refuse ('bound to different types')."""
+    the checker and onnxruntime refuse ('bound to different types'). An IR 3 model listing an FP16
+    initializer as an FP32 graph input (onnxconverter-common's output of a model zoo CNN) is
+    retyped alike. Returns whether any was."""
+    retyped = False
     for graph in graphs:
         for value in graph.initializers.values():
             data = value.const_value
             if data is not None and value.dtype is not None and data.dtype != value.dtype:
                 value.dtype = data.dtype
+                retyped = True
+    return retyped
 
 
 def _check_map_types(graph: onnx.GraphProto, where: str) -> None:
