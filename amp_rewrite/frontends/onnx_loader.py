@@ -92,6 +92,8 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     data_files = _bind_external_data(bodies, path) if path is not None else frozenset()
     _check_supported(ir_model, graphs, path)
     retyped = _trust_initializer_types(graphs)
+    if retyped:
+        inferred = None  # (inferred from the stale declarations: typed again from the corrected ones)
     unsorted = False
     if inferred is None:  # (types come from onnx-ir's pass, which wants the graph sorted first)
         unsorted = not all(_is_sorted(g) for g in graphs)
@@ -308,13 +310,27 @@ def _trust_initializer_types(graphs) -> bool:
     took the weight for FP16, converted nothing, removed its Cast as a widening, and wrote a model
     the checker and onnxruntime refuse ('bound to different types'). An IR 3 model listing an FP16
     initializer as an FP32 graph input (onnxconverter-common's output of a model zoo CNN) is
-    retyped alike. Returns whether any was."""
+    retyped alike. A Cast's output is typed by its ``to`` likewise, whatever a value_info entry
+    declares (onnxconverter-common declares a rotary position Cast(to=FLOAT)'s output float16).
+    Returns whether any value was retyped."""
     retyped = False
     for graph in graphs:
         for value in graph.initializers.values():
             data = value.const_value
             if data is not None and value.dtype is not None and data.dtype != value.dtype:
                 value.dtype = data.dtype
+                retyped = True
+        for node in graph:
+            to = node.attributes.get("to") if node.op_type == "Cast" and node.domain in ("", "ai.onnx") else None
+            out = node.outputs[0] if node.outputs else None
+            if to is None or out is None or out.dtype is None:
+                continue
+            try:
+                wanted = ir.DataType(to.value)
+            except (ValueError, TypeError):
+                continue
+            if out.dtype != wanted:
+                out.dtype = wanted
                 retyped = True
     return retyped
 
