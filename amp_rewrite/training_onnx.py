@@ -103,6 +103,17 @@ class ScaleConfig:
                              f"({_INT64_MAX}), the largest step count the model's int64 counter holds")
         if not 0.0 < self.min_scale <= self.max_scale < float("inf"):
             raise UsageError(f"min_scale={self.min_scale}, max_scale={self.max_scale}: need 0 < min <= max < inf")
+        # the graph holds them as FP32 constants: each must be one (1e-46 was 0 there, 1e39 inf)
+        import numpy as np
+
+        for key in ("growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            number = getattr(self, key)
+            with np.errstate(over="ignore", under="ignore"):
+                stored = float(np.float32(number))
+            if stored == 0.0 or stored == float("inf") or (key == "backoff_factor" and stored >= 1.0) \
+                    or (key == "growth_factor" and stored <= 1.0):
+                raise UsageError(f"{key}={number!r}: the model holds it as an FP32 constant, where it is "
+                                 f"{stored:g}; pass one FP32 holds (nonzero, at most 3.4e38)")
 
 
 _INT64_MAX = 2 ** 63 - 1

@@ -487,6 +487,8 @@ def test_training_options_are_checked(setup):
                        ({"growth_interval": 2.7}, "growth_interval=2.7: pass a whole number"),
                        ({"growth_interval": 2 ** 63}, r"growth_interval=9223372036854775808: must be at most 2\*\*63 - 1"),
                        ({"growth_factor": "2"}, "growth_factor='2': pass a number"),
+                       ({"min_scale": 1e-46}, "min_scale=1e-46: the model holds it as an FP32 constant, where it is 0"),
+                       ({"max_scale": 1e39}, "max_scale=1e.39: the model holds it as an FP32 constant, where it is inf"),
                        ({"grads": 3}, "grads=3: pass glob patterns"),
                        ({"loss_grad": "input_0"}, "loss_grad='input_0': the seed of the backward pass .* FP32 input of one element")):
         options = {"training": True, "loss": "loss", "grads": GRADS, **bad}
