@@ -194,8 +194,35 @@ def _rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, tar
         _preserve(gm, "amp_loss_scaling", hasattr(gm, "amp_loss_scale"))
     gm.meta["amp_rewrite.log"] = ctx.log
     gm.meta["amp_rewrite.target"] = target
+    _refuse_pickling(gm)
     source = f"torch:{type(obj).__name__} (captured with {how})"
     return RewriteResult(gm, ctx.log, modified, source=source)
+
+
+_PICKLE_REFUSED = (
+    "a module rewritten by amp-rewrite cannot be pickled whole (torch.save(gm)): torch rebuilds a GraphModule "
+    "from its code on load, which drops the rewrite's state-dict hooks, turns buffers read at a cast into "
+    "constants and keeps stale low-precision copies of weights (wrong numbers after load_state_dict). Save "
+    "gm.state_dict() instead (its keys are the original model's); to resume, rewrite the model again and "
+    "load that state dict into the new module")
+
+
+def _refuse_pickling(gm: fx.GraphModule) -> None:
+    """``torch.save(gm)`` would pickle a module that comes back wrong: refuse it, saying what to do.
+    (A GraphModule's class is its own, made for the instance, so this touches no other module; a
+    deep copy, which GraphModule makes by rebuilding the instance, gets the refusal again.)"""
+    import pickle
+
+    def __reduce__(self: Any) -> Any:  # noqa: N807 - the pickle protocol's name
+        raise pickle.PicklingError(_PICKLE_REFUSED)
+
+    type(gm).__reduce__ = __reduce__
+    if _refuse_pickling_again not in getattr(gm, "_deepcopy_hooks", ()):
+        gm._register_deepcopy_hook(_refuse_pickling_again)
+
+
+def _refuse_pickling_again(gm: fx.GraphModule) -> None:
+    _refuse_pickling(gm)
 
 
 MIXED = "mixed"  # an ExportedProgram's ops captured in both modes (a submodule switched apart)
