@@ -1425,10 +1425,10 @@ def check_rule_input_names(book) -> None:
     from ..errors import RuleFileError
 
     for entry in book.entries():
+        if not entry.fp32_inputs:
+            continue  # (most entries: nothing to check, and no file and key to look up)
         names = [item for item in entry.fp32_inputs if isinstance(item, str)]
-        if not names:
-            continue
-        known = _schema_input_names(entry.op, entry.domain)
+        known = _schema_input_names(entry.op, entry.domain) if names else ()
         shown, key = book.file_and_key(entry)
         for name in names:
             if known and name not in known:
