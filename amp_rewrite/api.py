@@ -88,9 +88,10 @@ def make_context(*, frontend: str, target: str = "fp16", rules: Iterable[str | o
     return Context(rules=book, options=options, log=DecisionLog(target=target))
 
 
-# what rewrite(training=True, loss=...) takes beyond make_context's options (training_onnx)
-_ONNX_TRAINING_OPTIONS = ("grads", "loss_grad", "loss_scaling", "growth_factor", "backoff_factor", "growth_interval",
-                          "min_scale", "max_scale", "dynamic")
+# what rewrite(training=True, loss=...) takes beyond make_context's options (training_onnx): the
+# loss scale's settings (training_onnx.ScaleConfig) and the gradients' names
+SCALE_OPTIONS = ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale", "dynamic")
+_ONNX_TRAINING_OPTIONS = ("grads", "loss_grad", "loss_scaling", *SCALE_OPTIONS)
 
 
 def context_for(frontend: str, options: dict[str, Any], where: str) -> Context:
@@ -404,7 +405,7 @@ def rewrite_onnx_model(proto: Any, **options: Any) -> RewriteResult:
     source = os.fspath(proto) if isinstance(proto, (str, os.PathLike)) else None
     modified = run_pipeline(model, ctx) or _record_pins(model, ctx)
     if not modified:
-        # ONNX requires topological order: the sorted copy (or retyped: _trust_initializer_types);
+        # ONNX requires topological order: the sorted copy (or retyped: onnx_loader._trust_actual_types);
         # a path's model: the one read
         if model.meta.get("onnx.changed_on_load") or source is not None:
             return RewriteResult(to_proto(model.origin.model), ctx.log, False, source=source)

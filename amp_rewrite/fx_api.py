@@ -217,12 +217,8 @@ def _refuse_pickling(gm: fx.GraphModule) -> None:
         raise pickle.PicklingError(_PICKLE_REFUSED)
 
     type(gm).__reduce__ = __reduce__
-    if _refuse_pickling_again not in getattr(gm, "_deepcopy_hooks", ()):
-        gm._register_deepcopy_hook(_refuse_pickling_again)
-
-
-def _refuse_pickling_again(gm: fx.GraphModule) -> None:
-    _refuse_pickling(gm)
+    if _refuse_pickling not in getattr(gm, "_deepcopy_hooks", ()):
+        gm._register_deepcopy_hook(_refuse_pickling)
 
 
 MIXED = "mixed"  # an ExportedProgram's ops captured in both modes (a submodule switched apart)

@@ -193,7 +193,7 @@ class Report:
         lines.append(f"casts inserted: {s['casts_inserted']}" + (f" ({moved})" if s["casts_inserted"] else "")
                      + (f", retargeted: {s['casts_retargeted']}" if s["casts_retargeted"] else "")
                      + (f", removed: {s['casts_removed']}" if s["casts_removed"] else "")
-                     + (f", fused away: {s['casts_fused']}" if s.get("casts_fused") else ""))
+                     + (f", fused away: {s['casts_fused']}" if s["casts_fused"] else ""))
         # --placement optimal: cast bytes and FP32 traffic per run at the default shapes, vs greedy's
         lines += [n for n in self.log.notes if n.startswith(("optimal placement", "dropped:", "unmatched:", "without effect:",
                                                                    "as given:", "as pinned:", "training:",

@@ -200,8 +200,8 @@ class RuleBook:
 
     def with_overrides(self, *, fp32_ops: Iterable[str] = (), low_ops: Iterable[str] = (),
                        fp32_nodes: Iterable[str] = (), low_nodes: Iterable[str] = ()) -> "RuleBook":
-        """This book with command-line style overrides on top (what ``load_rules`` does with its
-        ``fp32_ops`` ... arguments): an op named moves to deny/allow, a node pattern pins nodes."""
+        """This book with command-line style overrides on top (``load_rules`` puts its ``fp32_ops``
+        ... arguments over its files so): an op named moves to deny/allow, a node pattern pins nodes."""
         cli = _cli_layer(self.frontend, list(fp32_ops), list(low_ops), list(fp32_nodes), list(low_nodes))
         if cli is None:
             return self
@@ -264,8 +264,8 @@ def load_rules(
         stack = [layer for layer in stack if layer.identity != own.identity]
         stack.extend(layer for layer in below if layer.identity not in present)
         stack.append(own)
-    cli = _cli_layer(frontend, list(fp32_ops), list(low_ops), list(fp32_nodes), list(low_nodes))
-    return _compose(_distinct_sources(stack), cli, frontend, target)
+    return _compose(_distinct_sources(stack), frontend, target).with_overrides(
+        fp32_ops=fp32_ops, low_ops=low_ops, fp32_nodes=fp32_nodes, low_nodes=low_nodes)
 
 
 def _distinct_sources(stack: list[_Layer]) -> list[_Layer]:
@@ -317,13 +317,12 @@ class _Layer:
         return {op for (domain, op) in self.entries if not domain}
 
 
-def _compose(stack: list[_Layer], cli: _Layer | None, frontend: str, target: str) -> RuleBook:
+def _compose(stack: list[_Layer], frontend: str, target: str) -> RuleBook:
     """Upper layers replace every entry of an op from lower layers, whatever list it was in."""
-    layers = stack + ([cli] if cli else [])
     table: dict[tuple[str, str], tuple[RuleEntry, ...]] = {}
-    for layer in layers:
+    for layer in stack:
         table.update(layer.entries)
-    node_rules = tuple(rule for layer in reversed(layers) for rule in layer.nodes)
+    node_rules = tuple(rule for layer in reversed(stack) for rule in layer.nodes)
     provider = next((layer.provider for layer in reversed(stack) if layer.provider), None)
     return RuleBook(
         name="+".join(layer.name for layer in stack),

@@ -143,10 +143,10 @@ class Degrees:
         outer = list(node.inputs)[len(node.inputs) - len(body.inputs):] if node.op_type == "Scan" else list(node.inputs)
         pairs = list(zip(outer[first:], list(body.inputs)[first:]))
         shift = 1 if node.op_type == "Loop" else 0  # (a Loop body's first output is its condition)
-        n_carried = len(pairs) - (_int_attr(node, "num_scan_inputs") if node.op_type == "Scan" else 0)
+        n_carried = len(pairs) - ((_attr_int(node, "num_scan_inputs") or 0) if node.op_type == "Scan" else 0)
         carried = [(b, body.outputs[shift + j]) for j, (_, b) in enumerate(pairs[:n_carried])
                    if shift + j < len(body.outputs)]
-        seeds = {id(b): self.of(v) for v, b in pairs if self.of(v) != 0}
+        seeds = {id(b): d for v, b in pairs if (d := self.of(v)) != 0}
         for _ in range(4):  # (a carried zero takes the degree its iteration gives it: at most once each)
             probe = Degrees(body, None, self.ours, fed=self.fed)
             probe.degree = {**self.degree, **seeds}
@@ -325,11 +325,6 @@ def _scalar(value: Any) -> float | None:
 def _attr_int(node: Any, key: str) -> int | None:
     attr = node.attributes.get(key)
     return int(attr.value) if attr is not None else None
-
-
-def _int_attr(node: Any, key: str) -> int:
-    attr = node.attributes.get(key)
-    return int(attr.value) if attr is not None else 0
 
 
 def _attr_str(node: Any, key: str) -> str | None:

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Collection, Sequence
 
-from .api import _ONNX_TRAINING_OPTIONS, RewriteResult, _as_list, _record_pins, context_for, flag, run_pipeline
+from .api import SCALE_OPTIONS, RewriteResult, _as_list, _record_pins, context_for, flag, run_pipeline
 from .errors import UsageError
 from .loss_scale import BACKOFF_FACTOR, GROWTH_FACTOR, GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE, loss_scaling_for
 from .loss_scale import no_scaling_reason
@@ -117,8 +117,6 @@ class ScaleConfig:
 
 
 _INT64_MAX = 2 ** 63 - 1
-_SCALE_KEYS = ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale", "dynamic")
-assert set(_SCALE_KEYS) <= set(_ONNX_TRAINING_OPTIONS)  # (the option hints offer them)
 
 
 # -- entry points ------------------------------------------------------------------------------------------
@@ -182,7 +180,7 @@ def _rewrite(model: Any, *, loss: str, grads: Any, loss_grad: str | None, option
     options = dict(options)
     options.pop("training", None)
     options.pop("loss", None)
-    config = ScaleConfig(**{k: options.pop(k) for k in _SCALE_KEYS if k in options})
+    config = ScaleConfig(**{k: options.pop(k) for k in SCALE_OPTIONS if k in options})
     scaling = loss_scaling_for(options.get("target", "fp16"), options.pop("loss_scaling", None))
     if "keep_io_types" in options:
         flag("keep_io_types", options["keep_io_types"])

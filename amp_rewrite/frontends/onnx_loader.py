@@ -91,7 +91,7 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     bodies = graphs + [function.graph for function in ir_model.functions.values()]
     data_files = _bind_external_data(bodies, path) if path is not None else frozenset()
     _check_supported(ir_model, graphs, path)
-    retyped = _trust_initializer_types(graphs)
+    retyped = _trust_actual_types(graphs)
     if retyped:
         inferred = None  # (inferred from the stale declarations: typed again from the corrected ones)
     unsorted = False
@@ -303,7 +303,7 @@ def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: 
         raise ModelLoadError(f"{where}the model could not be read: {first_line(_root_cause(exc))}") from exc
 
 
-def _trust_initializer_types(graphs) -> bool:
+def _trust_actual_types(graphs) -> bool:
     """An initializer's element type is its data's, as onnxruntime takes it, whatever a stale
     value_info entry declares: onnxruntime's float16 converter with MatMul/Gemm blocked writes an
     FP32 weight declared float16 (GPT-2). onnx-ir typed the value from the declaration; the rewrite

@@ -401,6 +401,17 @@ class Problem:
                     pending.append(j)
         return [(i, p) for i in follow if i not in self.fixed for p in sorted(self.preds[i]) if p not in self.fixed]
 
+    def _free_upstream(self, starts: list[int], stop: set[int] = frozenset()) -> set[int]:
+        """``starts`` and the free nodes they read from, transitively, not walking into ``stop``."""
+        seen = set(starts)
+        stack = list(starts)
+        while stack:
+            for p in self.preds[stack.pop()]:
+                if p not in seen and p not in self.fixed and p not in stop:
+                    seen.add(p)
+                    stack.append(p)
+        return seen
+
     def _absorbing_before_a_log(self) -> dict[int, str]:
         """The free sums (:data:`_ABSORBING`) a log reads, directly or through free nodes: computed
         low and cast up, ``log(1 + exp(-z))`` rounds ``1 + 0.002`` to 1 (bf16 keeps 8 bits, FP16
@@ -413,14 +424,8 @@ class Problem:
         def feeds_log(i: int) -> bool:  # (an FP32 log, or one the rules leave free: greedy's FP32 too)
             return any(self.nodes[k].op_type in _LOGS for k in (*self.succs[i], *self.trip_succs[i]))
 
-        stack = [i for i in free if feeds_log(i)]
-        seen = set(stack)
-        while stack:  # (through free nodes: a Max or a Mul between the sum and the log rounds no less)
-            j = stack.pop()
-            for p in self.preds[j]:
-                if p not in seen and p not in self.fixed:
-                    seen.add(p)
-                    stack.append(p)
+        # (through free nodes: a Max or a Mul between the sum and the log rounds no less)
+        seen = self._free_upstream([i for i in free if feeds_log(i)])
         why = (f"a sum read by a log: {self.ctx.low.short} rounds 1 + 0.002 to 1 ({self.ctx.low.short} keeps "
                f"{8 if self.ctx.low == DType.BFLOAT16 else 11} significant bits), whose log is then 0")
         return {i: why for i in sums & seen}
@@ -461,15 +466,7 @@ class Problem:
         def reaching(feeds) -> set[int]:
             # free copying nodes through which a value reaches such a reader: walked back from
             # those that feed one, once for all widening nodes
-            stack = [i for i in free if i not in widen and feeds(i)]
-            seen = set(stack)
-            while stack:
-                j = stack.pop()
-                for p in self.preds[j]:
-                    if p not in seen and p not in self.fixed and p not in widen:
-                        seen.add(p)
-                        stack.append(p)
-            return seen
+            return self._free_upstream([i for i in free if i not in widen and feeds(i)], widen)
 
         low = self.ctx.low.short
         held: dict[int, str] = {}
