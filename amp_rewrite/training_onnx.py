@@ -255,7 +255,7 @@ def _make_plan(model: Any, ir_model: Any, loss: str, grads: Any, loss_grad: str 
     graph = model.graph
     outputs = {v.name: v for v in graph.outputs}
     if loss not in outputs:
-        raise UsageError(f"--loss {loss!r}: no graph output has that name (outputs: {', '.join(outputs) or 'none'})")
+        raise UsageError(f"--loss {loss!r}: no graph output has that name{_names_hint(loss, outputs, 'outputs')}")
     loss_value = outputs[loss]
     if loss_value.dtype is not None and int(loss_value.dtype) != 1:
         raise UsageError(f"--loss {loss!r}: the loss must be FP32, it is {loss_value.dtype.name}")
@@ -332,16 +332,29 @@ def _match_grads(grads: Any, outputs: list[str], loss: str) -> list[str]:
                 matched.append(name)
                 break
     if not matched:
-        raise UsageError(f"--grads {','.join(patterns)!r} matches no graph output other than the loss "
-                         f"(outputs: {', '.join(outputs)})")
+        others = [name for name in outputs if name != loss]
+        raise UsageError(f"--grads {','.join(patterns)!r} matches no graph output other than the loss"
+                         f"{_names_hint(patterns[0] if len(patterns) == 1 else '', others, 'outputs')}")
     return matched
+
+
+def _names_hint(name: str, names: Collection[str], what: str, shown: int = 8) -> str:
+    """'; did you mean X? (N outputs: a, b, ...)': the closest spelling, and the first few names
+    (a training graph has an output per parameter: listing hundreds buries the answer)."""
+    from .rulebook import _closest
+
+    names = list(names)
+    close = _closest(name, names) if name else None
+    listing = ", ".join(names[:shown]) + (f", ... ({len(names) - shown} more)" if len(names) > shown else "")
+    hint = f"; did you mean {close!r}?" if close else ""
+    return f"{hint} ({what}: {listing or 'none'})"
 
 
 def _find_seed(graph: Any, ir_model: Any, loss: str, explicit: str | None) -> str:
     inputs = {v.name: v for v in graph.inputs}
     if explicit is not None:
         if explicit not in inputs:
-            raise UsageError(f"loss_grad={explicit!r}: no graph input has that name")
+            raise UsageError(f"loss_grad={explicit!r}: no graph input has that name{_names_hint(explicit, inputs, 'inputs')}")
         return _read_seed(inputs[explicit])
     info = ir_model.metadata_props.get(GRAPH_INFO_KEY)
     if info:
@@ -350,9 +363,8 @@ def _find_seed(graph: Any, ir_model: Any, loss: str, explicit: str | None) -> st
             return _read_seed(inputs[name])
     for name in (f"{loss}_grad", f"{loss}.grad", f"grad_{loss}", "loss_grad"):
         value = inputs.get(name)
-        if value is not None and value.dtype is not None and int(value.dtype) == 1 and \
-                (value.shape is None or all(d == 1 for d in value.shape)):
-            return _read_seed(value)
+        if value is not None:
+            return _read_seed(value)  # (named as a seed: one of the wrong type or shape is told so)
     raise UsageError(
         "--grads: the graph has no input seeding the backward pass (the gradient of the loss, usually a "
         f"constant 1 folded into the graph), so its gradients cannot be loss-scaled; export it with "
@@ -364,7 +376,8 @@ def _read_seed(value: Any) -> str:
     nothing, and the unscaled gradients would come out divided by the loss scale. It is the
     gradient of a scalar loss: an FP32 input of one element (scaling a data input would scale the
     forward pass)."""
-    one_element = value.shape is None or all(d == 1 for d in value.shape)
+    # a symbolic dim (float[N], as a dynamic-axes export writes it) may be 1 at run time
+    one_element = value.shape is None or all(d == 1 or not isinstance(d, int) for d in value.shape)
     if value.dtype is None or int(value.dtype) != 1 or not one_element:
         raise UsageError(f"loss_grad={value.name!r}: the seed of the backward pass is the loss's gradient, an FP32 "
                          f"input of one element; {value.name!r} is {getattr(value.dtype, 'name', value.dtype)} "
@@ -543,7 +556,6 @@ class _LossScaleBuilder:
                 """A gradient output, proportional to the scale: divided on its way out (the walk calls
                 this as soon as it has the gradient, so its readers after it read the division)."""
                 name = watched.pop(id(value))
-                index = outputs[name][0]
                 value.name = self.name(name + SCALED_SUFFIX)
                 scaled_grads.append(value.name)
                 scaled_of[name] = value
@@ -555,7 +567,9 @@ class _LossScaleBuilder:
                     self.rewired[id(cast)] = (cast, f"training: the gradient computed low is unscaled in FP32 by "
                                                     f"{unscaled.producer().name} before it leaves as output {name!r}")
                 unscaled.type, unscaled.shape = ir.TensorType(FLOAT), value.shape
-                graph.outputs[index] = unscaled
+                for index, output in enumerate(graph.outputs):
+                    if output is value:  # (every slot: a gradient may be listed twice among the outputs)
+                        graph.outputs[index] = unscaled
                 # what the graph computes from the gradient (an in-graph SGD step, a gradient norm)
                 # reads it unscaled too: loss scaling must change no value but the backward pass's own.
                 # A reader that computes another gradient (a shared bias's sum) is the backward pass:

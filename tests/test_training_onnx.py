@@ -1339,3 +1339,48 @@ g (float[1,8] x, float loss_grad) => (float loss, float[8,8] grad_W)
     got = run_onnx(emulated, {**feeds, "loss_scale": np.array(32768.0, np.float32),
                               "growth_tracker": np.array(0, np.int64)})["grad_W"]
     assert rel_err(ref, got) < 5e-3
+
+
+def test_a_gradient_listed_twice_among_the_outputs_comes_out_unscaled_in_both_slots(tmp_path):
+    """The output list named grad.W twice: the rewrite renamed the value and moved only one slot to
+    the unscaled gradient, then refused the model naming its own 'grad.W/amp_scaled'."""
+    model = _hand_graph()
+    model.graph.output.append(onnx.helper.make_tensor_value_info("grad.W", onnx.TensorProto.FLOAT, [4, 4]))
+    out = rewrite_training_onnx_model(model, loss="loss", grads=GRADS, target="fp16").model
+    onnx.checker.check_model(out, full_check=True)
+    assert [o.name for o in out.graph.output].count("grad.W") == 2
+    onnx.save(out, tmp_path / "t.onnx")
+    got, want = _grad_w(tmp_path / "t.onnx")
+    np.testing.assert_allclose(got["grad.W"], want, rtol=1e-2)
+    assert bool(got[ALL_FINITE])
+
+
+def test_a_seed_input_with_a_symbolic_dim_is_found_and_a_wrong_one_is_told_what_is_wrong(tmp_path):
+    """A dynamic-axes export declares the seed float[N]: it was skipped, and the user told the
+    graph had no seed and to name it 'loss_grad', the name it had."""
+    model = _hand_graph()
+    seed = next(i for i in model.graph.input if i.name == "loss_grad")
+    seed.type.tensor_type.shape.dim.add().dim_param = "N"
+    out = rewrite_training_onnx_model(model, loss="loss", grads=GRADS, target="fp16").model
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    got = run_onnx(out, {"x": x, "loss_grad": np.ones((1,), np.float32), LOSS_SCALE: np.array(1024.0, np.float32),
+                         GROWTH_TRACKER: np.array(0, np.int64)})
+    np.testing.assert_allclose(got["grad.W"], x.T @ np.ones((2, 4), np.float32), rtol=1e-2)
+    seed.type.tensor_type.shape.dim[0].dim_value = 3  # three elements: not a loss's gradient
+    with pytest.raises(UsageError, match=r"'loss_grad' is FLOAT \[3\]"):
+        rewrite_training_onnx_model(model, loss="loss", grads=GRADS, target="fp16")
+
+
+def test_a_misspelt_loss_grads_or_seed_names_the_closest_and_not_every_output():
+    model = _hand_graph()
+    for i in range(40):
+        model.graph.node.append(onnx.helper.make_node("Identity", ["grad.W"], [f"grad.layer{i}.weight"]))
+        model.graph.output.append(onnx.helper.make_tensor_value_info(f"grad.layer{i}.weight",
+                                                                     onnx.TensorProto.FLOAT, [4, 4]))
+    with pytest.raises(UsageError, match=r"did you mean 'loss'\?") as info:
+        rewrite_training_onnx_model(model, loss="Loss", grads=GRADS)
+    assert "34 more" in str(info.value) and "grad.layer39.weight" not in str(info.value)
+    with pytest.raises(UsageError, match=r"did you mean 'grad\.W'\?"):
+        rewrite_training_onnx_model(model, loss="loss", grads="grad.w")
+    with pytest.raises(UsageError, match=r"did you mean 'loss_grad'\?"):
+        rewrite_training_onnx_model(model, loss="loss", grads=GRADS, loss_grad="loss_gradient")
