@@ -190,8 +190,11 @@ def _rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, tar
     if how == "export":
         _keep_captured_mode(gm, obj.training if isinstance(obj, torch.nn.Module) else _graph_mode(gm))
     if training:
+        from .training import register_training_module
+
         _preserve(gm, "amp_training", True)
         _preserve(gm, "amp_loss_scaling", hasattr(gm, "amp_loss_scale"))
+        register_training_module(gm)
     gm.meta["amp_rewrite.log"] = ctx.log
     gm.meta["amp_rewrite.target"] = target
     _refuse_pickling(gm)

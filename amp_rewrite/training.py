@@ -75,6 +75,20 @@ BUFFER = "amp_loss_scale"
 
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 
+# The modules amp_rewrite.rewrite(..., training=True) made in this process, and their deep copies:
+# where a scaler looks for a module it was not given. (It scanned the whole heap for them, which a
+# loss multiplied by a new 0-dim tensor each step made a fraction of a second per step.)
+_TRAINING_MODULES: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def register_training_module(gm: torch.nn.Module) -> None:
+    """Make ``gm`` (a module rewritten for training) and every deep copy of it findable by a
+    scaler it was not attached to."""
+    _TRAINING_MODULES.add(gm)
+    hooks = getattr(gm, "_deepcopy_hooks", None)
+    if hooks is not None and register_training_module not in hooks:
+        gm._register_deepcopy_hook(register_training_module)
+
 
 @dataclass
 class _OptState:
@@ -130,10 +144,6 @@ class LossScaler:
         # a second optimizer stepped on those same gradients would unscale them by the new scale
         self._auto_updated: dict[int, tuple[Any, int]] | None = None
         self._discovered = False
-        # (data pointer, value) of saved scalars found to be no module's scale: with the value, an address
-        # the allocator hands out again (a per-step loss weight freed, a deep-copied module's scale
-        # buffer placed there) is looked at again, not taken for the scalar that was there before
-        self._not_scales: set[tuple[int, float]] = set()
         if module is not None:  # (a str or a tensor is iterable, but attach says what it is not)
             self.attach(*(module if not isinstance(module, (torch.nn.Module, str, bytes, torch.Tensor)) else [module]))
 
@@ -174,10 +184,16 @@ class LossScaler:
             self._sync(m)
 
     @staticmethod
-    def _candidates() -> list[torch.nn.Module]:
-        """Modules in this process rewritten for training (``amp_training`` and the buffer). Garbage
-        is collected first: a module dropped but not yet collected (GraphModules hold reference
-        cycles) would count as a second candidate."""
+    def _candidates(scan: bool = True) -> list[torch.nn.Module]:
+        """Modules in this process rewritten for training (``amp_training`` and the buffer). With
+        ``scan`` (once per scaler), the whole heap after a collection: a module dropped but not yet
+        collected (GraphModules hold reference cycles) would count as a second candidate, and a
+        module made some other way than by rewrite() is found too (and registered). Without it,
+        the registry only: the per-step look-up of a scalar that is no known module's scale (a loss
+        weight made afresh each step) must not walk the heap each step."""
+        if not scan:
+            return [m for m in list(_TRAINING_MODULES)
+                    if getattr(m, "amp_training", False) and isinstance(m._buffers.get(BUFFER), torch.Tensor)]
         gc.collect()
         found = []
         with warnings.catch_warnings():
@@ -189,6 +205,8 @@ class LossScaler:
                         found.append(obj)
                 except ReferenceError:  # a dead weakproxy
                     continue
+        for module in found:
+            register_training_module(module)
         return found
 
     def _known_modules(self) -> list[torch.nn.Module]:
@@ -209,15 +227,15 @@ class LossScaler:
         unknown: set[tuple[int, float]] = set()
         muls = _scale_muls(loss.grad_fn, by_ptr, unknown)
         # (a scalar of 1.0 scales nothing: whichever module it belongs to, its gradients are right)
-        unknown = {(ptr, value) for ptr, value in unknown if value != 1.0} - self._not_scales
+        unknown = {(ptr, value) for ptr, value in unknown if value != 1.0}
         if unknown:
             # a scalar saved by a Mul that is no known module's scale: a module rewritten since the
             # scaler last looked (a deep copy, a new rewrite) would go unscaled-out, its gradients
-            # carrying the scale twice; look again (once per such scalar)
+            # carrying the scale twice; look again (in the registry of such modules, not the heap: a
+            # per-step loss weight is looked up at every step)
             pointers = {ptr for ptr, _ in unknown}
-            fresh = {m._buffers[BUFFER].data_ptr(): m for m in self._candidates()
+            fresh = {m._buffers[BUFFER].data_ptr(): m for m in self._candidates(scan=False)
                      if m._buffers[BUFFER].data_ptr() in pointers}
-            self._not_scales |= {(ptr, value) for ptr, value in unknown if ptr not in fresh}
             if fresh:
                 by_ptr.update(fresh)
                 modules = modules + list(fresh.values())
