@@ -157,7 +157,7 @@ def _rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, tar
     user_fp32_nodes = list(fp32_nodes)
     tail: list[str] = []
     if loss_value is not None:
-        tail = _loss_tail(model, target, rules, loss_value)
+        tail = _loss_tail(model, target, rules, loss_value, options, fp32_nodes)
         fp32_nodes += tail
     ctx = make_context(frontend="torch", target=target, rules=rules, keep_io_types=keep_io_types,
                        training=training, loss=loss_value.name if loss_value is not None else None,
@@ -930,8 +930,9 @@ def _checked_loss(value: Value, loss_output: int | str) -> Value:
     return value
 
 
-def _loss_tail(model: Model, target: str, rules: Any, loss: Value) -> list[str]:
-    """Names of the nodes feeding the loss with no allow op between them and the loss. A node that
+def _loss_tail(model: Model, target: str, rules: Any, loss: Value, options: dict, fp32_nodes: list[str]) -> list[str]:
+    """Names of the nodes feeding the loss with no allow op between them and the loss (the user's
+    op flags and node pins on top of the rules: a node pinned low ends the tail). A node that
     computes in a low type as given (a rewrite's output rewritten again, whose Linears run through
     a functional_call the rules do not list) is left out: pinning it changes nothing, and the pin
     was reported as a user's ``--fp32-nodes`` without effect."""
@@ -940,6 +941,9 @@ def _loss_tail(model: Model, target: str, rules: Any, loss: Value) -> list[str]:
 
     book = rules if isinstance(rules, RuleBook) else load_rules([os.fspath(r) for r in _as_list("rules", rules)],
                                                                 frontend="torch", target=target)
+    book = book.with_overrides(fp32_ops=_as_list("fp32_ops", options.get("fp32_ops")),
+                               low_ops=_as_list("fp16_ops", options.get("fp16_ops")), fp32_nodes=fp32_nodes,
+                               low_nodes=_as_list("fp16_nodes", options.get("fp16_nodes")))
     return [n.name for n in loss_tail(model.graph, loss, book)
             if n.op_type != "Cast" and n.name and given_low_type(n) is None]
 

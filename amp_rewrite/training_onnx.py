@@ -398,15 +398,18 @@ def _name_taken(graph: Any, name: str) -> bool:
 
 
 def _rule_book(options: dict) -> Any:
-    """The rules the pipeline will use (op overrides included), to find the allow ops."""
+    """The rules the pipeline will use (op overrides and the user's node pins included), to find
+    the allow ops and the nodes pinned low."""
     from .rulebook import RuleBook, load_rules
 
     rules = options.get("rules", ())
-    fp32_ops, low_ops = _as_list("fp32_ops", options.get("fp32_ops")), _as_list("fp16_ops", options.get("fp16_ops"))
+    pins = dict(fp32_ops=_as_list("fp32_ops", options.get("fp32_ops")), low_ops=_as_list("fp16_ops", options.get("fp16_ops")),
+                fp32_nodes=_as_list("fp32_nodes", options.get("fp32_nodes")),
+                low_nodes=_as_list("fp16_nodes", options.get("fp16_nodes")))
     if isinstance(rules, RuleBook):
-        return rules.with_overrides(fp32_ops=fp32_ops, low_ops=low_ops)
+        return rules.with_overrides(**pins)
     return load_rules([os.fspath(r) for r in _as_list("rules", rules)], frontend="onnx",
-                      target=options.get("target", "fp16"), fp32_ops=fp32_ops, low_ops=low_ops)
+                      target=options.get("target", "fp16"), **pins)
 
 
 def _loss_tail(loss: Any, graph: Any, book: Any) -> list[str]:

@@ -1699,3 +1699,25 @@ def test_a_deep_copy_made_after_the_scaler_looked_is_found_without_a_walk():
     (ref(x, y) * 0.5).backward()
     for got, want in zip(_grads(twin), _grads(ref)):  # (bf16: within 2% of the largest)
         assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max())
+
+
+def test_a_users_low_pin_between_the_last_linear_and_the_loss_is_honoured():
+    """fp16_nodes=['tanh'] on tanh(linear(x)) -> mse_loss lost to the training rewrite's FP32 pin on
+    the loss tail, with no word: the tanh read FP32."""
+    class TanhMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1 = torch.nn.Linear(8, 4)
+
+        def forward(self, x, y):
+            return F.mse_loss(torch.tanh(self.l1(x)), y)
+
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    dtypes = {}
+    for pins in ((), ("tanh",)):
+        gm = amp_rewrite.rewrite(TanhMLP(), example_inputs=(x, y), training=True, target="bf16", fp16_nodes=list(pins))
+        gm.graph.lint()
+        tanh = next(n for n in gm.graph.nodes if "tanh" in str(n.target))
+        dtypes[pins] = tanh.args[0].meta["val"].dtype
+        assert torch.isfinite(gm(x, y))
+    assert dtypes == {(): torch.float32, ("tanh",): torch.bfloat16}

@@ -1384,3 +1384,21 @@ def test_a_misspelt_loss_grads_or_seed_names_the_closest_and_not_every_output():
         rewrite_training_onnx_model(model, loss="loss", grads="grad.w")
     with pytest.raises(UsageError, match=r"did you mean 'loss_grad'\?"):
         rewrite_training_onnx_model(model, loss="loss", grads=GRADS, loss_grad="loss_gradient")
+
+
+def test_a_users_low_pin_on_a_loss_island_node_is_honoured():
+    """--fp16-nodes on a node between the last allow op and the loss lost to the loss island's own
+    FP32 pin, silently (FP32 pins win over low ones): the user's explicit pin now ends the island."""
+    model = _hand_graph()
+    plain = rewrite_training_onnx_model(model, loss="loss", grads=GRADS, target="bf16").model
+    pinned = rewrite_training_onnx_model(model, loss="loss", grads=GRADS, target="bf16",
+                                         fp16_nodes=["ReduceSum:total"]).model
+    onnx.checker.check_model(pinned, full_check=True)
+
+    def reduce_sum(m):
+        node = next(n for n in m.graph.node if n.op_type == "ReduceSum" and "total" in n.output)
+        return {p.key: p.value for p in node.metadata_props}
+
+    assert reduce_sum(plain)["amp_rewrite.precision"] == "fp32"
+    assert (reduce_sum(pinned)["amp_rewrite.precision"], reduce_sum(pinned)["amp_rewrite.source"]) == \
+        ("low", "--fp16-nodes")

@@ -66,7 +66,9 @@ def run_passes(model: Model, ctx: Context, passes: Iterable[Pass]) -> list[PassR
 
 def loss_tail(graph: Graph, loss: Value, rules: "RuleBook") -> list[Node]:
     """The nodes of ``graph`` that feed ``loss`` with no allow op between them and it, in graph
-    order: the loss's FP32 island in a training graph (what a loss needs is computed in FP32)."""
+    order: the loss's FP32 island in a training graph (what a loss needs is computed in FP32).
+    A node a user's node pattern in ``rules`` pins low (``--fp16-nodes``) counts as an allow op:
+    the user asked for it low, and the island's own FP32 pin would silently beat theirs."""
     if loss.producer is None:
         return []
     ancestors: dict[int, Node] = {}
@@ -77,7 +79,15 @@ def loss_tail(graph: Graph, loss: Value, rules: "RuleBook") -> list[Node]:
             continue
         ancestors[id(node)] = node
         stack.extend(v.producer for v in node.inputs if v is not None and v.producer is not None)
-    allow = {i for i, n in ancestors.items() if rules.category_of(n.op_type, n.domain) == Category.ALLOW}
+    low_rules = any(rule.precision is Precision.LOW for rule in rules.node_rules())
+    names = frozenset(a for n in graph.walk() for a in aliases(n) if a) if low_rules else frozenset()
+
+    def pinned_low(node: Node) -> bool:
+        rule = node_rule_of(rules, node, names) if low_rules else None
+        return rule is not None and rule.precision is Precision.LOW
+
+    allow = {i for i, n in ancestors.items()
+             if rules.category_of(n.op_type, n.domain) == Category.ALLOW or pinned_low(n)}
     feeds_allow: set[int] = set()
     for node in reversed(graph.nodes):
         if id(node) not in ancestors:
