@@ -1098,6 +1098,14 @@ def _bodies(node: onnx.NodeProto) -> list[onnx.GraphProto]:
                                                  a.graphs if a.type == onnx.AttributeProto.GRAPHS else [])]
 
 
+def _nested_nodes(node: onnx.NodeProto) -> Iterator[onnx.NodeProto]:
+    """The nodes of ``node``'s bodies, nested bodies included."""
+    for body in _bodies(node):
+        for n in body.node:
+            yield n
+            yield from _nested_nodes(n)
+
+
 def _outer_reads(node: onnx.NodeProto) -> list[str]:
     """The outer-scope values ``node``'s bodies (nested ones included) read: inputs of the node as
     much as its listed ones, though no edge of the outer graph says so."""
@@ -1300,10 +1308,48 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, Any] | str | Path 
             continue
         stats.append(compare_output(name, ref.values[name], outputs[name], tolerance))
     passed = all(o.passed for o in stats) and total == 0
+    notes += _selection_notes(low_proto, [o.name for o in stats if not o.passed and o.compared != "missing"], target)
     return CheckResult(passed=passed, tolerance=tolerance, target=target, provider=runner.provider, outputs=stats,
                        overflow=overflow, overflow_total=total, near_limit=near, inputs=ref.inputs,
                        evaluations=runner.evaluations, localised=localise, notes=notes,
                        beyond_inputs=[note for _, note in beyond])
+
+
+# ops that choose elements by comparing values: near ties may choose or order others in a low type
+_SELECTING = frozenset({"TopK", "NonMaxSuppression", "ArgMax", "ArgMin", "Unique"})
+
+
+def _selection_notes(proto: onnx.ModelProto, failing: list[str], target: str) -> list[str]:
+    """A note per failing output computed after an op that selects elements by comparing values
+    (NonMaxSuppression, TopK, ArgMax...): near-tied scores may pick or order other elements in the
+    low type, which an element-wise comparison counts as error though each element is as accurate
+    (detection outputs on random images fail so, and --auto-fp32 then pins most of the model)."""
+    if not failing:
+        return []
+    graph = proto.graph
+    producers = {out: node for node in graph.node for out in node.output if out}
+    notes = []
+    for name in failing:
+        seen: set[str] = set()
+        stack, found = [name], None
+        while stack and found is None:
+            value = stack.pop()
+            node = producers.get(value)
+            if node is None or value in seen:
+                continue
+            seen.add(value)
+            chosen = node if node.op_type in _SELECTING else next(
+                (n for n in _nested_nodes(node) if n.op_type in _SELECTING), None)
+            if chosen is not None:
+                found = (chosen.op_type, f"{node_label(node)}" if chosen is node else f"inside {node_label(node)}")
+            stack.extend(i for i in [*node.input, *_outer_reads(node)] if i)
+        if found is not None:
+            op, where = found
+            notes.append(f"output {name!r} is computed after {op} ({where}), which selects elements by comparing "
+                         f"values: near-tied scores may select or order other elements in {target}, and an "
+                         f"element-wise comparison counts that as error; compare matched elements (detections by "
+                         f"box) before pinning nodes FP32 (--auto-fp32 would pin most of such a model)")
+    return notes
 
 
 def _compare_other(name: str, want: Any, got: Any, tolerance: float, notes: list[str]) -> list[OutputStats]:

@@ -1575,3 +1575,26 @@ def test_an_input_that_rounds_to_the_largest_fp16_is_not_said_to_enter_as_inf():
 def _low_input_model() -> onnx.ModelProto:
     return make_model("""<ir_version: 8, opset_import: ["" : 17]>
     g (float16[1,2] x) => (float16[1,2] y) { y = Relu(x) }""", {})
+
+
+def test_a_failing_output_computed_after_a_selection_gets_a_note_about_near_ties():
+    """Detection models compared element by element fail on near-tied scores that FP16 orders
+    otherwise (a reorder, not an accuracy loss), and --auto-fp32 then pinned most of the model:
+    the check now says that the failing output comes after an op that selects by comparing."""
+    m = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[1,2] x) => (float[1] picked, float[1,2] scores)
+    <float[2,2] W, int64[1] k, float[2,1] table>
+    {
+      scores = MatMul(x, W)
+      top, idx = TopK<axis=-1>(scores, k)
+      flat = Squeeze(idx)
+      picked = Gather(table, flat)
+    }""", {"W": np.array([[0.5, 0.50005], [0.5, 0.50005]], np.float32), "k": np.array([1], np.int64),
+           "table": np.array([[10.0], [-10.0]], np.float32)})
+    result = ck.check_models(m, rewrite(m).model, inputs={"x": np.ones((1, 2), np.float32)})
+    assert not result.passed
+    by_name = {o.name: o for o in result.outputs}
+    assert by_name["scores"].passed and not by_name["picked"].passed
+    notes = [n for n in result.notes if "selects elements by comparing values" in n]
+    assert len(notes) == 1 and "output 'picked' is computed after TopK" in notes[0], result.table()
