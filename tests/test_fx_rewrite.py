@@ -3102,3 +3102,51 @@ def test_an_op_flag_naming_an_op_the_torch_model_lacks_is_said():
         "unmatched: --fp16-ops 'softmax' names an op this model does not have, so it changes nothing"]
     _, report = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", fp32_ops=["relu"], report=True)
     assert not [n for n in report.log.notes if n.startswith("unmatched:")]
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_deep_copy_keeps_its_low_copies_in_step_with_its_weights(capture):
+    """copy.deepcopy (an EMA or teacher model) lost the forward hook that makes a low copy again
+    after an in-place write: the copy's low readers went on with the weights it was made with."""
+    torch.manual_seed(0)
+    model, x = _ConvertedAndCopied().eval(), torch.randn(4, 8)
+    twin = copy.deepcopy(amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", capture=capture))
+    with torch.no_grad():
+        w = torch.randn(8, 8) * 0.3
+        twin.l.weight.copy_(w)
+        model.l.weight.copy_(w)
+        assert rel_err(twin(x), model(x)) < TOL["bf16"]
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_weight_read_low_and_fp32_gets_its_whole_gradient(capture):
+    """The low copy is made without grad: backward through an inference rewrite gave l.weight only
+    the share of its FP32 reader (the sum), silently; the low reader now reads a cast made in the
+    forward while autograd records, and the cached copy is back in place after it."""
+    torch.manual_seed(0)
+    model, x = _ConvertedAndCopied().eval(), torch.randn(4, 8)
+    gm = amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x,), target="bf16", capture=capture)
+    cached = {name: b for name, b in gm.named_buffers() if "_amp_" in name}
+    assert cached
+    gm(x).square().sum().backward()
+    model(x).square().sum().backward()
+    got, want = gm.get_parameter("l.weight").grad, model.l.weight.grad
+    assert float((got - want).abs().max()) <= 3e-2 * float(want.abs().max())
+    assert {name: b for name, b in gm.named_buffers() if "_amp_" in name} == cached  # (the same tensors)
+    assert all(b.grad_fn is None for b in cached.values())
+
+
+def test_torch_func_transforms_run_over_a_weight_read_low_and_fp32():
+    """torch.func.grad / vmap over functional_call crashed inside the refresh hook (an in-place
+    copy and a data-dependent check inside the transform)."""
+    torch.manual_seed(0)
+    model, x = _ConvertedAndCopied().eval(), torch.randn(4, 8)
+    gm = amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x,), target="bf16")
+    w = torch.randn(8, 8) * 0.3
+    got = torch.func.grad(lambda w: torch.func.functional_call(gm, {"l.weight": w}, (x,)).sum())(w)
+    want = torch.func.grad(lambda w: torch.func.functional_call(model, {"l.weight": w}, (x,)).sum())(w)
+    assert float((got - want).abs().max()) <= 3e-2 * float(want.abs().max())
+    stacked = torch.randn(3, 8, 8) * 0.3
+    got = torch.func.vmap(lambda w: torch.func.functional_call(gm, {"l.weight": w}, (x,)))(stacked)
+    want = torch.func.vmap(lambda w: torch.func.functional_call(model, {"l.weight": w}, (x,)))(stacked)
+    assert rel_err(got, want) < TOL["bf16"]

@@ -277,7 +277,7 @@ class _Emitter:
         if not copies:
             _register_after_load(self.gm)
             _keep_derived_buffers_out_of_copies(self.gm)
-            self.gm.register_forward_pre_hook(_refresh_changed_copies)
+            _hook_copies(self.gm)
         copies.append((prefix + name, target))
         _note_source(self.gm, prefix + name, getattr(owner, attr))
 
@@ -836,17 +836,55 @@ def _refresh_changed_copies(module: torch.nn.Module, args: Any) -> None:
     """Forward pre-hook: a low copy whose FP32 original was written in place since the copy was
     made (``weight.copy_(w)``, ``nn.init``, an EMA, an optimizer step) or replaced is made again,
     or the low readers would compute with the old weight while the FP32 readers see the new one.
-    (Not inside torch.compile's trace: there the copies are as last refreshed.)"""
+    (Not inside torch.compile's trace: there the copies are as last refreshed.)
+
+    With autograd recording and an original that requires grad, or under a torch.func transform,
+    the low readers read a cast of the original made for this forward instead (the cached copy is
+    put back after it): the copy is made without grad, and backward gave the weight only its FP32
+    readers' share; a transform refuses the in-place refresh."""
     if torch.compiler.is_compiling():
         return
     stamps = module.meta.get(COPY_SOURCES, {})
+    # under torch.func (grad, vmap, functional_call's weights inside them) nothing may be written in
+    # place and no value inspected: every copy is a cast for this forward
+    transformed = torch._C._are_functorch_transforms_active()
+    cast_here = []
     for copy_path, original in module.meta.get(LOW_COPIES, ()):
         source = _fetch(module, original)
-        if source is None:
+        if source is None or source.is_meta:
+            continue
+        if transformed or (torch.is_grad_enabled() and source.requires_grad):
+            cast_here.append((copy_path, source))  # (the cached copy is refreshed at a later forward)
             continue
         stamp = _stamp(source)
         if stamp[1] is None or stamps.get(copy_path) != stamp:
             _refresh_copy(module, copy_path, original, warn=stamp[1] is not None)
+    for copy_path, source in cast_here:
+        owner, attr = _owner(module, copy_path)
+        cached = owner._buffers[attr]
+        bound = torch.finfo(cached.dtype).max
+        owner._buffers[attr] = source.clamp(-bound, bound).to(cached.dtype)
+        module.meta.setdefault(_CACHED_COPIES, []).append((owner, attr, cached))
+
+
+_CACHED_COPIES = "amp_rewrite.cached_copies"  # gm.meta, during a forward: the copies a cast stands in for
+
+
+def _restore_cached_copies(module: torch.nn.Module, args: Any, output: Any) -> None:
+    """Forward hook (run even when the forward raises): the cached low copies go back in place of
+    the casts made for that forward, which its backward holds on to."""
+    for owner, attr, cached in reversed(module.meta.pop(_CACHED_COPIES, [])):
+        owner._buffers[attr] = cached
+
+
+def _hook_copies(gm: fx.GraphModule) -> None:
+    """The hooks that keep the low copies right. A deep copy (an EMA or teacher model) gets them
+    again: GraphModule's copy keeps state-dict hooks, not forward hooks, and the copy's low readers
+    went on reading the weights it was made with."""
+    gm.register_forward_pre_hook(_refresh_changed_copies)
+    gm.register_forward_hook(_restore_cached_copies, always_call=True)
+    if _hook_copies not in getattr(gm, "_deepcopy_hooks", ()):
+        gm._register_deepcopy_hook(_hook_copies)
 
 
 TIED = "amp_rewrite.tied"  # gm.meta: the names of each parameter the module holds under several
