@@ -318,3 +318,21 @@ def test_the_emulation_of_a_gqa_prompt_step_reading_a_past_cache_runs():
     ref, got = run(model, feeds), run(emulated, feeds)
     for name in ("out", "prk", "prv"):
         assert got[name].shape == ref[name].shape and rel_err(ref[name], got[name]) < 1e-2, name
+
+
+def test_a_model_of_custom_domain_ops_only_gets_an_ai_onnx_import_with_its_casts():
+    """A com.microsoft FusedMatMul alone (no ai.onnx import) got ai.onnx Casts and no import for
+    them: the output failed the checker, and rewriting it again refused it."""
+    T = onnx.TensorProto
+    g = oh.make_graph([oh.make_node("FusedMatMul", ["A", "B"], ["Y"], domain="com.microsoft", alpha=1.0)], "g",
+                      [oh.make_tensor_value_info("A", T.FLOAT, [2, 4])], [oh.make_tensor_value_info("Y", T.FLOAT, [2, 3])],
+                      [numpy_helper.from_array(np.full((4, 3), 0.5, np.float32), "B")])
+    m = oh.make_model(g, opset_imports=[oh.make_opsetid("com.microsoft", 1)], ir_version=8)
+    out = rewrite(m).model
+    assert {o.domain: o.version for o in out.opset_import} == {"com.microsoft": 1, "": 13}
+    assert any(n.op_type == "Cast" for n in out.graph.node)
+    full_check(out)
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    assert rel_err(run(out, {"A": a})["Y"], a @ np.full((4, 3), 0.5, np.float32)) < 1e-2
+    again = rewrite(out)
+    assert not again.modified

@@ -62,10 +62,25 @@ def emit_onnx(model: Model, log: DecisionLog) -> ir.Model:
     for domain, version in model.opsets.items():
         if domain and domain not in source.model.opset_imports:  # a fused com.microsoft op brought it in
             source.model.opset_imports[domain] = version
+    if "" not in source.model.opset_imports and any(
+            n.domain in ("", "ai.onnx") for n in ir.traversal.RecursiveGraphIterator(source.model.graph)):
+        # a model of custom-domain ops only (an ai.onnx.ml pipeline, com.microsoft ops) given Casts:
+        # they need an ai.onnx import, or the output fails the checker and a rewrite of it refuses it
+        source.model.opset_imports[""] = default_opset_for(source.model.ir_version)
     _sort(model, source.model)
     source.model.metadata_props[TAG + "log"] = "v1"
     source.model.metadata_props[TAG + "report"] = _model_tags(log, patcher.deferred)
     return source.model
+
+
+def default_opset_for(ir_version: int | None) -> int:
+    """The ai.onnx opset a model given its first ai.onnx nodes imports: 13 (Cast to and from
+    bfloat16), or the newest its IR version allows when that is older."""
+    import onnx
+
+    allowed = [opset for _, ir_v, opset, *_ in onnx.helper.VERSION_TABLE
+               if ir_version is None or ir_v <= ir_version]
+    return min(13, max(allowed, default=13))
 
 
 def _remove(nodes: list[Node]) -> None:
