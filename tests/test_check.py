@@ -1598,3 +1598,28 @@ def test_a_failing_output_computed_after_a_selection_gets_a_note_about_near_ties
     assert by_name["scores"].passed and not by_name["picked"].passed
     notes = [n for n in result.notes if "selects elements by comparing values" in n]
     assert len(notes) == 1 and "output 'picked' is computed after TopK" in notes[0], result.table()
+
+
+def test_a_function_s_default_attribute_is_kept_by_the_emulation():
+    """onnx's inliner drops a function's default attributes (attribute_proto): the emulated model
+    ran LeakyRelu with its schema's 0.01 where the function says 0.2, and --check failed (and
+    deleted) a correct rewrite."""
+    from onnx import helper as oh
+
+    act = oh.make_node("LeakyRelu", ["a"], ["f"])
+    act.attribute.append(onnx.AttributeProto(name="alpha", ref_attr_name="alpha", type=onnx.AttributeProto.FLOAT))
+    fn = oh.make_function("local", "Act", ["a"], ["f"], [act], [oh.make_opsetid("", 18)])
+    fn.attribute_proto.append(oh.make_attribute("alpha", 0.2))
+    W = onnx.numpy_helper.from_array((np.random.default_rng(0).standard_normal((8, 8)) / 3).astype(np.float32), "W")
+    T = onnx.TensorProto
+    g = oh.make_graph([oh.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+                       oh.make_node("Act", ["h"], ["y"], domain="local", name="act")],
+                      "g", [oh.make_tensor_value_info("x", T.FLOAT, [4, 8])],
+                      [oh.make_tensor_value_info("y", T.FLOAT, [4, 8])], [W])
+    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid("local", 1)], functions=[fn],
+                      ir_version=10)
+    x = np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)
+    assert rel_err(run(emulate_low(m)[0], {"x": x})["y"], run(m, {"x": x})["y"]) == 0
+    assert not any(a.name == "alpha" for a in m.graph.node[1].attribute)  # (the input is left as it was)
+    result = ck.check_models(m, rewrite(m).model, inputs={"x": x})
+    assert result.passed, result.table()
