@@ -1351,3 +1351,33 @@ g (int64[2,8] p, float[2,8] x) => (float[2,8] y) {
     full_check(out)
     feeds = {"p": np.arange(16, dtype=np.int64).reshape(2, 8), "x": np.ones((2, 8), np.float32)}
     assert run(out, feeds)["y"].shape == (2, 8)
+
+
+def test_a_tensor_keeps_its_metadata_once_through_every_rewrite(tmp_path):
+    """onnx-ir wrote a tensor's metadata_props twice (the proto's copy and its own): each rewrite
+    doubled them, on initializers and Constant tensors, so rewriting an output again changed it."""
+    model = make_model("""
+        <ir_version: 10, opset_import: ["" : 17]>
+        g (float[2,4] x, float[2,4] x2) => (float[2,4] y, float[2,4] y2) {
+          y = MatMul(x, w)
+          k = Constant<value = float[4] {1, 2, 3, 4}>()
+          s = Add(x2, c)
+          y2 = Add(s, k)
+        }""", {"w": (4, 4), "c": (4,)})
+    next(t for t in model.graph.initializer if t.name == "c").metadata_props.add(key="origin", value="calibration")
+    model.graph.node[1].attribute[0].t.metadata_props.add(key="k", value="v")
+
+    def metadata(m):
+        c = next(t for t in m.graph.initializer if t.name == "c")
+        k = next(n for n in m.graph.node if n.op_type == "Constant").attribute[0].t
+        return [(p.key, p.value) for p in c.metadata_props], [(p.key, p.value) for p in k.metadata_props]
+
+    first = rewrite(model)
+    assert first.modified and metadata(first.model) == ([("origin", "calibration")], [("k", "v")])
+    onnx.save(first.model, tmp_path / "a.onnx")
+    from amp_rewrite.api import rewrite_onnx, rewrite_onnx_model
+
+    again = rewrite_onnx_model(str(tmp_path / "a.onnx"))
+    assert metadata(again.model) == metadata(first.model)
+    rewrite_onnx(tmp_path / "a.onnx", tmp_path / "b.onnx")
+    assert metadata(onnx.load(tmp_path / "b.onnx")) == metadata(first.model)

@@ -150,7 +150,37 @@ def _move_output_info(old: ir.Value, new: ir.Value) -> None:
 
 
 def to_proto(model: ir.Model) -> onnx.ModelProto:
+    _once_tensor_metadata(model)
     return ir.serde.serialize_model(model)
+
+
+def _once_tensor_metadata(model: ir.Model) -> None:
+    """onnx-ir (1.1) writes a tensor read from a proto as that proto, metadata_props included, and
+    then appends the tensor's metadata_props again: every pass through it doubled a tensor's
+    metadata, so rewriting an output again changed it. The proto's copy is the one written."""
+    def once(tensor: Any) -> None:
+        raw = getattr(tensor, "raw", None)
+        if isinstance(tensor, ir.TensorProtoTensor) and isinstance(raw, onnx.TensorProto) \
+                and len(raw.metadata_props) and tensor.metadata_props:
+            tensor.metadata_props.clear()
+
+    graphs = [model.graph, *model.functions.values()]
+    for graph in graphs:
+        if isinstance(graph, ir.Graph):
+            for value in graph.initializers.values():
+                if value.const_value is not None:
+                    once(value.const_value)
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            for attr in node.attributes.values():
+                if attr.type == ir.AttributeType.TENSOR:
+                    once(attr.value)
+                elif attr.type == ir.AttributeType.TENSORS:
+                    for t in attr.value:
+                        once(t)
+                elif attr.type == ir.AttributeType.GRAPH:
+                    graphs.append(attr.value)
+                elif attr.type == ir.AttributeType.GRAPHS:
+                    graphs.extend(attr.value)
 
 
 class _Patcher:
@@ -715,6 +745,7 @@ def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[P
     if external:
         _external_constants_to_initializers(model)
     _inline_external_attributes(model)
+    _once_tensor_metadata(model)
     try:
         if external:
             ir.save(model, tmp / dst.name, external_data=data_name, size_threshold_bytes=1024)
