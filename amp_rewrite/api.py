@@ -187,10 +187,21 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
                 f"{label!r}, perm={perm}; as around an LSTM): onnxruntime 1.31's CPU provider crashes (SIGSEGV) on "
                 f"them at its default optimisation level, ORT_ENABLE_ALL; on the CPU, load the output with {level}")
     if modified and model.meta.get("onnx.training_info"):
-        ctx.log.notes.append(f"dropped: the model's training_info ({model.meta['onnx.training_info']} "
+        ctx.log.notes.append(f"dropped: the model's training_info ({len(model.meta['onnx.training_info'])} "
                              f"TrainingInfoProto) is not in the output: its algorithm binds the FP32 initializers "
                              f"the rewrite converts; build it again for the rewritten model")
     return modified
+
+
+def _unchanged_proto(model: Model) -> Any:
+    """The proto of a model with nothing rewritten, written through onnx-ir (sorted, retyped or
+    read from a path), with its training_info put back: onnx-ir does not carry it, and nothing
+    its bindings name changed."""
+    from .emitters.onnx_emitter import to_proto
+
+    out = to_proto(model.origin.model)
+    out.training_info.extend(model.meta.get("onnx.training_info") or ())
+    return out
 
 
 _LN_STATISTICS = {"ReduceMean": 2, "Sub": 3, "Pow": 1, "Sqrt": 1}  # op -> most reads onnxruntime's pattern makes
@@ -408,7 +419,7 @@ def rewrite_onnx_model(proto: Any, **options: Any) -> RewriteResult:
         # ONNX requires topological order: the sorted copy (or retyped: onnx_loader._trust_actual_types);
         # a path's model: the one read
         if model.meta.get("onnx.changed_on_load") or source is not None:
-            return RewriteResult(to_proto(model.origin.model), ctx.log, False, source=source)
+            return RewriteResult(_unchanged_proto(model), ctx.log, False, source=source)
         out = type(proto)()
         out.CopyFrom(proto)
         return RewriteResult(out, ctx.log, False)
@@ -571,4 +582,6 @@ def _copy_unchanged(src: Path, dst: Path, model: Model, external: bool, source_f
         return [dst]
     from .emitters.onnx_emitter import save_onnx
 
-    return save_onnx(model.origin.model, dst, external=external, source_files=source_files, overwrite=overwrite)
+    # (onnx-ir does not carry training_info: nothing its bindings name changed, so it is put back)
+    return save_onnx(model.origin.model, dst, external=external, source_files=source_files, overwrite=overwrite,
+                     training_info=model.meta.get("onnx.training_info") or ())

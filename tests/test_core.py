@@ -1381,3 +1381,27 @@ def test_a_tensor_keeps_its_metadata_once_through_every_rewrite(tmp_path):
     assert metadata(again.model) == metadata(first.model)
     rewrite_onnx(tmp_path / "a.onnx", tmp_path / "b.onnx")
     assert metadata(onnx.load(tmp_path / "b.onnx")) == metadata(first.model)
+
+
+def test_a_model_with_nothing_to_rewrite_keeps_its_training_info_when_written_through_onnx_ir(tmp_path):
+    """Unchanged, a model read from a path (or kept in external data, or sorted on load) is written
+    through onnx-ir, which cannot hold training_info: it vanished with no word."""
+    from onnx import helper as oh
+
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,4] x) => (float[2,4] y) { y = Add(x, b) }""", {"b": (2, 4)})
+    algorithm = oh.make_graph([oh.make_node("Identity", ["b"], ["b_next"])], "step", [],
+                              [oh.make_tensor_value_info("b_next", onnx.TensorProto.FLOAT, [2, 4])])
+    info = model.training_info.add()
+    info.algorithm.CopyFrom(algorithm)
+    info.update_binding.add(key="b", value="b_next")
+    onnx.save(model, tmp_path / "m.onnx", save_as_external_data=True, location="m.data", size_threshold=0)
+    from amp_rewrite.api import rewrite_onnx, rewrite_onnx_model
+
+    result = rewrite_onnx(tmp_path / "m.onnx", tmp_path / "o.onnx")
+    assert not result.modified
+    written = onnx.load(tmp_path / "o.onnx")
+    assert list(written.training_info) == list(model.training_info)
+    onnx.checker.check_model(written, full_check=True)
+    assert list(rewrite_onnx_model(str(tmp_path / "m.onnx")).model.training_info) == list(model.training_info)

@@ -19,7 +19,7 @@ import os
 import tempfile
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import google.protobuf.message
 import ml_dtypes
@@ -717,7 +717,8 @@ def _restore_tensor_docs(model: ir.Model, path: Path) -> None:
     onnx.save_model(proto, str(path))
 
 
-def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[Path], overwrite: bool) -> list[Path]:
+def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[Path], overwrite: bool,
+              training_info: Sequence[onnx.TrainingInfoProto] = ()) -> list[Path]:
     """Write atomically: into a temp folder beside ``dst``, then rename into place.
 
     External data, when used, goes to a fresh ``<dst name>.data`` next to the output; it must not
@@ -752,6 +753,10 @@ def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[P
             _restore_tensor_docs(model, tmp / dst.name)
         else:
             ir.save(model, tmp / dst.name)
+        if training_info:  # (a model written unchanged keeps what onnx-ir cannot hold)
+            written_proto = onnx.load(str(tmp / dst.name), load_external_data=False)
+            written_proto.training_info.extend(training_info)
+            onnx.save(written_proto, str(tmp / dst.name))
         # (onnx-ir makes the data file even when every tensor stayed inline: an empty file is no output)
         pair = external and (tmp / data_name).exists() and (tmp / data_name).stat().st_size > 0
         existing = dst.parent / data_name

@@ -128,7 +128,7 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     _type_custom_outputs(model)
     model.meta["ir_version"] = ir_model.ir_version
     if proto is not None and len(proto.training_info):
-        model.meta["onnx.training_info"] = len(proto.training_info)  # (onnx-ir does not carry it)
+        model.meta["onnx.training_info"] = list(proto.training_info)  # (onnx-ir does not carry it)
     model.meta["functions"] = functions
     return model
 
