@@ -47,6 +47,23 @@ class RewriteResult:
         return Report.from_log(self.log, source=self.source, output=str(self.outputs[-1]) if self.outputs else None)
 
 
+def rule_book(rules: Any, *, frontend: str, target: str, fp32_ops: Any = (), fp16_ops: Any = (),
+              fp32_nodes: Any = (), fp16_nodes: Any = ()) -> "RuleBook":
+    """The rules a rewrite uses: ``rules`` (rule files, or a RuleBook that must fit the rewrite)
+    with the user's op flags and node pins on top, as load_rules puts them over its files."""
+    from .rulebook import RuleBook, load_rules
+
+    pins = dict(fp32_ops=_as_list("fp32_ops", fp32_ops), low_ops=_as_list("fp16_ops", fp16_ops),
+                fp32_nodes=_as_list("fp32_nodes", fp32_nodes), low_nodes=_as_list("fp16_nodes", fp16_nodes))
+    if isinstance(rules, RuleBook):
+        for what, wanted, have in (("frontend", frontend, rules.frontend), ("target", target, rules.target)):
+            if have != wanted:
+                raise UsageError(f"rules: the RuleBook given was composed for {what} {have!r}, this rewrite's is "
+                                 f"{wanted!r}; build it with load_rules(..., {what}={wanted!r})")
+        return rules.with_overrides(**pins)
+    return load_rules([os.fspath(r) for r in _as_list("rules", rules)], frontend=frontend, target=target, **pins)
+
+
 def make_context(*, frontend: str, target: str = "fp16", rules: Iterable[str | os.PathLike] | "RuleBook" = (),
                  keep_io_types: bool = True, training: bool = False, fp32_nodes: Sequence[str] = (),
                  fp16_nodes: Sequence[str] = (), fp32_ops: Sequence[str] = (), fp16_ops: Sequence[str] = (),
@@ -54,8 +71,6 @@ def make_context(*, frontend: str, target: str = "fp16", rules: Iterable[str | o
                  fuse: bool = True) -> Context:
     """``placement`` defaults to ``optimal`` (the exact min-cut) for ONNX and to ``greedy`` for
     torch, whose painter mirrors CUDA autocast node by node (``tests/test_fx_autocast.py``)."""
-    from .rulebook import RuleBook, load_rules
-
     if placement is None:
         placement = "optimal" if frontend == "onnx" else "greedy"
     flags = dict(keep_io_types=keep_io_types, training=training, verify_each=verify_each, fuse=fuse)
@@ -69,16 +84,8 @@ def make_context(*, frontend: str, target: str = "fp16", rules: Iterable[str | o
         raise UsageError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}")
     if placement not in ("greedy", "optimal"):
         raise UsageError(f"unknown placement {placement!r}: choose greedy or optimal")
-    if isinstance(rules, RuleBook):
-        for what, wanted, have in (("frontend", frontend, rules.frontend), ("target", target, rules.target)):
-            if have != wanted:
-                raise UsageError(f"rules: the RuleBook given was composed for {what} {have!r}, this rewrite's is "
-                                 f"{wanted!r}; build it with load_rules(..., {what}={wanted!r})")
-        # (the pins go on top, as load_rules puts them over its files)
-        book = rules.with_overrides(fp32_ops=fp32_ops, low_ops=fp16_ops, fp32_nodes=fp32_nodes, low_nodes=fp16_nodes)
-    else:
-        book = load_rules([os.fspath(r) for r in _as_list("rules", rules)], frontend=frontend, target=target,
-                          fp32_ops=fp32_ops, low_ops=fp16_ops, fp32_nodes=fp32_nodes, low_nodes=fp16_nodes)
+    book = rule_book(rules, frontend=frontend, target=target, fp32_ops=fp32_ops, fp16_ops=fp16_ops,
+                     fp32_nodes=fp32_nodes, fp16_nodes=fp16_nodes)
     if frontend == "onnx":
         from .frontends.onnx_loader import check_rule_input_names
 

@@ -1341,7 +1341,7 @@ def _selection_notes(proto: onnx.ModelProto, failing: list[str], target: str) ->
             chosen = node if node.op_type in _SELECTING else next(
                 (n for n in _nested_nodes(node) if n.op_type in _SELECTING), None)
             if chosen is not None:
-                found = (chosen.op_type, f"{node_label(node)}" if chosen is node else f"inside {node_label(node)}")
+                found = (chosen.op_type, node_label(node) if chosen is node else f"inside {node_label(node)}")
             stack.extend(i for i in [*node.input, *_outer_reads(node)] if i)
         if found is not None:
             op, where = found

@@ -51,7 +51,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from .api import RewriteResult, _as_list, _record_pins, flag, make_context, run_pipeline
+from .api import RewriteResult, _as_list, _record_pins, flag, make_context, rule_book, run_pipeline
 from .decisions import Category
 from .errors import UnsupportedModelError, UsageError, first_line
 from .ir import DType, Model, Value
@@ -937,13 +937,9 @@ def _loss_tail(model: Model, target: str, rules: Any, loss: Value, options: dict
     a functional_call the rules do not list) is left out: pinning it changes nothing, and the pin
     was reported as a user's ``--fp32-nodes`` without effect."""
     from .passes.base import given_low_type, loss_tail
-    from .rulebook import RuleBook, load_rules
 
-    book = rules if isinstance(rules, RuleBook) else load_rules([os.fspath(r) for r in _as_list("rules", rules)],
-                                                                frontend="torch", target=target)
-    book = book.with_overrides(fp32_ops=_as_list("fp32_ops", options.get("fp32_ops")),
-                               low_ops=_as_list("fp16_ops", options.get("fp16_ops")), fp32_nodes=fp32_nodes,
-                               low_nodes=_as_list("fp16_nodes", options.get("fp16_nodes")))
+    book = rule_book(rules, frontend="torch", target=target, fp32_nodes=fp32_nodes,
+                     **{k: options.get(k) or () for k in ("fp32_ops", "fp16_ops", "fp16_nodes")})
     return [n.name for n in loss_tail(model.graph, loss, book)
             if n.op_type != "Cast" and n.name and given_low_type(n) is None]
 

@@ -191,17 +191,19 @@ class LossScaler:
         module made some other way than by rewrite() is found too (and registered). Without it,
         the registry only: the per-step look-up of a scalar that is no known module's scale (a loss
         weight made afresh each step) must not walk the heap each step."""
+        def rewritten_for_training(obj: Any) -> bool:
+            return isinstance(obj, torch.nn.Module) and getattr(obj, "amp_training", False) \
+                and isinstance(obj._buffers.get(BUFFER), torch.Tensor)
+
         if not scan:
-            return [m for m in list(_TRAINING_MODULES)
-                    if getattr(m, "amp_training", False) and isinstance(m._buffers.get(BUFFER), torch.Tensor)]
+            return [m for m in list(_TRAINING_MODULES) if rewritten_for_training(m)]
         gc.collect()
         found = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # isinstance() on deprecated module-level objects warns
             for obj in gc.get_objects():
                 try:
-                    if isinstance(obj, torch.nn.Module) and getattr(obj, "amp_training", False) \
-                            and isinstance(obj._buffers.get(BUFFER), torch.Tensor):
+                    if rewritten_for_training(obj):
                         found.append(obj)
                 except ReferenceError:  # a dead weakproxy
                     continue

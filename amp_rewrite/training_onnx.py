@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Collection, Sequence
 
-from .api import SCALE_OPTIONS, RewriteResult, _as_list, _record_pins, context_for, flag, run_pipeline
+from .api import SCALE_OPTIONS, RewriteResult, _as_list, _record_pins, context_for, flag, rule_book, run_pipeline
 from .errors import UsageError
 from .loss_scale import BACKOFF_FACTOR, GROWTH_FACTOR, GROWTH_INTERVAL, MAX_SCALE, MIN_SCALE, loss_scaling_for
 from .loss_scale import no_scaling_reason
@@ -400,16 +400,8 @@ def _name_taken(graph: Any, name: str) -> bool:
 def _rule_book(options: dict) -> Any:
     """The rules the pipeline will use (op overrides and the user's node pins included), to find
     the allow ops and the nodes pinned low."""
-    from .rulebook import RuleBook, load_rules
-
-    rules = options.get("rules", ())
-    pins = dict(fp32_ops=_as_list("fp32_ops", options.get("fp32_ops")), low_ops=_as_list("fp16_ops", options.get("fp16_ops")),
-                fp32_nodes=_as_list("fp32_nodes", options.get("fp32_nodes")),
-                low_nodes=_as_list("fp16_nodes", options.get("fp16_nodes")))
-    if isinstance(rules, RuleBook):
-        return rules.with_overrides(**pins)
-    return load_rules([os.fspath(r) for r in _as_list("rules", rules)], frontend="onnx",
-                      target=options.get("target", "fp16"), **pins)
+    return rule_book(options.get("rules", ()), frontend="onnx", target=options.get("target", "fp16"),
+                     **{k: options.get(k) or () for k in ("fp32_ops", "fp16_ops", "fp32_nodes", "fp16_nodes")})
 
 
 def _loss_tail(loss: Any, graph: Any, book: Any) -> list[str]:

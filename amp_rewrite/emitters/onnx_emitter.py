@@ -63,7 +63,7 @@ def emit_onnx(model: Model, log: DecisionLog) -> ir.Model:
         if domain and domain not in source.model.opset_imports:  # a fused com.microsoft op brought it in
             source.model.opset_imports[domain] = version
     if "" not in source.model.opset_imports and any(
-            n.domain in ("", "ai.onnx") for n in ir.traversal.RecursiveGraphIterator(source.model.graph)):
+            n.domain in ("", "ai.onnx") for graph in ir_graphs(source.model) for n in graph):
         # a model of custom-domain ops only (an ai.onnx.ml pipeline, com.microsoft ops) given Casts:
         # they need an ai.onnx import, or the output fails the checker and a rewrite of it refuses it
         source.model.opset_imports[""] = default_opset_for(source.model.ir_version)
@@ -76,8 +76,6 @@ def emit_onnx(model: Model, log: DecisionLog) -> ir.Model:
 def default_opset_for(ir_version: int | None) -> int:
     """The ai.onnx opset a model given its first ai.onnx nodes imports: 13 (Cast to and from
     bfloat16), or the newest its IR version allows when that is older."""
-    import onnx
-
     allowed = [opset for _, ir_v, opset, *_ in onnx.helper.VERSION_TABLE
                if ir_version is None or ir_v <= ir_version]
     return min(13, max(allowed, default=13))
@@ -158,25 +156,22 @@ def _once_tensor_metadata(model: ir.Model) -> None:
     """onnx-ir (1.1) writes a tensor read from a proto as that proto, metadata_props included, and
     then appends the tensor's metadata_props again: every pass through it doubled a tensor's
     metadata, so rewriting an output again changed it. The proto's copy is the one written."""
-    def once(tensor: Any) -> None:
-        raw = getattr(tensor, "raw", None)
-        if isinstance(tensor, ir.TensorProtoTensor) and isinstance(raw, onnx.TensorProto) \
-                and len(raw.metadata_props) and tensor.metadata_props:
+    def once(tensor: object) -> None:
+        if isinstance(tensor, ir.TensorProtoTensor) and len(tensor.raw.metadata_props) and tensor.metadata_props:
             tensor.metadata_props.clear()
 
-    graphs = [model.graph, *model.functions.values()]
-    for graph in graphs:
-        if isinstance(graph, ir.Graph):
-            for value in graph.initializers.values():
-                if value.const_value is not None:
-                    once(value.const_value)
-        for node in ir.traversal.RecursiveGraphIterator(graph):
+    graphs = [model.graph, *(function.graph for function in model.functions.values())]
+    for graph in graphs:  # (grows as bodies are found, functions' own included)
+        for value in graph.initializers.values():
+            if value.const_value is not None:
+                once(value.const_value)
+        for node in graph:
             for attr in node.attributes.values():
                 if attr.type == ir.AttributeType.TENSOR:
                     once(attr.value)
                 elif attr.type == ir.AttributeType.TENSORS:
-                    for t in attr.value:
-                        once(t)
+                    for tensor in attr.value:
+                        once(tensor)
                 elif attr.type == ir.AttributeType.GRAPH:
                     graphs.append(attr.value)
                 elif attr.type == ir.AttributeType.GRAPHS:

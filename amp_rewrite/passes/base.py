@@ -80,7 +80,7 @@ def loss_tail(graph: Graph, loss: Value, rules: "RuleBook") -> list[Node]:
         ancestors[id(node)] = node
         stack.extend(v.producer for v in node.inputs if v is not None and v.producer is not None)
     low_rules = any(rule.precision is Precision.LOW for rule in rules.node_rules())
-    names = frozenset(a for n in graph.walk() for a in aliases(n) if a) if low_rules else frozenset()
+    names = graph_node_names(graph) if low_rules else frozenset()
 
     def pinned_low(node: Node) -> bool:
         rule = node_rule_of(rules, node, names) if low_rules else None
@@ -217,7 +217,12 @@ def _scope_path(node: Node) -> tuple[str, ...]:
 def node_names(model: Model) -> frozenset[str]:
     """Every name a node pattern may give a node of ``model`` (:func:`aliases`): a pattern equal to
     one of them names that node, not a glob (``RuleBook.node_rule``)."""
-    return frozenset(n for node in model.graph.walk() for n in aliases(node) if n)
+    return graph_node_names(model.graph)
+
+
+def graph_node_names(graph: Graph) -> frozenset[str]:
+    """:func:`node_names` of one graph and the bodies it holds."""
+    return frozenset(n for node in graph.walk() for n in aliases(node) if n)
 
 
 def earlier_pin(node: Node) -> str | None:
