@@ -193,6 +193,11 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
                 f"onnxruntime: {len(pairs)} FP16 Transpose → MatMul pair(s) moving the first axis back (e.g. "
                 f"{label!r}, perm={perm}; as around an LSTM): onnxruntime 1.31's CPU provider crashes (SIGSEGV) on "
                 f"them at its default optimisation level, ORT_ENABLE_ALL; on the CPU, load the output with {level}")
+    retyped = model.meta.get("onnx.retyped")
+    if retyped:
+        shown = "; ".join(retyped[:3]) + (f"; … ({len(retyped) - 3} more)" if len(retyped) > 3 else "")
+        ctx.log.notes.append(f"corrected on load: {len(retyped)} declared type(s) the model's own data or ops "
+                             f"contradict, which onnxruntime refuses, written as made: {shown}")
     if modified and model.meta.get("onnx.training_info"):
         ctx.log.notes.append(f"dropped: the model's training_info ({len(model.meta['onnx.training_info'])} "
                              f"TrainingInfoProto) is not in the output: its algorithm binds the FP32 initializers "

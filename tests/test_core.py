@@ -1353,6 +1353,102 @@ g (int64[2,8] p, float[2,8] x) => (float[2,8] y) {
     assert run(out, feeds)["y"].shape == (2, 8)
 
 
+def _peer_fp16(body: str, opset: int, declared: dict, extra_inits=()) -> onnx.ModelProto:
+    """A graph as an FP16 converter writes it: an FP32 input cast to float16 and multiplied by an
+    FP16 weight, then ``body``; ``declared`` names value_info entries {name: (elem type, shape)}
+    (parsed without onnx's checker: such models fail it, as the peers write them)."""
+    from onnx import helper
+
+    model = onnx.parser.parse_model(f"""<ir_version: 8, opset_import: ["" : {opset}]>
+g (float[8,8] x) => (float[8,8] y) {{
+  xh = Cast<to=10>(x)
+  h = MatMul(xh, w)
+{body}
+}}""")
+    model.graph.initializer.extend([onnx.numpy_helper.from_array((np.eye(8) * 0.5).astype(np.float16), "w"),
+                                    *extra_inits])
+    for name, (elem, shape) in declared.items():
+        info = helper.make_tensor_value_info(name, elem, shape)
+        outputs = {o.name: o for o in model.graph.output}
+        if name in outputs:
+            outputs[name].CopyFrom(info)
+        else:
+            model.graph.value_info.append(info)
+    return model
+
+
+def test_an_output_typed_by_an_attribute_is_read_as_made_not_as_declared():
+    """FP16 converters declare the type of an output an attribute sets as float16 (both peers:
+    LayerNormalization's Mean; onnxconverter-common: EyeLike/RandomNormal(dtype=FLOAT), a
+    SplitToSequence's sequence). onnxruntime refuses the declaration; the rewrite copied it into
+    its output, exit 0, and that output did not load either. Read as the ops make the values, a
+    consistent model comes back loading (with a note); an inconsistent one is refused, naming both."""
+    from onnx import TensorProto as TP
+
+    from amp_rewrite.errors import ModelLoadError
+
+    gamma = [onnx.numpy_helper.from_array(np.ones(8, np.float16), "g"),
+             onnx.numpy_helper.from_array(np.zeros(8, np.float16), "b")]
+    layer_norm = _peer_fp16("""  n, mu = LayerNormalization<axis=-1>(h, g, b)
+  y = Cast<to=1>(n)""", 17, {"xh": (TP.FLOAT16, [8, 8]), "h": (TP.FLOAT16, [8, 8]), "n": (TP.FLOAT16, [8, 8])},
+                           gamma)
+    layer_norm.graph.output.append(onnx.helper.make_tensor_value_info("mu", TP.FLOAT16, [8, 1]))
+    split = _peer_fp16("""  sq = SplitToSequence<axis=1>(h, sp)
+  yh = ConcatFromSequence<axis=1>(sq)
+  y = Cast<to=1>(yh)""", 17, {"h": (TP.FLOAT16, [8, 8])}, [onnx.numpy_helper.from_array(np.array([2, 6]), "sp")])
+    split.graph.value_info.append(onnx.helper.make_value_info(
+        "sq", onnx.helper.make_sequence_type_proto(onnx.helper.make_tensor_type_proto(TP.FLOAT, [8, None]))))
+    x = np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32)
+    for model, name in ((layer_norm, "mu"), (split, "sq")):
+        with pytest.raises(Exception):
+            onnx.checker.check_model(model, full_check=True)  # (as the peers write it)
+        result = rewrite(model)
+        full_check(result.model)
+        assert run(result.model, {"x": x})["y"].shape == (8, 8)
+        assert any(n.startswith("corrected on load: 1 declared type") and f"{name!r} declared" in n
+                   for n in result.log.notes), result.log.notes
+        assert not rewrite(result.model).modified and not any("corrected" in n for n in rewrite(result.model).log.notes)
+    mu = next(o for o in rewrite(layer_norm).model.graph.output if o.name == "mu")
+    assert mu.type.tensor_type.elem_type == TP.FLOAT
+    for op in ("EyeLike<dtype=1>(h)", "RandomNormal<dtype=1, shape=[8, 8], scale=0.001>()", "Constant<value=float[8,8] {"
+               + ", ".join(["0.0"] * 64) + "}>()"):
+        made = op.split("<")[0]
+        model = _peer_fp16(f"""  e = {op}
+  a = Add(h, e)
+  y = Cast<to=1>(a)""", 17, {"h": (TP.FLOAT16, [8, 8]), "e": (TP.FLOAT16, [8, 8]), "a": (TP.FLOAT16, [8, 8])})
+        with pytest.raises(ModelLoadError, match=f"'h' as fp16 and 'e' as fp32.*'e' declared fp16, {made} makes it fp32"):
+            rewrite(model)
+
+
+def test_a_float_type_the_schema_does_not_take_at_the_model_opset_is_refused(tmp_path):
+    """Both peers feed a QDQ model's QuantizeLinear a float16 activation at opset 17, where its
+    input takes float or int32 only (float16 from opset 19). The rewrite copied it, exit 0, into an
+    output onnxruntime refuses. Now: exit 3, one line naming the node, the type, what the schema
+    takes and the opset that takes it; no output. The same model at opset 19 is valid and rewritten."""
+    from onnx import TensorProto as TP
+
+    quant = [onnx.numpy_helper.from_array(np.array(0.02, np.float32), "s"),
+             onnx.numpy_helper.from_array(np.array(0, np.int8), "zp")]
+    body = """  q = QuantizeLinear(h, s, zp)
+  y = DequantizeLinear(q, s, zp)"""
+    declared = {"xh": (TP.FLOAT16, [8, 8]), "h": (TP.FLOAT16, [8, 8])}
+    onnx.save(_peer_fp16(body, 17, declared, quant), tmp_path / "qdq.onnx")
+    before = (tmp_path / "qdq.onnx").read_bytes()
+    proc = subprocess.run([sys.executable, "-m", "amp_rewrite", "qdq.onnx", "-o", "out.onnx"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert "reads 'h' as fp16, a type its schema does not take there" in proc.stderr
+    assert "takes float16 there from opset 19" in proc.stderr
+    assert not (tmp_path / "out.onnx").exists() and (tmp_path / "qdq.onnx").read_bytes() == before
+    valid = _peer_fp16(body.replace("y = Deq", "yh = Deq") + "\n  y = Cast<to=1>(yh)", 19, declared,
+                       [onnx.numpy_helper.from_array(np.array(0.02, np.float16), "s"), quant[1]])
+    onnx.checker.check_model(valid, full_check=True)
+    out = rewrite(valid).model
+    full_check(out)
+    assert run(out, {"x": np.ones((8, 8), np.float32)})["y"].shape == (8, 8)
+
+
 def test_a_tensor_keeps_its_metadata_once_through_every_rewrite(tmp_path):
     """onnx-ir wrote a tensor's metadata_props twice (the proto's copy and its own): each rewrite
     doubled them, on initializers and Constant tensors, so rewriting an output again changed it."""

@@ -91,7 +91,7 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     bodies = graphs + [function.graph for function in ir_model.functions.values()]
     data_files = _bind_external_data(bodies, path) if path is not None else frozenset()
     _check_supported(ir_model, graphs, path)
-    retyped = _trust_actual_types(graphs)
+    retyped = _trust_actual_types(graphs, _opsets(ir_model), ir_model.ir_version)
     if retyped:
         inferred = None  # (inferred from the stale declarations: typed again from the corrected ones)
     unsorted = False
@@ -104,8 +104,15 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     functions = {(f.domain, f.name) for f in ir_model.functions.values()}
 
     def build(types):
-        return _Builder(model.opsets, ir_model.ir_version, types, functions=functions).build_graph(
-            ir_model.graph, outer={})
+        try:
+            return _Builder(model.opsets, ir_model.ir_version, types, functions=functions).build_graph(
+                ir_model.graph, outer={})
+        except ModelLoadError as exc:
+            if not retyped or "declares the wrong type" not in str(exc):
+                raise
+            # (say which declarations were read as the model makes the values: the conflict is theirs)
+            shown = "; ".join(retyped[:3]) + (f"; … ({len(retyped) - 3} more)" if len(retyped) > 3 else "")
+            raise ModelLoadError(f"{exc} (read as the model makes them, not as declared: {shown})") from None
 
     try:
         # The builder finds an unsorted graph itself (a node reading a value produced later), so
@@ -121,7 +128,9 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
             raise ModelLoadError(str(exc)) from None
     # (even with nothing to rewrite, the output is then the sorted or retyped model, not a copy of
     # the input: a copy of a peer's model whose initializer is declared another type loads nowhere)
-    model.meta["onnx.changed_on_load"] = unsorted or retyped
+    model.meta["onnx.changed_on_load"] = unsorted or bool(retyped)
+    if retyped:
+        model.meta["onnx.retyped"] = retyped
     if nested:
         _unique_value_names(model.graph)
     _unique_labels(model.graph)
@@ -303,7 +312,7 @@ def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: 
         raise ModelLoadError(f"{where}the model could not be read: {first_line(_root_cause(exc))}") from exc
 
 
-def _trust_actual_types(graphs) -> bool:
+def _trust_actual_types(graphs, opsets: dict[str, int], ir_version: int) -> list[str]:
     """An initializer's element type is its data's, as onnxruntime takes it, whatever a stale
     value_info entry declares: onnxruntime's float16 converter with MatMul/Gemm blocked writes an
     FP32 weight declared float16 (GPT-2). onnx-ir typed the value from the declaration; the rewrite
@@ -312,14 +321,25 @@ def _trust_actual_types(graphs) -> bool:
     initializer as an FP32 graph input (onnxconverter-common's output of a model zoo CNN) is
     retyped alike. A Cast's output is typed by its ``to`` likewise, whatever a value_info entry
     declares (onnxconverter-common declares a rotary position Cast(to=FLOAT)'s output float16).
-    Returns whether any value was retyped."""
-    retyped = False
+    So is a float output whose type an attribute sets rather than an input (EyeLike's and the
+    random ops' ``dtype``, LayerNormalization's statistics by ``stash_type``, a Constant's tensor),
+    and a SplitToSequence's sequence (its input's type): onnxconverter-common declares
+    EyeLike(dtype=FLOAT)'s output float16 and such a sequence float, and both peers declare
+    LayerNormalization's Mean float16; onnxruntime refuses each declaration. Where the corrected
+    type then meets a reader of the other type, the builder refuses the model naming both.
+    Returns what was retyped, a line each ("'mu' declared fp16, made fp32 by LayerNormalization")."""
+    retyped: list[str] = []
+
+    def retype(value: ir.Value, wanted: ir.DataType, by: str) -> None:
+        was = _short_type(value.dtype)
+        value.dtype = wanted
+        retyped.append(f"{value.name!r} declared {was}, {by} {_short_type(wanted)}")
+
     for graph in graphs:
         for value in graph.initializers.values():
             data = value.const_value
             if data is not None and value.dtype is not None and data.dtype != value.dtype:
-                value.dtype = data.dtype
-                retyped = True
+                retype(value, data.dtype, "its data is")
         for node in graph:
             to = node.attributes.get("to") if node.op_type == "Cast" and node.domain in ("", "ai.onnx") else None
             out = node.outputs[0] if node.outputs else None
@@ -330,9 +350,75 @@ def _trust_actual_types(graphs) -> bool:
             except (ValueError, TypeError):
                 continue
             if out.dtype != wanted:
-                out.dtype = wanted
-                retyped = True
+                retype(out, wanted, "a Cast makes it")
+        for node in graph:
+            if node.domain not in ("", "ai.onnx"):
+                continue
+            if node.op_type in _ATTRIBUTE_TYPED:
+                for out, wanted in _attribute_types(node, opsets, ir_version):
+                    retype(out, wanted, f"{node.op_type} makes it")
+            elif node.op_type == "SplitToSequence" and node.outputs and node.inputs and node.inputs[0] is not None:
+                out, made = node.outputs[0], node.inputs[0].dtype
+                elem = out.type.elem_type if isinstance(out.type, ir.SequenceType) else None
+                if made in _FLOATS and isinstance(elem, ir.TensorType) and elem.dtype in _FLOATS and elem.dtype != made:
+                    out.type = ir.SequenceType(ir.TensorType(made))
+                    retyped.append(f"{out.name!r} declared a sequence of {_short_type(elem.dtype)}, SplitToSequence "
+                                   f"makes one of {_short_type(made)}")
     return retyped
+
+
+def _short_type(dtype: ir.DataType | None) -> str:
+    known = _DTYPES.get(int(dtype)) if dtype is not None else None
+    return known.short if known is not None else str(dtype)
+
+
+# ai.onnx ops with a float output whose type variable no input carries: an attribute sets it
+_ATTRIBUTE_TYPED = frozenset({"Constant", "ConstantOfShape", "EyeLike", "Bernoulli", "RandomNormal", "RandomUniform",
+                              "RandomNormalLike", "RandomUniformLike", "LayerNormalization", "DequantizeLinear",
+                              "BlackmanWindow", "HammingWindow", "HannWindow", "MelWeightMatrix"})
+_FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
+
+
+def _attribute_types(node: ir.Node, opsets: dict[str, int], ir_version: int) -> list[tuple[ir.Value, ir.DataType]]:
+    """(output, the float type the node makes it) for each float-declared output whose type its
+    attributes set otherwise, as onnx's own inference types it; [] where they agree or it cannot
+    tell (an input of unknown type, an inference error)."""
+    declared = [(i, out) for i, out in enumerate(node.outputs)
+                if out is not None and out.name and out.dtype in _FLOATS]
+    if not declared:
+        return []
+    if node.op_type == "Constant":
+        attr = node.attributes.get("value")
+        tensor = attr.value if attr is not None and attr.type == ir.AttributeType.TENSOR else None
+        made = tensor.dtype if tensor is not None else None
+        return [(out, made) for _, out in declared if made in _FLOATS and out.dtype != made]
+    schema = _schema(node.op_type, "", opsets.get("", None))
+    if schema is None or isinstance(schema, _OrtSchema):
+        return []
+    try:
+        types = {}
+        for v in node.inputs:
+            if v is not None and v.name:
+                if v.type is None:
+                    return []
+                types[v.name] = ir.serde.serialize_type(v.type)
+        proto = ir.serde.serialize_node(node)
+        inferred = onnx.shape_inference.infer_node_outputs(
+            schema, proto, types, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()],
+            ir_version=ir_version)
+    except Exception:  # noqa: BLE001 - inference stumbled on the node: nothing to correct by it
+        return []
+    found = []
+    for _, out in declared:
+        kind = inferred.get(out.name)
+        elem = kind.tensor_type.elem_type if kind is not None and kind.HasField("tensor_type") else 0
+        made = _DATA_TYPES.get(elem)
+        if made in _FLOATS and made != out.dtype:
+            found.append((out, made))
+    return found
+
+
+_DATA_TYPES = {int(d): d for d in ir.DataType}
 
 
 def _check_map_types(graph: onnx.GraphProto, where: str) -> None:
@@ -1385,6 +1471,10 @@ class _Builder:
             conflict = group_conflict(node)
             if conflict:
                 raise ModelLoadError(_declared_type_conflict(node, *conflict))
+            if domain in ("", "ai.onnx", "ai.onnx.ml"):
+                refused = _type_not_allowed(node)
+                if refused:
+                    raise ModelLoadError(refused)
             if any(v.dtype is None for v in outputs):
                 self._type_from_group(node)
         if self._containers:
@@ -1487,6 +1577,47 @@ def _declared_type_conflict(node: Node, group: str, first: Value, other: Value) 
             f"{other.name!r} as {other.dtype.short}, which its schema types alike (type {group.split('#')[0]}); a "
             f"value_info entry (or a graph input or output) that declares the wrong type? "
             f"onnx.checker.check_model(full_check=True) rejects the model too")
+
+
+def _type_not_allowed(node: Node) -> str | None:
+    """Why the node's schema refuses the type a value is declared (a float type its type variable
+    does not list at the model's opset: QuantizeLinear-13 reading float16, which both peers write
+    for a QDQ model); None where every declared float type is one it takes. onnxruntime refuses
+    such a model on load; the rewrite would copy the declaration into its output."""
+    group_types = node.meta.get("group_types")
+    if not group_types or has_ort_schema_only(node.op_type, node.domain, node.opset):
+        return None
+    slots = [("input", i, g, v) for i, (g, v) in enumerate(zip(node.input_groups, node.inputs))]
+    slots += [("output", i, g, v) for i, (g, v) in enumerate(zip(node.output_groups, node.outputs))]
+    for side, index, group, value in slots:
+        allowed = group_types.get(group) if group is not None else None
+        if not allowed or value is None or value.dtype is None or not value.dtype.is_float:
+            continue
+        name = value.dtype.name.lower()  # (onnx's type strings: "float16", "bfloat16", "float", "double")
+        if name in allowed:
+            continue
+        label = node.name or f"{node.op_type}:{node.outputs[0].name if node.outputs else ''}"
+        floats = ", ".join(sorted(t for t in allowed if t.startswith(("float", "bfloat", "double")))) or "none"
+        verb = "reads" if side == "input" else "writes"
+        since = _first_opset_allowing(node.op_type, node.domain, group.split("#")[0], name, node.opset)
+        fix = (f"{node.op_type} takes {name} there from opset {since}: convert the model "
+               f"(onnx.version_converter.convert_version) or " if since else "")
+        return (f"node {label!r} ({node.qualified_op}, opset {node.opset}) {verb} {value.name!r} as "
+                f"{value.dtype.short}, a type its schema does not take there (its {side} {index}, type "
+                f"{group.split('#')[0]}, takes {floats}); onnxruntime refuses the model too. Was it converted "
+                f"to FP16 by another tool? {fix}rewrite the FP32 original instead")
+    return None
+
+
+def _first_opset_allowing(op: str, domain: str, group: str, type_name: str, opset: int | None) -> int | None:
+    """The first opset after ``opset`` whose schema of the op lets ``group`` be ``type_name``."""
+    for schema in _all_schemas(op, "" if domain == "ai.onnx" else domain):
+        if opset is not None and schema.since_version <= opset:
+            continue
+        for tc in schema.type_constraints:
+            if tc.type_param_str == group and f"tensor({type_name})" in tc.allowed_type_strs:
+                return schema.since_version
+    return None
 
 
 def _unknown_op(n: ir.Node, opset: int | None) -> str:
