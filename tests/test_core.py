@@ -1449,6 +1449,34 @@ def test_a_float_type_the_schema_does_not_take_at_the_model_opset_is_refused(tmp
     assert run(out, {"x": np.ones((8, 8), np.float32)})["y"].shape == (8, 8)
 
 
+def test_a_tree_ensemble_pinned_low_stays_fp32_with_a_note():
+    """ai.onnx.ml TreeEnsemble pinned low (--fp16-ops) got float16 X and Y but kept its FP32 tensor
+    attributes (split thresholds, leaf weights), which its schema ties to X's type: the checker and
+    onnxruntime refused the output. onnxruntime has no float16 kernel for it either, so it stays
+    FP32, and the summary says the pin had no effect and why."""
+    from onnx import TensorProto as TP
+    from onnx import helper, numpy_helper
+
+    node = helper.make_node(
+        "TreeEnsemble", ["X"], ["Y"], domain="ai.onnx.ml", aggregate_function=1, n_targets=2, post_transform=0,
+        tree_roots=[0], nodes_featureids=[0], nodes_modes=numpy_helper.from_array(np.array([0], np.uint8)),
+        nodes_splits=numpy_helper.from_array(np.array([0.5], np.float32)), nodes_truenodeids=[0],
+        nodes_trueleafs=[1], nodes_falsenodeids=[1], nodes_falseleafs=[1], leaf_targetids=[0, 1],
+        leaf_weights=numpy_helper.from_array(np.array([1.0, 2.0], np.float32)))
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["X"]), node], "g",
+                              [helper.make_tensor_value_info("x", TP.FLOAT, [3, 4])],
+                              [helper.make_tensor_value_info("Y", TP.FLOAT, [3, 2])],
+                              [numpy_helper.from_array(np.full((4, 1), 0.25, np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.onnx.ml", 5)])
+    model.ir_version = 10
+    result = rewrite(model, fp16_ops=["ai.onnx.ml:TreeEnsemble"])
+    full_check(result.model)
+    x = np.array([[0.1] * 4, [0.7] * 4, [0.4] * 4], np.float32)
+    np.testing.assert_allclose(run(result.model, {"x": x})["Y"], run(model, {"x": x})["Y"])
+    assert result.log.decisions["TreeEnsemble:Y"].precision == Precision.FP32
+    assert any(n.startswith("without effect: --fp16-ops") and "no float16 kernel" in n for n in result.log.notes)
+
+
 def test_a_tensor_keeps_its_metadata_once_through_every_rewrite(tmp_path):
     """onnx-ir wrote a tensor's metadata_props twice (the proto's copy and its own): each rewrite
     doubled them, on initializers and Constant tensors, so rewriting an output again changed it."""

@@ -1458,6 +1458,11 @@ class _Builder:
                 equation = _einsum_equation(n)
                 if equation and one_subscript_twice(equation):
                     node.meta["amp.einsum_square"] = equation  # (classify: squares, as Pow(x, 2) makes)
+        elif op_type == "TreeEnsemble" and domain == "ai.onnx.ml":
+            node.meta["amp.refuses_low"] = (
+                "TreeEnsemble keeps its split thresholds and leaf weights in tensor attributes of its input's "
+                "type, and onnxruntime has no float16 kernel for it (CPU: float and double; CUDA: none): low, "
+                "the model would load nowhere, and rounded thresholds would send samples down other branches")
         elif op_type in ("ScatterElements", "ScatterND") and domain in ("", "ai.onnx"):
             reduction = n.attributes.get("reduction")
             reduction = reduction.as_string() if reduction is not None else "none"
