@@ -1477,6 +1477,35 @@ def test_a_tree_ensemble_pinned_low_stays_fp32_with_a_note():
     assert any(n.startswith("without effect: --fp16-ops") and "no float16 kernel" in n for n in result.log.notes)
 
 
+@pytest.mark.parametrize("past", [False, True])
+def test_linear_attention_pinned_low_types_its_state_as_onnx_infers_it(past):
+    """LinearAttention (opset 27) pinned low with no past_state: query, key, value and output went
+    low but present_state stayed FLOAT, while onnx types it as the query then: the checker refused
+    the output. Without a past state it now goes low with the query; a state carried in keeps its
+    own type (FP32, a running sum), as the schema allows."""
+    from onnx import TensorProto as TP
+    from onnx import helper
+
+    inputs = ["q", "k", "v", "past"] if past else ["q", "k", "v"]
+    node = helper.make_node("LinearAttention", inputs, ["out", "state"], q_num_heads=4, kv_num_heads=4,
+                            update_rule="linear", name="la")
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info(n, TP.FLOAT, [2, 4, 32]) for n in "qkv"]
+        + ([helper.make_tensor_value_info("past", TP.FLOAT, [2, 4, 8, 8])] if past else []),
+        [helper.make_tensor_value_info("out", TP.FLOAT, [2, 4, 32]),
+         helper.make_tensor_value_info("state", TP.FLOAT, [2, 4, 8, 8])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 27)])
+    model.ir_version = 10
+    onnx.checker.check_model(model, full_check=True)
+    out = rewrite(model, fp16_ops=["LinearAttention"]).model
+    full_check(out)
+    la = next(n for n in out.graph.node if n.op_type == "LinearAttention")
+    types = value_types(out)
+    assert types[la.input[0]] == FP16 and types[la.output[0]] == FP16
+    assert types[la.output[1]] == (FP32 if past else FP16)
+    assert not past or types[la.input[3]] == FP32
+
+
 def test_a_tensor_keeps_its_metadata_once_through_every_rewrite(tmp_path):
     """onnx-ir wrote a tensor's metadata_props twice (the proto's copy and its own): each rewrite
     doubled them, on initializers and Constant tensors, so rewriting an output again changed it."""

@@ -56,7 +56,9 @@ _MERGED_GROUPS = {("", "RMSNormalization"): {"V": "T"}, ("", "Attention"): {"T2"
 # around it (seen on an H100); the statistics are painted with X, as BatchNormalization 9-13 (one
 # group) always had them.
 _JOINED_GROUPS = {("", "Attention"): (("U", "T1"),), ("", "DequantizeLinear"): (("T2", "T3"),),
-                  ("", "BatchNormalization"): (("U", "T"), ("T1", "T"), ("T2", "T"))}
+                  ("", "BatchNormalization"): (("U", "T"), ("T1", "T"), ("T2", "T")),
+                  # (only without a past_state: onnx's inference then types present_state as the query)
+                  ("", "LinearAttention"): (("S", "T"),)}
 
 
 @dataclass
@@ -1120,6 +1122,9 @@ def _join_groups(node: Node, slots: Slots) -> tuple[tuple, tuple, dict[str, froz
     GroupQueryAttention's FP32 KV cache goes low with its query (the CUDA kernel takes one type for
     both), an int8 cache keeps its own group."""
     ins, outs, group_types = slots.inputs, slots.outputs, slots.group_types
+    if node.op_type == "LinearAttention" and node.domain in ("", "ai.onnx") and len(node.inputs) > 3 \
+            and node.inputs[3] is not None:
+        return ins, outs, group_types  # (a state carried in keeps its own type: FP32, as a running sum)
     for group, main in slots.joins:
         dtypes = {v.dtype for groups, values in ((ins, node.inputs), (outs, node.outputs))
                   for g, v in zip(groups, values) if g in (group, main) and v is not None and v.dtype is not None}
