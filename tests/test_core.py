@@ -1506,6 +1506,35 @@ def test_linear_attention_pinned_low_types_its_state_as_onnx_infers_it(past):
     assert not past or types[la.input[3]] == FP32
 
 
+def test_a_rewritten_attribute_keeps_its_doc_string():
+    """A Constant converted low (its ``value``, or the ``value_floats`` shorthand it replaces) and
+    a ConstantOfShape retyped lost their attribute's doc_string: the rewrite wrote a new attribute
+    in its place. Doc strings are the model's text and survive the rewrite."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,4] x, int64[2] s) => (float[2,4] y, float[2,4] y2) {
+          k = Constant<value = float[4] {1, 2, 3, 4}>()
+          j = Constant<value_floats = [0.5, 0.5, 0.5, 0.5]>()
+          z = ConstantOfShape<value = float[1] {0.25}>(s)
+          y = MatMul(x, w)
+          a = Add(y, k)
+          b = Mul(a, j)
+          c = Add(b, z)
+          y2 = MatMul(c, w)
+        }""", {"w": (4, 4)})
+    for node in model.graph.node:
+        for attr in node.attribute:
+            attr.doc_string = f"{node.output[0]}.{attr.name} doc"
+    result = rewrite(model)
+    full_check(result.model)
+    converted = {n.output[0].split("/")[0]: n for n in result.model.graph.node if n.op_type in ("Constant", "ConstantOfShape")}
+    types = value_types(result.model)
+    for name, attr_name in (("k", "value"), ("j", "value_floats"), ("z", "value")):
+        node = converted[name]
+        assert types[node.output[0]] == FP16, name  # (converted: the attribute was written again)
+        assert [a.doc_string for a in node.attribute] == [f"{name}.{attr_name} doc"], (name, node.attribute)
+
+
 def test_a_tensor_keeps_its_metadata_once_through_every_rewrite(tmp_path):
     """onnx-ir wrote a tensor's metadata_props twice (the proto's copy and its own): each rewrite
     doubled them, on initializers and Constant tensors, so rewriting an output again changed it."""

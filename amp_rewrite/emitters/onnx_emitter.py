@@ -249,7 +249,7 @@ class _Patcher:
                    if old[i] is not (target := self.ir_value(value) if value is not None else None)]
         _replace_inputs(n, changes)
         if node.meta.get("amp.retargeted"):
-            n.attributes["to"] = ir.AttrInt64("to", int(node.attrs["to"]))
+            _set_attr(n, ir.AttrInt64("to", int(node.attrs["to"])))
         self._convert_literal(n, node)
         if node.op_type == "ConstantOfShape" and node.outputs[0].meta.get("amp.was") is not None:
             self._retype_constant_of_shape(n, node.outputs[0].dtype)
@@ -262,7 +262,7 @@ class _Patcher:
             attr = n.attributes.get(type_attr)
             if node.op_type not in _TYPE_ATTR_ONLY_WHEN_SET or (
                     attr is not None and attr.type == ir.AttributeType.INT and attr.value != 0):
-                n.attributes[type_attr] = ir.AttrInt64(type_attr, int(node.outputs[0].dtype))
+                _set_attr(n, ir.AttrInt64(type_attr, int(node.outputs[0].dtype)))
         if node.meta.get("amp.category") is not None:
             self._tag(n, node)
         if node.meta.get("amp.retargeted"):
@@ -274,10 +274,12 @@ class _Patcher:
             tensor = constant_node_tensor(n)
             if isinstance(tensor, ir.ExternalTensor):
                 n.meta[_EXTERNAL_CONSTANT] = True  # (converted, it still goes to the data file)
+            doc = None
             for shorthand in ("value_float", "value_floats"):  # (the converted tensor replaces them)
-                n.attributes.pop(shorthand, None)
-            n.attributes["value"] = ir.AttrTensor("value", self._convert(tensor, node.outputs[0].name,
-                                                                          node.outputs[0].dtype))
+                old = n.attributes.pop(shorthand, None)
+                doc = doc or (old.doc_string if old is not None else None)
+            _set_attr(n, ir.AttrTensor("value", self._convert(tensor, node.outputs[0].name, node.outputs[0].dtype),
+                                       doc_string=doc))
 
     def _retype_constant_of_shape(self, n: ir.Node, dtype: DType) -> None:
         """Its output type comes from the ``value`` attribute (default: float32 zero)."""
@@ -289,7 +291,7 @@ class _Patcher:
         # which a plain astype would turn into -inf (and the softmax after it into NaN)
         name = n.outputs[0].name or "ConstantOfShape.value"
         converted = self._convert(ir.tensor(np.asarray(data, np.float32)), name, dtype)
-        n.attributes["value"] = ir.AttrTensor("value", converted)
+        _set_attr(n, ir.AttrTensor("value", converted))
 
     def _tag(self, n: ir.Node, node: Node) -> None:
         meta = node.meta
@@ -672,11 +674,20 @@ def _inline_external_attributes(model: ir.Model) -> None:
                 continue
             for key, attr in list(node.attributes.items()):
                 if attr.type == ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
-                    node.attributes[key] = ir.AttrTensor(key, _in_memory(attr.value))
+                    _set_attr(node, ir.AttrTensor(key, _in_memory(attr.value)))
                 elif attr.type == ir.AttributeType.TENSORS and any(isinstance(t, ir.ExternalTensor)
                                                                  for t in attr.value):
-                    node.attributes[key] = ir.AttrTensors(key, [_in_memory(t) if isinstance(t, ir.ExternalTensor)
-                                                                else t for t in attr.value])
+                    _set_attr(node, ir.AttrTensors(key, [_in_memory(t) if isinstance(t, ir.ExternalTensor)
+                                                         else t for t in attr.value]))
+
+
+def _set_attr(node: ir.Node, attr: ir.Attr) -> None:
+    """Put ``attr`` on the node in place of its namesake, keeping that one's doc_string (an
+    identity of the model's text the rewrite does not own)."""
+    old = node.attributes.get(attr.name)
+    if old is not None and old.doc_string and not attr.doc_string:
+        attr.doc_string = old.doc_string
+    node.attributes[attr.name] = attr
 
 
 def _in_memory(tensor: ir.ExternalTensor) -> ir.Tensor:
