@@ -3150,3 +3150,50 @@ def test_torch_func_transforms_run_over_a_weight_read_low_and_fp32():
     got = torch.func.vmap(lambda w: torch.func.functional_call(gm, {"l.weight": w}, (x,)))(stacked)
     want = torch.func.vmap(lambda w: torch.func.functional_call(model, {"l.weight": w}, (x,)))(stacked)
     assert rel_err(got, want) < TOL["bf16"]
+
+
+class _SharedWeightNet(nn.Module):
+    """a.weight is read by its Linear (low) and by a norm (FP32): the rewrite keeps a low copy and
+    calls the Linear through functional_call."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.ln, self.b = nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.b(self.ln(F.gelu(self.a(x)))) + self.a.weight.norm()
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_symbolic_trace_rewrite_with_cast_parameters_can_be_jit_traced_and_legacy_exported(training):
+    """torch.jit.trace and torch.onnx.export(dynamo=False) crashed with torch's 'The stateless API
+    can't be used with Jitted modules' from inside amp-rewrite on a submodule called with cast
+    parameters; under tracing the common leaves now run their functional form, and the traced
+    graph casts the weight itself (it keeps no hook to refresh a copy), so it follows the weight."""
+    import io
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    model = _SharedWeightNet().train(training)
+    options = {"training": True, "loss_scaling": False} if training else {}
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="fp16", capture="symbolic_trace", **options)
+    assert any(getattr(n.target, "__name__", "") == "functional_call" for n in gm.graph.nodes)
+    traced = torch.jit.trace(gm, (x,))
+    torch.testing.assert_close(traced(x), gm(x))
+    with torch.no_grad():
+        gm.a.weight.mul_(2.0)  # (the traced module shares the parameters)
+    torch.testing.assert_close(traced(x), gm(x))
+    buffer = io.BytesIO()
+    torch.onnx.export(gm, (x,), buffer, dynamo=False)
+    assert len(buffer.getvalue()) > 0
+
+
+def test_tracing_a_submodule_call_with_no_functional_form_is_refused_clearly():
+    """A leaf amp-rewrite has no functional form for (here a ConvTranspose1d in a training rewrite)
+    cannot be traced through functional_call: one clear error, not torch's stateless-API one."""
+    net = nn.Sequential(nn.Conv1d(2, 4, 3), nn.ConvTranspose1d(4, 2, 3)).train()
+    x = torch.randn(2, 2, 8)
+    gm = amp_rewrite.rewrite(net, example_inputs=(x,), target="fp16", capture="symbolic_trace", training=True,
+                             loss_scaling=False)
+    with pytest.raises(UnsupportedModelError, match="no functional form of ConvTranspose1d.*dynamo=True"):
+        torch.jit.trace(gm, (x,))

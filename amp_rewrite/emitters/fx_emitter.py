@@ -543,8 +543,55 @@ def functional_call(module: torch.nn.Module, parameters: dict, args: tuple, kwar
     """``torch.func.functional_call`` on fresh containers: fx hands a node's dict arguments over as
     its ``immutable_dict``, which functional_call updates on the way out, so under
     ``fx.Interpreter`` (ShapeProp, most FX passes) the call raised 'immutable_dict' object does not
-    support mutation. (Called directly, the generated code passed plain dicts.)"""
+    support mutation. (Called directly, the generated code passed plain dicts.)
+
+    Under ``torch.jit.trace`` (and so the TorchScript ONNX exporter), which torch's stateless API
+    refuses, the common leaves are computed by their functional form with the same tensors."""
+    if torch.jit.is_tracing():
+        return _traced_call(module, parameters, tuple(args), dict(kwargs))
     return torch.func.functional_call(module, dict(parameters), tuple(args), dict(kwargs))
+
+
+def _conv_form(F, conv):
+    def form(m, p, x):
+        if m.padding_mode != "zeros":
+            return None
+        return conv(x, p["weight"], p.get("bias"), m.stride, m.padding, m.dilation, m.groups)
+    return form
+
+
+def _functional_forms() -> dict[type, Any]:
+    """The forward of each common leaf module as a function of (module, its tensors, input): what
+    its ``forward`` computes, or None where a setting takes it elsewhere."""
+    import torch.nn.functional as F
+
+    nn = torch.nn
+    return {
+        nn.Linear: lambda m, p, x: F.linear(x, p["weight"], p.get("bias")),
+        nn.Conv1d: _conv_form(F, F.conv1d), nn.Conv2d: _conv_form(F, F.conv2d), nn.Conv3d: _conv_form(F, F.conv3d),
+        nn.LayerNorm: lambda m, p, x: F.layer_norm(x, m.normalized_shape, p.get("weight"), p.get("bias"), m.eps),
+        nn.GroupNorm: lambda m, p, x: F.group_norm(x, m.num_groups, p.get("weight"), p.get("bias"), m.eps),
+        nn.Embedding: lambda m, p, x: None if m.max_norm is not None else F.embedding(
+            x, p["weight"], m.padding_idx, None, m.norm_type, m.scale_grad_by_freq, m.sparse),
+    }
+
+
+def _traced_call(module: torch.nn.Module, parameters: dict, args: tuple, kwargs: dict) -> Any:
+    form = _functional_forms().get(type(module))
+    hooked = module._forward_hooks or module._forward_pre_hooks
+    if form is not None and len(args) == 1 and not kwargs and not hooked:
+        tensors = {name: tensor for name, tensor in module.named_parameters(recurse=False)}
+        tensors.update(parameters)
+        out = form(module, tensors, args[0])
+        if out is not None:
+            return out
+    why = ("it has forward hooks, which its functional form would skip" if hooked and form is not None else
+           f"amp-rewrite has no functional form of {type(module).__name__} for tracing")
+    raise UnsupportedModelError(
+        f"torch.jit.trace (and torch.onnx.export with dynamo=False) cannot trace submodule {type(module).__name__} "
+        f"of this rewrite: it reads its parameters through a cast by torch.func.functional_call, which tracing "
+        f"refuses, and {why}; export with torch.onnx.export(..., dynamo=True), or rewrite with the default "
+        f"capture (torch.export), whose graph holds no submodule calls")
 
 
 # -- weights ------------------------------------------------------------------------------------------------
@@ -841,19 +888,23 @@ def _refresh_changed_copies(module: torch.nn.Module, args: Any) -> None:
     With autograd recording and an original that requires grad, or under a torch.func transform,
     the low readers read a cast of the original made for this forward instead (the cached copy is
     put back after it): the copy is made without grad, and backward gave the weight only its FP32
-    readers' share; a transform refuses the in-place refresh."""
+    readers' share; a transform refuses the in-place refresh. Under ``torch.jit.trace`` too, so
+    the traced graph reads the weight itself (it keeps no hooks to refresh a copy)."""
     if torch.compiler.is_compiling():
         return
     stamps = module.meta.get(COPY_SOURCES, {})
     # under torch.func (grad, vmap, functional_call's weights inside them) nothing may be written in
     # place and no value inspected: every copy is a cast for this forward
     transformed = torch._C._are_functorch_transforms_active()
+    # under torch.jit.trace the graph records a cast of the weight: the traced module runs no hooks
+    # and would read the copy as it was at trace time, whatever the weight became after
+    tracing = torch.jit.is_tracing()
     cast_here = []
     for copy_path, original in module.meta.get(LOW_COPIES, ()):
         source = _fetch(module, original)
         if source is None or source.is_meta:
             continue
-        if transformed or (torch.is_grad_enabled() and source.requires_grad):
+        if transformed or tracing or (torch.is_grad_enabled() and source.requires_grad):
             cast_here.append((copy_path, source))  # (the cached copy is refreshed at a later forward)
             continue
         stamp = _stamp(source)
