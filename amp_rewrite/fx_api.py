@@ -460,9 +460,10 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
     # is set to a Proxy there, and the traced graph shares its submodules. It traces a private copy.
     private = _private_copy(obj)
     before = _tensor_versions(private)
+    fixed = _none_arguments(obj, example_inputs, example_kwargs)
     try:
         with _mode_switches() as switched:
-            traced = fx.symbolic_trace(private)
+            traced = fx.symbolic_trace(private, concrete_args=fixed or None)
     except Exception as exc:  # noqa: BLE001
         if export_error is not None:
             # export's failure is the one to fix: symbolic_trace cannot run most modules export
@@ -475,6 +476,12 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
             f"torch.fx.symbolic_trace could not trace {type(obj).__name__}: {first_line(exc, 300)}") from exc
     from .emitters.fx_emitter import keep_non_persistent, non_persistent_buffers
 
+    if fixed:  # (fx names such a parameter "mask_1": a call passing mask=None by keyword was refused)
+        for node in traced.graph.nodes:
+            if node.op == "placeholder" and isinstance(node.target, str) and node.target.endswith("_1") \
+                    and node.target[:-2] in fixed:
+                node.target = node.target[:-2]
+        traced.recompile()
     _restore_declaration_order(traced, private)
     # symbolic_trace registers every buffer the graph reads as persistent: a RoPE inv_freq too, and
     # each tensor it computed while tracing (_tensor_constant0: a cos table from buffers alone)
@@ -495,7 +502,38 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
             f"in-place update that reads no input, such as self.step.add_(1)): it ran once while tracing, and the "
             f"rewritten module would never run it; {way}")
     _refuse_unrecorded_modes(obj, switched, training, export_error)
+    if fixed:
+        notes.append(f"symbolic_trace: traced with {', '.join(f'{name}=None' for name in fixed)} as the example "
+                     f"inputs leave {'them' if len(fixed) > 1 else 'it'} (symbolic_trace would otherwise trace "
+                     f"{'them' if len(fixed) > 1 else 'it'} as a tensor, and the branch the examples do not take): "
+                     f"a call passing a value there fails torch.fx's is-None check; rewrite with example inputs "
+                     f"that pass it to keep it")
     return traced, "symbolic_trace"
+
+
+def _none_arguments(obj: torch.nn.Module, example_inputs: tuple | None, example_kwargs: dict | None) -> dict:
+    """The forward's parameters that default to None and that the example inputs leave None
+    (not passed, or passed as None): symbolic_trace feeds every parameter a Proxy, so ``if mask is
+    not None`` traced the branch the examples do not take, and running them then failed (HF's
+    ``attention_mask=None``, ``labels=None``). They are traced as the constant None instead."""
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(obj.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    given = len(example_inputs or ())
+    kwargs = dict(example_kwargs or {})
+    fixed = {}
+    for index, parameter in enumerate(parameters):
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            break  # (symbolic_trace takes concrete args by name: stop at *args / **kwargs)
+        if parameter.default is not None or index < given and (example_inputs or ())[index] is not None:
+            continue
+        if index < given or (parameter.name in kwargs and kwargs[parameter.name] is None) \
+                or parameter.name not in kwargs:
+            fixed[parameter.name] = None
+    return fixed
 
 
 @contextlib.contextmanager
