@@ -189,6 +189,7 @@ def _rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, tar
         modified = True
     if how == "export":
         _keep_captured_mode(gm, obj.training if isinstance(obj, torch.nn.Module) else _graph_mode(gm))
+        _refuse_container_hooks(gm)
     if training:
         from .training import register_training_module
 
@@ -225,6 +226,33 @@ def _refuse_pickling(gm: fx.GraphModule) -> None:
 
 
 MIXED = "mixed"  # an ExportedProgram's ops captured in both modes (a submodule switched apart)
+
+
+class ExportedSubmodule(torch.nn.Module):
+    """A submodule of a torch.export capture: a holder of its parameters and buffers, which the
+    graph reads by path; the graph never calls it. A forward hook or pre-hook registered on it
+    would never run: refused, saying what runs them."""
+
+    def _refuse(self, kind: str) -> None:
+        raise NotImplementedError(
+            f"this submodule of a torch.export capture only holds parameters (the rewritten graph is one "
+            f"flat graph that never calls it), so a forward {kind} registered on it would never run: register "
+            f"it on the original module before rewriting (it is traced into the graph), on the rewritten "
+            f"module itself, or rewrite with capture='symbolic_trace', which keeps submodule calls")
+
+    def register_forward_hook(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse("hook")
+
+    def register_forward_pre_hook(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse("pre-hook")
+
+
+def _refuse_container_hooks(gm: fx.GraphModule) -> None:
+    """The export capture's submodules are plain holders (``nn.Module`` itself): give them the
+    class that refuses hooks (a class, not instance attributes, so pickling and deep copies keep it)."""
+    for _, sub in gm.named_modules():
+        if type(sub) is torch.nn.Module:
+            sub.__class__ = ExportedSubmodule
 
 
 def _keep_captured_mode(gm: fx.GraphModule, training: bool | str | None) -> None:

@@ -3231,3 +3231,28 @@ def test_symbolic_trace_takes_an_optional_argument_the_examples_leave_none_as_no
     with pytest.raises(AssertionError, match="mask has been specialized to have value None"):
         gm(x, mask=torch.ones(4))
     assert any(n.startswith("symbolic_trace: traced with mask=None") for n in report.log.notes), report.log.notes
+
+
+def test_a_hook_on_an_export_captures_submodule_is_refused_not_silently_ignored():
+    """The default (torch.export) capture's submodules only hold parameters: a forward hook or
+    pre-hook registered on one after the rewrite was accepted and never ran (feature extraction
+    got nothing, an output edit did nothing). It is refused, saying what runs hooks; the rewrite
+    still runs, deep-copies and loads its state dict."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).eval()
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16")
+    expected = gm(x)
+    for module in (gm, copy.deepcopy(gm)):
+        with pytest.raises(NotImplementedError, match="forward hook registered on it would never run.*symbolic_trace"):
+            module.get_submodule("0").register_forward_hook(lambda m, i, o: o * 0)
+        with pytest.raises(NotImplementedError, match="forward pre-hook"):
+            module.get_submodule("2").register_forward_pre_hook(lambda m, i: None)
+        torch.testing.assert_close(module(x), expected)
+    assert set(gm.state_dict()) == set(model.state_dict())
+    gm.load_state_dict(model.state_dict())
+    torch.testing.assert_close(gm(x), expected)
+    seen = []
+    gm.register_forward_hook(lambda m, i, o: seen.append(o.shape))  # (the root's hooks run)
+    gm(x)
+    assert seen == [expected.shape]
