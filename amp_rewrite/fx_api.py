@@ -727,6 +727,10 @@ def _module_of(program: Any, decompose: bool, training: bool = False) -> fx.Grap
     return gm
 
 
+_ATTENTION_OPS = tuple(op for op in (getattr(torch.ops.aten.scaled_dot_product_attention, "default", None),)
+                       if op is not None)
+
+
 def _decomposed(program: Any, training: bool) -> fx.GraphModule:
     """A private copy of ``program.run_decompositions().module()``. Functionalization writes an
     in-place slice copy (``out[..., :4].copy_(h)``) as ``aten.copy``, which autograd has no
@@ -736,6 +740,10 @@ def _decomposed(program: Any, training: bool) -> fx.GraphModule:
         return _private_copy(program.run_decompositions().module())
     table = torch.export.default_decompositions()
     table[torch.ops.aten.copy.default] = _copy_for_autograd
+    # (attention stays one op: its math decomposition's softmax backward is NaN on a row that sees
+    # no key, a left-padded query, and the where() around it does not remove a NaN gradient)
+    for overload in _ATTENTION_OPS:
+        table.pop(overload, None)
     # (the default table writes detach as alias, which passes gradients: a stop-gradient would be lost)
     table.pop(torch.ops.aten.detach.default, None)
     gm = _private_copy(program.run_decompositions(table).module())

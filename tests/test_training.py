@@ -1721,3 +1721,43 @@ def test_a_users_low_pin_between_the_last_linear_and_the_loss_is_honoured():
         dtypes[pins] = tanh.args[0].meta["val"].dtype
         assert torch.isfinite(gm(x, y))
     assert dtypes == {(): torch.float32, ("tanh",): torch.bfloat16}
+
+
+class _PaddedAttentionWithSliceWrites(torch.nn.Module):
+    """SDPA under a causal + padding mask whose left-padded rows see no key, beside in-place slice
+    writes (as DeepSeek-V3's expand_kv), which make the training capture decompose the graph."""
+
+    def __init__(self, d=16, h=2):
+        super().__init__()
+        self.h, self.qkv, self.o = h, torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+
+    def forward(self, x, mask, y):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+        kk = k.new_empty(k.shape)
+        kk[..., :4] = k[..., :4]
+        kk[..., 4:] = k[..., 4:]
+        am = mask[:, None, None, :].bool() & torch.ones(s, s, dtype=torch.bool).tril()
+        a = torch.nn.functional.scaled_dot_product_attention(q, kk, v, attn_mask=am)
+        return torch.nn.functional.mse_loss(self.o(a.transpose(1, 2).reshape(b, s, d)), y)
+
+
+@pytest.mark.parametrize("target", ["bf16", "fp16"])
+def test_attention_over_a_row_that_sees_no_key_keeps_finite_gradients_when_the_capture_decomposes(target):
+    """An in-place op makes the training capture fall back to run_decompositions, whose default
+    table turned SDPA into its math form: the softmax backward of a fully masked row is NaN, so
+    every gradient upstream was NaN (bf16: NaN weights after one step; fp16: every step skipped),
+    where FP32 and autocast train fine (DeepSeek-V3, RecurrentGemma with left padding)."""
+    torch.manual_seed(0)
+    model = _PaddedAttentionWithSliceWrites().train()
+    x, y = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[1, :2] = 0
+    model(x, mask, y).backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    gm = amp_rewrite.rewrite(model, example_inputs=(x, mask, y), target=target, training=True, loss_scaling=False)
+    gm(x, mask, y).backward()
+    for name, p in gm.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert (p.grad - reference[name]).norm() <= 0.05 * reference[name].norm(), name
