@@ -3256,3 +3256,29 @@ def test_a_hook_on_an_export_captures_submodule_is_refused_not_silently_ignored(
     gm.register_forward_hook(lambda m, i, o: seen.append(o.shape))  # (the root's hooks run)
     gm(x)
     assert seen == [expected.shape]
+
+
+class _ScaledBeforeFloat(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+        with torch.no_grad():
+            self.a.weight[0] = 700.0  # (a(x)[..., 0] is ~11000: fits FP16; times 6 it does not)
+
+    def forward(self, x):
+        h = (self.a(x) * 6.0).float()
+        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return h + self.b(n)
+
+
+def test_optimal_keeps_a_python_scale_above_one_fp32_before_an_fp32_reader():
+    """``linear(x) * 6.0`` read by an FP32 norm: the min-cut (placement="optimal") made the mul low (a Python scalar was no
+    operand it weighed), so 11000 * 6 was inf in FP16 and the output NaN, where greedy is exact."""
+    torch.manual_seed(0)
+    model, x = _ScaledBeforeFloat().eval(), torch.rand(2, 32)
+    reference = model(x)
+    assert reference.abs().max() > 65504
+    gm, report = amp_rewrite.rewrite(model, example_inputs=(x,), target="fp16", placement="optimal", report=True)
+    got = gm(x)
+    assert torch.isfinite(got).all() and (got - reference).abs().max() <= 1e-2 * reference.abs().max()
+    assert report.log.decisions["mul"].precision == Precision.FP32

@@ -1254,3 +1254,59 @@ def test_the_flow_pushed_straight_through_terminal_pairs_keeps_networkx_s_cut(se
         graph.add_edge(u, v, **({} if cap is None else {"capacity": cap}))
     _, (source_side, _) = nx.minimum_cut(graph, _S, _T)
     assert _max_flow_source_side(nodes, edges) == source_side
+
+
+_GROWING_HEADS = {
+    "embedding times sqrt(hidden), then the model's own Cast": "x = Gather(E, ids)\n h = Mul(x, s32)\n hc = Cast<to=1>(h)",
+    "embedding plus a position table": "x = Gather(E, ids)\n h = Add(x, pos)\n hc = Cast<to=1>(h)",
+    "a MatMul's output times 6": "a = MatMul(xin, W0)\n hc = Mul(a, six)",
+}
+
+
+@pytest.mark.parametrize("head", list(_GROWING_HEADS))
+def test_optimal_keeps_a_scaling_that_may_pass_the_range_fp32_before_an_fp32_reader(head):
+    """The min-cut took a value scaled or shifted by a constant or a gathered weight for 'one
+    rounding' and moved the Cast past it: a value that fits FP16 times a constant above 1 (Gemma's
+    sqrt(hidden), Granite's embedding_multiplier) or an embedding plus a position table passed
+    65504, and the FP32 RMSNorm island read inf, where greedy (and FP32) are exact. A factor,
+    addend or divisor that can grow the value keeps the node FP32 before an FP32 reader, as greedy
+    does; a scale of at most 1 still goes low."""
+    from amp_rewrite.emulate import emulate_low
+
+    rng = np.random.default_rng(0)
+    E = (rng.standard_normal((100, 32)) * 0.02).astype(np.float32)
+    E[:, 0] = 15000.0  # (fits FP16; times 5.66 it does not)
+    W0 = (rng.standard_normal((32, 32)) * 0.1).astype(np.float32)
+    W0[:, 0] = 2000.0  # (the MatMul's output, ~3e4, fits FP16)
+    pos = np.zeros((2, 8, 32), np.float32)
+    pos[..., 0] = 60000.0
+    feeds = {"ids": rng.integers(0, 100, (2, 8)).astype(np.int64),
+             "xin": np.abs(rng.standard_normal((2, 8, 32))).astype(np.float32) * 0.5}
+    text = f"""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (int64[2, 8] ids, float[2, 8, 32] xin) => (float[2, 8, 32] y) {{
+        {_GROWING_HEADS[head]}
+        sq = Pow(hc, two)
+        ms = ReduceMean<axes=[-1]>(sq)
+        sd = Sqrt(ms)
+        nrm = Div(hc, sd)
+        a2 = MatMul(nrm, W1)
+        y = Add(hc, a2)
+    }}"""
+    weights = {"E": E, "pos": pos, "W0": W0, "s32": np.array(np.sqrt(32.0), np.float32),
+               "six": np.array(6.0, np.float32), "two": np.array(2.0, np.float32), "W1": (32, 32)}
+    model = make_model(text, weights)
+    reference = run(model, feeds)["y"]
+    result = rewrite(model, placement="optimal", fuse=False)
+    full_check(result.model)
+    got = run(emulate_low(result.model, TensorProto.FLOAT16)[0], feeds)["y"]
+    assert np.isfinite(got).all() and rel_err(reference, got) < 1e-2
+    scaling = next(n for n in result.model.graph.node if n.op_type in ("Mul", "Add") and n.output[0] in ("h", "hc"))
+    assert {p.key: p.value for p in scaling.metadata_props}["amp_rewrite.precision"] == "fp32"
+    # (a scale of at most 1 is one rounding: the min-cut still moves the Cast past it)
+    shrinking = make_model(text.replace("Mul(a, six)", "Mul(a, half)").replace("Mul(x, s32)", "Mul(x, half)"),
+                           {**weights, "half": np.array(0.5, np.float32)})
+    if "position" not in head:
+        again = rewrite(shrinking, placement="optimal", fuse=False).model
+        scaled = next(n for n in again.graph.node if n.op_type == "Mul" and n.output[0].split("/")[0] in ("h", "hc"))
+        assert {p.key: p.value for p in scaled.metadata_props}["amp_rewrite.precision"] == "low"

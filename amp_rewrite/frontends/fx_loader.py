@@ -787,6 +787,7 @@ class _Builder:
         big = _beyond_range(tensor, self.low) if self.low is not None else None
         if big is not None:
             value.meta["fx.out_of_range"] = big
+        value.const_stats = _magnitudes(tensor)  # (the optimal placement's growth bounds: passes/optimal.py)
 
     def _mark_mutable(self, value: Value, target: str) -> None:
         """A module tensor the forward writes in place (a running sum, a cache) changes from call to
@@ -841,6 +842,9 @@ class _Builder:
             ir.input_groups = [self._input_group(name, s, v) for s, v in zip(slots, inputs)]
             ir.output_groups = [self._output_group(name, i, v) for i, v in enumerate(outputs)]
             _split_promoted_types(ir)
+            scalars = _arithmetic_scalars(node, name)
+            if scalars:  # (the optimal placement's growth bounds: passes/optimal.py)
+                ir.meta["amp.scalars"] = scalars
             big = _scalar_out_of_range(node, self.low, self.gm) if self.low is not None else None
             divisor = _small_divisor(node, self.low, self.gm, slots, inputs) \
                 if self.low is not None and big is None else None
@@ -1218,6 +1222,24 @@ def _stored_values(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.coalesce().values() if tensor.layout == torch.sparse_coo else tensor.values()
 
 
+def _magnitudes(tensor: torch.Tensor) -> dict | None:
+    """max_abs of a float tensor's finite values (min_abs too for a small one), or None (no data:
+    on the meta device, empty, not float)."""
+    if not tensor.is_floating_point() or tensor.is_meta or tensor.numel() == 0:
+        return None
+    with torch.no_grad():
+        data = _stored_values(tensor).detach()
+        if not bool(torch.isfinite(data).all()):
+            data = data[torch.isfinite(data)]
+            if data.numel() == 0:
+                return None
+        smallest, largest = torch.aminmax(data)
+        stats = {"max_abs": max(abs(float(smallest)), abs(float(largest)))}
+        if data.numel() <= 1 << 16:
+            stats["min_abs"] = float(data.abs().min())
+    return stats
+
+
 def _beyond_range(tensor: torch.Tensor, low: torch.dtype) -> float | None:
     """The largest finite magnitude in ``tensor`` past ``low``'s range and below a mask sentinel,
     or None (a tensor without data, on the meta device, is not looked into)."""
@@ -1249,6 +1271,22 @@ def _below_reciprocal_range(tensor: torch.Tensor, low: torch.dtype) -> float | N
         index = int(torch.where(usable, magnitude, torch.full_like(magnitude, float("inf"))).argmin())
         smallest = float(data[index])
     return smallest if 1 / abs(smallest) > torch.finfo(low).max else None
+
+
+def _arithmetic_scalars(node: fx.Node, name: str) -> tuple:
+    """((slot, number), ...) for the Python numbers a mul/div/add/sub combines with its tensors
+    (``h * 5.66``, ``h / 8``, ``h + 3``), where they sit; () for other ops. add/sub's ``alpha``
+    scales the other operand: it is folded into that operand's number where both are numbers."""
+    if node.op not in ("call_function", "call_method") or name not in ("mul", "div", "true_divide", "add", "sub"):
+        return ()
+    found = [(("args", i), float(a)) for i, a in enumerate(node.args)
+             if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    found += [(("kwargs", k), float(a)) for k, a in node.kwargs.items()
+              if k in ("other", "input") and isinstance(a, (int, float)) and not isinstance(a, bool)]
+    alpha = node.kwargs.get("alpha")
+    if isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha != 1:
+        found.append((("kwargs", "alpha"), float(alpha)))  # (a factor: counted as an addend bound, as large)
+    return tuple(found)
 
 
 def _scalar_out_of_range(node: fx.Node, low: torch.dtype, gm: fx.GraphModule) -> float | None:

@@ -98,7 +98,7 @@ import networkx as nx
 
 from ..decisions import Category, Precision
 from ..ir import DType, Graph, Model, Node, Value
-from .base import Context, PassResult, accepts_any_float, category, converts_non_float, group_inputs, group_outputs, \
+from .base import LOW_LIMITS, Context, PassResult, accepts_any_float, category, converts_non_float, group_inputs, group_outputs, \
     node_label, participates, read_through_casts, retypable_io, round_trip_harm
 
 BATCH_DIM = 1
@@ -436,14 +436,16 @@ class Problem:
         cast moved downstream across one would hand that reader inf (``(a * b).sum()``'s products)
         or 0 (``log(softmax(z))``'s probabilities: a reader of :data:`_SMALL_VALUE_READERS`, or
         one adding an epsilon the low type flushes) where FP32 is finite."""
+        limit = LOW_LIMITS.get(self.ctx.low, 65504.0)
+        bounds: dict[int, float | None] = {}
+
         def widening(i: int) -> bool:
             node = self.nodes[i]
             if i in self.branch_nodes or node.op_type not in _WIDENING:
                 return False
-            # (scaled or shifted by a constant or a weight a Gather/Slice moves, a position table: one
-            # rounding, and a constant past the range is kept apart)
-            return node.op_type not in _OF_TWO or sum(
-                1 for k in self.group_in[i] if not node.inputs[k].data_known and not _only_weights(node.inputs[k], 0)) >= 2
+            # (scaled or shifted by at most 1, or by constants and weights a Gather/Slice moves whose
+            # result is proven to fit: one rounding; a constant past the range is kept apart)
+            return node.op_type not in _OF_TWO or _may_grow_past(node, self.group_in[i], limit, bounds)
 
         # (readers behind the model's own Cast out of the low type, ``(a * b).float().sum()``,
         # read the result in FP32 too: trip_succs)
@@ -1032,6 +1034,105 @@ def _is_cast_of_weights(node: Node | None) -> bool:
     if node is None or node.op_type != "Cast" or node.domain != "" or node.attrs.get("to") != int(DType.FLOAT):
         return False
     return _only_weights(node.inputs[0], depth=0) if node.inputs else False
+
+
+_MULTIPLYING = {"Mul", "mul"}
+_DIVIDING = {"Div", "div", "true_divide"}
+_ACTIVATION = object()  # (an operand of unknown magnitude, one that fits the low type)
+
+
+def _may_grow_past(node: Node, slots: frozenset, limit: float, bounds: dict[int, float | None]) -> bool:
+    """Whether an elementwise Mul/Div/Add/Sub/Sum may make a value past the low type's range
+    (``limit``) from inputs that fit it. Two activations may (a residual sum, 36000 + 30000). One
+    activation scaled or shifted by constants may where they can grow it: a factor or addend above
+    1 in magnitude, a divisor below 1 (Gemma's embedding times sqrt(hidden) made 15000 into 84853);
+    constants and weights a Gather/Slice moves alone may where their proven bound passes the range
+    (an embedding plus a position table). A constant of unknown magnitude counts as one that may."""
+    operands: list[tuple[object, object]] = []  # (position: input index or fx slot, bound or _ACTIVATION)
+    slot_of = node.meta.get("fx.slots")
+    for k in sorted(slots):
+        value = node.inputs[k]
+        position = slot_of[k].where if slot_of is not None and k < len(slot_of) else k
+        known = value.data_known or _only_weights(value, 0)
+        operands.append((position, _bound(value, bounds, 0) if known else _ACTIVATION))
+    operands += [(position, abs(number)) for position, number in node.meta.get("amp.scalars", ())]
+    activations = sum(1 for _, b in operands if b is _ACTIVATION)
+    if activations >= 2 or any(b is None for _, b in operands):
+        return True
+    known = [b for _, b in operands if b is not _ACTIVATION]
+    op = node.op_type
+    if op in _MULTIPLYING:
+        product = 1.0
+        for b in known:
+            product *= b
+        return product > 1 if activations else product > limit
+    if op in _DIVIDING:
+        divisor = next((b for p, b in operands if p in (1, ("args", 1), ("kwargs", "other"))), None)
+        dividend = next((b for p, b in operands if p in (0, ("args", 0), ("kwargs", "input"))), None)
+        if divisor is None or divisor is _ACTIVATION or dividend is None:
+            return True  # (a reciprocal of an activation, or a form not recognised)
+        smallest = _smallest(node, divisor, operands)
+        if not smallest:
+            return True
+        return 1 / smallest > 1 if dividend is _ACTIVATION else dividend / smallest > limit
+    total = sum(known)
+    return total > 1 if activations else total > limit
+
+
+def _smallest(node: Node, divisor_bound: float, operands) -> float | None:
+    """The smallest magnitude the divisor holds: a scalar's own; a constant tensor's from its stats."""
+    for k, value in enumerate(node.inputs):
+        if value is not None and value.data_known and (k == 1 or (node.meta.get("fx.slots") is not None and
+                                                                    node.meta["fx.slots"][k].where in (("args", 1), ("kwargs", "other")))):
+            stats = _stats(value)
+            return stats.get("min_abs") if stats else None
+    return divisor_bound  # (a scalar divisor: its magnitude)
+
+
+def _stats(value: Value) -> dict | None:
+    """max_abs (and, for a small tensor, min_abs) of a constant's data; the torch frontend fills
+    them as it reads each tensor, the ONNX one here on first ask. None where unknown (no data, or
+    an ONNX tensor over 2**27 elements, not scanned)."""
+    if value.const_stats is not None:
+        return value.const_stats
+    try:
+        from ..frontends.onnx_loader import constant_array
+
+        if (value.numel or 0) > 1 << 27:
+            return None
+        data = constant_array(value)
+    except Exception:  # noqa: BLE001 - not an ONNX constant, or unreadable: unknown
+        return None
+    if data is None or data.dtype.kind != "f" or data.size == 0:
+        return None
+    import numpy as np
+
+    finite = data if bool(np.isfinite(data).all()) else data[np.isfinite(data)]
+    if finite.size == 0:
+        return None
+    stats = {"max_abs": float(max(abs(float(finite.max())), abs(float(finite.min()))))}
+    if finite.size <= 1 << 16:
+        stats["min_abs"] = float(np.abs(finite).min())
+    value.const_stats = stats
+    return stats
+
+
+def _bound(value: Value, bounds: dict[int, float | None], depth: int) -> float | None:
+    """The largest magnitude a constant, or weights moved by Gather/Slice/Reshape/Concat..., can
+    hold; None where unknown."""
+    key = id(value)
+    if key in bounds:
+        return bounds[key]
+    found: float | None = None
+    if value.data_known:
+        stats = _stats(value)
+        found = stats.get("max_abs") if stats else None
+    elif value.producer is not None and depth <= 8 and value.producer.op_type in _WEIGHT_MOVERS:
+        floats = [v for v in value.producer.inputs if v is not None and v.dtype is not None and v.dtype.is_float]
+        parts = [_bound(v, bounds, depth + 1) for v in floats]
+        found = max(parts) if parts and all(p is not None for p in parts) else None
+    bounds[key] = found
+    return found
 
 
 def _only_weights(value: Value | None, depth: int) -> bool:
