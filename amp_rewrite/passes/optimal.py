@@ -1039,6 +1039,7 @@ def _is_cast_of_weights(node: Node | None) -> bool:
 _MULTIPLYING = {"Mul", "mul"}
 _DIVIDING = {"Div", "div", "true_divide"}
 _ACTIVATION = object()  # (an operand of unknown magnitude, one that fits the low type)
+_FP32_RANGE = 3.0e38
 
 
 def _may_grow_past(node: Node, slots: frozenset, limit: float, bounds: dict[int, float | None]) -> bool:
@@ -1057,6 +1058,8 @@ def _may_grow_past(node: Node, slots: frozenset, limit: float, bounds: dict[int,
         operands.append((position, _bound(value, bounds, 0) if known else _ACTIVATION))
     operands += [(position, abs(number)) for position, number in node.meta.get("amp.scalars", ())]
     activations = sum(1 for _, b in operands if b is _ACTIVATION)
+    if limit >= _FP32_RANGE:  # (BF16 holds what FP32 does: a constant that grows it past overflows FP32 alike)
+        return activations >= 2
     if activations >= 2 or any(b is None for _, b in operands):
         return True
     known = [b for _, b in operands if b is not _ACTIVATION]
