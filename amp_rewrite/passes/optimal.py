@@ -1053,6 +1053,8 @@ def _may_grow_past(node: Node, slots: frozenset, limit: float, bounds: dict[int,
     slot_of = node.meta.get("fx.slots")
     for k in sorted(slots):
         value = node.inputs[k]
+        if value is None:
+            continue
         position = slot_of[k].where if slot_of is not None and k < len(slot_of) else k
         known = value.data_known or _only_weights(value, 0)
         operands.append((position, _bound(value, bounds, 0) if known else _ACTIVATION))
@@ -1070,11 +1072,11 @@ def _may_grow_past(node: Node, slots: frozenset, limit: float, bounds: dict[int,
             product *= b
         return product > 1 if activations else product > limit
     if op in _DIVIDING:
-        divisor = next((b for p, b in operands if p in (1, ("args", 1), ("kwargs", "other"))), None)
+        divisor = next((b for p, b in operands if p in _DIVISOR_SLOTS), None)
         dividend = next((b for p, b in operands if p in (0, ("args", 0), ("kwargs", "input"))), None)
         if divisor is None or divisor is _ACTIVATION or dividend is None:
             return True  # (a reciprocal of an activation, or a form not recognised)
-        smallest = _smallest(node, divisor, operands)
+        smallest = _smallest(node, slots)
         if not smallest:
             return True
         return 1 / smallest > 1 if dividend is _ACTIVATION else dividend / smallest > limit
@@ -1082,14 +1084,20 @@ def _may_grow_past(node: Node, slots: frozenset, limit: float, bounds: dict[int,
     return total > 1 if activations else total > limit
 
 
-def _smallest(node: Node, divisor_bound: float, operands) -> float | None:
-    """The smallest magnitude the divisor holds: a scalar's own; a constant tensor's from its stats."""
-    for k, value in enumerate(node.inputs):
-        if value is not None and value.data_known and (k == 1 or (node.meta.get("fx.slots") is not None and
-                                                                    node.meta["fx.slots"][k].where in (("args", 1), ("kwargs", "other")))):
-            stats = _stats(value)
+def _smallest(node: Node, slots: frozenset) -> float | None:
+    """The smallest magnitude the divisor holds: a Python number's own, a constant tensor's from its
+    data; None where unknown (weights a Gather moves: only their largest is known)."""
+    slot_of = node.meta.get("fx.slots")
+    for k in slots:
+        value = node.inputs[k]
+        position = slot_of[k].where if slot_of is not None and k < len(slot_of) else k
+        if value is not None and position in _DIVISOR_SLOTS:
+            stats = _stats(value) if value.data_known else None
             return stats.get("min_abs") if stats else None
-    return divisor_bound  # (a scalar divisor: its magnitude)
+    return next((abs(n) for p, n in node.meta.get("amp.scalars", ()) if p in _DIVISOR_SLOTS), None)
+
+
+_DIVISOR_SLOTS = (1, ("args", 1), ("kwargs", "other"))
 
 
 def _stats(value: Value) -> dict | None:
