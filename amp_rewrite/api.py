@@ -195,9 +195,10 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
                 f"them at its default optimisation level, ORT_ENABLE_ALL; on the CPU, load the output with {level}")
     retyped = model.meta.get("onnx.retyped")
     if retyped:
-        shown = "; ".join(retyped[:3]) + (f"; … ({len(retyped) - 3} more)" if len(retyped) > 3 else "")
+        from .frontends.onnx_loader import retyped_summary
+
         ctx.log.notes.append(f"corrected on load: {len(retyped)} declared type(s) the model's own data or ops "
-                             f"contradict, which onnxruntime refuses, written as made: {shown}")
+                             f"contradict, which onnxruntime refuses, written as made: {retyped_summary(retyped)}")
     if modified and model.meta.get("onnx.training_info"):
         ctx.log.notes.append(f"dropped: the model's training_info ({len(model.meta['onnx.training_info'])} "
                              f"TrainingInfoProto) is not in the output: its algorithm binds the FP32 initializers "

@@ -556,10 +556,8 @@ def _none_arguments(obj: torch.nn.Module, example_inputs: tuple | None, example_
     for index, parameter in enumerate(parameters):
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             break  # (symbolic_trace takes concrete args by name: stop at *args / **kwargs)
-        if parameter.default is not None or index < given and (example_inputs or ())[index] is not None:
-            continue
-        if index < given or (parameter.name in kwargs and kwargs[parameter.name] is None) \
-                or parameter.name not in kwargs:
+        passed = example_inputs[index] if index < given else kwargs.get(parameter.name)
+        if parameter.default is None and passed is None:
             fixed[parameter.name] = None
     return fixed
 
@@ -727,10 +725,6 @@ def _module_of(program: Any, decompose: bool, training: bool = False) -> fx.Grap
     return gm
 
 
-_ATTENTION_OPS = tuple(op for op in (getattr(torch.ops.aten.scaled_dot_product_attention, "default", None),)
-                       if op is not None)
-
-
 def _decomposed(program: Any, training: bool) -> fx.GraphModule:
     """A private copy of ``program.run_decompositions().module()``. Functionalization writes an
     in-place slice copy (``out[..., :4].copy_(h)``) as ``aten.copy``, which autograd has no
@@ -742,8 +736,7 @@ def _decomposed(program: Any, training: bool) -> fx.GraphModule:
     table[torch.ops.aten.copy.default] = _copy_for_autograd
     # (attention stays one op: its math decomposition's softmax backward is NaN on a row that sees
     # no key, a left-padded query, and the where() around it does not remove a NaN gradient)
-    for overload in _ATTENTION_OPS:
-        table.pop(overload, None)
+    table.pop(torch.ops.aten.scaled_dot_product_attention.default, None)
     # (the default table writes detach as alias, which passes gradients: a stop-gradient would be lost)
     table.pop(torch.ops.aten.detach.default, None)
     gm = _private_copy(program.run_decompositions(table).module())

@@ -28,6 +28,7 @@ clamped and flushed-to-zero counts and huge sentinels go in the report.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import warnings
@@ -552,7 +553,7 @@ def functional_call(module: torch.nn.Module, parameters: dict, args: tuple, kwar
     return torch.func.functional_call(module, dict(parameters), tuple(args), dict(kwargs))
 
 
-def _conv_form(F, conv):
+def _conv_form(conv):
     def form(m, p, x):
         if m.padding_mode != "zeros":
             return None
@@ -560,6 +561,7 @@ def _conv_form(F, conv):
     return form
 
 
+@functools.lru_cache(maxsize=1)
 def _functional_forms() -> dict[type, Any]:
     """The forward of each common leaf module as a function of (module, its tensors, input): what
     its ``forward`` computes, or None where a setting takes it elsewhere."""
@@ -568,7 +570,7 @@ def _functional_forms() -> dict[type, Any]:
     nn = torch.nn
     return {
         nn.Linear: lambda m, p, x: F.linear(x, p["weight"], p.get("bias")),
-        nn.Conv1d: _conv_form(F, F.conv1d), nn.Conv2d: _conv_form(F, F.conv2d), nn.Conv3d: _conv_form(F, F.conv3d),
+        nn.Conv1d: _conv_form(F.conv1d), nn.Conv2d: _conv_form(F.conv2d), nn.Conv3d: _conv_form(F.conv3d),
         nn.LayerNorm: lambda m, p, x: F.layer_norm(x, m.normalized_shape, p.get("weight"), p.get("bias"), m.eps),
         nn.GroupNorm: lambda m, p, x: F.group_norm(x, m.num_groups, p.get("weight"), p.get("bias"), m.eps),
         nn.Embedding: lambda m, p, x: None if m.max_norm is not None else F.embedding(

@@ -784,10 +784,12 @@ class _Builder:
         A learned scale of 1e5 read by a ``mul`` between two Linears was clamped to 65504 in FP16
         and the product overflowed; a buffer of 70000 concatenated to an activation came out 5.5%
         off. (Weights of allow ops are converted with clamping as always, and counted.)"""
-        big = _beyond_range(tensor, self.low) if self.low is not None else None
+        # (one scan of the tensor: its magnitudes, which the optimal placement's growth bounds read
+        # too, tell whether anything lies past the range)
+        value.const_stats = _magnitudes(tensor)
+        big = _beyond_range(tensor, self.low, value.const_stats) if self.low is not None else None
         if big is not None:
             value.meta["fx.out_of_range"] = big
-        value.const_stats = _magnitudes(tensor)  # (the optimal placement's growth bounds: passes/optimal.py)
 
     def _mark_mutable(self, value: Value, target: str) -> None:
         """A module tensor the forward writes in place (a running sum, a cache) changes from call to
@@ -1229,30 +1231,27 @@ def _magnitudes(tensor: torch.Tensor) -> dict | None:
         return None
     with torch.no_grad():
         data = _stored_values(tensor).detach()
-        if not bool(torch.isfinite(data).all()):
+        smallest, largest = torch.aminmax(data)  # (one pass, no copy: most tensors end here)
+        if not (math.isfinite(float(smallest)) and math.isfinite(float(largest))):
             data = data[torch.isfinite(data)]
             if data.numel() == 0:
                 return None
-        smallest, largest = torch.aminmax(data)
+            smallest, largest = torch.aminmax(data)
         stats = {"max_abs": max(abs(float(smallest)), abs(float(largest)))}
         if data.numel() <= 1 << 16:
             stats["min_abs"] = float(data.abs().min())
     return stats
 
 
-def _beyond_range(tensor: torch.Tensor, low: torch.dtype) -> float | None:
+def _beyond_range(tensor: torch.Tensor, low: torch.dtype, stats: dict | None) -> float | None:
     """The largest finite magnitude in ``tensor`` past ``low``'s range and below a mask sentinel,
-    or None (a tensor without data, on the meta device, is not looked into)."""
-    if not tensor.is_floating_point() or tensor.is_meta or tensor.numel() == 0 or tensor.dtype == low:
-        return None
-    tensor = _stored_values(tensor)
+    or None (a tensor without data, on the meta device, is not looked into). ``stats``: its
+    ``_magnitudes``, which settle most tensors (every finite value within the range)."""
     limit = torch.finfo(low).max
+    if stats is None or stats["max_abs"] <= limit or tensor.dtype == low:
+        return None
     with torch.no_grad():
-        data = tensor.detach()
-        smallest, largest = torch.aminmax(data)  # (one pass, no copy: most tensors end here)
-        if -limit <= float(smallest) and float(largest) <= limit:
-            return None
-        magnitude = data.abs()
+        magnitude = _stored_values(tensor).detach().abs()
         beyond = magnitude[(magnitude > limit) & (magnitude < _SENTINEL)]
         return float(beyond.max()) if beyond.numel() else None
 
@@ -1276,7 +1275,7 @@ def _below_reciprocal_range(tensor: torch.Tensor, low: torch.dtype) -> float | N
 def _arithmetic_scalars(node: fx.Node, name: str) -> tuple:
     """((slot, number), ...) for the Python numbers a mul/div/add/sub combines with its tensors
     (``h * 5.66``, ``h / 8``, ``h + 3``), where they sit; () for other ops. add/sub's ``alpha``
-    scales the other operand: it is folded into that operand's number where both are numbers."""
+    scales the other operand: it is listed as one more number of its size."""
     if node.op not in ("call_function", "call_method") or name not in ("mul", "div", "true_divide", "add", "sub"):
         return ()
     found = [(("args", i), float(a)) for i, a in enumerate(node.args)

@@ -106,15 +106,8 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     functions = {(f.domain, f.name) for f in ir_model.functions.values()}
 
     def build(types):
-        try:
-            return _Builder(model.opsets, ir_model.ir_version, types, functions=functions).build_graph(
-                ir_model.graph, outer={})
-        except ModelLoadError as exc:
-            if not retyped or "declares the wrong type" not in str(exc):
-                raise
-            # (say which declarations were read as the model makes the values: the conflict is theirs)
-            shown = "; ".join(retyped[:3]) + (f"; … ({len(retyped) - 3} more)" if len(retyped) > 3 else "")
-            raise ModelLoadError(f"{exc} (read as the model makes them, not as declared: {shown})") from None
+        return _Builder(model.opsets, ir_model.ir_version, types, functions=functions,
+                        retyped=retyped).build_graph(ir_model.graph, outer={})
 
     try:
         # The builder finds an unsorted graph itself (a node reading a value produced later), so
@@ -343,20 +336,19 @@ def _trust_actual_types(graphs, opsets: dict[str, int], ir_version: int) -> list
             if data is not None and value.dtype is not None and data.dtype != value.dtype:
                 retype(value, data.dtype, "its data is")
         for node in graph:
-            to = node.attributes.get("to") if node.op_type == "Cast" and node.domain in ("", "ai.onnx") else None
-            out = node.outputs[0] if node.outputs else None
-            if to is None or out is None or out.dtype is None:
-                continue
-            try:
-                wanted = ir.DataType(to.value)
-            except (ValueError, TypeError):
-                continue
-            if out.dtype != wanted:
-                retype(out, wanted, "a Cast makes it")
-        for node in graph:
             if node.domain not in ("", "ai.onnx"):
                 continue
-            if node.op_type in _ATTRIBUTE_TYPED:
+            if node.op_type == "Cast":
+                to, out = node.attributes.get("to"), node.outputs[0] if node.outputs else None
+                if to is None or out is None or out.dtype is None:
+                    continue
+                try:
+                    wanted = ir.DataType(to.value)
+                except (ValueError, TypeError):
+                    continue
+                if out.dtype != wanted:
+                    retype(out, wanted, "a Cast makes it")
+            elif node.op_type in _ATTRIBUTE_TYPED:
                 for out, wanted in _attribute_types(node, opsets, ir_version):
                     retype(out, wanted, f"{node.op_type} makes it")
             elif node.op_type == "SplitToSequence" and node.outputs and node.inputs and node.inputs[0] is not None:
@@ -367,6 +359,11 @@ def _trust_actual_types(graphs, opsets: dict[str, int], ir_version: int) -> list
                     retyped.append(f"{out.name!r} declared a sequence of {_short_type(elem.dtype)}, SplitToSequence "
                                    f"makes one of {_short_type(made)}")
     return retyped
+
+
+def retyped_summary(retyped: list[str]) -> str:
+    """The first corrections ``_trust_actual_types`` made, and how many more: for a message or note."""
+    return "; ".join(retyped[:3]) + (f"; … ({len(retyped) - 3} more)" if len(retyped) > 3 else "")
 
 
 def _short_type(dtype: ir.DataType | None) -> str:
@@ -385,15 +382,14 @@ def _attribute_types(node: ir.Node, opsets: dict[str, int], ir_version: int) -> 
     """(output, the float type the node makes it) for each float-declared output whose type its
     attributes set otherwise, as onnx's own inference types it; [] where they agree or it cannot
     tell (an input of unknown type, an inference error)."""
-    declared = [(i, out) for i, out in enumerate(node.outputs)
-                if out is not None and out.name and out.dtype in _FLOATS]
+    declared = [out for out in node.outputs if out is not None and out.name and out.dtype in _FLOATS]
     if not declared:
         return []
     if node.op_type == "Constant":
         attr = node.attributes.get("value")
         tensor = attr.value if attr is not None and attr.type == ir.AttributeType.TENSOR else None
         made = tensor.dtype if tensor is not None else None
-        return [(out, made) for _, out in declared if made in _FLOATS and out.dtype != made]
+        return [(out, made) for out in declared if made in _FLOATS and out.dtype != made]
     schema = _schema(node.op_type, "", opsets.get("", None))
     if schema is None or isinstance(schema, _OrtSchema):
         return []
@@ -411,7 +407,7 @@ def _attribute_types(node: ir.Node, opsets: dict[str, int], ir_version: int) -> 
     except Exception:  # noqa: BLE001 - inference stumbled on the node: nothing to correct by it
         return []
     found = []
-    for _, out in declared:
+    for out in declared:
         kind = inferred.get(out.name)
         elem = kind.tensor_type.elem_type if kind is not None and kind.HasField("tensor_type") else 0
         made = _DATA_TYPES.get(elem)
@@ -1309,8 +1305,10 @@ class _Unsorted(Exception):
 class _Builder:
     def __init__(self, opsets: dict[str, int], ir_version: int | None = None,
                  inferred: list[dict[str, onnx.ValueInfoProto]] | None = None, *,
-                 functions: set[tuple[str, str]] = frozenset()) -> None:
+                 functions: set[tuple[str, str]] = frozenset(), retyped: list[str] = ()) -> None:
         self.opsets = opsets
+        # (_trust_actual_types: declarations read as the model makes the values; a type conflict names them)
+        self.retyped = retyped
         self.ir_version = ir_version
         self.functions = functions  # (domain, name) of the model-local functions
         # shape inference's answer, one table per graph in the order build_graph meets them
@@ -1480,7 +1478,9 @@ class _Builder:
         if (domain, op_type) not in _MERGED_GROUPS:  # (Attention-23 may type V apart from Q and K)
             conflict = group_conflict(node)
             if conflict:
-                raise ModelLoadError(_declared_type_conflict(node, *conflict))
+                corrected = f" (read as the model makes them, not as declared: {retyped_summary(self.retyped)})" \
+                    if self.retyped else ""
+                raise ModelLoadError(_declared_type_conflict(node, *conflict) + corrected)
             if domain in ("", "ai.onnx", "ai.onnx.ml"):
                 refused = _type_not_allowed(node)
                 if refused:

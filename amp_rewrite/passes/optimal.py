@@ -1049,22 +1049,27 @@ def _may_grow_past(node: Node, slots: frozenset, limit: float, bounds: dict[int,
     1 in magnitude, a divisor below 1 (Gemma's embedding times sqrt(hidden) made 15000 into 84853);
     constants and weights a Gather/Slice moves alone may where their proven bound passes the range
     (an embedding plus a position table). A constant of unknown magnitude counts as one that may."""
-    operands: list[tuple[object, object]] = []  # (position: input index or fx slot, bound or _ACTIVATION)
+    # per operand: (position: input index or fx slot, largest magnitude or _ACTIVATION, smallest or None)
+    operands: list[tuple[object, object, float | None]] = []
     slot_of = node.meta.get("fx.slots")
     for k in sorted(slots):
         value = node.inputs[k]
         if value is None:
             continue
         position = slot_of[k].where if slot_of is not None and k < len(slot_of) else k
-        known = value.data_known or _only_weights(value, 0)
-        operands.append((position, _bound(value, bounds, 0) if known else _ACTIVATION))
-    operands += [(position, abs(number)) for position, number in node.meta.get("amp.scalars", ())]
-    activations = sum(1 for _, b in operands if b is _ACTIVATION)
+        if not (value.data_known or _only_weights(value, 0)):
+            operands.append((position, _ACTIVATION, None))
+            continue
+        # (a smallest is known for a constant's own data; weights a Gather moves have a largest only)
+        stats = _stats(value) if value.data_known else None
+        operands.append((position, _bound(value, bounds, 0), stats.get("min_abs") if stats else None))
+    operands += [(position, abs(number), abs(number)) for position, number in node.meta.get("amp.scalars", ())]
+    activations = sum(1 for _, b, _ in operands if b is _ACTIVATION)
     if limit >= _FP32_RANGE:  # (BF16 holds what FP32 does: a constant that grows it past overflows FP32 alike)
         return activations >= 2
-    if activations >= 2 or any(b is None for _, b in operands):
+    if activations >= 2 or any(b is None for _, b, _ in operands):
         return True
-    known = [b for _, b in operands if b is not _ACTIVATION]
+    known = [b for _, b, _ in operands if b is not _ACTIVATION]
     op = node.op_type
     if op in _MULTIPLYING:
         product = 1.0
@@ -1072,29 +1077,13 @@ def _may_grow_past(node: Node, slots: frozenset, limit: float, bounds: dict[int,
             product *= b
         return product > 1 if activations else product > limit
     if op in _DIVIDING:
-        divisor = next((b for p, b in operands if p in _DIVISOR_SLOTS), None)
-        dividend = next((b for p, b in operands if p in (0, ("args", 0), ("kwargs", "input"))), None)
-        if divisor is None or divisor is _ACTIVATION or dividend is None:
-            return True  # (a reciprocal of an activation, or a form not recognised)
-        smallest = _smallest(node, slots)
-        if not smallest:
-            return True
-        return 1 / smallest > 1 if dividend is _ACTIVATION else dividend / smallest > limit
+        divisor = next(((b, least) for p, b, least in operands if p in _DIVISOR_SLOTS), None)
+        dividend = next((b for p, b, _ in operands if p in (0, ("args", 0), ("kwargs", "input"))), None)
+        if divisor is None or divisor[0] is _ACTIVATION or dividend is None or not divisor[1]:
+            return True  # (a reciprocal of an activation, a divisor that may be near 0, or a form not recognised)
+        return 1 / divisor[1] > 1 if dividend is _ACTIVATION else dividend / divisor[1] > limit
     total = sum(known)
     return total > 1 if activations else total > limit
-
-
-def _smallest(node: Node, slots: frozenset) -> float | None:
-    """The smallest magnitude the divisor holds: a Python number's own, a constant tensor's from its
-    data; None where unknown (weights a Gather moves: only their largest is known)."""
-    slot_of = node.meta.get("fx.slots")
-    for k in slots:
-        value = node.inputs[k]
-        position = slot_of[k].where if slot_of is not None and k < len(slot_of) else k
-        if value is not None and position in _DIVISOR_SLOTS:
-            stats = _stats(value) if value.data_known else None
-            return stats.get("min_abs") if stats else None
-    return next((abs(n) for p, n in node.meta.get("amp.scalars", ()) if p in _DIVISOR_SLOTS), None)
 
 
 _DIVISOR_SLOTS = (1, ("args", 1), ("kwargs", "other"))
