@@ -131,10 +131,13 @@ def _rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, tar
                             training=training, dynamic_shapes=dynamic_shapes)
     from .frontends.fx_loader import load_fx
 
+    program = getattr(gm, "_amp_exported_program", None)
     try:
-        model = load_fx(gm, example_inputs=example_inputs, capture=how, example_kwargs=example_kwargs, target=target)
+        # (an export capture refuses a write seen through another name: its functionalized graph,
+        # below, lets the written tensor's producer go low, where keeping the storage whole would not)
+        model = load_fx(gm, example_inputs=example_inputs, capture=how, example_kwargs=example_kwargs, target=target,
+                        shared_storage=program is None)
     except UnsupportedModelError as exc:
-        program = getattr(gm, "_amp_exported_program", None)
         if program is None or "in place" not in exc.message:
             raise
         # torch.export's default IR keeps in-place ops; its decomposed IR is functional

@@ -298,11 +298,14 @@ class _Emitter:
         dtype = DTYPE_TO_TORCH[DType(node.attrs["to"])]
         leading = src.op == "placeholder" or (src.op == "get_attr" and self.position.get(src, -1) < self.first_index)
         consumer = next((c.origin for c, _ in node.outputs[0].uses() if isinstance(c.origin, fx.Node)), None)
-        if value.meta.get("amp.mutable") and consumer is not None:
+        before = consumer
+        if before is None and value.meta.get("amp.mutable") and node.outputs[0].is_graph_output:
+            before = next(n for n in reversed(self.graph.nodes) if n.op == "output")  # (after every write)
+        if value.meta.get("amp.mutable") and before is not None:
             # a tensor the forward writes reads its value at the use: a write through another name
             # (a buffer that is a view of the written one) may come between its node and the use
             def where():
-                return self.graph.inserting_before(consumer)
+                return self.graph.inserting_before(before)
         elif leading and self.first_compute is not None:
             def where():  # with the weights and inputs, at the top
                 return self.graph.inserting_before(self.first_compute)

@@ -34,9 +34,13 @@ rewired to read the op's result (the same tensor), so the data flow shows the mu
 attribute the forward writes in place (a running sum, a cache) is rewired the same way through
 every get_attr node of it; the op keeps its types, so the write reaches the module's tensor, and
 that tensor is marked ``amp.mutable``: cast placement casts it at each low use rather than making
-a low copy once, which would go stale. What that cannot fix (the mutated tensor is a graph input
-or has live views) is refused with an explanation; ``rewrite()`` then falls back to torch.export's
-functional (decomposed) graph where it has one.
+a low copy once, which would go stale. A write seen through another name of the tensor (``m[i] =
+v``, whose result is only visible through ``m``; a view written, its base read afterwards) keeps
+the tensor's producer, its views and the write in their types, each marked ``amp.mutable``
+(``_Builder._keep_shared_storage``). What neither can fix (a tensor the caller passed in, written
+with views alive or read afterwards) is refused with an explanation; so is every write seen
+through another name in an export capture, where ``rewrite()`` then falls back to torch.export's
+functional (decomposed) graph, in which the tensor's producer may still go low.
 """
 
 from __future__ import annotations
@@ -92,7 +96,7 @@ _ALIASES: dict[str, str] = {
     "negative": "neg", "concat": "cat", "concatenate": "cat", "clip": "clamp", "arccos": "acos",
     "arcsin": "asin", "arctan": "atan", "arctan2": "atan2", "greater": "gt", "greater_equal": "ge", "less": "lt",
     "less_equal": "le", "not_equal": "ne", "upsample": "interpolate", "upsample_nearest": "interpolate", "upsample_bilinear": "interpolate",
-    "softmax_": "softmax",
+    "softmax_": "softmax", "__setitem__": "setitem",
 }
 
 # Module classes (call_module) → rule names. Leaf modules symbolic_trace does not trace into.
@@ -179,10 +183,15 @@ class Slot:
 
 # -- public ---------------------------------------------------------------------------------------------
 def load_fx(gm: fx.GraphModule, *, example_inputs: tuple | None = None, capture: str = "graph_module",
-            example_kwargs: dict | None = None, target: str | None = None) -> Model:
+            example_kwargs: dict | None = None, target: str | None = None, shared_storage: bool = True) -> Model:
     """Build the IR from ``gm`` (which the caller owns and the emitter will patch). ``target``
     ("fp16" / "bf16"), the type the rewrite lowers to, keeps FP32 any node with a number argument
-    that type cannot hold (see ``_scalar_out_of_range``)."""
+    that type cannot hold (see ``_scalar_out_of_range``).
+
+    ``shared_storage``: an in-place write seen through another name of the tensor (``m[i] = v``, a
+    view written) keeps the tensor, its views and the write in their types (``_keep_shared_storage``);
+    False refuses it instead (InPlaceMutationError), for a caller with a functional graph to fall
+    back to, where the tensor's producer may still go low."""
     if not isinstance(gm, fx.GraphModule):
         raise UsageError(f"load_fx takes a torch.fx.GraphModule, got {type(gm).__name__}")
     _ensure_metadata(gm, example_inputs, example_kwargs)
@@ -191,7 +200,7 @@ def load_fx(gm: fx.GraphModule, *, example_inputs: tuple | None = None, capture:
     level = "aten" if any(isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
                           for n in gm.graph.nodes if n.op == "call_function") else "torch"
     source = FxSource(gm=gm, level=level, capture=capture)
-    graph = _Builder(gm, source, _LOW_TYPES.get(target)).build()
+    graph = _Builder(gm, source, _LOW_TYPES.get(target), shared_storage).build()
     model = Model(graph=graph, frontend="torch", origin=source)
     model.meta["fx.level"] = level
     if isinstance(gm.meta.get(BODY_MARK), str):
@@ -280,7 +289,7 @@ _FLAG_SETTERS = frozenset({"requires_grad_", "share_memory_"})
 
 
 def is_inplace(node: fx.Node) -> bool:
-    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+    if (node.op == "call_function" and node.target in _INPLACE_OPERATORS) or _is_setitem(node):
         return True
     if node.kwargs.get("inplace") is True:
         return True
@@ -339,7 +348,7 @@ def _read_mutated_values_through_the_mutation(gm: fx.GraphModule) -> None:
     for node in list(gm.graph.nodes):
         if node.op not in ("call_function", "call_method", "call_module") or not is_inplace(node):
             continue
-        if node.op == "call_function" and node.target is operator.setitem:
+        if _is_setitem(node):
             continue
         target = node.args[0] if node.args else None
         if not isinstance(target, fx.Node) or target.op == "placeholder":
@@ -691,8 +700,10 @@ def _dtype_in_args(node: fx.Node) -> torch.dtype | None:
 
 # -- building ------------------------------------------------------------------------------------------------
 class _Builder:
-    def __init__(self, gm: fx.GraphModule, source: FxSource, low: torch.dtype | None) -> None:
+    def __init__(self, gm: fx.GraphModule, source: FxSource, low: torch.dtype | None,
+                 shared_storage: bool = True) -> None:
         self.gm = gm
+        self.shared_storage = shared_storage
         self.source = source
         self.low = low
         self.graph = Graph(name=type(gm).__name__, origin=gm)
@@ -705,6 +716,7 @@ class _Builder:
         self.mutated = {_mutated_attribute(n, gm) for n in gm.graph.nodes if n.op.startswith("call_")} - {None}
         self.mutated |= _sharing_storage(gm, self.mutated)
         self.autocast = 0  # depth of dynamo's inline torch.autocast regions around the node being read
+        self.storage_pins: list[tuple[fx.Node, fx.Node, list[fx.Node]]] = []  # (in-place op, base, its names)
 
     def build(self) -> Graph:
         for node in self.gm.graph.nodes:
@@ -718,9 +730,31 @@ class _Builder:
                 self._call(node)
             elif node.op == "output":
                 self._output(node)
+        if self.storage_pins:
+            self._keep_shared_storage()
         if self.low is not None:
             _mark_out_of_range_readers(self.graph, self.low)
         return self.graph
+
+    def _keep_shared_storage(self) -> None:
+        """An in-place write seen through another name of the tensor (``m[:, :2] = 1``, whose
+        result is only visible through ``m``; ``v = h.view(-1); v.add_(1)`` with ``h`` read
+        afterwards): the node that makes the storage, every view of it and the write keep their
+        types, so no cast stands between two names of one tensor (a cast is a copy: the write would
+        land in it, or miss it). Each of those tensors is marked ``amp.mutable``: a low reader
+        casts it at its own use, after the writes before it and before those after it."""
+        by_origin = {n.origin: n for n in self.graph.nodes if isinstance(n.origin, fx.Node)}
+        for write, base, names in self.storage_pins:
+            reason = (f"it shares storage with {base.name!r}, which {write.name!r} writes in place: the tensor and its "
+                      f"views keep their types, so the write reaches every name of it (a cast would copy it)")
+            for member in (*names, write):
+                node = by_origin.get(member)
+                if node is not None:
+                    node.meta.setdefault("amp.keeps_types", reason)
+                    for out in node.outputs:
+                        out.meta["amp.mutable"] = True
+                for _, value in self.by_root.get(member, ()):
+                    value.meta["amp.mutable"] = True
 
     # -- sources --------------------------------------------------------------------------------------
     def _placeholder(self, node: fx.Node) -> None:
@@ -1012,6 +1046,14 @@ class _Builder:
         # (a body's input is the enclosing graph's value, which has no caller of its own; there an
         # in-place update of a buffer passed in, an EMA under torch.no_grad(), kept its types)
         caller = base.op == "placeholder" and not self.gm.meta.get(BODY_MARK)
+        own = base.op != "placeholder" or (not self.gm.meta.get(BODY_MARK) and _lifted_module_tensor(base) is not None)
+        if (observers or _is_setitem(node)) and own and self.shared_storage:
+            # The storage is the graph's own (made by a node, or a module tensor, which torch.compile
+            # passes in as an input that keeps its type): the write and every name of it keep their
+            # types, so no cast makes a copy that the write would miss or a reader would see stale;
+            # low readers cast it at their use (build() applies it).
+            self.storage_pins.append((node, base, list(aliases)))
+            return
         if observers or caller or _is_setitem(node):
             seen = f"{', '.join(sorted(set(observers)))} read{'s' if len(set(observers)) == 1 else ''} it afterwards" \
                 if observers else f"{base.name!r} is an input of the model, whose caller sees the change" if caller \
@@ -1496,7 +1538,9 @@ def _read_argument_names(target: Any) -> tuple[str, ...]:
 
 
 def _is_setitem(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is operator.setitem
+    """``t[i] = v``: dynamo writes ``operator.setitem``, symbolic_trace a ``__setitem__`` method call."""
+    return (node.op == "call_function" and node.target is operator.setitem) \
+        or (node.op == "call_method" and node.target == "__setitem__")
 
 
 def _dim(d: Any) -> int | str | None:

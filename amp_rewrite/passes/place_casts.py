@@ -425,6 +425,8 @@ class _Placer:
         cast = value.producer
         if cast is None or cast.op_type != "Cast" or cast.domain != "" or not cast.inputs or cast.inputs[0] is None:
             return False
+        if value.meta.get("amp.mutable"):
+            return False  # (retargeted, it would copy a tensor written in place through another name)
         if any(u.need == self.low for u in uses) and self._sentinel(value) is not None:
             # retargeted (or cast from its double or int64 source), it would make a mask sentinel -inf:
             # the low readers get a clamped Cast of the FP32 value instead (_insert_one)
@@ -506,17 +508,23 @@ class _Placer:
                 outer = _outermost_among(scope, home, fp32_scopes)
                 if outer is not scope:
                     placed[k] = (use, outer)
-        for use, scope in placed:
+        # A tensor written in place as the graph runs (``amp.mutable``, torch) is cast at each use:
+        # one Cast shared by a reader before a write and one after it would hand the later one
+        # the value from before.
+        apart = value.meta.get("amp.mutable", False) and self.model.frontend == "torch"
+        for k, (use, scope) in enumerate(placed):
             scopes[id(scope)] = scope
-            groups.setdefault((use.need, id(scope)), []).append(use)
+            groups.setdefault((use.need, id(scope), k if apart else -1), []).append(use)
         # by type, then in the order the uses came (stable): never by id(scope), a memory address that
         # would make the Cast names (and so the written model) differ from run to run
-        for (need, scope_id), members in sorted(groups.items(), key=lambda kv: int(kv[0][0])):
+        for (need, scope_id, _), members in sorted(groups.items(), key=lambda kv: int(kv[0][0])):
             self._insert_one(value, need, scopes[scope_id], members, replaces)
 
     def _insert_one(self, value: Value, need: DType, scope: Graph, uses: list[_Use], replaces: Value | None) -> None:
         to_output = any(u.node is None for u in uses)
-        existing = None if to_output else self._existing_cast(value, need, scope)
+        # (not for a tensor written in place as the graph runs: the model's own cast of it may read
+        # it before a write this reader comes after)
+        existing = None if to_output or value.meta.get("amp.mutable") else self._existing_cast(value, need, scope)
         if existing is not None:  # the model's own Cast of this value to this type: one per value and type
             for use in uses:
                 use.node.set_input(use.index, existing.outputs[0])
