@@ -494,7 +494,7 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
     fixed = _none_arguments(obj, example_inputs, example_kwargs)
     try:
         with _mode_switches() as switched:
-            traced = fx.symbolic_trace(private, concrete_args=fixed or None)
+            traced = _symbolic_trace(private, fixed or None)
     except Exception as exc:  # noqa: BLE001
         if export_error is not None:
             # export's failure is the one to fix: symbolic_trace cannot run most modules export
@@ -714,6 +714,24 @@ def _raising_user_frame(exc: BaseException) -> str | None:
             return _frame_text(f.filename, f.lineno, f.name, f.line)
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def _symbolic_trace(module: Any, concrete_args: dict | None) -> fx.GraphModule:
+    """``fx.symbolic_trace``, tracing into a module with parametrized tensors (weight_norm,
+    spectral_norm, orthogonal: ``ParametrizedLinear``, a class torch makes at run time). fx keeps
+    every ``torch.nn`` module whole, and those are too: the rule files could not name the made-up
+    class, so the layer's GEMM stayed FP32 as an unlisted op. Traced into, it is the layer's own
+    op (``linear``, ``conv2d``) reading the weight its parametrization computes, which stays a leaf
+    module (``_WeightNorm``: FP32, unlisted)."""
+    from torch.nn.utils import parametrize
+
+    class Tracer(fx.Tracer):
+        def is_leaf_module(self, m: Any, qualname: str) -> bool:
+            return not parametrize.is_parametrized(m) and super().is_leaf_module(m, qualname)
+
+    tracer = Tracer()
+    graph = tracer.trace(module, concrete_args=concrete_args)
+    return fx.GraphModule(tracer.root, graph, type(module).__name__)
 
 
 def _module_of(program: Any, decompose: bool, training: bool = False) -> fx.GraphModule:

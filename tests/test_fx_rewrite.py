@@ -868,6 +868,61 @@ def test_inplace_ops_read_later_are_rewired_or_kept_whole():
         assert rel_err(gm(x), model(x)) < TOL["bf16"]
 
 
+class _Parametrized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        from torch.nn.utils import parametrizations
+
+        self.a = parametrizations.weight_norm(nn.Linear(8, 8))
+        self.c = parametrizations.weight_norm(nn.Conv1d(8, 8, 3, padding=1))
+        self.o = parametrizations.orthogonal(nn.Linear(8, 8))
+        self.s = parametrizations.spectral_norm(nn.Linear(8, 8))
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.c(self.a(x).transpose(1, 2)).transpose(1, 2)
+        return self.b(self.s(self.o(torch.relu(h))))
+
+
+@pytest.mark.parametrize("target", ["bf16", "fp16"])
+def test_symbolic_trace_runs_the_gemm_of_a_parametrized_layer_low(target):
+    """weight_norm / spectral_norm / orthogonal make a class at run time (ParametrizedLinear), a
+    torch.nn module that symbolic_trace kept whole: the rewrite called it an unlisted op, kept the
+    layer's GEMM FP32 and told the user to classify it in a rule file, which refused the name as an
+    unknown torch op. symbolic_trace now traces into such a module: its linear/conv runs low, the
+    weight its parametrization computes from the FP32 originals stays FP32 (a norm over the weight),
+    and training gradients reach the originals."""
+    torch.manual_seed(0)
+    model, x = _Parametrized().eval(), torch.randn(2, 5, 8)
+    result = _dispatch(copy.deepcopy(model), example_inputs=(x,), target=target, capture="symbolic_trace")
+    result.model.graph.lint()
+    with torch.no_grad():
+        assert rel_err(result.model(x), model(x)) < TOL[target]
+    assert result.report.heavy_ops["total"] == result.report.heavy_ops["low"] == 5
+    assert not result.log.unlisted_ops
+    weights = [d for d in result.log.decisions.values() if d.op == "parametrization"]
+    assert len(weights) == 4 and all(d.precision == Precision.FP32 for d in weights)
+
+    class Loss(nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, y):
+            return F.mse_loss(self.net(x), y)
+
+    torch.manual_seed(1)
+    trained, reference = Loss(_Parametrized().train()), Loss(_Parametrized().train())
+    reference.load_state_dict(trained.state_dict())
+    y = torch.randn(2, 5, 8)
+    gm = amp_rewrite.rewrite(trained, example_inputs=(x, y), target="bf16", capture="symbolic_trace", training=True)
+    gm(x, y).backward()
+    reference(x, y).backward()
+    got = dict(gm.named_parameters())
+    for name, p in reference.named_parameters():
+        assert got[name].dtype == torch.float32 and rel_err(got[name].grad, p.grad) < 5e-2, name
+
+
 def test_a_buffer_written_by_setitem_under_symbolic_trace_keeps_its_type_and_values():
     """symbolic_trace writes ``self.cache[1:3] = x`` as a ``__setitem__`` method call, which the
     loader took for a node that reads values and writes nothing: the buffer was not known to

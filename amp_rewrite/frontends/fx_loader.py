@@ -108,6 +108,7 @@ _MODULES: dict[str, str] = {
     "BatchNorm1d": "batch_norm", "BatchNorm2d": "batch_norm", "BatchNorm3d": "batch_norm", "SyncBatchNorm": "batch_norm",
     "LazyBatchNorm1d": "batch_norm", "LazyBatchNorm2d": "batch_norm", "LazyBatchNorm3d": "batch_norm",
     "InstanceNorm1d": "instance_norm", "InstanceNorm2d": "instance_norm", "InstanceNorm3d": "instance_norm",
+    "ParametrizationList": "parametrization",  # (a parametrized module's weight: fx_api traces into the module)
     "LayerNorm": "layer_norm", "GroupNorm": "group_norm", "RMSNorm": "rms_norm", "LocalResponseNorm": "local_response_norm",
     "Embedding": "embedding", "EmbeddingBag": "embedding_bag",
     "LSTM": "lstm", "GRU": "gru", "LSTMCell": "lstm_cell", "GRUCell": "gru_cell",
