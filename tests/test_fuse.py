@@ -231,6 +231,34 @@ def test_broadcast_skip_goes_second():
     check_fused(model, result)
 
 
+@pytest.mark.parametrize("norm, op", [(LAYERNORM, "SkipLayerNormalization"),
+                                      (RMSNORM, "SkipSimplifiedLayerNormalization")], ids=["layernorm", "rmsnorm"])
+def test_a_residual_sum_of_two_input_dims_is_no_proof_of_equal_shapes(norm, op):
+    """``(B, S, 8) + (B, T, 8)`` is valid ONNX where T (or S) is 1 at run time. onnxruntime's
+    symbolic inference, run again with auto_merge where the strict run stops at that broadcast,
+    took T for S, and the sum was fused into a skip op, which wants the skip's shape to be the
+    input's: the output failed at run time ('last two dimensions of skip needs to be same as
+    input') wherever the FP32 model broadcast. A merge that equates two of the graph's input dims
+    proves nothing now; BERT's Min(64, sequence) against sequence (one input dim) still does."""
+    text = """
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[B,S,8] x, float[B,T,8] c) => (float[B,U,8] y) {
+      q = MatMul(x, wq)
+      r = Add(q, c)""" + norm + """
+      y = MatMul(ln, wo)
+    }"""
+    model = make_model(text, W)
+    result = rewrite(model)
+    full_check(result.model)
+    assert not any(n.op_type == op and n.input[1] in ("c", "c/amp_fp16") for n in result.model.graph.node)
+    rng = np.random.default_rng(0)
+    for s, t in [(4, 4), (4, 1), (1, 4)]:
+        feeds = {"x": rng.standard_normal((2, s, 8)).astype(np.float32),
+                 "c": rng.standard_normal((2, t, 8)).astype(np.float32)}
+        want, got = run(model, feeds)["y"], run(result.model, feeds)["y"]
+        assert rel_err(got, want) < 1e-2, (s, t)
+
+
 GELU = """
     <ir_version: 8, opset_import: ["" : {opset}]>
     g (float[2,4,8] x) => (float[2,4,8] y) {{

@@ -676,12 +676,14 @@ class SymbolicShapes:
         except ImportError:
             return {}
         logging.getLogger("onnxruntime.tools.symbolic_shape_infer").setLevel(logging.CRITICAL)
-        strict, complete = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=False)
+        strict, complete, _ = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=False)
         if complete:
             return _shape_table(strict)
         # the merged run's symbols are consistent with each other; the strict run's partial result
         # only fills in what the merged run did not reach
-        merged, _ = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=True)
+        merged, _, unsound = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=True)
+        if unsound:  # (its equal shapes are an assumption the model's inputs need not meet)
+            return _shape_table(strict)
         return {**_shape_table(strict), **_shape_table(merged)}
 
 
@@ -707,12 +709,20 @@ def _shape_table(graph) -> dict[str, tuple]:
 
 
 def _symbolic_inference(engine, proto, auto_merge: bool):
-    """(graph with inferred value_info or None, whether every shape was inferred).
+    """(graph with inferred value_info or None, whether every shape was inferred, an unsound merge
+    or None).
 
     The steps of ``SymbolicShapeInference.infer_shapes``, run here because that function saves the
     model to ``sym_shape_infer_temp.onnx`` in the working directory when it cannot finish: a
     rewrite must write nothing but its output. A partial result is still sound for the values it
-    did infer."""
+    did infer.
+
+    With ``auto_merge`` the inference takes two dims an op broadcasts together for equal. That is
+    sound where both are made from the same graph-input dims (BERT's ``Min(64, sequence)``
+    position slice against ``sequence``: equal wherever the model runs). It is not where it equates
+    two of the graph's input dims (``(B, S, H) + (B, T, H)``, valid ONNX with T = 1), an input dim
+    with a number, or dims from different inputs: a skip op fused on it fails at run time where
+    the model broadcasts. Such a merge is returned (``'T' -> 'S'``), and its table proves nothing."""
     try:
         inference = engine(2**31 - 1, auto_merge, False, 0)
         inference._preprocess(proto)
@@ -720,9 +730,28 @@ def _symbolic_inference(engine, proto, auto_merge: bool):
         while inference.run_:
             complete = inference._infer_impl()
         inference._update_output_from_vi()
-        return inference.out_mp_.graph, bool(complete)
+        unsound = _unsound_merge(inference) if auto_merge else None
+        return inference.out_mp_.graph, bool(complete), unsound
     except Exception:  # noqa: BLE001 - whatever the helper stumbles on, nothing is proven by it
-        return None, False
+        return None, False, None
+
+
+def _unsound_merge(inference) -> str | None:
+    """The first of the inference's merges that equates dims made from different graph-input
+    dims (see ``_symbolic_inference``), as ``'T' -> 'S'``; None where every one is sound."""
+    inputs = set(inference.input_symbols_)
+    dims = inference.symbolic_dims_
+
+    def symbols(name) -> set[str] | None:
+        expr = dims.get(name) if isinstance(name, str) else None
+        free = getattr(expr, "free_symbols", None)
+        return None if free is None else {str(sym) for sym in free}
+
+    for key, to in inference.suggested_merge_.items():
+        mine, theirs = symbols(key), symbols(to)
+        if key in inputs or not mine or mine != theirs or not mine <= inputs:
+            return f"{key!r} -> {to!r}"
+    return None
 
 
 def _mean_over_last_axis(node: Node) -> bool:
