@@ -163,7 +163,7 @@ def _shape_of(tt: onnx.TypeProto.Tensor, named: dict[str, int]) -> tuple[int, ..
         return (BATCH_DIM, SEQUENCE_DIM)  # rank unknown: a guess, stated in the inputs description
     shape = []
     for axis, d in enumerate(tt.shape.dim):
-        if d.HasField("dim_value"):  # (0 included: an empty KV cache is [1, 0, 8])
+        if d.HasField("dim_value") and d.dim_value >= 0:  # (0 included: an empty KV cache is [1, 0, 8]; -1: unknown)
             shape.append(d.dim_value)
         elif d.HasField("dim_param") and d.dim_param:
             shape.append(named.setdefault(d.dim_param, _dim_value(d.dim_param, axis)))
@@ -439,10 +439,11 @@ def _checked_array(where: str, label: str, arr: np.ndarray, tt: onnx.TypeProto.T
         arr = cast
     if tt.HasField("shape"):
         dims = list(tt.shape.dim)
-        bad = len(dims) != arr.ndim or any(d.HasField("dim_value") and d.dim_value != s
-                                           for d, s in zip(dims, arr.shape))
+        bad = len(dims) != arr.ndim or any(d.HasField("dim_value") and d.dim_value >= 0 and d.dim_value != s
+                                           for d, s in zip(dims, arr.shape))  # (-1: a dynamic dim, paddle2onnx)
         if bad:
-            want_shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
+            want_shape = [d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else (d.dim_param or "?")
+                          for d in dims]
             raise UsageError(f"{where}: {label} has shape {list(arr.shape)}, the model wants {want_shape}")
     return arr
 

@@ -1623,3 +1623,39 @@ def test_a_function_s_default_attribute_is_kept_by_the_emulation():
     assert not any(a.name == "alpha" for a in m.graph.node[1].attribute)  # (the input is left as it was)
     result = ck.check_models(m, rewrite(m).model, inputs={"x": x})
     assert result.passed, result.table()
+
+
+def test_a_dim_value_of_minus_one_is_an_unknown_dim(tmp_path):
+    """paddle2onnx (and some older converters) write a dynamic dim as ``dim_value: -1``; the checker
+    accepts it and onnxruntime runs the model at any size there. It was taken for a size: cast bytes
+    came out negative ('casts inserted: 4 (-384 B per run)', the cost model's figures too, so the
+    optimal placement cut on negative capacities), --check crashed ('negative dimensions are not
+    allowed', exit 70) and refused a (3, 16) array for a [-1, 16] input. It reads as a symbolic
+    dim now: the same decisions, summary and check as the model with a named batch."""
+    text = """
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[N,16] x) => (float[N,16] y) {
+          a = MatMul(x, w1)
+          b = Relu(a)
+          c = Softmax<axis=-1>(b)
+          d = MatMul(c, w2)
+          e = Exp(d)
+          y = MatMul(e, w3)
+        }"""
+    named = make_model(text, {"w1": (16, 16), "w2": (16, 16), "w3": (16, 16)})
+    model = onnx.ModelProto()
+    model.CopyFrom(named)
+    for info in (model.graph.input[0], model.graph.output[0]):
+        info.type.tensor_type.shape.dim[0].dim_value = -1  # (replaces the dim_param: one of the two)
+    onnx.checker.check_model(model, full_check=True)
+    got, want = rewrite(model), rewrite(named)
+    assert got.report.summary()["cast_bytes_per_run"] == want.report.summary()["cast_bytes_per_run"] == 0
+    assert got.report.summary()["casts_unknown_size"] == want.report.summary()["casts_unknown_size"] == 4
+    assert {k: d.precision for k, d in got.log.decisions.items()} == \
+        {k: d.precision for k, d in want.log.decisions.items()}
+    save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", x=np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32))
+    for extra in ([], ["--inputs", "in.npz"]):
+        proc = run_cli(["m.onnx", "--check", "--overwrite", *extra], tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert "check passed" in proc.stdout and "casts inserted: 4 (sizes unknown)" in proc.stdout

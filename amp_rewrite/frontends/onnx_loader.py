@@ -1378,7 +1378,10 @@ class _Builder:
         if shape is not None:
             # (an unknown dim is a SymbolicDim whose value is None, which str() spells "None": written back
             # so, onnxruntime took every such dim for one symbol and re-used too small a buffer)
-            shape = tuple(d if isinstance(d, int) else (getattr(d, "value", None) or None) for d in shape.dims)
+            # (a negative dim_value, as paddle2onnx writes a dynamic dim, is unknown too: onnxruntime
+            # reads it so, and a size of -1 made cast bytes negative)
+            shape = tuple((d if d >= 0 else None) if isinstance(d, int) else (getattr(d, "value", None) or None)
+                          for d in shape.dims)
         value = Value(v.name or "", _DTYPES.get(int(dtype)) if dtype is not None else None, shape, origin=v)
         kind = "sequence" if isinstance(v.type, ir.SequenceType) else \
             "optional" if isinstance(v.type, ir.OptionalType) else None
@@ -1655,7 +1658,8 @@ def _parse_type(type_proto: onnx.TypeProto) -> tuple[DType | None, tuple | None,
     tensor = type_proto.tensor_type
     shape = None
     if tensor.HasField("shape"):
-        shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim)
+        shape = tuple((d.dim_value if d.dim_value >= 0 else None) if d.HasField("dim_value") else (d.dim_param or None)
+                      for d in tensor.shape.dim)
     return (_DTYPES.get(tensor.elem_type) if tensor.elem_type else None), shape, None
 
 
