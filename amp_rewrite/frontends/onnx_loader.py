@@ -173,7 +173,7 @@ def _type_by_symbolic_inference(model: Model) -> None:
     from .onnx_fuse import _symbolic_inference
 
     logging.getLogger("onnxruntime.tools.symbolic_shape_infer").setLevel(logging.CRITICAL)
-    inferred, _ = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=True)  # (partial is sound)
+    inferred, _, _ = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=True)  # (partial is sound)
     if inferred is None:
         return
     types = {info.name: info.type.tensor_type.elem_type for info in [*inferred.value_info, *inferred.output]
