@@ -1310,3 +1310,32 @@ def test_optimal_keeps_a_scaling_that_may_pass_the_range_fp32_before_an_fp32_rea
         again = rewrite(shrinking, placement="optimal", fuse=False).model
         scaled = next(n for n in again.graph.node if n.op_type == "Mul" and n.output[0].split("/")[0] in ("h", "hc"))
         assert {p.key: p.value for p in scaled.metadata_props}["amp_rewrite.precision"] == "low"
+
+
+def test_size_estimates_through_ops_of_unknown_shape_are_made_once_per_value(monkeypatch):
+    """A value of unknown shape is sized from its producer's inputs, recursively. Only the value
+    asked for kept its estimate, so every path to an input estimated it again: through a chain of
+    custom ops each read by the op and by the next Add, the count doubled per layer (50 nodes: 11.6
+    million estimates, 6 s against greedy's 0.01 s). Each value is estimated once now."""
+    calls = [0]
+    estimate = optimal.Problem._estimate
+
+    def counting(self, value, depth):
+        calls[0] += 1
+        return estimate(self, value, depth)
+
+    monkeypatch.setattr(optimal.Problem, "_estimate", counting)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["v0"])]
+    layers = 24
+    for i in range(layers):  # a_i = my.Foo(v_i); v_{i+1} = a_i + v_i
+        nodes += [helper.make_node("Foo", [f"v{i}"], [f"a{i}"], domain="my"),
+                  helper.make_node("Add", [f"a{i}", f"v{i}"], [f"v{i + 1}"])]
+    nodes.append(helper.make_node("MatMul", [f"v{layers}", "w"], ["y"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "S", 16])],
+                              [numpy_helper.from_array(np.eye(16, dtype=np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("my", 1)])
+    model.ir_version = 8
+    result = rewrite(model, placement="optimal")
+    full_check(result.model)
+    assert 0 < calls[0] <= 4 * len(nodes), calls[0]
