@@ -1260,6 +1260,8 @@ _GROWING_HEADS = {
     "embedding times sqrt(hidden), then the model's own Cast": "x = Gather(E, ids)\n h = Mul(x, s32)\n hc = Cast<to=1>(h)",
     "embedding plus a position table": "x = Gather(E, ids)\n h = Add(x, pos)\n hc = Cast<to=1>(h)",
     "a MatMul's output times 6": "a = MatMul(xin, W0)\n hc = Mul(a, six)",
+    "a MatMul's output plus 50000": "a = MatMul(xin, W0)\n hc = Add(a, k50000)",
+    "a MatMul's output over 0.25": "a = MatMul(xin, W0)\n hc = Div(a, quarter)",
 }
 
 
@@ -1294,21 +1296,26 @@ def test_optimal_keeps_a_scaling_that_may_pass_the_range_fp32_before_an_fp32_rea
         y = Add(hc, a2)
     }}"""
     weights = {"E": E, "pos": pos, "W0": W0, "s32": np.array(np.sqrt(32.0), np.float32),
-               "six": np.array(6.0, np.float32), "two": np.array(2.0, np.float32), "W1": (32, 32)}
+               "six": np.array(6.0, np.float32), "two": np.array(2.0, np.float32), "W1": (32, 32),
+               "k50000": np.array(50000.0, np.float32), "quarter": np.array(0.25, np.float32)}
     model = make_model(text, weights)
     reference = run(model, feeds)["y"]
     result = rewrite(model, placement="optimal", fuse=False)
     full_check(result.model)
     got = run(emulate_low(result.model, TensorProto.FLOAT16)[0], feeds)["y"]
     assert np.isfinite(got).all() and rel_err(reference, got) < 1e-2
-    scaling = next(n for n in result.model.graph.node if n.op_type in ("Mul", "Add") and n.output[0] in ("h", "hc"))
+    scaling = next(n for n in result.model.graph.node
+                   if n.op_type in ("Mul", "Add", "Div") and n.output[0] in ("h", "hc"))
     assert {p.key: p.value for p in scaling.metadata_props}["amp_rewrite.precision"] == "fp32"
-    # (a scale of at most 1 is one rounding: the min-cut still moves the Cast past it)
-    shrinking = make_model(text.replace("Mul(a, six)", "Mul(a, half)").replace("Mul(x, s32)", "Mul(x, half)"),
+    # (a scale of at most 1, an addend of at most 1, a divisor of at least 1: one rounding, and the
+    # min-cut still moves the Cast past it)
+    shrinking = make_model(text.replace("Mul(a, six)", "Mul(a, half)").replace("Mul(x, s32)", "Mul(x, half)")
+                           .replace("Add(a, k50000)", "Add(a, half)").replace("Div(a, quarter)", "Div(a, two)"),
                            {**weights, "half": np.array(0.5, np.float32)})
     if "position" not in head:
         again = rewrite(shrinking, placement="optimal", fuse=False).model
-        scaled = next(n for n in again.graph.node if n.op_type == "Mul" and n.output[0].split("/")[0] in ("h", "hc"))
+        scaled = next(n for n in again.graph.node
+                      if n.op_type in ("Mul", "Add", "Div") and n.output[0].split("/")[0] in ("h", "hc"))
         assert {p.key: p.value for p in scaled.metadata_props}["amp_rewrite.precision"] == "low"
 
 

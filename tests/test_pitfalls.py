@@ -1282,3 +1282,45 @@ def test_a_square_spelled_another_way_is_held_fp32_too(spelling):
         assert_emulated_close(m, result.model, {"x": x})
     # (BF16 holds FP32's range: the rules make Pow infer there, and no square is held for being one)
     assert not {d.node: d for d in rewrite(m, target="bf16").log.decisions.values()}[node].reason.startswith("a square")
+
+
+_ROUND_TRIPS = {
+    # an infer op painted low between two MatMuls that also reads an FP32 graph input and feeds an FP32 sum
+    "an Add between allow ops, reading an FP32 input": ("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,4] x, float[4,4] z) => (float[4,4] y, float[4,1] s) {
+          h = MatMul(z, w)
+          a = Add(h, x)
+          y = MatMul(a, w2)
+          s = ReduceSum<keepdims=1>(a, axes)
+        }""", "Add:a", {"x": np.full((4, 4), 1e5, np.float32), "z": np.ones((4, 4), np.float32)}),
+    # an integer made float (Cast of int64) feeding an FP32 sum and a low MatMul through an Identity
+    "a float cast of an integer": ("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (int64[4,4] p) => (float[4,4] y, float[4,1] s) {
+          f = Cast<to=1>(p)
+          r = Identity(f)
+          s = ReduceSum<keepdims=1>(r, axes)
+          y = MatMul(r, w2)
+        }""", "Identity:r", {"p": np.full((4, 4), 100000, np.int64)}),
+}
+
+
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
+@pytest.mark.parametrize("case", list(_ROUND_TRIPS))
+def test_a_value_read_fp32_on_both_sides_of_a_node_keeps_that_node_fp32(case, placement):
+    """Pitfall: an FP32 → FP16 → FP32 round trip. A node whose input is an FP32 tensor and whose
+    output an FP32 op reads gains nothing low and overflows above 65504 (1e5 here: the FP32 sum
+    read inf). Mutation testing found both cases untested: greedy's rule for a non-clear node on
+    such a path (an Add between two MatMuls, its other operand an FP32 input), and the optimal
+    placement taking a float Cast of an integer for an FP32 tensor."""
+    from amp_rewrite.emulate import emulate_low
+
+    text, node, feeds = _ROUND_TRIPS[case]
+    model = make_model(text, {"w": np.full((4, 4), 1e-6, np.float32), "w2": np.full((4, 4), 0.1, np.float32),
+                              "axes": np.array([1], np.int64)})
+    result = rewrite(model, placement=placement)
+    full_check(result.model)
+    assert result.log.decisions[node].precision == Precision.FP32
+    got = run(emulate_low(result.model, onnx.TensorProto.FLOAT16)[0], feeds)["s"]
+    assert np.isfinite(got).all() and rel_err(run(model, feeds)["s"], got) < 1e-3
