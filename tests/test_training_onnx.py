@@ -640,14 +640,17 @@ def _with_gradient_readers(model, *outputs):
 
 def test_nodes_reading_a_gradient_in_the_graph_read_it_unscaled(tmp_path):
     """Only the gradient output was rewired to the unscaled value: an in-graph SGD step and a
-    gradient norm read the scaled gradient (new_W off by 1024x lr, the norm by 1024²)."""
-    model = _with_gradient_readers(_hand_graph())
+    gradient norm read the scaled gradient (new_W off by 1024x lr, the norm by 1024²). The step
+    itself, proportional to the gradient, is an output too: read scaled, it was refused as a
+    backward-pass output --grads does not name (mutation testing found it unchecked)."""
+    model = _with_gradient_readers(_hand_graph(), "step")
     out = rewrite_training_onnx_model(model, loss="loss", grads=GRADS, target="fp16").model
     onnx.checker.check_model(out, full_check=True)
     onnx.save(out, tmp_path / "t.onnx")
     got, want = _grad_w(tmp_path / "t.onnx")
     np.testing.assert_allclose(got["grad.W"], want, rtol=1e-2)
     np.testing.assert_allclose(got["new_W"], 1.0 - 0.1 * want, rtol=1e-2)
+    np.testing.assert_allclose(got["step"], 0.1 * want, rtol=1e-2)
     np.testing.assert_allclose(got["grad_norm_sq"], float((want ** 2).sum()), rtol=1e-2)
 
 
