@@ -231,6 +231,17 @@ def test_broadcast_skip_goes_second():
     check_fused(model, result)
 
 
+def _two_input_dims_residual(norm: str) -> str:
+    """A residual sum of (B, S, 8) and (B, T, 8), two graph-input dims broadcast together, then the norm."""
+    return """
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[B,S,8] x, float[B,T,8] c) => (float[B,U,8] y) {
+      q = MatMul(x, wq)
+      r = Add(q, c)""" + norm + """
+      y = MatMul(ln, wo)
+    }"""
+
+
 @pytest.mark.parametrize("norm, op", [(LAYERNORM, "SkipLayerNormalization"),
                                       (RMSNORM, "SkipSimplifiedLayerNormalization")], ids=["layernorm", "rmsnorm"])
 def test_a_residual_sum_of_two_input_dims_is_no_proof_of_equal_shapes(norm, op):
@@ -240,14 +251,7 @@ def test_a_residual_sum_of_two_input_dims_is_no_proof_of_equal_shapes(norm, op):
     input's: the output failed at run time ('last two dimensions of skip needs to be same as
     input') wherever the FP32 model broadcast. A merge that equates two of the graph's input dims
     proves nothing now; BERT's Min(64, sequence) against sequence (one input dim) still does."""
-    text = """
-    <ir_version: 8, opset_import: ["" : 13]>
-    g (float[B,S,8] x, float[B,T,8] c) => (float[B,U,8] y) {
-      q = MatMul(x, wq)
-      r = Add(q, c)""" + norm + """
-      y = MatMul(ln, wo)
-    }"""
-    model = make_model(text, W)
+    model = make_model(_two_input_dims_residual(norm), W)
     result = rewrite(model)
     full_check(result.model)
     assert not any(n.op_type == op and n.input[1] in ("c", "c/amp_fp16") for n in result.model.graph.node)
@@ -709,14 +713,7 @@ def test_shape_proof_writes_nothing_to_the_working_directory(tmp_path, monkeypat
     """onnxruntime's symbolic shape inference saves sym_shape_infer_temp.onnx (and data files) to
     the working directory when it cannot finish, as it cannot here (two unrelated symbols are
     broadcast); a rewrite writes nothing but its output."""
-    text = """
-    <ir_version: 8, opset_import: ["" : 13]>
-    g (float[batch,s1,8] x, float[batch,s2,8] k) => (float[batch,s1,8] y) {
-      q = MatMul(x, wq)
-      r = Add(q, k)""" + LAYERNORM + """
-      y = MatMul(ln, wo)
-    }"""
-    model = make_model(text, W)
+    model = make_model(_two_input_dims_residual(LAYERNORM), W)
     monkeypatch.chdir(tmp_path)
     result = rewrite(model)
     assert list(tmp_path.iterdir()) == []

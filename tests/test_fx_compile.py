@@ -207,13 +207,15 @@ def test_compile_an_input_mutated_in_place_says_what_works_under_compile():
     assert torch.equal(a, b)  # the input was mutated alike
 
 
-class _SetitemMask(torch.nn.Module):
-    """Longformer's ``extended_attention_mask[attention_mask == 2] = ...``: a mask written in
-    place, seen afterwards only through its own name."""
-
+class _WithLinear(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = torch.nn.Linear(8, 8)
+
+
+class _SetitemMask(_WithLinear):
+    """Longformer's ``extended_attention_mask[attention_mask == 2] = ...``: a mask written in
+    place, seen afterwards only through its own name."""
 
     def forward(self, x):
         m = torch.zeros_like(x)
@@ -221,12 +223,8 @@ class _SetitemMask(torch.nn.Module):
         return self.fc(x * m)
 
 
-class _ReadBeforeAndAfter(torch.nn.Module):
+class _ReadBeforeAndAfter(_WithLinear):
     """Low readers of one tensor before and after a write into it (the first must not see it)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(8, 8)
 
     def forward(self, x):
         m = x.exp()
@@ -250,12 +248,8 @@ class _MaskedScores(torch.nn.Module):
         return torch.softmax(scores, -1) @ x
 
 
-class _LowValueWritten(torch.nn.Module):
+class _LowValueWritten(_WithLinear):
     """A low-precision result written into a slice of an FP32 tensor."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(8, 8)
 
     def forward(self, x):
         m = torch.ones_like(x)
@@ -263,12 +257,8 @@ class _LowValueWritten(torch.nn.Module):
         return self.fc(m)
 
 
-class _ViewWritten(torch.nn.Module):
+class _ViewWritten(_WithLinear):
     """A view written in place, its base read afterwards."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(8, 8)
 
     def forward(self, x):
         h = x.exp()
