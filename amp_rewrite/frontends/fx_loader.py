@@ -88,7 +88,7 @@ _OPERATORS: dict[Any, str] = {
     operator.or_: "bitwise_or", operator.xor: "bitwise_xor", operator.invert: "bitwise_not",
 }
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                      operator.ipow, operator.imatmul, operator.setitem}
+                      operator.ipow, operator.imatmul}  # (and setitem: _is_setitem)
 
 # Spellings whose Python name differs from the rule name.
 _ALIASES: dict[str, str] = {
@@ -752,9 +752,7 @@ class _Builder:
                 node = by_origin.get(member)
                 if node is not None:
                     node.meta.setdefault("amp.keeps_types", reason)
-                    for out in node.outputs:
-                        out.meta["amp.mutable"] = True
-                for _, value in self.by_root.get(member, ()):
+                for _, value in self.by_root.get(member, ()):  # (its outputs; a lifted buffer's input)
                     value.meta["amp.mutable"] = True
 
     # -- sources --------------------------------------------------------------------------------------

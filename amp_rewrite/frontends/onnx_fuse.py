@@ -681,8 +681,8 @@ class SymbolicShapes:
             return _shape_table(strict)
         # the merged run's symbols are consistent with each other; the strict run's partial result
         # only fills in what the merged run did not reach
-        merged, _, unsound = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=True)
-        if unsound:  # (its equal shapes are an assumption the model's inputs need not meet)
+        merged, _, sound = _symbolic_inference(SymbolicShapeInference, proto, auto_merge=True)
+        if not sound:  # (its equal shapes are an assumption the model's inputs need not meet)
             return _shape_table(strict)
         return {**_shape_table(strict), **_shape_table(merged)}
 
@@ -709,8 +709,8 @@ def _shape_table(graph) -> dict[str, tuple]:
 
 
 def _symbolic_inference(engine, proto, auto_merge: bool):
-    """(graph with inferred value_info or None, whether every shape was inferred, an unsound merge
-    or None).
+    """(graph with inferred value_info or None, whether every shape was inferred, whether every
+    merge it made is sound).
 
     The steps of ``SymbolicShapeInference.infer_shapes``, run here because that function saves the
     model to ``sym_shape_infer_temp.onnx`` in the working directory when it cannot finish: a
@@ -722,7 +722,7 @@ def _symbolic_inference(engine, proto, auto_merge: bool):
     position slice against ``sequence``: equal wherever the model runs). It is not where it equates
     two of the graph's input dims (``(B, S, H) + (B, T, H)``, valid ONNX with T = 1), an input dim
     with a number, or dims from different inputs: a skip op fused on it fails at run time where
-    the model broadcasts. Such a merge is returned (``'T' -> 'S'``), and its table proves nothing."""
+    the model broadcasts. After such a merge its table proves nothing."""
     try:
         inference = engine(2**31 - 1, auto_merge, False, 0)
         inference._preprocess(proto)
@@ -730,15 +730,14 @@ def _symbolic_inference(engine, proto, auto_merge: bool):
         while inference.run_:
             complete = inference._infer_impl()
         inference._update_output_from_vi()
-        unsound = _unsound_merge(inference) if auto_merge else None
-        return inference.out_mp_.graph, bool(complete), unsound
+        return inference.out_mp_.graph, bool(complete), _merges_sound(inference)
     except Exception:  # noqa: BLE001 - whatever the helper stumbles on, nothing is proven by it
-        return None, False, None
+        return None, False, False
 
 
-def _unsound_merge(inference) -> str | None:
-    """The first of the inference's merges that equates dims made from different graph-input
-    dims (see ``_symbolic_inference``), as ``'T' -> 'S'``; None where every one is sound."""
+def _merges_sound(inference) -> bool:
+    """Whether every merge the inference made equates dims made from the same graph-input dims
+    (see ``_symbolic_inference``); True where it made none."""
     inputs = set(inference.input_symbols_)
     dims = inference.symbolic_dims_
 
@@ -747,11 +746,8 @@ def _unsound_merge(inference) -> str | None:
         free = getattr(expr, "free_symbols", None)
         return None if free is None else {str(sym) for sym in free}
 
-    for key, to in inference.suggested_merge_.items():
-        mine, theirs = symbols(key), symbols(to)
-        if key in inputs or not mine or mine != theirs or not mine <= inputs:
-            return f"{key!r} -> {to!r}"
-    return None
+    return all(key not in inputs and (mine := symbols(key)) and mine == symbols(to) and mine <= inputs
+               for key, to in inference.suggested_merge_.items())
 
 
 def _mean_over_last_axis(node: Node) -> bool:
