@@ -483,6 +483,9 @@ def _parse_layer(data: dict[str, Any], shown: str, stem: str, identity: str, pat
     ``source``: how its entries name the file (its base name by default)."""
     for key in data:
         if key not in TOP_LEVEL_KEYS:
+            if key in RULESET_KEYS:  # (written above any table header: it belongs to [ruleset])
+                raise RuleFileError(shown, key, f"unknown table; {key!r} is a key of [ruleset]: write it "
+                                                f"under a [ruleset] header")
             raise RuleFileError(shown, key, "unknown table", _closest(key, TOP_LEVEL_KEYS))
     header = _parse_ruleset(_table_at(data, "ruleset", shown), shown)
     base_name = source or Path(shown).name

@@ -51,6 +51,11 @@ def test_default_ruleset_rejects_unknown_choices(frontend, target):
         default_ruleset(frontend, target)
 
 
+def test_a_choice_in_the_wrong_case_is_told_its_spelling():
+    with pytest.raises(UsageError, match=r"unknown target 'FP16'.*\(did you mean 'fp16'\?\)"):
+        load_rules(target="FP16")
+
+
 @pytest.mark.parametrize("frontend,target", PAIRS)
 def test_builtin_sets_load(frontend, target):
     book = load_rules(frontend=frontend, target=target)
@@ -361,6 +366,14 @@ def test_a_pattern_that_is_a_node_name_names_that_node_only():
     assert {n["node"]: n["precision"] for n in report.to_dict()["nodes"]}["layer0/mm"] == "fp32"
 
 
+def test_a_node_pinned_by_two_files_cites_the_later_one(tmp_path):
+    """The later file is the upper layer: its rule is the one a decision quotes."""
+    first = write(tmp_path, '[nodes]\nlow = ["n*"]\n', "first.toml")
+    second = write(tmp_path, '[nodes]\nlow = ["n1"]\n', "second.toml")
+    assert load_rules([first, second]).node_rule("n1").source == "second.toml: nodes.low"
+    assert load_rules([second, first]).node_rule("n1").source == "first.toml: nodes.low"
+
+
 def test_fp32_node_rules_win_over_low(tmp_path):
     path = write(tmp_path, '[nodes]\nlow = ["/decoder/*"]\nfp32 = ["re:.*/softmax.*"]\n')
     book = load_rules([path])
@@ -464,6 +477,9 @@ BAD_FILES = [
     ("unknown frontend", '[ruleset]\nfrontend = "onxx"\n', "ruleset.frontend", "onnx"),
     ("unknown target", '[ruleset]\ntarget = "fp61"\n', "ruleset.target", "fp16"),
     ("missing builtin", '[ruleset]\nextends = "onnx-cuda-fp61"\n', "ruleset.extends", "onnx-cuda-fp16"),
+    # a value or key in the wrong case is told its spelling (difflib alone scores 'FP16' against 'fp16' too low)
+    ("key in capitals", '[ruleset]\nEXTENDS = "onnx-cuda-fp16"\n', "ruleset.EXTENDS", "extends"),
+    ("target in capitals", '[ruleset]\ntarget = "FP16"\n', "ruleset.target", "fp16"),
     (
         "array entry key",
         '[[deny.Range]]\nreason = "a"\nuntil = 3\n[[deny.Range]]\nreasn = "b"\n',
@@ -510,6 +526,8 @@ BAD_VALUES = [
     ("target mismatch", '[ruleset]\ntarget = "bf16"\n', "ruleset.target", "asks for 'fp16'"),
     ("torch provider", '[ruleset]\nfrontend = "torch"\nprovider = "CUDA"\n', "ruleset.provider", "ONNX"),
     # an unquoted domain op: TOML made tables of its dots, and the error said only "unknown key"
+    # a [ruleset] key written above every header is a top-level key: say where it belongs
+    ("ruleset key above its header", 'extends = "onnx-cuda-fp16"\n', "extends", "under a [ruleset] header"),
     ("dotted domain op", '[deny]\ncom.microsoft.Attention = "x"\n', "deny.com.microsoft", '"com.microsoft:Attention"'),
     ("dotted domain table", '[deny.com.microsoft.Attention]\nreason = "x"\n', "deny.com.microsoft",
      '"com.microsoft:Attention"'),
