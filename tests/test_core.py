@@ -397,6 +397,25 @@ def test_training_keeps_initializers_fp32_with_casts_at_use():
     assert {c.input[0] for c in nodes_by_type(out, "Cast")} >= {"w1", "w2", "bias"}
 
 
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
+def test_training_casts_the_rows_an_embedding_gathers_not_its_table(placement):
+    """The master table stays FP32 and the Gather reads it there: a cast after the Gather moves the
+    rows read on each step, a cast before it the whole table (the optimal placement once took the
+    FP32 initializer for a free source and undid paint's rule)."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (int64[2,4] ids) => (float[2,4,16] y) {
+          e = Gather(E, ids)
+          y = MatMul(e, W)
+        }""", {"E": (1000, 16), "W": (16, 16)})
+    result = rewrite(m, training=True, placement=placement)
+    assert _precisions(result)["Gather:e"] == "fp32"
+    cast_of = {c.tensor: c.numel for c in result.log.casts if c.kind == "inserted"}
+    assert "E" not in cast_of and cast_of["e"] == 2 * 4 * 16
+    assert value_types(result.model)["E"] == FP32
+    full_check(result.model)
+
+
 def test_layernormalization_op_runs_low_between_matmuls():
     m = make_model("""
         <ir_version: 8, opset_import: ["" : 17]>
