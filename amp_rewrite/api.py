@@ -68,12 +68,13 @@ def make_context(*, frontend: str, target: str = "fp16", rules: Iterable[str | o
                  keep_io_types: bool = True, training: bool = False, fp32_nodes: Sequence[str] = (),
                  fp16_nodes: Sequence[str] = (), fp32_ops: Sequence[str] = (), fp16_ops: Sequence[str] = (),
                  placement: str | None = None, loss: str | None = None, verify_each: bool = False,
-                 fuse: bool = True) -> Context:
+                 fuse: bool = True, inline_functions: bool = True) -> Context:
     """``placement`` defaults to ``optimal`` (the exact min-cut) for ONNX and to ``greedy`` for
     torch, whose painter mirrors CUDA autocast node by node (``tests/test_fx_autocast.py``)."""
     if placement is None:
         placement = "optimal" if frontend == "onnx" else "greedy"
-    flags = dict(keep_io_types=keep_io_types, training=training, verify_each=verify_each, fuse=fuse)
+    flags = dict(keep_io_types=keep_io_types, training=training, verify_each=verify_each, fuse=fuse,
+                 inline_functions=inline_functions)
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise UsageError(f"{name}={value!r}: pass True or False")
@@ -91,7 +92,7 @@ def make_context(*, frontend: str, target: str = "fp16", rules: Iterable[str | o
 
         check_rule_input_names(book)
     options = Options(target=target, keep_io_types=keep_io_types, training=training, placement=placement,
-                      loss=loss, verify_each=verify_each, fuse=fuse)
+                      loss=loss, verify_each=verify_each, fuse=fuse, inline_functions=inline_functions)
     return Context(rules=book, options=options, log=DecisionLog(target=target))
 
 
@@ -203,6 +204,12 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
         ctx.log.notes.append(f"dropped: the model's training_info ({len(model.meta['onnx.training_info'])} "
                              f"TrainingInfoProto) is not in the output: its algorithm binds the FP32 initializers "
                              f"the rewrite converts; build it again for the rewritten model")
+    inlined = model.meta.get("onnx.inlined")
+    if modified and inlined:  # (unmodified, the output is the input, functions and all)
+        listed = ", ".join(f"{name} ×{n}" for name, n in sorted(inlined.items()))
+        ctx.log.notes.append(f"model-local functions inlined: {listed} — what each call computes is rewritten, its "
+                             f"nodes named under the call's name; --no-inline-functions (inline_functions=False) "
+                             f"keeps the calls, and their bodies FP32")
     return modified
 
 
@@ -389,7 +396,7 @@ def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *
 
     with progress.stages(["load", "rewrite", "write"], desc=src_path.name) as stage:
         stage("load")
-        model = load_onnx(src_path)
+        model = load_onnx(src_path, inline_functions=ctx.options.inline_functions)
         _refuse_retarget(model, ctx.options.target)
         source_files = _input_files(model, src_path)
         if dst_path.resolve() in source_files:
@@ -399,6 +406,8 @@ def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *
         modified = run_pipeline(model, ctx) or _record_pins(model, ctx)
         stage("write")
         if not modified:
+            if model.meta.get("onnx.inlined"):  # (the output is then the input, functions and all)
+                model = load_onnx(src_path)
             use_external = external_data if external_data is not None else _needs_external(model, src_path)
             written = _copy_unchanged(src_path, dst_path, model, use_external, source_files, overwrite)
             return RewriteResult(model.origin.model, ctx.log, False, written, source=str(src_path))
@@ -424,11 +433,13 @@ def rewrite_onnx_model(proto: Any, **options: Any) -> RewriteResult:
 
         return rewrite_training_onnx_model(proto, **{k: v for k, v in options.items() if k != "training"})
     ctx = context_for("onnx", options, "rewrite()")
-    model = load_onnx(proto)
+    model = load_onnx(proto, inline_functions=ctx.options.inline_functions)
     _refuse_retarget(model, ctx.options.target)
     source = os.fspath(proto) if isinstance(proto, (str, os.PathLike)) else None
     modified = run_pipeline(model, ctx) or _record_pins(model, ctx)
     if not modified:
+        if model.meta.get("onnx.inlined"):  # (the output is then the input, functions and all)
+            model = load_onnx(proto)
         # ONNX requires topological order: the sorted copy (or retyped: onnx_loader._trust_actual_types);
         # a path's model: the one read
         if model.meta.get("onnx.changed_on_load") or source is not None:

@@ -71,6 +71,9 @@ def _command(
     fuse: bool = typer.Option(True, "--fuse/--no-fuse",
                               help="Fuse decomposed LayerNorm/RMSNorm/tanh-GELU into fused ops that run low "
                                    "precision safely (default), or keep them as FP32 islands."),
+    inline_functions: bool = typer.Option(True, "--inline-functions/--no-inline-functions",
+                                          help="Inline model-local functions so what they compute is rewritten "
+                                               "too (default), or keep their calls, and their bodies, FP32."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
     report: List[Path] = typer.Option([], "--report", parser=_file_path, metavar="<path>",
                                       help="Write the report (.json, .html or .md; repeatable)."),

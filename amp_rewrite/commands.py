@@ -27,6 +27,7 @@ class CliArgs:
     fp16_ops: list[str] = field(default_factory=list)
     placement: str = "optimal"
     fuse: bool = True
+    inline_functions: bool = True
     overwrite: bool = False
     report: list[Path] = field(default_factory=list)  # one file per format asked for (repeatable)
     explain: Optional[str] = None
@@ -45,7 +46,7 @@ class CliArgs:
         return dict(target=self.target, rules=[str(r) for r in self.rules], keep_io_types=self.keep_io_types,
                     fp32_nodes=self.fp32_nodes, fp16_nodes=self.fp16_nodes, fp32_ops=_split(self.fp32_ops, "--fp32-ops"),
                     fp16_ops=_split(self.fp16_ops, "--fp16-ops"), placement=self.placement, verify_each=self.debug,
-                    fuse=self.fuse)
+                    fuse=self.fuse, inline_functions=self.inline_functions)
 
     def output_path(self) -> Path:
         """Where the model goes: -o, else the default the API picks next to the input."""

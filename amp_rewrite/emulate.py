@@ -65,39 +65,9 @@ def _inlined(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
     from onnx import inliner
 
-    return inliner.inline_local_functions(_with_default_attributes(model))
+    from .frontends.onnx_functions import with_default_attributes
 
-
-def _with_default_attributes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` whose function calls set every attribute their function gives a default
-    (``FunctionProto.attribute_proto``): onnx's inliner leaves an unset one unset, so the inlined
-    op took its schema's default instead (LeakyRelu's 0.01 for a function's 0.2), and --check
-    failed a correct rewrite."""
-    defaults = {(f.domain, f.name, getattr(f, "overload", "")): list(f.attribute_proto)
-                for f in model.functions if len(f.attribute_proto)}
-    if not defaults:
-        return model
-    copied = onnx.ModelProto()
-    copied.CopyFrom(model)
-    model = copied
-
-    def fill(nodes) -> None:
-        for node in nodes:
-            given = defaults.get((node.domain, node.op_type, getattr(node, "overload", "")))
-            if given:
-                have = {a.name for a in node.attribute}
-                node.attribute.extend(a for a in given if a.name not in have)
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    fill(attr.g.node)
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    for g in attr.graphs:
-                        fill(g.node)
-
-    fill(model.graph.node)
-    for function in model.functions:
-        fill(function.node)
-    return model
+    return inliner.inline_local_functions(with_default_attributes(model))
 
 
 def _value_types(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, onnx.TensorShapeProto]]:

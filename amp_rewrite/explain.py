@@ -49,7 +49,7 @@ def explain_node(model_path: str | os.PathLike, node_name: str, **options: Any) 
     ctx = context_for("onnx", options, "explain_node()")
     with progress.stages(["load", "rewrite"], desc=os.path.basename(str(model_path))) as stage:
         stage("load")
-        model = load_onnx(model_path)
+        model = load_onnx(model_path, inline_functions=ctx.options.inline_functions)
         # tensor names as the user's model has them: the rewrite renames a value that goes low
         # (y → y/amp_fp16) and fusion removes producers, and "an output tensor name works too"
         producers = {o.name: n for n in model.graph.walk() for o in n.outputs if o is not None and o.name}

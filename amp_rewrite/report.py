@@ -198,7 +198,7 @@ class Report:
         lines += [n for n in self.log.notes if n.startswith(("optimal placement", "dropped:", "unmatched:", "without effect:",
                                                                    "as given:", "as pinned:", "training:",
                                                                    "clamped sums:", "onnxruntime:",
-                                                                   "model-local function calls", "untyped values",
+                                                                   "model-local function", "untyped values",
                                                                    "corrected on load:"))]
         if self.log.fusions:
             fp32 = [f.node for f in self.log.fusions

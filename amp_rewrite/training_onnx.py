@@ -136,7 +136,7 @@ def rewrite_training_onnx(src: str | os.PathLike, dst: str | os.PathLike | None 
     default = default_output(src_path, options.get("target", "fp16"), ".train")
     dst_path = Path(dst) if dst is not None else default
     _check_output(src_path, dst_path, overwrite, default.name)
-    model = load_onnx(src_path)
+    model = load_onnx(src_path, inline_functions=options.get("inline_functions", True) is True)
     ir_model, log, plan = _rewrite(model, loss=loss, grads=grads, loss_grad=loss_grad, options=options)
     source_files = _input_files(model, src_path)
     use_external = external_data if external_data is not None else _needs_external(model, src_path, ir_model)
@@ -150,7 +150,7 @@ def rewrite_training_onnx_model(proto: Any, *, loss: str, grads: str | Sequence[
     from .emitters.onnx_emitter import to_proto
     from .frontends.onnx_loader import load_onnx
 
-    model = load_onnx(proto)
+    model = load_onnx(proto, inline_functions=options.get("inline_functions", True) is True)
     ir_model, log, plan = _rewrite(model, loss=loss, grads=grads, loss_grad=loss_grad, options=options)
     return RewriteResult(to_proto(ir_model), log, plan.modified)
 

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
 from ortrun import load_ok, run_onnx  # noqa: E402
+from util import run_cli  # noqa: E402
 
 OPSET = 17
 IR_VERSION = 8
@@ -95,18 +96,11 @@ def snapshot(folder: Path) -> dict[str, str]:
     return out
 
 
-def run_cli(argv: list[str], cwd: Path, preexec=None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return subprocess.run([sys.executable, "-m", "amp_rewrite", *argv], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300, preexec_fn=preexec)
-
-
 def check_case(case: Case, folder: Path) -> subprocess.CompletedProcess:
     before = snapshot(folder)
     for name in case.inputs:
         assert name in before, f"test bug: input {name} was not created"
-    proc = run_cli(case.argv, folder, case.preexec)
+    proc = run_cli(case.argv, folder, preexec=case.preexec)
     after = snapshot(folder)
     detail = f"\n--- rc={proc.returncode}\n--- stdout:\n{proc.stdout}\n--- stderr:\n{proc.stderr}"
     assert "Traceback" not in proc.stderr + proc.stdout, detail
@@ -566,7 +560,7 @@ def test_a_low_pin_on_a_local_function_call_keeps_it_fp32(tmp_path: Path, pin: l
     call read FP16 while its body stayed FP32, and the model written with exit 0 failed the checker
     and onnxruntime ('B has inconsistent type'). The call keeps FP32 and the report says why."""
     case_model_local_function(tmp_path)
-    proc = run_cli(["m.onnx", "-o", "out.onnx", "--report", "r.json", *pin], tmp_path)
+    proc = run_cli(["m.onnx", "-o", "out.onnx", "--report", "r.json", "--no-inline-functions", *pin], tmp_path)
     assert proc.returncode == 0, proc.stderr
     out = onnx.load(tmp_path / "out.onnx")
     onnx.checker.check_model(out, full_check=True)
@@ -1774,15 +1768,15 @@ def test_an_unlisted_local_function_call_advises_inlining_not_a_rule_file(tmp_pa
     file; a rule file doing so was then 'without effect' (a call's body is not rewritten). The
     summary and the node's reason now say to inline it."""
     case_model_local_function(tmp_path)
-    proc = run_cli(["m.onnx", "-o", "out.onnx", "--report", "r.json"], tmp_path)
+    proc = run_cli(["m.onnx", "-o", "out.onnx", "--report", "r.json", "--no-inline-functions"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "unlisted ops" not in proc.stdout
     assert "model-local function calls kept FP32: local::HalfIt ×1" in proc.stdout
-    assert "onnx.inliner.inline_local_functions" in proc.stdout
+    assert "rewrite without --no-inline-functions" in proc.stdout
     import json
 
     nodes = {n["node"]: n for n in json.loads((tmp_path / "r.json").read_text())["nodes"]}
-    assert nodes["fn"]["precision"] == "fp32" and "inline it first" in nodes["fn"]["reason"]
+    assert nodes["fn"]["precision"] == "fp32" and "inlined, what it computes is rewritten" in nodes["fn"]["reason"]
 
 
 def test_a_model_holding_maps_is_refused_as_unsupported_with_what_to_do(tmp_path: Path) -> None:

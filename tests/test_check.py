@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import pytest
 
-from util import ROOT, full_check, make_model, rel_err, rewrite, run, value_types
+from util import ROOT, full_check, make_model, rel_err, rewrite, run, run_cli, value_types
 
 from amp_rewrite import check as ck
 from amp_rewrite.decisions import Precision
@@ -116,14 +116,6 @@ def masked_attention_model(opset: int = 17, bias_input: bool = False, how: str =
 def save(model: onnx.ModelProto, path: Path) -> Path:
     onnx.save(model, str(path))
     return path
-
-
-def run_cli(argv: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, **(env or {})}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["AMP_REWRITE_NO_PROGRESS"] = "1"
-    return subprocess.run([sys.executable, "-m", "amp_rewrite", *argv], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
 
 
 # -- CLI ------------------------------------------------------------------------------------------------

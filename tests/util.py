@@ -83,3 +83,14 @@ def rel_err(ref: np.ndarray, got: np.ndarray) -> float:
 
 
 FP32, FP16, BF16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16
+
+
+def run_cli(argv: list[str], cwd: Path, env: dict | None = None, preexec=None):
+    """``python -m amp_rewrite *argv`` in ``cwd`` (this checkout's package; no progress bars)."""
+    import subprocess
+
+    env = {**os.environ, **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["AMP_REWRITE_NO_PROGRESS"] = "1"
+    return subprocess.run([sys.executable, "-m", "amp_rewrite", *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300, preexec_fn=preexec)

@@ -75,16 +75,21 @@ class OnnxSource:
     proto: onnx.ModelProto | None = None
 
 
-def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool = True) -> Model:
-    """Load a path or ModelProto into the neutral IR (never modifies the input)."""
+def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool = True,
+              inline_functions: bool = False) -> Model:
+    """Load a path or ModelProto into the neutral IR (never modifies the input).
+    ``inline_functions``: inline the model-local functions it calls first (onnx_functions.py);
+    ``meta["onnx.inlined"]`` then counts the calls inlined, ``meta["onnx.not_inlined"]`` says why
+    they could not be."""
+    inlining: dict[str, Any] = {} if inline_functions else None
     if isinstance(source, onnx.ModelProto):
         path = None
         _refuse_unloaded_external_data(source)
         ir_model, inferred, nested, proto = _read_proto(source, None, source.ByteSize(), owned=False,
-                                                        infer_shapes=infer_shapes)
+                                                        infer_shapes=infer_shapes, inlining=inlining)
     else:
         path = Path(source)
-        ir_model, inferred, nested, proto = _read_path(path, infer_shapes=infer_shapes)
+        ir_model, inferred, nested, proto = _read_path(path, infer_shapes=infer_shapes, inlining=inlining)
     # (the bodies are found by a walk over every node: only done when the proto has some)
     graphs = ir_graphs(ir_model) if nested else [ir_model.graph]
     if inferred is not None and len(inferred) != len(graphs):
@@ -134,6 +139,8 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     if proto is not None and len(proto.training_info):
         model.meta["onnx.training_info"] = list(proto.training_info)  # (onnx-ir does not carry it)
     model.meta["functions"] = functions
+    if inlining:
+        model.meta.update({f"onnx.{k}": v for k, v in inlining.items()})
     return model
 
 
@@ -272,15 +279,26 @@ def _unique_value_names(main: Graph) -> None:
 
 
 # -- reading ------------------------------------------------------------------------------------------
-def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: bool, infer_shapes: bool
+def _read_proto(proto: onnx.ModelProto, path: Path | None, size: int, *, owned: bool, infer_shapes: bool,
+                inlining: dict[str, Any] | None = None
                 ) -> tuple[ir.Model, "list[dict[str, onnx.ValueInfoProto]] | None", bool, onnx.ModelProto]:
     """The onnx-ir model, the types inferred for its values (one table per graph, in
     ``_graph_protos`` order) or None where they were not inferred here, whether any node holds a
     graph (an If/Loop/Scan body, a custom op's graph attribute), and the proto deserialised
     (``proto`` itself, or the copy made to edit it; never edited after). ``size``: the proto's
     serialised size. ``owned``: the proto is ours to edit (read from a file), else it is copied
-    before any edit."""
+    before any edit. ``inlining``: a dict to fill when the model-local functions are to be
+    inlined first (``inlined``: the calls inlined, or ``not_inlined``: why they were not)."""
     where = f"{path}: " if path else ""
+    if inlining is not None and len(proto.functions):
+        from .onnx_functions import inline_functions
+
+        inlined, calls, why_not = inline_functions(proto)
+        if inlined is not None:
+            proto, owned = inlined, True  # (``size`` stays the input's: it only gates inference)
+            inlining["inlined"] = dict(calls)
+        elif why_not:
+            inlining["not_inlined"] = why_not
     graphs = _graph_protos(proto.graph)
     for graph in graphs:
         _check_initializer_names(graph, where)
@@ -604,7 +622,7 @@ def _dense(sparse: onnx.SparseTensorProto, where: str, what: str, base_dir: str)
     return numpy_helper.from_array(dense.reshape(dims), sparse.values.name)
 
 
-def _read_path(path: Path, *, infer_shapes: bool = False
+def _read_path(path: Path, *, infer_shapes: bool = False, inlining: dict[str, Any] | None = None
                ) -> tuple[ir.Model, "list[dict[str, onnx.ValueInfoProto]] | None", bool, onnx.ModelProto]:
     """What ``_read_proto`` returns, for a file."""
     if not path.exists():
@@ -624,7 +642,7 @@ def _read_path(path: Path, *, infer_shapes: bool = False
         raise ModelLoadError(f"{path}: not a valid ONNX model (truncated or not ONNX): {first_line(exc)}") from exc
     if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
         raise ModelLoadError(f"{path}: not a valid ONNX model (no graph); is this an ONNX file?")
-    return _read_proto(proto, path, path.stat().st_size, owned=True, infer_shapes=infer_shapes)
+    return _read_proto(proto, path, path.stat().st_size, owned=True, infer_shapes=infer_shapes, inlining=inlining)
 
 
 def _root_cause(exc: BaseException) -> BaseException:
@@ -1447,8 +1465,8 @@ class _Builder:
             node.meta["amp.function_call"] = True
             node.meta["amp.refuses_low"] = (
                 f"calls the model-local function {domain}:{op_type}, whose body is not rewritten (its constants "
-                f"and casts keep their types): inline it first (onnx.inliner.inline_local_functions) to rewrite "
-                f"its body")
+                f"and casts keep their types); inlined, what it computes is rewritten (the default: the "
+                f"summary's note says why it was not)")
         elif op_type == "Einsum" and domain in ("", "ai.onnx"):
             summed = _einsum_reduction(n)
             if summed:

@@ -27,6 +27,7 @@ class Options:
     loss: str | None = None  # training: name of the loss value
     verify_each: bool = False
     fuse: bool = True  # fuse decomposed LayerNorm/RMSNorm/tanh-GELU into fused ops (ONNX; frontends/onnx_fuse.py)
+    inline_functions: bool = True  # inline model-local functions before rewriting (ONNX; frontends/onnx_functions.py)
 
 
 # the low types' largest finite values: constants past them keep their readers FP32

@@ -67,8 +67,12 @@ def classify(model: Model, ctx: Context) -> PassResult:
     _dequantize_weights_low(dequantized, ctx, names)
     if calls:
         listed = ", ".join(f"{name} ×{n}" for name, n in sorted(calls.items()))
+        why_not = model.meta.get("onnx.not_inlined")
+        advice = (f"they could not be inlined ({why_not})" if why_not else
+                  "rewrite without --no-inline-functions (inline_functions=False) to inline them, and what they "
+                  "compute is rewritten too")
         ctx.log.notes.append(f"model-local function calls kept FP32: {listed} — their bodies are not rewritten; "
-                             f"inline them first (onnx.inliner.inline_local_functions) to rewrite what they compute")
+                             f"{advice}")
     if untyped:
         listed = ", ".join(f"{op} ×{len(nodes)}" for op, nodes in sorted(untyped.items()))
         first = next(iter(untyped.values()))[0]
