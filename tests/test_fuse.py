@@ -1043,3 +1043,84 @@ def test_the_summary_accounts_for_every_cast_the_fusion_took(norm, dead_cast):
     assert s["casts_removed"] == (1 if dead_cast else 0)
     assert ("fused away: 1" in report.summary_text()) == (norm is RMSNORM)
     validate(report.to_dict())
+
+
+def _norm_look_alike(case: str) -> tuple[onnx.ModelProto, dict]:
+    """A decomposed-norm shape that is not a LayerNorm: one guard of the matcher tells it apart."""
+    kd = 0 if case == "keepdims" else 1
+    axes, n_axes = ("{-1, -2}", 2) if case == "two_axes" else ("{-1}", 1)
+    square = "sq = Mul(d, t)" if case == "mul_not_square" else "sq = Mul(d, d)"
+    scale = ("two = Constant <value = float {2.0}> ()\n  r = Div(two, s)\n  n = Mul(d, r)" if case == "div_by_two"
+             else "n = Div(d, s)")
+    shape = "[4, 4]" if case == "keepdims" else "[2, 4, 4]"  # (keepdims=0: the statistics broadcast on the last axis)
+    text = f"""<ir_version: 8, opset_import: ["" : 18]>
+    g (float{shape} x, float{shape} z) => (float{shape} y) {{
+      axes = Constant <value = int64[{n_axes}] {axes}> ()
+      h = MatMul(z, W)
+      xs = Add(x, h)
+      t = Relu(z)
+      mean = ReduceMean <keepdims = {kd}> ({"t" if case == "other_mean" else "xs"}, axes)
+      d = Sub(xs, mean)
+      {square}
+      var = ReduceMean <keepdims = {kd}> (sq, axes)
+      e = Constant <value = float {{1e-5}}> ()
+      ve = Add(var, e)
+      s = Sqrt(ve)
+      {scale}
+      sc = Mul(n, G)
+      y = MatMul(sc, W2)
+    }}"""
+    dims = (4, 4) if case == "keepdims" else (2, 4, 4)
+    rng = np.random.default_rng(1)
+    feeds = {"x": (rng.standard_normal(dims) * 3 + np.arange(4)).astype(np.float32),
+             "z": (rng.standard_normal(dims) + 1).astype(np.float32)}
+    return make_model(text, {"W": (4, 4), "G": np.ones(4, np.float32), "W2": (4, 4)}), feeds
+
+
+def _gelu_look_alike(case: str) -> tuple[onnx.ModelProto, dict]:
+    text = f"""<ir_version: 8, opset_import: ["" : 17]>
+    g (float[2, 8] a, float[2, 8] b) => (float[2, 8] y) {{
+      x = MatMul(a, W)
+      z = MatMul(b, W)
+      three = Constant <value = float {{3.0}}> ()
+      cube = Pow(x, three)
+      c1 = Constant <value = float {{0.044715}}> ()
+      m1 = Mul(cube, c1)
+      s1 = Add(m1, {"z" if case == "other_addend" else "x"})
+      c2 = Constant <value = float {{0.7978845608}}> ()
+      m2 = Mul(s1, c2)
+      th = Tanh(m2)
+      one = Constant <value = float {{1.0}}> ()
+      o = Add(th, one)
+      half = Constant <value = float {{{"0.46" if case == "coefficient" else "0.5"}}}> ()
+      hx = Mul(x, half)
+      g1 = Mul(hx, o)
+      y = MatMul(g1, W2)
+    }}"""
+    rng = np.random.default_rng(1)
+    feeds = {k: (rng.standard_normal((2, 8)) * 2).astype(np.float32) for k in ("a", "b")}
+    return make_model(text, {"W": (8, 8), "W2": (8, 8)}), feeds
+
+
+LOOK_ALIKES = [("norm", "keepdims"), ("norm", "two_axes"), ("norm", "mul_not_square"), ("norm", "div_by_two"),
+               ("norm", "other_mean"), ("gelu", "other_addend"), ("gelu", "coefficient")]
+
+
+@pytest.mark.parametrize("kind,case", LOOK_ALIKES, ids=[c for _, c in LOOK_ALIKES])
+def test_a_look_alike_of_a_norm_or_gelu_is_not_fused(kind, case):
+    """Statistics kept per row (keepdims=0 on a square input), a norm over two axes, a 'variance'
+    of d·t, d·(2/σ), the mean of another tensor subtracted, a GELU adding another tensor inside
+    its tanh or halving by 0.46: each is one guard of the matcher, and a fused op in its place
+    computes other numbers (relative errors of 0.09 to 1.07) in a model that passes the checker.
+    (With another tensor's mean subtracted, what follows is an RMSNorm of the difference, and that
+    is fused: a LayerNorm is not.)"""
+    model, feeds = (_norm_look_alike if kind == "norm" else _gelu_look_alike)(case)
+    result = rewrite(model)
+    full_check(result.model)
+    assert [f.pattern for f in result.log.fusions] == (["RMSNorm"] if case == "other_mean" else [])
+    ops = {n.op_type for n in result.model.graph.node}
+    assert not ops & {"LayerNormalization", "SkipLayerNormalization", "Gelu", "FastGelu"}
+    want, got = run(model, feeds)["y"], run(result.model, feeds)["y"]
+    finite = np.isfinite(want)  # (a 'variance' of d·t may be negative: its root is NaN in FP32 too)
+    np.testing.assert_array_equal(finite, np.isfinite(got))
+    assert finite.any() and rel_err(want[finite], got[finite]) < 1e-2
