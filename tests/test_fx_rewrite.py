@@ -1910,11 +1910,13 @@ class _DividesBySmall(nn.Module):
         h = self.a(x)
         if self.how == "buffer":  # (a module tensor holding the divisor)
             return self.b(h / self.small * 1e-6)
+        if self.how == "negative":  # (its magnitude is what leaves FP16)
+            return self.b(h / -1e-6 * -1e-6)
         h = h / 1e-6 if self.how == "operator" else torch.div(h, 1e-6) if self.how == "torch" else h.div(1e-6)
         return self.b(h * 1e-6)
 
 
-@pytest.mark.parametrize("how", ["operator", "torch", "method", "buffer"])
+@pytest.mark.parametrize("how", ["operator", "torch", "method", "buffer", "negative"])
 @pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
 def test_a_division_by_a_number_whose_reciprocal_leaves_fp16_keeps_fp32(capture, how):
     """``h / 1e-6`` multiplies by 1e6: ``h * 1e6`` kept FP32 (its number is past 65504), the division
@@ -1927,7 +1929,8 @@ def test_a_division_by_a_number_whose_reciprocal_leaves_fp16_keeps_fp32(capture,
         got = result.model(x)
         assert torch.isfinite(got).all() and rel_err(got, model(x)) < TOL["fp16"]
     (div,) = [d for d in result.log.decisions.values() if "divides by" in d.reason]
-    assert div.precision == Precision.FP32 and "divides by 1e-06, which multiplies by 1e+06" in div.reason
+    sign = "-" if how == "negative" else ""
+    assert div.precision == Precision.FP32 and f"divides by {sign}1e-06, which multiplies by {sign}1e+06" in div.reason
 
 
 class _ReadsAFill(nn.Module):
@@ -3399,3 +3402,28 @@ def test_optimal_keeps_a_python_scale_above_one_fp32_before_an_fp32_reader():
     got = gm(x)
     assert torch.isfinite(got).all() and (got - reference).abs().max() <= 1e-2 * reference.abs().max()
     assert report.log.decisions["mul"].precision == Precision.FP32
+
+
+class _PerChannelEpsilon(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("eps", torch.tensor([1e-8, 1e-8, 1e-3, 1e-3]))
+
+    def forward(self, x):
+        r = torch.relu(self.a(x))
+        return self.b(r / (r + self.eps))
+
+
+@pytest.mark.parametrize("capture", ["symbolic_trace", "export"])
+def test_a_per_channel_epsilon_fp16_loses_in_some_lanes_keeps_its_guard_fp32(capture):
+    """An epsilon buffer [1e-8, 1e-8, 1e-3, 1e-3]: the guard went low because one of its values
+    survives in FP16, and the lanes whose 1e-8 did not gave 0/0 = NaN."""
+    torch.manual_seed(0)
+    model, x = _PerChannelEpsilon().eval(), torch.randn(8, 4)
+    result = _dispatch(model, example_inputs=(x,), target="fp16", capture=capture)
+    with torch.no_grad():
+        want, got = model(x), result.model(x)
+    assert (torch.relu(model.a(x))[:, :2] == 0).any()  # (a zero the 1e-8 lanes guard)
+    assert torch.isfinite(got).all() and rel_err(got, want) < TOL["fp16"]
+    assert [d.precision for d in result.log.decisions.values() if "epsilon is lost" in d.reason] == [Precision.FP32]

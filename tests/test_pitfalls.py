@@ -965,12 +965,16 @@ def test_a_reciprocal_of_a_tiny_constant_through_a_copy_keeps_fp32_with_its_read
     assert_emulated_close(model, result.model, feeds)
 
 
-@pytest.mark.parametrize(("eps", "low"), [(1e-8, False), (1e-12, False), (1e-3, True)])
+_PER_CHANNEL = [1e-8] * 4 + [1e-3] * 4  # (one sign: its 1e-8 lanes give 0/0 as a scalar 1e-8 does)
+
+
+@pytest.mark.parametrize(("eps", "low"), [(1e-8, False), (1e-12, False), (1e-3, True), (_PER_CHANNEL, False)])
 def test_an_epsilon_the_low_type_flushes_to_zero_keeps_its_sum_and_division_fp32(eps, low):
     """``r / (r + 1e-8)`` after a Relu: FP16 holds nothing below 6e-8, so the converted epsilon was
     0, the sum was r and every zero of the Relu gave 0/0 = NaN, exit 0 (the summary counted "1
     flushed to zero"). The Add now seeds FP32 like a deny op, so the division by its sum follows
-    it. An epsilon FP16 holds (1e-3) changes nothing."""
+    it. An epsilon FP16 holds (1e-3) changes nothing. A per-channel epsilon loses its 1e-8 lanes
+    alike (it went low while one lane kept a value FP16 holds)."""
     model = make_model("""
     <ir_version: 10, opset_import: ["" : 18]>
     g (float[4,8] x) => (float[4,8] y) {
@@ -985,7 +989,7 @@ def test_an_epsilon_the_low_type_flushes_to_zero_keeps_its_sum_and_division_fp32
     add, div = result.log.decisions["Add:a"], result.log.decisions["Div:q"]
     assert (add.precision == Precision.LOW) is low and (div.precision == Precision.LOW) is low, div.reason
     if not low:
-        assert f"adds 'eps' holding {eps:g}, below fp16's smallest value" in add.reason
+        assert f"adds 'eps' holding {1e-8 if eps is _PER_CHANNEL else eps:g}, below fp16's smallest value" in add.reason
     feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
     assert_emulated_close(model, result.model, feeds)
     assert not rewrite(result.model).modified

@@ -1384,7 +1384,8 @@ def _lost_epsilon(node: fx.Node, name: str, low: torch.dtype, gm: fx.GraphModule
                   inputs: list[Value]) -> tuple[str, float] | None:
     """(what, its largest magnitude) of the epsilon an ``add``/``sub`` adds, or the lower bound a
     ``clamp``/``clamp_min``/``maximum`` applies, where every nonzero value of it is 0 in ``low``
-    (1e-8 in FP16, whose smallest value is 6e-8): a number argument or a module tensor. In
+    (1e-8 in FP16, whose smallest value is 6e-8), or some of it where all its values have one sign
+    (a per-channel epsilon): a number argument or a module tensor. In
     ``r / (r + 1e-8)`` after a relu, or ``x / x.clamp_min(1e-8)``, the low type lost it and every
     zero gave 0/0 = NaN. As the ONNX frontend's ``onnx_constants._vanishes``."""
     if node.op not in ("call_function", "call_method") or name not in _EPSILON_ARGUMENTS:
@@ -1415,8 +1416,12 @@ def _lost_epsilon(node: fx.Node, name: str, low: torch.dtype, gm: fx.GraphModule
             nonzero = values[values != 0]
             if nonzero.numel() == 0 or not bool(torch.isfinite(nonzero).all()):
                 continue
-            if bool((nonzero.to(low) == 0).all()):
-                return what, float(nonzero.abs().max())
+            lost = nonzero[nonzero.to(low) == 0]
+            # every value lost, or some of a one-signed tensor (a per-channel epsilon [1e-8, 1e-3]:
+            # its 1e-8 lanes gave 0/0 all the same); a bias of both signs with a tiny entry is data
+            if lost.numel() and (lost.numel() == nonzero.numel() or bool((nonzero > 0).all())
+                                 or bool((nonzero < 0).all())):
+                return what, float(lost.abs().max())
     return None
 
 

@@ -144,7 +144,8 @@ def _kernel_scalar_lost(node: Node, low: DType) -> tuple[str, float, str] | None
 def _vanishes(node: Node, low: DType, folds: dict[int, object]) -> tuple[str, float] | None:
     """(name, largest magnitude) of a constant an Add, Sub or Max reads, or a Clip as its min (the
     guard of x / clamp_min(m, 1e-8)), whose nonzero values all become 0 in the low type (an
-    epsilon of 1e-8 in FP16, whose smallest value is 6e-8), or None. Such a constant exists to keep
+    epsilon of 1e-8 in FP16, whose smallest value is 6e-8), or some of them where all have one
+    sign (a per-channel epsilon), or None. Such a constant exists to keep
     a sum or a bound away from zero: in the low type it is gone, and the division after it is 0/0.
     (A Mul by it is the value range's business, like a weight's flushed entries: counted in the
     report.)"""
@@ -158,8 +159,11 @@ def _vanishes(node: Node, low: DType, folds: dict[int, object]) -> tuple[str, fl
         if nonzero.size == 0 or not np.isfinite(nonzero).all():
             continue
         with np.errstate(all="ignore"):
-            if (nonzero.astype(np.float32).astype(_numpy_type(low)) == 0).all():
-                return value.name, float(np.abs(nonzero).max())
+            lost = nonzero[nonzero.astype(np.float32).astype(_numpy_type(low)) == 0]
+        # every value lost, or some of a one-signed constant (a per-channel epsilon [1e-8, 1e-3]:
+        # its 1e-8 lanes gave 0/0 all the same); a bias of both signs with a tiny entry is data
+        if lost.size and (lost.size == nonzero.size or (nonzero > 0).all() or (nonzero < 0).all()):
+            return value.name, float(np.abs(lost).max())
     return None
 
 
