@@ -913,6 +913,12 @@ def case_tolerance_nan(d: Path) -> Case:
                 inputs=["m.onnx"])
 
 
+def case_tolerance_zero(d: Path) -> Case:
+    save(mlp(), d / "m.onnx")
+    return Case(["m.onnx", "-o", "out.onnx", "--check", "--tolerance", "0"], 2, r"--tolerance 0.0: must be a positive",
+                inputs=["m.onnx"])
+
+
 def case_tolerance_without_check(d: Path) -> Case:
     """--inputs / --tolerance without --check or --auto-fp32 did nothing, silently."""
     save(mlp(), d / "m.onnx")

@@ -1604,8 +1604,10 @@ def test_a_function_s_default_attribute_is_kept_by_the_emulation():
     fn.attribute_proto.append(oh.make_attribute("alpha", 0.2))
     W = onnx.numpy_helper.from_array((np.random.default_rng(0).standard_normal((8, 8)) / 3).astype(np.float32), "W")
     T = onnx.TensorProto
+    # (a second call sets alpha itself: its own 0.5 holds, not the function's default)
     g = oh.make_graph([oh.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
-                       oh.make_node("Act", ["h"], ["y"], domain="local", name="act")],
+                       oh.make_node("Act", ["h"], ["y0"], domain="local", name="act"),
+                       oh.make_node("Act", ["y0"], ["y"], domain="local", name="act2", alpha=0.5)],
                       "g", [oh.make_tensor_value_info("x", T.FLOAT, [4, 8])],
                       [oh.make_tensor_value_info("y", T.FLOAT, [4, 8])], [W])
     m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid("local", 1)], functions=[fn],
@@ -1651,3 +1653,26 @@ def test_a_dim_value_of_minus_one_is_an_unknown_dim(tmp_path):
         proc = run_cli(["m.onnx", "--check", "--overwrite", *extra], tmp_path)
         assert proc.returncode == 0, proc.stderr
         assert "check passed" in proc.stdout and "casts inserted: 4 (sizes unknown)" in proc.stdout
+
+
+def test_a_nan_the_fp32_model_makes_at_the_same_place_is_no_mismatch():
+    """The FP32 model's own NaN (a Sqrt of a negative sum), where the rewrite has it too, is no
+    error of the rewrite: --check passes and keeps the output."""
+    stats = ck.compare_output("y", np.array([np.nan, 1.0], np.float32), np.array([np.nan, 1.0], np.float32), 1e-2)
+    assert stats.passed and stats.max_rel == 0
+    assert not ck.compare_output("y", np.array([np.nan, 1.0], np.float32), np.array([np.inf, 1.0], np.float32),
+                                 1e-2).passed
+
+
+def test_emulate_low_takes_fp16_where_a_model_holds_both_low_types():
+    """As its docstring says: FP16 if both."""
+    from onnx import TensorProto as T
+    from onnx import helper as oh
+
+    g = oh.make_graph([oh.make_node("Cast", ["x"], ["h"], to=T.FLOAT16), oh.make_node("Cast", ["x"], ["b"], to=T.BFLOAT16),
+                       oh.make_node("Cast", ["h"], ["y"], to=T.FLOAT), oh.make_node("Cast", ["b"], ["z"], to=T.FLOAT)],
+                      "g", [oh.make_tensor_value_info("x", T.FLOAT, [2])],
+                      [oh.make_tensor_value_info("y", T.FLOAT, [2]), oh.make_tensor_value_info("z", T.FLOAT, [2])])
+    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    assert emulate_low(m)[1] == {"h"}
+
