@@ -3427,3 +3427,48 @@ def test_a_per_channel_epsilon_fp16_loses_in_some_lanes_keeps_its_guard_fp32(cap
     assert (torch.relu(model.a(x))[:, :2] == 0).any()  # (a zero the 1e-8 lanes guard)
     assert torch.isfinite(got).all() and rel_err(got, want) < TOL["fp16"]
     assert [d.precision for d in result.log.decisions.values() if "epsilon is lost" in d.reason] == [Precision.FP32]
+
+
+class _InfPadding(nn.Module):
+    """A padding bias holding -inf, read only by ops that run low."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("pad", torch.tensor([0.0, 0.0, 0.0, float("-inf")]))
+
+    def forward(self, x):
+        h = self.a(x) + self.pad
+        return self.b(h).amax(-1), torch.isinf(h).sum()
+
+
+def test_an_infinite_buffer_entry_is_kept_not_clamped_when_converted():
+    """±inf is no value past 65504 to clamp: the padded feature stays -inf, and the report counts
+    no clamped value."""
+    torch.manual_seed(0)
+    model, x = _InfPadding().eval(), torch.randn(3, 4)
+    result = _dispatch(model, example_inputs=(x,), target="fp16")
+    assert result.log.weights.clamped == 0
+    with torch.no_grad():
+        got, want = result.model(x), model(x)
+    assert int(got[1]) == int(want[1]) == 3
+
+
+class _FactoryWithoutDtype(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x) * torch.full((4,), 0.5))
+
+
+@pytest.mark.parametrize("capture", ["symbolic_trace", "export"])
+def test_a_factory_called_without_a_dtype_makes_the_type_its_readers_need(capture):
+    """``torch.full((4,), 0.5)`` has no ``dtype=``: made low, it must be given one (else it is
+    FP32, and the low Linear after the Mul met Float and Half)."""
+    torch.manual_seed(0)
+    model, x = _FactoryWithoutDtype().eval(), torch.randn(3, 4)
+    result = _dispatch(model, example_inputs=(x,), target="fp16", capture=capture)
+    with torch.no_grad():
+        assert rel_err(result.model(x), model(x)) < TOL["fp16"]
