@@ -227,3 +227,24 @@ def test_the_inliner_is_given_the_structure_not_the_weights(monkeypatch):
     out = rewrite(m).model
     assert seen == [0]
     assert sorted(t.name for t in out.graph.initializer) == sorted(t.name for t in m.graph.initializer)
+
+
+def test_a_branch_inside_a_function_is_named_under_the_call():
+    then = helper.make_graph([helper.make_node("MatMul", ["x", "w1"], ["t"], name="mm_then")], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, [4, H])])
+    other = helper.make_graph([helper.make_node("MatMul", ["x", "w2"], ["e"], name="mm_else")], "else", [],
+                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, [4, H])])
+    body = [helper.make_node("ReduceMean", ["x"], ["m"], name="mean", keepdims=0),
+            helper.make_node("Greater", ["m", "m"], ["c"], name="cmp"),
+            helper.make_node("If", ["c"], ["y"], name="branch", then_branch=then, else_branch=other)]
+    function = helper.make_function("local", "Pick", ["x", "w1", "w2"], ["y"], body, [helper.make_opsetid("", OPSET)])
+    m = _model([helper.make_node("Pick", ["x", "a1", "a2"], ["y"], domain="local", name="/pick")], [function],
+               [_weight("a1"), _weight("a2")])
+    result = rewrite(m)
+    full_check(result.model)
+    branch = next(n for n in result.model.graph.node if n.op_type == "If")
+    assert branch.name == "/pick/branch"
+    assert {n.name for a in branch.attribute for n in a.g.node if n.op_type == "MatMul"} == {"/pick/mm_then",
+                                                                                           "/pick/mm_else"}
+    assert _precisions(result)["MatMul:/pick/mm_else"] == "low"
+    assert rel_err(run(m, _feeds())["y"], run(result.model, _feeds())["y"]) < 1e-2

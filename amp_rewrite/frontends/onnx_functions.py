@@ -132,7 +132,7 @@ def _one_function_per_call(model: onnx.ModelProto) -> None:
     _fill_defaults(model, _defaults(model))
     functions = {(f.domain, f.name): f for f in model.functions}
     copies: list[onnx.FunctionProto] = []
-    taken = {name for name, _ in functions} | {f.name for f in model.functions}
+    taken = {f.name for f in model.functions}
     count = Counter()
 
     def visit(nodes, prefix: str) -> None:
@@ -140,12 +140,12 @@ def _one_function_per_call(model: onnx.ModelProto) -> None:
         for index, node in enumerate(nodes):
             if prefix:
                 node.name = f"{prefix}/{node.name or f'{node.op_type}_{index}'}"
-            for attr in node.attribute:
+            for attr in node.attribute:  # (a body inside a function's body: named under the call too)
                 if attr.type == onnx.AttributeProto.GRAPH:
-                    visit(attr.g.node, "")
+                    visit(attr.g.node, prefix)
                 elif attr.type == onnx.AttributeProto.GRAPHS:
                     for g in attr.graphs:
-                        visit(g.node, "")
+                        visit(g.node, prefix)
             original = functions.get((node.domain, node.op_type))
             if original is None:
                 continue
