@@ -61,7 +61,7 @@ import torch.fx as fx
 
 from ..errors import InPlaceMutationError, UsageError
 from ..ir import DType, Graph, Model, Node, Value
-from ..passes.base import BODY_SCOPE
+from ..passes.base import BODY_SCOPE, lost_epsilon
 
 # -- dtypes -----------------------------------------------------------------------------------------------
 TORCH_TO_DTYPE: dict[torch.dtype, DType] = {
@@ -1412,16 +1412,10 @@ def _lost_epsilon(node: fx.Node, name: str, low: torch.dtype, gm: fx.GraphModule
         if not data.is_floating_point() or data.is_meta or not 0 < data.numel() <= 1 << 16:
             continue  # (an integer is never below the smallest value; a big tensor is data, not an epsilon)
         with torch.no_grad():
-            values = data.detach().float().reshape(-1)
-            nonzero = values[values != 0]
-            if nonzero.numel() == 0 or not bool(torch.isfinite(nonzero).all()):
-                continue
-            lost = nonzero[nonzero.to(low) == 0]
-            # every value lost, or some of a one-signed tensor (a per-channel epsilon [1e-8, 1e-3]:
-            # its 1e-8 lanes gave 0/0 all the same); a bias of both signs with a tiny entry is data
-            if lost.numel() and (lost.numel() == nonzero.numel() or bool((nonzero > 0).all())
-                                 or bool((nonzero < 0).all())):
-                return what, float(lost.abs().max())
+            values = data.detach().float().reshape(-1).cpu()
+            found = lost_epsilon(values.numpy(), values.to(low).float().numpy())
+        if found is not None:
+            return what, found
     return None
 
 

@@ -36,7 +36,7 @@ import onnx_ir as ir
 
 from ..decisions import Category
 from ..ir import DType, Model, Node, Value
-from ..passes.base import LOW_LIMITS, Context, PassResult, string_attribute
+from ..passes.base import LOW_LIMITS, Context, PassResult, lost_epsilon, string_attribute
 from .onnx_loader import constant_array
 
 # |x| at or above this is a mask sentinel (-1e9, finfo(float32).min): it saturates to the low
@@ -155,15 +155,10 @@ def _vanishes(node: Node, low: DType, folds: dict[int, object]) -> tuple[str, fl
         data = _folded(value, folds)
         if data is None or data.size == 0:
             continue
-        nonzero = data[data != 0]
-        if nonzero.size == 0 or not np.isfinite(nonzero).all():
-            continue
         with np.errstate(all="ignore"):
-            lost = nonzero[nonzero.astype(np.float32).astype(_numpy_type(low)) == 0]
-        # every value lost, or some of a one-signed constant (a per-channel epsilon [1e-8, 1e-3]:
-        # its 1e-8 lanes gave 0/0 all the same); a bias of both signs with a tiny entry is data
-        if lost.size and (lost.size == nonzero.size or (nonzero > 0).all() or (nonzero < 0).all()):
-            return value.name, float(np.abs(lost).max())
+            found = lost_epsilon(data, data.astype(np.float32).astype(_numpy_type(low)))
+        if found is not None:
+            return value.name, found
     return None
 
 

@@ -107,22 +107,9 @@ def _fill_defaults(model: onnx.ModelProto, defaults: dict) -> None:
 
 def _node_lists(model: onnx.ModelProto) -> list:
     """The node lists of every graph (bodies included) and every function body of ``model``."""
-    lists = []
+    from .onnx_loader import _graph_protos  # (it reads ``.node`` alone: a FunctionProto walks alike)
 
-    def graph(nodes) -> None:
-        lists.append(nodes)
-        for node in nodes:
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    graph(attr.g.node)
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    for g in attr.graphs:
-                        graph(g.node)
-
-    graph(model.graph.node)
-    for function in model.functions:
-        graph(function.node)
-    return lists
+    return [g.node for body in (model.graph, *model.functions) for g in _graph_protos(body)]
 
 
 def _one_function_per_call(model: onnx.ModelProto) -> None:
@@ -171,8 +158,9 @@ def _one_function_per_call(model: onnx.ModelProto) -> None:
 def _drop_inliner_suffixes(model: onnx.ModelProto) -> None:
     """The inliner appends ``__<n>`` to every node name it copies; the per-call prefix already makes
     them distinct, so the suffix goes wherever the name left is still unique in the model."""
-    names = Counter(node.name for nodes in _node_lists(model) for node in nodes if node.name)
-    for nodes in _node_lists(model):
+    lists = _node_lists(model)
+    names = Counter(node.name for nodes in lists for node in nodes if node.name)
+    for nodes in lists:
         for node in nodes:
             plain = _SUFFIX.sub("", node.name)
             if plain != node.name and names[plain] == 0:

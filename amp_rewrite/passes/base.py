@@ -36,6 +36,25 @@ class Options:
 LOW_LIMITS = {DType.FLOAT16: 65504.0, DType.BFLOAT16: 3.3895313892515355e38}
 
 
+def lost_epsilon(values, rounded) -> float | None:
+    """Of a constant that keeps a sum or a bound away from zero (an epsilon, a clamp's lower bound),
+    given as a numpy array and as the low type rounds it: the largest magnitude the low type
+    flushes to 0 where that loses the guard, else None. Lost: every nonzero value, or some of a
+    one-signed constant (a per-channel epsilon [1e-8, 1e-3]: its 1e-8 lanes give 0/0 all the
+    same); a constant of both signs with a tiny entry (a bias, a position table) is data. Both
+    frontends ask (onnx_constants._vanishes, fx_loader._lost_epsilon)."""
+    import numpy as np
+
+    nonzero = values != 0
+    kept = values[nonzero]
+    if kept.size == 0 or not np.isfinite(kept).all():
+        return None
+    lost = kept[rounded[nonzero] == 0]
+    if lost.size and (lost.size == kept.size or (kept > 0).all() or (kept < 0).all()):
+        return float(np.abs(lost).max())
+    return None
+
+
 @dataclass
 class Context:
     rules: "RuleBook"
