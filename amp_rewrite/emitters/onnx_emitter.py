@@ -31,7 +31,7 @@ from ..decisions import CastRecord, DecisionLog, Precision
 from ..errors import OutputError
 from ..files import previous_outputs_kept, remove_stale_stages, replace_into, stage_prefix
 from ..ir import DType, Graph, Model, Node, Value
-from ..frontends.onnx_loader import OnnxSource, constant_node_tensor, ir_graphs
+from ..frontends.onnx_loader import OnnxSource, attr_tensor, constant_node_tensor, ir_graphs
 from ..passes.base import node_label
 
 # External tensors above this are converted while saving, not in memory up front. (A tensor held in
@@ -286,7 +286,7 @@ class _Patcher:
         attr = n.attributes.get("value")
         if attr is None and dtype == DType.FLOAT:
             return  # (the default is the type: converting it counted a float32 zero as a value flushed to zero)
-        data = attr.as_tensor().numpy() if attr is not None else np.zeros((1,), np.float32)
+        data = attr_tensor(attr).numpy() if attr is not None else np.zeros((1,), np.float32)
         # clamped at the type's limits like any constant: torch exports fill masks with finfo.min,
         # which a plain astype would turn into -inf (and the softmax after it into NaN)
         name = n.outputs[0].name or "ConstantOfShape.value"
@@ -384,13 +384,21 @@ class _Patcher:
                 "metadata_props": dict(getattr(tensor, "metadata_props", None) or {}) or None}
 
         def convert() -> ir.Tensor:
-            converted = np.empty(tuple(int(d) for d in tensor.shape.numpy()), dtype=target)
-            flat = converted.reshape(-1)
+            shape = tuple(int(d) for d in tensor.shape.numpy())
+            converted = None
             start = 0
             for part in parts():
-                flat[start:start + part.size] = part
+                if converted is None and part.size == nbytes // 4:  # one chunk: it is the array (no copy)
+                    converted = flat = part
+                elif converted is None:
+                    converted = np.empty(shape, dtype=target)
+                    flat = converted.reshape(-1)
+                if flat is not part:
+                    flat[start:start + part.size] = part
                 start += part.size
-            return ir.Tensor(converted, **said)
+            if converted is None:  # (no values: a dim of 0)
+                converted = np.empty(shape, dtype=target)
+            return ir.Tensor(converted.reshape(shape), **said)
 
         if nbytes > LAZY_BYTES and isinstance(tensor, ir.ExternalTensor):
             self.deferred.append((tensor, target, name))

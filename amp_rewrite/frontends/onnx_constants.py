@@ -37,7 +37,7 @@ import onnx_ir as ir
 from ..decisions import Category
 from ..ir import DType, Model, Node, Value
 from ..passes.base import LOW_LIMITS, Context, PassResult, lost_epsilon, string_attribute
-from .onnx_loader import constant_array
+from .onnx_loader import attr_tensor, constant_array
 
 # |x| at or above this is a mask sentinel (-1e9, finfo(float32).min): it saturates to the low
 # type's limit or infinity and still masks (exp of it is 0), as the report and --check expect
@@ -476,7 +476,7 @@ def _attribute(node: Node, name: str):
             return np.asarray(attr.as_floats(), np.float32)
         if attr is not None and attr.type != ir.AttributeType.TENSOR:
             return None
-        return attr.as_tensor().numpy() if attr is not None else None
+        return attr_tensor(attr).numpy() if attr is not None else None
     except Exception:  # noqa: BLE001 - unreadable data is the loader's concern, not this check's
         return None
 
