@@ -141,6 +141,44 @@ def test_compile_mode_reaches_inductor(monkeypatch):
         torch.compile(model, backend=backend.make_backend(target="bf16", backend="aot_eager"), mode=mode)(*inputs)
 
 
+def test_compile_mode_leaves_the_users_inner_options_in_force(monkeypatch):
+    """inner_options are the user's settings for the inner backend: with mode= too, the mode's
+    settings fill in around them, not over them (max-autotune must not set max_autotune=True over
+    the user's False)."""
+    import torch._inductor.compile_fx as compile_fx_module
+    from torch._inductor import list_mode_options
+
+    seen = []
+
+    def spy(gm, example_inputs, config_patches=None, **kwargs):
+        seen.append(config_patches)
+        return gm.forward  # (no C++ compile: the settings are what is checked)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    model, inputs = make("mlp")
+    mode = "max-autotune-no-cudagraphs"
+    assert list_mode_options(mode)["max_autotune"] is True
+    with torch.no_grad():
+        torch.compile(model, backend=backend.make_backend(inner_options={"max_autotune": False}), mode=mode)(*inputs)
+    assert seen == [{**list_mode_options(mode), "max_autotune": False}]
+
+
+def test_last_reports_keeps_only_the_most_recent_reports():
+    """last_reports holds the last _MAX_REPORTS reports, most recent last: a process that keeps
+    recompiling must not keep every report (each holds a whole decision log)."""
+    model, x = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4)), torch.randn(2, 4)
+    backend.last_reports.clear()
+    made = []
+    with torch.no_grad():
+        for _ in range(backend._MAX_REPORTS + 3):
+            torch._dynamo.reset()
+            torch.compile(model, backend="amp_rewrite", options={"target": "bf16", "backend": "eager"})(x)
+            made.append(backend.last_reports[-1])
+    assert len({id(r) for r in made}) == len(made)  # (one new report per compile)
+    assert len(backend.last_reports) == backend._MAX_REPORTS
+    assert [id(r) for r in backend.last_reports] == [id(r) for r in made[-backend._MAX_REPORTS:]]
+
+
 def test_compile_refuses_low_graph_inputs():
     """Dynamo's graph inputs include the FP32 parameters: keep_io_types=False would declare them
     low and leave the whole graph FP32 under a report saying bf16."""

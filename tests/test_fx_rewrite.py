@@ -2494,6 +2494,98 @@ def test_torch_islands_are_named_by_their_pattern(capture, decompose):
     assert report.to_dict()["islands"][0]["description"].startswith("RMSNorm pattern, 5 nodes")
 
 
+class _LogSoftmaxBetweenLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(torch.log_softmax(self.a(x), -1))
+
+
+class _LogSoftmaxNllLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x, labels):
+        return F.nll_loss(torch.log_softmax(self.a(x), -1), labels)
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_lone_log_softmax_island_is_a_softmax_and_with_its_nll_loss_a_loss(capture):
+    """A log_softmax alone (read by a Linear) is a softmax, not a loss: only with the loss that reads
+    it (more than the one node) is the island a loss."""
+    x, labels = torch.randn(3, 4), torch.tensor([0, 2, 1])
+    _, lone = amp_rewrite.rewrite(_LogSoftmaxBetweenLinears().eval(), example_inputs=(x,), target="bf16",
+                                  capture=capture, report=True)
+    assert [(i.pattern, len(i.members)) for i in lone.log.islands] == [("softmax", 1)]
+    _, loss = amp_rewrite.rewrite(_LogSoftmaxNllLoss().eval(), example_inputs=(x, labels), target="bf16",
+                                  capture=capture, report=True)
+    assert [(i.pattern, len(i.members)) for i in loss.log.islands] == [("loss", 2)]
+
+
+class _LogSumExp(nn.Module):
+    """log(sum(exp(h))) written out: an exp read by a sum, with no division."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(1, 4)
+
+    def forward(self, x):
+        return self.b(torch.log(torch.exp(self.a(x)).sum(-1, keepdim=True)))
+
+
+class _SoftmaxWrittenOut(nn.Module):
+    """exp(h) / sum(exp(h)): the exp is read by a sum and a division."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        e = torch.exp(self.a(x))
+        return self.b(e / e.sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("model, pattern", [(_LogSumExp, "reduction"), (_SoftmaxWrittenOut, "softmax")],
+                         ids=["logsumexp", "softmax"])
+def test_an_exp_read_by_a_sum_is_a_softmax_only_with_a_division(model, pattern):
+    """An exp and a sum of it are a softmax only when a division reads the exp too: a log-sum-exp
+    (and a GELU backward beside a bias-gradient sum) is none."""
+    x = torch.randn(3, 4)
+    _, report = amp_rewrite.rewrite(model().eval(), example_inputs=(x,), target="bf16", report=True)
+    assert [i.pattern for i in report.log.islands] == [pattern]
+
+
+class _OwnConversionAroundSoftmax(nn.Module):
+    """The model's own .float() before a softmax and .to(h.dtype) after it: the rewrite retargets the
+    second to the low type and inserts one cast of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.softmax(h.float(), -1).to(h.dtype))
+
+
+def test_island_cast_counts_leave_out_the_models_own_retargeted_casts():
+    """An island counts the casts the rewrite inserted at its edges. The model's own .to() after the
+    softmax, retargeted to fp16, is not a cast out of the island."""
+    x = torch.randn(3, 4)
+    _, report = amp_rewrite.rewrite(_OwnConversionAroundSoftmax().eval(), example_inputs=(x,), target="fp16",
+                                    report=True)
+    assert sorted({c.kind for c in report.log.casts}) == ["inserted", "retargeted"]
+    [island] = report.log.islands
+    assert (island.pattern, island.casts_in, island.casts_out) == ("softmax", 0, 0)
+    members = set(island.members)
+    inserted = [c for c in report.log.casts if c.kind == "inserted"]
+    assert island.casts_out == sum(c.producer in members for c in inserted)
+    assert island.casts_in == sum(bool(members & set(c.consumers)) for c in inserted)
+
+
 class _GemmsAndConv(nn.Module):
     def __init__(self):
         super().__init__()
@@ -3472,3 +3564,29 @@ def test_a_factory_called_without_a_dtype_makes_the_type_its_readers_need(captur
     result = _dispatch(model, example_inputs=(x,), target="fp16", capture=capture)
     with torch.no_grad():
         assert rel_err(result.model(x), model(x)) < TOL["fp16"]
+
+
+class _PrunedWithTinyWeight(nn.Module):
+    """A pruned Linear (a column of exact zeros) whose weight also holds 1e-8, below fp16's
+    smallest subnormal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        with torch.no_grad():
+            self.a.weight[:, 0] = 0.0
+            self.a.weight[1, 1] = 1e-8
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x)))
+
+
+def test_flushed_to_zero_counts_only_weights_that_lost_a_nonzero_value():
+    """A weight that was already 0 loses nothing in fp16: only the 1e-8 is flushed to zero (counting
+    every zero of the converted weight would count the pruned column's four too)."""
+    torch.manual_seed(0)
+    model, x = _PrunedWithTinyWeight().eval(), torch.randn(3, 4)
+    result = _dispatch(model, example_inputs=(x,), target="fp16")
+    assert result.model.a.weight.dtype == torch.float16 and int((result.model.a.weight == 0).sum()) == 5
+    assert result.log.weights.flushed_to_zero == 1 and result.log.weights.clamped == 0
+    assert re.search(r"0 values clamped at ±65504, 1 flushed to zero", result.report.summary_text())

@@ -1317,6 +1317,52 @@ def test_a_metric_beside_the_loss_is_not_taken_for_it():
         assert plain.item() == pytest.approx(ref_loss.item(), rel=2e-2)
 
 
+def test_an_integer_scalar_beside_the_loss_is_no_second_loss_candidate():
+    """(loss, count of positive logits): the count is an INT64 scalar, no float one. It is no loss
+    candidate: counted among them, the report would say "of the 2 scalar float outputs only it
+    carries a gradient" where the module returns one."""
+    class WithCount(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x, y):
+            out = self.lin(x)
+            return F.mse_loss(out, y), (out > 0).sum()
+
+    from amp_rewrite.fx_api import report_of
+
+    torch.manual_seed(0)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    model = WithCount()
+    ref = copy.deepcopy(model)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x, y), training=True, target="fp16")
+    notes = report_of(gm).log.notes
+    assert not [n for n in notes if "scalar float outputs" in n], notes
+    assert any(n.startswith("training: loss 'mse_loss' scaled in the graph") for n in notes), notes
+    scaler = LossScaler(gm)
+    loss, count = gm(x, y)
+    ref_loss, ref_count = ref(x, y)
+    assert loss.item() == pytest.approx(ref_loss.item() * scaler.get_scale(), rel=1e-2)
+    assert count.dtype == torch.int64 and abs(int(count) - int(ref_count)) <= 1  # (not scaled)
+
+
+def test_a_per_sample_loss_vector_named_by_loss_output_is_refused():
+    """loss_output=0 naming an mse_loss(reduction="none").mean(-1), a loss per sample ([3]), is refused,
+    not scaled as the loss: a 1-D output as well as a 2-D one (only a scalar is a loss)."""
+    class PerSample(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x, y):
+            return F.mse_loss(self.lin(x), y, reduction="none").mean(-1)
+
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    with pytest.raises(UsageError, match=r"loss_output=0 names .*FLOAT \[3\]: the loss must be a scalar FP32 output"):
+        amp_rewrite.rewrite(PerSample(), example_inputs=(x, y), training=True, loss_output=0, target="fp16")
+
+
 def test_a_symbolic_trace_training_module_runs_under_fx_interpreter():
     """Module calls that read their parameters through casts are emitted as functional calls; the
     parameter dict was a literal fx argument, which fx.Interpreter (ShapeProp, most FX passes)
