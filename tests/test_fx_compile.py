@@ -118,19 +118,28 @@ def test_compile_dynamic_shapes_rewrite_once_for_every_size():
     assert any(r.heavy_ops["low"] > 0 for r in backend.last_reports)
 
 
-def test_compile_mode_reaches_inductor(monkeypatch):
-    """torch.compile(mode=...) hands the backend the mode (not options): inductor gets that mode's
-    settings, as it would compiling alone; a mode for another inner backend is refused."""
+@pytest.fixture
+def inductor_settings(monkeypatch):
+    """The config_patches each inductor compile is given, in order (inductor's compile_fx replaced
+    by a spy: no C++ compile, the settings are what is checked)."""
     import torch._inductor.compile_fx as compile_fx_module
-    from torch._inductor import list_mode_options
 
     seen = []
 
     def spy(gm, example_inputs, config_patches=None, **kwargs):
         seen.append(config_patches)
-        return gm.forward  # (no C++ compile: the settings are what is checked)
+        return gm.forward
 
     monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    return seen
+
+
+def test_compile_mode_reaches_inductor(inductor_settings):
+    """torch.compile(mode=...) hands the backend the mode (not options): inductor gets that mode's
+    settings, as it would compiling alone; a mode for another inner backend is refused."""
+    from torch._inductor import list_mode_options
+
+    seen = inductor_settings
     model, inputs = make("mlp")
     mode = "max-autotune-no-cudagraphs"
     with torch.no_grad():
@@ -141,20 +150,13 @@ def test_compile_mode_reaches_inductor(monkeypatch):
         torch.compile(model, backend=backend.make_backend(target="bf16", backend="aot_eager"), mode=mode)(*inputs)
 
 
-def test_compile_mode_leaves_the_users_inner_options_in_force(monkeypatch):
+def test_compile_mode_leaves_the_users_inner_options_in_force(inductor_settings):
     """inner_options are the user's settings for the inner backend: with mode= too, the mode's
     settings fill in around them, not over them (max-autotune must not set max_autotune=True over
     the user's False)."""
-    import torch._inductor.compile_fx as compile_fx_module
     from torch._inductor import list_mode_options
 
-    seen = []
-
-    def spy(gm, example_inputs, config_patches=None, **kwargs):
-        seen.append(config_patches)
-        return gm.forward  # (no C++ compile: the settings are what is checked)
-
-    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    seen = inductor_settings
     model, inputs = make("mlp")
     mode = "max-autotune-no-cudagraphs"
     assert list_mode_options(mode)["max_autotune"] is True
