@@ -205,6 +205,16 @@ def case_short_external_data(d: Path) -> Case:
     return Case(["m.onnx"], 3, r"external data file 'weights\.bin' is too short", inputs=["m.onnx", "weights.bin"])
 
 
+def case_short_external_data_in_a_later_tensor(d: Path) -> Case:
+    """Cut inside the second tensor (the first whole): the length check counts the tensor's
+    offset; left out, the check passes and the read fails later, an internal error (exit 70)."""
+    save_external(mlp(), d / "m.onnx")
+    data = (d / "weights.bin").read_bytes()
+    (d / "weights.bin").write_bytes(data[:-10])
+    return Case(["m.onnx"], 3, r"external data file 'weights\.bin' is too short for tensor 'w2'",
+                inputs=["m.onnx", "weights.bin"])
+
+
 def case_external_data_escapes(d: Path) -> Case:
     (d / "sub").mkdir()
     save_external(mlp(), d / "sub" / "m.onnx", location="weights.bin")

@@ -1676,3 +1676,79 @@ def test_emulate_low_takes_fp16_where_a_model_holds_both_low_types():
     m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
     assert emulate_low(m)[1] == {"h"}
 
+
+def _one_node_localised(want: list[float], got: list[float]):
+    """check._localise on a one-node graph ``y = Mul(a, b)`` (named "mul"), the FP32 run giving
+    ``want`` and the low run ``got`` for y."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[3] a, float[3] b) => (float[3] y) { y = Mul(a, b) }""")
+    m.graph.node[0].name = "mul"
+    return ck._localise(m, {"y": np.array(got, np.float32)}, {"y": "y"}, {"y": np.array(want, np.float32)}, "fp16")
+
+
+def test_a_sentinel_whose_sign_flips_to_inf_is_an_overflow_not_a_saturated_mask():
+    """-1e9 in FP32 that the rewrite makes +inf is no mask sentinel saturating (that keeps its sign,
+    -1e9 -> -inf): it is an overflow, counted and named."""
+    found, total, _, sentinels = _one_node_localised([-1e9, 1.0, 2.0], [np.inf, 1.0, 2.0])
+    assert total == 1 and not sentinels
+    [overflow] = found
+    assert (overflow.node, overflow.value, overflow.pos_inf, overflow.neg_inf, overflow.root) == ("mul", "y", 1, 0, True)
+    # the same sentinel keeping its sign saturates: no overflow
+    found, total, _, sentinels = _one_node_localised([-1e9, 1.0, 2.0], [-np.inf, 1.0, 2.0])
+    assert (found, total) == ([], 0)
+    assert [(s["node"], s["value"], s["count"]) for s in sentinels] == [("mul", "y", 1)]
+
+
+def test_the_check_feeds_an_fp16_input_fp16_rounded_values_and_a_bf16_input_bf16_rounded_ones():
+    """What a model declaring an FP16 (BF16) input receives is the feed rounded to FP16 (BF16):
+    rounded to BF16, an FP16 input's feed would make --check of a --no-keep-io-types rewrite see 8
+    bits of mantissa where there are 11, and fail a good rewrite."""
+    import ml_dtypes
+
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float16[2, 8] h, bfloat16[2, 8] b, float[2, 8] f) => (float16[2, 8] y, bfloat16[2, 8] z, float[2, 8] w) {
+          y = Identity(h)
+          z = Identity(b)
+          w = Identity(f)
+        }""")
+    x = (np.random.default_rng(3).standard_normal((2, 8)) * 3).astype(np.float32)
+    fed = ck._rounded_feeds(m, {"h": x, "b": x, "f": x})
+    as_fp16 = x.astype(np.float16).astype(np.float32)
+    as_bf16 = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert not np.array_equal(as_fp16, as_bf16)
+    np.testing.assert_array_equal(fed["h"], as_fp16)
+    np.testing.assert_array_equal(fed["b"], as_bf16)
+    np.testing.assert_array_equal(fed["f"], x)
+    # through check_models: y = Identity(x) of a --no-keep-io-types rewrite differs by FP16 rounding only
+    m = make_model("""<ir_version: 8, opset_import: ["" : 17]>
+        g (float[2, 8] x) => (float[2, 8] y, float[2, 8] h) { y = Identity(x)  h = MatMul(x, W) }""", {"W": (8, 8)})
+    low = rewrite(m, keep_io_types=False).model
+    assert low.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    result = ck.check_models(m, low, inputs={"x": x}, tolerance=2e-3)
+    [y] = [o for o in result.outputs if o.name == "y"]
+    assert y.max_rel == pytest.approx(rel_err(x, as_fp16), rel=1e-3)
+    assert result.passed, result.table()
+
+
+def test_the_emulation_widens_an_optional_fp16_declaration():
+    """An optional(tensor(float16)) value_info becomes FP32 in the emulation, as the value it
+    declares does: left FP16, onnxruntime would refuse the emulated model (a type mismatch on 'o')."""
+    from onnx import TensorProto as T
+    from onnx import helper as oh
+
+    g = oh.make_graph([oh.make_node("Cast", ["x"], ["h"], to=T.FLOAT16), oh.make_node("Optional", ["h"], ["o"]),
+                       oh.make_node("OptionalGetElement", ["o"], ["e"]), oh.make_node("Cast", ["e"], ["y"], to=T.FLOAT)],
+                      "g", [oh.make_tensor_value_info("x", T.FLOAT, [4])], [oh.make_tensor_value_info("y", T.FLOAT, [4])],
+                      value_info=[oh.make_value_info("o", oh.make_optional_type_proto(
+                          oh.make_tensor_type_proto(T.FLOAT16, [4])))])
+    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 18)], ir_version=8)
+    full_check(m)
+    emulated, rounded = emulate_all(m)
+    [o] = [v for v in emulated.graph.value_info if v.name == "o"]
+    assert o.type.optional_type.elem_type.tensor_type.elem_type == T.FLOAT
+    assert "h" in rounded
+    x = np.array([1.0001, 7e4, -3.14159, 0.1], np.float32)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(run(emulated, {"x": x})["y"], x.astype(np.float16).astype(np.float32))

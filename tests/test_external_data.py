@@ -548,6 +548,28 @@ def test_a_model_in_memory_with_unloaded_external_data_is_refused():
         amp_rewrite.rewrite(proto)
 
 
+def test_a_model_in_memory_whose_sparse_initializer_keeps_its_values_in_a_file_is_refused(tmp_path, monkeypatch):
+    """The same for a sparse initializer's values (a walk of the dense tensors leaves them out): a
+    file of that name in the working directory, another model's, must not be read as its weights."""
+    import amp_rewrite
+    from amp_rewrite.errors import ModelLoadError
+
+    monkeypatch.chdir(tmp_path)
+    np.full(64, 7.0, np.float32).tofile(tmp_path / "weights.bin")  # another model's data
+    values = helper.make_tensor("W", TensorProto.FLOAT, [4], np.zeros(4, np.float32))
+    values.ClearField("float_data")
+    values.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", "weights.bin"), ("offset", "0"), ("length", "16")):
+        entry = values.external_data.add()
+        entry.key, entry.value = key, value
+    m = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 17]>
+    g (float[2, 4] x) => (float[2, 4] y) { y = MatMul(x, W) }""")
+    m.graph.sparse_initializer.append(helper.make_sparse_tensor(
+        values, numpy_helper.from_array(np.array([0, 5, 10, 15], np.int64), "W_idx"), [4, 4]))
+    with pytest.raises(ModelLoadError, match=r"tensor 'W' keeps its data in the file 'weights\.bin'.*onnx\.load\(path\)"):
+        amp_rewrite.rewrite(m)
+
+
 @pytest.mark.parametrize("defect, message", [
     ("short length", r"declares 100 bytes, but a tensor of its type and shape takes 16384"),
     ("directory", r"external data location 'd' of tensor 'w0' is not a file"),
@@ -688,3 +710,60 @@ def test_a_sparse_initializers_bad_external_data_is_a_read_error(tmp_path, locat
     with pytest.raises(ModelLoadError, match=f"sparse initializer 'S': {re.escape(needle)}"):
         api.rewrite_onnx(tmp_path / "d" / "m.onnx", tmp_path / "d" / "o.onnx")
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["m.onnx"]
+
+
+def _custom_attribute_model(folder: Path) -> tuple[onnx.ModelProto, np.ndarray, Path]:
+    """MatMul → custom:Foo(t=<16x16 tensor>), saved with the attribute's tensor in ``weights.bin``
+    (``convert_attribute=True``). Returns the model, t's values and the saved path."""
+    t = np.arange(256, dtype=np.float32).reshape(16, 16)
+    w = (np.random.default_rng(0).standard_normal((16, 16)) / 4).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+             helper.make_node("Foo", ["h"], ["y"], name="foo", domain="custom", t=numpy_helper.from_array(t, "t"))]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 16])],
+                              [numpy_helper.from_array(w, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("custom", 1)],
+                              ir_version=8)
+    folder.mkdir()
+    src = folder / "m.onnx"
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    onnx.save_model(copy, str(src), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="weights.bin", size_threshold=0, convert_attribute=True)
+    [attr] = next(n for n in onnx.load(str(src), load_external_data=False).graph.node if n.op_type == "Foo").attribute
+    assert attr.t.data_location == TensorProto.EXTERNAL
+    return model, t, src
+
+
+def test_a_custom_ops_tensor_attribute_kept_outside_is_read_beside_the_model(tmp_path, monkeypatch):
+    """A custom op's tensor attribute stored outside is bound to the model's folder, as Constant's
+    and ConstantOfShape's are: left relative to the working directory, the output written from
+    another one (exit 0) would name a file that is not there, and onnx.load would refuse it."""
+    model, t, src = _custom_attribute_model(tmp_path / "m")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    out = tmp_path / "out.onnx"
+    api.rewrite_onnx(src, out)
+    written = onnx.load(str(out))  # loads with its data
+    [attr] = next(n for n in written.graph.node if n.op_type == "Foo").attribute
+    assert attr.name == "t"
+    np.testing.assert_array_equal(numpy_helper.to_array(attr.t), t)
+
+
+def test_a_custom_ops_tensor_attribute_with_a_missing_file_is_a_load_error(tmp_path, monkeypatch):
+    """The same model with the attribute's file gone is refused on load, naming the file and the
+    attribute (a ModelLoadError: exit 3 from the CLI), and no output is written."""
+    from amp_rewrite.errors import ModelLoadError
+
+    _, _, src = _custom_attribute_model(tmp_path / "m")
+    proto = onnx.load(str(src), load_external_data=False)
+    [attr] = next(n for n in proto.graph.node if n.op_type == "Foo").attribute
+    next(e for e in attr.t.external_data if e.key == "location").value = "gone.bin"  # W stays in weights.bin
+    onnx.save(proto, str(src))
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(ModelLoadError, match=r"external data file 'gone\.bin' for tensor 'foo\.t' is missing"):
+        api.rewrite_onnx(src, tmp_path / "out.onnx")
+    assert not (tmp_path / "out.onnx").exists()

@@ -42,7 +42,8 @@ RMSNORM = """
       ln = Mul(g, n)"""
 
 
-def residual_block(norm: str, opset: int, *, outputs: str = "float[2,4,8] y") -> onnx.ModelProto:
+def residual_block(norm: str, opset: int, *, outputs: str = "float[2,4,8] y",
+                   inits: dict | None = None) -> onnx.ModelProto:
     """x -> MatMul -> residual Add (q + x1) -> norm -> MatMul; the residual sum r also feeds the
     next residual Add, as in a pre-LN transformer."""
     text = f"""
@@ -55,7 +56,7 @@ def residual_block(norm: str, opset: int, *, outputs: str = "float[2,4,8] y") ->
       s = Add(h, r)
       y = MatMul(s, wy)
     }}"""
-    return make_model(text, {**W, "wi": (8, 8), "wy": (8, 8)})
+    return make_model(text, {**W, "wi": (8, 8), "wy": (8, 8), **(inits or {})})
 
 
 def feeds(scale: float = 1.0) -> dict:
@@ -213,6 +214,26 @@ def test_rmsnorm_opset13_after_residual_becomes_skipsimplifiedlayernormalization
     assert not nodes_by_type(result.model, "Reciprocal")
     check_fused(model, result, scale=300.0)
     assert result.log.fusions[0].pattern == "RMSNorm"
+
+
+@pytest.mark.parametrize("opset", [22, 23])
+def test_rmsnorm_after_residual_takes_the_skip_op_below_opset_23_and_rmsnormalization_from_it(opset):
+    """RMSNormalization is new in opset 23: at opset 22 the residual RMSNorm becomes the skip op, as
+    at 13 (taking 22 for its first opset would leave it an unfused FP32 island); at 23 the standard op
+    takes the norm and the residual Add stays."""
+    model = residual_block(RMSNORM_AXES_INPUT, opset, inits={"last": np.array([-1], np.int64)})
+    result = rewrite(model)
+    if opset == 22:
+        node = only(result.model, "SkipSimplifiedLayerNormalization", "com.microsoft")
+        assert names(node.input) == ["q", "x1", "g"]
+        assert not any(n.op_type == "RMSNormalization" for n in result.model.graph.node)
+    else:
+        node = only(result.model, "RMSNormalization")
+        assert names(node.input) == ["r", "g"]
+        assert not any(n.domain == "com.microsoft" for n in result.model.graph.node)
+    assert [f.pattern for f in result.log.fusions] == ["RMSNorm"]
+    assert not nodes_by_type(result.model, "Reciprocal")
+    check_fused(model, result, scale=300.0)
 
 
 def test_broadcast_skip_goes_second():
@@ -595,6 +616,28 @@ def test_a_user_allow_rule_for_layernormalization_applies_to_the_fused_op(tmp_pa
     full_check(first.model)
     again = rewrite(first.model, rules=[str(rules)], keep_io_types=keep_io_types)
     assert not again.modified
+
+
+def test_a_user_infer_rule_without_accumulates_fp32_keeps_the_fused_layernorm_fp32(tmp_path):
+    """A rule file's [infer] LayerNormalization without accumulates_fp32 promises no FP32 statistics:
+    the fused LayerNormalization stays FP32, an island (unguarded, the fuse would make it low, its
+    statistics in FP16)."""
+    rules = tmp_path / "r.toml"
+    rules.write_text('[infer]\nLayerNormalization = { reason = "my kernel, statistics in the input type" }\n')
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,4,8] x) => (float[2,4,8] y) {
+      r = MatMul(x, wq)""" + LAYERNORM + """
+      y = MatMul(ln, wo)
+    }""", W)
+    result = rewrite(model, rules=[str(rules)])
+    full_check(result.model)
+    [fused] = nodes_by_type(result.model, "LayerNormalization")
+    assert result.log.decisions[fused.name].precision == Precision.FP32
+    assert value_types(result.model)[fused.input[0]] == value_types(result.model)[fused.output[0]] == FP32
+    assert len(result.log.islands) == 1
+    ref, got = run(model, feeds(300.0))["y"], run(result.model, feeds(300.0))["y"]
+    assert rel_err(ref, got) < 1e-2
 
 
 @pytest.mark.parametrize("pin", [{}, {"fp16_ops": ["Sub"]}, {"fp16_nodes": ["Sub:d"]}])

@@ -453,6 +453,24 @@ def test_a_matmul_reading_a_value_of_unknown_shape_is_unknown_not_aligned():
     assert report.summary()["alignment"]["unknown"] == 1
 
 
+def test_an_unknown_dim_folded_into_m_makes_m_unknown_not_aligned():
+    """x [?, 8, 16] @ W [16, 16] folds the batch into M; a first dim with neither a value nor a name
+    makes M unknown (not the string 'None*8', which the check for multiples of 8 would pass as
+    'aligned')."""
+    from amp_rewrite.report import _product
+
+    assert _product([None, 8]) is None and _product([8, None]) is None
+    assert _product(["B", 8]) == "B*8" and _product([2, 8]) == 16
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[?,8,16] x) => (float[?,8,16] y) { y = MatMul(x, w) }""", {"w": (16, 16)})
+    report = rewrite(model).report
+    (matmul,) = report.alignment()
+    assert matmul["dims"] == {"M": None, "K": 16, "N": 16}
+    assert matmul["status"] == "unknown" and matmul["misaligned"] == []
+    assert report.summary()["alignment"] == {"checked": 1, "aligned": 0, "misaligned": 0, "unknown": 1}
+
+
 def test_summary_text_headline():
     text = rewrite(block_model(), fuse=False).report.summary_text()
     assert "nodes: 11 fp16, 10 fp32" in text
@@ -979,6 +997,12 @@ def test_the_cast_line_says_when_sizes_are_unknown():
     dynamic.graph.ClearField("value_info")
     assert line(static) == "casts inserted: 2 (192 B per run)"
     assert line(dynamic) == "casts inserted: 2 (sizes unknown)", line(dynamic)
+    # some known, some not: the known bytes, and how many casts they leave out
+    mixed = make_model("""<ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x, float[N,8] z) => (float[2,8] a, float[N,8] b) { a = MatMul(x, w)  b = MatMul(z, w2) }""",
+                       {"w": (8, 8), "w2": (8, 8)})
+    mixed.graph.ClearField("value_info")
+    assert line(mixed) == "casts inserted: 4 (192 B per run, 2 of unknown size left out)", line(mixed)
 
 
 def test_the_summary_says_how_many_kept_fp32_lines_it_left_out():
@@ -1013,3 +1037,31 @@ def test_a_retargeted_cast_is_recorded_on_the_tensor_it_reads():
     assert (record["tensor"], record["producer"], record["src"], record["dst"]) == ("x", None, "fp32", "fp16")
     [cast] = [n for n in out.graph.node if n.op_type == "Cast" and n.output[0] == "c0"]
     assert list(cast.input) == ["x"]
+
+
+def test_the_summary_tells_of_declared_types_corrected_on_load():
+    """A stale value_info (a Cast(to=FLOAT)'s output declared fp16) is corrected on load: the note
+    saying so is one of those the summary shows."""
+    model = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x, int32[2,8] i) => (float[2,8] y) {
+          a = MatMul(x, w)
+          kf = Cast<to=1>(i)
+          y = Add(a, kf)
+        }""")
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.eye(8, dtype=np.float32), "w"))
+    model.graph.value_info.append(onnx.helper.make_tensor_value_info("kf", onnx.TensorProto.FLOAT16, [2, 8]))
+    text = rewrite(model).report.summary_text()
+    [line] = [x for x in text.splitlines() if x.startswith("corrected on load:")]
+    assert "'kf'" in line and "fp16" in line, line
+
+
+@pytest.mark.parametrize("target, limit", [("fp16", "65504"), ("bf16", "3.39e38")])
+def test_the_weights_line_names_the_low_types_largest_value(target, limit):
+    """Weights are clamped at the low type's largest finite value, which the line names: ±65504
+    is FP16's, not BF16's."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x) => (float[2,8] y) { h = MatMul(x, w)  y = Relu(h) }""", {"w": (8, 8)})
+    [line] = [x for x in rewrite(model, target=target).report.summary_text().splitlines() if x.startswith("weights:")]
+    assert f"values clamped at ±{limit}," in line, line
