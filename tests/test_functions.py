@@ -248,3 +248,57 @@ def test_a_branch_inside_a_function_is_named_under_the_call():
                                                                                            "/pick/mm_else"}
     assert _precisions(result)["MatMul:/pick/mm_else"] == "low"
     assert rel_err(run(m, _feeds())["y"], run(result.model, _feeds())["y"]) < 1e-2
+
+
+def test_a_function_called_only_inside_a_branch_is_inlined():
+    """The only call of Block is in an If's then branch: the main graph calls no function, and the
+    call is still inlined, its GEMMs low."""
+    then = helper.make_graph([helper.make_node("Block", ["x", "a1", "a2"], ["yt"], domain="local", name="/then")],
+                             "then", [], [helper.make_tensor_value_info("yt", TensorProto.FLOAT, [4, H])])
+    other = helper.make_graph([helper.make_node("MatMul", ["x", "a1"], ["ye"], name="/else/mm")],
+                              "else", [], [helper.make_tensor_value_info("ye", TensorProto.FLOAT, [4, H])])
+    nodes = [helper.make_node("MatMul", ["x", "a1"], ["o"], name="pre"),
+             helper.make_node("ReduceMean", ["o"], ["m"], name="mean", keepdims=0),
+             helper.make_node("Greater", ["m", "zero"], ["c"], name="cmp"),
+             helper.make_node("If", ["c"], ["y"], name="branch", then_branch=then, else_branch=other)]
+    zero = numpy_helper.from_array(np.array(-1e9, np.float32), "zero")  # (the then branch runs)
+    m = _model(nodes, [_block()], [_weight("a1"), _weight("a2"), zero])
+    result = rewrite(m)
+    out = result.model
+    full_check(out)
+    assert not len(out.functions)
+    precision = _precisions(result)
+    assert precision["MatMul:/then/mm1"] == "low" and precision["MatMul:/then/mm2"] == "low"
+    assert rel_err(run(m, _feeds())["y"], run(emulate_low(out)[0], _feeds())["y"]) < 1e-2
+
+
+def test_a_function_importing_a_domain_the_model_does_not_import_is_inlined():
+    """Block also imports com.microsoft, which the model does not: no opset disagrees, so the call
+    is inlined and its GEMMs run low."""
+    function = _block()
+    function.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    m = _model([helper.make_node("Block", ["x", "a1", "a2"], ["y"], domain="local", name="/b1")],
+               [function], [_weight("a1"), _weight("a2")])
+    result = rewrite(m)
+    out = result.model
+    full_check(out)
+    assert not len(out.functions)
+    precision = _precisions(result)
+    assert precision["MatMul:/b1/mm1"] == "low" and precision["MatMul:/b1/mm2"] == "low"
+    assert rel_err(run(m, _feeds())["y"], run(out, _feeds())["y"]) < 1e-2
+
+
+def test_an_inlined_node_keeps_its_suffix_when_the_plain_name_is_taken():
+    """A main-graph MatMul is already named '/b1/mm1', beside a call '/b1' of Block: the inlined
+    copy keeps a suffixed name, so node names stay unique and the model loads."""
+    nodes = [helper.make_node("MatMul", ["x", "a0"], ["x0"], name="/b1/mm1"),
+             helper.make_node("Block", ["x0", "a1", "a2"], ["b"], domain="local", name="/b1"),
+             helper.make_node("MatMul", ["b", "head"], ["y"], name="head")]
+    m = _model(nodes, [_block()], [_weight(n) for n in ("a0", "a1", "a2", "head")])
+    out = rewrite(m).model
+    full_check(out)
+    assert not len(out.functions)
+    names = [n.name for n in out.graph.node if n.name]
+    assert len(names) == len(set(names))
+    assert "/b1/mm1" in names and "/b1/mm1__1" in names and "/b1/act" in names
+    assert rel_err(run(m, _feeds())["y"], run(out, _feeds())["y"]) < 1e-2

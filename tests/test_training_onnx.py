@@ -478,13 +478,14 @@ def test_training_options_are_checked(setup):
     """training="yes" with loss/grads, dynamic="no" (built the dynamic update), growth_interval=2.7
     (recorded 2.7, built 2), growth_factor="2" and grads=3 (raw TypeErrors), growth_interval=2**63
     (an OverflowError making the int64 counter's constant), and a loss_grad that
-    is a data input (the forward pass ran on x × scale) are usage errors."""
+    is a data input (the forward pass ran on x × scale) are usage errors, as is growth_interval=0."""
     import amp_rewrite
 
     _, proto = setup
     for bad, match in (({"training": "yes"}, "training='yes': pass True or False"),
                        ({"dynamic": "no"}, "dynamic='no': pass True or False"),
                        ({"growth_interval": 2.7}, "growth_interval=2.7: pass a whole number"),
+                       ({"growth_interval": 0}, "growth_interval=0: must be >= 1"),
                        ({"growth_interval": 2 ** 63}, r"growth_interval=9223372036854775808: must be at most 2\*\*63 - 1"),
                        ({"growth_factor": "2"}, "growth_factor='2': pass a number"),
                        ({"min_scale": 1e-46}, "min_scale=1e-46: the model holds it as an FP32 constant, where it is 0"),
@@ -1405,3 +1406,74 @@ def test_a_users_low_pin_on_a_loss_island_node_is_honoured():
     assert reduce_sum(plain)["amp_rewrite.precision"] == "fp32"
     assert (reduce_sum(pinned)["amp_rewrite.precision"], reduce_sum(pinned)["amp_rewrite.source"]) == \
         ("low", "--fp16-nodes")
+
+
+def test_static_loss_scaling_passes_the_scale_and_tracker_through():
+    """dynamic=False keeps the loss scale fixed: the next scale and growth tracker are the ones fed,
+    at the step where a dynamic scale would grow and after an overflow, with no update built."""
+    out = rewrite_training_onnx_model(_hand_graph(), loss="loss", grads=GRADS, target="fp16", dynamic=False).model
+    onnx.checker.check_model(out, full_check=True)
+    assert not [n for n in out.graph.node if n.op_type == "Where"]
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    for seed, finite in ((1.0, True), (np.inf, False)):
+        got = run_onnx(out, {"x": x, "loss_grad": np.array(seed, np.float32),
+                             LOSS_SCALE: np.array(1024.0, np.float32), GROWTH_TRACKER: np.array(1999, np.int64)})
+        assert bool(got[ALL_FINITE]) is finite
+        assert float(got[NEXT_LOSS_SCALE]) == 1024.0 and int(got[NEXT_GROWTH_TRACKER]) == 1999
+
+
+def test_a_low_reader_inside_the_backward_pass_reads_the_scaled_gradient():
+    """grad.B = gW @ ones reads the FP16 gW that grad.W is cast from: it is part of the backward
+    pass, so it reads the scaled value, and loss scaling protects it. Emulated in FP16 at scale
+    65536 with gradients near 1e-7, grad.B comes out as in FP32."""
+    from onnx import helper as h
+
+    from amp_rewrite.emulate import emulate_low
+    from tests.util import rel_err
+
+    model = _hand_graph()
+    model.graph.node.append(h.make_node("MatMul", ["gW", "ones"], ["grad.B"], name="gb"))
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.ones((4, 1), np.float32), "ones"))
+    model.graph.output.append(h.make_tensor_value_info("grad.B", onnx.TensorProto.FLOAT, [4, 1]))
+    onnx.checker.check_model(model, full_check=True)
+    out = rewrite_training_onnx_model(model, loss="loss", grads=GRADS, target="fp16").model
+    onnx.checker.check_model(out, full_check=True)
+    x = (np.arange(8, dtype=np.float32).reshape(2, 4) + 1) * 1e-4
+    seed = np.float32(1e-4)
+    want_w = x.T @ np.full((2, 4), seed, np.float32)
+    got = run_onnx(emulate_low(out)[0], {"x": x, "loss_grad": np.array(seed, np.float32),
+                                         LOSS_SCALE: np.array(65536.0, np.float32),
+                                         GROWTH_TRACKER: np.array(0, np.int64)})
+    assert rel_err(want_w, got["grad.W"]) < 1e-2
+    assert rel_err(want_w @ np.ones((4, 1), np.float32), got["grad.B"]) < 1e-2
+
+
+def test_the_seed_named_by_the_training_graph_metadata_is_used():
+    """The seed input is called 'gseed', and the model's amp_rewrite.training_graph metadata names it
+    as the loss gradient: the rewrite takes it as the seed of the backward pass."""
+    model = _hand_graph()
+    for node in model.graph.node:
+        node.input[:] = ["gseed" if i == "loss_grad" else i for i in node.input]
+    next(i for i in model.graph.input if i.name == "loss_grad").name = "gseed"
+    model.metadata_props.add(key="amp_rewrite.training_graph", value=json.dumps({"loss_grad": "gseed"}))
+    out = rewrite_training_onnx_model(model, loss="loss", grads=GRADS, target="fp16").model
+    onnx.checker.check_model(out, full_check=True)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    got = run_onnx(out, {"x": x, "gseed": np.array(1.0, np.float32), LOSS_SCALE: np.array(1024.0, np.float32),
+                         GROWTH_TRACKER: np.array(0, np.int64)})
+    np.testing.assert_allclose(got["grad.W"], x.T @ np.ones((2, 4), np.float32), rtol=1e-2)
+
+
+def test_a_grads_pattern_matching_every_output_leaves_out_the_loss():
+    """grads='*' matches the loss too: the loss is not a gradient, so it is left out of the
+    gradients unscaled, and grad.W alone is."""
+    result = rewrite_training_onnx_model(_hand_graph(), loss="loss", grads="*", target="fp16")
+    out = result.model
+    onnx.checker.check_model(out, full_check=True)
+    grads = training_info(out)["grads"]
+    assert "loss" not in grads and "grad.W" in grads
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    got = run_onnx(out, {"x": x, "loss_grad": np.array(1.0, np.float32), LOSS_SCALE: np.array(1024.0, np.float32),
+                         GROWTH_TRACKER: np.array(0, np.int64)})
+    np.testing.assert_allclose(got["grad.W"], x.T @ np.ones((2, 4), np.float32), rtol=1e-2)
+    np.testing.assert_allclose(got["loss"], float((x @ np.ones((4, 4), np.float32)).sum()), rtol=1e-2)
