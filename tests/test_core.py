@@ -13,7 +13,8 @@ import pytest
 
 from amp_rewrite.decisions import Precision
 from amp_rewrite.report import Report
-from util import FP16, FP32, ROOT, full_check, make_model, nodes_by_type, rel_err, rewrite, run, value_types
+from util import (FP16, FP32, ROOT, full_check, make_model, node_output_type, nodes_by_type, rel_err, rewrite, run,
+                  value_types)
 
 MLP = """
     <ir_version: 8, opset_import: ["" : 17]>
@@ -1606,3 +1607,74 @@ def test_a_model_with_nothing_to_rewrite_keeps_its_training_info_when_written_th
     assert list(written.training_info) == list(model.training_info)
     onnx.checker.check_model(written, full_check=True)
     assert list(rewrite_onnx_model(str(tmp_path / "m.onnx")).model.training_info) == list(model.training_info)
+
+
+@pytest.mark.parametrize("pin", ["[1]", '["B"]'], ids=["by-index", "by-name"])
+def test_a_rule_pinning_an_input_that_shares_the_op_s_type_keeps_the_node_fp32(pin, tmp_path):
+    """A user rule ``[infer.Add] fp32_inputs = ...`` pins Add's second input FP32. That input shares
+    Add's type group T with the first input and the output, so the whole node stays FP32 (one type
+    for the group), whether the input is named by index or by its schema name. The rewritten model
+    passes the checker."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x) => (float[2,8] y) {
+          h = MatMul(x, w1)
+          a = Add(h, x)
+          y = MatMul(a, w2)
+        }""", {"w1": (8, 8), "w2": (8, 8)})
+    rules = tmp_path / "r.toml"
+    rules.write_text(f'[infer.Add]\nreason = "mine"\nfp32_inputs = {pin}\n')
+    result = rewrite(model, rules=[rules])
+    full_check(result.model)
+    add = result.log.decisions["Add:a"]
+    assert add.precision == Precision.FP32
+    assert "input 'B' is pinned FP32 by the rules" in add.reason
+    assert node_output_type(result.model, "a") == FP32
+    assert result.log.decisions["MatMul:y"].precision == Precision.LOW
+
+
+@pytest.mark.parametrize("past, kv, low", [
+    (("pk", "pv"), (8, 4), False),
+    ((8, 4), (8, 4), False),
+    ((8, 8), (8, 8), True),
+    (("pk", "pv"), (8, 8), True),
+], ids=["unknown-past-unequal-kv", "known-unequal-past", "equal", "unknown-past-equal-kv"])
+def test_attention23_with_a_kv_cache_of_unequal_head_sizes_stays_fp32(past, kv, low):
+    """onnxruntime's CUDA Attention computes wrong FP16 results with a KV cache whose V head size
+    differs from Q/K's (classify._ATTENTION_CACHE). The head sizes are the past tensors' last
+    dimensions; where those are symbolic, K's and V's last dimensions are compared instead. With
+    equal head sizes the Attention goes low."""
+    pk, pv = past
+    dk, dv = kv
+    model = make_model(f"""
+        <ir_version: 10, opset_import: ["" : 23]>
+        g (float[1,2,3,8] q, float[1,2,3,{dk}] k, float[1,2,3,{dv}] v, float[1,2,5,{pk}] past_k,
+           float[1,2,5,{pv}] past_v) => (float[1,2,3,{dv}] y) {{
+          qq = MatMul(q, wq)
+          y, pres_k, pres_v = Attention(qq, k, v, , past_k, past_v)
+        }}""", {"wq": (8, 8)}, ir_version=10)
+    result = rewrite(model)
+    [attention] = [d for d in result.log.decisions.values() if d.op == "Attention"]
+    if low:
+        assert attention.precision == Precision.LOW
+    else:
+        assert attention.precision == Precision.FP32
+        assert "whose V head size differs from Q/K's" in attention.reason
+
+
+def test_fp16_ops_naming_mul_makes_a_square_low():
+    """A Mul of a value by itself is a square and takes Pow's FP32 verdict from the built-in rules,
+    but a user's ``--fp16-ops Mul`` outranks that: the square goes low, citing the flag."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x) => (float[2,8] y) {
+          h = MatMul(x, w1)
+          s = Mul(h, h)
+          y = MatMul(s, w2)
+        }""", {"w1": (8, 8), "w2": (8, 8)})
+    assert rewrite(model).log.decisions["Mul:s"].precision == Precision.FP32
+    result = rewrite(model, fp16_ops=["Mul"])
+    full_check(result.model)
+    square = result.log.decisions["Mul:s"]
+    assert square.precision == Precision.LOW
+    assert square.source == "--fp16-ops"

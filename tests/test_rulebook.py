@@ -561,6 +561,16 @@ def test_same_op_twice_via_domain_alias(tmp_path):
         load_rules([path])
 
 
+def test_ranges_sharing_one_opset_overlap(tmp_path):
+    """``until = 13`` and ``since = 13`` both cover opset 13 (the bounds are inclusive): the two
+    entries overlap there and the file is refused, rather than the first entry winning at 13."""
+    path = write(tmp_path, '[[deny.Softmax]]\nreason = "old"\nuntil = 13\n[[allow.Softmax]]\nreason = "new"\nsince = 13\n')
+    with pytest.raises(RuleFileError) as caught:
+        load_rules([path])
+    message = str(caught.value)
+    assert "Softmax" in message and "overlapping" in message
+
+
 def test_disjoint_ranges_in_two_lists_are_fine(tmp_path):
     path = write(
         tmp_path,
@@ -663,6 +673,13 @@ def test_an_op_spelt_as_the_summary_spells_it_is_read(tmp_path):
     assert load_rules([path]).category_of("MyOp", "com.example") is Category.INFER
     with pytest.raises(RuleFileError, match="malformed op name"):
         load_rules([write(tmp_path, '[infer]\n"a::b::MyOp" = "two separators"\n', "bad.toml")])
+
+
+def test_an_op_flag_spelt_as_the_summary_spells_it_is_read():
+    """``--fp32-ops com.microsoft::FusedMatMul`` (the summary's spelling) names the op in that domain,
+    as ``com.microsoft:FusedMatMul`` does."""
+    for name in ("com.microsoft::FusedMatMul", "com.microsoft:FusedMatMul"):
+        assert load_rules(fp32_ops=[name]).category_of("FusedMatMul", "com.microsoft") is Category.DENY
 
 
 def test_onnx_function_ops_without_kernels_are_known(tmp_path):
