@@ -57,6 +57,21 @@ def _precisions(result) -> dict[str, str]:
     return {f"{d.op}:{d.node}": d.precision.value for d in result.log.decisions.values()}
 
 
+def _calling_in_a_branch(op: str, functions, first: onnx.NodeProto) -> onnx.ModelProto:
+    """``first`` (making ``o``) → ReduceMean → Greater → If, whose then branch (the one that runs)
+    calls ``op`` as '/then'; the else branch is a MatMul."""
+    then = helper.make_graph([helper.make_node(op, ["x", "a1", "a2"], ["yt"], domain="local", name="/then")],
+                             "then", [], [helper.make_tensor_value_info("yt", TensorProto.FLOAT, [4, H])])
+    other = helper.make_graph([helper.make_node("MatMul", ["x", "a1"], ["ye"], name="/else/mm")],
+                              "else", [], [helper.make_tensor_value_info("ye", TensorProto.FLOAT, [4, H])])
+    nodes = [first,
+             helper.make_node("ReduceMean", ["o"], ["m"], name="mean", keepdims=0),
+             helper.make_node("Greater", ["m", "zero"], ["c"], name="cmp"),
+             helper.make_node("If", ["c"], ["y"], name="branch", then_branch=then, else_branch=other)]
+    zero = numpy_helper.from_array(np.array(-1e9, np.float32), "zero")  # (the then branch runs)
+    return _model(nodes, functions, [_weight("a1"), _weight("a2"), zero])
+
+
 def test_each_call_is_inlined_named_under_it_and_its_gemms_run_low():
     m = _two_blocks()
     given = m.SerializeToString()
@@ -105,16 +120,8 @@ def test_nested_calls_and_calls_inside_a_branch_are_inlined():
         [helper.make_node("Inner", ["x", "w1", "w2"], ["t"], domain="local", name="first"),
          helper.make_node("Inner", ["t", "w1", "w2"], ["y"], domain="local", name="second")],
         [helper.make_opsetid("", OPSET), helper.make_opsetid("local", 1)])
-    then = helper.make_graph([helper.make_node("Outer", ["x", "a1", "a2"], ["yt"], domain="local", name="/then")],
-                             "then", [], [helper.make_tensor_value_info("yt", TensorProto.FLOAT, [4, H])])
-    other = helper.make_graph([helper.make_node("MatMul", ["x", "a1"], ["ye"], name="/else/mm")],
-                              "else", [], [helper.make_tensor_value_info("ye", TensorProto.FLOAT, [4, H])])
-    nodes = [helper.make_node("Outer", ["x", "a1", "a2"], ["o"], domain="local", name="/main"),
-             helper.make_node("ReduceMean", ["o"], ["m"], name="mean", keepdims=0),
-             helper.make_node("Greater", ["m", "zero"], ["c"], name="cmp"),
-             helper.make_node("If", ["c"], ["y"], name="branch", then_branch=then, else_branch=other)]
-    zero = numpy_helper.from_array(np.array(-1e9, np.float32), "zero")  # (the then branch runs)
-    m = _model(nodes, [inner, outer], [_weight("a1"), _weight("a2"), zero])
+    m = _calling_in_a_branch("Outer", [inner, outer],
+                             helper.make_node("Outer", ["x", "a1", "a2"], ["o"], domain="local", name="/main"))
     result = rewrite(m)
     out = result.model
     full_check(out)
@@ -253,16 +260,7 @@ def test_a_branch_inside_a_function_is_named_under_the_call():
 def test_a_function_called_only_inside_a_branch_is_inlined():
     """The only call of Block is in an If's then branch: the main graph calls no function, and the
     call is still inlined, its GEMMs low."""
-    then = helper.make_graph([helper.make_node("Block", ["x", "a1", "a2"], ["yt"], domain="local", name="/then")],
-                             "then", [], [helper.make_tensor_value_info("yt", TensorProto.FLOAT, [4, H])])
-    other = helper.make_graph([helper.make_node("MatMul", ["x", "a1"], ["ye"], name="/else/mm")],
-                              "else", [], [helper.make_tensor_value_info("ye", TensorProto.FLOAT, [4, H])])
-    nodes = [helper.make_node("MatMul", ["x", "a1"], ["o"], name="pre"),
-             helper.make_node("ReduceMean", ["o"], ["m"], name="mean", keepdims=0),
-             helper.make_node("Greater", ["m", "zero"], ["c"], name="cmp"),
-             helper.make_node("If", ["c"], ["y"], name="branch", then_branch=then, else_branch=other)]
-    zero = numpy_helper.from_array(np.array(-1e9, np.float32), "zero")  # (the then branch runs)
-    m = _model(nodes, [_block()], [_weight("a1"), _weight("a2"), zero])
+    m = _calling_in_a_branch("Block", [_block()], helper.make_node("MatMul", ["x", "a1"], ["o"], name="pre"))
     result = rewrite(m)
     out = result.model
     full_check(out)
