@@ -110,10 +110,14 @@ class ScaleConfig:
             number = getattr(self, key)
             with np.errstate(over="ignore", under="ignore"):
                 stored = float(np.float32(number))
-            if stored == 0.0 or stored == float("inf") or (key == "backoff_factor" and stored >= 1.0) \
-                    or (key == "growth_factor" and stored <= 1.0):
+            if stored == 0.0 or stored == float("inf"):
                 raise UsageError(f"{key}={number!r}: the model holds it as an FP32 constant, where it is "
                                  f"{stored:g}; pass one FP32 holds (nonzero, at most 3.4e38)")
+            if (key == "backoff_factor" and stored >= 1.0) or (key == "growth_factor" and stored <= 1.0):
+                bound, side = ("< 1", "below") if key == "backoff_factor" else ("> 1", "above")
+                raise UsageError(f"{key}={number!r}: must be {bound} as the model stores it, an FP32 constant, "
+                                 f"where it rounds to {stored:.9g}; pass one further {side} 1 (FP32 steps near 1 "
+                                 f"are about 1.2e-7)")
 
 
 _INT64_MAX = 2 ** 63 - 1

@@ -478,7 +478,8 @@ def test_training_options_are_checked(setup):
     """training="yes" with loss/grads, dynamic="no" (built the dynamic update), growth_interval=2.7
     (recorded 2.7, built 2), growth_factor="2" and grads=3 (raw TypeErrors), growth_interval=2**63
     (an OverflowError making the int64 counter's constant), and a loss_grad that
-    is a data input (the forward pass ran on x × scale) are usage errors, as is growth_interval=0."""
+    is a data input (the forward pass ran on x × scale) are usage errors, as is growth_interval=0, and a
+    growth or backoff factor that FP32 rounds to 1 is refused for that reason."""
     import amp_rewrite
 
     _, proto = setup
@@ -490,6 +491,8 @@ def test_training_options_are_checked(setup):
                        ({"growth_factor": "2"}, "growth_factor='2': pass a number"),
                        ({"min_scale": 1e-46}, "min_scale=1e-46: the model holds it as an FP32 constant, where it is 0"),
                        ({"max_scale": 1e39}, "max_scale=1e.39: the model holds it as an FP32 constant, where it is inf"),
+                       ({"growth_factor": 1.00000001}, r"growth_factor=1.00000001: must be > 1 as the model stores it.* rounds to 1;"),
+                       ({"backoff_factor": 0.99999999}, r"backoff_factor=0.99999999: must be < 1 as the model stores it.* rounds to 1;"),
                        ({"grads": 3}, "grads=3: pass glob patterns"),
                        ({"loss_grad": "input_0"}, "loss_grad='input_0': the seed of the backward pass .* FP32 input of one element")):
         options = {"training": True, "loss": "loss", "grads": GRADS, **bad}
