@@ -284,6 +284,55 @@ def test_a_residual_sum_of_two_input_dims_is_no_proof_of_equal_shapes(norm, op):
         assert rel_err(got, want) < 1e-2, (s, t)
 
 
+def _shifted_residual(norm: str) -> str:
+    """A residual sum of x[:, 1:] (B, S - 1, 8) and (B, S, 8), one input dim broadcast against an
+    expression of itself, then the norm."""
+    return """
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[B,S,8] x) => (float[B,U,8] y) {
+      q = MatMul(x, wq)
+      c = Slice(x, st, en, ax)
+      r = Add(q, c)""" + norm + """
+      y = MatMul(ln, wo)
+    }"""
+
+
+@pytest.mark.parametrize("norm, op", [(LAYERNORM, "SkipLayerNormalization"),
+                                      (RMSNORM, "SkipSimplifiedLayerNormalization")], ids=["layernorm", "rmsnorm"])
+def test_a_residual_sum_of_a_dim_and_a_shift_of_it_is_no_proof_of_equal_shapes(norm, op):
+    """``(B, S, 8) + (B, S - 1, 8)`` runs where S - 1 is 1 (S = 2, the FP32 model broadcasts) or
+    S is 1 (S - 1 = 0). onnxruntime's symbolic inference merges S - 1 into S; a merge of two
+    expressions of one input dim proves equal shapes only where they are equal wherever the
+    broadcast runs (Min(64, S) against S is), so the sum is not fused into a skip op, which wants
+    the skip's shape to be the input's."""
+    model = make_model(_shifted_residual(norm), {**W, "st": np.array([1], np.int64),
+                                                  "en": np.array([2**62], np.int64), "ax": np.array([1], np.int64)})
+    result = rewrite(model)
+    full_check(result.model)
+    assert not any(n.op_type == op and "c" in (n.input[0], n.input[1]) for n in result.model.graph.node)
+    rng = np.random.default_rng(0)
+    for s, rows in ((2, 2), (1, 0)):  # (S = 1: the sum broadcasts 0 against 1, an empty output)
+        feeds = {"x": rng.standard_normal((2, s, 8)).astype(np.float32)}
+        want, got = run(model, feeds)["y"], run(result.model, feeds)["y"]
+        assert got.shape == want.shape == (2, rows, 8)
+        if rows:
+            assert rel_err(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("a, b, sound", [("Min(64, S)", "S", True), ("Max(1, S)", "S", True), ("S", "S", True),
+                                         ("S - 1", "S", False), ("S - 100", "S", False), ("2*S", "S", False),
+                                         ("floor(S/2)", "S", False), ("S*T", "S*T", True), ("Min(S, T)", "S", False)])
+def test_a_merge_is_sound_where_both_dims_are_equal_wherever_the_broadcast_runs(a, b, sound):
+    """Equal, or one of them 1 (a broadcast the FP32 model runs too), at every input-dim value tried,
+    including those where a polynomial side is 1 (S - 100 at S = 101)."""
+    import sympy
+
+    from amp_rewrite.frontends.onnx_fuse import _equal_where_broadcast
+
+    symbols = {name: sympy.Symbol(name, integer=True, nonnegative=True) for name in ("S", "T")}
+    assert _equal_where_broadcast(sympy.sympify(a, locals=symbols), sympy.sympify(b, locals=symbols)) is sound
+
+
 GELU = """
     <ir_version: 8, opset_import: ["" : {opset}]>
     g (float[2,4,8] x) => (float[2,4,8] y) {{

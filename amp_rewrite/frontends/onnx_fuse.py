@@ -742,7 +742,7 @@ def _symbolic_inference(engine, proto, auto_merge: bool):
 
 def _merges_sound(inference) -> bool:
     """Whether every merge the inference made equates dims made from the same graph-input dims
-    (see ``_symbolic_inference``); True where it made none."""
+    and equal wherever the model can run (see ``_symbolic_inference``); True where it made none."""
     inputs = set(inference.input_symbols_)
     dims = inference.symbolic_dims_
 
@@ -752,7 +752,54 @@ def _merges_sound(inference) -> bool:
         return None if free is None else {str(sym) for sym in free}
 
     return all(key not in inputs and (mine := symbols(key)) and mine == symbols(to) and mine <= inputs
+               and _equal_where_broadcast(dims[key], dims[to])
                for key, to in inference.suggested_merge_.items())
+
+
+# input-dim values tried for a counterexample to a merge: small ones, and both sides of the powers
+# of two (and of 64, the position-slice bound exporters write as Min(64, S))
+_DIM_SAMPLES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257,
+                511, 512, 513, 1023, 1024, 1025, 2048, 4096, 65536)
+_DIM_SAMPLES_2D = (1, 2, 3, 7, 8, 64, 65, 128, 513, 4096)
+
+
+def _equal_where_broadcast(a, b) -> bool:
+    """Whether two dim expressions of the same input dims are equal wherever the model can run.
+
+    An op that broadcasts them together runs where they are equal or one of them is 1 (a longer
+    one against a shorter one, neither 1, fails in the FP32 model too). So ``Min(64, S)`` against
+    ``S`` is equal wherever BERT's position slice runs, but ``S - 1`` (a Slice from 1) against
+    ``S`` is not: at S = 2 the FP32 model broadcasts 1 against 2, where a skip op fused on their
+    equality fails. The input dims are tried at sample values, plus every positive whole value at
+    which a polynomial side is 1; an expression with more than two input dims, or one that does
+    not evaluate to a whole number, is taken for unsound."""
+    import itertools
+
+    import sympy
+
+    free = sorted(a.free_symbols | b.free_symbols, key=str)
+    if not free or len(free) > 2:
+        return False
+    samples = [set(_DIM_SAMPLES if len(free) == 1 else _DIM_SAMPLES_2D) for _ in free]
+    if len(free) == 1:
+        for side in (a, b):
+            if side.is_polynomial(free[0]):
+                try:
+                    roots = sympy.solve(sympy.Eq(side, 1), free[0])
+                except Exception:  # noqa: BLE001 - no closed form: the samples decide
+                    roots = []
+                for root in roots:
+                    if root.is_integer and root.is_positive:
+                        samples[0].update((int(root) - 1, int(root), int(root) + 1))
+    for point in itertools.product(*(sorted(v for v in values if v >= 1) for values in samples)):
+        at = {symbol: sympy.Integer(v) for symbol, v in zip(free, point)}
+        x, y = a.xreplace(at), b.xreplace(at)
+        if not (getattr(x, "is_Integer", False) and getattr(y, "is_Integer", False)):
+            return False
+        x, y = int(x), int(y)
+        if x >= 0 and y >= 0 and x != y and 1 in (x, y):
+            return False
+    return True
 
 
 def _mean_over_last_axis(node: Node) -> bool:
