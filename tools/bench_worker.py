@@ -67,6 +67,7 @@ def _prepare(converter: str):
     if converter.startswith("amp-rewrite"):
         import amp_rewrite.emitters.onnx_emitter  # noqa: F401  (onnx_ir and friends)
         import amp_rewrite.frontends.onnx_fuse  # noqa: F401
+        import amp_rewrite.frontends.onnx_constants  # noqa: F401  (imported by the ONNX pipeline's first run)
         import amp_rewrite.frontends.onnx_loader  # noqa: F401
         import onnxruntime.tools.symbolic_shape_infer  # noqa: F401  (sympy: the fuse pass's shape proofs)
         import sympy.tensor.tensor  # noqa: F401  (sympy's Add imports it at its first call)
