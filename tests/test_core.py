@@ -922,6 +922,28 @@ def test_a_custom_op_output_of_unknown_type_keeps_the_op_fp32(typed):
     assert not rewrite(out).modified
 
 
+def test_an_op_with_no_schema_may_read_a_float_and_an_int64():
+    """An op of a custom domain with no schema anywhere has no type groups: one reading a float and
+    an int64 (its slots all "?") is a valid model. It loads, stays FP32 and reads the low MatMul's
+    output through a Cast back to FP32; the MatMuls around it run low."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17, "mydom" : 1]>
+        g (float[2,8] x, int64[2] idx) => (float[2,8] y, float[2,8] f) {
+          m = MatMul(x, w)
+          f = mydom.Foo(m, idx)
+          y = MatMul(m, w)
+        }""", {"w": np.eye(8, dtype=np.float32)})
+    for node, name in zip(model.graph.node, ("mm", "foo", "mm2")):
+        node.name = name
+    result = rewrite(model)
+    full_check(result.model)
+    precision = {d.node: d.precision for d in result.log.decisions.values()}
+    assert precision == {"mm": Precision.LOW, "foo": Precision.FP32, "mm2": Precision.LOW}
+    [foo] = [n for n in result.model.graph.node if n.op_type == "Foo"]
+    types = value_types(result.model)
+    assert types[foo.input[0]] == FP32 and types[foo.input[1]] == onnx.TensorProto.INT64
+
+
 def test_an_fp16_attention_keeps_its_fp32_mask():
     """A partly FP16 model: its Attention already runs FP16 with an FP32 additive mask of -1e9.
     Existing low-precision parts are left as they are; the mask used to be painted (the first

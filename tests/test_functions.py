@@ -100,6 +100,23 @@ def test_a_pin_by_the_calls_name_reaches_what_it_computes():
     assert precision["MatMul:/b2/mm1"] == "low"
 
 
+def test_unnamed_calls_name_their_nodes_under_the_function_and_call_index():
+    """A call with no name names what it inlines ``<Function>_<index>/<node>``: two unnamed
+    Block calls give ``Block_0/...`` and ``Block_1/...``, and a pin by that prefix reaches one call."""
+    nodes = [helper.make_node("Block", ["x", "a1", "a2"], ["b"], domain="local"),
+             helper.make_node("Block", ["b", "c1", "c2"], ["z"], domain="local"),
+             helper.make_node("MatMul", ["z", "head"], ["y"], name="head")]
+    m = _model(nodes, [_block()], [_weight(n) for n in ("a1", "a2", "c1", "c2", "head")])
+    result = rewrite(m)
+    full_check(result.model)
+    names = [n.name for n in result.model.graph.node if n.op_type != "Cast"]
+    assert names == ["Block_0/mm1", "Block_0/act", "Block_0/mm2", "Block_0/res",
+                     "Block_1/mm1", "Block_1/act", "Block_1/mm2", "Block_1/res", "head"]
+    precision = _precisions(rewrite(m, fp32_nodes=["Block_1/*"]))
+    assert precision["MatMul:Block_1/mm1"] == "fp32" and precision["MatMul:Block_1/mm2"] == "fp32"
+    assert precision["MatMul:Block_0/mm1"] == "low" and precision["MatMul:head"] == "low"
+
+
 def test_keeping_the_functions_keeps_the_calls_fp32_and_says_how_to_inline():
     m = _two_blocks()
     result = rewrite(m, inline_functions=False)

@@ -529,7 +529,11 @@ def _ln_model():
     ("e = Exp(h)\n      s = ReduceSum<keepdims = 1>(e, axes)\n      z = Div(e, s)", "softmax"),
     # a GELU's derivative (exp(-h²/2)) beside a bias gradient's sum: an Exp and a ReduceSum, no softmax
     ("sq = Mul(h, h)\n      ng = Mul(sq, half)\n      e = Exp(ng)\n      d = Mul(e, h)\n"
-     "      s = ReduceSum<keepdims = 1>(h, axes)\n      z = Add(d, s)", "reduction")])
+     "      s = ReduceSum<keepdims = 1>(h, axes)\n      z = Add(d, s)", "reduction"),
+    # an Exp read by its sum and by an Add, with no division: a reduction, not a softmax
+    ("e = Exp(h)\n      s = ReduceSum<keepdims = 1>(e, axes)\n      z = Add(e, s)", "reduction"),
+    # a LogSoftmax alone (read by a MatMul, no loss after it) is a softmax, not a loss
+    ("z = LogSoftmax(h)", "softmax")])
 def test_an_island_is_named_a_softmax_only_when_it_divides_an_exp_by_its_sum(body, pattern):
     """The report named every FP32 island holding an Exp and a ReduceSum (or a Div) anywhere a
     softmax pattern: a training graph's GELU backward pass beside a bias gradient's sum was one."""
@@ -542,6 +546,28 @@ def test_an_island_is_named_a_softmax_only_when_it_divides_an_exp_by_its_sum(bod
     }}""", {"w1": (8, 8), "w2": (8, 8), "axes": np.array([-1], np.int64), "half": np.array(-0.5, np.float32)})
     islands = rewrite(m).log.islands
     assert [i.pattern for i in islands] == [pattern]
+
+
+def test_island_cast_counts_leave_out_the_models_own_retargeted_cast():
+    """An island counts only the casts the rewrite inserted at its edges: the model's own
+    ``Cast(to=FLOAT)`` after the Exp, retargeted to fp16, carries the island's output to the low
+    MatMul but is not counted as a cast out."""
+    from amp_rewrite.passes.islands import describe
+
+    m = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,8] x) => (float[2,8] y) {
+      h = MatMul(x, w1)
+      z = Exp(h)
+      zc = Cast<to=1>(z)
+      y = MatMul(zc, w2)
+    }""", {"w1": (8, 8), "w2": (8, 8)})
+    result = rewrite(m)
+    [own] = [c for c in result.log.casts if c.kind == "retargeted"]
+    assert own.tensor == "z" and own.consumers == ["MatMul:y"]
+    [island] = result.log.islands
+    assert island.members == ["Exp:z"] and (island.casts_in, island.casts_out) == (1, 0)
+    assert describe(island) == "exponential pattern, 1 node, 1 cast in, 0 out"
 
 
 def test_decomposed_layernorm_is_one_fp32_island():
@@ -1155,6 +1181,30 @@ def test_an_exponential_computed_in_fp64_is_an_fp32_island_like_one_in_fp32(doub
         assert "of Exp:e, computed in FP64" in result.log.decisions["Add:a0"].reason
     assert_emulated_close(model, result.model, {"x": np.full((2, 8), 12.0, np.float32)})
     assert not rewrite(result.model).modified
+
+
+def test_an_island_seeded_only_by_deny_paint_is_reported():
+    """The Add and Mul after an Exp computed in FP64 are FP32 by deny paint alone (no member is a
+    deny op: the Exp is not an FP32 node): they are one FP32 island in the report, with no seed,
+    one cast in and one out."""
+    from amp_rewrite.passes.islands import describe
+
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,8] x) => (float[2,8] y) {
+      m = MatMul(x, w)
+      md = Cast<to=11>(m)
+      e = Exp(md)
+      ef = Cast<to=1>(e)
+      a0 = Add(ef, m)
+      a = Mul(a0, s)
+      y = MatMul(a, w)
+    }""", {"w": np.eye(8, dtype=np.float32), "s": np.array(1e-3, np.float32)})
+    result = rewrite(model)
+    [island] = result.log.islands
+    assert island.members == ["Add:a0", "Mul:a"] and island.seeds == []
+    assert describe(island) == "FP32 region, 2 nodes, 1 cast in, 1 out"
+    assert result.log.decisions["Add:a0"].island == island.id
 
 
 def test_a_float_copied_to_double_and_back_stays_in_the_low_chain():

@@ -157,6 +157,21 @@ def test_dequantized_inputs_read_by_float_ops_are_painted(tail):
     assert rel_err(run(model, _feeds())["y"], run(result.model, _feeds())["y"]) < 1e-2
 
 
+def test_a_quantized_conv_whose_output_is_also_a_graph_output_is_no_unit():
+    """DQ → Conv → Q with the Conv's float output also a graph output: onnxruntime cannot fuse
+    a unit whose output leaves the graph, so it is no QDQ unit and the Conv runs low like any
+    other, its graph output kept FP32."""
+    model = _qdq_conv(19, tail="q")
+    model.graph.output.append(oh.make_tensor_value_info("c", TP.FLOAT, [1, C, 6, 6]))
+    result = rewrite(model)
+    decision = result.log.decisions["conv"]
+    assert decision.precision == Precision.LOW and not decision.reason.startswith("QDQ node unit")
+    out = result.model
+    full_check(out)
+    assert [o.type.tensor_type.elem_type for o in out.graph.output] == [TP.FLOAT, TP.FLOAT]
+    assert rel_err(run(model, _feeds())["c"], run(out, _feeds())["c"]) < 1e-2
+
+
 def test_weight_only_quantized_matmul_is_painted():
     """A float activation times a dequantized int8 weight (weight-only quantization): not a unit."""
     rng = np.random.default_rng(0)

@@ -374,6 +374,16 @@ def test_a_node_pinned_by_two_files_cites_the_later_one(tmp_path):
     assert load_rules([second, first]).node_rule("n1").source == "first.toml: nodes.low"
 
 
+def test_a_node_the_command_line_pins_as_a_file_does_cites_the_command_line(tmp_path):
+    """Command-line node rules sit above every file's: a node pinned both by a file and by
+    --fp16-nodes (or --fp32-nodes) quotes the flag."""
+    path = write(tmp_path, '[nodes]\nlow = ["n1"]\nfp32 = ["n2"]\n', "pins.toml")
+    book = load_rules([path], low_nodes=["n1"], fp32_nodes=["n2"])
+    assert (book.node_rule("n1").precision, book.node_rule("n1").source) == (Precision.LOW, "--fp16-nodes")
+    assert (book.node_rule("n2").precision, book.node_rule("n2").source) == (Precision.FP32, "--fp32-nodes")
+    assert load_rules([path]).node_rule("n1").source == "pins.toml: nodes.low"
+
+
 def test_fp32_node_rules_win_over_low(tmp_path):
     path = write(tmp_path, '[nodes]\nlow = ["/decoder/*"]\nfp32 = ["re:.*/softmax.*"]\n')
     book = load_rules([path])
@@ -569,6 +579,16 @@ def test_ranges_sharing_one_opset_overlap(tmp_path):
         load_rules([path])
     message = str(caught.value)
     assert "Softmax" in message and "overlapping" in message
+
+
+def test_a_range_of_one_opset_is_accepted(tmp_path):
+    """``since = until`` names one opset (the bounds are inclusive): the entry loads and applies at
+    that opset only."""
+    path = write(tmp_path, '[[deny.Softmax]]\nreason = "only at 13"\nsince = 13\nuntil = 13\n')
+    book = load_rules([path])
+    entry = book.lookup("Softmax", "", 13)
+    assert (entry.category, entry.since, entry.until) == (Category.DENY, 13, 13)
+    assert book.lookup("Softmax", "", 12) is None and book.lookup("Softmax", "", 14) is None
 
 
 def test_disjoint_ranges_in_two_lists_are_fine(tmp_path):

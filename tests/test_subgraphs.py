@@ -493,6 +493,47 @@ def test_a_deny_op_reading_an_if_the_optimal_placement_made_low_is_an_island():
     assert result.log.decisions["rsum"].island == island.id
 
 
+def test_without_keep_io_types_a_main_graph_with_low_nodes_only_in_branches_reports_its_island():
+    """Under keep_io_types=False the input x is made fp16; the main graph's own nodes are an If that
+    stays FP32 (an Exp in each branch) and an Exp of x: that Exp, entered through a Cast of the
+    low input, is an FP32 island of the main graph, beside one in each branch."""
+    def branch(n):
+        return body(f"b{n}", [helper.make_node("MatMul", ["x", "w1"], [f"p{n}"], name=f"mm{n}"),
+                              helper.make_node("Exp", [f"p{n}"], [f"o{n}"], name=f"ex{n}")], [], [vi(f"o{n}")])
+
+    nodes = [helper.make_node("If", ["c"], ["y"], name="if", then_branch=branch(1), else_branch=branch(2)),
+             helper.make_node("Exp", ["x"], ["y2"], name="sm")]
+    model = make(nodes, [vi("x"), vi("c", T.BOOL, [])], [vi("y"), vi("y2")], [weight("w1")])
+    result = rewrite_onnx_model(model, keep_io_types=False)
+    assert result.model.graph.input[0].type.tensor_type.elem_type == FP16
+    assert result.log.decisions["if"].precision == Precision.FP32
+    [main] = [i for i in result.log.islands if i.scope == "main"]
+    assert main.members == ["sm"] and main.pattern == "exponential"
+    assert (main.casts_in, main.casts_out) == (1, 1)
+    assert sorted(m for i in result.log.islands for m in i.members) == ["ex1", "ex2", "sm"]
+
+
+def test_an_fp32_island_read_low_only_inside_branches_is_reported():
+    """An Exp of the input whose only readers are a MatMul in each If branch: the Casts to fp16 sit
+    in the branches, and the Exp is an FP32 island of the main graph with two casts out."""
+    from amp_rewrite.passes.islands import describe
+
+    def branch(n):
+        return body(f"b{n}", [helper.make_node("MatMul", ["s", "w1"], [f"o{n}"], name=f"mm{n}")], [], [vi(f"o{n}")])
+
+    nodes = [helper.make_node("Exp", ["x"], ["s"], name="sm"),
+             helper.make_node("If", ["c"], ["y"], name="if", then_branch=branch(1), else_branch=branch(2)),
+             helper.make_node("MatMul", ["x", "w1"], ["y2"], name="main_mm")]
+    model = make(nodes, [vi("x"), vi("c", T.BOOL, [])], [vi("y"), vi("y2")], [weight("w1")])
+    result = rewrite_onnx_model(model)
+    assert sorted((c.scope, c.consumers[0]) for c in result.log.casts if c.tensor == "s") == [
+        ("if.else_branch", "mm2"), ("if.then_branch", "mm1")]
+    [island] = result.log.islands
+    assert island.scope == "main" and island.members == ["sm"]
+    assert describe(island) == "exponential pattern, 1 node, 0 casts in, 2 out"
+    assert result.log.decisions["sm"].island == island.id
+
+
 def test_a_scope_with_no_allow_op_that_a_cast_enters_does_not_say_nothing_changes():
     """Painting a scope with no allow op records "no allow op in this scope, so nothing changes"; where
     a Cast enters it after all (a low outer value read in a branch; an If the optimal placement made

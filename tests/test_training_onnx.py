@@ -615,6 +615,23 @@ def _grad_w(path, scale=1024.0):
     return run_onnx(path, feeds), x.T @ np.ones((2, 4), np.float32)
 
 
+def test_a_cast_in_the_loss_tail_is_not_pinned_and_no_flag_is_said_to_be_without_effect():
+    """The loss leaves through the model's own no-op ``Cast(to=FLOAT)``: the loss island pins the
+    ReduceSum and the Reshape (two nodes), not the Cast (cast placement decides Casts), and no note
+    says an --fp32-nodes the user never passed is without effect."""
+    m = _hand_graph()
+    for node in m.graph.node:
+        if node.op_type == "Reshape":
+            node.input[0] = "total32"
+    m.graph.node.insert(2, onnx.helper.make_node("Cast", ["total"], ["total32"], to=onnx.TensorProto.FLOAT, name="lc"))
+    result = rewrite_training_onnx_model(m, loss="loss", grads=GRADS, target="fp16")
+    notes = result.log.notes
+    assert not [n for n in notes if "without effect" in n], notes
+    assert any("kept FP32 with 2 node(s) of its island pinned FP32" in n for n in notes), notes
+    training = sorted(d.node for d in result.log.decisions.values() if d.source == "training")
+    assert training == ["amp_loss/ReduceSum", "amp_loss/Reshape"]
+
+
 def test_hand_built_graph_unscales_exactly(tmp_path):
     """The baseline the cases below vary: the seed is read, the gradient comes out exact."""
     out = rewrite_training_onnx_model(_hand_graph(), loss="loss", grads=GRADS, target="fp16").model
@@ -861,6 +878,21 @@ def test_a_constant_gradient_passes_through(tmp_path):
     got, want = _grad_w(tmp_path / "t.onnx")
     np.testing.assert_allclose(got["grad.W"], want, rtol=1e-2)
     np.testing.assert_array_equal(got["grad.unused"], np.zeros(3, np.float32))
+
+
+def test_a_gradient_output_the_caller_may_feed_is_refused_naming_it():
+    """The zero gradient as an initializer that is also a graph input (IR >= 4: a default the
+    caller may feed) is no constant: the graph does not compute it, so there is nothing to unscale,
+    and the rewrite refuses it, naming the output and telling the user to narrow --grads."""
+    m = _hand_graph(constant_grad=True)
+    m.graph.input.append(onnx.helper.make_tensor_value_info("grad.unused", onnx.TensorProto.FLOAT, [3]))
+    with pytest.raises(UsageError) as caught:
+        rewrite_training_onnx_model(m, loss="loss", grads=GRADS, target="fp16")
+    message = str(caught.value)
+    assert "'grad.unused' is a graph input" in message and "narrow --grads" in message
+    # grads naming only the computed gradient is accepted
+    out = rewrite_training_onnx_model(m, loss="loss", grads="grad.W", target="fp16").model
+    assert training_info(out)["scaled_grads"] == ["grad.W/amp_scaled"]
 
 
 def test_a_constant_gradient_made_by_a_constant_node_passes_through(tmp_path):
@@ -1342,6 +1374,52 @@ g (float[1,8] x, float loss_grad) => (float loss, float[8,8] grad_W)
     result = rewrite_training_onnx_model(model, loss="loss", grads="grad_W")
     onnx.checker.check_model(result.model, full_check=True)
     assert not [n for n in result.log.notes if "divided by the loss scale" in n]
+    emulated, _ = emulate_low(result.model)
+    got = run_onnx(emulated, {**feeds, "loss_scale": np.array(32768.0, np.float32),
+                              "growth_tracker": np.array(0, np.int64)})["grad_W"]
+    assert rel_err(ref, got) < 5e-3
+
+
+def test_a_loop_body_reading_the_gradient_from_the_outer_scope_computes_a_scaled_gradient():
+    """A Loop whose inputs do not come from the seed, but whose body reads the seed's gradient from
+    the outer scope: its body output (after the condition) is the Loop's scan output, so the
+    gradient it makes is reached from the seed, unscaled on its way out and accepted."""
+    from amp_rewrite.emulate import emulate_low
+    from tests.util import make_model, rel_err
+
+    text = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1,8] x, float loss_grad) => (float loss, float[8,8] grad_W)
+<float[8,8] W, float lam, int64 K, bool tr, int64[1] ax0, int64[1] one>
+{
+  h1 = MatMul(x, W)
+  h2 = MatMul(h1, W)
+  s = ReduceSum<keepdims=0>(h2)
+  loss = Mul(s, lam)
+  g0 = Mul(loss_grad, lam)
+  sh = Shape(h2)
+  dh = Expand(g0, sh)
+  hs = Concat<axis=0>(h1, x)
+  dWs = Loop(K, tr) <body = b (int64 i, bool c) => (bool co, float[8,8] dW) {
+      co = Identity(c)
+      i1 = Unsqueeze(i, ax0)
+      i2 = Add(i1, one)
+      hp = Slice(hs, i1, i2, ax0)
+      hpT = Transpose<perm=[1,0]>(hp)
+      dW = MatMul(hpT, dh)
+  }>
+  grad_W = ReduceSum<keepdims=0>(dWs, ax0)
+}
+"""
+    rng = np.random.default_rng(0)
+    W = (rng.standard_normal((8, 8)) * 0.3).astype(np.float32)
+    model = make_model(text, {"W": W, "lam": np.array(1e-8, np.float32), "K": np.array(2, np.int64),
+                              "tr": np.array(True), "ax0": np.array([0], np.int64), "one": np.array([1], np.int64)})
+    feeds = {"x": rng.standard_normal((1, 8)).astype(np.float32), "loss_grad": np.array(1, np.float32)}
+    ref = run_onnx(model, feeds)["grad_W"]
+    result = rewrite_training_onnx_model(model, loss="loss", grads="grad_W")
+    onnx.checker.check_model(result.model, full_check=True)
+    assert training_info(result.model)["scaled_grads"] == ["grad_W/amp_scaled"]
     emulated, _ = emulate_low(result.model)
     got = run_onnx(emulated, {**feeds, "loss_scale": np.array(32768.0, np.float32),
                               "growth_tracker": np.array(0, np.int64)})["grad_W"]
