@@ -510,9 +510,14 @@ class Runner:
         opts.log_severity_level = 4  # its errors reach the user as one line of ours, not as its log
         if "CUDAExecutionProvider" not in self.providers:
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        from .ort_worker import SessionError
+
         try:
             with _session_source(model) as source:
-                sess = self._session(source, opts, fp32)
+                try:
+                    sess = self._session(source, opts, fp32)
+                except Exception as exc:  # noqa: BLE001 (onnxruntime raises its own pybind types)
+                    raise SessionError(f"{what}: {_one_line(str(exc))}") from exc
                 self.provider = sess.get_providers()[0]
                 names = [o.name for o in sess.get_outputs()]
                 feed = _adapt_feeds(sess, feeds)
@@ -536,6 +541,8 @@ class Runner:
                     # check compares them at scale 1 instead
                     self.evaluations += 1
                     values = run_once({**feed, "loss_scale": np.array(1.0, np.float32)})
+        except SessionError:
+            raise
         except Exception as exc:  # noqa: BLE001 (onnxruntime raises its own pybind types)
             raise RuntimeError(f"{what}: {_one_line(str(exc))}") from exc
         return dict(zip(names, values))
@@ -717,6 +724,8 @@ def _one_line(text: str, limit: int = 400) -> str:
     """onnxruntime's message on one line: its lines joined (the first alone dropped the detail, such
     as which index of which input was wrong), cut at ``limit`` characters."""
     joined = " ".join(ln.strip() for ln in text.strip().splitlines() if ln.strip()) or text
+    # (less onnxruntime's source location and C++ signature, which say nothing to the user)
+    joined = re.sub(r"\S*onnxruntime/\S+\.(?:h|cc|cpp):\d+ [^()]*\([^()]*\) ", "", joined)
     return joined if len(joined) <= limit else joined[:limit - 1] + "…"
 
 
@@ -1178,16 +1187,25 @@ def reference(fp32: Any, feeds: Mapping[str, Any], runner: Runner,
         try:  # exposing the intermediates was the problem? then compare the outputs only
             values = runner.run(proto, feeds, what="running the FP32 model", fp32=True)
         except RuntimeError as exc:
-            from .ort_worker import OrtCrash
+            from .ort_worker import OrtCrash, SessionError
 
             hint = "check the arrays in --inputs" if user_inputs else "pass real inputs with --inputs file.npz"
             if isinstance(exc, OrtCrash):  # (no input makes an assertion in a kernel hold)
                 hint = "onnxruntime cannot run it, so the check cannot compare with it"
+            ir = re.search(r"Unsupported model IR version: (\d+), max supported IR version: (\d+)", str(exc))
+            if ir:  # (no input can make onnxruntime load it: the inputs are not to blame)
+                raise UsageError(f"onnxruntime {runner.ort.__version__} reads ONNX IR version {ir[2]} at most and the "
+                                 f"model is IR version {ir[1]}, so --check cannot run it on this machine: save the "
+                                 f"model with ir_version {ir[2]} or lower (onnx.helper.make_model writes the newest "
+                                 f"by default; the rewrite keeps the model's), or leave out --check") from exc
             if "NOT_IMPLEMENTED" in str(exc):  # (a session no input can create: an op with no kernel there)
                 raise UsageError(f"onnxruntime's {runner.providers[0]} has no kernel for an op of the FP32 model "
                                  f"({exc}), so --check cannot run it on this machine: check where onnxruntime "
                                  f"has one (onnxruntime-gpu's CUDAExecutionProvider for com.microsoft ops), or "
                                  f"leave out --check") from exc
+            if isinstance(exc, SessionError):  # (onnxruntime refuses the model itself, whatever the inputs)
+                raise UsageError(f"onnxruntime {runner.ort.__version__} cannot load the FP32 model ({exc}), so --check "
+                                 f"cannot run it on this machine: leave out --check") from exc
             raise UsageError(f"onnxruntime cannot run the FP32 model on the {'given' if user_inputs else 'generated'} "
                              f"inputs ({exc}); {hint}") from exc
         notes.append("onnxruntime could not run the FP32 model with its intermediate values exposed: "

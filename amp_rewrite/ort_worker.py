@@ -33,6 +33,11 @@ class OrtCrash(RuntimeError):
     """The child died running onnxruntime (a signal, or an exit), rather than raising."""
 
 
+class SessionError(RuntimeError):
+    """onnxruntime refused to create a session for the model (an IR version or opset it does not
+    read, an op it has no kernel for): whatever the inputs, it cannot run it."""
+
+
 def available() -> bool:
     """Whether runs can go to a child (pipes passed by descriptor: POSIX)."""
     return os.name == "posix"
@@ -60,7 +65,8 @@ class Worker:
         except (EOFError, OSError):  # (BrokenPipeError and ConnectionResetError are OSErrors)
             raise OrtCrash(f"{what}: {self._crash()}") from None
         if not ok:
-            raise RuntimeError(payload)
+            kind, message = payload
+            raise (SessionError if kind == "session" else RuntimeError)(message)
         return payload, provider
 
     def _start(self) -> None:
@@ -144,7 +150,8 @@ def serve(rfd: int, wfd: int, providers: list[str]) -> None:
             result = getattr(runner, f"_{method}_here")(model, *args, **kwargs)
             answer = (True, result, runner.provider)
         except RuntimeError as exc:
-            answer = (False, str(exc), runner.provider)
+            answer = (False, ("session" if isinstance(exc, SessionError) else "run", str(exc)), runner.provider)
         except Exception as exc:  # noqa: BLE001 (anything else is a failed run too, said in one line)
-            answer = (False, f"{kwargs.get('what', 'onnxruntime')}: {type(exc).__name__}: {exc}", runner.provider)
+            answer = (False, ("run", f"{kwargs.get('what', 'onnxruntime')}: {type(exc).__name__}: {exc}"),
+                      runner.provider)
         outbox.send(answer)

@@ -1092,6 +1092,63 @@ def test_a_check_the_cpu_provider_has_no_kernel_for_says_so(tmp_path):
     assert not (tmp_path / "o.onnx").exists()
 
 
+def test_a_check_of_a_model_onnxruntime_cannot_load_does_not_blame_the_inputs(tmp_path):
+    """A model of an IR version newer than onnxruntime reads (onnx.helper.make_model's default)
+    rewrites, keeping its IR version; --check says onnxruntime cannot load it and how to save it,
+    with or without --inputs, and writes nothing."""
+    import onnxruntime as ort
+    from onnx import helper as oh
+
+    graph = oh.make_graph([oh.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                          [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 8])],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 8])],
+                          [onnx.numpy_helper.from_array(np.full((8, 8), 0.1, np.float32), "w")])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=onnx.IR_VERSION)
+    try:
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        pytest.skip(f"this onnxruntime reads IR version {onnx.IR_VERSION}")
+    except Exception as exc:  # noqa: BLE001
+        assert "IR version" in str(exc)
+    save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", x=np.ones((2, 8), np.float32))
+    for extra in ([], ["--inputs", "in.npz"]):
+        proc = run_cli(["m.onnx", "-o", "o.onnx", "--check", *extra], tmp_path)
+        err = proc.stderr.strip()
+        assert proc.returncode == 2 and "\n" not in err, err
+        assert f"model is IR version {onnx.IR_VERSION}, so --check cannot run it" in err
+        assert "--inputs" not in err and "ir_version" in err
+        assert not (tmp_path / "o.onnx").exists()
+    assert run_cli(["m.onnx", "-o", "o.onnx"], tmp_path).returncode == 0
+    assert onnx.load(tmp_path / "o.onnx").ir_version == onnx.IR_VERSION
+
+
+def test_a_check_of_an_opset_onnxruntime_does_not_read_says_it_cannot_load_the_model(tmp_path):
+    """A model stamped with onnx's newest opset, which this onnxruntime does not read yet: --check
+    says onnxruntime cannot load it (its reason, without its C++ source location), not that the
+    inputs are wrong."""
+    import onnxruntime as ort
+    from onnx import helper as oh
+
+    graph = oh.make_graph([oh.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                          [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 8])],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 8])],
+                          [onnx.numpy_helper.from_array(np.full((8, 8), 0.1, np.float32), "w")])
+    newest = onnx.defs.onnx_opset_version()
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", newest)], ir_version=10)
+    try:
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        pytest.skip(f"this onnxruntime reads opset {newest}")
+    except Exception as exc:  # noqa: BLE001
+        assert f"Opset {newest}" in str(exc)
+    save(model, tmp_path / "m.onnx")
+    proc = run_cli(["m.onnx", "-o", "o.onnx", "--check"], tmp_path)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and "\n" not in err, err
+    assert f"onnxruntime {ort.__version__} cannot load the FP32 model" in err and f"Opset {newest}" in err
+    assert "--inputs" not in err and "onnxruntime_src" not in err and "leave out --check" in err
+    assert not (tmp_path / "o.onnx").exists()
+
+
 def test_an_overflow_at_the_models_own_cast_does_not_call_it_inserted(tmp_path):
     """An int64 input cast to FLOAT for a MatMul: the model's Cast is retargeted to FP16, and 1e5
     becomes inf there. The check called it an "inserted Cast", which the report lists none of."""
