@@ -58,13 +58,13 @@ def _command(
     model: Path = typer.Argument(..., help="FP32 ONNX model to rewrite (never modified).", readable=False,
                                  parser=_path),
     output: Optional[Path] = typer.Option(None, "-o", "--output", parser=_file_path, metavar="<path>",
-                                          help="Output path (default: <model>.fp16.onnx next to the input)."),
+                                          help="Output path (default: <model>.fp16.onnx, or <model>.bf16.onnx with --target bf16, next to the input)."),
     target: str = typer.Option("fp16", "--target", help="Low-precision type: fp16 or bf16."),
     rules: List[Path] = typer.Option([], "--rules", parser=_path, metavar="<path>", help="Rule file layered on the built-in set (repeatable)."),
     keep_io_types: bool = typer.Option(True, "--keep-io-types/--no-keep-io-types",
                                        help="Keep float graph inputs/outputs FP32 (default) or make them low precision."),
     fp32_nodes: List[str] = typer.Option([], "--fp32-nodes", help="Node name, glob or re:regex kept FP32 (repeatable)."),
-    fp16_nodes: List[str] = typer.Option([], "--fp16-nodes", help="Node name, glob or re:regex made low precision."),
+    fp16_nodes: List[str] = typer.Option([], "--fp16-nodes", help="Node name, glob or re:regex made low precision (repeatable)."),
     fp32_ops: List[str] = typer.Option([], "--fp32-ops", help="Op type kept FP32 (repeatable)."),
     fp16_ops: List[str] = typer.Option([], "--fp16-ops", help="Op type made low precision (repeatable)."),
     placement: str = typer.Option("optimal", "--placement", help="Cast placement: optimal (exact min-cut, the default) or greedy (the painter alone)."),
@@ -89,7 +89,7 @@ def _command(
                                                 help="Training: add loss-scale nodes (default: on for fp16, off "
                                                      "for bf16)."),
     loss: Optional[str] = typer.Option(None, "--loss", help="Training: name of the loss output."),
-    grads: Optional[str] = typer.Option(None, "--grads", help="Training: glob of gradient outputs to unscale."),
+    grads: Optional[str] = typer.Option(None, "--grads", help="Training: gradient outputs to unscale: globs, comma-separated, or one re:regex."),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Print nothing but errors."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and verify the IR after every pass."),
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
@@ -114,12 +114,50 @@ def main(argv: list[str] | None = None) -> int:
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, on_sigterm)
+    stdout = sys.stdout
+    sys.stdout = _ReaderMayLeave(stdout)
     try:
         code = _main(argv)
     finally:
+        sys.stdout.flush()  # (through the wrapper: a reader gone since the last line is no error either)
+        sys.stdout = stdout
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return TERMINATED if terminated and code == INTERRUPTED else code
+
+
+class _ReaderMayLeave:
+    """stdout whose reader may stop reading (``amp-rewrite m.onnx | head -3``): the summary, the
+    ``--check`` table and ``--explain`` are for reading, so a closed pipe ends the printing, not the
+    command. The rest goes to the null device; the model is written and the exit code is the
+    work's, as if every line had been read. (Without this, click ended the run with exit 1 and no
+    message at the first line that met the closed pipe: before the output was written, or after.)"""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_null()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_null()
+
+    def _to_null(self) -> None:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, self._stream.fileno())
+        finally:
+            os.close(null)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 def _interrupted() -> str:

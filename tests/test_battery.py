@@ -1441,6 +1441,24 @@ def test_ctrl_c_while_onnxruntime_loads_is_an_interruption(tmp_path: Path, sig: 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
 
 
+@pytest.mark.parametrize("extra", [[], ["--check"], ["--explain", "mm1"]], ids=["summary", "check", "explain"])
+def test_a_reader_that_stops_reading_stdout_ends_the_printing_not_the_command(tmp_path: Path, extra) -> None:
+    """``amp-rewrite m.onnx | head -1``: the reader closes the pipe before the summary (or the
+    --check table, or --explain) is printed. The command still does its work and exits 0, with
+    nothing on stderr."""
+    save(mlp(), tmp_path / "m.onnx")
+    env = dict(os.environ, AMP_REWRITE_NO_PROGRESS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    argv = ["m.onnx", *extra] if extra[:1] == ["--explain"] else ["m.onnx", "-o", "o.onnx", *extra]
+    proc = subprocess.Popen([sys.executable, "-m", "amp_rewrite", *argv], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # (the reader is gone before the first line)
+    err = proc.stderr.read().decode()
+    assert (proc.wait(timeout=300), err) == (0, "")
+    if extra[:1] != ["--explain"]:
+        onnx.checker.check_model(str(tmp_path / "o.onnx"), full_check=True)
+
+
 _INTERRUPTED_EXIT = """
 import os, signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)  # (as from a terminal: see _INTERRUPTED_IMPORT)
