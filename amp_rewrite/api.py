@@ -368,7 +368,10 @@ def rewrite_onnx(src: str | os.PathLike, dst: str | os.PathLike | None = None, *
     """Rewrite an ONNX file. ``dst`` defaults to ``<stem>.fp16.onnx`` (or ``.bf16``) next to ``src``.
 
     The input is never modified; the output is written atomically (external data, if any, to a
-    fresh ``<dst>.data``). Options are those of :func:`make_context`."""
+    fresh ``<dst>.data``). Options are those of :func:`make_context` but ``frontend`` (``onnx``
+    here); with ``training=True`` and ``loss``, also those of
+    :func:`amp_rewrite.training_onnx.rewrite_training_onnx` (``grads``, ``loss_grad``,
+    ``loss_scaling`` and the loss scale's settings)."""
     from .emitters.onnx_emitter import save_onnx
     from .frontends.onnx_loader import load_onnx
 
