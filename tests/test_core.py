@@ -348,6 +348,28 @@ def _without_paths(d: dict) -> dict:
     return {k: v for k, v in d.items() if k not in ("source", "output")}
 
 
+@pytest.mark.parametrize("narrow", [7, 10], ids=["int64", "fp16"])
+def test_a_narrowing_round_trip_a_node_reads_is_kept(narrow):
+    """The model's own Cast(Cast(x, to=int64 or fp16), to=FLOAT) read by a node (not a graph output)
+    truncates or rounds x: it is no identity, both Casts stay and the reader gets the narrowed
+    values (1.7001 becomes 1.0 through int64, 1.7002 through fp16)."""
+    m = make_model(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x) => (float[2,8] y, float[2,8] z) {{
+          i = Cast<to={narrow}>(x)
+          f = Cast<to=1>(i)
+          z = Relu(f)
+          y = MatMul(x, w)
+        }}""", {"w": (8, 8)})
+    result = rewrite(m)
+    full_check(result.model)
+    assert not [c for c in result.log.casts if c.kind == "removed"]
+    x = np.full((2, 8), 1.7001, np.float32)
+    want = run(m, {"x": x})["z"]
+    np.testing.assert_array_equal(run(result.model, {"x": x})["z"], want)
+    assert want[0, 0] != x[0, 0]
+
+
 def test_exact_round_trips_through_a_wider_type_fold_and_narrowing_ones_stay():
     # HF's eager attention: softmax(..., dtype=float32).to(query.dtype), exported as two Casts to
     # FLOAT. With the softmax low, the first becomes an fp16 -> fp32 upcast and the second is
@@ -455,6 +477,22 @@ def test_summary_of_a_rewritten_output_counts_the_nodes_it_was_given_low():
                 f"MatMul/Gemm/Conv/attention); they keep their types")
     assert expected in second.report.summary_text().splitlines()
     assert not any(n.startswith("as given:") for n in first.log.notes)
+
+
+def test_summary_of_a_bf16_output_rewritten_again_counts_the_nodes_it_was_given_in_bf16():
+    """A bf16 output rewritten again: its bf16 nodes are counted as given in bf16, as fp16 ones are."""
+    model = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {
+          h = MatMul(x, w)
+          r = Relu(h)
+          y = MatMul(r, w)
+        }""", {"w": (8, 8)})
+    first = rewrite(model, target="bf16")
+    assert [d.precision for d in first.log.decisions.values()] == [Precision.LOW] * 3
+    second = rewrite(first.model, target="bf16")
+    assert ("as given: 3 nodes already compute in bf16 (2 of them MatMul/Gemm/Conv/attention); they keep their "
+            "types") in second.report.summary_text().splitlines()
 
 
 def test_an_fp32_pin_on_a_node_given_low_is_said_to_change_nothing(tmp_path):
@@ -1653,6 +1691,28 @@ def test_a_rule_pinning_an_input_that_shares_the_op_s_type_keeps_the_node_fp32(p
     assert "input 'B' is pinned FP32 by the rules" in add.reason
     assert node_output_type(result.model, "a") == FP32
     assert result.log.decisions["MatMul:y"].precision == Precision.LOW
+
+
+def test_a_rule_pinning_an_input_of_an_op_with_no_schema_keeps_that_input_fp32(tmp_path):
+    """An op no schema describes (a custom domain) has one type group for all its float slots; a
+    rule's ``fp32_inputs = [1]`` on it keeps that input FP32 while the node runs low: the input is
+    read as it is, with no Cast to the low type."""
+    model = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17, "custom.ops" : 1]>
+    g (float[2,8] x, float[2,8] s) => (float[2,8] y) {
+      h = MatMul(x, w)
+      a = custom.ops.Weird(h, s)
+      y = MatMul(a, w)
+    }""")
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.eye(8, dtype=np.float32), "w"))
+    model.graph.value_info.append(onnx.helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, [2, 8]))
+    rules = tmp_path / "r.toml"
+    rules.write_text('[allow."custom.ops:Weird"]\nreason = "custom kernel"\nfp32_inputs = [1]\n')
+    result = rewrite(model, rules=[rules])
+    [weird] = [n for n in result.model.graph.node if n.op_type == "Weird"]
+    assert list(weird.input) == ["h", "s"]
+    assert result.log.decisions["Weird:a"].precision == Precision.LOW
+    assert not [c for c in result.log.casts if c.tensor == "s"]
 
 
 @pytest.mark.parametrize("past, kv, low", [

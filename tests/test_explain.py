@@ -289,3 +289,79 @@ def test_explain_node_takes_rewrite_onnx_s_options_and_names_a_misspelt_one(bloc
     assert "ln_div" in explain_node(block, "ln_div", fuse=False, overwrite=True, external_data=None)
     with pytest.raises(UsageError, match=r"explain_node\(\) got an unknown option 'targt' \(did you mean 'target'\?\)"):
         explain_node(block, "ln_div", targt="bf16")
+
+
+def _named_chain(tmp_path, middle="b = Relu(a)\n      c = Tanh(b)", names=None, opsets='"" : 17', value_info=()):
+    """mm1 = MatMul(x, w), then ``middle``, then mm2 = MatMul(c, w) writing y; nodes named by op."""
+    model = make_model(f"""
+        <ir_version: 9, opset_import: [{opsets}]>
+        g (float[4,8] x) => (float[4,8] y) {{
+          a = MatMul(x, w)
+          {middle}
+          y = MatMul(c, w)
+        }}""", {"w": (8, 8)})
+    names = names or {"Relu": "relu", "Tanh": "tanh", "Cast": "own_cast"}
+    for node in model.graph.node:
+        node.name = ("mm1" if node.output[0] == "a" else "mm2") if node.op_type == "MatMul" else names[node.op_type]
+    model.graph.value_info.extend(onnx.helper.make_tensor_value_info(v, onnx.TensorProto.FLOAT, [4, 8])
+                                  for v in value_info)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    return path
+
+
+def test_a_command_line_pin_is_the_rule_entry_its_chain_ends_at(tmp_path):
+    """--fp32-nodes and --fp32-ops are rule entries: the chain says the node was decided by its
+    rule entry, names the flag as that entry with the op's list, and the island's seed line calls
+    it a deny rule."""
+    path = _named_chain(tmp_path)
+    lines = _lines(explain_node(path, "relu", fp32_nodes=["relu"]))
+    assert "relu (Relu) fp32 [classify: decided by its rule entry]" in lines
+    assert "rule entry: --fp32-nodes (deny Relu)" in lines
+    assert "relu (Relu): deny rule --fp32-nodes — node rule 'relu' keeps it FP32" in lines
+    lines = _lines(explain_node(path, "tanh", fp32_ops=["Tanh"]))
+    assert "tanh (Tanh) fp32 [classify: decided by its rule entry]" in lines
+    assert "rule entry: --fp32-ops (deny Tanh)" in lines
+    assert not any(line.startswith("decided by:") for line in lines)
+
+
+def test_a_node_painted_from_an_island_seed_is_not_called_a_neighbour_that_joined_it(tmp_path):
+    """A node whose chain leads to the island's seed (FP32 paint spread from it) is explained by
+    that chain; the line for a node that joined the island as an FP32 neighbour is left out."""
+    text = explain_node(_named_chain(tmp_path), "tanh", fp32_nodes=["relu"])
+    assert "← relu (Relu) fp32 [classify: decided by its rule entry]" in text
+    assert "FP32 island 0 (main)" in text
+    assert "joined it as an FP32 neighbour" not in text
+
+
+def test_an_unlisted_op_s_chain_ends_at_the_unlisted_verdict(tmp_path):
+    """A typed op that no rule names is kept FP32 by the unlisted verdict, which explain names as
+    the entry the chain ends at."""
+    path = _named_chain(tmp_path, "c = custom.Foo(a)", names={"Foo": "foo"}, opsets='"" : 17, "custom" : 1',
+                        value_info=["c"])
+    lines = _lines(explain_node(path, "foo"))
+    assert "rule entry: unlisted (unlisted custom::Foo)" in lines
+    assert not any(line.startswith("decided by:") for line in lines)
+
+
+def test_the_renamed_name_of_an_output_tensor_finds_its_producer(tmp_path):
+    """The rewritten model calls the low value that its output's Cast reads ``y/amp_fp16``:
+    --explain of that name explains the node writing it."""
+    assert explain_node(_named_chain(tmp_path), "y/amp_fp16").startswith("mm2 (MatMul) computes in fp16")
+
+
+def test_a_removed_cast_is_not_listed_on_its_neighbours_edges_nor_a_main_graph_cast_as_in_a_loop(tmp_path):
+    """The model's own Cast(to=FLOAT) between two fp16 MatMuls does nothing after painting and is
+    removed: mm1's explanation lists only the casts the written model has. A cast of the main
+    graph runs once per run and says nothing of loops."""
+    path = _named_chain(tmp_path, "c = Cast<to=1>(a)")
+    edges = explain_node(path, "mm1").split("casts on its edges:")[1]
+    assert "amp_cast/x/to_fp16" in edges and "own_cast" not in edges
+    text = explain_node(path, "amp_cast/x/to_fp16")
+    assert "bytes moved per run" in text and "loop body" not in text
+
+
+def test_a_cast_into_an_island_names_the_island_in_its_reason(tmp_path):
+    """The Cast into an FP32 island gives its reader's island with the reader's reason."""
+    text = explain_node(_named_chain(tmp_path), "amp_cast/a/to_fp32", fp32_nodes=["relu"])
+    assert "  why: relu (FP32 island 0) computes in FP32: node rule 'relu' keeps it FP32" in text.splitlines()

@@ -1346,3 +1346,33 @@ def test_size_estimates_through_ops_of_unknown_shape_are_made_once_per_value(mon
     result = rewrite(model, placement="optimal")
     full_check(result.model)
     assert 0 < calls[0] <= 4 * len(nodes), calls[0]
+
+
+def test_a_scope_with_no_free_node_gets_no_placement_note():
+    """A lone MatMul (an allow op, fixed low) leaves the cut nothing to decide: the rewrite adds no
+    'optimal placement' note and records no placement."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) { y = MatMul(x, w) }""", {"w": (8, 8)})
+    log = rewrite(m, placement="optimal").log
+    assert log.decisions["MatMul:y"].precision == Precision.LOW
+    assert not [n for n in log.notes if n.startswith("optimal placement")]
+    assert getattr(log, "placement", None) is None
+
+
+def test_the_placement_note_of_a_scan_body_counts_bytes_per_iteration():
+    """A Scan body's cost runs once per element of the sequence: its placement note gives the
+    bytes per iteration, as a Loop body's does, not per run of a branch."""
+    m = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[8] h0, float[5,1,8] xs) => (float[8] h, float[5,1,8] ys) {
+          h, ys = Scan <num_scan_inputs = 1, body = b (float[8] hp, float[1,8] xt) => (float[8] hn, float[1,8] yt) {
+            t = Transpose<perm=[1,0]>(xt)
+            u = Transpose<perm=[1,0]>(t)
+            m = MatMul(u, w)
+            r = ReduceSum<keepdims=0>(m)
+            hn = Sub(hp, r)
+            yt = Identity(m) }> (h0, xs)
+        }""", {"w": (8, 8)}, ir_version=9)
+    [note] = [n for n in rewrite(m, placement="optimal").log.notes if n.startswith("optimal placement (Scan:h.body)")]
+    assert "FP32 traffic per iteration against greedy's" in note

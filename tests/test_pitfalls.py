@@ -1378,3 +1378,40 @@ def test_a_value_read_fp32_on_both_sides_of_a_node_keeps_that_node_fp32(case, pl
     assert result.log.decisions[node].precision == Precision.FP32
     got = run(emulate_low(result.model, onnx.TensorProto.FLOAT16)[0], feeds)["s"]
     assert np.isfinite(got).all() and rel_err(run(model, feeds)["s"], got) < 1e-3
+
+
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
+def test_a_value_a_cast_hands_to_a_graph_output_makes_no_round_trip_through_fp16(placement):
+    """A Transpose of an FP32 input feeds an fp16 MatMul and, through the model's own
+    Cast(to=FLOAT), a graph output: painted fp16 it would take the input to fp16 and back to FP32
+    for that output, 1e5 becoming inf. It stays FP32 and the output keeps its values."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x) => (float[8,2] c, float[8,8] y) {
+          r = Transpose<perm=[1,0]>(x)
+          c = Cast<to=1>(r)
+          y = MatMul(r, w)
+        }""", {"w": (2, 8)})
+    result = rewrite(model, placement=placement)
+    full_check(result.model)
+    assert result.log.decisions["Transpose:r"].precision == Precision.FP32
+    assert result.log.decisions["MatMul:y"].precision == Precision.LOW
+    assert_emulated_close(model, result.model, {"x": np.full((2, 8), 1e5, np.float32)}, output="c")
+
+
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
+def test_a_value_a_cast_to_fp16_hands_to_a_graph_output_goes_fp16(placement):
+    """The model's own Cast(to=FLOAT16) of a Transpose feeding an fp16 MatMul hands the output the
+    fp16 value it writes anyway: no round trip through fp16, so the Transpose follows the MatMul
+    into fp16 (one Cast of the input, none after the Transpose)."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x) => (float16[8,2] c, float[8,8] y) {
+          r = Transpose<perm=[1,0]>(x)
+          c = Cast<to=10>(r)
+          y = MatMul(r, w)
+        }""", {"w": (2, 8)})
+    result = rewrite(model, placement=placement)
+    full_check(result.model)
+    assert result.log.decisions["Transpose:r"].precision == Precision.LOW
+    assert sorted(c.tensor for c in result.log.casts if c.kind == "inserted") == ["x", "y/amp_fp16"]

@@ -224,6 +224,33 @@ def test_casts_in_a_loop_body_count_every_iteration():
     assert 'key: "runs"' in render_html(result.report)
 
 
+NESTED_LOOP_MODEL = """
+<ir_version: 9, opset_import: ["" : 17]>
+g (float[4,8] x) => (float[4,8] y) {
+  y = Loop(outer, "", x) <
+    body = ob (int64 j, bool oc, float[4,8] t) => (bool oc2, float[4,8] t2) {
+      t2 = Loop(trips, "", t) <
+        body = b (int64 i, bool c, float[4,8] s) => (bool c2, float[4,8] s2) { m = MatMul(s, w)
+                                                                       r = ReduceSum<keepdims=1>(m)
+                                                                       s2 = Sub(m, r)
+                                                                       c2 = Identity(c) }
+      >
+      oc2 = Identity(oc)
+    }
+  >
+}"""
+
+
+def test_casts_in_nested_loop_bodies_count_the_product_of_the_trip_counts():
+    """A Cast in a body of 10 iterations inside a loop of 3 runs 30 times per model run."""
+    result = rewrite(make_model(NESTED_LOOP_MODEL, {"w": (8, 8), "trips": np.array(10, np.int64),
+                                                    "outer": np.array(3, np.int64)}, ir_version=9))
+    d = result.report.to_dict()
+    validate(d)
+    body = [c for c in d["casts"] if c["kind"] == "inserted" and c["scope"] != "main"]
+    assert body and all(c["runs"] == 30 and c["bytes_per_run"] == 32 * (4 + 2) * 30 for c in body)
+
+
 def test_casts_in_a_loop_with_a_condition_have_unknown_bytes_per_run():
     """A condition input may end the loop early: the trip count is not known, so neither are the
     body's Casts' bytes per run; they count as of unknown size, not as one iteration."""
@@ -251,6 +278,16 @@ def test_casts_in_a_scan_body_count_every_element_of_the_sequence():
     body = [c for c in d["casts"] if c["kind"] == "inserted" and c["scope"] != "main"]
     assert d["summary"]["cast_bytes_per_run"] == 2 * 8 * 6 * 5
     assert len(body) == 2 and all(c["numel"] == 8 and c["runs"] == 5 for c in body)
+
+
+def test_casts_in_a_scan_body_count_the_sequence_along_its_scan_axis():
+    """A Scan whose input is scanned along axis 1 (scan_input_axes) runs its body once per element
+    along that axis: 5 for an input of shape [1, 5, 8], not 1."""
+    model = make_model(SCAN_MODEL.replace("float[5,1,8] xs", "float[1,5,8] xs").replace(
+        "num_scan_inputs = 1,", "num_scan_inputs = 1, scan_input_axes = [1],"), {"w": (8, 8)}, ir_version=9)
+    d = rewrite(model).report.to_dict()
+    body = [c for c in d["casts"] if c["kind"] == "inserted" and c["scope"] != "main"]
+    assert body and all(c["runs"] == 5 for c in body)
 
 
 def test_layernorm_island_named_with_its_seeds():
@@ -400,6 +437,22 @@ def test_alignment_of_conv_gemm_and_symbolic_dims():
         g (float[B,S,64] x) => (float[B,S,64] y) { y = MatMul(x, w) }""", {"w": (64, 64)}, ir_version=9)
     (a,) = rewrite(sym).report.alignment()
     assert a["status"] == "unknown" and a["dims"]["M"] == "B*S" and a["misaligned"] == []
+
+
+def test_alignment_of_a_conv_transpose():
+    """A ConvTranspose's weight is (C_in, C_out/group, ...): its channel counts are checked like a
+    Conv's, and a C_out/group of 3 is misaligned."""
+    model = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[1,8,4,4] x) => (float[1,3,9,9] y) {
+          c = Conv<pads=[1,1,1,1]>(x, wc)
+          y = ConvTranspose<strides=[2,2]>(c, wt)
+        }""", {"wc": (8, 8, 3, 3), "wt": (8, 3, 3, 3)}, ir_version=9)
+    report = rewrite(model).report
+    align = {a["op"]: a for a in report.alignment()}
+    assert align["ConvTranspose"]["dims"] == {"C_in": 8, "C_out/group": 3}
+    assert align["ConvTranspose"]["misaligned"] == ["C_out/group"]
+    assert report.summary()["alignment"] == {"checked": 2, "aligned": 1, "misaligned": 1, "unknown": 0}
 
 
 def test_matmul_with_a_2d_b_folds_the_batch_into_m():
@@ -1065,3 +1118,77 @@ def test_the_weights_line_names_the_low_types_largest_value(target, limit):
         g (float[2,8] x) => (float[2,8] y) { h = MatMul(x, w)  y = Relu(h) }""", {"w": (8, 8)})
     [line] = [x for x in rewrite(model, target=target).report.summary_text().splitlines() if x.startswith("weights:")]
     assert f"values clamped at ±{limit}," in line, line
+
+
+def test_the_rendered_formats_take_their_suffix_in_any_case():
+    """A report path ending in .HTML or .MD is written in that format, as its lower-case suffix is."""
+    from amp_rewrite.report_render import render
+
+    report = rewrite(_two_matmuls()).report
+    assert render(report, ".HTML").startswith("<!DOCTYPE html>")
+    assert render(report, ".Md").startswith("# amp-rewrite report")
+    assert render(report, ".txt") is None
+
+
+def test_markdown_casts_table_says_scalar_and_unknown_runs():
+    """The Markdown casts table gives a 0-d tensor's shape as 'scalar' and a loop body's cast whose
+    trip count is not known as '?' runs."""
+    from amp_rewrite.report_render import render_markdown
+
+    model = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[4,8] x, float s) => (float[4,8] y) {
+          h = MatMul(x, w)
+          a = Mul(h, s)
+          y = MatMul(a, w)
+        }""", {"w": (8, 8)}, ir_version=9)
+    rows = [line for line in render_markdown(rewrite(model).report).splitlines() if line.startswith("| amp_cast/")]
+    [scalar] = [r for r in rows if r.startswith("| amp_cast/s/")]
+    assert "| scalar | 1 | 1 |" in scalar
+    [x] = [r for r in rows if r.startswith("| amp_cast/x/")]
+    assert "| 4×8 | 32 | 1 |" in x
+    body = [line for line in render_markdown(rewrite(_loop_model("go")).report).splitlines()
+            if line.startswith("| amp_cast/") and "| inserted |" in line]
+    loop_rows = [r for r in body if "| 32 | ? | ? |" in r]
+    assert len(loop_rows) == 2
+
+
+def _card_value(html: str, card: str) -> str:
+    import re
+
+    return re.search(rf'id="{card}" data-value="([^"]*)"', html).group(1)
+
+
+def test_html_summary_cards_count_the_target_type_and_every_unlisted_node():
+    """The 'nodes in <target>' card counts the nodes in the target type (bf16 as fp16), the
+    unlisted-op card every node of an unlisted op (two of one op are 2), and the weights card
+    tells of bytes saved only where some were."""
+    from amp_rewrite.report_render import render_html
+
+    html = render_html(rewrite(_two_matmuls(), target="bf16").report)
+    assert _card_value(html, "sum-low") == "2" and "nodes in bf16" in html
+    model = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17, "custom.ops" : 1]>
+    g (float[2,8] x) => (float[2,8] y) {
+      h = MatMul(x, w)
+      a = custom.ops.Weird(h)
+      b = custom.ops.Weird(a)
+      y = MatMul(b, w)
+    }""")
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.eye(8, dtype=np.float32), "w"))
+    model.graph.value_info.extend(onnx.helper.make_tensor_value_info(v, onnx.TensorProto.FLOAT, [2, 8]) for v in "ab")
+    assert _card_value(render_html(rewrite(model).report), "sum-unlisted") == "2"
+    kept = render_html(rewrite(_two_matmuls(), fp32_ops=["MatMul"]).report)
+    weights = kept.split('id="sum-weights"', 1)[1].split("</div></div>", 1)[0]
+    assert "tensors converted" in weights and "saved" not in weights
+
+
+def test_the_page_data_marks_only_the_overflow_roots_as_roots():
+    """The page's overflow marks keep each entry's root flag: the node where an overflow starts is
+    a root, a node the inf only reaches is not."""
+    from amp_rewrite.report_render import _payload
+
+    d = rewrite(_two_matmuls()).report.to_dict()
+    first, second = (n["node"] for n in d["nodes"][:2])
+    d["check"] = {"passed": False, "overflow": [{"node": first, "root": True}, {"node": second, "root": False}]}
+    assert _payload(d)["overflow"] == [[0, True], [1, False]]

@@ -271,3 +271,34 @@ def test_cli_report_takes_every_extension_the_renderer_knows(block, tmp_path, ca
 def test_cli_explain_refuses_options_it_would_ignore(block, tmp_path, capsys):
     assert main([str(block), "--explain", "x", "--check"]) == 2
     assert "drop --check/--auto-fp32" in capsys.readouterr().err
+
+
+def test_a_failed_check_is_failed_in_markdown_and_its_values_are_escaped_in_html(tmp_path):
+    """The Markdown report says FAILED for a check that failed; the HTML check section shows a
+    value naming a node (the first overflow) as text, never as markup."""
+    model = overflow_model()
+    model.graph.node[0].name = "<i>mm</i>"
+    src = tmp_path / "ovf.onnx"
+    onnx.save(model, src)
+    assert main([str(src), "-o", str(tmp_path / "o.onnx"), "--check", "--report", str(tmp_path / "r.md")]) == 8
+    md = (tmp_path / "r.md").read_text()
+    assert "**FAILED**" in md and "**passed**" not in md
+    assert main([str(src), "-o", str(tmp_path / "o2.onnx"), "--check", "--report", str(tmp_path / "r.html")]) == 8
+    html = (tmp_path / "r.html").read_text()
+    assert "first_overflow</b>: &lt;i&gt;mm&lt;/i&gt;" in html
+    assert "<i>mm</i>" not in html
+
+
+def test_html_data_block_holds_no_comment_or_script_opener(tmp_path):
+    """A node name opening an HTML comment and a script tag inside the page's JSON data would put
+    the parser in its double-escaped state, where the data block's own </script> no longer ends
+    it: the data escapes every '<'."""
+    model = block_model()
+    model.graph.node[0].name = "<!--<script x"
+    src = tmp_path / "m.onnx"
+    onnx.save(model, src)
+    assert main([str(src), "-q", "--report", str(tmp_path / "r.html")]) == 0
+    text = (tmp_path / "r.html").read_text()
+    assert "<!--" not in text and "<script x" not in text
+    data = re.search(r'<script type="application/json" id="amp-data">(.*?)</script>', text, re.S).group(1)
+    assert json.loads(data)["nodes"]["name"][0] == "<!--<script x"

@@ -773,6 +773,88 @@ def test_post_processed_gradients_come_out_as_in_fp32_at_any_scale(tmp_path, kin
         assert bool(got[ALL_FINITE])
 
 
+def _transformed(kind):
+    """The hand graph's gradient ``raw`` transformed in the graph into grad.W, not in proportion to
+    the loss scale: divided by its own largest magnitude (degree 0), its square root (degree 1/2),
+    its square, a mask of the entries past a threshold, a truncation to integers and back, and a
+    Gemm adding a constant bias to a product with it."""
+    from onnx import helper as h
+
+    T = onnx.TensorProto
+    model = _hand_graph()
+    g = model.graph
+    for node in g.node:
+        node.output[:] = ["raw" if o == "grad.W" else o for o in node.output]
+    const = lambda name, value: g.initializer.append(  # noqa: E731
+        onnx.numpy_helper.from_array(np.array(value, np.float32), name))
+    if kind == "max-normalised":
+        g.node.extend([h.make_node("Abs", ["raw"], ["mag"]), h.make_node("ReduceMax", ["mag"], ["top"]),
+                       h.make_node("Div", ["raw", "top"], ["grad.W"])])
+    elif kind == "square root":
+        g.node.extend([h.make_node("Abs", ["raw"], ["mag"]), h.make_node("Sqrt", ["mag"], ["grad.W"])])
+    elif kind == "square":
+        const("two", 2.0)
+        g.node.append(h.make_node("Pow", ["raw", "two"], ["grad.W"]))
+    elif kind == "threshold":
+        const("cut", 0.8)
+        const("zero", 0.0)
+        g.node.extend([h.make_node("Greater", ["raw", "cut"], ["big"]),
+                       h.make_node("Where", ["big", "raw", "zero"], ["grad.W"])])
+    elif kind == "integer part":
+        g.node.extend([h.make_node("Cast", ["raw"], ["whole"], to=T.INT32),
+                       h.make_node("Cast", ["whole"], ["grad.W"], to=T.FLOAT)])
+    else:  # gemm bias
+        const("xs", np.linspace(-1, 1, 16).reshape(4, 4))
+        const("bias", np.ones((4, 4)))
+        g.node.append(h.make_node("Gemm", ["xs", "raw", "bias"], ["grad.W"]))
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["max-normalised", "square root", "square", "threshold", "integer part", "gemm bias"])
+def test_a_gradient_transformed_out_of_proportion_to_the_scale_comes_out_as_in_fp32(tmp_path, kind):
+    """A node whose output is not the scale times its value at scale 1 (a ratio of two scaled
+    values, a root, a power, a comparison with a constant, a cast to an integer, a sum of a scaled
+    product and a constant bias) reads the gradient divided by the scale, and what it computes
+    comes out as the FP32 model computes it, at any scale."""
+    model = _transformed(kind)
+    out = rewrite_training_onnx_model(model, loss="loss", grads=GRADS).model
+    onnx.checker.check_model(out, full_check=True)
+    onnx.save(out, tmp_path / "t.onnx")
+    x = np.arange(8, dtype=np.float32).reshape(2, 4) / 8
+    want = run_onnx(model, {"x": x, "loss_grad": np.array(1.0, np.float32)})["grad.W"]
+    for scale in (1.0, 1024.0):
+        got = run_onnx(tmp_path / "t.onnx", {"x": x, "loss_grad": np.array(1.0, np.float32),
+                                             LOSS_SCALE: np.array(scale, np.float32), GROWTH_TRACKER: np.array(0, np.int64)})
+        np.testing.assert_allclose(got["grad.W"], want, rtol=1e-2, atol=1e-3, err_msg=f"x{scale}")
+        assert bool(got[ALL_FINITE])
+
+
+def test_a_power_whose_exponent_a_caller_may_feed_reads_the_gradient_divided_by_the_scale(tmp_path):
+    """An exponent stored as an initializer that is also a graph input may be fed another value
+    at run time: the power is not taken as proportional to the scale for its stored value, and
+    with the exponent fed as 2 the output is the FP32 model's at any scale."""
+    from onnx import helper as h
+
+    model = _hand_graph()
+    g = model.graph
+    for node in g.node:
+        node.output[:] = ["raw" if o == "grad.W" else o for o in node.output]
+    g.initializer.append(onnx.numpy_helper.from_array(np.array(1.0, np.float32), "p"))
+    g.input.append(h.make_tensor_value_info("p", onnx.TensorProto.FLOAT, []))
+    g.node.append(h.make_node("Pow", ["raw", "p"], ["grad.W"]))
+    onnx.checker.check_model(model, full_check=True)
+    out = rewrite_training_onnx_model(model, loss="loss", grads=GRADS).model
+    onnx.save(out, tmp_path / "t.onnx")
+    x = np.arange(8, dtype=np.float32).reshape(2, 4) / 8
+    feeds = {"x": x, "loss_grad": np.array(1.0, np.float32), "p": np.array(2.0, np.float32)}
+    want = run_onnx(model, feeds)["grad.W"]
+    for scale in (1.0, 1024.0):
+        got = run_onnx(tmp_path / "t.onnx", {**feeds, LOSS_SCALE: np.array(scale, np.float32),
+                                             GROWTH_TRACKER: np.array(0, np.int64)})
+        np.testing.assert_allclose(got["grad.W"], want, rtol=1e-2, atol=1e-3, err_msg=f"x{scale}")
+
+
 def test_a_clip_after_the_division_does_not_hide_an_overflow():
     """Clip(inf) is the bound: a backward pass that overflowed in FP16 came out clipped and
     finite, all_finite said True and the scale never backed off. The values divided before the
@@ -1558,3 +1640,47 @@ def test_a_grads_pattern_matching_every_output_leaves_out_the_loss():
                          GROWTH_TRACKER: np.array(0, np.int64)})
     np.testing.assert_allclose(got["grad.W"], x.T @ np.ones((2, 4), np.float32), rtol=1e-2)
     np.testing.assert_allclose(got["loss"], float((x @ np.ones((4, 4), np.float32)).sum()), rtol=1e-2)
+
+
+def test_only_what_follows_the_last_allow_op_joins_the_loss_island():
+    """The loss island is what feeds the loss with no allow op between: a node two steps before a
+    MatMul that feeds the loss (Add, then Relu, then the MatMul) is not in it, and computes in
+    FP16 between the two MatMuls."""
+    from tests.util import make_model
+
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float loss) {
+          h0 = MatMul(x, w0)
+          a = Add(h0, b)
+          r = Relu(a)
+          h = MatMul(r, w)
+          loss = ReduceSum<keepdims=0>(h)
+        }""", {"w0": (8, 8), "w": (8, 8), "b": (8,)})
+    for node in model.graph.node:
+        node.name = node.output[0] + "_node"
+    log = rewrite_training_onnx_model(model, loss="loss", target="fp16").log
+    assert log.decisions["loss_node"].source == "training"
+    for name in ("a_node", "r_node"):
+        assert log.decisions[name].precision.value == "low" and log.decisions[name].source != "training", name
+
+
+def test_a_training_rewrite_solves_no_if_with_the_scope_around_it():
+    """In training mode the placement does not solve an If together with its branches: the If and
+    its branch nodes keep the precision painting gives them (FP32 here), where the inference
+    rewrite of the same model runs them in fp16."""
+    from tests.util import make_model, rewrite
+
+    model = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[4,8] x, bool c) => (float loss) {
+          h = MatMul(x, w)
+          y = If(c) <then_branch = t () => (float[4,8] a) { a = Relu(h) },
+                     else_branch = e () => (float[4,8] b) { b = Sigmoid(h) }>
+          z = MatMul(y, w)
+          loss = ReduceSum<keepdims=0>(z)
+        }""", {"w": (8, 8)}, ir_version=9)
+    assert rewrite(model).log.decisions["If:y"].precision.value == "low"
+    log = rewrite_training_onnx_model(model, loss="loss", target="fp16").log
+    assert {name: log.decisions[name].precision.value for name in ("If:y", "Relu:a", "Sigmoid:b")} == {
+        "If:y": "fp32", "Relu:a": "fp32", "Sigmoid:b": "fp32"}
