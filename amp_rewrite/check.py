@@ -517,7 +517,7 @@ class Runner:
                 try:
                     sess = self._session(source, opts, fp32)
                 except Exception as exc:  # noqa: BLE001 (onnxruntime raises its own pybind types)
-                    raise SessionError(f"{what}: {_one_line(str(exc))}") from exc
+                    raise SessionError(f"{what}: {_one_line(str(exc), limit=1000)}") from exc
                 self.provider = sess.get_providers()[0]
                 names = [o.name for o in sess.get_outputs()]
                 feed = _adapt_feeds(sess, feeds)
@@ -1198,6 +1198,11 @@ def reference(fp32: Any, feeds: Mapping[str, Any], runner: Runner,
                                  f"model is IR version {ir[1]}, so --check cannot run it on this machine: save the "
                                  f"model with ir_version {ir[2]} or lower (onnx.helper.make_model writes the newest "
                                  f"by default; the rewrite keeps the model's), or leave out --check") from exc
+            opset = re.search(r"Opset (\d+) is under development.*support for domain (\S+) is till opset (\d+)", str(exc))
+            if opset:
+                raise UsageError(f"onnxruntime {runner.ort.__version__} reads {opset[2]} opsets up to {opset[3]} and the "
+                                 f"model imports opset {opset[1]}, so --check cannot run it on this machine: export "
+                                 f"the model at opset {opset[3]} or lower, or leave out --check") from exc
             if "NOT_IMPLEMENTED" in str(exc):  # (a session no input can create: an op with no kernel there)
                 raise UsageError(f"onnxruntime's {runner.providers[0]} has no kernel for an op of the FP32 model "
                                  f"({exc}), so --check cannot run it on this machine: check where onnxruntime "
