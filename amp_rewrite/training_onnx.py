@@ -116,8 +116,8 @@ class ScaleConfig:
             if (key == "backoff_factor" and stored >= 1.0) or (key == "growth_factor" and stored <= 1.0):
                 bound, side = ("< 1", "below") if key == "backoff_factor" else ("> 1", "above")
                 raise UsageError(f"{key}={number!r}: must be {bound} as the model stores it, an FP32 constant, "
-                                 f"where it rounds to {stored:.9g}; pass one further {side} 1 (FP32 steps near 1 "
-                                 f"are about 1.2e-7)")
+                                 f"where it rounds to {stored:.9g}; pass one further {side} 1 (FP32 tells apart "
+                                 f"numbers near 1 only some 1e-7 apart)")
 
 
 _INT64_MAX = 2 ** 63 - 1
