@@ -577,6 +577,18 @@ def test_generated_inputs_follow_names_and_embedding_tables():
     assert described[0]["values"] == "ids in [0, 50)"
 
 
+def test_a_generated_mask_zeroes_its_last_position_only_past_two_positions():
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (int64[1, 2] attention_mask, int64[1, 3] pixel_mask) => (int64[1, 2] y, int64[1, 3] z) {
+          y = Identity(attention_mask)
+          z = Identity(pixel_mask)
+        }""")
+    feeds, described = ck.make_inputs(m)
+    assert feeds["attention_mask"].tolist() == [[1, 1]] and described[0]["values"] == "mask: ones"
+    assert feeds["pixel_mask"].tolist() == [[1, 1, 0]] and described[1]["values"] == "mask: ones, last position 0"
+
+
 def test_integer_outputs_compare_by_mismatch_fraction():
     s = ck.compare_output("argmax", np.array([1, 2, 3, 4]), np.array([1, 2, 3, 5]), 0.3)
     assert s.passed and s.max_rel == 0.25 and s.compared == "mismatch fraction"
@@ -587,6 +599,31 @@ def test_integer_outputs_compare_by_mismatch_fraction():
     assert not swapped.passed and swapped.max_abs == swapped.max_rel == np.inf  # (both said 0)
     same = ck.compare_output("y", np.array([-np.inf, 1.0], np.float32), np.array([-np.inf, 1.0], np.float16), 0.1)
     assert same.passed  # the same non-finite value in both is not an error
+
+
+def test_an_error_equal_to_the_tolerance_passes():
+    """An output fails when its relative error exceeds the tolerance, not when it reaches it (an
+    integer output: its mismatch fraction)."""
+    ref = np.array([4.0, 1.0], np.float32)
+    at = ck.compare_output("y", ref, np.array([4.5, 1.0], np.float16), 0.125)
+    assert at.max_rel == 0.125 and at.passed
+    assert not ck.compare_output("y", ref, np.array([4.5, 1.0], np.float16), 0.12).passed
+    ids = ck.compare_output("ids", np.array([1, 2, 3, 4]), np.array([1, 2, 3, 5]), 0.25)
+    assert ids.max_rel == 0.25 and ids.passed
+
+
+def test_an_output_of_zeros_in_fp32_fails_when_the_rewrite_makes_it_nonzero():
+    """Relative to an FP32 output that is all zeros, any nonzero difference is infinitely large."""
+    s = ck.compare_output("y", np.zeros(3, np.float32), np.array([0.0, 1e-3, 0.0], np.float16), 1e-2)
+    assert not s.passed and s.max_rel == np.inf and s.max_abs > 0
+    assert ck.compare_output("y", np.zeros(3, np.float32), np.zeros(3, np.float16), 1e-2).passed
+
+
+def test_cosine_of_an_output_the_rewrite_zeroes_is_zero():
+    """The cosine similarity against an all-zero output is 0 (1 only when both are all zeros)."""
+    ref = np.array([1.0, 2.0], np.float32)
+    assert ck.compare_output("y", ref, np.zeros(2, np.float16), 1e-2).cosine == 0.0
+    assert ck.compare_output("y", np.zeros(2, np.float32), np.zeros(2, np.float16), 1e-2).cosine == 1.0
 
 
 def test_a_changed_output_shape_is_named_not_called_an_integer_mismatch():
@@ -1831,3 +1868,43 @@ def test_the_emulation_widens_an_optional_fp16_declaration():
     x = np.array([1.0001, 7e4, -3.14159, 0.1], np.float32)
     with np.errstate(over="ignore"):
         np.testing.assert_array_equal(run(emulated, {"x": x})["y"], x.astype(np.float16).astype(np.float32))
+
+
+def test_a_value_past_half_the_fp16_limit_is_reported_near_it():
+    """A low-precision value that stays finite but exceeds half the FP16 limit is a near-limit
+    warning, not an overflow."""
+    found, total, near, _ = _one_node_localised([40000.0, 1.0, 2.0], [40000.0, 1.0, 2.0])
+    assert (found, total) == ([], 0)
+    assert [(w["node"], w["value"], w["max_abs"]) for w in near] == [("mul", "y", 40000.0)]
+    assert _one_node_localised([30000.0, 1.0, 2.0], [30000.0, 1.0, 2.0])[2] == []
+
+
+def test_an_overflow_beside_a_saturated_sentinel_reports_the_fp32_peak_without_the_sentinel():
+    """The FP32 max |x| of an overflowing value leaves out the mask sentinels it also holds."""
+    found, total, _, sentinels = _one_node_localised([-1e9, 7e4, 2.0], [-np.inf, np.inf, 2.0])
+    assert total == 1 and [s["count"] for s in sentinels] == [1]
+    [overflow] = found
+    assert overflow.pos_inf == 1 and overflow.fp32_max_abs == 7e4
+    assert "FP32 max |x| 7e+04" in overflow.describe("fp16")
+
+
+def test_a_second_root_after_many_overflowing_values_downstream_of_the_first_is_still_listed():
+    """Only the first few overflowing values are kept, but every root is: an independent overflow
+    after a long chain carrying the first one's inf is named too."""
+    chain = "\n".join(f"y{i} = Neg(y{i - 1})" for i in range(1, 12))
+    m = make_model(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[3] a, float[3] b) => (float[3] y11, float[3] z) {{
+          y0 = Mul(a, b)
+          {chain}
+          z = Mul(b, b)
+        }}""")
+    for n in m.graph.node:
+        n.name = n.output[0]
+    want = {f"y{i}": np.array([(-1) ** i * 1e5, 1.0, 2.0], np.float32) for i in range(12)}
+    want["z"] = np.array([1e6, 1.0, 2.0], np.float32)
+    got = {k: np.where(np.abs(v) > 65504, np.sign(v) * np.inf, v).astype(np.float32) for k, v in want.items()}
+    found, total, _, _ = ck._localise(m, got, {k: k for k in want}, want, "fp16")
+    assert total == 13
+    assert [o.value for o in found if o.root] == ["y0", "z"]
+    assert len(found) == 11  # the first ten, then the second root

@@ -230,6 +230,23 @@ def test_growth_after_interval_floor_and_ceiling():
     assert scaler.summary()["skipped"] == 6
 
 
+def test_equal_floor_and_ceiling_hold_a_dynamic_scale_where_it_is():
+    scaler = LossScaler(init_scale=8.0, min_scale=8.0, max_scale=8.0, growth_interval=1)
+    assert _drive(scaler, [False, True, False]) == [8.0, 8.0, 8.0]
+    assert scaler.skipped_steps == [1]
+
+
+def test_overflowing_at_the_floor_ten_steps_in_a_row_warns():
+    """Steps that overflow even at ``min_scale`` have non-finite gradients before any scaling: the
+    tenth in a row says so."""
+    scaler = LossScaler(init_scale=1.0, min_scale=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _drive(scaler, [True] * 9)
+    with pytest.warns(RuntimeWarning, match="10 steps in a row overflowed at the floor scale 1:"):
+        _drive(scaler, [True])
+
+
 def test_static_and_disabled():
     static = LossScaler(init_scale=128.0, dynamic=False)
     assert _drive(static, [False, True, False, False]) == [128.0] * 4
@@ -373,6 +390,17 @@ def test_checkpoint_restore_resumes_the_same_scale(tmp_path):
     assert float(model.amp_loss_scale) == b.get_scale()  # the buffer follows the restored scale
     assert b.steps == 5 and b.skipped_steps == [2]
     assert _drive(b, flags[5:], module=model) == rest_a
+
+
+def test_a_restored_scaler_summarises_the_run_from_its_first_scale():
+    """The summary after a checkpoint restore starts from the scale the run began with."""
+    a = LossScaler(init_scale=2.0 ** 10, growth_interval=1)
+    _drive(a, [False, False])
+    b = LossScaler()
+    b.load_state_dict(a.state_dict())
+    assert b.summary()["init_scale"] == 2.0 ** 10
+    assert b.summary_text() == a.summary_text()
+    assert "scale 1024 -> 4096" in b.summary_text()
 
 
 def test_loads_a_gradscaler_state_dict():
@@ -533,6 +561,13 @@ def test_history_summary_and_report():
     assert text in report.log.notes
     scaler.add_to_report(report)
     assert report.log.notes.count(text) == 1
+
+
+def test_history_keeps_the_last_history_limit_entries():
+    scaler = LossScaler(init_scale=8.0, growth_interval=100, history_limit=3)
+    _drive(scaler, [False, True, False, True, False])
+    assert [e["step"] for e in scaler.history] == [2, 3, 4]
+    assert scaler.steps == 5 and scaler.skipped_steps == [1, 3]
 
 
 def test_step_without_gradients_is_not_an_error():
@@ -929,6 +964,33 @@ def test_load_state_dict_clamps_and_explains():
     assert scaler.get_scale() == 1.0
     with pytest.raises(ValueError, match="empty state dict"):
         scaler.load_state_dict({})
+
+
+def test_load_state_dict_clamps_a_scale_above_the_ceiling():
+    """A GradScaler has no ceiling: a restored scale above ``max_scale`` is clamped down to it, with
+    a warning."""
+    scaler = LossScaler(max_scale=2.0 ** 16)
+    with pytest.warns(RuntimeWarning, match="outside"):
+        scaler.load_state_dict({"scale": 2.0 ** 20, "_growth_tracker": 0, "growth_factor": 2.0,
+                                "backoff_factor": 0.5, "growth_interval": 2000})
+    assert scaler.get_scale() == 2.0 ** 16
+
+
+def test_a_gradscaler_state_dict_carries_its_growth_tracker_over():
+    """The finite steps a GradScaler counted towards its next growth count here too."""
+    x, y = _data()
+    model = Plain()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gs = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=4)
+    for _ in range(3):
+        opt.zero_grad()
+        gs.scale(model(x, y)).backward()
+        gs.step(opt)
+        gs.update()
+    scaler = LossScaler()
+    scaler.load_state_dict(gs.state_dict())
+    assert scaler.get_scale() == 512.0 and scaler.growth_tracker == 3
+    assert _drive(scaler, [False, False]) == [1024.0, 1024.0]  # the fourth finite step grows the scale
 
 
 def test_an_optimizer_on_the_original_parameters_is_an_error():
