@@ -577,16 +577,34 @@ def test_generated_inputs_follow_names_and_embedding_tables():
     assert described[0]["values"] == "ids in [0, 50)"
 
 
-def test_a_generated_mask_zeroes_its_last_position_only_past_two_positions():
+def test_generated_masks_pad_the_last_position_only_past_two_and_short_batch_names_are_one():
+    """A mask of more than two positions has its last one 0 (padding is exercised); one of two
+    positions or fewer is all ones. A dim named n, b or bs is a batch of 1 wherever it stands (a
+    time-major [time, b, 5] input is [8, 1, 5])."""
     m = make_model("""
         <ir_version: 8, opset_import: ["" : 17]>
-        g (int64[1, 2] attention_mask, int64[1, 3] pixel_mask) => (int64[1, 2] y, int64[1, 3] z) {
-          y = Identity(attention_mask)
-          z = Identity(pixel_mask)
+        g (int64[bs, 2] attention_mask, int64[n, 3] pad_mask, float[time, b, 5] x) => (float[bs, 2] y) {
+          y = Cast<to=1>(attention_mask)
         }""")
     feeds, described = ck.make_inputs(m)
     assert feeds["attention_mask"].tolist() == [[1, 1]] and described[0]["values"] == "mask: ones"
-    assert feeds["pixel_mask"].tolist() == [[1, 1, 0]] and described[1]["values"] == "mask: ones, last position 0"
+    assert feeds["pad_mask"].tolist() == [[1, 1, 0]] and described[1]["values"] == "mask: ones, last position 0"
+    assert feeds["x"].shape == (8, 1, 5)
+
+
+def test_generated_ids_fit_a_narrow_type_and_follow_a_negative_gather_axis():
+    """Ids of a type narrower than the vocabulary stay within the type (uint8: [0, 256) for 300
+    rows, not wrapped); a Gather on axis -2 of a [300, 4] table takes its 300 rows."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (uint8[batch, 4] input_ids, int64[batch, 4] word_ids) => (float[batch, 4, 4] e, float[batch, 4, 4] f) {
+          i = Cast<to=7>(input_ids)
+          e = Gather<axis=-2>(emb, i)
+          f = Gather<axis=-2>(emb, word_ids)
+        }""", {"emb": (300, 4)})
+    feeds, described = ck.make_inputs(m)
+    assert described[0]["values"] == "ids in [0, 256)" and feeds["input_ids"].dtype == np.uint8
+    assert described[1]["values"] == "ids in [0, 300)"
 
 
 def test_integer_outputs_compare_by_mismatch_fraction():
@@ -1814,6 +1832,53 @@ def test_a_sentinel_whose_sign_flips_to_inf_is_an_overflow_not_a_saturated_mask(
     found, total, _, sentinels = _one_node_localised([-1e9, 1.0, 2.0], [-np.inf, 1.0, 2.0])
     assert (found, total) == ([], 0)
     assert [(s["node"], s["value"], s["count"]) for s in sentinels] == [("mul", "y", 1)]
+
+
+def test_every_overflow_root_is_listed_past_the_first_ten():
+    """Overflows are listed up to ten, but a root (none of its inputs overflowed) always is: twelve
+    independent overflowing nodes give twelve roots."""
+    from onnx import TensorProto as T
+    from onnx import helper as oh
+
+    n = 12
+    g = oh.make_graph([oh.make_node("Mul", ["a", "a"], [f"y{i}"], name=f"mul{i}") for i in range(n)], "g",
+                      [oh.make_tensor_value_info("a", T.FLOAT, [1])],
+                      [oh.make_tensor_value_info(f"y{i}", T.FLOAT, [1]) for i in range(n)])
+    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    names = {f"y{i}": f"y{i}" for i in range(n)}
+    found, total, _, _ = ck._localise(m, {k: np.array([np.inf], np.float32) for k in names}, names,
+                                      {k: np.array([1e5], np.float32) for k in names}, "fp16")
+    assert total == n and [o.node for o in found if o.root] == [f"mul{i}" for i in range(n)]
+
+
+def _overflow(node: str, root: bool = True) -> "ck.Overflow":
+    return ck.Overflow(node=node, op="Mul", value=node, fp32_value=node, nan=0, pos_inf=1, neg_inf=0,
+                       fp32_max_abs=1e5, root=root)
+
+
+def test_the_table_counts_the_values_downstream_beyond_the_five_roots_it_names():
+    """The table names the first root and four more; the rest of the overflowing values, roots past
+    the fifth included, are counted on one line."""
+    ok = ck.compare_output("y", np.ones(2, np.float32), np.ones(2, np.float16), 0.01)
+    roots = [_overflow(f"mul{i}") for i in range(7)]
+    result = ck.CheckResult(passed=False, tolerance=0.01, target="fp16", provider="CPUExecutionProvider",
+                            outputs=[ok], overflow=roots + [_overflow("add", root=False)], overflow_total=8)
+    table = result.table()
+    assert table.count("  also: ") == 4 and "mul5" not in table
+    assert "  (3 more fp16 values downstream carry NaN/Inf)" in table
+
+
+def test_the_failure_names_an_output_with_new_nan_or_inf_before_one_only_far_off():
+    """Of two failing outputs both infinitely far off, the one with NaN/Inf the FP32 model does not
+    have is named (a flipped -inf is far off too, but the FP32 model has an inf there)."""
+    flipped = ck.compare_output("a", np.array([np.inf, 1.0], np.float32), np.array([-np.inf, 1.0], np.float16), 0.01)
+    new = ck.compare_output("b", np.array([2.0, 1.0], np.float32), np.array([np.nan, 1.0], np.float16), 0.01)
+    assert flipped.max_rel == new.max_rel == np.inf and not flipped.passed and not new.passed
+    result = ck.CheckResult(passed=False, tolerance=0.01, target="fp16", provider="CPUExecutionProvider",
+                            outputs=[flipped, new])
+    assert result.worst is new
+    assert result.failure_message().startswith(
+        "check failed: output 'b': 1 NaN/Inf values the FP32 model does not have (1 more outputs fail)")
 
 
 def test_the_check_feeds_an_fp16_input_fp16_rounded_values_and_a_bf16_input_bf16_rounded_ones():

@@ -120,6 +120,23 @@ def test_contrib_groups_come_from_onnxruntimes_schemas():
     assert gemma.input_groups == ["U", "T", "T", "T", "T"] and gemma.meta["group_types"]["U"] == {"float"}
 
 
+def test_an_int8_kv_cache_keeps_its_group_when_the_query_type_is_unknown():
+    """An int8 KV cache is not painted with the query even where nothing types the query (no
+    value_info): only float values join their main group."""
+    names = ["q", "k", "v", "pk", "pv", "seqlens", "total"]
+    types = [None, None, None, onnx.TensorProto.INT8, onnx.TensorProto.INT8, onnx.TensorProto.INT32,
+             onnx.TensorProto.INT32]
+    graph = oh.make_graph([oh.make_node("GroupQueryAttention", names, ["y", "ck", "cv"], domain=MS, num_heads=2,
+                                        kv_num_heads=2)], "g",
+                          [oh.make_tensor_value_info(n, t, None) if t else oh.make_value_info(n, onnx.TypeProto())
+                           for n, t in zip(names, types)],
+                          [oh.make_value_info("y", onnx.TypeProto())])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid(MS, 1)], ir_version=10)
+    gqa = load_onnx(model).graph.nodes[0]
+    assert gqa.input_groups[:5] == ["T", "T", "T", "T_CACHE", "T_CACHE"]
+    assert gqa.output_groups == ["T", "T_CACHE", "T_CACHE"]
+
+
 @pytest.mark.parametrize("target", ["fp16", "bf16"])
 def test_group_norm_gamma_and_beta_stay_fp32(target):
     """GroupNorm's gamma and beta (group M: float16 or float by its schema) were painted with X and

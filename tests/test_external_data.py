@@ -767,3 +767,45 @@ def test_a_custom_ops_tensor_attribute_with_a_missing_file_is_a_load_error(tmp_p
     with pytest.raises(ModelLoadError, match=r"external data file 'gone\.bin' for tensor 'foo\.t' is missing"):
         api.rewrite_onnx(src, tmp_path / "out.onnx")
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_an_external_data_file_one_byte_short_is_a_load_error(tmp_path):
+    """An external data file one byte shorter than its last tensor needs is truncated: refused on
+    load, naming the file and the tensor, and no output is written."""
+    from amp_rewrite.errors import ModelLoadError
+
+    src = tmp_path / "m.onnx"
+    save_external(mlp(), src)
+    data = tmp_path / "m.onnx.weights"
+    data.write_bytes(data.read_bytes()[:-1])
+    with pytest.raises(ModelLoadError, match=r"external data file 'm\.onnx\.weights' is too short for tensor 'w2'"):
+        api.rewrite_onnx(src, tmp_path / "out.onnx")
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_a_constant_of_shape_value_kept_outside_is_read_beside_the_model(tmp_path, monkeypatch):
+    """ConstantOfShape's ``value`` stored outside (``convert_attribute=True``) is bound to the model's
+    folder: the rewrite, run from another working directory, reads it and writes it out."""
+    graph = helper.make_graph(
+        [helper.make_node("ConstantOfShape", ["shape"], ["c"], name="fill",
+                          value=numpy_helper.from_array(np.array([0.5], np.float32))),
+         helper.make_node("Add", ["x", "c"], ["y"], name="add")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, H])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, H])],
+        [numpy_helper.from_array(np.array([2, H], np.int64), "shape")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    (tmp_path / "m").mkdir()
+    src = tmp_path / "m" / "m.onnx"
+    onnx.save_model(model, str(src), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="weights.bin", size_threshold=0, convert_attribute=True)
+    [attr] = next(n for n in onnx.load(str(src), load_external_data=False).graph.node
+                  if n.op_type == "ConstantOfShape").attribute
+    assert attr.t.data_location == TensorProto.EXTERNAL
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    out = tmp_path / "out.onnx"
+    api.rewrite_onnx(src, out)
+    [attr] = next(n for n in onnx.load(str(out)).graph.node if n.op_type == "ConstantOfShape").attribute
+    np.testing.assert_array_equal(numpy_helper.to_array(attr.t), np.array([0.5], np.float32))
+

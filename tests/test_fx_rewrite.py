@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import operator
 import re
 import warnings
@@ -299,6 +300,23 @@ class Spellings(nn.Module):
         return torch.relu(f) + x.relu()
 
 
+class _ScalarArithmetic(nn.Module):
+    def forward(self, x):
+        return torch.add(x * 5.5, x, alpha=300.0) - torch.sub(x, x, alpha=1)
+
+
+def test_the_numbers_arithmetic_combines_with_its_tensors_are_recorded_alpha_included():
+    """The numbers a mul/div/add/sub combines with its tensors are recorded where they sit (the
+    optimal placement bounds growth by them); add/sub's ``alpha`` scales an operand and counts as
+    one more, unless it is 1."""
+    x = torch.randn(2, 4)
+    ir = load_fx(fx.symbolic_trace(_ScalarArithmetic()), example_inputs=(x,))
+    scalars = {n.op_type: n.meta.get("amp.scalars") for n in ir.graph.nodes}
+    assert scalars["mul"] == ((("args", 1), 5.5),)
+    assert scalars["add"] == ((("kwargs", "alpha"), 300.0),)
+    assert scalars["sub"] is None
+
+
 def test_every_spelling_maps_to_the_rule_name():
     model = Spellings().eval()
     x = torch.randn(2, 8)
@@ -410,6 +428,64 @@ def test_a_weight_written_in_place_makes_its_low_copy_again(capture):
     with torch.no_grad():
         model.w.copy_(gm.w)
         assert rel_err(gm(x), model(x)) < TOL["bf16"]
+
+
+class _SharedBySoftmax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4) * 0.3)
+
+    def forward(self, x):
+        return F.linear(x, self.w) + torch.softmax(self.w, -1).sum()  # one low use, one FP32 use
+
+
+def test_a_weight_grown_past_fp16_is_clamped_in_the_cast_its_low_readers_take_under_grad():
+    """With autograd recording, the low readers of a weight read both low and FP32 take a cast of it
+    made for that forward, clamped at FP16's limit as the copy is: a weight grown past 65504 in
+    training reads as 65504 there, not inf."""
+    torch.manual_seed(0)
+    model, x = _SharedBySoftmax().train(), torch.full((1, 4), 1e-3)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="fp16", capture="symbolic_trace")
+    assert [n for n, _ in gm.named_buffers() if "_amp_" in n]
+    with torch.no_grad():
+        gm.w[0, 0] = 1e5
+    out = gm(x)
+    assert torch.isfinite(out).all() and float(out[0, 0].detach()) == pytest.approx(65.504 + 4.0, rel=1e-2)
+
+
+class _SharedWeightWithATakenName(SharedWeight):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("w_amp_bf16", torch.zeros(()))  # (the name a low copy of w would take)
+
+    def forward(self, x):
+        return super().forward(x) + self.w_amp_bf16
+
+
+def test_a_low_copy_takes_a_free_name_where_its_own_is_taken():
+    """A low copy is named ``<weight>_amp_<type>``, or with a number where the module has an
+    attribute of that name already, which stays as it was."""
+    torch.manual_seed(0)
+    model, x = _SharedWeightWithATakenName().eval(), torch.randn(2, 8)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", capture="symbolic_trace")
+    assert [n for n, _ in gm.named_buffers() if "_amp_" in n] == ["w_amp_bf16", "w_amp_bf16_1"]
+    assert float(gm.w_amp_bf16) == 0.0 and gm.w_amp_bf16_1.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert rel_err(gm(x), model(x)) < TOL["bf16"]
+
+
+def test_a_weight_replaced_by_one_of_another_shape_makes_its_low_copy_anew():
+    """A weight read low and FP32 replaced by a tensor of another shape (a resized head): its low
+    copy cannot take the new values in place, and is made anew at the next call."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    gm = amp_rewrite.rewrite(SharedWeight().eval(), example_inputs=(x,), target="bf16", capture="symbolic_trace")
+    gm.w = nn.Parameter(torch.randn(4, 8) * 0.3)
+    with torch.no_grad():
+        got = gm(x)
+        want = F.linear(x, gm.w) + gm.w.exp().sum()
+    assert got.shape == (2, 4) and rel_err(got, want) < TOL["bf16"]
+    assert next(b for n, b in gm.named_buffers() if "_amp_" in n).shape == (4, 8)
 
 
 
@@ -588,6 +664,18 @@ def test_weights_clamped_at_true_fp16_limits():
     assert float(w[0, 0]) == 65504.0 and float(w[0, 1]) == 65504.0 and float(w[0, 2]) == 60000.0
     assert result.log.weights.clamped == 2
     assert not result.log.weights.sentinels  # sentinels start at 1e8 (masks), 1e6 is just large
+
+
+def test_weight_conversion_counts_infinities_and_mask_sizes_as_sentinels_not_nan():
+    """Converting a weight, ±inf and magnitudes of 1e8 and more count as sentinels (with their
+    range); a NaN is none: a NaN weight is not reported as a mask."""
+    from amp_rewrite.emitters.fx_emitter import convert_tensor
+
+    converted, clamped, flushed, sentinel = convert_tensor(torch.tensor([1.0, float("nan"), -math.inf, -1e9]),
+                                                           torch.float16)
+    assert sentinel == {"count": 2, "min": -math.inf, "max": -1e9} and clamped == 1  # (-1e9, to -65504)
+    assert converted.dtype == torch.float16 and bool(converted[1].isnan())
+    assert convert_tensor(torch.tensor([1.0, float("nan")]), torch.float16)[3] is None
 
 
 # -- training -------------------------------------------------------------------------------------------------------
@@ -1910,13 +1998,15 @@ class _DividesBySmall(nn.Module):
         h = self.a(x)
         if self.how == "buffer":  # (a module tensor holding the divisor)
             return self.b(h / self.small * 1e-6)
+        if self.how == "buffer_keyword":  # (passed as ``other=``)
+            return self.b(torch.div(h, other=self.small) * 1e-6)
         if self.how == "negative":  # (its magnitude is what leaves FP16)
             return self.b(h / -1e-6 * -1e-6)
         h = h / 1e-6 if self.how == "operator" else torch.div(h, 1e-6) if self.how == "torch" else h.div(1e-6)
         return self.b(h * 1e-6)
 
 
-@pytest.mark.parametrize("how", ["operator", "torch", "method", "buffer", "negative"])
+@pytest.mark.parametrize("how", ["operator", "torch", "method", "buffer", "buffer_keyword", "negative"])
 @pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
 def test_a_division_by_a_number_whose_reciprocal_leaves_fp16_keeps_fp32(capture, how):
     """``h / 1e-6`` multiplies by 1e6: ``h * 1e6`` kept FP32 (its number is past 65504), the division

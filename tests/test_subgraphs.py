@@ -865,6 +865,30 @@ def test_a_body_value_shadowing_an_outer_name_is_typed_and_painted():
     assert not rewrite_onnx_model(out).modified, "a second rewrite changed the model"
 
 
+def test_a_shadowing_body_value_takes_a_fresh_name_the_model_does_not_use():
+    """The fresh name of a body value that shadows an outer one is never a name the model uses: with
+    ``h2__1`` taken in the main graph the body's ``h2`` becomes ``h2__2``, and the rewrite computes
+    as the FP32 model does."""
+    then_g = body("then", [helper.make_node("MatMul", ["h", "w2"], ["h2"], name="then_mm"),
+                           helper.make_node("Relu", ["h2"], ["t"], name="then_relu")], [], [vi("t")])
+    else_g = body("else", [helper.make_node("Sigmoid", ["h"], ["e"], name="else_sig")], [], [vi("e")])
+    model = make([helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+                  helper.make_node("Relu", ["h"], ["h2"], name="relu"),
+                  helper.make_node("Neg", ["h2"], ["h2__1"], name="neg"),
+                  helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=0),
+                  helper.make_node("Greater", ["s", "zero"], ["c"], name="gt"),
+                  helper.make_node("If", ["c"], ["r"], name="if", then_branch=then_g, else_branch=else_g),
+                  helper.make_node("Add", ["r", "h2__1"], ["a"], name="add"),
+                  helper.make_node("MatMul", ["a", "w3"], ["y"], name="mm3")],
+                 [vi("x")], [vi("y")], [weight("w1"), weight("w2"), weight("w3"), scalar("zero", 0.0)])
+    result = rewrite_onnx_model(model)
+    assert result.log.decisions["then_mm"].precision.value == "low"
+    out = result.model
+    for feeds in (feeds_x(1.0), feeds_x(-1.0)):
+        ref, got = run_onnx(model, feeds)["y"], run_onnx(out, feeds)["y"]
+        assert np.abs(got.astype(np.float32) - ref).max() <= 2e-2 * (1 + np.abs(ref).max())
+
+
 def test_cast_names_do_not_depend_on_memory_addresses(monkeypatch):
     """Casts of one value for several scopes (an If's two branches and the main graph) were ordered
     by id(scope), a memory address: the ``_1``/``_2`` suffixes moved between runs, so the same
