@@ -950,9 +950,12 @@ class CheckResult:
                          f"overflowing node: {self.overflow[0].describe(low)}")
             for o in roots[1:5]:
                 lines.append(f"  also: {o.describe(low)}")
-            later = self.overflow_total - len(roots[:5])
-            if later > 0:
-                lines.append(f"  ({later} more {low} values downstream carry NaN/Inf)")
+            more_roots = len(roots[5:])
+            downstream = self.overflow_total - len(roots[:5]) - more_roots
+            said = ([f"{more_roots} more overflowing node{'s' if more_roots > 1 else ''}"] if more_roots else []) \
+                + ([f"{downstream} more {low} value{'s' if downstream > 1 else ''} downstream"] if downstream > 0 else [])
+            if said:
+                lines.append(f"  ({' and '.join(said)} carry NaN/Inf)")
         elif self.localised:
             lines.append(f"no {low} intermediate value overflowed (main graph)")
         for w in self.near_limit[:5]:

@@ -1857,15 +1857,19 @@ def _overflow(node: str, root: bool = True) -> "ck.Overflow":
 
 
 def test_the_table_counts_the_values_downstream_beyond_the_five_roots_it_names():
-    """The table names the first root and four more; the rest of the overflowing values, roots past
-    the fifth included, are counted on one line."""
+    """The table names the first root and four more; the roots past the fifth and the values
+    downstream are counted on one line, each as what it is."""
     ok = ck.compare_output("y", np.ones(2, np.float32), np.ones(2, np.float16), 0.01)
     roots = [_overflow(f"mul{i}") for i in range(7)]
     result = ck.CheckResult(passed=False, tolerance=0.01, target="fp16", provider="CPUExecutionProvider",
                             outputs=[ok], overflow=roots + [_overflow("add", root=False)], overflow_total=8)
     table = result.table()
     assert table.count("  also: ") == 4 and "mul5" not in table
-    assert "  (3 more fp16 values downstream carry NaN/Inf)" in table
+    assert "  (2 more overflowing nodes and 1 more fp16 value downstream carry NaN/Inf)" in table
+    only_downstream = ck.CheckResult(passed=False, tolerance=0.01, target="fp16", provider="CPUExecutionProvider",
+                                     outputs=[ok], overflow=roots[:2] + [_overflow("add", root=False)],
+                                     overflow_total=5).table()
+    assert "  (3 more fp16 values downstream carry NaN/Inf)" in only_downstream
 
 
 def test_the_failure_names_an_output_with_new_nan_or_inf_before_one_only_far_off():
