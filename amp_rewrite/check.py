@@ -1169,6 +1169,27 @@ def _reference_for(fp32, inputs, runner):
                       "values": f"a sequence of {len(v)} tensors, given"} for k, v in feeds.items()]
     return reference(fp32, feeds, runner, described, user_inputs=inputs is not None)
 
+def _cannot_load(exc: RuntimeError, runner: Runner) -> str:
+    """Why onnxruntime cannot run the FP32 model whatever the inputs (it refused to create the
+    session), and what to do: the inputs are not to blame."""
+    text, version = str(exc), runner.ort.__version__
+    if ir := re.search(r"Unsupported model IR version: (\d+), max supported IR version: (\d+)", text):
+        return (f"onnxruntime {version} reads ONNX IR version {ir[2]} at most and the model is IR version {ir[1]}, "
+                f"so --check cannot run it on this machine: save the model with ir_version {ir[2]} or lower "
+                f"(onnx.helper.make_model writes the newest by default; the rewrite keeps the model's), or leave out "
+                f"--check")
+    if opset := re.search(r"Opset (\d+) is under development.*support for domain (\S+) is till opset (\d+)", text):
+        return (f"onnxruntime {version} reads {opset[2]} opsets up to {opset[3]} and the model imports opset "
+                f"{opset[1]}, so --check cannot run it on this machine: export the model at opset {opset[3]} or "
+                f"lower, or leave out --check")
+    if "NOT_IMPLEMENTED" in text:  # (an op with no kernel on this provider)
+        return (f"onnxruntime's {runner.providers[0]} has no kernel for an op of the FP32 model ({exc}), so --check "
+                f"cannot run it on this machine: check where onnxruntime has one (onnxruntime-gpu's "
+                f"CUDAExecutionProvider for com.microsoft ops), or leave out --check")
+    return (f"onnxruntime {version} cannot load the FP32 model ({exc}), so --check cannot run it on this machine: "
+            f"leave out --check")
+
+
 def reference(fp32: Any, feeds: Mapping[str, Any], runner: Runner,
               inputs: list[dict[str, Any]] | None = None, *, user_inputs: bool = False) -> Reference:
     proto = original = _as_proto(fp32)
@@ -1192,28 +1213,11 @@ def reference(fp32: Any, feeds: Mapping[str, Any], runner: Runner,
         except RuntimeError as exc:
             from .ort_worker import OrtCrash, SessionError
 
+            if isinstance(exc, SessionError) or "NOT_IMPLEMENTED" in str(exc):
+                raise UsageError(_cannot_load(exc, runner)) from exc  # (whatever the inputs)
             hint = "check the arrays in --inputs" if user_inputs else "pass real inputs with --inputs file.npz"
             if isinstance(exc, OrtCrash):  # (no input makes an assertion in a kernel hold)
                 hint = "onnxruntime cannot run it, so the check cannot compare with it"
-            ir = re.search(r"Unsupported model IR version: (\d+), max supported IR version: (\d+)", str(exc))
-            if ir:  # (no input can make onnxruntime load it: the inputs are not to blame)
-                raise UsageError(f"onnxruntime {runner.ort.__version__} reads ONNX IR version {ir[2]} at most and the "
-                                 f"model is IR version {ir[1]}, so --check cannot run it on this machine: save the "
-                                 f"model with ir_version {ir[2]} or lower (onnx.helper.make_model writes the newest "
-                                 f"by default; the rewrite keeps the model's), or leave out --check") from exc
-            opset = re.search(r"Opset (\d+) is under development.*support for domain (\S+) is till opset (\d+)", str(exc))
-            if opset:
-                raise UsageError(f"onnxruntime {runner.ort.__version__} reads {opset[2]} opsets up to {opset[3]} and the "
-                                 f"model imports opset {opset[1]}, so --check cannot run it on this machine: export "
-                                 f"the model at opset {opset[3]} or lower, or leave out --check") from exc
-            if "NOT_IMPLEMENTED" in str(exc):  # (a session no input can create: an op with no kernel there)
-                raise UsageError(f"onnxruntime's {runner.providers[0]} has no kernel for an op of the FP32 model "
-                                 f"({exc}), so --check cannot run it on this machine: check where onnxruntime "
-                                 f"has one (onnxruntime-gpu's CUDAExecutionProvider for com.microsoft ops), or "
-                                 f"leave out --check") from exc
-            if isinstance(exc, SessionError):  # (onnxruntime refuses the model itself, whatever the inputs)
-                raise UsageError(f"onnxruntime {runner.ort.__version__} cannot load the FP32 model ({exc}), so --check "
-                                 f"cannot run it on this machine: leave out --check") from exc
             raise UsageError(f"onnxruntime cannot run the FP32 model on the {'given' if user_inputs else 'generated'} "
                              f"inputs ({exc}); {hint}") from exc
         notes.append("onnxruntime could not run the FP32 model with its intermediate values exposed: "
