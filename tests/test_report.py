@@ -329,12 +329,8 @@ def test_unlisted_retargeted_and_removed_casts():
     assert "unlisted ops kept FP32: custom.ops::Weird ×1" in report.summary_text()
 
 
-def test_every_untyped_op_of_a_chain_is_counted_and_told_to_get_a_type():
-    """The second of two chained custom ops reads a value of unknown type (no schema types the
-    first's output): it was kept FP32 without being counted, so the summary said ×1 for two. Both
-    were listed as unlisted, with the advice to classify them in a rule file, which changed
-    nothing (nor did --fp16-ops): untyped, they cannot be made low. The summary says so and what
-    to do first; given a type, the op is unlisted, and a rule decides it."""
+def _weird_chain() -> onnx.ModelProto:
+    """Two chained custom ops (custom.ops.Weird, no schema) between two MatMuls."""
     model = onnx.parser.parse_model("""
     <ir_version: 8, opset_import: ["" : 17, "custom.ops" : 1]>
     g (float[2,8] x) => (float[2,8] y) {
@@ -344,6 +340,16 @@ def test_every_untyped_op_of_a_chain_is_counted_and_told_to_get_a_type():
       y = MatMul(b, w)
     }""")
     model.graph.initializer.append(onnx.numpy_helper.from_array(np.eye(8, dtype=np.float32), "w"))
+    return model
+
+
+def test_every_untyped_op_of_a_chain_is_counted_and_told_to_get_a_type():
+    """The second of two chained custom ops reads a value of unknown type (no schema types the
+    first's output): it was kept FP32 without being counted, so the summary said ×1 for two. Both
+    were listed as unlisted, with the advice to classify them in a rule file, which changed
+    nothing (nor did --fp16-ops): untyped, they cannot be made low. The summary says so and what
+    to do first; given a type, the op is unlisted, and a rule decides it."""
+    model = _weird_chain()
     for options in ({}, {"fp16_ops": ["custom.ops:Weird"]}):
         report = rewrite(model, **options).report
         assert report.summary()["unlisted_ops"] == {}
@@ -1167,15 +1173,7 @@ def test_html_summary_cards_count_the_target_type_and_every_unlisted_node():
 
     html = render_html(rewrite(_two_matmuls(), target="bf16").report)
     assert _card_value(html, "sum-low") == "2" and "nodes in bf16" in html
-    model = onnx.parser.parse_model("""
-    <ir_version: 8, opset_import: ["" : 17, "custom.ops" : 1]>
-    g (float[2,8] x) => (float[2,8] y) {
-      h = MatMul(x, w)
-      a = custom.ops.Weird(h)
-      b = custom.ops.Weird(a)
-      y = MatMul(b, w)
-    }""")
-    model.graph.initializer.append(onnx.numpy_helper.from_array(np.eye(8, dtype=np.float32), "w"))
+    model = _weird_chain()
     model.graph.value_info.extend(onnx.helper.make_tensor_value_info(v, onnx.TensorProto.FLOAT, [2, 8]) for v in "ab")
     assert _card_value(render_html(rewrite(model).report), "sum-unlisted") == "2"
     kept = render_html(rewrite(_two_matmuls(), fp32_ops=["MatMul"]).report)

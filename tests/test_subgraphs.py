@@ -840,22 +840,31 @@ def test_an_existing_cast_writing_a_low_graph_output_is_retargeted():
     assert not rewrite_onnx_model(out, keep_io_types=False).modified
 
 
+def _shadowing_model(taken: bool = False) -> onnx.ModelProto:
+    """A then-branch MatMul writes ``h2``, a name the main graph's Relu writes too; the main graph
+    adds the If's result to ``h2`` (``taken``: to ``h2__1 = Neg(h2)``, taking the name a fresh body
+    value would get first)."""
+    then_g = body("then", [helper.make_node("MatMul", ["h", "w2"], ["h2"], name="then_mm"),
+                           helper.make_node("Relu", ["h2"], ["t"], name="then_relu")], [], [vi("t")])
+    else_g = body("else", [helper.make_node("Sigmoid", ["h"], ["e"], name="else_sig")], [], [vi("e")])
+    added = "h2__1" if taken else "h2"
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Relu", ["h"], ["h2"], name="relu"),
+             *([helper.make_node("Neg", ["h2"], ["h2__1"], name="neg")] if taken else []),
+             helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"], name="gt"),
+             helper.make_node("If", ["c"], ["r"], name="if", then_branch=then_g, else_branch=else_g),
+             helper.make_node("Add", ["r", added], ["a"], name="add"),
+             helper.make_node("MatMul", ["a", "w3"], ["y"], name="mm3")]
+    return make(nodes, [vi("x")], [vi("y")], [weight("w1"), weight("w2"), weight("w3"), scalar("zero", 0.0)])
+
+
 def test_a_body_value_shadowing_an_outer_name_is_typed_and_painted():
     """A then-branch MatMul writes ``h2``, a name the main graph also uses (onnx.checker calls it an
     SSA violation; onnxruntime runs it). onnx's shape inference leaves such a body value untyped:
     the MatMul kept FP32 ("dtype of its output 'h2__1' is unknown") and Cast round trips, and a
     second rewrite, reading it under its fresh name, painted it low: not idempotent."""
-    then_g = body("then", [helper.make_node("MatMul", ["h", "w2"], ["h2"], name="then_mm"),
-                           helper.make_node("Relu", ["h2"], ["t"], name="then_relu")], [], [vi("t")])
-    else_g = body("else", [helper.make_node("Sigmoid", ["h"], ["e"], name="else_sig")], [], [vi("e")])
-    model = make([helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
-                  helper.make_node("Relu", ["h"], ["h2"], name="relu"),
-                  helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=0),
-                  helper.make_node("Greater", ["s", "zero"], ["c"], name="gt"),
-                  helper.make_node("If", ["c"], ["r"], name="if", then_branch=then_g, else_branch=else_g),
-                  helper.make_node("Add", ["r", "h2"], ["a"], name="add"),
-                  helper.make_node("MatMul", ["a", "w3"], ["y"], name="mm3")],
-                 [vi("x")], [vi("y")], [weight("w1"), weight("w2"), weight("w3"), scalar("zero", 0.0)])
+    model = _shadowing_model()
     result = rewrite_onnx_model(model)
     assert result.log.decisions["then_mm"].precision.value == "low"
     out = result.model
@@ -869,18 +878,7 @@ def test_a_shadowing_body_value_takes_a_fresh_name_the_model_does_not_use():
     """The fresh name of a body value that shadows an outer one is never a name the model uses: with
     ``h2__1`` taken in the main graph the body's ``h2`` becomes ``h2__2``, and the rewrite computes
     as the FP32 model does."""
-    then_g = body("then", [helper.make_node("MatMul", ["h", "w2"], ["h2"], name="then_mm"),
-                           helper.make_node("Relu", ["h2"], ["t"], name="then_relu")], [], [vi("t")])
-    else_g = body("else", [helper.make_node("Sigmoid", ["h"], ["e"], name="else_sig")], [], [vi("e")])
-    model = make([helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
-                  helper.make_node("Relu", ["h"], ["h2"], name="relu"),
-                  helper.make_node("Neg", ["h2"], ["h2__1"], name="neg"),
-                  helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=0),
-                  helper.make_node("Greater", ["s", "zero"], ["c"], name="gt"),
-                  helper.make_node("If", ["c"], ["r"], name="if", then_branch=then_g, else_branch=else_g),
-                  helper.make_node("Add", ["r", "h2__1"], ["a"], name="add"),
-                  helper.make_node("MatMul", ["a", "w3"], ["y"], name="mm3")],
-                 [vi("x")], [vi("y")], [weight("w1"), weight("w2"), weight("w3"), scalar("zero", 0.0)])
+    model = _shadowing_model(taken=True)
     result = rewrite_onnx_model(model)
     assert result.log.decisions["then_mm"].precision.value == "low"
     out = result.model
