@@ -62,7 +62,7 @@ def amp_rewrite_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs
 
 def _compile(gm: torch.fx.GraphModule, example_inputs: list, options: dict, mode: str | None = None) -> Callable:
     from .errors import InPlaceMutationError, UsageError
-    from .fx_api import rewrite_torch
+    from .fx_api import allow_pickling, rewrite_torch
 
     from .fx_api import ambient_autocast
 
@@ -106,6 +106,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, options: dict, mode
     last_reports.append(result.report)
     del last_reports[:-_MAX_REPORTS]
     rewritten = result.model
+    allow_pickling(rewritten)  # (no user holds it; the inner compilers pickle it for their cache keys)
     compiler = _inner_compiler(inner)
     if inner_options:
         return compiler(rewritten, list(example_inputs), options=inner_options)

@@ -228,6 +228,17 @@ def _refuse_pickling(gm: fx.GraphModule) -> None:
         gm._register_deepcopy_hook(_refuse_pickling)
 
 
+def allow_pickling(gm: fx.GraphModule) -> None:
+    """Undo ``_refuse_pickling`` for a graph no user holds: the one the torch.compile backend hands
+    its inner compiler, which inductor and AOTAutograd pickle for their cache keys (torch 2.11 logged
+    the refusal's traceback and compiled without its cache)."""
+    if "__reduce__" in vars(type(gm)):
+        del type(gm).__reduce__
+    hooks = getattr(gm, "_deepcopy_hooks", None)
+    if hooks and _refuse_pickling in hooks:
+        hooks.remove(_refuse_pickling)
+
+
 MIXED = "mixed"  # an ExportedProgram's ops captured in both modes (a submodule switched apart)
 
 

@@ -603,3 +603,28 @@ def test_the_backend_under_an_ambient_autocast_and_misused_options_say_what_to_d
         amp_rewrite.api.rewrite_onnx_model(model)
     with pytest.raises(TypeError, match="is not a torch module"):
         amp_rewrite.LossScaler("gm")
+
+
+def test_the_graph_handed_to_the_inner_compiler_pickles_for_its_cache_key():
+    """inductor and AOTAutograd pickle the graph they are given for their cache keys. The refusal a
+    rewritten module carries (torch.save(gm) would come back wrong) does not apply to that graph, which
+    no user holds: under torch 2.11 inductor logged the refusal's traceback twice per compile and
+    compiled without its cache. A deep copy of it pickles too; a rewrite() result still refuses."""
+    import pickle
+
+    seen = {}
+
+    def inner(gm, example_inputs):
+        seen["bytes"] = len(pickle.dumps(gm))
+        seen["copy"] = len(pickle.dumps(copy.deepcopy(gm)))
+        return gm.forward
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    x = torch.randn(4, 16)
+    compiled = torch.compile(model, backend="amp_rewrite", options={"target": "bf16", "backend": inner})
+    with torch.no_grad():
+        assert rel_err(compiled(x), model(x)) < TOL["bf16"]
+    assert seen["bytes"] > 0 and seen["copy"] > 0
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16")
+    with pytest.raises(pickle.PicklingError, match=r"Save gm.state_dict\(\) instead"):
+        pickle.dumps(gm)
