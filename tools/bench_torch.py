@@ -159,23 +159,22 @@ def _row(model: str, variant: str, times: list[float], baseline: list[float] | N
             "rel_err": rel_err(out, ref), "iters": len(times)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def common_arguments(parser: argparse.ArgumentParser, sizes: dict) -> None:
+    """--device, --target and --size, as this script and tools/bench_train.py take them."""
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--target", choices=("fp16", "bf16"), default=None,
                         help="low-precision type (default: fp16 on GPU, bf16 on CPU)")
-    parser.add_argument("--size", choices=tuple(SIZES), default=None, help="default: base on GPU, tiny on CPU")
-    parser.add_argument("--models", default="transformer,cnn")
-    parser.add_argument("--backend", default="inductor", help="compiler behind both variants (inductor, aot_eager, ...)")
-    parser.add_argument("--warmup", type=int, default=None, help="default: 10 on GPU, 3 on CPU")
-    parser.add_argument("--iters", type=int, default=None, help="default: 50 on GPU, 10 on CPU")
-    parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
-    args = parser.parse_args(argv)
+    parser.add_argument("--size", choices=tuple(sizes), default=None, help="default: base on GPU, tiny on CPU")
 
+
+def choose_device(args: argparse.Namespace) -> torch.device | None:
+    """The device ``--device`` asks for (auto: the GPU if there is one), with ``args.target`` and
+    ``args.size`` defaulted for it (FP16 and base on a GPU, BF16 and tiny on CPU); None, with a
+    message on stderr, when it asks for a GPU there is not. Says so when the run falls back to CPU."""
     has_gpu = torch.cuda.is_available()
     if args.device == "cuda" and not has_gpu:
         print("error: --device cuda but no GPU is available", file=sys.stderr)
-        return 2
+        return None
     device = torch.device("cuda" if (args.device in ("auto", "cuda") and has_gpu) else "cpu")
     on_gpu = device.type == "cuda"
     if not on_gpu:
@@ -183,6 +182,23 @@ def main(argv: list[str] | None = None) -> int:
               "(no tensor cores; FP16 matmul on CPU is emulated and slow).")
     args.target = args.target or ("fp16" if on_gpu else "bf16")
     args.size = args.size or ("base" if on_gpu else "tiny")
+    return device
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common_arguments(parser, SIZES)
+    parser.add_argument("--models", default="transformer,cnn")
+    parser.add_argument("--backend", default="inductor", help="compiler behind both variants (inductor, aot_eager, ...)")
+    parser.add_argument("--warmup", type=int, default=None, help="default: 10 on GPU, 3 on CPU")
+    parser.add_argument("--iters", type=int, default=None, help="default: 50 on GPU, 10 on CPU")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    args = parser.parse_args(argv)
+
+    device = choose_device(args)
+    if device is None:
+        return 2
+    on_gpu = device.type == "cuda"
     args.warmup = args.warmup if args.warmup is not None else (10 if on_gpu else 3)
     args.iters = args.iters if args.iters is not None else (50 if on_gpu else 10)
     name = torch.cuda.get_device_name(device) if on_gpu else "CPU"

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import amp_rewrite  # noqa: E402
-from tools.bench_torch import Transformer  # noqa: E402
+from tools.bench_torch import Transformer, choose_device, common_arguments  # noqa: E402
 
 SIZES = {  # (vocab, d_model, heads, layers, batch, seq)
     "tiny": (64, 32, 2, 1, 8, 16),
@@ -154,25 +154,17 @@ def summarise(run: dict, ref: dict | None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    parser.add_argument("--target", choices=("fp16", "bf16"), default=None,
-                        help="low-precision type (default: fp16 on GPU, bf16 on CPU)")
-    parser.add_argument("--size", choices=tuple(SIZES), default=None, help="default: base on GPU, tiny on CPU")
+    common_arguments(parser, SIZES)
     parser.add_argument("--steps", type=int, default=None, help="default: 200 on GPU, 40 on CPU")
     parser.add_argument("--lr", type=float, default=None, help="default: 1e-2 tiny, 1e-3 small, 3e-4 base")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows and loss curves as JSON")
     args = parser.parse_args(argv)
 
-    has_gpu = torch.cuda.is_available()
-    if args.device == "cuda" and not has_gpu:
-        print("error: --device cuda but no GPU is available", file=sys.stderr)
+    device = choose_device(args)
+    if device is None:
         return 2
-    device = torch.device("cuda" if (args.device in ("auto", "cuda") and has_gpu) else "cpu")
     on_gpu = device.type == "cuda"
-    if not on_gpu:
-        print("No GPU was available: running on CPU. CPU timings do not predict GPU speedups.")
-    target = args.target or ("fp16" if on_gpu else "bf16")
-    size = args.size or ("base" if on_gpu else "tiny")
+    target, size = args.target, args.size
     steps = args.steps or (200 if on_gpu else 40)
     if steps < 10:
         print("error: --steps must be at least 10 (the table compares tenths of the run)", file=sys.stderr)
