@@ -411,6 +411,26 @@ def test_exact_round_trips_through_a_wider_type_fold_and_narrowing_ones_stay():
     assert not rewrite(out).modified
 
 
+def test_an_overridable_initializer_only_a_removed_cast_read_keeps_its_default():
+    """An initializer also listed as a graph input (a default the caller may override) that only a
+    removed no-op Cast read keeps its initializer: without it the input has no default and the
+    model asks for a feed it did not need."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x, float[8] b) => (float[4,8] y) {
+          c = Cast<to=1>(b)
+          h = MatMul(x, w)
+          y = MatMul(h, w)
+        }""", {"w": (8, 8), "b": np.zeros(8, np.float32)})
+    result = rewrite(m)
+    out = result.model
+    full_check(out)
+    assert not any(n.op_type == "Cast" and n.input[0] == "b" for n in out.graph.node)
+    assert "b" in {t.name for t in out.graph.initializer} and "b" in {i.name for i in out.graph.input}
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    assert rel_err(run(m, {"x": x})["y"], run(out, {"x": x})["y"]) < 1e-2
+
+
 def test_training_keeps_initializers_fp32_with_casts_at_use():
     result = rewrite(_mlp(), training=True)
     out = result.model

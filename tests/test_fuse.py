@@ -252,6 +252,25 @@ def test_broadcast_skip_goes_second():
     check_fused(model, result)
 
 
+@pytest.mark.parametrize("bias", [(1, 8), (8,)], ids=["1x8", "8"])
+def test_a_broadcast_operand_of_a_rank_2_sum_is_no_skip(bias):
+    """For a (tokens, hidden) input the skip ops take a skip of the same shape only (onnxruntime
+    refuses a (1, hidden) or (hidden,) one at run time): the norm reads the sum with a zero skip."""
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[4,8] x) => (float[4,8] y) {
+      q = MatMul(x, wq)
+      r = Add(q, pos)""" + LAYERNORM + """
+      y = MatMul(ln, wo)
+    }""", {**W, "pos": bias})
+    result = rewrite(model)
+    full_check(result.model)
+    node = only(result.model, "SkipLayerNormalization", "com.microsoft")
+    assert names(node.input)[0] == "r" and "zero tensor" in result.log.fusions[0].reason
+    x = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    assert rel_err(run(model, x)["y"], run(result.model, x)["y"]) < 1e-2
+
+
 def _two_input_dims_residual(norm: str) -> str:
     """A residual sum of (B, S, 8) and (B, T, 8), two graph-input dims broadcast together, then the norm."""
     return """
@@ -412,6 +431,18 @@ def test_wrong_gelu_coefficient_is_not_fused():
     assert nodes_by_type(result.model, "Pow") and len(result.log.islands) == 1
 
 
+@pytest.mark.parametrize("eps", [0.0, 1.0, -1e-5])
+def test_an_eps_outside_zero_to_one_is_not_fused(eps):
+    """A LayerNorm's eps is a small positive constant below 1: a pattern that adds 0, 1 or a
+    negative number to the variance is left as written (an FP32 island)."""
+    model = residual_block(LAYERNORM, 17, inits={"eps": np.array(eps, np.float32)})
+    result = rewrite(model)
+    full_check(result.model)
+    assert not result.log.fusions
+    assert not nodes_by_type(result.model, "LayerNormalization") and nodes_by_type(result.model, "ReduceMean")
+    assert len(result.log.islands) == 1
+
+
 def standalone_norm(norm: str, opset: int, extra: dict | None = None) -> onnx.ModelProto:
     """x -> MatMul -> norm -> MatMul: the norm reads no residual sum (T5's and Llama's first
     RMSNorm reads the embedding Gather the same way)."""
@@ -537,6 +568,36 @@ def test_no_zero_skip_below_opset_9():
     assert island.pattern == "LayerNorm"
 
 
+@pytest.mark.parametrize("opset", [9, 11])
+def test_zero_skip_from_opset_9(opset):
+    """From opset 9, where ConstantOfShape exists, a norm with no residual sum below opset 17
+    takes the skip op on a zero tensor."""
+    model = standalone_norm(LAYERNORM, opset)
+    result = rewrite(model)
+    full_check(result.model)
+    node = only(result.model, "SkipLayerNormalization", "com.microsoft")
+    producers = {o: n for n in result.model.graph.node for o in n.output}
+    assert producers[node.input[1]].op_type == "ConstantOfShape"
+    assert not result.log.islands
+
+
+def test_zero_skip_needs_rank_2_or_3():
+    """The skip ops take (batch, sequence, hidden) or (tokens, hidden): a rank-4 norm keeps its island."""
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[1,2,4,8] x) => (float[1,2,4,8] y) {
+      r = MatMul(x, wq)""" + LAYERNORM + """
+      y = MatMul(ln, wo)
+    }""", W)
+    result = rewrite(model)
+    full_check(result.model)
+    assert not result.log.fusions
+    [island] = result.log.islands
+    assert island.pattern == "LayerNorm"
+    x = {"x": np.random.default_rng(0).standard_normal((1, 2, 4, 8)).astype(np.float32)}
+    assert rel_err(run(model, x)["y"], run(result.model, x)["y"]) < 1e-2
+
+
 def test_zero_skip_needs_a_known_rank():
     """The skip ops take rank 2 or 3; a norm over an input of unknown rank keeps its island."""
     text = """
@@ -564,9 +625,11 @@ def test_unread_initializer_of_the_input_is_kept():
     assert not {"eps", "two"} & {t.name for t in out.graph.initializer}
 
 
-def test_escaping_intermediate_blocks_fusion():
-    """The variance is also a graph output: fusing would lose it, so the pattern stays."""
-    model = residual_block(LAYERNORM, 17, outputs="float[2,4,8] y, float[2,4,1] v")
+@pytest.mark.parametrize("escaping", ["float[2,4,1] v", "float[2,4,8] p"], ids=["variance", "square"])
+def test_escaping_intermediate_blocks_fusion(escaping):
+    """The variance (or the squared deviations) is also a graph output: fusing would lose it, so
+    the pattern stays."""
+    model = residual_block(LAYERNORM, 17, outputs=f"float[2,4,8] y, {escaping}")
     result = rewrite(model)
     assert not result.log.fusions
     assert nodes_by_type(result.model, "ReduceMean") and len(result.log.islands) == 1
@@ -672,6 +735,21 @@ def test_weight_bytes_before_count_the_constants_a_fusion_removes(opset):
     before = sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer) + sum(
         numpy_helper.to_array(a.t).nbytes for n in model.graph.node if n.op_type == "Constant" for a in n.attribute)
     assert result.log.weights.bytes_before == before
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+def test_weight_bytes_after_leave_out_the_initializers_a_fusion_removes(opset):
+    """A fused pattern's epsilon and exponent initializers leave the model with it: the report's
+    weights.bytes_after is what the output holds."""
+    from onnx import numpy_helper
+
+    model = residual_block(LAYERNORM, opset)
+    result = rewrite(model)
+    out = result.model
+    assert result.log.fusions and not {"eps", "two"} & {t.name for t in out.graph.initializer}
+    after = sum(numpy_helper.to_array(t).nbytes for t in out.graph.initializer) + sum(
+        numpy_helper.to_array(a.t).nbytes for n in out.graph.node if n.op_type == "Constant" for a in n.attribute)
+    assert result.log.weights.bytes_after == after
 
 
 @pytest.mark.parametrize("keep_io_types", [True, False])
@@ -1170,7 +1248,8 @@ def _norm_look_alike(case: str) -> tuple[onnx.ModelProto, dict]:
     """A decomposed-norm shape that is not a LayerNorm: one guard of the matcher tells it apart."""
     kd = 0 if case == "keepdims" else 1
     axes, n_axes = ("{-1, -2}", 2) if case == "two_axes" else ("{-1}", 1)
-    square = "sq = Mul(d, t)" if case == "mul_not_square" else "sq = Mul(d, d)"
+    square = {"mul_not_square": "sq = Mul(d, t)",
+              "pow_three": "three = Constant <value = float {3.0}> ()\n      sq = Pow(d, three)"}.get(case, "sq = Mul(d, d)")
     scale = ("two = Constant <value = float {2.0}> ()\n  r = Div(two, s)\n  n = Mul(d, r)" if case == "div_by_two"
              else "n = Div(d, s)")
     shape = "[4, 4]" if case == "keepdims" else "[2, 4, 4]"  # (keepdims=0: the statistics broadcast on the last axis)
@@ -1223,7 +1302,8 @@ def _gelu_look_alike(case: str) -> tuple[onnx.ModelProto, dict]:
     return make_model(text, {"W": (8, 8), "W2": (8, 8)}), feeds
 
 
-LOOK_ALIKES = [("norm", "keepdims"), ("norm", "two_axes"), ("norm", "mul_not_square"), ("norm", "div_by_two"),
+LOOK_ALIKES = [("norm", "keepdims"), ("norm", "two_axes"), ("norm", "mul_not_square"), ("norm", "pow_three"),
+               ("norm", "div_by_two"),
                ("norm", "other_mean"), ("gelu", "other_addend"), ("gelu", "coefficient")]
 
 
@@ -1234,7 +1314,7 @@ def test_a_look_alike_of_a_norm_or_gelu_is_not_fused(kind, case):
     its tanh or halving by 0.46: each is one guard of the matcher, and a fused op in its place
     computes other numbers (relative errors of 0.09 to 1.07) in a model that passes the checker.
     (With another tensor's mean subtracted, what follows is an RMSNorm of the difference, and that
-    is fused: a LayerNorm is not.)"""
+    is fused: a LayerNorm is not.) A 'variance' of Pow(d, 3) is no square either."""
     model, feeds = (_norm_look_alike if kind == "norm" else _gelu_look_alike)(case)
     result = rewrite(model)
     full_check(result.model)

@@ -153,6 +153,28 @@ def test_constant_of_shape_without_value_follows_its_consumers():
     run(out, {"x": x})
 
 
+def test_constant_of_shape_fill_past_the_range_is_clamped_and_counted():
+    """A ConstantOfShape made FP16 whose fill is float32's lowest value (torch's finfo.min mask
+    fill) is written as -65504, not -inf, and the weight statistics count it clamped and a
+    sentinel."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {
+          a = MatMul(x, w)
+          z = ConstantOfShape<value = float[1] {-3.4028235e38}>(shape)
+          s = Add(a, z)
+          y = MatMul(s, w)
+        }""", {"w": (8, 8), "shape": np.array([4, 8], np.int64)})
+    result = rewrite(m)
+    full_check(result.model)
+    [fill] = [a.t for n in nodes_by_type(result.model, "ConstantOfShape") for a in n.attribute if a.name == "value"]
+    assert fill.data_type == FP16
+    assert onnx.numpy_helper.to_array(fill).tolist() == [-65504.0]
+    stats = result.log.weights
+    assert stats.clamped == 1
+    assert [s["count"] for s in stats.sentinels] == [1]
+
+
 def test_dequantize_linear_made_low_writes_its_output_dtype():
     """DequantizeLinear-23 with output_dtype=FLOAT, made FP16 (--fp16-ops), kept output_dtype=1
     while its output was declared FP16: onnxruntime refused the model ('Type (tensor(float16)) of
@@ -198,12 +220,13 @@ def test_shared_initializer_never_mismatches():
     np.testing.assert_allclose(ref["t"], got["t"], rtol=1e-6)  # the FP32 consumer saw exact weights
 
 
-@pytest.mark.parametrize("scope", ["main", "branch", "main-ir3"])
+@pytest.mark.parametrize("scope", ["main", "branch", "main-ir3", "main-ir4"])
 def test_shared_constant_node_is_copied_clamped_not_cast_at_run_time(scope):
     """A Constant node (not an initializer) read by an FP16 MatMul and an FP32 reduction got a
     run-time Cast for the MatMul: its 1e5 became inf there, and so did the outputs. Shared like an
     initializer, it now gives the FP16 reader a copy converted offline (clamped to 65504 and
-    counted), in a branch too, and at IR 3 (where the copy is listed among the graph inputs)."""
+    counted), in a branch too, and at IR 3 (where the copy is listed among the graph inputs; from IR 4
+    it is not)."""
     w = ",".join(["100000.0"] + ["0.1"] * 63)
     body = f"""w = Constant<value = float[8,8] {{{w}}}>()
                h = MatMul(x, w)
@@ -224,13 +247,15 @@ def test_shared_constant_node_is_copied_clamped_not_cast_at_run_time(scope):
               y = Identity(h)
               t = Identity(r)
             }}"""
-    model = make_model(text, ir_version=3 if scope == "main-ir3" else 8)
+    model = make_model(text, ir_version={"main-ir3": 3, "main-ir4": 4}.get(scope, 8))
     result = rewrite(model)
     out = result.model
     full_check(out)
     graphs = [out.graph] + [a.g for n in out.graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH]
     assert not any(n.op_type == "Cast" and n.input[0] == "w" for g in graphs for n in g.node)
     assert result.log.weights.clamped == 1
+    listed = {t.name for t in out.graph.initializer} & {i.name for i in out.graph.input}
+    assert bool(listed) == (scope == "main-ir3")
     feeds = {"x": np.random.default_rng(0).uniform(0, 0.5, (4, 8)).astype(np.float32)}
     if scope == "branch":
         feeds["c"] = np.array(True)
@@ -626,8 +651,8 @@ def _reference_conversion(data: np.ndarray, target):
 def test_weight_conversion_counts_match_an_element_by_element_reference(target):
     """``convert_array`` skips the clamp, sentinel and flush passes when a tensor's largest and
     smallest magnitudes show there is nothing to find: on tensors with and without each case
-    (NaN, ±inf, exact zeros, subnormal and huge values, empty), it returns the reference's array
-    bit for bit and its counts."""
+    (NaN, ±inf, exact zeros, subnormal and huge values, half the smallest subnormal, empty), it
+    returns the reference's array bit for bit and its counts."""
     import ml_dtypes
     from amp_rewrite.emitters.onnx_emitter import convert_array
 
@@ -635,8 +660,10 @@ def test_weight_conversion_counts_match_an_element_by_element_reference(target):
     rng = np.random.default_rng(7)
     specials = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1e8, -1e8, 1e9, -3.4e38, 7e4, -6.6e4, 65504.0, 65519.0, 65520.0,
                          1e-9, -2.9e-8, 3e-8, 6e-8, 1e-40, -1e-45, 1e-38], np.float32)
+    half_tiniest = float(ml_dtypes.finfo(dtype).smallest_subnormal) / 2  # (rounds to zero: ties to even)
     cases = [np.zeros(0, np.float32), rng.standard_normal(1000).astype(np.float32),
-             np.abs(rng.standard_normal(100)).astype(np.float32) + 1e-3]
+             np.abs(rng.standard_normal(100)).astype(np.float32) + 1e-3,
+             np.array([half_tiniest, -half_tiniest, 1.0], np.float32)]
     for k in range(60):
         base = rng.standard_normal(64).astype(np.float32) * np.float32(10.0 ** rng.integers(-8, 6))
         picks = rng.choice(specials, size=int(rng.integers(0, 4)))
