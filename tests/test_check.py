@@ -1010,6 +1010,77 @@ def test_emulation_widens_dtype_attributes_and_rounds_a_passed_through_input():
     np.testing.assert_array_equal(got["y"], want.astype(np.float32))
 
 
+def test_emulation_rounds_a_low_input_that_a_branch_reads_from_the_outer_scope():
+    """An FP16 graph input read inside an If branch (an outer-scope value) is read rounded there too:
+    70000 * 0.5 is inf in FP16, as a GPU computes it, not 35000."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from amp_rewrite.emulate import emulate_low
+
+    vi = helper.make_tensor_value_info
+    then_g = helper.make_graph([helper.make_node("Mul", ["xh", "half"], ["tb"])], "then", [],
+                               [vi("tb", TensorProto.FLOAT16, [2])])
+    else_g = helper.make_graph([helper.make_node("Identity", ["xh"], ["eb"])], "else", [],
+                               [vi("eb", TensorProto.FLOAT16, [2])])
+    graph = helper.make_graph([helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g)], "g",
+                              [vi("xh", TensorProto.FLOAT16, [2]), vi("c", TensorProto.BOOL, [])],
+                              [vi("y", TensorProto.FLOAT16, [2])],
+                              [numpy_helper.from_array(np.array(0.5, np.float16), "half")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    emulated, _ = emulate_low(model)
+    onnx.checker.check_model(emulated, full_check=True)
+    x = np.array([1.0, 70000.0], np.float32)
+    got = ck.Runner(["CPUExecutionProvider"]).run(emulated, {"xh": x, "c": np.array(True)}, what="emulation")
+    np.testing.assert_array_equal(got["y"], [0.5, np.inf])
+
+
+def test_emulation_rounds_every_low_output_of_a_multi_output_node():
+    """An FP16 LSTM's last hidden state Y_h is rounded where it is made, as its sequence output Y is:
+    it equals Y's last step exactly and is in the names returned as held low."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from amp_rewrite.emulate import emulate_low
+
+    vi = helper.make_tensor_value_info
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((1, 8, 3)).astype(np.float16), "W"),
+             numpy_helper.from_array(rng.standard_normal((1, 8, 2)).astype(np.float16), "R")]
+    graph = helper.make_graph([helper.make_node("LSTM", ["x", "W", "R"], ["y", "yh"], hidden_size=2)], "g",
+                              [vi("x", TensorProto.FLOAT16, [3, 1, 3])],
+                              [vi("y", TensorProto.FLOAT16, [3, 1, 1, 2]), vi("yh", TensorProto.FLOAT16, [1, 1, 2])],
+                              inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    emulated, rounded = emulate_low(model)
+    onnx.checker.check_model(emulated, full_check=True)
+    assert rounded == {"x", "y", "yh"}
+    got = ck.Runner(["CPUExecutionProvider"]).run(emulated, {"x": rng.standard_normal((3, 1, 3)).astype(np.float32)},
+                                                  what="emulation")
+    np.testing.assert_array_equal(got["yh"], got["y"][-1])
+    np.testing.assert_array_equal(got["yh"], got["yh"].astype(np.float16).astype(np.float32))
+
+
+def test_emulation_widens_a_declared_sequence_of_low_tensors():
+    """A value_info declaring a sequence of FP16 tensors becomes a sequence of FP32 ones, as its
+    elements are: the emulation stays a valid model and keeps the elements' FP16 rounding."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from amp_rewrite.emulate import emulate_low
+
+    vi = helper.make_tensor_value_info
+    nodes = [helper.make_node("Mul", ["x", "two"], ["m"]), helper.make_node("SequenceConstruct", ["m", "x"], ["sq"]),
+             helper.make_node("ConcatFromSequence", ["sq"], ["y"], axis=0)]
+    graph = helper.make_graph(nodes, "g", [vi("x", TensorProto.FLOAT16, [2])], [vi("y", TensorProto.FLOAT16, [4])],
+                              [numpy_helper.from_array(np.array(2, np.float16), "two")],
+                              value_info=[helper.make_tensor_sequence_value_info("sq", TensorProto.FLOAT16, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    emulated, _ = emulate_low(model)
+    onnx.checker.check_model(emulated, full_check=True)
+    assert emulated.graph.value_info[0].type.sequence_type.elem_type.tensor_type.elem_type == TensorProto.FLOAT
+    got = ck.Runner(["CPUExecutionProvider"]).run(emulated, {"x": np.array([1.0, 40000.0], np.float32)},
+                                                  what="emulation")
+    np.testing.assert_array_equal(got["y"], [2.0, np.inf, 1.0, 40000.0])
+
+
 def test_an_input_model_with_fp16_or_bf16_of_its_own_is_checked_as_a_gpu_runs_it():
     """The reference ran raw on the CPU provider, which skips FP16 rounding: a model with nothing
     to rewrite whose own FP16 chain overflows "failed" against itself and blamed the wrong node.
@@ -1636,6 +1707,25 @@ def test_a_low_sum_of_three_inputs_is_emulated_with_its_partial_sums_rounded(tmp
     np.savez(tmp_path / "in.npz", x=np.ones((1, 4), np.float32))
     proc = run_cli(["m.onnx", "--check", "--inputs", "in.npz"], tmp_path)
     assert proc.returncode == 8, proc.stdout + proc.stderr
+
+
+def test_a_low_sum_of_broadcast_inputs_is_emulated_with_each_partial_sum_its_own_shape():
+    """The partial sums of Sum(a[4], b[4], c[2,4]) have shape [4] and the sum [2,4]: the emulation
+    declares only the last one's shape, so it stays a valid model, and rounds each partial sum
+    (40000 + 40000 overflows FP16 before -40000 is added)."""
+    from onnx import TensorProto, helper
+
+    vi = helper.make_tensor_value_info
+    graph = helper.make_graph([helper.make_node("Sum", ["a", "b", "c"], ["s"])], "g",
+                              [vi("a", TensorProto.FLOAT16, [4]), vi("b", TensorProto.FLOAT16, [4]),
+                               vi("c", TensorProto.FLOAT16, [2, 4])], [vi("s", TensorProto.FLOAT16, [2, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    emulated, rounded = emulate_low(model)
+    onnx.checker.check_model(emulated, full_check=True)
+    assert rounded == {"a", "b", "c", "s"}
+    feeds = {"a": np.full(4, 40000, np.float32), "b": np.full(4, 40000, np.float32),
+             "c": np.full((2, 4), -40000, np.float32)}
+    assert np.isposinf(run(emulated, feeds)["s"]).all()
 
 
 def test_an_einsum_of_three_operands_stays_fp32():

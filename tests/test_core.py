@@ -287,6 +287,121 @@ def test_unbounded_deny_op_still_spreads():
     assert types["qc"] == FP32 and types["r"] == FP32
 
 
+def test_an_unlisted_op_spreads_fp32_paint_like_a_deny_op():
+    """An op no rule names computes in FP32 and, like a deny op, paints FP32 the clear and infer ops on
+    a path from it to an infer op: the Transpose and the Add it feeds stay FP32 though the Add lies
+    between two MatMuls."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17, "custom.ops" : 1]>
+        g (float[2,4] x) => (float[2,4] y) <float[2,4] u> {
+          a = MatMul(x, w)
+          u = custom.ops.Scramble(x)
+          t = Transpose<perm=[0,1]>(u)
+          s = Add(a, t)
+          y = MatMul(s, w)
+        }""", {"w": (4, 4)})
+    result = rewrite(m)
+    assert _precisions(result) == {"MatMul:a": "low", "Scramble:u": "fp32", "Transpose:t": "fp32", "Add:s": "fp32",
+                                   "MatMul:y": "low"}
+    assert result.log.decisions["Add:s"].reason.startswith("FP32 paint from Transpose:t")
+
+
+def test_deny_paint_does_not_spread_into_a_clear_op_that_leads_only_to_an_allow_op():
+    """A Transpose between an Exp and a MatMul lies on no path from a deny op to a deny or infer op:
+    deny paint leaves it, and it moves data in FP16 next to the MatMul."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,4] x) => (float[4,4] y) {
+          e = Exp(x)
+          t = Transpose<perm=[1,0]>(e)
+          y = MatMul(t, w)
+        }""", {"w": (4, 4)})
+    result = rewrite(m, placement="greedy")
+    assert _precisions(result) == {"Exp:e": "fp32", "Transpose:t": "low", "MatMul:y": "low"}
+    assert result.log.decisions["Transpose:t"].reason.startswith("moves data next to fp16 op MatMul:y")
+
+
+def test_a_clear_op_reading_a_deny_op_computed_in_fp64_follows_the_allow_op_it_leads_to():
+    """A deny op computed in FP64 and cast back to FLOAT paints its readers as an FP32 deny op's
+    output would: a Transpose that leads only to a MatMul is on no path to a deny or infer op, so it
+    follows the MatMul into FP16."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,4] x) => (float[4,4] y) {
+          xd = Cast<to=11>(x)
+          ed = Exp(xd)
+          e = Cast<to=1>(ed)
+          t = Transpose<perm=[1,0]>(e)
+          y = MatMul(t, w)
+        }""", {"w": (4, 4)})
+    result = rewrite(m, placement="greedy")
+    assert _precisions(result)["Transpose:t"] == "low"
+    assert result.log.decisions["Transpose:t"].reason.startswith("moves data next to fp16 op MatMul:y")
+
+
+def test_a_comparison_runs_low_only_when_all_its_non_constant_operands_are_made_low():
+    """A comparison of a MatMul's FP16 output with a constant compares in FP16, as torch.autocast
+    does; compared with an FP32 graph input instead it stays FP32 (it is no such test of a fill
+    value, and rounding the input could change the result)."""
+    text = """
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,4] x) => (float[4,4] y) {
+          a = MatMul(x, w)
+          q = Equal(a, OTHER)
+          s = Where(q, a, x)
+          y = MatMul(s, w)
+        }"""
+    with_constant = rewrite(make_model(text.replace("OTHER", "fill"), {"w": (4, 4), "fill": np.array(-1e4, np.float32)}),
+                            placement="greedy")
+    assert with_constant.log.decisions["Equal:q"].precision == Precision.LOW
+    assert with_constant.log.decisions["Equal:q"].reason.startswith("compares fp16 values (MatMul:a) with constants")
+    with_input = rewrite(make_model(text.replace("OTHER", "x"), {"w": (4, 4)}), placement="greedy")
+    assert with_input.log.decisions["Equal:q"].precision == Precision.FP32
+    assert value_types(with_input.model)["q"] == onnx.TensorProto.BOOL
+    assert "not between fp16 ops" in with_input.log.decisions["Equal:q"].reason
+
+
+def test_a_value_read_inside_a_branch_is_an_fp32_end_of_a_round_trip():
+    """A branch body's boundary keeps FP32, so a Transpose of Exp's output that an If branch reads
+    would carry it FP32 → FP16 → FP32 (exp(12) = 162755 is inf in FP16): it stays FP32 though it
+    also feeds a MatMul."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,4] x, bool c) => (float[4,4] y, float[4,4] z) {
+          e = Exp(x)
+          t = Transpose<perm=[1,0]>(e)
+          y = MatMul(t, w)
+          z = If(c) <
+            then_branch = tb () => (float[4,4] o) { o = Identity(t) },
+            else_branch = eb () => (float[4,4] o2) { o2 = Neg(t) }
+          >
+        }""", {"w": (4, 4)})
+    result = rewrite(m, placement="greedy")
+    assert _precisions(result)["Transpose:t"] == "fp32" and _precisions(result)["MatMul:y"] == "low"
+    assert result.log.decisions["Transpose:t"].reason.startswith("kept FP32: in fp16 it would lie on a path")
+    feeds = {"x": np.full((4, 4), 12.0, np.float32), "c": np.array(True)}
+    np.testing.assert_allclose(run(result.model, feeds)["z"], run(m, feeds)["z"], rtol=1e-6)
+
+
+def test_the_round_trip_check_runs_to_a_fixed_point():
+    """Add:b reads the FP32 input and feeds an FP32 graph output: it stays FP32. Add:a, painted FP16
+    between the MatMuls, then reads the FP32 input and feeds only Add:b, now FP32: it stays FP32 in
+    turn (in FP16, x = 70000 became inf on its way)."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,4] x) => (float[4,4] y, float[4,4] b) {
+          m = MatMul(x, w)
+          a = Add(m, x)
+          b = Add(a, x)
+          y = MatMul(b, w)
+        }""", {"w": np.full((4, 4), 1e-6, np.float32)})
+    result = rewrite(m, placement="greedy")
+    assert _precisions(result) == {"MatMul:m": "low", "Add:a": "fp32", "Add:b": "fp32", "MatMul:y": "low"}
+    assert result.log.decisions["Add:a"].reason.startswith("kept FP32: in fp16 it would lie on a path")
+    x = np.full((4, 4), 7e4, np.float32)
+    assert np.isfinite(run(result.model, {"x": x})["b"]).all()
+
+
 def test_one_cast_per_value_and_type_shared_by_consumers():
     m = make_model("""
         <ir_version: 8, opset_import: ["" : 17]>
