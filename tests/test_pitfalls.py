@@ -175,6 +175,28 @@ def test_constant_of_shape_fill_past_the_range_is_clamped_and_counted():
     assert [s["count"] for s in stats.sentinels] == [1]
 
 
+def test_readers_of_a_constant_of_shape_fill_past_the_range_keep_fp32():
+    """A ConstantOfShape filling with 100000 keeps FP32, and so do the Add and Sub reading its
+    output: in FP16 the fill is inf (or clamped to 65504, 34% off) and h + 1e5 - 1e5 is not h."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {
+          h = MatMul(x, w)
+          z = ConstantOfShape<value = float[1] {100000.0}>(shape)
+          a = Add(h, z)
+          s = Sub(a, z)
+          y = MatMul(s, w)
+        }""", {"w": (8, 8), "shape": np.array([4, 8], np.int64)})
+    result = rewrite(model)
+    full_check(result.model)
+    for node in ("ConstantOfShape:z", "Add:a", "Sub:s"):
+        decision = result.log.decisions[node]
+        assert decision.precision == Precision.FP32 and "holding 100000" in decision.reason, (node, decision.reason)
+    assert result.log.decisions["MatMul:h"].precision == Precision.LOW
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    assert_emulated_close(model, result.model, feeds)
+
+
 def test_dequantize_linear_made_low_writes_its_output_dtype():
     """DequantizeLinear-23 with output_dtype=FLOAT, made FP16 (--fp16-ops), kept output_dtype=1
     while its output was declared FP16: onnxruntime refused the model ('Type (tensor(float16)) of
@@ -810,6 +832,47 @@ def test_arithmetic_on_constants_only_that_leaves_fp16_keeps_fp32(k, low):
     assert rel_err(run(model, feeds)["y"], run(emulated, feeds)["y"]) < 1e-2
 
 
+@pytest.mark.parametrize(("k", "low"), [(65504.0, True), (-65504.0, True), (65505.0, False), (-7e4, False)])
+def test_a_constant_at_the_largest_fp16_value_goes_low_and_one_past_it_keeps_fp32(k, low):
+    """±65504 is FP16's largest finite value: a Sub reading it holds it exactly in FP16 and goes low
+    between two low MatMuls; a constant past it (65505, -70000) keeps the Sub FP32 with the value."""
+    model = make_model("""
+    <ir_version: 10, opset_import: ["" : 18]>
+    g (float[4,8] x) => (float[4,8] y) {
+      h = MatMul(x, w)
+      a = Sub(h, k)
+      y = MatMul(a, w)
+    }""", {"w": (8, 8), "k": np.array(k, np.float32)})
+    result = rewrite(model)
+    full_check(result.model)
+    decision = result.log.decisions["Sub:a"]
+    assert (decision.precision == Precision.LOW) is low, decision.reason
+    if not low:
+        assert f"holding {k:g}, beyond fp16's finite range" in decision.reason
+
+
+def test_readers_of_a_square_root_of_a_constant_past_the_range_keep_fp32():
+    """Sqrt of a constant 1e10 (a sentinel-sized constant, left alone itself) computes 100000: the
+    Add and Sub reading it keep FP32 with that value, where in FP16 the root of the clamped
+    constant is 256."""
+    model = make_model("""
+    <ir_version: 10, opset_import: ["" : 18]>
+    g (float[4,8] x) => (float[4,8] y) {
+      h = MatMul(x, w)
+      r = Sqrt(k)
+      a = Add(h, r)
+      s = Sub(a, r)
+      y = MatMul(s, w)
+    }""", {"w": (8, 8), "k": np.array(1e10, np.float32)})
+    result = rewrite(model)
+    full_check(result.model)
+    for node in ("Add:a", "Sub:s"):
+        decision = result.log.decisions[node]
+        assert decision.precision == Precision.FP32 and "'r' holding 100000" in decision.reason, decision.reason
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    assert_emulated_close(model, result.model, feeds)
+
+
 @pytest.mark.parametrize(("count", "low"), [("Slice(sh, one, two)\n      n = ReduceProd<keepdims=0>(s2)", False),
                                             ("Gather<axis=0>(sh, zero)\n      n = Identity(s2)", True)])
 def test_a_count_from_a_sliced_or_gathered_shape_is_read_exactly(count, low):
@@ -928,6 +991,121 @@ def test_a_division_by_a_constant_whose_reciprocal_leaves_fp16_keeps_fp32(k, low
     feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
     assert_emulated_close(model, result.model, feeds)
     assert not rewrite(result.model).modified
+
+
+@pytest.mark.parametrize(("k", "low"), [([0, 0, 1e-6, 2, 2, 2, 2, 2], False), ([0, 0, 2, 2, 2, 2, 2, 2], True)])
+def test_zeros_in_a_constant_divisor_are_left_out_of_its_smallest_value(k, low):
+    """A divisor holding zeros next to 1e-6 keeps its Div FP32 for the 1e-6 (its reciprocal is past
+    FP16's range); one holding zeros and 2s only goes low (a zero divides to inf in either type)."""
+    model = make_model("""
+    <ir_version: 10, opset_import: ["" : 18]>
+    g (float[4,8] x) => (float[4,8] y) {
+      h = MatMul(x, w)
+      d = Div(h, k)
+      y = MatMul(d, w)
+    }""", {"w": (8, 8), "k": np.array(k, np.float32)})
+    result = rewrite(model)
+    full_check(result.model)
+    decision = result.log.decisions["Div:d"]
+    assert (decision.precision == Precision.LOW) is low, decision.reason
+    if not low:
+        assert "divides by 'k' holding 1e-06, which multiplies by 1e+06" in decision.reason
+
+
+@pytest.mark.parametrize(("alpha", "low"), [(100000.0, False), (0.01, True)])
+def test_a_leaky_relu_slope_past_the_range_keeps_fp32(alpha, low):
+    """LeakyRelu multiplies its negative inputs by alpha in the node's type: a slope of 100000 is inf
+    in FP16, so the node keeps FP32 with the attribute named; a slope of 0.01 goes low."""
+    model = make_model(f"""
+    <ir_version: 10, opset_import: ["" : 18]>
+    g (float[4,8] x) => (float[4,8] y) {{
+      h = MatMul(x, w)
+      r = LeakyRelu<alpha = {alpha}>(h)
+      y = MatMul(r, w)
+    }}""", {"w": (8, 8)})
+    result = rewrite(model)
+    full_check(result.model)
+    decision = result.log.decisions["LeakyRelu:r"]
+    assert (decision.precision == Precision.LOW) is low, decision.reason
+    if not low:
+        assert "its alpha attribute holding 100000" in decision.reason
+
+
+@pytest.mark.parametrize(("mode", "low"), [("tf_crop_and_resize", False), ("half_pixel", True)])
+def test_a_resize_fill_past_the_range_keeps_fp32_only_where_the_mode_writes_it(mode, low):
+    """Resize writes its extrapolation_value only under tf_crop_and_resize: a fill of -70000 keeps
+    that Resize FP32 with the attribute named; under half_pixel the fill is never written and the
+    Resize goes low between low MatMuls."""
+    model = make_model(f"""
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[1,1,4,4] x) => (float[1,1,8,8] y) {{
+      a = MatMul(x, w)
+      r = Resize<mode = "linear", coordinate_transformation_mode = "{mode}", extrapolation_value = -70000.0>(a, roi, sc)
+      y = MatMul(r, wn)
+    }}""", {"w": np.eye(4, dtype=np.float32), "wn": (np.eye(8) * 0.01).astype(np.float32),
+            "sc": np.array([1, 1, 2, 2], np.float32), "roi": np.array([0, 0, -.5, -.5, 1, 1, 1.5, 1.5], np.float32)})
+    result = rewrite(model)
+    full_check(result.model)
+    decision = result.log.decisions["Resize:r"]
+    assert (decision.precision == Precision.LOW) is low, decision.reason
+    if not low:
+        assert "its extrapolation_value attribute holding -70000" in decision.reason
+
+
+def test_readers_of_an_if_whose_branch_returns_a_constant_past_the_range_keep_fp32():
+    """An If whose then-branch returns a constant 100000: the Add and Sub reading its output keep
+    FP32 with that value, as they would reading the constant itself."""
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4,8] x, bool c) => (float[4,8] y) {
+      h = MatMul(x, w)
+      k = If(c) <then_branch = t () => (float[1] o) { o = Identity(big) },
+                 else_branch = e () => (float[1] o2) { o2 = Identity(one) }>
+      a = Add(h, k)
+      s = Sub(a, k)
+      y = MatMul(s, w)
+    }""", {"w": (8, 8), "big": np.array([1e5], np.float32), "one": np.array([1.0], np.float32)})
+    result = rewrite(model)
+    full_check(result.model)
+    for node in ("Add:a", "Sub:s"):
+        decision = result.log.decisions[node]
+        assert decision.precision == Precision.FP32 and "'k' holding 100000" in decision.reason, decision.reason
+
+
+def test_readers_of_a_one_hot_whose_values_leave_fp16_keep_fp32():
+    """OneHot(i, 8, values=[0, 100000]) writes 100000 at each index: the OneHot keeps FP32, and so
+    does the Mul reading its output (in FP16 it would read inf)."""
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4,8] x, int64[4] i) => (float[4,8] y) {
+      h = MatMul(x, w)
+      o = OneHot(i, depth, vals)
+      a = Mul(h, o)
+      y = MatMul(a, w)
+    }""", {"w": (8, 8), "depth": np.array(8, np.int64), "vals": np.array([0.0, 1e5], np.float32)})
+    result = rewrite(model)
+    full_check(result.model)
+    assert "'vals' holding 100000" in result.log.decisions["OneHot:o"].reason
+    decision = result.log.decisions["Mul:a"]
+    assert decision.precision == Precision.FP32 and "'o' holding 100000" in decision.reason, decision.reason
+
+
+@pytest.mark.parametrize("where", ["Where(m, h, big)", "Where(m, big, h)"])
+def test_readers_of_a_where_that_selects_a_constant_past_the_range_keep_fp32(where):
+    """A Where choosing between an activation and a constant 100000 (in either slot) writes 100000
+    where it picks the constant: the Add reading its output keeps FP32 with that value."""
+    model = make_model(f"""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4,8] x, bool[4,8] m) => (float[4,8] y) {{
+      h = MatMul(x, w)
+      f = {where}
+      a = Add(h, f)
+      y = MatMul(a, w)
+    }}""", {"w": (8, 8), "big": np.array(1e5, np.float32)})
+    result = rewrite(model)
+    full_check(result.model)
+    decision = result.log.decisions["Add:a"]
+    assert decision.precision == Precision.FP32 and "'f' holding 100000" in decision.reason, decision.reason
 
 
 _FILLS = {

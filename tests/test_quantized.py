@@ -481,6 +481,25 @@ def test_a_quantized_weight_dequantizing_past_the_range_keeps_fp32_and_is_clampe
     assert "101600" not in rewrite(model, placement=placement, target="bf16").log.decisions["dq"].reason
 
 
+def test_a_zero_point_that_carries_dequantized_weights_past_the_range_keeps_fp32():
+    """(x - zero_point) * scale: int8 weights up to 100 with a zero point of -100 and a scale of 400
+    dequantize to up to 80000 (each alone times the scale stays under 65504): the DequantizeLinear
+    keeps FP32 with that bound."""
+    wq = np.tile(np.arange(-100, 100, 25, dtype=np.int8), (8, 1))
+    wq[0, 0] = 100
+    nodes = [oh.make_node("DequantizeLinear", ["wq", "s", "z"], ["w"], axis=1, name="dq"),
+             oh.make_node("MatMul", ["x", "w"], ["y"], name="mm")]
+    inits = [nh.from_array(wq, "wq"), nh.from_array(np.full(8, 400.0, np.float32), "s"),
+             nh.from_array(np.full(8, -100, np.int8), "z")]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TP.FLOAT, [4, 8])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, [4, 8])], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 19)], ir_version=9)
+    result = rewrite(model)
+    full_check(result.model)
+    decision = result.log.decisions["dq"]
+    assert decision.precision == Precision.FP32 and "dequantize to up to 80000" in decision.reason, decision.reason
+
+
 @pytest.mark.parametrize("form", ["Cast * scale", "DequantizeLinear"])
 def test_a_weight_dequantized_by_hand_past_fp16_s_range_is_clamped_like_a_dequantize_linear(form):
     """Cast(int8 weight) × 800 (the pre-DequantizeLinear form) reaches 101600: cast to FP16 at run

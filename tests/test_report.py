@@ -591,6 +591,27 @@ def test_rebuilt_report_counts_weights_converted_at_save_time(tmp_path, external
     assert _without_paths(rebuilt.to_dict()) == _without_paths(result.report.to_dict())
 
 
+def test_report_rebuilt_from_a_bf16_model_is_a_bf16_report():
+    """A BF16 rewrite's tags rebuild a BF16 log: the same target, decisions and summary (BF16's
+    limits, not FP16's 65504)."""
+    result = rewrite(block_model(), target="bf16")
+    rebuilt = Report.from_model(result.model)
+    assert rebuilt.log.target == result.log.target == "bf16"
+    assert rebuilt.log == result.log
+    assert rebuilt.summary_text() == result.report.summary_text()
+    assert "65504" not in rebuilt.summary_text()
+
+
+def test_report_rebuilt_from_a_saved_model_reads_its_tags_without_the_external_data(tmp_path):
+    """The report is rebuilt from the model's tags alone: a rewritten model saved with its weights in
+    an external file gives the same log when that file is not next to it (copied alone)."""
+    result = rewrite(block_model())
+    path = tmp_path / "out.onnx"
+    onnx.save(result.model, path, save_as_external_data=True, size_threshold=0, location="out.bin")
+    (tmp_path / "out.bin").unlink()
+    assert Report.from_model(path).log == result.log
+
+
 def test_rebuilt_report_of_unnamed_nodes_whose_outputs_were_renamed():
     model = make_model("""
         <ir_version: 9, opset_import: ["" : 17]>
