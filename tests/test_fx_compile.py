@@ -628,3 +628,63 @@ def test_the_graph_handed_to_the_inner_compiler_pickles_for_its_cache_key():
     gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16")
     with pytest.raises(pickle.PicklingError, match=r"Save gm.state_dict\(\) instead"):
         pickle.dumps(gm)
+
+
+@pytest.mark.parametrize("option", [{"example_kwargs": {}}, {"capture": "export"}, {"decompose": True},
+                                    {"dynamic_shapes": {"x": {0: None}}}])
+def test_each_capture_option_is_refused_under_compile_as_dynamos_to_decide(option):
+    """Dynamo captures the graph and supplies its inputs: an option about capturing (example
+    inputs, capture, decompose, dynamic_shapes) is refused by name, saying it does not apply under
+    torch.compile."""
+    from amp_rewrite.compile_backend import _compile
+    from amp_rewrite.errors import UsageError
+
+    gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4)).eval())
+    name = next(iter(option))
+    with pytest.raises(UsageError, match=f"option\\(s\\) {name} do not apply under torch.compile"):
+        _compile(gm, [torch.randn(2, 4)], {"target": "bf16", **option})
+
+
+def test_the_backend_without_options_rewrites_for_fp16_and_hands_the_graph_to_inductor(inductor_settings):
+    """backend="amp_rewrite" with no options: the rewrite targets fp16 and inductor compiles the
+    rewritten graph with its own default settings."""
+    model, x = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4)), torch.randn(2, 4)
+    with torch.no_grad():
+        torch.compile(model, backend="amp_rewrite")(x)
+    assert inductor_settings == [None]
+    assert backend.last_reports[-1].log.target == "fp16"
+
+
+class _TwoGraphs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def test_a_graph_break_keeps_one_report_per_compiled_graph():
+    """A graph break gives dynamo two graphs: each one's rewrite report is kept in last_reports,
+    in the order they were compiled."""
+    backend.last_reports.clear()
+    model, x = _TwoGraphs(), torch.randn(2, 4)
+    with torch.no_grad():
+        torch.compile(model, backend="amp_rewrite", options={"target": "bf16", "backend": "eager"})(x)
+    assert len(backend.last_reports) == 2
+    assert all(r.log.target == "bf16" and r.heavy_ops["low"] == r.heavy_ops["total"] == 1
+               for r in backend.last_reports)
+
+
+def test_options_given_to_torch_compile_override_make_backends_fixed_ones():
+    """torch.compile(..., options=) reaches a make_backend callable too: an option given there
+    takes the place of the same option fixed in make_backend (a rewrite option as much as target)."""
+    model, x = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4)), torch.randn(2, 4)
+    fixed = backend.make_backend(target="fp16", backend="eager", fp32_ops=["linear"])
+    with torch.no_grad():
+        torch.compile(model, backend=fixed, options={"target": "bf16", "fp32_ops": []})(x)
+    report = backend.last_reports[-1]
+    assert report.log.target == "bf16"
+    assert report.heavy_ops["low"] == report.heavy_ops["total"] == 2

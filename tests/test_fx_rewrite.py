@@ -1364,6 +1364,7 @@ def test_capture_options_on_an_already_captured_graph_are_refused():
     assert _dispatch(ep, capture="export", decompose=True, target="bf16").modified
 
 
+
 def test_keep_io_types_off_takes_and_returns_low():
     model, inputs = make("mlp")
     gm = _dispatch(model, example_inputs=inputs, target="bf16", keep_io_types=False).model
@@ -2957,6 +2958,14 @@ def test_dynamic_shapes_keep_an_exported_batch_dynamic(training):
         amp_rewrite.rewrite(model, example_inputs=(x,), dynamic_shapes={"wrong_name": {0: Dim.AUTO}})
 
 
+def test_an_export_of_a_one_dimensional_input_notes_its_fixed_size():
+    """An export capture without dynamic_shapes holds every sized input's size, a 1-D one's too:
+    the report's notes say a call with another size fails torch's guard."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    _, result = amp_rewrite.rewrite(model, example_inputs=(torch.randn(4),), target="bf16", report=True)
+    assert [n for n in result.log.notes if "a call with another batch size fails" in n]
+
+
 @pytest.mark.parametrize("training", [False, True])
 def test_a_qat_leaf_module_is_not_taken_for_its_nn_namesake(training):
     """torch.ao.nn.qat.Linear/Conv2d stay single module calls under symbolic_trace and were given
@@ -3027,6 +3036,19 @@ def test_hooks_on_the_module_itself_are_not_dropped_silently():
     model = _Hooked()
     model.register_forward_hook(lambda m, args, out: out + 10.0)
     with pytest.raises(UnsupportedModelError, match=r"forward hooks registered on itself.*capture='export'"):
+        amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", capture="symbolic_trace")
+    gm = amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x,), target="bf16", capture="export")
+    torch.testing.assert_close(gm(x), model(x), rtol=5e-2, atol=5e-2)
+
+
+def test_a_pre_hook_on_the_module_itself_is_not_dropped_silently():
+    """A forward pre-hook on the module itself runs before its forward, which symbolic_trace
+    traces without it: that capture is refused, naming the pre-hook; export keeps it."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    model = _Hooked()
+    model.register_forward_pre_hook(lambda m, args: (args[0] * 2.0,))
+    with pytest.raises(UnsupportedModelError, match=r"forward pre-hooks registered on itself.*capture='export'"):
         amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", capture="symbolic_trace")
     gm = amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x,), target="bf16", capture="export")
     torch.testing.assert_close(gm(x), model(x), rtol=5e-2, atol=5e-2)

@@ -943,6 +943,30 @@ def test_the_mode_guard_reads_an_exported_program_sets_training_and_survives_a_d
     assert trained.amp_training is True  # (what LossScaler looks for)
 
 
+def test_an_export_captured_in_both_modes_refuses_either_mode():
+    """An ExportedProgram whose BatchNorm was captured in eval mode and its dropout in training mode
+    holds both modes in its graph: the rewrite refuses gm.eval() and gm.train() alike, saying so."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5)).train()
+    model[1].eval()
+    gm = amp_rewrite.rewrite(torch.export.export(model, (torch.randn(8, 4),)), target="bf16")
+    for call in (gm.eval, gm.train):
+        with pytest.raises(NotImplementedError, match="captured by torch.export in a mix of training and eval mode"):
+            call()
+
+
+def test_a_decomposed_eval_export_is_read_as_eval_mode():
+    """run_decompositions() writes an eval-mode BatchNorm as _native_batch_norm_legit_no_training:
+    the rewrite of that program is in eval mode, accepts gm.eval() and refuses gm.train()."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).eval()
+    program = torch.export.export(model, (torch.randn(8, 4),)).run_decompositions()
+    gm = amp_rewrite.rewrite(program, target="bf16")
+    assert gm.training is False and gm.eval() is gm
+    with pytest.raises(NotImplementedError, match=r"captured by torch.export in eval mode"):
+        gm.train()
+
+
 def test_rewritten_checkpoints_load_into_the_original_and_back():
     """The amp_loss_scale buffer was persistent: state_dicts did not move between the two."""
     torch.manual_seed(0)
@@ -977,6 +1001,24 @@ def test_training_options_that_would_scale_the_wrong_thing_are_refused():
         amp_rewrite.rewrite(TwoOutputs(), example_inputs=(x, y), loss_output=0, target="bf16")
     with pytest.raises(UsageError, match=r"decompose=True decomposes a torch.export capture"):
         amp_rewrite.rewrite(TwoOutputs(), example_inputs=(x, y), capture="symbolic_trace", decompose=True)
+
+
+def test_a_loss_output_index_past_the_outputs_says_how_many_there_are():
+    """loss_output= as an index counts the flattened outputs: one past the last is refused, saying
+    how many outputs the module returns."""
+    class TwoOutputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 4)
+
+        def forward(self, x, y):
+            out = self.lin(x)
+            return F.mse_loss(out, y), out
+
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    for index in (2, -1):
+        with pytest.raises(UsageError, match=rf"loss_output={index}: the module returns 2 output\(s\) \(flattened\)"):
+            amp_rewrite.rewrite(TwoOutputs(), example_inputs=(x, y), training=True, loss_output=index, target="bf16")
 
 
 def test_load_state_dict_clamps_and_explains():
