@@ -832,19 +832,27 @@ def test_arithmetic_on_constants_only_that_leaves_fp16_keeps_fp32(k, low):
     assert rel_err(run(model, feeds)["y"], run(emulated, feeds)["y"]) < 1e-2
 
 
+def _between_matmuls(body: str, inits: dict, *, inputs: str = "", last: str, opset: int = 17):
+    """The rewrite (checked in full) of x -> MatMul(x, w) = h -> ``body`` -> MatMul(``last``, w) -> y,
+    with ``inputs`` as more graph inputs and ``inits`` beside w (8 x 8)."""
+    lines = "\n".join(f"      {line.strip()}" for line in body.strip().splitlines())
+    model = make_model(f"""
+    <ir_version: {10 if opset >= 18 else 8}, opset_import: ["" : {opset}]>
+    g (float[4,8] x{inputs}) => (float[4,8] y) {{
+      h = MatMul(x, w)
+{lines}
+      y = MatMul({last}, w)
+    }}""", {"w": (8, 8), **inits})
+    result = rewrite(model)
+    full_check(result.model)
+    return model, result
+
+
 @pytest.mark.parametrize(("k", "low"), [(65504.0, True), (-65504.0, True), (65505.0, False), (-7e4, False)])
 def test_a_constant_at_the_largest_fp16_value_goes_low_and_one_past_it_keeps_fp32(k, low):
     """±65504 is FP16's largest finite value: a Sub reading it holds it exactly in FP16 and goes low
     between two low MatMuls; a constant past it (65505, -70000) keeps the Sub FP32 with the value."""
-    model = make_model("""
-    <ir_version: 10, opset_import: ["" : 18]>
-    g (float[4,8] x) => (float[4,8] y) {
-      h = MatMul(x, w)
-      a = Sub(h, k)
-      y = MatMul(a, w)
-    }""", {"w": (8, 8), "k": np.array(k, np.float32)})
-    result = rewrite(model)
-    full_check(result.model)
+    _, result = _between_matmuls("a = Sub(h, k)", {"k": np.array(k, np.float32)}, last="a", opset=18)
     decision = result.log.decisions["Sub:a"]
     assert (decision.precision == Precision.LOW) is low, decision.reason
     if not low:
@@ -855,17 +863,10 @@ def test_readers_of_a_square_root_of_a_constant_past_the_range_keep_fp32():
     """Sqrt of a constant 1e10 (a sentinel-sized constant, left alone itself) computes 100000: the
     Add and Sub reading it keep FP32 with that value, where in FP16 the root of the clamped
     constant is 256."""
-    model = make_model("""
-    <ir_version: 10, opset_import: ["" : 18]>
-    g (float[4,8] x) => (float[4,8] y) {
-      h = MatMul(x, w)
-      r = Sqrt(k)
-      a = Add(h, r)
-      s = Sub(a, r)
-      y = MatMul(s, w)
-    }""", {"w": (8, 8), "k": np.array(1e10, np.float32)})
-    result = rewrite(model)
-    full_check(result.model)
+    model, result = _between_matmuls("""
+        r = Sqrt(k)
+        a = Add(h, r)
+        s = Sub(a, r)""", {"k": np.array(1e10, np.float32)}, last="s", opset=18)
     for node in ("Add:a", "Sub:s"):
         decision = result.log.decisions[node]
         assert decision.precision == Precision.FP32 and "'r' holding 100000" in decision.reason, decision.reason
@@ -997,15 +998,7 @@ def test_a_division_by_a_constant_whose_reciprocal_leaves_fp16_keeps_fp32(k, low
 def test_zeros_in_a_constant_divisor_are_left_out_of_its_smallest_value(k, low):
     """A divisor holding zeros next to 1e-6 keeps its Div FP32 for the 1e-6 (its reciprocal is past
     FP16's range); one holding zeros and 2s only goes low (a zero divides to inf in either type)."""
-    model = make_model("""
-    <ir_version: 10, opset_import: ["" : 18]>
-    g (float[4,8] x) => (float[4,8] y) {
-      h = MatMul(x, w)
-      d = Div(h, k)
-      y = MatMul(d, w)
-    }""", {"w": (8, 8), "k": np.array(k, np.float32)})
-    result = rewrite(model)
-    full_check(result.model)
+    _, result = _between_matmuls("d = Div(h, k)", {"k": np.array(k, np.float32)}, last="d", opset=18)
     decision = result.log.decisions["Div:d"]
     assert (decision.precision == Precision.LOW) is low, decision.reason
     if not low:
@@ -1016,15 +1009,7 @@ def test_zeros_in_a_constant_divisor_are_left_out_of_its_smallest_value(k, low):
 def test_a_leaky_relu_slope_past_the_range_keeps_fp32(alpha, low):
     """LeakyRelu multiplies its negative inputs by alpha in the node's type: a slope of 100000 is inf
     in FP16, so the node keeps FP32 with the attribute named; a slope of 0.01 goes low."""
-    model = make_model(f"""
-    <ir_version: 10, opset_import: ["" : 18]>
-    g (float[4,8] x) => (float[4,8] y) {{
-      h = MatMul(x, w)
-      r = LeakyRelu<alpha = {alpha}>(h)
-      y = MatMul(r, w)
-    }}""", {"w": (8, 8)})
-    result = rewrite(model)
-    full_check(result.model)
+    _, result = _between_matmuls(f"r = LeakyRelu<alpha = {alpha}>(h)", {}, last="r", opset=18)
     decision = result.log.decisions["LeakyRelu:r"]
     assert (decision.precision == Precision.LOW) is low, decision.reason
     if not low:
@@ -1055,18 +1040,12 @@ def test_a_resize_fill_past_the_range_keeps_fp32_only_where_the_mode_writes_it(m
 def test_readers_of_an_if_whose_branch_returns_a_constant_past_the_range_keep_fp32():
     """An If whose then-branch returns a constant 100000: the Add and Sub reading its output keep
     FP32 with that value, as they would reading the constant itself."""
-    model = make_model("""
-    <ir_version: 8, opset_import: ["" : 17]>
-    g (float[4,8] x, bool c) => (float[4,8] y) {
-      h = MatMul(x, w)
-      k = If(c) <then_branch = t () => (float[1] o) { o = Identity(big) },
-                 else_branch = e () => (float[1] o2) { o2 = Identity(one) }>
-      a = Add(h, k)
-      s = Sub(a, k)
-      y = MatMul(s, w)
-    }""", {"w": (8, 8), "big": np.array([1e5], np.float32), "one": np.array([1.0], np.float32)})
-    result = rewrite(model)
-    full_check(result.model)
+    _, result = _between_matmuls("""
+        k = If(c) <then_branch = t () => (float[1] o) { o = Identity(big) },
+                   else_branch = e () => (float[1] o2) { o2 = Identity(one) }>
+        a = Add(h, k)
+        s = Sub(a, k)""", {"big": np.array([1e5], np.float32), "one": np.array([1.0], np.float32)},
+                                 inputs=", bool c", last="s")
     for node in ("Add:a", "Sub:s"):
         decision = result.log.decisions[node]
         assert decision.precision == Precision.FP32 and "'k' holding 100000" in decision.reason, decision.reason
@@ -1075,16 +1054,10 @@ def test_readers_of_an_if_whose_branch_returns_a_constant_past_the_range_keep_fp
 def test_readers_of_a_one_hot_whose_values_leave_fp16_keep_fp32():
     """OneHot(i, 8, values=[0, 100000]) writes 100000 at each index: the OneHot keeps FP32, and so
     does the Mul reading its output (in FP16 it would read inf)."""
-    model = make_model("""
-    <ir_version: 8, opset_import: ["" : 17]>
-    g (float[4,8] x, int64[4] i) => (float[4,8] y) {
-      h = MatMul(x, w)
-      o = OneHot(i, depth, vals)
-      a = Mul(h, o)
-      y = MatMul(a, w)
-    }""", {"w": (8, 8), "depth": np.array(8, np.int64), "vals": np.array([0.0, 1e5], np.float32)})
-    result = rewrite(model)
-    full_check(result.model)
+    _, result = _between_matmuls("""
+        o = OneHot(i, depth, vals)
+        a = Mul(h, o)""", {"depth": np.array(8, np.int64), "vals": np.array([0.0, 1e5], np.float32)},
+                                 inputs=", int64[4] i", last="a")
     assert "'vals' holding 100000" in result.log.decisions["OneHot:o"].reason
     decision = result.log.decisions["Mul:a"]
     assert decision.precision == Precision.FP32 and "'o' holding 100000" in decision.reason, decision.reason
@@ -1094,16 +1067,9 @@ def test_readers_of_a_one_hot_whose_values_leave_fp16_keep_fp32():
 def test_readers_of_a_where_that_selects_a_constant_past_the_range_keep_fp32(where):
     """A Where choosing between an activation and a constant 100000 (in either slot) writes 100000
     where it picks the constant: the Add reading its output keeps FP32 with that value."""
-    model = make_model(f"""
-    <ir_version: 8, opset_import: ["" : 17]>
-    g (float[4,8] x, bool[4,8] m) => (float[4,8] y) {{
-      h = MatMul(x, w)
-      f = {where}
-      a = Add(h, f)
-      y = MatMul(a, w)
-    }}""", {"w": (8, 8), "big": np.array(1e5, np.float32)})
-    result = rewrite(model)
-    full_check(result.model)
+    _, result = _between_matmuls(f"""
+        f = {where}
+        a = Add(h, f)""", {"big": np.array(1e5, np.float32)}, inputs=", bool[4,8] m", last="a")
     decision = result.log.decisions["Add:a"]
     assert decision.precision == Precision.FP32 and "'f' holding 100000" in decision.reason, decision.reason
 

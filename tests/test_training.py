@@ -979,46 +979,42 @@ def test_rewritten_checkpoints_load_into_the_original_and_back():
     gm.load_state_dict(model.state_dict())
 
 
+class _LossOutputAndIndices(torch.nn.Module):
+    """A loss, the FP32 output it is computed from and that output's argmax: three outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        out = self.lin(x)
+        return F.mse_loss(out, y), out, out.argmax(-1)
+
+
 def test_training_options_that_would_scale_the_wrong_thing_are_refused():
-    class TwoOutputs(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(8, 4)
-
-        def forward(self, x, y):
-            out = self.lin(x)
-            return F.mse_loss(out, y), out, out.argmax(-1)
-
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     with pytest.raises(UsageError, match=r"loss_output=2 names .*INT64.*must be a scalar FP32 output"):
-        amp_rewrite.rewrite(TwoOutputs(), example_inputs=(x, y), training=True, loss_output=2, target="bf16")
+        amp_rewrite.rewrite(_LossOutputAndIndices(), example_inputs=(x, y), training=True, loss_output=2, target="bf16")
     with pytest.raises(UsageError, match=r"loss_output=1 names .*FLOAT \[8, 4\]"):
-        amp_rewrite.rewrite(TwoOutputs(), example_inputs=(x, y), training=True, loss_output=1, target="bf16")
+        amp_rewrite.rewrite(_LossOutputAndIndices(), example_inputs=(x, y), training=True, loss_output=1, target="bf16")
     with pytest.raises(UsageError, match="drop keep_io_types=False"):
-        amp_rewrite.rewrite(TwoOutputs(), example_inputs=(x, y), training=True, keep_io_types=False, target="bf16")
+        amp_rewrite.rewrite(_LossOutputAndIndices(), example_inputs=(x, y), training=True, keep_io_types=False,
+                            target="bf16")
     # (accepted silently before: no loss was scaled, and no decomposition happened)
     with pytest.raises(UsageError, match=r"loss_output names the loss to scale for training: pass training=True"):
-        amp_rewrite.rewrite(TwoOutputs(), example_inputs=(x, y), loss_output=0, target="bf16")
+        amp_rewrite.rewrite(_LossOutputAndIndices(), example_inputs=(x, y), loss_output=0, target="bf16")
     with pytest.raises(UsageError, match=r"decompose=True decomposes a torch.export capture"):
-        amp_rewrite.rewrite(TwoOutputs(), example_inputs=(x, y), capture="symbolic_trace", decompose=True)
+        amp_rewrite.rewrite(_LossOutputAndIndices(), example_inputs=(x, y), capture="symbolic_trace", decompose=True)
 
 
 def test_a_loss_output_index_past_the_outputs_says_how_many_there_are():
     """loss_output= as an index counts the flattened outputs: one past the last is refused, saying
     how many outputs the module returns."""
-    class TwoOutputs(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(8, 4)
-
-        def forward(self, x, y):
-            out = self.lin(x)
-            return F.mse_loss(out, y), out
-
     x, y = torch.randn(8, 8), torch.randn(8, 4)
-    for index in (2, -1):
-        with pytest.raises(UsageError, match=rf"loss_output={index}: the module returns 2 output\(s\) \(flattened\)"):
-            amp_rewrite.rewrite(TwoOutputs(), example_inputs=(x, y), training=True, loss_output=index, target="bf16")
+    for index in (3, -1):
+        with pytest.raises(UsageError, match=rf"loss_output={index}: the module returns 3 output\(s\) \(flattened\)"):
+            amp_rewrite.rewrite(_LossOutputAndIndices(), example_inputs=(x, y), training=True, loss_output=index,
+                                target="bf16")
 
 
 def test_load_state_dict_clamps_and_explains():
