@@ -1169,6 +1169,7 @@ def _reference_for(fp32, inputs, runner):
                       "values": f"a sequence of {len(v)} tensors, given"} for k, v in feeds.items()]
     return reference(fp32, feeds, runner, described, user_inputs=inputs is not None)
 
+
 def _cannot_load(exc: RuntimeError, runner: Runner) -> str:
     """Why onnxruntime cannot run the FP32 model whatever the inputs (it refused to create the
     session), and what to do: the inputs are not to blame."""

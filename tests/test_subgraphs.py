@@ -859,18 +859,24 @@ def _shadowing_model(taken: bool = False) -> onnx.ModelProto:
     return make(nodes, [vi("x")], [vi("y")], [weight("w1"), weight("w2"), weight("w3"), scalar("zero", 0.0)])
 
 
+def _rewritten_then_branch_low_and_close(model):
+    """The rewrite of a _shadowing_model, its then-branch MatMul low and its output within FP16's
+    error of the FP32 model's down either branch."""
+    result = rewrite_onnx_model(model)
+    assert result.log.decisions["then_mm"].precision.value == "low"
+    for feeds in (feeds_x(1.0), feeds_x(-1.0)):
+        ref, got = run_onnx(model, feeds)["y"], run_onnx(result.model, feeds)["y"]
+        assert np.abs(got.astype(np.float32) - ref).max() <= 2e-2 * (1 + np.abs(ref).max())
+    return result.model
+
+
 def test_a_body_value_shadowing_an_outer_name_is_typed_and_painted():
     """A then-branch MatMul writes ``h2``, a name the main graph also uses (onnx.checker calls it an
     SSA violation; onnxruntime runs it). onnx's shape inference leaves such a body value untyped:
     the MatMul kept FP32 ("dtype of its output 'h2__1' is unknown") and Cast round trips, and a
     second rewrite, reading it under its fresh name, painted it low: not idempotent."""
     model = _shadowing_model()
-    result = rewrite_onnx_model(model)
-    assert result.log.decisions["then_mm"].precision.value == "low"
-    out = result.model
-    for feeds in (feeds_x(1.0), feeds_x(-1.0)):
-        ref, got = run_onnx(model, feeds)["y"], run_onnx(out, feeds)["y"]
-        assert np.abs(got.astype(np.float32) - ref).max() <= 2e-2 * (1 + np.abs(ref).max())
+    out = _rewritten_then_branch_low_and_close(model)
     assert not rewrite_onnx_model(out).modified, "a second rewrite changed the model"
 
 
@@ -878,13 +884,7 @@ def test_a_shadowing_body_value_takes_a_fresh_name_the_model_does_not_use():
     """The fresh name of a body value that shadows an outer one is never a name the model uses: with
     ``h2__1`` taken in the main graph the body's ``h2`` becomes ``h2__2``, and the rewrite computes
     as the FP32 model does."""
-    model = _shadowing_model(taken=True)
-    result = rewrite_onnx_model(model)
-    assert result.log.decisions["then_mm"].precision.value == "low"
-    out = result.model
-    for feeds in (feeds_x(1.0), feeds_x(-1.0)):
-        ref, got = run_onnx(model, feeds)["y"], run_onnx(out, feeds)["y"]
-        assert np.abs(got.astype(np.float32) - ref).max() <= 2e-2 * (1 + np.abs(ref).max())
+    _rewritten_then_branch_low_and_close(_shadowing_model(taken=True))
 
 
 def test_cast_names_do_not_depend_on_memory_addresses(monkeypatch):

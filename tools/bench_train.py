@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import statistics
 import sys
 import time
@@ -135,21 +136,17 @@ def train(variant: str, base: nn.Module, data, low: torch.dtype, lr: float, cuda
 
 
 def summarise(run: dict, ref: dict | None) -> dict:
+    """``run``'s row of the table; ``ref`` is FP32's row (None for FP32's own)."""
     n = max(1, len(run["losses"]) // 10)
     timed = run["times"][min(5, len(run["times"]) - 1):]  # the first steps compile kernels and warm caches
     median = statistics.median(timed)
     q = statistics.quantiles(timed, n=4) if len(timed) >= 4 else [median] * 3
     first, last = statistics.fmean(run["losses"][:n]), statistics.fmean(run["losses"][-n:])
-    row = {"variant": run["variant"], "median_ms": median, "iqr_ms": q[2] - q[0], "first_loss": first,
-           "last_loss": last, "skipped": run["skipped"], "final_scale": run["final_scale"],
-           "finite": all(map(lambda v: v == v and abs(v) != float("inf"), run["losses"]))}
-    if ref is not None:
-        ref_last = statistics.fmean(ref["losses"][-n:])
-        row["speedup_vs_fp32"] = statistics.median(ref["times"][min(5, len(ref["times"]) - 1):]) / median
-        row["last_loss_rel_diff"] = abs(last - ref_last) / abs(ref_last)
-    else:
-        row["speedup_vs_fp32"], row["last_loss_rel_diff"] = 1.0, 0.0
-    return row
+    return {"variant": run["variant"], "median_ms": median, "iqr_ms": q[2] - q[0], "first_loss": first,
+            "last_loss": last, "skipped": run["skipped"], "final_scale": run["final_scale"],
+            "finite": all(math.isfinite(v) for v in run["losses"]),
+            "speedup_vs_fp32": ref["median_ms"] / median if ref else 1.0,
+            "last_loss_rel_diff": abs(last - ref["last_loss"]) / abs(ref["last_loss"]) if ref else 0.0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     base = WithLoss(Transformer(vocab, d, heads, layers)).to(device)
     data = batches(size, steps, device)
     runs = [train(v, base, data, low, args.lr, on_gpu) for v in ("fp32", "autocast+GradScaler", "rewrite+LossScaler")]
-    rows = [summarise(runs[0], None)] + [summarise(r, runs[0]) for r in runs[1:]]
+    rows = [summarise(runs[0], None)]
+    rows += [summarise(r, rows[0]) for r in runs[1:]]
     print(f"\n{'variant':<22} {'ms/step':>9} {'IQR':>7} {'vs fp32':>8} {'first loss':>10} {'last loss':>10} "
           f"{'vs fp32':>8} {'skipped':>7} {'scale':>8}")
     for r in rows:
