@@ -1325,3 +1325,95 @@ def test_a_look_alike_of_a_norm_or_gelu_is_not_fused(kind, case):
     finite = np.isfinite(want)  # (a 'variance' of d·t may be negative: its root is NaN in FP32 too)
     np.testing.assert_array_equal(finite, np.isfinite(got))
     assert finite.any() and rel_err(want[finite], got[finite]) < 1e-2
+
+
+def _through_identity(snippet: str, value: str) -> str:
+    """``snippet`` with ``value`` read through a new ``Identity`` by the lines after the one that
+    makes it (every line, where ``value`` is made before the snippet)."""
+    import re
+
+    lines = snippet.split("\n")  # (a norm snippet starts with a newline: lines[0] is empty)
+    made = next((i for i, line in enumerate(lines) if line.strip().startswith(f"{value} = ")), 0)
+    pattern = re.compile(rf"(?<![\w/]){re.escape(value)}(?![\w/])")
+    for i in range(made + 1, len(lines)):
+        target, eq, expr = lines[i].partition(" = ")
+        if eq:
+            lines[i] = target + eq + pattern.sub(f"{value}_i", expr)
+    lines.insert(made + 1, f"      {value}_i = Identity({value})")
+    return "\n".join(lines)
+
+
+NORM_EDGES = [(norm, opset, value) for norm, values in ((LAYERNORM, ("r", "m", "d", "p", "v", "ve", "sd", "n", "ng")),
+                                                        (RMSNORM, ("rc", "p", "v", "sd", "inv", "n")))
+              for opset in (13, 17) for value in values]
+
+
+@pytest.mark.parametrize("norm,opset,value", NORM_EDGES,
+                         ids=[f"{'layernorm' if n is LAYERNORM else 'rmsnorm'}-op{o}-{v}" for n, o, v in NORM_EDGES])
+def test_a_norm_is_fused_through_an_identity_on_any_of_its_edges(norm, opset, value):
+    """An Identity (the TorchScript exporter writes them; onnxruntime removes them) on an edge of
+    a decomposed norm stopped the fusion: the norm stayed an FP32 island with two more Casts, and
+    at opset 17, with the Identity after the division, onnxruntime's own LayerNormFusion took the
+    island with its entry Cast and refused to load the model ('bound to different types'). The
+    Identity now goes with the pattern, and the model is as fused as without it."""
+    snippet = _through_identity(norm, value)
+    assert f"{value}_i = Identity({value})" in snippet
+    model = residual_block(snippet, opset)
+    result = rewrite(model)
+    [fusion] = result.log.fusions
+    assert fusion.pattern == ("LayerNorm" if norm is LAYERNORM else "RMSNorm")
+    assert f"Identity:{value}_i" in fusion.members
+    assert not nodes_by_type(result.model, "Identity")
+    check_fused(model, result, scale=300.0)  # (loads and runs in onnxruntime at its default level)
+
+
+GELU_EDGES = ["h", "half", "cube", "cubic", "inner", "scaled", "t", "t1"]
+
+
+@pytest.mark.parametrize("value", GELU_EDGES)
+def test_a_tanh_gelu_is_fused_through_an_identity_on_any_of_its_edges(value):
+    snippet = _through_identity(GELU.format(opset=13), value)
+    model = make_model(snippet, {"wq": (8, 8), "wo": (8, 8), **GELU_CONSTS})
+    result = rewrite(model)
+    [fusion] = result.log.fusions
+    assert fusion.pattern == "tanh-GELU" and f"Identity:{value}_i" in fusion.members
+    node = only(result.model, "FastGelu", "com.microsoft")
+    assert names(node.input) == ["h"]
+    check_fused(model, result, scale=60.0)
+
+
+def test_an_identity_read_by_the_pattern_and_by_others_stays_and_the_fused_op_reads_its_source():
+    """``r_i = Identity(r)`` read by the norm and by the next residual Add: the Identity stays for
+    that reader, and the fused op reads ``r`` itself (the same values)."""
+    snippet = _through_identity(LAYERNORM, "r")
+    model = residual_block(snippet, 17)
+    text_model = model.graph
+    for node in text_model.node:  # the next residual Add reads r through the Identity too
+        if node.op_type == "Add" and list(node.input) == ["h", "r"]:
+            node.input[1] = "r_i"
+    result = rewrite(model)
+    [fusion] = result.log.fusions
+    assert "Identity:r_i" not in fusion.members
+    assert names(only(result.model, "LayerNormalization").input) == ["r", "g", "b"]
+    [identity] = nodes_by_type(result.model, "Identity")
+    assert names(identity.input) == ["r"]
+    full_check(result.model)
+    assert rel_err(run(model, feeds())["y"], run(result.model, feeds())["y"]) < 1e-2
+    assert not rewrite(result.model).modified
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+def test_a_constant_read_through_identities_goes_with_the_fusion(opset):
+    """eps and the exponent read through Identity nodes (a TorchScript export shares a constant
+    that way): the fusion took the pattern but left ``Constant → Identity`` behind, dead, and the
+    initializer read only through an Identity was kept (converted to FP16) for it."""
+    norm = LAYERNORM.replace("ve = Add(v, eps)", "e0 = Constant<value=float {1e-5}>()\n      e1 = Identity(e0)\n"
+                                                 "      e2 = Identity(e1)\n      ve = Add(v, e2)")
+    norm = norm.replace("p = Pow(d, two)", "two_i = Identity(two)\n      p = Pow(d, two_i)")
+    model = residual_block(norm, opset)
+    result = rewrite(model)
+    [fusion] = result.log.fusions
+    assert {"Constant:e0", "Identity:e1", "Identity:e2", "Identity:two_i"} <= set(fusion.members)
+    assert not nodes_by_type(result.model, "Identity") and not nodes_by_type(result.model, "Constant")
+    assert "two" not in {t.name for t in result.model.graph.initializer}
+    check_fused(model, result)

@@ -11,8 +11,8 @@ and its island, with its Casts, disappears. GPT-2's tanh-GELU holds ``x**3``, a 
 fused into Gelu(approximate="tanh") or FastGelu it is elementwise and bounded by its input: an
 ``x**3`` that overflows only saturates the tanh, whose result is then exact.
 
-Patterns (the forms torch.onnx.export writes; no-op ``Cast(to=FLOAT)`` of FP32 values are looked
-through)::
+Patterns (the forms torch.onnx.export writes; ``Identity`` nodes and no-op ``Cast(to=FLOAT)`` of FP32
+values are looked through, and those inside a pattern go with it)::
 
     LayerNorm   m = ReduceMean(x); d = x - m; v = ReduceMean(d^2)            (d^2: Pow(d, 2) or d*d)
                 n = d / Sqrt(v + eps)   or   d * Reciprocal(Sqrt(v + eps))   or   d * (1 / Sqrt(v + eps))
@@ -206,13 +206,13 @@ def _match_norm(var_mean: Node, *, centred: bool = True) -> _Match | None:
     ``Sub(x, ReduceMean(x))`` makes it a LayerNorm of ``x`` (else the RMSNorm of ``d``)."""
     if not _mean_over_last_axis(var_mean):
         return None
-    square = var_mean.inputs[0].producer
+    square = _source(var_mean.inputs[0]).producer
     d = _square_base(square)
     if d is None:
         return None
     members = [square, var_mean]
     kind, x = "RMSNorm", _source(d)
-    sub = d.producer
+    sub = x.producer
     if centred and _is(sub, "Sub"):
         mean = _source(sub.inputs[1]).producer
         if _is(mean, "ReduceMean") and _mean_over_last_axis(mean) and \
@@ -241,7 +241,7 @@ def _match_norm(var_mean: Node, *, centred: bool = True) -> _Match | None:
         if candidate is not None and _is_vector(candidate, x):
             members.append(shift)
             out, beta = shift.outputs[0], candidate
-    members += _input_casts(x, members)
+    _absorb_passthroughs(x, members)
     return _Match(kind, x, out, members, eps=eps, gamma=gamma, beta=beta)
 
 
@@ -252,11 +252,11 @@ def _divide_by(root: Value, d: Value, members: list[Node]) -> Value | None:
     LayerNormFusion, which folded the island's leading Cast into a LayerNormalization of FP16 X and
     FP32 scale that its type check then refused ('bound to different types')."""
     div = _only_consumer(root, "Div")
-    if div is not None and div.inputs[1] is root and _same_difference(div.inputs[0], d, members):
+    if div is not None and _source(div.inputs[1]) is root and _same_difference(div.inputs[0], d, members):
         members.append(div)
         return div.outputs[0]
     inverse = _only_consumer(root, "Reciprocal")
-    if inverse is None and div is not None and div.inputs[1] is root and _scalar(div.inputs[0], d) == 1.0:
+    if inverse is None and div is not None and _source(div.inputs[1]) is root and _scalar(div.inputs[0], d) == 1.0:
         inverse = div
     if inverse is None:
         return None
@@ -285,7 +285,7 @@ def _same_difference(value: Value | None, d: Value, members: list[Node]) -> bool
 
 def _match_gelu(cube: Node) -> _Match | None:
     """Anchored at ``Pow(x, 3)``; the coefficients must be GPT-2's (``gelu_new``)."""
-    x = cube.inputs[0]
+    x = _source(cube.inputs[0])
     if x is None or _scalar(cube.inputs[1], x) != 3.0:
         return None
     members = [cube]
@@ -297,7 +297,7 @@ def _match_gelu(cube: Node) -> _Match | None:
             return None
         if coeff is not None and not _close(_scalar(_other_input(node, value), x), _GELU_COEFFS[coeff]):
             return None
-        if op == "Add" and coeff is None and _other_input(node, value) is not x:
+        if op == "Add" and coeff is None and _source(_other_input(node, value)) is not x:
             return None
         members.append(node)
         value = node.outputs[0]
@@ -305,15 +305,17 @@ def _match_gelu(cube: Node) -> _Match | None:
     other = _other_input(final, value) if final else None
     if other is None:
         return None
-    half_node = other.producer
-    if _is(half_node, "Mul") and x in half_node.inputs and \
+    half_node = _source(other).producer
+    if _is(half_node, "Mul") and any(_source(v) is x for v in half_node.inputs) and \
             _close(_scalar(_other_input(half_node, x), x), _GELU_COEFFS["half"]):
         members += [half_node, final]  # (x * 0.5) * (1 + tanh(...)): GPT-2's gelu_new
+        _absorb_passthroughs(x, members)
         return _Match("tanh-GELU", x, final.outputs[0], members)
     outer = _only_consumer(final.outputs[0], "Mul")
     if _close(_scalar(other, x), _GELU_COEFFS["half"]) and outer is not None \
-            and _other_input(outer, final.outputs[0]) is x:
+            and _source(_other_input(outer, final.outputs[0])) is x:
         members += [final, outer]  # x * (0.5 * (1 + tanh(...))): torch's F.gelu(approximate="tanh")
+        _absorb_passthroughs(x, members)
         return _Match("tanh-GELU", x, outer.outputs[0], members)
     return None
 
@@ -405,14 +407,18 @@ def _replace(model: Model, scope: Graph, match: _Match, ctx: Context, namer: Nam
     for member in removed:
         member.detach()
         member.graph = None
-    # a Constant node only the pattern read (its eps, its exponent 2) goes with it; so does such an
-    # initializer, in the emitter (marked here, so the weight counts leave it out)
-    for value in read:
-        if value.is_initializer and not value.has_uses() and not value.is_graph_output and not value.is_graph_input:
+    # a Constant node only the pattern read (its eps, its exponent 2) goes with it, and so do the
+    # Identity nodes it was read through; so does such an initializer, in the emitter (marked here,
+    # so the weight counts leave it out)
+    while read:
+        value = read.pop()
+        if value.has_uses() or value.is_graph_output:
+            continue
+        if value.is_initializer and not value.is_graph_input:
             value.meta["amp.dropped_unread"] = True
         producer = value.producer
-        if _is(producer, "Constant") and producer.graph is scope and not value.uses() \
-                and not value.is_graph_output:
+        if (_is(producer, "Constant") or _is(producer, "Identity")) and producer.graph is scope:
+            read += [v for v in producer.inputs if v is not None]
             producer.detach()
             producer.graph = None
             removed.append(producer)
@@ -822,10 +828,12 @@ def _mean_over_last_axis(node: Node) -> bool:
 
 
 def _square_base(node: Node | None) -> Value | None:
+    """The value ``node`` squares (looked through pass-throughs), or None."""
     if _is(node, "Pow") and _scalar(node.inputs[1], node.inputs[0]) == 2.0:
-        return node.inputs[0]
-    if _is(node, "Mul") and node.inputs[0] is node.inputs[1]:
-        return node.inputs[0]
+        return _source(node.inputs[0])
+    if _is(node, "Mul") and len(node.inputs) == 2 and node.inputs[0] is not None \
+            and _source(node.inputs[0]) is _source(node.inputs[1]):
+        return _source(node.inputs[0])
     return None
 
 
@@ -867,46 +875,79 @@ def _is_noop_cast(node: Node | None) -> bool:
         and node.inputs[0].dtype == DType.FLOAT
 
 
+def _is_passthrough(node: Node | None) -> bool:
+    """A node that hands its FP32 input on unchanged: a no-op ``Cast(to=FLOAT)`` or an
+    ``Identity``. A pattern is matched through them (the TorchScript exporter writes Identity
+    nodes, users insert them); onnxruntime removes them, and left inside an unfused pattern at
+    opset 17+, its own LayerNormFusion took the island with its entry Cast and refused the model."""
+    if _is_noop_cast(node):
+        return True
+    return _is(node, "Identity") and len(node.inputs) == 1 and node.inputs[0] is not None \
+        and node.inputs[0].dtype == DType.FLOAT
+
+
 def _source(value: Value | None) -> Value | None:
-    """The value behind any no-op ``Cast(to=FLOAT)`` of FP32 values."""
-    while value is not None and _is_noop_cast(value.producer):
+    """The value behind any pass-throughs (``_is_passthrough``)."""
+    while value is not None and _is_passthrough(value.producer):
         value = value.producer.inputs[0]
     return value
 
 
 def _through_casts(value: Value, members: list[Node]) -> Value:
-    """Follow single-reader no-op casts forward (adding them to ``members``)."""
+    """Follow single-reader pass-throughs forward (adding them to ``members``)."""
     while True:
         readers = value.consumers()
-        if len(readers) != 1 or not _is_noop_cast(readers[0]) or value.is_graph_output:
+        if len(readers) != 1 or not _is_passthrough(readers[0]) or value.is_graph_output:
             return value
         members.append(readers[0])
         value = readers[0].outputs[0]
 
 
-def _input_casts(x: Value, members: list[Node]) -> list[Node]:
-    """No-op casts of x read only by the pattern: they go with it (the fused op reads x itself)."""
+def _absorb_passthroughs(x: Value, members: list[Node]) -> None:
+    """Add to ``members`` the pass-throughs on the pattern's own data path: those between two
+    members, or between ``x`` and a member, whose result only members read. They go with the
+    pattern (the fused op reads ``x`` itself). Pass-throughs of a scale, bias or constant stay:
+    the fused op reads what they make."""
     inside = {id(n) for n in members}
-    found = []
-    for reader in x.consumers():
-        if _is_noop_cast(reader) and all(id(n) in inside for n in reader.outputs[0].consumers()) \
-                and not reader.outputs[0].is_graph_output and id(reader) not in inside:
-            found.append(reader)
-    return found
+    made = {id(v) for n in members for v in n.outputs}
+    grown = True
+    while grown:
+        grown = False
+        for member in list(members):
+            for value in member.inputs:
+                node = value.producer if value is not None else None
+                if node is None or id(node) in inside or not _is_passthrough(node) or value.is_graph_output \
+                        or any(id(reader) not in inside for reader in value.consumers()):
+                    continue
+                origin = _source(node.inputs[0])
+                if origin is not x and id(origin) not in made:
+                    continue
+                members.append(node)
+                inside.add(id(node))
+                made.update(id(v) for v in node.outputs)
+                grown = True
 
 
 def _only_consumer(value: Value, op: str) -> Node | None:
-    readers = value.consumers()
-    if len(readers) == 1 and _is(readers[0], op) and not value.is_graph_output:
-        return readers[0]
-    return None
+    """The one reader of ``value`` (after single-reader pass-throughs), if it is an ``op``."""
+    while True:
+        readers = value.consumers()
+        if len(readers) != 1 or value.is_graph_output:
+            return None
+        if not _is_passthrough(readers[0]) or op in ("Cast", "Identity"):
+            return readers[0] if _is(readers[0], op) else None
+        value = readers[0].outputs[0]
 
 
 def _other_input(node: Node | None, value: Value) -> Value | None:
+    """The input of a two-input ``node`` that is not ``value`` (compared through pass-throughs)."""
     if node is None or len(node.inputs) != 2:
         return None
     a, b = node.inputs
-    return b if a is value else a if b is value else None
+    if a is value or b is value:
+        return b if a is value else a
+    source = _source(value)
+    return b if _source(a) is source else a if _source(b) is source else None
 
 
 def _attr(node: Node, name: str, default: Any) -> Any:
