@@ -137,6 +137,49 @@ def test_clear_op_that_grows_its_tensor_runs_fp32_so_the_small_tensor_is_cast():
     assert scope["cast_bytes"] + scope["fp32_bytes"] == 384 + 384 + 8320
 
 
+@pytest.mark.parametrize("identity", [False, True])
+def test_an_identity_moves_no_data_in_the_cost_model(identity):
+    """LRN (FP32) → [Identity] → MaxPool (halves each side) → Conv. The optimum keeps the pool FP32
+    and casts its 4x smaller output. Costed as a copy (2 × 2 × 64·64·16 B of FP32 traffic), an FP32
+    Identity made the low pool cheaper, and the Cast went before it, on the larger tensor; but
+    onnxruntime removes an Identity before it runs."""
+    mid = "l = LRN<size=5>(r)\n          li = Identity(l)" if identity else "li = LRN<size=5>(r)"
+    m = make_model(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1,16,64,64] x) => (float[1,16,32,32] y) {{
+          c = Conv<pads=[1,1,1,1]>(x, w1)
+          r = Relu(c)
+          {mid}
+          p = MaxPool<kernel_shape=[2,2], strides=[2,2]>(li)
+          y = Conv<pads=[1,1,1,1]>(p, w2)
+        }}""", {"w1": (16, 16, 3, 3), "w2": (16, 16, 3, 3)})
+    best = rewrite(m, placement="optimal")
+    assert _precisions(best)["MaxPool:p"] == "fp32"
+    casts = {c.tensor: c.bytes_per_run for c in _inserted(best)}
+    assert casts == {"x": 16 * 64 * 64 * 6, "r": 16 * 64 * 64 * 6, "p": 16 * 32 * 32 * 6, "y/amp_fp16": 16 * 32 * 32 * 6}
+    if identity:
+        assert _precisions(best)["Identity:li"] == "fp32"
+        assert "FP32 moves 0 B per run here" in best.log.decisions["Identity:li"].reason
+
+
+def test_a_value_returned_through_two_identities_is_cast_once():
+    """Each Identity followed its low producer and cast its own graph output: two Casts of one
+    tensor where one before both Identities does (they move nothing)."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[8,32] x) => (float[8,64] y, float[8,64] y2) {
+          h = MatMul(x, w)
+          y = Identity(h)
+          y2 = Identity(h)
+        }""", {"w": (32, 64)})
+    best = rewrite(m, placement="optimal")
+    assert [c.tensor for c in _inserted(best)] == ["x", "h"]
+    full_check(best.model)
+    feeds = {"x": np.random.default_rng(0).standard_normal((8, 32)).astype(np.float32)}
+    want, got = run(m, feeds), run(best.model, feeds)
+    assert rel_err(want["y"], got["y"]) < 1e-2 and np.array_equal(got["y"], got["y2"])
+
+
 def test_plain_optimum_that_casts_more_than_greedy_is_reweighted():
     # Embedding-like block: Gather (clear) + Add (infer) before an FP32 reduction island. The plain
     # sum prefers them low (one cast into the island, no FP32 traffic) although greedy casts

@@ -15,8 +15,10 @@ Cost model (bytes moved per run; one model run at the default shapes below):
   (``place_casts`` shares one Cast per (value, type, scope)). Modelled with one auxiliary node per
   value and direction, so k consumers across the cut cost one cast, not k.
 - **a free node left FP32**: ``2 × numel`` extra bytes for each float input and output of its
-  painted group (the 2 bytes per element FP32 moves over FP16/BF16), weights included. (Fixed
-  nodes cost the same whatever the cut does, so the reported FP32 traffic is the free nodes'.)
+  painted group (the 2 bytes per element FP32 moves over FP16/BF16), weights included; none for
+  an ONNX ``Identity``, which onnxruntime removes before it runs (left FP32 it still decides which
+  side of it the Cast goes). (Fixed nodes cost the same whatever the cut does, so the reported
+  FP32 traffic is the free nodes'.)
 - **terminals**: graph inputs and outputs are FP32 (``keep_io_types``; low without it); values
   produced or read by non-participating nodes (control flow, existing casts, custom ops, Loop and
   Scan bodies) need FP32; initializers and Constant outputs are free (converted offline, or duplicated
@@ -143,6 +145,13 @@ _LOGS = {"Log", "log", "log2", "log10", "log1p"}
 _BROADCAST = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "Greater",
               "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Mod", "PRelu"}
 _BATCH = re.compile("batch", re.IGNORECASE)
+
+
+def _removed_at_load(node: Node) -> bool:
+    """An ONNX Identity: onnxruntime's basic graph optimisations remove it, so it moves no data.
+    (Costed as a copy, an FP32 Identity after an FP32 op moved the Cast before the 4x larger input
+    of the MaxPool it fed.)"""
+    return node.op_type == "Identity" and node.domain in ("", "ai.onnx")
 
 
 def optimise_placement(model: Model, ctx: Context) -> PassResult:
@@ -274,8 +283,8 @@ class Problem:
         self.free = [i for i in range(len(nodes)) if i not in self.fixed]
         self.node_bytes = [0] * len(nodes)
         for i in self.free:
-            if i in self.branch_nodes:
-                continue  # an If moves no data of its own
+            if i in self.branch_nodes or _removed_at_load(nodes[i]):
+                continue  # an If moves no data of its own, nor does an Identity onnxruntime removes
             ins, outs = nodes[i].inputs, nodes[i].outputs
             floats = [ins[k] for k in self.group_in[i]] + [outs[k] for k in self.group_out[i]]
             self.node_bytes[i] = FP32_EXTRA_BYTES_PER_ELEMENT * sum(self.numel(v) for v in floats)
