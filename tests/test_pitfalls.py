@@ -1226,11 +1226,13 @@ def test_a_scatter_that_accumulates_keeps_fp32(op, reduction, low):
 
 @pytest.mark.parametrize(("attrs", "low", "target"), [
     ("alpha=100000.0", False, "fp16"), ("beta=100000.0", False, "fp16"), ("alpha=1e-09", False, "fp16"),
-    ("alpha=60000.0, beta=0.5", True, "fp16"), ("alpha=100000.0", True, "bf16")])
+    ("alpha=1e-07", False, "fp16"), ("alpha=60000.0, beta=0.5", True, "fp16"), ("alpha=0.0001", True, "fp16"),
+    ("alpha=100000.0", True, "bf16")])
 def test_a_gemm_scalar_the_low_type_cannot_hold_keeps_the_gemm_fp32(attrs, low, target):
     """onnxruntime's CUDA Gemm converts alpha and beta to the data type before calling cuBLAS: an
-    alpha of 1e5 in FP16 is inf (every output inf), 1e-9 is 0. The weights are clamped and counted,
-    the scalars were neither: such a Gemm keeps FP32 with the reason (BF16 holds 1e5)."""
+    alpha of 1e5 in FP16 is inf (every output inf), 1e-9 is 0, 1e-7 the subnormal 1.19e-7 (every
+    output 19% off). The weights are clamped and counted, the scalars were neither: such a Gemm
+    keeps FP32 with the reason (BF16 holds 1e5; 1e-4 is a normal FP16 number)."""
     model = make_model(f"""
     <ir_version: 10, opset_import: ["" : 18]>
     g (float[4,8] x) => (float[4,8] y) {{
@@ -1246,6 +1248,45 @@ def test_a_gemm_scalar_the_low_type_cannot_hold_keeps_the_gemm_fp32(attrs, low, 
         assert result.log.decisions["MatMul:a"].precision == Precision.LOW
     again = rewrite(result.model, target=target)
     assert not again.modified
+
+
+@pytest.mark.parametrize(("body", "k", "low"), [
+    ("s = Mul(h, k)", 1e-7, False), ("s = Mul(k, h)", -3e-6, False), ("s = Div(k, h2)", 1e-7, False),
+    ("r = Reciprocal(k)\ns = Mul(h, r)", 1e7, False), ("s = Mul(h, k)", 1e-4, True),
+    ("s = Mul(h, k)", [1.0, 0.5, 1e-7, 2.0, 0.0, 1.0, 1.0, 1.0], True)],
+    ids=["mul", "mul-left", "div-numerator", "reciprocal", "normal", "mixed"])
+def test_a_factor_fp16_holds_only_as_a_coarse_subnormal_keeps_its_mul_fp32(body, k, low):
+    """``h * 1e-7`` went FP16 with 1e-7 stored as the subnormal 1.19e-7: every output 19% off and
+    nothing said (``h / 1e7`` kept FP32 for its divisor). A factor the low type rounds worse than its
+    normal numbers keeps its Mul (or a Div's numerator) FP32; 1e-4 is a normal FP16 number, and a
+    tensor with one tiny entry among larger ones rounds that entry's small product only."""
+    inits = {"k": np.array(k, np.float32)}
+    if "h2" in body:
+        body = "h2 = Add(h, one)\n" + body
+        inits["one"] = np.array(40.0, np.float32)
+    model, result = _between_matmuls(body, inits, last="s", opset=18)
+    node = next(name for name in result.log.decisions if name.endswith(":s"))
+    decision = result.log.decisions[node]
+    assert (decision.precision == Precision.LOW) is low, decision.reason
+    if not low:
+        assert "below fp16's smallest normal value" in decision.reason and "% off" in decision.reason
+    if "h2" not in body:  # (a quotient 1e-7 / h is itself below FP16's range, where the MatMul reads it)
+        feeds = {"x": (np.random.default_rng(0).standard_normal((4, 8)) * 1000).astype(np.float32)}
+        assert_emulated_close(model, result.model, feeds)
+    assert not rewrite(result.model).modified
+
+
+def test_a_coarse_factor_goes_bf16():
+    """BF16 has FP32's exponent range: 1e-7 is a normal BF16 number, and the Mul goes low."""
+    model = make_model("""
+    <ir_version: 10, opset_import: ["" : 18]>
+    g (float[4,8] x) => (float[4,8] y) {
+      h = MatMul(x, w)
+      s = Mul(h, k)
+      y = MatMul(s, w)
+    }""", {"w": (8, 8), "k": np.array(1e-7, np.float32)})
+    result = rewrite(model, target="bf16")
+    assert result.log.decisions["Mul:s"].precision == Precision.LOW
 
 
 @pytest.mark.parametrize(("op", "bias", "low", "target"), [

@@ -20,6 +20,10 @@ and more (-1e9, finfo(float32).min): saturated, they still mask, which the repor
 ``--check`` expects; keeping every mask op FP32 for them would add casts to every attention block
 for nothing.
 
+A Mul by a constant factor the low type rounds worse than its normal numbers (``h * 1e-7``: an
+FP16 subnormal, 1.19e-7, every product 19% off; ``h / 1e7`` keeps FP32 for its divisor) keeps FP32
+too (:func:`_coarse_factor`), as does a Gemm whose alpha or beta becomes one.
+
 A float attribute the kernel combines with the data in the node's type counts the same way
 (:data:`_ATTRIBUTES`): ImageScaler's ``bias`` of 1e5 made channel 0 +inf in FP16. Attributes that
 are only compared with the data (ThresholdedRelu's ``alpha``, Shrink's ``lambd``, an RNN's
@@ -110,6 +114,13 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
                 copy.meta.setdefault(META, (
                     f"carries {divisor:g} into the divisor of {node.name or node.op_type!r}: in {short} it is a "
                     f"subnormal, rounded to a few bits (or 0), and the quotient with it, so the node keeps FP32"))
+            continue
+        coarse = _coarse_factor(node, ctx.low, folds)
+        if coarse is not None:
+            name, value, error = coarse
+            node.meta[META] = (f"multiplies by {name!r} holding {value:g}, below {short}'s smallest normal value: "
+                               f"{short} holds it as a subnormal, {error:.1%} off, and every product would be as "
+                               f"far off, so the node keeps FP32")
     return PassResult("out-of-range constants", modified=False)
 
 
@@ -138,6 +149,8 @@ def _kernel_scalar_lost(node: Node, low: DType) -> tuple[str, float, str] | None
             return name, value, f"{became:+g}"
         if became == 0.0 and value != 0.0:
             return name, value, "0"
+        if value != 0.0 and abs(became - value) > _coarse_limit(low) * abs(value):
+            return name, value, f"{became:g} (a subnormal, {abs(became - value) / abs(value):.1%} off)"
     return None
 
 
@@ -159,6 +172,37 @@ def _vanishes(node: Node, low: DType, folds: dict[int, object]) -> tuple[str, fl
             found = lost_epsilon(data, data.astype(np.float32).astype(_numpy_type(low)))
         if found is not None:
             return value.name, found
+    return None
+
+
+def _coarse_limit(low: DType) -> float:
+    """The largest rounding error, relative to the value, of a normal number of the low type, twice
+    over (one unit in the last place: 2^-10 for FP16, 2^-7 for BF16): a subnormal rounds worse."""
+    return 2.0 ** -(7 if low == DType.BFLOAT16 else 10)
+
+
+def _coarse_factor(node: Node, low: DType, folds: dict[int, object]) -> tuple[str, float, float] | None:
+    """(name, value, error) of a constant factor a Mul multiplies by (or a Div's numerator) that
+    the low type rounds worse than its normal numbers: its largest rounding error, relative to its
+    largest magnitude, is over :func:`_coarse_limit`, as for a scale below FP16's smallest normal
+    value (6.1e-5) held as a subnormal (``h * 1e-7``: 1.19e-7 in FP16, every product 19% off, where
+    ``h / 1e7`` keeps FP32 for its divisor). A tensor of larger values with a few tiny entries
+    is not (their products are as small as their errors); None."""
+    slots = {"Mul": (0, 1), "Div": (0,)}.get(node.op_type) if node.domain == "" else None
+    for slot in slots or ():
+        value = node.inputs[slot] if slot < len(node.inputs) else None
+        data = _folded(value, folds)
+        if data is None or data.size == 0 or data.dtype.kind != "f":
+            continue
+        with np.errstate(all="ignore"):
+            finite = data[np.isfinite(data)].reshape(-1)
+            largest = float(np.abs(finite).max()) if finite.size else 0.0
+            if largest == 0.0 or largest >= SENTINEL:
+                continue
+            rounded = finite.astype(np.float32).astype(_numpy_type(low)).astype(np.float64)
+            error = float(np.abs(rounded - finite).max()) / largest
+        if error > _coarse_limit(low):
+            return value.name, float(finite[int(np.argmax(np.abs(finite)))]), error
     return None
 
 
