@@ -20,7 +20,7 @@ and more (-1e9, finfo(float32).min): saturated, they still mask, which the repor
 ``--check`` expects; keeping every mask op FP32 for them would add casts to every attention block
 for nothing.
 
-A Mul by a constant factor the low type rounds worse than its normal numbers (``h * 1e-7``: an
+A Mul by a constant factor the low type keeps to fewer than 7 significant bits (``h * 1e-7``: an
 FP16 subnormal, 1.19e-7, every product 19% off; ``h / 1e7`` keeps FP32 for its divisor) keeps FP32
 too (:func:`_coarse_factor`), as does a Gemm whose alpha or beta becomes one.
 
@@ -176,15 +176,16 @@ def _vanishes(node: Node, low: DType, folds: dict[int, object]) -> tuple[str, fl
 
 
 def _coarse_limit(low: DType) -> float:
-    """The largest rounding error, relative to the value, of a normal number of the low type, twice
-    over (one unit in the last place: 2^-10 for FP16, 2^-7 for BF16): a subnormal rounds worse."""
-    return 2.0 ** -(7 if low == DType.BFLOAT16 else 10)
+    """2^-7, the relative rounding error of a number kept to 7 significant bits (bf16's precision),
+    for either low type: a normal number rounds better (2^-11 for FP16, 2^-8 for BF16), a subnormal
+    worse the smaller it is (FP16: 1e-5 is 0.14% off, 1e-6 1.3%, 1e-7 19%)."""
+    return 2.0 ** -7
 
 
 def _coarse_factor(node: Node, low: DType, folds: dict[int, object]) -> tuple[str, float, float] | None:
     """(name, value, error) of a constant factor a Mul multiplies by (or a Div's numerator) that
-    the low type rounds worse than its normal numbers: its largest rounding error, relative to its
-    largest magnitude, is over :func:`_coarse_limit`, as for a scale below FP16's smallest normal
+    the low type rounds to fewer than 7 significant bits: its largest rounding error, relative to its
+    largest magnitude, is over :func:`_coarse_limit`, as for a scale far below FP16's smallest normal
     value (6.1e-5) held as a subnormal (``h * 1e-7``: 1.19e-7 in FP16, every product 19% off, where
     ``h / 1e7`` keeps FP32 for its divisor). A tensor of larger values with a few tiny entries
     is not (their products are as small as their errors); None."""
