@@ -2024,6 +2024,42 @@ def test_a_division_by_a_number_whose_reciprocal_leaves_fp16_keeps_fp32(capture,
     assert div.precision == Precision.FP32 and f"divides by {sign}1e-06, which multiplies by {sign}1e+06" in div.reason
 
 
+class _LayerScale(nn.Module):
+    """ConvNeXt's and CaiT's layer scale: a learned per-channel factor, initialised to 1e-6."""
+
+    def __init__(self, init: float, how: str) -> None:
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(16, 16), nn.Linear(16, 16), how
+        self.gamma = nn.Parameter(torch.full((16,), init))
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h * self.gamma if self.how == "mul" else self.gamma.mul(h) if self.how == "method" else self.gamma / h
+        return self.b(h * 1e4 if self.how != "div" else h * 1e-4)
+
+
+@pytest.mark.parametrize(("init", "how", "low"), [(1e-6, "mul", False), (1e-7, "method", False),
+                                                  (1e-6, "div", False), (1e-5, "mul", True), (1e-3, "mul", True)])
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_factor_fp16_holds_only_as_a_coarse_subnormal_keeps_its_mul_fp32(capture, init, how, low):
+    """A layer scale of 1e-6 went FP16 as the subnormal 1.01e-6 (1.3% off, 1e-7: 19%): every product
+    that far off, where torch.autocast's type promotion keeps ``half * float`` FP32 (the ONNX
+    frontend's limit: 7 significant bits; 1e-5, 0.14% off, goes low)."""
+    torch.manual_seed(0)
+    model, x = _LayerScale(init, how).eval(), torch.randn(4, 16) * (1 if how == "div" else 100)
+    result = _dispatch(model, example_inputs=(x,), target="fp16", capture=capture)
+    result.model.graph.lint()
+    scale = next(d for k, d in result.log.decisions.items() if k.endswith("div" if how == "div" else "mul"))
+    assert (scale.precision == Precision.LOW) is low, scale.reason
+    if not low:
+        assert "below fp16's smallest normal value" in scale.reason and "% off" in scale.reason
+    with torch.no_grad():
+        got = result.model(x)
+        assert torch.isfinite(got).all() and rel_err(got, model(x)) < TOL["fp16"]
+    bf16 = _dispatch(model, example_inputs=(x,), target="bf16", capture=capture)
+    assert not [d for d in bf16.log.decisions.values() if "smallest normal" in d.reason]
+
+
 class _ReadsAFill(nn.Module):
     """Ops that read what an out-of-range number made: an additive padding mask (``where(m, 0.0,
     -1e5)``, read through a view by ``h + bias``) and a lerp towards ``full_like(h, 1e5)``."""

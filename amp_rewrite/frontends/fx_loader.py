@@ -823,6 +823,9 @@ class _Builder:
         big = _beyond_range(tensor, self.low, value.const_stats) if self.low is not None else None
         if big is not None:
             value.meta["fx.out_of_range"] = big
+        coarse = _coarse_values(tensor, self.low) if self.low is not None and big is None else None
+        if coarse is not None:
+            value.meta["fx.coarse"] = coarse  # (its mul readers: _mark_out_of_range_readers)
 
     def _mark_mutable(self, value: Value, target: str) -> None:
         """A module tensor the forward writes in place (a running sum, a cache) changes from call to
@@ -1181,6 +1184,14 @@ def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
         if big is not None:
             hold(node.outputs, node.name, big)
             continue
+        factors = node.inputs if node.op_type in _MULS else node.inputs[:1] if node.op_type in _DIVS else ()
+        coarse = next((v for v in factors if v is not None and "fx.coarse" in v.meta), None)
+        if coarse is not None:  # (as onnx_constants._coarse_factor: a layer scale of 1e-6 is 1.3% off)
+            value, error = coarse.meta["fx.coarse"]
+            node.meta.setdefault("amp.exact_constant", (
+                f"multiplies by {coarse.meta.get('fx.attr', coarse.name)!r} holding {value:g}, below {short}'s "
+                f"smallest normal value: {short} holds it as a subnormal, {error:.1%} off, and every product would "
+                f"be as far off, so the node keeps FP32 (as torch.autocast's type promotion keeps it)"))
         bias = _bias_beyond(node, holding)
         if bias is not None:  # (classify keeps an allow op with this FP32, as onnx_constants a Gemm's C)
             value, (source, big) = bias
@@ -1295,6 +1306,29 @@ def _beyond_range(tensor: torch.Tensor, low: torch.dtype, stats: dict | None) ->
         magnitude = _stored_values(tensor).detach().abs()
         beyond = magnitude[(magnitude > limit) & (magnitude < _SENTINEL)]
         return float(beyond.max()) if beyond.numel() else None
+
+
+_MULS = frozenset({"mul", "mul_", "multiply"})
+_DIVS = frozenset({"div", "div_", "true_divide", "divide"})  # (the numerator: their first tensor input)
+
+
+def _coarse_values(tensor: torch.Tensor, low: torch.dtype) -> tuple[float, float] | None:
+    """(its largest value, the error) for a small float tensor that ``low`` keeps to fewer than 7
+    significant bits: its largest rounding error, relative to its largest magnitude, is over 2^-7
+    (onnx_constants._coarse_limit), as for a scale of 1e-6 held as an FP16 subnormal; else None."""
+    if not tensor.is_floating_point() or tensor.is_meta or tensor.dtype == low or not 0 < tensor.numel() <= 1 << 16:
+        return None
+    with torch.no_grad():
+        data = _stored_values(tensor).detach().double().reshape(-1)
+        data = data[torch.isfinite(data)]
+        if not data.numel():
+            return None
+        index = int(data.abs().argmax())
+        largest = float(data[index].abs())
+        if largest == 0.0 or largest >= _SENTINEL:
+            return None
+        error = float((data.to(low).double() - data).abs().max()) / largest
+    return (float(data[index]), error) if error > 2.0 ** -7 else None
 
 
 def _below_reciprocal_range(tensor: torch.Tensor, low: torch.dtype) -> float | None:
