@@ -174,6 +174,39 @@ def test_an_earlier_pin_yields_to_this_runs_flags_and_keeps_its_pattern_unfused(
     assert not rewrite(first).modified
 
 
+def test_an_earlier_node_pin_holds_against_this_runs_op_flags_so_the_same_options_change_nothing(tmp_path):
+    """--fp32-nodes on a LayerNorm member with --fp16-ops LayerNormalization: the node pin wins and
+    the LayerNorm is fused to stay FP32. Rewritten again with the same options, the pattern naming
+    the member matched nothing (it is fused), and this run's --fp16-ops beat the pin its tags kept:
+    the output changed (the LayerNormalization and its scale went FP16). --fp16-nodes still wins."""
+    block = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[N,16] x) => (float[N,16] y) {
+      h = MatMul(x, w1)
+      r = Add(h, x)
+      mu = ReduceMean<axes=[-1]>(r)
+      d = Sub(r, mu)
+      p = Pow(d, two)
+      v = ReduceMean<axes=[-1]>(p)
+      ve = Add(v, eps)
+      s = Sqrt(ve)
+      n = Div(d, s)
+      gn = Mul(n, g)
+      ln = Add(gn, b)
+      y = MatMul(ln, w2)
+    }""", {"w1": (16, 16), "w2": (16, 16), "g": np.ones(16, np.float32), "b": np.zeros(16, np.float32),
+           "two": np.array(2.0, np.float32), "eps": np.array(1e-5, np.float32)})
+    options = {"fp32_nodes": ["Sqrt:s"], "fp16_ops": ["LayerNormalization"]}
+    first = rewrite(block, **options)
+    fused = [d for d in first.log.decisions.values() if d.op == "LayerNormalization" and d.precision.value == "fp32"]
+    assert len(fused) == 1
+    again = rewrite(first.model, **options)
+    assert not again.modified
+    assert again.log.decisions[fused[0].node].precision.value == "fp32"
+    undone = rewrite(first.model, fp16_nodes=[fused[0].node.split(":", 1)[-1]])
+    assert undone.log.decisions[fused[0].node].precision.value == "low"
+
+
 @pytest.mark.parametrize("option, value", [("fp32_nodes", ["MatMul_*"]), ("fp32_nodes", ["re:Mat.*_1"]),
                                            ("fp32_ops", ["MatMul"])])
 def test_fp32_overrides_keep_nodes_fp32(option, value):

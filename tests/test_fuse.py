@@ -1417,3 +1417,18 @@ def test_a_constant_read_through_identities_goes_with_the_fusion(opset):
     assert not nodes_by_type(result.model, "Identity") and not nodes_by_type(result.model, "Constant")
     assert "two" not in {t.name for t in result.model.graph.initializer}
     check_fused(model, result)
+
+
+def test_an_op_flag_naming_the_fused_op_is_said_to_keep_the_patterns_unfused_not_to_match_nothing():
+    """--fp32-ops com.microsoft:SkipLayerNormalization declines every skip fusion (BERT: 73 nodes
+    more FP32), and the summary said the flag 'names an op this model does not have, so it changes
+    nothing': the op is not in the output because the flag kept it out."""
+    model = residual_block(LAYERNORM, 13)
+    result = rewrite(model, fp32_ops=["com.microsoft:SkipLayerNormalization"])
+    assert not result.log.fusions and result.log.islands
+    assert not [n for n in result.log.notes if n.startswith("unmatched")]
+    assert any(n.startswith("--fp32-ops 'com.microsoft:SkipLayerNormalization': the decomposed patterns")
+               for n in result.log.notes)
+    elsewhere = rewrite(residual_block(LAYERNORM, 17), fp32_ops=["com.microsoft:SkipLayerNormalization"])
+    assert elsewhere.log.fusions  # (opset 17: LayerNormalization, and the flag names an op it never needed)
+    assert any(n.startswith("unmatched: --fp32-ops 'com.microsoft:SkipLayerNormalization'") for n in elsewhere.log.notes)

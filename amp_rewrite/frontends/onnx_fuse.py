@@ -352,7 +352,16 @@ def _choose(match: _Match, scope: Graph, ctx: Context,
             while inputs and inputs[-1] is None:
                 inputs.pop()
             return domain, op, inputs, attrs
+        if version >= since and _op_flag_entry(ctx, op, domain, version):
+            # (an --fp32-ops naming the fused op declined it: the flag changed the model, though the
+            # op it names is not in the output; classify's unmatched-flag note asks)
+            shapes.model.meta.setdefault("amp.fusion_declined_ops", set()).add((domain, op))
     return None
+
+
+def _op_flag_entry(ctx: Context, op: str, domain: str, opset: int) -> bool:
+    entry = ctx.rules.lookup(op, domain, opset)
+    return entry is not None and entry.reason.startswith("command line: --")
 
 
 def _low_capable(ctx: Context, op: str, domain: str, opset: int, *, norm: bool) -> bool:

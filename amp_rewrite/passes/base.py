@@ -253,6 +253,14 @@ def earlier_pin(node: Node) -> str | None:
     return source if source and is_user_source(source) else None
 
 
+def is_node_source(source: str) -> bool:
+    """Whether a pin's source names nodes (``--fp32-nodes``, ``--auto-fp32``'s pins, a rule file's
+    ``[nodes]``), not ops (``--fp32-ops``, a rule file's op lists)."""
+    if source.startswith("--"):
+        return source.split()[0] not in ("--fp32-ops", "--fp16-ops")
+    return source.rpartition(": ")[2].startswith("nodes")
+
+
 @functools.lru_cache(maxsize=256)
 def is_user_source(source: str) -> bool:
     """Whether a decision's source is the user's: a command-line flag or a rule file that is not a

@@ -23,8 +23,8 @@ import difflib
 from ..decisions import Category, Precision
 from ..ir import DType, Model, Node, Value
 from ..rulebook import RuleEntry
-from .base import (LOW_LIMITS, Context, PassResult, earlier_pin, given_low_type, is_float32, is_user_source, node_label,
-                   node_names, node_rule_of, painted_group, string_attribute)
+from .base import (LOW_LIMITS, Context, PassResult, earlier_pin, given_low_type, is_float32, is_node_source,
+                   is_user_source, node_label, node_names, node_rule_of, painted_group, string_attribute)
 
 _CONTROL = "control flow: its boundary types are kept and each body is rewritten as a scope of its own"
 _SOURCES = {"Cast", "Constant"}  # handled by cast folding and weight conversion, not painting
@@ -196,8 +196,13 @@ def _note_unmatched_op_flags(model: Model, ctx: Context) -> None:
         return
     present = {(n.domain if n.domain != "ai.onnx" else "", n.op_type) for n in model.graph.walk()}
     present |= model.meta.get("amp.fused_member_ops", set())  # (a flag on a member kept its fused op FP32)
+    declined = model.meta.get("amp.fusion_declined_ops", set())  # (onnx_fuse: the flag kept patterns unfused)
     for entry in flagged:
-        if (entry.domain, entry.op) not in present:
+        if (entry.domain, entry.op) in declined and (entry.domain, entry.op) not in present:
+            op = f"{entry.domain}:{entry.op}" if entry.domain else entry.op
+            ctx.log.notes.append(f"{entry.source} {op!r}: the decomposed patterns that would be fused into it stay "
+                                 f"unfused, FP32 islands with their Casts")
+        elif (entry.domain, entry.op) not in present:
             flag = entry.source
             op = f"{entry.domain}:{entry.op}" if entry.domain else entry.op
             ctx.log.notes.append(f"unmatched: {flag} {op!r} names an op this model does not have, so it changes "
@@ -726,7 +731,10 @@ def _lookup(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], names: fr
         return Category.ALLOW, f"node rule {node_rule.pattern!r} makes it low precision", node_rule.source, None
     verdict = _cached_verdict(node, ctx, verdicts)
     earlier = earlier_pin(node)
-    if earlier and not is_user_source(verdict[2]):  # (this run's --fp16-ops or rule file wins)
+    # (this run's --fp16-ops or rule file wins over an earlier op pin, not over an earlier node pin:
+    # a node rule beat the op flags in that run too, and its pattern may name a member of what was
+    # fused since, which it matches no more)
+    if earlier and (not is_user_source(verdict[2]) or is_node_source(earlier)):
         return (Category.DENY, f"kept FP32: an earlier rewrite of this model pinned it ({earlier}), as its tags say",
                 earlier, None)
     return verdict
