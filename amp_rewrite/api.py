@@ -170,7 +170,7 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
     modified = any(r.modified for r in results)
     if modified and model.frontend == "onnx" and model.graph.opsets.get("", 0) >= 17:
         entered = [i for i in ctx.log.islands if i.pattern == "LayerNorm" and i.casts_in and _ort_can_fuse(model, i)
-                   and _cast_is_x(model, i)]
+                   and _cast_is_x(model, i) and _whole_layernorm(model, i)]
         if entered:  # (frontends/onnx_fuse.py: what fusing it would have avoided)
             why, fix = ("--no-fuse", "rewrite without --no-fuse to avoid it") if not ctx.options.fuse else (
                 "a form the fuse pass does not take, such as an epsilon outside (0, 1) or not a scalar",
@@ -248,6 +248,26 @@ def _ort_can_fuse(model: Model, island) -> bool:
     return True
 
 
+def _whole_layernorm(model: Model, island) -> bool:
+    """Whether the island holds the tail of a decomposed LayerNorm whole: its division, the scale
+    Mul reading it and the bias Add reading that. onnxruntime's LayerNormFusion takes only that
+    form; without the bias Add, or with a member a pin made low (a Cast inside the pattern), it
+    fuses nothing, the model loads, and the warning was false."""
+    members = set(island.members)
+
+    def only_reader(node: Node, op: str) -> Node | None:
+        readers = [reader for out in node.outputs for reader, _ in out.uses()]
+        found = readers[0] if len(readers) == 1 else None
+        return found if found is not None and found.op_type == op and node_label(found) in members else None
+
+    for node in model.graph.walk():
+        if node.op_type == "Div" and node_label(node) in members:
+            scale = only_reader(node, "Mul")
+            if scale is not None and only_reader(scale, "Add") is not None:
+                return True
+    return False
+
+
 def _cast_is_x(model: Model, island) -> bool:
     """Whether the Cast into a LayerNorm island makes the normalised input X itself (what its mean and
     ``x - mean`` read): only that Cast does onnxruntime's LayerNormFusion fold into a node of mixed
@@ -260,7 +280,7 @@ def _cast_is_x(model: Model, island) -> bool:
         x = node.inputs[0]
         if x is not None and any(r.op_type == "Sub" and node_label(r) in members for r, _ in x.uses()):
             return x.producer is not None and x.producer.op_type == "Cast"
-    return True  # (no X found: warn as before)
+    return False  # (no mean of X in the island: a pin made it low, a Cast sits inside; nothing to fold)
 
 
 def _batch_transpose_matmuls(model: Model) -> list[tuple[str, list[int]]]:
