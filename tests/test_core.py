@@ -710,6 +710,30 @@ def test_a_low_pin_the_kernel_table_or_control_flow_overrides_is_said(tmp_path):
     assert not [n for n in rewrite(m).log.notes if n.startswith("without effect:")]  # (no pins, no notes)
 
 
+def test_a_shape_of_a_low_value_is_not_said_to_be_typed_fp32_outright(tmp_path):
+    """Shape (and Size) read any type: its input slot has no type group only because nothing shares
+    it. The summary and --explain said Shape's schema 'types its float tensors tensor(float)
+    outright ... low neighbours meet them through a Cast', and called a --fp16-nodes pin on it
+    without effect for that reason, while the output's Shape read the FP16 value directly."""
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[3,4] x) => (float[3,4] y, int64[2] s) {
+          h = MatMul(x, w)
+          s = Shape(h)
+          y = MatMul(h, w2)
+        }""", {"w": (4, 4), "w2": (4, 4)})
+    from amp_rewrite.explain import explain_node
+
+    result = rewrite(m, fp16_nodes=["Shape:s"])
+    assert not [n for n in result.log.notes if "outright" in n], result.log.notes
+    onnx.save(m, str(tmp_path / "m.onnx"))
+    told = explain_node(tmp_path / "m.onnx", "Shape:s")
+    assert "Shape" in told and "outright" not in told, told
+    shape = next(n for n in result.model.graph.node if n.op_type == "Shape")
+    assert shape.input[0] == "h"  # (it reads the FP16 value itself, through no Cast)
+    full_check(result.model)
+
+
 def test_rules_given_as_a_dict_is_a_usage_error():
     """rules={"deny": {...}} read each key as a rule file's path: 'deny: (file): file not found'."""
     from amp_rewrite.errors import UsageError

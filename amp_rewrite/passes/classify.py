@@ -23,8 +23,9 @@ import difflib
 from ..decisions import Category, Precision
 from ..ir import DType, Model, Node, Value
 from ..rulebook import RuleEntry
-from .base import (LOW_LIMITS, Context, PassResult, earlier_pin, given_low_type, is_float32, is_node_source,
-                   is_user_source, node_label, node_names, node_rule_of, painted_group, string_attribute)
+from .base import (LOW_LIMITS, Context, PassResult, accepts_any_float, earlier_pin, given_low_type, is_float32,
+                   is_node_source, is_user_source, node_label, node_names, node_rule_of, painted_group,
+                   string_attribute)
 
 _CONTROL = "control flow: its boundary types are kept and each body is rewritten as a scope of its own"
 _SOURCES = {"Cast", "Constant"}  # handled by cast folding and weight conversion, not painting
@@ -113,8 +114,9 @@ def _fixed_fp32(node: Node) -> bool:
     """Whether ``node`` reads or writes an FP32 tensor in a slot its schema types outright (no type
     parameter: DequantizeLinear-13's output, QuantizeLinear-13's scale), so no rule can make it low."""
     return any(group is None and value is not None and value.dtype == DType.FLOAT
-               for slots in (zip(node.output_groups, node.outputs), zip(node.input_groups, node.inputs))
-               for group, value in slots)
+               for slots in (zip(node.output_groups, node.outputs),
+                             () if accepts_any_float(node) else zip(node.input_groups, node.inputs))
+               for group, value in slots)  # (Shape, Size, Cast read any type: their input slot is no fixed FP32)
 
 
 def _pin_on_fixed_fp32(node: Node, ctx: Context, names: frozenset[str], found: dict[str, list[str]]) -> None:
