@@ -129,6 +129,18 @@ def test_keeping_the_functions_keeps_the_calls_fp32_and_says_how_to_inline():
     assert rel_err(run(m, _feeds())["y"], run(out, _feeds())["y"]) < 1e-2
 
 
+@pytest.mark.parametrize("flag", ["fp32_ops", "fp16_ops"])
+def test_an_op_flag_naming_an_op_of_a_kept_function_body_says_so(flag):
+    """With the functions kept (inline_functions=False), --fp32-ops/--fp16-ops LeakyRelu (an op
+    only the Block's body holds) was said to name 'an op this model does not have'. Inlined, the
+    flag names a node of the graph and there is no such note."""
+    kept = rewrite(_two_blocks(), inline_functions=False, **{flag: ["LeakyRelu"]})
+    [note] = [n for n in kept.log.notes if n.startswith("unmatched:")]
+    assert "names an op only the bodies of model-local functions hold" in note
+    inlined = rewrite(_two_blocks(), **{flag: ["LeakyRelu"]})
+    assert not [n for n in inlined.log.notes if n.startswith("unmatched:")]
+
+
 def test_nested_calls_and_calls_inside_a_branch_are_inlined():
     """A function calling another, and a call in an If branch: every body ends up rewritten."""
     inner = _block("Inner")

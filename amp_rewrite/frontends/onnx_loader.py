@@ -139,6 +139,10 @@ def load_onnx(source: str | os.PathLike | onnx.ModelProto, *, infer_shapes: bool
     if proto is not None and len(proto.training_info):
         model.meta["onnx.training_info"] = list(proto.training_info)  # (onnx-ir does not carry it)
     model.meta["functions"] = functions
+    # (the ops the bodies of model-local functions hold: an op flag naming one of them alone, under
+    # --no-inline-functions, names something the model has, kept as written)
+    model.meta["onnx.function_ops"] = {(node.domain if node.domain != "ai.onnx" else "", node.op_type)
+                                       for function in ir_model.functions.values() for node in function.all_nodes()}
     if inlining:
         model.meta.update({f"onnx.{k}": v for k, v in inlining.items()})
     return model

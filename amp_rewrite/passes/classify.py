@@ -207,6 +207,11 @@ def _note_unmatched_op_flags(model: Model, ctx: Context) -> None:
         elif (entry.domain, entry.op) not in present:
             flag = entry.source
             op = f"{entry.domain}:{entry.op}" if entry.domain else entry.op
+            if (entry.domain, entry.op) in model.meta.get("onnx.function_ops", ()):
+                ctx.log.notes.append(f"unmatched: {flag} {op!r} names an op only the bodies of model-local "
+                                     f"functions hold, which stay as written (not inlined: FP32), so it changes "
+                                     f"nothing")
+                continue
             ctx.log.notes.append(f"unmatched: {flag} {op!r} names an op this model does not have, so it changes "
                                  f"nothing")
 
