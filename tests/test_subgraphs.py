@@ -987,3 +987,33 @@ def test_a_cast_in_a_branch_shadowing_an_outer_name_is_typed_by_its_to():
     assert len(lows) == 3, lows  # (the main graph's and both branches')
     again = rewrite_onnx_model(first.model)
     assert not again.modified and again.model.graph == first.model.graph
+
+
+def _captured_by_branches() -> onnx.ModelProto:
+    """``a = MatMul(x)`` in the main graph, read by a MatMul in the then branch and a Relu in the
+    else branch; a second MatMul beside the If."""
+    from util import make_model
+
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[N,16] x, bool c) => (float[N,16] y, float[N,16] z) {
+      a = MatMul(x, w1)
+      y = If(c) <then_branch = t () => (float[N,16] t_out) { t_out = MatMul(a, w2) },
+                 else_branch = e () => (float[N,16] e_out) { e_out = Relu(a) }>
+      z = MatMul(x, w3)
+    }""", {"w1": (16, 16), "w2": (16, 16), "w3": (16, 16)})
+    for node, name in zip(model.graph.node, ["mm_a", "if", "mm_z"]):
+        node.name = name
+    return model
+
+
+@pytest.mark.parametrize("pins,islands", [
+    (["mm_a", "if.then_branch/*", "if.else_branch/*"], []),
+    (["mm_a", "mm_z"], [("main", ["mm_a"], 1)])])
+def test_an_island_beside_if_bodies_is_one_where_a_low_body_node_reads_it(pins, islands):
+    """An FP32 region whose value only FP32 nodes in the branches read (no Cast touches it) was
+    listed as an island with 0 casts in and out; and one whose value a low MatMul in a branch reads
+    through a Cast placed in the branch was no island at all when the main graph held no low node."""
+    result = rewrite_onnx_model(_captured_by_branches(), fp32_nodes=pins)
+    found = [(i.scope, i.members, i.casts_out) for i in result.log.islands]
+    assert found == islands

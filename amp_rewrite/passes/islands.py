@@ -73,9 +73,17 @@ def changed_scopes(model: Model, ctx: Context) -> list[Graph]:
     for scope, has_low in zip(scopes, low):
         if (has_low or (scope.parent is None and io_low)
                 or any(v is not None and v.graph is not scope and _ends_low(v, io_low) and not accepts_any_float(n, k)
-                       for n in scope.nodes for k, v in enumerate(n.inputs))):
+                       for n in scope.nodes for k, v in enumerate(n.inputs))
+                or any(reader.graph is not scope and _reads_low(reader, k)
+                       for n in scope.nodes for v in n.outputs for reader, k in v.uses())):
+            # (the last: a low node in a body reads one of its values, through a Cast placed in the
+            # body: an FP32 region of a scope with no low node of its own borders low all the same)
             out.append(scope)
     return out
+
+
+def _reads_low(reader: Node, slot: int) -> bool:
+    return participates(reader) and precision(reader) == Precision.LOW and slot in group_inputs(reader)
 
 
 def _ends_low(value: Value, io_low: bool) -> bool:
@@ -112,13 +120,11 @@ def _borders_low(nodes: list[Node], io_low: bool) -> bool:
 def _read_low(value: Value, graph: Graph, depth: int) -> bool:
     """Whether a low node reads ``value`` in its painted group, directly or through the model's own
     Casts (a retargeted ``Cast(to=FLOAT)``: Llama's rotary cos/sin enter the FP16 attention so)."""
-    for reader, slot in value.uses():
-        if reader.graph is not graph:
-            return True  # (read in a body, whose own painting may cast it: kept, as before)
-        if participates(reader) and precision(reader) == Precision.LOW and slot in group_inputs(reader):
+    for reader, slot in value.uses():  # (a reader in a body too: read there by FP32 nodes alone, no Cast enters)
+        if _reads_low(reader, slot):
             return True
         if reader.op_type == "Cast" and reader.domain in ("", "ai.onnx") and depth < 4 \
-                and any(_read_low(out, graph, depth + 1) for out in reader.outputs):
+                and any(_read_low(out, reader.graph, depth + 1) for out in reader.outputs):
             return True
     return False
 
