@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, ParamSpec, Sequence, 
 
 from .decisions import ALIGNMENT_OPS, HEAVY_OPS, Category, Decision, DecisionLog, Precision
 from .errors import ModelLoadError, OutputError, UsageError
-from .ir import DType, Model, verify
+from .ir import DType, Model, Node, verify
 from .passes.base import Context, Options, given_low_type, is_user_source, node_label, run_passes
 from .passes.classify import classify
 from .passes.islands import attach_cast_counts, find_islands

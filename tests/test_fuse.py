@@ -1387,8 +1387,7 @@ def test_an_identity_read_by_the_pattern_and_by_others_stays_and_the_fused_op_re
     that reader, and the fused op reads ``r`` itself (the same values)."""
     snippet = _through_identity(LAYERNORM, "r")
     model = residual_block(snippet, 17)
-    text_model = model.graph
-    for node in text_model.node:  # the next residual Add reads r through the Identity too
+    for node in model.graph.node:  # the next residual Add reads r through the Identity too
         if node.op_type == "Add" and list(node.input) == ["h", "r"]:
             node.input[1] = "r_i"
     result = rewrite(model)
