@@ -61,7 +61,7 @@ import torch.fx as fx
 
 from ..errors import InPlaceMutationError, UsageError
 from ..ir import DType, Graph, Model, Node, Value
-from ..passes.base import BODY_SCOPE, lost_epsilon
+from ..passes.base import BODY_SCOPE, coarse_rounding, lost_epsilon
 
 # -- dtypes -----------------------------------------------------------------------------------------------
 TORCH_TO_DTYPE: dict[torch.dtype, DType] = {
@@ -1314,21 +1314,13 @@ _DIVS = frozenset({"div", "div_", "true_divide", "divide"})  # (the numerator: t
 
 def _coarse_values(tensor: torch.Tensor, low: torch.dtype) -> tuple[float, float] | None:
     """(its largest value, the error) for a small float tensor that ``low`` keeps to fewer than 7
-    significant bits: its largest rounding error, relative to its largest magnitude, is over 2^-7
-    (onnx_constants._coarse_limit), as for a scale of 1e-6 held as an FP16 subnormal; else None."""
+    significant bits (``passes.base.coarse_rounding``: a scale of 1e-6 held as an FP16 subnormal);
+    else None."""
     if not tensor.is_floating_point() or tensor.is_meta or tensor.dtype == low or not 0 < tensor.numel() <= 1 << 16:
         return None
     with torch.no_grad():
-        data = _stored_values(tensor).detach().double().reshape(-1)
-        data = data[torch.isfinite(data)]
-        if not data.numel():
-            return None
-        index = int(data.abs().argmax())
-        largest = float(data[index].abs())
-        if largest == 0.0 or largest >= _SENTINEL:
-            return None
-        error = float((data.to(low).double() - data).abs().max()) / largest
-    return (float(data[index]), error) if error > 2.0 ** -7 else None
+        data = _stored_values(tensor).detach().cpu().double()  # (at most 64k values: a scale, not a weight)
+        return coarse_rounding(data.numpy(), data.to(low).double().numpy())
 
 
 def _below_reciprocal_range(tensor: torch.Tensor, low: torch.dtype) -> float | None:

@@ -40,7 +40,8 @@ import onnx_ir as ir
 
 from ..decisions import Category
 from ..ir import DType, Model, Node, Value
-from ..passes.base import LOW_LIMITS, Context, PassResult, lost_epsilon, string_attribute
+from ..passes.base import (COARSE_LIMIT, LOW_LIMITS, Context, PassResult, coarse_rounding, lost_epsilon,
+                           string_attribute)
 from .onnx_loader import attr_tensor, constant_array
 
 # |x| at or above this is a mask sentinel (-1e9, finfo(float32).min): it saturates to the low
@@ -149,7 +150,7 @@ def _kernel_scalar_lost(node: Node, low: DType) -> tuple[str, float, str] | None
             return name, value, f"{became:+g}"
         if became == 0.0 and value != 0.0:
             return name, value, "0"
-        if value != 0.0 and abs(became - value) > _coarse_limit(low) * abs(value):
+        if value != 0.0 and abs(became - value) > COARSE_LIMIT * abs(value):
             return name, value, f"{became:g} (a subnormal, {abs(became - value) / abs(value):.1%} off)"
     return None
 
@@ -175,20 +176,11 @@ def _vanishes(node: Node, low: DType, folds: dict[int, object]) -> tuple[str, fl
     return None
 
 
-def _coarse_limit(low: DType) -> float:
-    """2^-7, the relative rounding error of a number kept to 7 significant bits (bf16's precision),
-    for either low type: a normal number rounds better (2^-11 for FP16, 2^-8 for BF16), a subnormal
-    worse the smaller it is (FP16: 1e-5 is 0.14% off, 1e-6 1.3%, 1e-7 19%)."""
-    return 2.0 ** -7
-
-
 def _coarse_factor(node: Node, low: DType, folds: dict[int, object]) -> tuple[str, float, float] | None:
     """(name, value, error) of a constant factor a Mul multiplies by (or a Div's numerator) that
-    the low type rounds to fewer than 7 significant bits: its largest rounding error, relative to its
-    largest magnitude, is over :func:`_coarse_limit`, as for a scale far below FP16's smallest normal
-    value (6.1e-5) held as a subnormal (``h * 1e-7``: 1.19e-7 in FP16, every product 19% off, where
-    ``h / 1e7`` keeps FP32 for its divisor). A tensor of larger values with a few tiny entries
-    is not (their products are as small as their errors); None."""
+    the low type rounds to fewer than 7 significant bits (:func:`~amp_rewrite.passes.base.coarse_rounding`):
+    ``h * 1e-7`` is 1.19e-7 in FP16, every product 19% off, where ``h / 1e7`` keeps FP32 for its
+    divisor; None."""
     slots = {"Mul": (0, 1), "Div": (0,)}.get(node.op_type) if node.domain == "" else None
     for slot in slots or ():
         value = node.inputs[slot] if slot < len(node.inputs) else None
@@ -196,14 +188,9 @@ def _coarse_factor(node: Node, low: DType, folds: dict[int, object]) -> tuple[st
         if data is None or data.size == 0 or data.dtype.kind != "f":
             continue
         with np.errstate(all="ignore"):
-            finite = data[np.isfinite(data)].reshape(-1)
-            largest = float(np.abs(finite).max()) if finite.size else 0.0
-            if largest == 0.0 or largest >= SENTINEL:
-                continue
-            rounded = finite.astype(np.float32).astype(_numpy_type(low)).astype(np.float64)
-            error = float(np.abs(rounded - finite).max()) / largest
-        if error > _coarse_limit(low):
-            return value.name, float(finite[int(np.argmax(np.abs(finite)))]), error
+            found = coarse_rounding(data, data.astype(np.float32).astype(_numpy_type(low)))
+        if found is not None:
+            return (value.name, *found)
     return None
 
 

@@ -352,16 +352,17 @@ def _choose(match: _Match, scope: Graph, ctx: Context,
             while inputs and inputs[-1] is None:
                 inputs.pop()
             return domain, op, inputs, attrs
-        if version >= since and _op_flag_entry(ctx, op, domain, version):
+        if version >= since and _op_flag_entry(ctx, op, domain, version) is not None:
             # (an --fp32-ops naming the fused op declined it: the flag changed the model, though the
             # op it names is not in the output; classify's unmatched-flag note asks)
             shapes.model.meta.setdefault("amp.fusion_declined_ops", set()).add((domain, op))
     return None
 
 
-def _op_flag_entry(ctx: Context, op: str, domain: str, opset: int) -> bool:
+def _op_flag_entry(ctx: Context, op: str, domain: str, opset: int | None):
+    """The ``--fp32-ops`` / ``--fp16-ops`` entry naming ``op``, or None."""
     entry = ctx.rules.lookup(op, domain, opset)
-    return entry is not None and entry.reason.startswith("command line: --")
+    return entry if entry is not None and entry.reason.startswith("command line: --") else None
 
 
 def _low_capable(ctx: Context, op: str, domain: str, opset: int, *, norm: bool) -> bool:
@@ -588,8 +589,7 @@ def _op_flag(node: Node, ctx: Context):
     as a node rule on that member does: fused, the member was gone, the flag silently pinned
     nothing, and the summary called its op one the model does not have. (A rule file's entries
     are not pins: they classify ops, and the fused op has its own.)"""
-    entry = ctx.rules.lookup(node.op_type, node.domain, node.opset)
-    return entry if entry is not None and entry.reason.startswith("command line: --") else None
+    return _op_flag_entry(ctx, node.op_type, node.domain, node.opset)
 
 
 def _residual_operands(x: Value, scope: Graph, shapes: "SymbolicShapes") -> list[Value] | None:
@@ -943,7 +943,7 @@ def _only_consumer(value: Value, op: str) -> Node | None:
         readers = value.consumers()
         if len(readers) != 1 or value.is_graph_output:
             return None
-        if not _is_passthrough(readers[0]) or op in ("Cast", "Identity"):
+        if not _is_passthrough(readers[0]):
             return readers[0] if _is(readers[0], op) else None
         value = readers[0].outputs[0]
 

@@ -55,6 +55,33 @@ def lost_epsilon(values, rounded) -> float | None:
     return None
 
 
+# the largest rounding error, relative to the value, of a number kept to 7 significant bits (bf16's
+# precision): a normal number of either low type rounds better (2^-11 for FP16, 2^-8 for BF16), a
+# subnormal worse the smaller it is (FP16: 1e-5 is 0.14% off, 1e-6 1.3%, 1e-7 19%)
+COARSE_LIMIT = 2.0 ** -7
+
+
+def coarse_rounding(values, rounded) -> tuple[float, float] | None:
+    """Of a constant factor, given as a numpy array and as the low type rounds it: (its value of
+    largest magnitude, the error) where its largest rounding error, relative to its largest
+    magnitude, is over :data:`COARSE_LIMIT` (a scale of 1e-7 held as an FP16 subnormal, 1.19e-7),
+    else None. A tensor of larger values with a few tiny entries is not (their products are as
+    small as their errors). Both frontends ask (onnx_constants._coarse_factor, fx_loader)."""
+    import numpy as np
+
+    values = np.asarray(values, np.float64).reshape(-1)
+    finite = np.isfinite(values)
+    values, rounded = values[finite], np.asarray(rounded, np.float64).reshape(-1)[finite]
+    if not values.size:
+        return None
+    index = int(np.argmax(np.abs(values)))
+    largest = float(abs(values[index]))
+    if largest == 0.0 or largest >= 1e8:  # (a mask sentinel: saturated, it still masks)
+        return None
+    error = float(np.abs(rounded - values).max()) / largest
+    return (float(values[index]), error) if error > COARSE_LIMIT else None
+
+
 @dataclass
 class Context:
     rules: "RuleBook"

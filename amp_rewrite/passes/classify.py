@@ -199,21 +199,21 @@ def _note_unmatched_op_flags(model: Model, ctx: Context) -> None:
     present = {(n.domain if n.domain != "ai.onnx" else "", n.op_type) for n in model.graph.walk()}
     present |= model.meta.get("amp.fused_member_ops", set())  # (a flag on a member kept its fused op FP32)
     declined = model.meta.get("amp.fusion_declined_ops", set())  # (onnx_fuse: the flag kept patterns unfused)
+    in_bodies = model.meta.get("onnx.function_ops", set())  # (kept model-local functions: not inlined)
     for entry in flagged:
-        if (entry.domain, entry.op) in declined and (entry.domain, entry.op) not in present:
-            op = f"{entry.domain}:{entry.op}" if entry.domain else entry.op
-            ctx.log.notes.append(f"{entry.source} {op!r}: the decomposed patterns that would be fused into it stay "
-                                 f"unfused, FP32 islands with their Casts")
-        elif (entry.domain, entry.op) not in present:
-            flag = entry.source
-            op = f"{entry.domain}:{entry.op}" if entry.domain else entry.op
-            if (entry.domain, entry.op) in model.meta.get("onnx.function_ops", ()):
-                ctx.log.notes.append(f"unmatched: {flag} {op!r} names an op only the bodies of model-local "
-                                     f"functions hold, which stay as written (not inlined: FP32), so it changes "
-                                     f"nothing")
-                continue
-            ctx.log.notes.append(f"unmatched: {flag} {op!r} names an op this model does not have, so it changes "
-                                 f"nothing")
+        key = (entry.domain, entry.op)
+        if key in present:
+            continue
+        flag, op = entry.source, f"{entry.domain}:{entry.op}" if entry.domain else entry.op
+        if key in declined:
+            note = f"{flag} {op!r}: the decomposed patterns that would be fused into it stay unfused, FP32 islands " \
+                   f"with their Casts"
+        elif key in in_bodies:
+            note = f"unmatched: {flag} {op!r} names an op only the bodies of model-local functions hold, which stay " \
+                   f"as written (not inlined: FP32), so it changes nothing"
+        else:
+            note = f"unmatched: {flag} {op!r} names an op this model does not have, so it changes nothing"
+        ctx.log.notes.append(note)
 
 
 def _classify_node(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict], names: frozenset[str]) -> None:

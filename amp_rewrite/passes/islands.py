@@ -112,19 +112,19 @@ def _borders_low(nodes: list[Node], io_low: bool) -> bool:
             value = node.outputs[k]
             if io_low and value.is_graph_output and value.graph is not None and value.graph.parent is None:
                 return True
-            if _read_low(value, node.graph, depth=0):
+            if _read_low(value, depth=0):
                 return True
     return False
 
 
-def _read_low(value: Value, graph: Graph, depth: int) -> bool:
+def _read_low(value: Value, depth: int) -> bool:
     """Whether a low node reads ``value`` in its painted group, directly or through the model's own
     Casts (a retargeted ``Cast(to=FLOAT)``: Llama's rotary cos/sin enter the FP16 attention so)."""
     for reader, slot in value.uses():  # (a reader in a body too: read there by FP32 nodes alone, no Cast enters)
         if _reads_low(reader, slot):
             return True
         if reader.op_type == "Cast" and reader.domain in ("", "ai.onnx") and depth < 4 \
-                and any(_read_low(out, reader.graph, depth + 1) for out in reader.outputs):
+                and any(_read_low(out, depth + 1) for out in reader.outputs):
             return True
     return False
 
