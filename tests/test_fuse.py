@@ -338,6 +338,53 @@ def test_a_residual_sum_of_a_dim_and_a_shift_of_it_is_no_proof_of_equal_shapes(n
             assert rel_err(got, want) < 1e-2
 
 
+def _reshaped_residual(shape_of: str) -> onnx.ModelProto:
+    """(B, S, 8) + the same rows through a Reshape whose shape is computed from x1's own Shape,
+    read through ``shape_of`` ("Identity" or nothing): the sum is proven to be of equal shapes only
+    by carrying the Shape's values through to the Reshape (onnxruntime's symbolic inference)."""
+    read = f"si = {shape_of}(s)" if shape_of else "si = Identity(s)"
+    text = f"""
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[B,S,8] x) => (float[B,S,8] y) {{
+      x1 = MatMul(x, wi)
+      s = Shape(x1)
+      {read if shape_of else ""}
+      b0 = Gather<axis=0>({"si" if shape_of else "s"}, i0)
+      s0 = Gather<axis=0>({"si" if shape_of else "s"}, i1)
+      b1 = Unsqueeze(b0, ax0)
+      s1 = Unsqueeze(s0, ax0)
+      shape = Concat<axis=0>(b1, s1, c8)
+      flat = Reshape(x1, rows)
+      qf = MatMul(flat, wq)
+      q = Reshape(qf, shape)
+      r = Add(q, x1){LAYERNORM}
+      h = MatMul(ln, wo)
+      s2 = Add(h, r)
+      y = MatMul(s2, wy)
+    }}"""
+    return make_model(text, {**W, "wi": (8, 8), "wy": (8, 8), "i0": np.array(0, np.int64),
+                             "i1": np.array(1, np.int64), "ax0": np.array([0], np.int64),
+                             "c8": np.array([8], np.int64), "rows": np.array([-1, 8], np.int64)})
+
+
+@pytest.mark.parametrize("shape_of", ["", "Identity"])
+def test_a_residual_proof_reads_shape_arithmetic_through_identity(shape_of):
+    """onnxruntime's symbolic inference passes only shape and type through an Identity, so the
+    Shape's values stopped there: the opset-13 LayerNorm was never fused into the skip op and stayed
+    an FP32 island with 2 more Casts (ViT's TorchScript export with Identity nodes: 14 Casts, not 2).
+    The proof now carries the values through, as without the Identity."""
+    model = _reshaped_residual(shape_of)
+    result = rewrite(model)
+    out = result.model
+    full_check(out)
+    skip = only(out, "SkipLayerNormalization", "com.microsoft")
+    assert names(skip.input[:2]) in (["q", "x1"], ["x1", "q"])
+    assert len(nodes_by_type(out, "Cast")) == 2 and not nodes_by_type(out, "ReduceMean")
+    x = np.random.default_rng(0).standard_normal((2, 4, 8)).astype(np.float32)
+    assert rel_err(run(model, {"x": x})["y"], run(out, {"x": x})["y"]) < 1e-2
+    assert not rewrite(out).modified
+
+
 @pytest.mark.parametrize("a, b, sound", [("Min(64, S)", "S", True), ("Max(1, S)", "S", True), ("S", "S", True),
                                          ("S - 1", "S", False), ("S - 100", "S", False), ("2*S", "S", False),
                                          ("floor(S/2)", "S", False), ("S*T", "S*T", True), ("Min(S, T)", "S", False)])

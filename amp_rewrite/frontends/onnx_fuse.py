@@ -750,6 +750,7 @@ def _symbolic_inference(engine, proto, auto_merge: bool):
     the model broadcasts. After such a merge its table proves nothing."""
     try:
         inference = engine(2**31 - 1, auto_merge, False, 0)
+        _carry_values_through_identity(inference)
         inference._preprocess(proto)
         complete = False
         while inference.run_:
@@ -758,6 +759,26 @@ def _symbolic_inference(engine, proto, auto_merge: bool):
         return inference.out_mp_.graph, bool(complete), _merges_sound(inference)
     except Exception:  # noqa: BLE001 - whatever the helper stumbles on, nothing is proven by it
         return None, False, False
+
+
+def _carry_values_through_identity(inference) -> None:
+    """Make the engine's Identity pass on the values it knows, as well as shape and type.
+    onnxruntime's symbolic inference passes only shape and type through an Identity, so shape
+    arithmetic with one in it (``Shape -> Identity -> Concat -> Expand``) lost its values and the
+    inference stopped at the reader, proving no residual sum: an opset-13 export with Identity
+    nodes then kept each LayerNorm an FP32 island (ViT: 14 Casts instead of 2)."""
+    dispatch = getattr(inference, "dispatcher_", None)
+    if not isinstance(dispatch, dict) or "Identity" not in dispatch:
+        return  # (another onnxruntime's engine: left as it is)
+    shape_and_type = dispatch["Identity"]
+
+    def identity(node) -> None:
+        shape_and_type(node)
+        known = inference.sympy_data_
+        if node.input and node.input[0] in known:
+            known[node.output[0]] = known[node.input[0]]
+
+    dispatch["Identity"] = identity
 
 
 def _merges_sound(inference) -> bool:
