@@ -579,6 +579,48 @@ def test_an_overridable_initializer_only_a_removed_cast_read_keeps_its_default()
     assert rel_err(run(m, {"x": x})["y"], run(out, {"x": x})["y"]) < 1e-2
 
 
+def test_an_exact_round_trip_folds_through_identity_nodes_between_its_casts():
+    # softmax(dtype=float32).to(q.dtype) with an Identity between the two Casts (an exporter's
+    # pass-through): the Identity moves nothing, yet it stopped the fold, and the upcast and its
+    # retargeted cast back both stayed (ViT's TorchScript export with Identity nodes: 2 Casts a layer).
+    # An Identity that something else reads stays, with the upcast: that reader takes the FP32
+    # value, and the MatMul reads the softmax itself.
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y, float[4,8] z) {
+          a = MatMul(x, w)
+          s = Softmax<axis=-1>(a)
+          c = Cast<to=1>(s)
+          i1 = Identity(c)
+          i2 = Identity(i1)
+          c1 = Cast<to=1>(i2)
+          h = MatMul(c1, w)
+          s2 = Softmax<axis=-1>(h)
+          p = Cast<to=1>(s2)
+          pi = Identity(p)
+          p1 = Cast<to=1>(pi)
+          y = MatMul(p1, w)
+          z = Abs(pi)
+        }""", {"w": (8, 8)})
+    result = rewrite(m)
+    out = result.model
+    full_check(out)
+    producers = {o: n for n in out.graph.node for o in n.output}
+    assert nodes_by_type(out, "MatMul")[1].input[0] == "s"
+    assert {"c", "i1", "i2", "c1", "p1"}.isdisjoint(producers)
+    assert nodes_by_type(out, "MatMul")[2].input[0] == "s2"
+    assert producers["pi"].op_type == "Identity" and producers["p"].op_type == "Cast"
+    assert [n.input[0] for n in out.graph.node if n.op_type == "Abs"] == ["pi"]
+    assert len(nodes_by_type(out, "Cast")) == 3  # x, y, and the upcast p
+    assert sorted(c.name for c in result.log.casts if c.kind == "removed") == ["c", "c1", "p1"]
+    assert _without_paths(Report.from_model(out).to_dict()) == _without_paths(result.report.to_dict())
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    ref, got = run(m, {"x": x}), run(out, {"x": x})
+    for k in ("y", "z"):
+        assert rel_err(ref[k], got[k]) < 1e-2
+    assert not rewrite(out).modified
+
+
 def test_training_keeps_initializers_fp32_with_casts_at_use():
     result = rewrite(_mlp(), training=True)
     out = result.model

@@ -909,6 +909,13 @@ class _Placer:
         if node.graph is None:
             return
         mid, out = node.inputs[0], node.outputs[0]
+        # (through Identity nodes: one between the two Casts moves nothing, and it stopped the
+        # fold, 2 Casts per attention layer instead of none)
+        passes = []
+        while mid is not None and _is_standard(mid.producer, "Identity") and mid.producer.inputs \
+                and mid.producer.inputs[0] is not None:
+            passes.append(mid.producer)
+            mid = mid.producer.inputs[0]
         first = mid.producer if mid is not None else None
         if first is None or first.op_type != "Cast" or first.domain != "" or out.is_graph_output:
             return
@@ -921,6 +928,13 @@ class _Placer:
         wide = DType(first.attrs["to"]).name.lower()
         self._drop_cast(node, out, src, f"casts a {src.dtype.short} value to {wide} and back, which returns it "
                         "exactly: its readers read the value itself; removed")
+        for identity in passes:  # (nearest first: one another node reads stays, and those before it)
+            if identity.outputs[0].uses() or identity.outputs[0].is_graph_output:
+                break
+            identity.graph.remove(identity)
+            identity.meta["amp.removed"] = True
+            identity.meta["amp.read_instead"] = src
+            self.model.meta.setdefault("amp.removed_nodes", []).append(identity)
         if not mid.uses() and not mid.is_graph_output:
             self._drop_cast(first, mid, src, f"its only reader was the cast back to {src.dtype.short}, "
                             "folded away: removed")
@@ -1005,3 +1019,7 @@ class _Placer:
                 if value.meta.get("amp.convert"):  # (a tied weight once: its names are one tensor)
                     w.converted += 1
                     w.converted_elements += value.const_numel
+
+
+def _is_standard(node: Node | None, op: str) -> bool:
+    return node is not None and node.op_type == op and node.domain in ("", "ai.onnx")
