@@ -1521,6 +1521,10 @@ _SQUARE_SPELLINGS = {
                         "          s = Expand(u, shape)", "Einsum:n"),
     "Mul(h, Identity(h))": ("i = Identity(h)\n          s = Mul(h, i)", "Mul:s"),
     "Mul(Cast(h), Cast(h))": ("c1 = Cast<to = 1>(h)\n          c2 = Cast<to = 1>(h)\n          s = Mul(c1, c2)", "Mul:s"),
+    # the same pure op on both sides: two twin nodes compute the same values
+    "Mul(Abs(h), Abs(h))": ("b1 = Abs(h)\n          b2 = Abs(h)\n          s = Mul(b1, b2)", "Mul:s"),
+    "Mul(Unsqueeze(h), Unsqueeze(h))": ("u1 = Unsqueeze(h, ax)\n          u2 = Unsqueeze(h, ax)\n"
+                                        "          q = Mul(u1, u2)\n          s = Reshape(q, shape)", "Mul:q"),
 }
 
 
@@ -1528,7 +1532,8 @@ _SQUARE_SPELLINGS = {
 def test_a_square_spelled_another_way_is_held_fp32_too(spelling):
     """An Einsum of a value with itself under one subscript (no contraction: squares; a summed
     label: a sum of squares) was an allow op, and a Mul of a value by a copy of itself (Identity, a
-    Cast to its own type) no square: each overflowed FP16 for |h| > 256 (inf at the output)."""
+    Cast to its own type), or of two twin nodes of one pure op on it (Abs, Unsqueeze), no square:
+    each overflowed FP16 for |h| > 256 (inf at the output)."""
     line, node = _SQUARE_SPELLINGS[spelling]
     m = make_model(f"""
         <ir_version: 8, opset_import: ["" : 17]>

@@ -603,7 +603,13 @@ _SQUARES = {"Mul": ("Pow", (0, 1), "by"), "mul": ("pow", (0, 1), "by"),
 _TORCH_ONLY_SQUARES = frozenset(_SQUARES) - {"Mul", "mul"}
 # torch ops that hand on their input's values in the same order (a view of the same shape, a copy)
 _TORCH_COPIES = {"detach", "contiguous", "clone", "alias", "lift_fresh_copy", "view", "reshape", "_unsafe_view",
-                 "view_as", "reshape_as"}
+                 "view_as", "reshape_as", "expand", "expand_as", "broadcast_to"}
+# ops whose output is a function of their inputs and arguments alone: the same op applied to the same
+# values twice computes the same values (abs(h) * abs(h) squares abs(h), reshape(h) * reshape(h) too)
+_PURE = frozenset({"Abs", "Relu", "Neg", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose", "Expand",
+                   "abs", "relu", "neg", "gelu", "silu", "sigmoid", "tanh", "view", "reshape", "_unsafe_view",
+                   "unsqueeze", "squeeze", "flatten", "unflatten", "permute", "transpose", "t", "expand",
+                   "expand_as", "contiguous", "clone", "slice", "select", "narrow", "view_as", "reshape_as"})
 
 
 def _square_verdict(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -> tuple[Category, str, str] | None:
@@ -624,8 +630,8 @@ def _square_verdict(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -
             return None
         power, slots, word = _SQUARES[node.op_type]
         a, b = (node.inputs[k] if k < len(node.inputs) else None for k in slots)
-        base = _copied_from(a)
-        if base is None or base is not _copied_from(b) or _constant_only(base):
+        base = _same_values(a, b)
+        if base is None or _constant_only(base):
             return None  # (a square of constants is known: onnx_constants folds it and holds it if it must)
         what = f"{node.op_type} of a value {word} itself"
     probe = Node(power, [], domain=node.domain)
@@ -675,6 +681,47 @@ def _torch_identity(node: Node) -> bool:
     if node.op_type in ("mul", "div", "true_divide") and len(args) == 2:
         return any(type(a) in (int, float) and a == 1 for a in args)
     return False
+
+
+def _same_values(a: Value | None, b: Value | None, depth: int = 0) -> Value | None:
+    """The value behind both ``a`` and ``b`` where they hold the same values: one value (through
+    copies), or the same pure op with the same arguments applied to values that are (``abs(h)``
+    twice, ``h.unsqueeze(-1)`` twice: export and the ONNX exporters keep such twins apart); None
+    where that is not shown."""
+    a, b = _copied_from(a), _copied_from(b)
+    if a is None or b is None:
+        return None
+    if a is b:
+        return a
+    first, second = a.producer, b.producer
+    if depth >= 4 or first is None or second is None or first.op_type not in _PURE \
+            or (first.op_type, first.domain) != (second.op_type, second.domain) or len(first.outputs) != 1 \
+            or len(second.outputs) != 1 or len(first.inputs) != len(second.inputs) or not first.inputs \
+            or _arguments(first) != _arguments(second):
+        return None
+    base = None
+    for x, y in zip(first.inputs, second.inputs):
+        if x is None or y is None:
+            if x is not y:
+                return None
+            continue
+        same = x if x is y else _same_values(x, y, depth + 1)
+        if same is None:
+            return None
+        base = base if base is not None else same
+    return base
+
+
+def _arguments(node: Node):
+    """What besides its tensor inputs decides a node's output: its attributes (ONNX), or the
+    call's arguments with each tensor replaced by a marker (torch)."""
+    origin = node.origin
+    if "fx.torch_name" not in node.meta or not hasattr(origin, "args"):
+        return sorted((k, repr(v)) for k, v in node.attrs.items())
+    import torch.fx as fx
+
+    marked = fx.node.map_aggregate((origin.args, origin.kwargs), lambda x: "<tensor>" if isinstance(x, fx.Node) else x)
+    return repr(marked)
 
 
 def _copied_from(value: Value | None) -> Value | None:
