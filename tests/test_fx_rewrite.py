@@ -1773,9 +1773,32 @@ def test_an_autocast_region_is_left_as_written() -> None:
     assert _body_dtypes(gm, body, torch.ops.aten.linear.default) == [torch.float32]
     region = [d for d in report.log.decisions.values() if d.op.endswith("wrap_with_autocast")]
     assert len(region) == 1 and "left as written" in region[0].reason
+    assert "enabled=False" in region[0].reason and "bfloat16" not in region[0].reason
     assert report.heavy_ops == {"total": 1, "low": 1, "kept_fp32": []}
     y, ref = gm(x), model(x)
     assert ((y - ref).abs().max() / ref.abs().max()).item() <= TOL["bf16"]
+
+
+class _Bf16Region(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.a(x)
+        return self.b(h.float())
+
+
+def test_an_enabled_autocast_region_is_said_to_run_in_its_type() -> None:
+    """The reason for an enabled region said 'enabled=False keeps it FP32 on purpose' beside the
+    listed precision fp32, though its linear gives bfloat16: it now names the region's type."""
+    torch.manual_seed(0)
+    model, x = _Bf16Region().eval(), torch.randn(2, 16)
+    gm, report = amp_rewrite.rewrite(model, example_inputs=(x,), target="fp16", report=True)
+    region = [d for d in report.log.decisions.values() if d.op.endswith("wrap_with_autocast")]
+    assert len(region) == 1 and "left as written" in region[0].reason
+    assert "bfloat16" in region[0].reason and "enabled=False" not in region[0].reason
 
 
 @pytest.mark.parametrize("bad", [(torch.randn(3, 5),), (3,)], ids=["wrong-width", "not-a-tensor"])
@@ -2169,15 +2192,20 @@ class _BigBias(nn.Module):
             h = torch.addmm(self.const, h, torch.eye(16)) - 1e5
         elif self.how == "conv":
             h = F.conv1d(h.unsqueeze(-1), self.conv.weight, self.const).squeeze(-1) - 1e5
+        elif self.how == "attr to":  # (F.linear(x, w.to(x.dtype), b.to(x.dtype)): a wrapper's idiom)
+            h = torch.addmm(self.const.to(h.dtype), h, torch.eye(16)) - 1e5
+        elif self.how == "attr times one":
+            h = torch.addmm(self.const * 1.0, h, torch.eye(16)) - 1e5
         return self.b(h)
 
 
-@pytest.mark.parametrize("how", ["addmm", "attr", "conv", "linear"])
+@pytest.mark.parametrize("how", ["addmm", "attr", "conv", "linear", "attr to", "attr times one"])
 @pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
 def test_a_gemm_or_conv_adding_a_bias_past_the_range_keeps_fp32(capture, how):
     """torch.addmm(full(1e5), h, w) was cast to fp16 (the bias clamped to 65504 at run time) and
     came out 4.5e4 times off, with no clamp counted; an nn.Linear's bias of 1e5 was clamped offline.
-    The bias is added to the output as it is: the node keeps FP32, as the ONNX Gemm does."""
+    The bias is added to the output as it is: the node keeps FP32, as the ONNX Gemm does. So it is
+    read through ``.to(h.dtype)`` or ``* 1.0`` (each was FP16, every output row inf)."""
     model = _BigBias(how).eval()
     x = torch.randn(16, 16)
     result = _dispatch(model, example_inputs=(x,), target="fp16", capture=capture)
@@ -3137,14 +3165,24 @@ class _EpsilonGuard(nn.Module):
                    "where": lambda: torch.where(r > 0, r, self.number),
                    "masked_fill": lambda: r.masked_fill(r == 0, self.number),
                    "rsub": lambda: -torch.rsub(r, -self.number), "full_like": lambda: r + torch.full_like(r, self.number),
-                   "add alpha": lambda: torch.add(r, self.number * 1e4, alpha=1e-4)}[self.how]()
+                   "add alpha": lambda: torch.add(r, self.number * 1e4, alpha=1e-4),
+                   # the epsilon in a tensor: scaled by alpha/value, made in forward, read through a copy
+                   "alpha tensor": lambda: torch.add(r, torch.ones_like(r), alpha=self.number),
+                   "addcmul": lambda: torch.addcmul(r, torch.ones_like(r), torch.ones_like(r), value=self.number),
+                   "addcdiv": lambda: torch.addcdiv(r, torch.ones_like(r), torch.ones_like(r), value=self.number),
+                   "ones times": lambda: r + torch.ones(8) * self.number,
+                   "scalar_tensor": lambda: r + torch.scalar_tensor(self.number),
+                   "fill_": lambda: r + torch.zeros_like(r).fill_(self.number),
+                   "buffer to": lambda: r + self.eps.to(r.dtype),
+                   "buffer detach": lambda: r + self.eps.detach()}[self.how]()
         return self.l2(r / guarded)
 
 
 @pytest.mark.parametrize("capture", ["symbolic_trace", "export"])
 @pytest.mark.parametrize("placement", ["optimal", "greedy"])
 @pytest.mark.parametrize("how", ["add", "add buffer", "clamp", "clamp_min", "maximum buffer", "where", "masked_fill",
-                                 "rsub", "full_like", "add alpha"])
+                                 "rsub", "full_like", "add alpha", "alpha tensor", "addcmul", "addcdiv", "ones times",
+                                 "scalar_tensor", "fill_", "buffer to", "buffer detach"])
 def test_an_epsilon_the_low_type_flushes_to_zero_keeps_its_guard_fp32_in_torch(how, placement, capture):
     """The torch side of the ONNX frontend's epsilon test: 1e-8 is 0 in FP16 (its smallest value is
     6e-8), so ``r + 1e-8`` or ``clamp_min(r, 1e-8)`` in FP16 was 0 wherever the relu was, and the
@@ -3289,6 +3327,12 @@ _TORCH_SQUARES = {
     "view": lambda h: h * h.view(h.shape),
     "vecdot": lambda h: torch.linalg.vecdot(h, h).unsqueeze(-1).expand_as(h),
     "einsum": lambda h: torch.einsum("bd,bd->bd", h, h),
+    # the same view or pure op on both sides, and an expand to the same shape: each was FP16 and inf
+    "expand_as": lambda h: h * h.expand_as(h),
+    "reshape twice": lambda h: (h.reshape(4, 8) * h.reshape(4, 8)).reshape(2, 16),
+    "unsqueeze twice": lambda h: (h.unsqueeze(-1) * h.unsqueeze(-1)).squeeze(-1),
+    "abs twice": lambda h: h.abs() * h.abs(),
+    "relu twice": lambda h: torch.relu(h) * torch.relu(h),
 }
 
 
@@ -3307,7 +3351,8 @@ class _Squares(nn.Module):
 def test_a_torch_square_through_a_copy_or_a_fused_op_is_held_fp32(how, capture, decompose):
     """Squares that were no square to the rewrite ran FP16 and overflowed: addcmul(z, h, h), h times
     a copy or same-shape view of itself, vecdot(h, h), and what decompositions write for them
-    (mul(mul(h, 1), h); two identical permutes of h multiplied)."""
+    (mul(mul(h, 1), h); two identical permutes of h multiplied); h times its expand_as(h), and the
+    same view or pure op applied to h on both sides (abs(h) * abs(h))."""
     torch.manual_seed(0)
     x, model = torch.randn(2, 8), _Squares(how).eval()
     want = model(x)

@@ -1107,8 +1107,16 @@ def hop_name(node: fx.Node) -> str:
 def _body_reason(node: fx.Node, bodies: list[str]) -> str:
     listed = ", ".join(bodies) or "none"
     if hop_name(node) == AUTOCAST_REGION:
-        return (f"a torch.autocast region (body {listed}): torch decides the precision inside it at run time "
-                f"(enabled=False keeps it FP32 on purpose), so it is left as written")
+        # wrap_with_autocast(device_type, dtype, enabled, cache_enabled, body, *args)
+        dtype, enabled = (node.args[1], node.args[2]) if len(node.args) > 2 else (None, None)
+        if enabled is False:
+            how = "enabled=False: its ops run in the types they are given, FP32 here, on purpose"
+        elif isinstance(dtype, torch.dtype):
+            how = (f"enabled: torch runs its autocast-eligible ops in {str(dtype).replace('torch.', '')} at run time, "
+                   f"so its results may be {str(dtype).replace('torch.', '')} whatever this node is listed as")
+        else:
+            how = "torch decides the precision inside it at run time"
+        return f"a torch.autocast region (body {listed}): {how}; it is left as written"
     return (f"a higher-order op ({hop_name(node)}): its operands and results keep their types; its body graphs "
             f"({listed}) are rewritten as scopes of their own")
 
@@ -1208,8 +1216,16 @@ def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
         node.meta.setdefault("amp.exact_constant", (
             f"reads {value.name!r}, which holds {big:g}{origin}, beyond {short}'s finite range "
             f"(±{limit:g}): in {short} it would be clamped or become ±inf, so the node keeps FP32"))
-        if node.op_type in _HOLDS_THROUGH:
-            hold(node.outputs, source, big)
+        if node.op_type in _HOLDS_THROUGH or (node.op_type == "Cast" and node.outputs[0].dtype is not None
+                                              and node.outputs[0].dtype.is_float):
+            hold(node.outputs, source, big)  # (b.to(x.dtype) holds b's values)
+        elif node.op_type in _MULS | _DIVS and value is node.inputs[0]:
+            scalars = node.meta.get("amp.scalars", ())
+            numerator = node.op_type in _MULS or (len(scalars) == 1 and scalars[0][0] in (("args", 1), ("kwargs", "other")))
+            if len(scalars) == 1 and scalars[0][1] != 0 and numerator:  # (b * 1.0, b / 2: still past the range?)
+                scaled = big * scalars[0][1] if node.op_type in _MULS else big / scalars[0][1]
+                if abs(scaled) > limit:
+                    hold(node.outputs, source, scaled)
 
 
 _ADDEND = frozenset({("args", 0), ("kwargs", "input")})
@@ -1403,7 +1419,9 @@ _EPSILON_ARGUMENTS = {"add": ((0, 1), "other"), "sub": ((0, 1), "other"), "rsub"
                       # a fill that stands in for zeros: where(r > 0, r, 1e-8), masked_fill(r == 0, 1e-8),
                       # full_like(r, 1e-8) added to r
                       "where": ((1, 2), "other"), "masked_fill": ((2,), "value"), "full_like": ((1,), "fill_value"),
-                      "full": ((1,), "fill_value"), "new_full": ((2,), "fill_value")}
+                      "full": ((1,), "fill_value"), "new_full": ((2,), "fill_value"),
+                      # input + value * t1 * t2 (/ t2): the addend is value * t1 * t2, a constant where t1, t2 are
+                      "addcmul": ((), "value"), "addcdiv": ((), "value")}
 
 
 def _lost_epsilon(node: fx.Node, name: str, low: torch.dtype, gm: fx.GraphModule, slots: list[Slot],
@@ -1421,16 +1439,18 @@ def _lost_epsilon(node: fx.Node, name: str, low: torch.dtype, gm: fx.GraphModule
                                          if i < len(node.args) and not isinstance(node.args[i], fx.Node)]
     if keyword in node.kwargs and not isinstance(node.kwargs[keyword], fx.Node):
         candidates.append(("the number", node.kwargs[keyword]))
-    alpha = node.kwargs.get("alpha")
-    if name in ("add", "sub", "rsub") and isinstance(alpha, (int, float)) and not isinstance(alpha, bool):
-        # torch.add(r, 1e-4, alpha=1e-4) adds 1e-8
-        candidates = [(what, held * alpha if isinstance(held, (int, float)) and not isinstance(held, bool) else held)
-                      for what, held in candidates]
     where = {("args", i) for i in positions} | {("kwargs", keyword)}
     for slot, value in zip(slots, inputs):
-        tensor = module_tensor(value, gm) if slot.where[:2] in where else None
+        tensor = held_values(value, gm) if slot.where[:2] in where else None
         if tensor is not None:
             candidates.append((f"{value.meta.get('fx.attr', value.name)!r} holding", tensor))
+    if name in ("addcmul", "addcdiv"):
+        candidates = _addc_addend(node, name, gm, slots, inputs)
+    alpha = node.kwargs.get("alpha")
+    if name in ("add", "sub", "rsub") and isinstance(alpha, (int, float)) and not isinstance(alpha, bool):
+        # torch.add(r, 1e-4, alpha=1e-4) adds 1e-8; torch.add(r, ones_like(r), alpha=1e-8) too
+        candidates = [(what, held * alpha if isinstance(held, (int, float, torch.Tensor)) and not isinstance(held, bool)
+                       else held) for what, held in candidates]
     for what, held in candidates:
         if isinstance(held, bool) or not isinstance(held, (int, float, torch.Tensor)):
             continue
@@ -1442,6 +1462,93 @@ def _lost_epsilon(node: fx.Node, name: str, low: torch.dtype, gm: fx.GraphModule
             found = lost_epsilon(values.numpy(), values.to(low).float().numpy())
         if found is not None:
             return what, found
+    return None
+
+
+def _addc_addend(node: fx.Node, name: str, gm: fx.GraphModule, slots: list[Slot],
+                 inputs: list[Value]) -> list[tuple[str, Any]]:
+    """addcmul/addcdiv's addend ``value * t1 * t2`` (``/ t2``) where both tensors hold known values."""
+    factors: dict[int, Any] = {i: node.args[i] for i in (1, 2) if i < len(node.args) and not isinstance(node.args[i], fx.Node)}
+    for slot, value in zip(slots, inputs):
+        index = {("args", 1): 1, ("kwargs", "tensor1"): 1, ("args", 2): 2, ("kwargs", "tensor2"): 2}.get(slot.where[:2])
+        if index is not None:
+            factors[index] = held_values(value, gm)
+    scale = node.kwargs.get("value", 1)
+    t1, t2 = factors.get(1), factors.get(2)
+    if not all(isinstance(t, (int, float, torch.Tensor)) and not isinstance(t, bool) for t in (t1, t2, scale)):
+        return []
+    with torch.no_grad():
+        try:
+            addend = torch.as_tensor(scale, dtype=torch.float32) * torch.as_tensor(t1, dtype=torch.float32)
+            addend = addend * torch.as_tensor(t2, dtype=torch.float32) if name == "addcmul" \
+                else addend / torch.as_tensor(t2, dtype=torch.float32)
+        except RuntimeError:  # (shapes that do not broadcast: not an addend known here)
+            return []
+    return [("the addend value * tensor1 " + ("* tensor2" if name == "addcmul" else "/ tensor2") + " =", addend)]
+
+
+# torch ops that hand on their input's values (the set of them: a view, a copy, a conversion)
+_VALUE_COPIES = frozenset({"detach", "clone", "contiguous", "alias", "lift_fresh_copy", "view", "reshape",
+                           "_unsafe_view", "view_as", "reshape_as", "expand", "expand_as", "broadcast_to",
+                           "unsqueeze", "squeeze", "flatten", "permute", "transpose", "t"})
+_FILLS = {"ones": 1.0, "ones_like": 1.0, "new_ones": 1.0, "zeros": 0.0, "zeros_like": 0.0, "new_zeros": 0.0}
+_FILL_ARGUMENT = {"full": (1, "fill_value"), "full_like": (1, "fill_value"), "new_full": (2, "fill_value"),
+                  "scalar_tensor": (0, "s"), "fill": (1, "value"), "fill_": (1, "value")}
+
+
+def held_values(value: Value, gm: fx.GraphModule, depth: int = 0) -> torch.Tensor | None:
+    """The values ``value`` holds where they are known before the model runs: a module tensor's,
+    through copies, views and float conversions of it (``b.to(x.dtype)``, ``eps.detach()``); a
+    constant made in ``forward`` (``torch.ones(D) * 1e-8``, ``scalar_tensor(1e-8)``,
+    ``zeros_like(r).fill_(1e-8)``: one number for a fill, whatever the shape); a product or
+    quotient of such values and numbers (``b * 1.0``). None otherwise. For the range and epsilon
+    checks, which read the set of values, not their places."""
+    tensor = module_tensor(value, gm)
+    if tensor is not None or depth > 8:
+        return tensor
+    node = value.producer
+    origin = node.origin if node is not None else None
+    if not isinstance(origin, fx.Node) or origin.op not in ("call_function", "call_method") \
+            or len(node.outputs) != 1:
+        return None
+    name = node.meta.get("fx.torch_name", node.op_type)
+    with torch.no_grad():
+        if name in _FILLS:
+            return torch.tensor(_FILLS[name])
+        if name in _FILL_ARGUMENT:
+            index, keyword = _FILL_ARGUMENT[name]
+            fill = origin.args[index] if index < len(origin.args) else origin.kwargs.get(keyword)
+            return torch.tensor(float(fill)) if isinstance(fill, (int, float)) and not isinstance(fill, bool) else None
+        tensors = [v for v in node.inputs if v is not None]
+        if node.op_type == "Cast" or name in _VALUE_COPIES:
+            if len(tensors) < 1:
+                return None
+            held = held_values(tensors[0], gm, depth + 1)
+            if held is None or node.op_type != "Cast":
+                return held
+            dtype = node.outputs[0].dtype
+            target = next((t for t, d in TORCH_TO_DTYPE.items() if d == dtype and t.is_floating_point), None)
+            return held.to(target) if target is not None else None
+        if name in ("mul", "div", "true_divide") and 1 <= len(tensors) <= 2:
+            operands = []
+            by_slot = {slot.where[:2]: v for slot, v in zip(node.meta.get("fx.slots", ()), node.inputs)}
+            for i, arg in enumerate(origin.args[:2]):
+                if isinstance(arg, fx.Node):
+                    tensor_input = by_slot.get(("args", i))
+                    held = held_values(tensor_input, gm, depth + 1) if tensor_input is not None else None
+                elif isinstance(arg, (int, float)) and not isinstance(arg, bool):
+                    held = torch.tensor(float(arg))
+                else:
+                    held = None
+                if held is None or held.numel() > 1 << 16:
+                    return None
+                operands.append(held.float())
+            if len(operands) != 2:
+                return None
+            try:
+                return operands[0] * operands[1] if name == "mul" else operands[0] / operands[1]
+            except RuntimeError:
+                return None
     return None
 
 
