@@ -37,8 +37,11 @@ _TORCH_HEAVY = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "
                 "_scaled_dot_product_cudnn_attention", "multi_head_attention", "_native_multi_head_attention",
                 "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "_thnn_fused_lstm_cell",
                 "_thnn_fused_gru_cell", "lstm", "gru", "rnn_tanh", "rnn_relu")
+# onnxruntime's CPU-only convolutions its ENABLE_ALL optimisation saves (optimize_model(opt_level=99))
+# and its fused GEMM/convolution: no low kernel, kept FP32 where met, and counted as kept so
+_ORT_HEAVY = ("com.microsoft.nchwc::Conv", "com.microsoft::FusedConv", "com.microsoft::FusedGemm")
 HEAVY_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "Attention",
-             *(f"com.microsoft::{op}" for op in _CONTRIB_HEAVY), *_TORCH_HEAVY}
+             *(f"com.microsoft::{op}" for op in _CONTRIB_HEAVY), *_ORT_HEAVY, *_TORCH_HEAVY}
 
 # Ops whose low-precision speed depends on dims being multiples of 8 (tensor cores), and the
 # positions of the two inputs whose shapes give those dims: (A, B) of a GEMM, (X, W) of a

@@ -353,3 +353,25 @@ def test_a_model_of_custom_domain_ops_only_gets_an_ai_onnx_import_with_its_casts
     assert rel_err(run(out, {"A": a})["Y"], a @ np.full((4, 3), 0.5, np.float32)) < 1e-2
     again = rewrite(out)
     assert not again.modified
+
+
+def test_onnxruntimes_cpu_only_conv_counts_among_the_heavy_ops_kept_fp32():
+    """onnxruntime's ENABLE_ALL optimisation (optimize_model(opt_level=99)) saves Convs as
+    com.microsoft.nchwc::Conv, which has no low kernel and stays FP32 as an unlisted op. The summary
+    counted only the MatMul ('1 of 1' heavy ops low) and listed no heavy op kept FP32."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((8, 8, 1, 1)) * 0.3).astype(np.float32), "w"),
+             numpy_helper.from_array((rng.standard_normal((8, 8)) * 0.3).astype(np.float32), "m")]
+    graph = oh.make_graph([oh.make_node("Conv", ["x", "w"], ["c"], domain="com.microsoft.nchwc", name="conv"),
+                           oh.make_node("Relu", ["c"], ["r"], name="relu"),
+                           oh.make_node("MatMul", ["r", "m"], ["y"], name="fc")], "g",
+                          [oh.make_tensor_value_info("x", FP32, [1, 8, 2, 8])],
+                          [oh.make_tensor_value_info("y", FP32, [1, 8, 2, 8])], inits,
+                          value_info=[oh.make_tensor_value_info(n, FP32, [1, 8, 2, 8]) for n in ("c", "r")])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("com.microsoft.nchwc", 1)],
+                          ir_version=10)
+    result = rewrite(model)
+    heavy = result.report.heavy_ops
+    assert (heavy["total"], heavy["low"]) == (2, 1)
+    assert [(k["node"], k["op"]) for k in heavy["kept_fp32"]] == [("conv", "com.microsoft.nchwc::Conv")]
+    assert "1 of 2" in result.report.summary_text()
