@@ -718,10 +718,15 @@ def _arguments(node: Node):
     origin = node.origin
     if "fx.torch_name" not in node.meta or not hasattr(origin, "args"):
         return sorted((k, repr(v)) for k, v in node.attrs.items())
-    import torch.fx as fx
 
-    marked = fx.node.map_aggregate((origin.args, origin.kwargs), lambda x: "<tensor>" if isinstance(x, fx.Node) else x)
-    return repr(marked)
+    def marked(x):  # (an fx node is told by its fields: the passes import no framework)
+        if isinstance(x, (tuple, list)):
+            return type(x)(marked(item) for item in x)
+        if isinstance(x, dict):
+            return {k: marked(v) for k, v in x.items()}
+        return "<tensor>" if hasattr(x, "op") and hasattr(x, "target") and hasattr(x, "graph") else x
+
+    return repr((marked(origin.args), marked(origin.kwargs)))
 
 
 def _copied_from(value: Value | None) -> Value | None:
