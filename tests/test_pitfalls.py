@@ -1633,3 +1633,40 @@ def test_a_value_a_cast_to_fp16_hands_to_a_graph_output_goes_fp16(placement):
     full_check(result.model)
     assert result.log.decisions["Transpose:r"].precision == Precision.LOW
     assert sorted(c.tensor for c in result.log.casts if c.kind == "inserted") == ["x", "y/amp_fp16"]
+
+
+@pytest.mark.parametrize("stored", [onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT, onnx.TensorProto.INT64])
+def test_a_bf16_stored_mask_read_low_and_fp32_is_clamped_before_its_run_time_cast(stored):
+    """A -1e9 mask stored as bfloat16, cast to FLOAT and read by a low attention-score Add and by an
+    FP32 ReduceSum, is cast to fp16 at run time (it has an FP32 reader). Stored as FP32 or int64 it
+    was clamped first; as bfloat16 it was not (numpy sees ml_dtypes' bfloat16 as kind 'V', which the
+    range checks skipped, and a bfloat16 value was taken for a low one holding no sentinel): -inf in
+    the fully masked row, NaN after the Softmax, on onnxruntime's CPU provider too."""
+    from onnx import helper, parser
+
+    mask = np.zeros((2, 16), np.float32)
+    mask[0, 8:] = -1e9
+    mask[1, :] = -1e9  # (a padding row: every score masked)
+    cast = "mf = Identity(mc)" if stored == onnx.TensorProto.FLOAT else "mf = Cast<to=1>(mc)"
+    model = parser.parse_model(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,16] x) => (float[2,16] y, float[2,1] mn) {{
+          {cast}
+          sc = MatMul(x, w)
+          z = Add(sc, mf)
+          p = Softmax(z)
+          y = MatMul(p, w)
+          mn = ReduceSum(mf, ax)
+        }}""")
+    values = mask.astype(np.int64) if stored == onnx.TensorProto.INT64 else mask
+    w = (np.random.default_rng(0).standard_normal((16, 16)) * 0.3).astype(np.float32)
+    model.graph.initializer.extend([helper.make_tensor("mc", stored, (2, 16), values.reshape(-1).tolist()),
+                                    onnx.numpy_helper.from_array(w, "w"),
+                                    onnx.numpy_helper.from_array(np.array([1], np.int64), "ax")])
+    out = rewrite(model).model
+    full_check(out)
+    assert nodes_by_type(out, "Clip")
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 16)).astype(np.float32)}
+    assert np.isfinite(run(out, feeds)["y"]).all()
+    assert_emulated_close(model, out, feeds)
+    assert not rewrite(out).modified

@@ -258,7 +258,8 @@ def _small_divisor_held(value: Value | None, limit: float, folds: dict[int, obje
     ``value`` holds: folded (a constant, or computed from constants), else through a copy (in
     ``Concat(h, tiny)`` the divisor is not a constant, part of it is); or None."""
     def tiny(data: np.ndarray | None) -> float | None:
-        if data is None or data.size == 0 or data.dtype.kind not in "fiu":
+        data = numeric(data)
+        if data is None or data.size == 0:
             return None
         with np.errstate(all="ignore"):
             magnitude = np.abs(data.reshape(-1).astype(np.float64))
@@ -513,10 +514,24 @@ def _attribute(node: Node, name: str):
         return None
 
 
+def numeric(data: np.ndarray | None) -> np.ndarray | None:
+    """``data`` as numbers numpy compares: as it is for float and integer arrays, widened to float32
+    for ml_dtypes' (bfloat16, the float8 and float4 types: numpy kind 'V', which the range checks
+    skipped, so a bfloat16 -1e9 mask reached an fp16 Cast unclamped); None for anything else."""
+    if data is None:
+        return None
+    if data.dtype.kind in "fiu":
+        return data
+    if data.dtype.name.startswith(("bfloat16", "float8", "float4", "float6")):
+        return data.astype(np.float32)
+    return None
+
+
 def _largest(data, limit: float, ceiling: float = SENTINEL) -> float | None:
     """The largest |value| between ``limit`` and ``ceiling`` (:data:`SENTINEL`; infinity for finite
     values of any size), signed, or None."""
-    if data is None or data.dtype.kind not in "fiu" or data.size == 0:
+    data = numeric(data)
+    if data is None or data.size == 0:
         return None
     flat = data.reshape(-1)
     best: float | None = None

@@ -99,6 +99,7 @@ def _constant_bound(value: Value | None, depth: int = 0) -> float | None:
     copies, products and sums (``Cast(int8 weight) * scale``), or None where it reads anything else."""
     import numpy as np
 
+    from ..frontends.onnx_constants import numeric
     from ..frontends.onnx_loader import constant_array
 
     if value is None or depth > 8:
@@ -106,8 +107,8 @@ def _constant_bound(value: Value | None, depth: int = 0) -> float | None:
     if value.data_known:
         if (value.numel or 0) > _SENTINEL_SCAN:
             return None
-        data = constant_array(value)
-        if data is None or data.dtype.kind not in "fiu":
+        data = numeric(constant_array(value))
+        if data is None:
             return None
         return float(np.max(np.abs(data.astype(np.float64)))) if data.size else 0.0
     node = value.producer
@@ -739,8 +740,10 @@ class _Placer:
         from ..frontends.onnx_loader import constant_array
 
         dtype = value.dtype  # (as painted: a low node's output is low already, its constants converted)
-        if dtype is None or dtype == DType.BOOL or dtype in (DType.FLOAT16, DType.BFLOAT16):
-            return None  # (a low value holds no sentinel: a constant converted offline is clamped)
+        if dtype is None or dtype == DType.BOOL or dtype in (self.low, DType.FLOAT16):
+            # (a low value holds no sentinel: a constant converted offline is clamped; FP16 holds
+            # nothing past either low type's range. A BF16 one, for an FP16 rewrite, may: a -1e9 mask)
+            return None
         threshold = LOW_LIMITS[self.low]  # (past it: a sentinel of 1e8 and more, or any other number)
         if value.data_known:  # (an overridable input's default mask too)
             if (value.numel or 0) > _SENTINEL_SCAN:
