@@ -145,8 +145,8 @@ def test_pins_that_leave_nothing_low_are_kept_in_the_output(option, tmp_path):
     value = {"fp32_nodes": ["MatMul:*"], "fp32_ops": ["MatMul"]}[option]
     first = rewrite(m, **{option: value})
     assert set(_precisions(first).values()) == {"fp32"} and first.modified
-    assert any(n.startswith("as pinned: nothing runs in fp16") for n in first.log.notes)
-    assert "as pinned: nothing runs in fp16" in first.report.summary_text()
+    assert any(n.startswith("as pinned: the rewrite moves nothing to fp16") for n in first.log.notes)
+    assert "as pinned: the rewrite moves nothing to fp16" in first.report.summary_text()
     full_check(first.model)
     assert not any(n.op_type == "Cast" for n in first.model.graph.node)
     again = rewrite(first.model)
@@ -617,6 +617,31 @@ def test_an_exact_round_trip_folds_through_identity_nodes_between_its_casts():
     x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
     ref, got = run(m, {"x": x}), run(out, {"x": x})
     for k in ("y", "z"):
+        assert rel_err(ref[k], got[k]) < 1e-2
+    assert not rewrite(out).modified
+
+
+def test_a_castlike_upcast_of_a_low_value_read_low_is_folded_like_a_cast():
+    # CastLike(xh, x) writes x's type, FLOAT: a low MatMul reading it got an inserted Cast back to
+    # fp16, an fp16 -> fp32 -> fp16 trip at run time, where the same model with Cast(to=FLOAT) had the
+    # MatMul read xh itself. The CastLike stays for its FP32 reader.
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float16[4,8] xh, float[4,8] x) => (float[4,8] y, float[4,8] s) {
+          v = CastLike(xh, x)
+          s = Add(v, x)
+          y = MatMul(v, w)
+        }""", {"w": (8, 8)})
+    result = rewrite(m)
+    out = result.model
+    full_check(out)
+    assert nodes_by_type(out, "MatMul")[0].input[0] == "xh"
+    assert [n.op_type for n in out.graph.node if "v" in n.input] == ["Add"]
+    assert len(nodes_by_type(out, "Cast")) == 1  # (the output's)
+    rng = np.random.default_rng(0)
+    feeds = {"xh": rng.standard_normal((4, 8)).astype(np.float16), "x": rng.standard_normal((4, 8)).astype(np.float32)}
+    ref, got = run(m, feeds), run(out, feeds)
+    for k in ("y", "s"):
         assert rel_err(ref[k], got[k]) < 1e-2
     assert not rewrite(out).modified
 

@@ -920,15 +920,18 @@ class _Placer:
             passes.append(mid.producer)
             mid = mid.producer.inputs[0]
         first = mid.producer if mid is not None else None
-        if first is None or first.op_type != "Cast" or first.domain != "" or out.is_graph_output:
+        if first is None or first.op_type not in ("Cast", "CastLike") or first.domain != "" or out.is_graph_output:
             return
         src = first.inputs[0]
         if src is None or src.dtype is None or int(src.dtype) != node.attrs.get("to"):
             return
-        if first.attrs.get("to") not in _EXACT_WIDENING.get(src.dtype, ()):
+        # (CastLike(x, like): the type it writes is like's, its output's)
+        widened = first.attrs.get("to") if first.op_type == "Cast" else \
+            int(mid.dtype) if mid.dtype is not None else None
+        if widened not in _EXACT_WIDENING.get(src.dtype, ()):
             return
         out.replace_all_uses_with(src, include_outputs=False)
-        wide = DType(first.attrs["to"]).name.lower()
+        wide = DType(widened).name.lower()
         self._drop_cast(node, out, src, f"casts a {src.dtype.short} value to {wide} and back, which returns it "
                         "exactly: its readers read the value itself; removed")
         for identity in passes:  # (nearest first: one another node reads stays, and those before it)
@@ -951,7 +954,7 @@ class _Placer:
             self.ctx.log.casts[:] = [c for c in self.ctx.log.casts if c.name != name or c.kind != "retargeted"]
         source = node.inputs[0] if node.inputs else None
         read = source.dtype if source is not None else None
-        wrote = DType(node.attrs["to"]) if isinstance(node.attrs.get("to"), int) else None
+        wrote = DType(node.attrs["to"]) if isinstance(node.attrs.get("to"), int) else out.dtype  # (CastLike)
         self._record(name, source if source is not None else out, read or src.dtype, wrote or src.dtype, [],
                      node.graph, reason, "removed")
         node.graph.remove(node)
