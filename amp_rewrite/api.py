@@ -322,8 +322,9 @@ def _record_pins(model: Model, ctx: Context, internal: Iterable[str] = ()) -> bo
 
     pinned = [n for n in model.graph.walk() if untagged_pin(n)]
     if pinned:
-        ctx.log.notes.append(f"as pinned: nothing runs in {ctx.options.target}; the output is the input with tags that "
-                             f"keep the {len(pinned)} pinned node(s) FP32 when it is rewritten again")
+        # ("the rewrite moves nothing": nodes the model computes in a low type itself run in it as given)
+        ctx.log.notes.append(f"as pinned: the rewrite moves nothing to {ctx.options.target}; the output is the input "
+                             f"with tags that keep the {len(pinned)} pinned node(s) FP32 when it is rewritten again")
     return bool(pinned)
 
 

@@ -1263,7 +1263,7 @@ def test_fp32_ops_takes_a_comma_list(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     out = onnx.load(str(tmp_path / "out.onnx"))
     assert not any(n.op_type == "Cast" for n in out.graph.node)  # nothing left to run low
-    assert "as pinned: nothing runs in fp16" in proc.stdout
+    assert "as pinned: the rewrite moves nothing to fp16" in proc.stdout
 
 
 def test_an_unchanged_copy_has_ordinary_permissions(tmp_path: Path) -> None:
