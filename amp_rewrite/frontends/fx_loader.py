@@ -901,7 +901,7 @@ class _Builder:
             if lost is not None:  # (classify: a deny seed, as onnx_constants marks one)
                 what, number = lost
                 short = TORCH_TO_DTYPE[self.low].short
-                verb = "adds" if name in ("add", "sub") else "bounds below by"
+                verb = "adds" if name in ("add", "sub", "addcmul", "addcdiv") else "bounds below by"
                 ir.meta["amp.lost_epsilon"] = (
                     f"{verb} {what} {number:g}, below {short}'s smallest value (it becomes 0 there: the "
                     f"epsilon is lost, and x / (x + eps) is 0/0): it keeps FP32, and so do the nodes after it "
@@ -1524,8 +1524,8 @@ def held_values(value: Value, gm: fx.GraphModule, depth: int = 0) -> torch.Tenso
             if len(tensors) < 1:
                 return None
             held = held_values(tensors[0], gm, depth + 1)
-            if held is None or node.op_type != "Cast":
-                return held
+            if held is None or node.op_type != "Cast" or held.numel() > 1 << 16:
+                return held if node.op_type != "Cast" else None  # (a big one is data: not converted to look)
             dtype = node.outputs[0].dtype
             target = next((t for t, d in TORCH_TO_DTYPE.items() if d == dtype and t.is_floating_point), None)
             return held.to(target) if target is not None else None
