@@ -1419,21 +1419,23 @@ _EPSILON_ARGUMENTS = {"add": ((0, 1), "other"), "sub": ((0, 1), "other"), "rsub"
                       # a fill that stands in for zeros: where(r > 0, r, 1e-8), masked_fill(r == 0, 1e-8),
                       # full_like(r, 1e-8) added to r
                       "where": ((1, 2), "other"), "masked_fill": ((2,), "value"), "full_like": ((1,), "fill_value"),
-                      "full": ((1,), "fill_value"), "new_full": ((2,), "fill_value"),
-                      # input + value * t1 * t2 (/ t2): the addend is value * t1 * t2, a constant where t1, t2 are
-                      "addcmul": ((), "value"), "addcdiv": ((), "value")}
+                      "full": ((1,), "fill_value"), "new_full": ((2,), "fill_value")}
+# input + value * t1 * t2 (/ t2): the addend is value * t1 * t2, a constant where t1 and t2 are
+_ADDC = frozenset({"addcmul", "addcdiv"})
 
 
 def _lost_epsilon(node: fx.Node, name: str, low: torch.dtype, gm: fx.GraphModule, slots: list[Slot],
                   inputs: list[Value]) -> tuple[str, float] | None:
-    """(what, its largest magnitude) of the epsilon an ``add``/``sub`` adds, or the lower bound a
-    ``clamp``/``clamp_min``/``maximum`` applies, where every nonzero value of it is 0 in ``low``
+    """(what, its largest magnitude) of the epsilon an ``add``/``sub``/``addcmul``/``addcdiv`` adds, or the
+    lower bound a ``clamp``/``clamp_min``/``maximum`` applies, where every nonzero value of it is 0 in ``low``
     (1e-8 in FP16, whose smallest value is 6e-8), or some of it where all its values have one sign
     (a per-channel epsilon): a number argument or a module tensor. In
     ``r / (r + 1e-8)`` after a relu, or ``x / x.clamp_min(1e-8)``, the low type lost it and every
     zero gave 0/0 = NaN. As the ONNX frontend's ``onnx_constants._vanishes``."""
-    if node.op not in ("call_function", "call_method") or name not in _EPSILON_ARGUMENTS:
+    if node.op not in ("call_function", "call_method") or (name not in _EPSILON_ARGUMENTS and name not in _ADDC):
         return None
+    if name in _ADDC:
+        return _first_lost(_addc_addend(node, name, gm, slots, inputs), low)
     positions, keyword = _EPSILON_ARGUMENTS[name]
     candidates: list[tuple[str, Any]] = [("the number", node.args[i]) for i in positions
                                          if i < len(node.args) and not isinstance(node.args[i], fx.Node)]
@@ -1444,13 +1446,16 @@ def _lost_epsilon(node: fx.Node, name: str, low: torch.dtype, gm: fx.GraphModule
         tensor = held_values(value, gm) if slot.where[:2] in where else None
         if tensor is not None:
             candidates.append((f"{value.meta.get('fx.attr', value.name)!r} holding", tensor))
-    if name in ("addcmul", "addcdiv"):
-        candidates = _addc_addend(node, name, gm, slots, inputs)
     alpha = node.kwargs.get("alpha")
     if name in ("add", "sub", "rsub") and isinstance(alpha, (int, float)) and not isinstance(alpha, bool):
         # torch.add(r, 1e-4, alpha=1e-4) adds 1e-8; torch.add(r, ones_like(r), alpha=1e-8) too
         candidates = [(what, held * alpha if isinstance(held, (int, float, torch.Tensor)) and not isinstance(held, bool)
                        else held) for what, held in candidates]
+    return _first_lost(candidates, low)
+
+
+def _first_lost(candidates: list[tuple[str, Any]], low: torch.dtype) -> tuple[str, float] | None:
+    """(what, its largest magnitude) of the first candidate epsilon ``low`` loses, or None."""
     for what, held in candidates:
         if isinstance(held, bool) or not isinstance(held, (int, float, torch.Tensor)):
             continue
@@ -1524,8 +1529,10 @@ def held_values(value: Value, gm: fx.GraphModule, depth: int = 0) -> torch.Tenso
             if len(tensors) < 1:
                 return None
             held = held_values(tensors[0], gm, depth + 1)
-            if held is None or node.op_type != "Cast" or held.numel() > 1 << 16:
-                return held if node.op_type != "Cast" else None  # (a big one is data: not converted to look)
+            if node.op_type != "Cast" or held is None:
+                return held
+            if held.numel() > 1 << 16:
+                return None  # (a big one is data, not an epsilon: not converted to look)
             dtype = node.outputs[0].dtype
             target = next((t for t, d in TORCH_TO_DTYPE.items() if d == dtype and t.is_floating_point), None)
             return held.to(target) if target is not None else None
