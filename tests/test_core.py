@@ -2056,6 +2056,34 @@ def test_a_tanh_gelu_count_is_known_even_through_a_reshape_of_a_known_even_one(w
     assert gelu.precision == (Precision.LOW if low else Precision.FP32), gelu.reason
 
 
+@pytest.mark.parametrize("product, w, columns, low", [
+    ("com.microsoft.FusedMatMul(x, w)", (5, 6), 6, True),
+    ("com.microsoft.FusedMatMul<transB=1>(x, w)", (6, 5), 6, True),
+    ("com.microsoft.FusedMatMul(x, w)", (5, 7), 7, False),
+    ("com.microsoft.FusedMatMul<transB=1>(x, w)", (7, 5), 7, False),
+    ("com.microsoft.FusedMatMul<transBatchB=1>(x, w)", (1, 5, 6), 6, False),  # B's dims moved: not read
+    ("com.microsoft.FusedMatMul(x, v)\n h = Gemm<transB=1>(h0, w)", (6, 5), 6, True),
+    ("com.microsoft.FusedMatMul(x, v)\n h = Gemm<transB=1>(h0, w)", (7, 5), 7, False),
+])
+def test_a_fastgelu_after_a_product_onnx_cannot_shape_reads_its_width_off_the_weight(product, w, columns, low):
+    """onnxruntime's transformer optimizer writes com.microsoft FusedMatMul before GPT-2's FastGelu
+    (no bias); onnx's inference has no shape behind it, so the odd-count guard kept the FastGelu FP32
+    (7 Casts where 2 do). The product has as many columns as its weight says (transB: rows), so an
+    even one proves the count even; an odd one, or a weight whose batch dims FusedMatMul moves, does
+    not."""
+    model = make_model(f"""
+        <ir_version: 10, opset_import: ["" : 17, "com.microsoft" : 1]>
+        g (float[2,5] x) => (float[2,5] y) {{
+          {"h0" if "h0" in product else "h"} = {product}
+          a = com.microsoft.FastGelu(h)
+          y = MatMul(a, w2)
+        }}""", {"w": w, "v": (5, 5), "w2": (columns, 5)}, ir_version=10)
+    result = rewrite(model)
+    full_check(result.model)
+    [gelu] = [d for d in result.log.decisions.values() if d.op == "com.microsoft::FastGelu"]
+    assert gelu.precision == (Precision.LOW if low else Precision.FP32), gelu.reason
+
+
 def test_fp16_ops_naming_mul_makes_a_square_low():
     """A Mul of a value by itself is a square and takes Pow's FP32 verdict from the built-in rules,
     but a user's ``--fp16-ops Mul`` outranks that: the square goes low, citing the flag."""

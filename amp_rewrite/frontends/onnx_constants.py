@@ -41,7 +41,7 @@ import onnx_ir as ir
 from ..decisions import Category
 from ..ir import DType, Model, Node, Value
 from ..passes.base import (COARSE_LIMIT, LOW_LIMITS, Context, PassResult, coarse_rounding, lost_epsilon,
-                           string_attribute)
+                           int_attribute, string_attribute)
 from .onnx_loader import attr_tensor, constant_array
 
 # |x| at or above this is a mask sentinel (-1e9, finfo(float32).min): it saturates to the low
@@ -407,7 +407,7 @@ def _shape_folded(value: Value | None, depth: int = 0) -> np.ndarray | None:
             return None
         if op == "Size":
             return np.asarray(int(np.prod(shape, dtype=np.int64)), np.int64)
-        start, end = _int_attribute(node, "start", 0), _int_attribute(node, "end", len(shape))
+        start, end = int_attribute(node, "start", 0), int_attribute(node, "end", len(shape))
         return np.asarray(shape[start:end], np.int64)
     args = [_shape_folded(v, depth + 1) if v is not None else None for v in node.inputs]
     data = args[0]
@@ -417,8 +417,8 @@ def _shape_folded(value: Value | None, depth: int = 0) -> np.ndarray | None:
         if op in ("ReduceProd", "ReduceSum", "ReduceMax") and len(node.inputs) == 1 and data.ndim <= 1:
             reduce = {"ReduceProd": np.prod, "ReduceSum": np.sum, "ReduceMax": np.max}[op]
             out = np.asarray(reduce(data), np.int64)
-            return out.reshape([1] * data.ndim) if _int_attribute(node, "keepdims", 1) else out
-        if op == "Gather" and len(args) == 2 and args[1] is not None and _int_attribute(node, "axis", 0) == 0:
+            return out.reshape([1] * data.ndim) if int_attribute(node, "keepdims", 1) else out
+        if op == "Gather" and len(args) == 2 and args[1] is not None and int_attribute(node, "axis", 0) == 0:
             return np.take(data, args[1], axis=0)
         if op in ("Mul", "Add") and len(args) == 2 and args[1] is not None:
             return data * args[1] if op == "Mul" else data + args[1]
@@ -436,14 +436,6 @@ def _shape_folded(value: Value | None, depth: int = 0) -> np.ndarray | None:
     except (ValueError, IndexError, OverflowError):
         return None
     return None
-
-
-def _int_attribute(node: Node, name: str, default: int) -> int:
-    attr = node.origin.attributes.get(name) if node.origin is not None else None
-    try:
-        return int(attr.as_int()) if attr is not None else default
-    except Exception:  # noqa: BLE001 - an unreadable attribute: the default
-        return default
 
 
 # elementwise arithmetic that a chain of constants can overflow through (FP16: 300 * 300 is inf)

@@ -351,6 +351,16 @@ def string_attribute(node: Node, name: str) -> str | None:
         return None
 
 
+def int_attribute(node: Node, name: str, default: int) -> int:
+    """An ONNX node's int attribute (read from ``node.origin`` like ``string_attribute``), or
+    ``default`` where it has none or it is unreadable."""
+    attr = (getattr(node.origin, "attributes", None) or {}).get(name)
+    try:
+        return int(attr.as_int()) if attr is not None else default
+    except Exception:  # noqa: BLE001 - an unreadable attribute: the default
+        return default
+
+
 def is_float32(value: Value | None) -> bool:
     return value is not None and value.dtype == DType.FLOAT
 

@@ -25,7 +25,7 @@ from ..ir import DType, Model, Node, Value
 from ..rulebook import RuleEntry
 from .base import (LOW_LIMITS, Context, PassResult, accepts_any_float, earlier_pin, given_low_type, is_float32,
                    is_node_source, is_user_source, node_label, node_names, node_rule_of, painted_group,
-                   string_attribute)
+                   int_attribute, string_attribute)
 
 _CONTROL = "control flow: its boundary types are kept and each body is rewritten as a scope of its own"
 _SOURCES = {"Cast", "Constant"}  # handled by cast folding and weight conversion, not painting
@@ -344,9 +344,13 @@ _SAME_COUNT = frozenset({"Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueez
 def _count_known_even(value: Value | None, depth: int = 8) -> bool:
     """Whether ``value``'s element count is known even: a dimension of its shape is a known even
     number, or it is a reshape, transpose, cast... of a value whose count is (GPT-2's TorchScript
-    export reshapes its MLP's Gemm output to dims onnx's inference leaves unnamed)."""
+    export reshapes its MLP's Gemm output to dims onnx's inference leaves unnamed), or a matrix
+    product whose weight gives it an even last dimension (onnx's inference has no shape behind
+    com.microsoft's FusedMatMul, which onnxruntime's optimizer writes before a FastGelu)."""
     while value is not None and depth > 0:
         if value.shape is not None and any(isinstance(d, int) and d % 2 == 0 for d in value.shape):
+            return True
+        if _product_columns(value) % 2 == 0:
             return True
         node = value.producer
         if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in _SAME_COUNT \
@@ -354,6 +358,24 @@ def _count_known_even(value: Value | None, depth: int = 8) -> bool:
             return False
         value, depth = node.inputs[0], depth - 1
     return False
+
+
+def _product_columns(value: Value) -> int:
+    """The last dimension of a MatMul, Gemm or FusedMatMul output, read off its second operand's
+    static shape (1 where it is not known): the product has as many columns as B, or as B has rows
+    under transB. FusedMatMul's transBatchB moves B's batch dims, so it is not read."""
+    node = value.producer
+    if node is None or len(node.inputs) < 2 or node.inputs[1] is None or not node.outputs \
+            or node.outputs[0] is not value:
+        return 1
+    kind = (node.domain if node.domain != "ai.onnx" else "", node.op_type)
+    if kind not in (("", "MatMul"), ("", "Gemm"), ("com.microsoft", "FusedMatMul")):
+        return 1
+    shape = node.inputs[1].shape
+    if shape is None or len(shape) < 2 or (kind[1] == "FusedMatMul" and int_attribute(node, "transBatchB", 0)):
+        return 1
+    column = shape[-2] if kind[1] != "MatMul" and int_attribute(node, "transB", 0) else shape[-1]
+    return column if isinstance(column, int) and column > 0 else 1
 
 
 def _runtime_gap(node: Node, ctx: Context) -> str | None:
