@@ -570,9 +570,11 @@ class LossScaler:
             raise ValueError("load_state_dict got an empty state dict (a disabled GradScaler saves {}): nothing "
                              "to restore")
         if "_growth_tracker" in state:  # GradScaler
+            # (no history in it: the summary counts from the load, starting at the loaded scale)
             state = {"scale": state["scale"], "growth_tracker": state["_growth_tracker"],
                      "growth_factor": state["growth_factor"], "backoff_factor": state["backoff_factor"],
-                     "growth_interval": state["growth_interval"]}
+                     "growth_interval": state["growth_interval"], "init_scale": state["scale"],
+                     "steps": 0, "skipped": 0, "skipped_steps": [], "history": []}
         if "scale" not in state:
             raise ValueError(f"load_state_dict: no 'scale' in the state dict (keys: {', '.join(map(str, state))}); "
                              f"pass a LossScaler or torch.amp.GradScaler state_dict()")

@@ -576,6 +576,7 @@ class _LossScaleBuilder:
                 for user, slot in readers:
                     if id(user) not in backward:
                         user.replace_input_with(slot, unscaled)
+                        self.unscaled_before.append(_label(user))
                 self._unscale_low_readers(value, unscaled, backward)
                 sums.append(self.node("ReduceSum", [unscaled], "training: inf/NaN check (sum of the gradient)",
                                       keepdims=0))
@@ -628,8 +629,8 @@ class _LossScaleBuilder:
             shown = ", ".join(repr(name) for name in self.unscaled_before[:3])
             more = f" and {len(self.unscaled_before) - 3} more" if len(self.unscaled_before) > 3 else ""
             log.notes.append(f"training: {len(self.unscaled_before)} node(s) read the gradients divided by the loss "
-                             f"scale, since their results are not proportional to it (a norm, a clip, a sum with "
-                             f"a weight): {shown}{more}")
+                             f"scale, so that what they compute does not carry it (a norm, a clip, a sum with a "
+                             f"weight, a value leaving the graph): {shown}{more}")
         if self.scaled_count is not None and len(self.plan.grads) != self.scaled_count:
             said = f"{len(self.plan.grads)} gradient output(s) unscaled in FP32 under their own names"
             kept = ", ".join(repr(n) for n in self.left_as_computed[:3]) + (" ..." if len(self.left_as_computed) > 3
@@ -744,7 +745,8 @@ class _LossScaleBuilder:
             raise UsageError(f"node {_label(node)!r} ({node.op_type}) {why}: loss scaling cannot be undone there; "
                              f"compute it from the gradient outputs outside the graph, or rewrite with "
                              f"--no-loss-scaling")
-        self.unscaled_before = [_label(n) for n in degrees.broken]
+        # (after the readers of the gradient outputs, which the walk rewires as it meets them)
+        self.unscaled_before = list(dict.fromkeys([*self.unscaled_before, *(_label(n) for n in degrees.broken)]))
 
     def _divided(self, value: Any, inv: Any, reader: Any) -> Any:
         """``value / loss_scale`` in FP32, cast back to ``value``'s type where that is low; placed in

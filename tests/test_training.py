@@ -400,6 +400,23 @@ def test_loads_a_gradscaler_state_dict():
     assert s.get_scale() == 512.0 and s.growth_interval == 7 and s.growth_tracker == 0
 
 
+def test_the_summary_after_a_gradscaler_state_counts_from_the_loaded_scale():
+    """A GradScaler state has no history: the summary starts at its scale, not at this scaler's
+    own initial one (it said "scale 65536 -> 512 (range 512..512, 0 backoffs)"), and drops what the
+    scaler did before the load."""
+    s = LossScaler(growth_interval=1)
+    _drive(s, [False, True])
+    s.load_state_dict({"scale": 512.0, "_growth_tracker": 0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                       "growth_interval": 2})
+    assert s.summary_text() == ("loss scaling (dynamic): 0 steps, 0 skipped; scale 512 -> 512 (range 512..512, "
+                                "0 growths, 0 backoffs)")
+    fresh = LossScaler(init_scale=512.0, growth_interval=2)
+    for scaler in (s, fresh):
+        _drive(scaler, [False, False, True])
+    assert s.summary_text() == fresh.summary_text()
+    assert "3 steps, 1 skipped (steps 2); scale 512 -> 512 (range 512..1024, 1 growths, 1 backoffs)" in s.summary_text()
+
+
 def test_a_gradscaler_state_dict_carries_its_growth_tracker():
     """A GradScaler checkpoint taken part-way through a growth interval resumes there: its
     ``_growth_tracker`` becomes the scaler's tracker, so the next growth comes as GradScaler's would."""

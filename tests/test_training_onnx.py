@@ -663,9 +663,15 @@ def test_nodes_reading_a_gradient_in_the_graph_read_it_unscaled(tmp_path):
     """Only the gradient output was rewired to the unscaled value: an in-graph SGD step and a
     gradient norm read the scaled gradient (new_W off by 1024x lr, the norm by 1024²). The step
     itself, proportional to the gradient, is an output too: read scaled, it was refused as a
-    backward-pass output --grads does not name (mutation testing found it unchecked)."""
+    backward-pass output --grads does not name (mutation testing found it unchecked). The summary
+    names them, as it names nodes divided before a clip (it named only those)."""
     model = _with_gradient_readers(_hand_graph(), "step")
-    out = rewrite_training_onnx_model(model, loss="loss", grads=GRADS, target="fp16").model
+    result = rewrite_training_onnx_model(model, loss="loss", grads=GRADS, target="fp16")
+    [note] = [n for n in result.log.notes if "divided by the loss scale" in n]
+    assert note.endswith("2 node(s) read the gradients divided by the loss scale, so that what they compute does "
+                         "not carry it (a norm, a clip, a sum with a weight, a value leaving the graph): 'Mul:step', "
+                         "'ReduceSumSquare:grad_norm_sq'"), note
+    out = result.model
     onnx.checker.check_model(out, full_check=True)
     onnx.save(out, tmp_path / "t.onnx")
     got, want = _grad_w(tmp_path / "t.onnx")
