@@ -1263,6 +1263,28 @@ def test_make_training_graph_says_in_one_line_why_neither_exporter_could(capsys,
     assert not (tmp_path / "t.onnx").exists()
 
 
+@pytest.mark.parametrize("factory, said", [
+    ("mlp:make", "wrote "),  # (the module beside the caller: run as a script, its directory was not on the path)
+    ("nowhere:make", "cannot import 'nowhere'"),
+    ("mlp:absent", "module 'mlp' has no 'absent'"),
+    ("mlp", "write it as module:callable"),
+])
+def test_make_training_graph_finds_a_factory_in_the_current_directory_or_says_why_not(tmp_path, factory, said):
+    """Run by path as its docstring shows, the tool did not find a module in the current directory,
+    and a bad factory gave a traceback (ModuleNotFoundError, AttributeError). It imports from the
+    current directory now, and a factory it cannot load is one line and exit 2."""
+    (tmp_path / "mlp.py").write_text("import torch\n\ndef make():\n    return torch.nn.Linear(4, 2)\n")
+    tool = Path(__file__).resolve().parent.parent / "tools" / "make_training_graph.py"
+    run = subprocess.run([sys.executable, str(tool), factory, "--input-shape", "3,4", "--target-shape", "3,2",
+                          "--loss", "mse", "-o", "t.onnx"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    if said == "wrote ":
+        assert run.returncode == 0 and run.stdout.startswith(said), run.stderr
+        assert (tmp_path / "t.onnx").exists()
+    else:
+        assert run.returncode == 2 and said in run.stderr and "Traceback" not in run.stderr, run.stderr
+        assert not (tmp_path / "t.onnx").exists()
+
+
 def _gradient_post_processed_by(op: str, domain: str = "") -> onnx.ModelProto:
     """loss = sum(x @ W) with its backward written out: grad.W = x^T @ (ones * loss_grad), and then
     ``op`` reading the gradient: a ScatterND multiplying rows of it by other rows of it, or an

@@ -206,7 +206,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch.nn.functional as F
 
     mod_name, _, attr = args.factory.partition(":")
-    module = getattr(importlib.import_module(mod_name), attr)()
+    if not mod_name or not attr:
+        parser.error(f"factory {args.factory!r}: write it as module:callable (e.g. mymodel:make)")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # (run as a script, the current directory is not on the path; -m puts it)
+    try:
+        factory = getattr(importlib.import_module(mod_name), attr)
+    except ImportError as exc:
+        parser.error(f"factory {args.factory!r}: cannot import {mod_name!r} ({exc}); run from the directory that "
+                     f"holds it or put it on PYTHONPATH")
+    except AttributeError:
+        parser.error(f"factory {args.factory!r}: module {mod_name!r} has no {attr!r}")
+    module = factory()
     shape = lambda s: tuple(int(d) for d in s.split(","))  # noqa: E731
     inputs = [torch.randn(shape(s)) for s in args.input_shape]
     loss_fn = {"module": None, "mse": F.mse_loss, "l1": F.l1_loss, "cross_entropy": F.cross_entropy}[args.loss]
