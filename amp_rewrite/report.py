@@ -207,6 +207,7 @@ class Report:
                          + (f"no FP32 island; now {low})" if not fp32 else
                             f"{len(self.log.fusions) - len(fp32)} now {low}, {len(fp32)} kept FP32: "
                             f"{', '.join(fp32[:3])}{' ...' if len(fp32) > 3 else ''})"))
+        lines += [n for n in self.log.notes if n.startswith("not fused:")]
         lines.append(f"FP32 islands: {s['islands']}")
         for island in self.log.islands[:8]:
             lines.append(f"  island {island.id}: {describe(island)} (seeded by {', '.join(island.seeds[:3]) or '-'})")

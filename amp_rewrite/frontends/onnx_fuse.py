@@ -101,6 +101,7 @@ def fuse(model: Model, ctx: Context) -> PassResult:
     namer: Namer | None = None  # built at the first fusion: most models have nothing to fuse
     names: frozenset[str] | None = None
     shapes = SymbolicShapes(model)
+    unfused: list[tuple[_Match, Graph]] = []
     changed = _drop_dead_noop_casts(model, ctx)
     for scope in list(model.graph.scopes()):
         nodes = list(scope.nodes)
@@ -125,6 +126,8 @@ def fuse(model: Model, ctx: Context) -> PassResult:
                 continue
             namer = namer or Namer.for_model(model)
             removed = _replace(model, scope, match, ctx, namer, position, choose(), fp32=fp32)
+            if not removed:
+                unfused.append((match, scope))
             if fp32 is not None and removed:  # (a pin naming a member still names something: the fused node)
                 model.meta.setdefault("amp.fused_member_names", set()).update(
                     alias for member in removed for alias in aliases(member))
@@ -139,7 +142,43 @@ def fuse(model: Model, ctx: Context) -> PassResult:
             changed = True
     if shapes.computed:  # for a skip proof: the optimal placement's size estimates read it too
         model.meta["amp.symbolic_shapes"] = shapes.computed
+    if unfused:
+        shown = "; ".join(f"{_pattern_label(match, scope)} ({match.kind}: {_why_unfused(match, scope, ctx)})"
+                          for match, scope in unfused[:3])
+        more = f"; and {len(unfused) - 3} more" if len(unfused) > 3 else ""
+        ctx.log.notes.append(f"not fused: {len(unfused)} pattern(s) left as written: {shown}{more}")
     return PassResult("fuse", modified=changed)
+
+
+def _pattern_label(match: _Match, scope: Graph) -> str:
+    """The members' shared path (``/ln/``), else the first member's label in graph order and how
+    many more there are."""
+    prefix = _common_prefix([node_label(n) for n in match.members])
+    if prefix != "amp_fused/":
+        return prefix
+    members = {id(n) for n in match.members}
+    first = next(n for n in scope.nodes if id(n) in members)
+    return f"{node_label(first)} and {len(match.members) - 1} more nodes"
+
+
+def _why_unfused(match: _Match, scope: Graph, ctx: Context) -> str:
+    """Why ``_choose`` found no fused form for a pattern, for the note that lists it."""
+    opset = scope.opsets.get("", 0)
+    if match.kind == "tanh-GELU":
+        if tanh_gelu_gap("tanh-GELU", match.x, ctx.options.target):
+            return "its element count is not known to be even, and the FP16 GELU kernels skip the last of an odd count"
+        return f"neither Gelu (opset 20+) nor com.microsoft FastGelu has a low-precision form at opset {opset}"
+    standard, since = {"LayerNorm": ("LayerNormalization", 17), "RMSNorm": ("RMSNormalization", 23)}[match.kind]
+    if opset >= since:
+        return f"{standard} has no low-precision form here (rules or kernel table)"
+    head = f"{standard} needs opset {since} (this graph has {opset}); onnxruntime's skip ops"
+    if not all(v is None or _constant(v) is not None for v in (match.gamma, match.beta)):
+        return f"{head} take a constant scale and bias only, and this one's are computed"
+    where = ("inside a control-flow body, where no residual sum is proven (the shape proofs are the main graph's)"
+             if scope.parent is not None else "it does not follow a residual sum whose operand shapes are proven")
+    rank = ("a zero skip needs ConstantOfShape (opset 9)" if opset < _ZEROS_SINCE else
+            "its input's rank is not known" if match.x.shape is None else f"its input has rank {len(match.x.shape)}")
+    return f"{head} need a residual sum or an input of rank 2 or 3: {where}, and {rank}"
 
 
 def _constant_bytes(nodes: list[Node]) -> int:
@@ -330,7 +369,7 @@ def _choose(match: _Match, scope: Graph, ctx: Context,
             v is None or _constant(v) is not None for v in (match.gamma, match.beta)):
         return None  # (the skip ops are chosen for a constant scale and bias only)
     skip = _residual_operands(match.x, scope, shapes) if standard_since and opset < standard_since else None
-    if standard_since and opset < standard_since and skip is None and _zero_skip_rank(match.x) \
+    if standard_since and opset < standard_since and skip is None and _zero_skip_rank(match.x, scope, shapes) \
             and opset >= _ZEROS_SINCE:
         skip = [match.x, _ZERO_SKIP]  # no residual sum to take over: the skip op adds zeros
     if match.kind == "tanh-GELU":
@@ -454,8 +493,18 @@ _ZERO_SKIP = Value("<zeros like the input>")
 _ZEROS_SINCE = 9  # ConstantOfShape, which makes the zero skip, is an opset 9 op
 
 
-def _zero_skip_rank(x: Value) -> bool:
-    """The skip ops take a (batch, sequence, hidden) or (tokens, hidden) input."""
+def _zero_skip_rank(x: Value, scope: Graph, shapes: SymbolicShapes) -> bool:
+    """The skip ops take a (batch, sequence, hidden) or (tokens, hidden) input. Where onnx's
+    inference as the loader ran it gave x no shape (an opset-13 Reshape to a computed shape), the
+    main graph's shape tables may know its rank (onnx's with data propagation, then onnxruntime's):
+    x is given that many unknown dims, a fact whichever table gave it (merged symbols change
+    dims, not ranks)."""
+    if x.shape is None and scope.parent is None:
+        for table in shapes.tables():
+            found = table.shapes.get(x.name)
+            if found is not None:
+                x.shape = (None,) * len(found)
+                break
     return x.shape is not None and len(x.shape) in (2, 3)
 
 
