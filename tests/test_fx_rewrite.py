@@ -3783,3 +3783,38 @@ def test_flushed_to_zero_counts_only_weights_that_lost_a_nonzero_value():
     assert result.model.a.weight.dtype == torch.float16 and int((result.model.a.weight == 0).sum()) == 5
     assert result.log.weights.flushed_to_zero == 1 and result.log.weights.clamped == 0
     assert re.search(r"0 values clamped at ±65504, 1 flushed to zero", result.report.summary_text())
+
+
+class _TransposedViews(nn.Module):
+    """``x.T`` / ``x.mT`` (Falcon's attention), a ``torch.tensor`` constant made in forward
+    (DeBERTa-v2's scale) and a weight-normed projection (Wav2Vec2's positional conv)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.utils.parametrizations.weight_norm(nn.Linear(8, 8))
+
+    def forward(self, x):
+        h = self.a(x)
+        s = (h.mT @ h.T.T) * torch.tensor(0.125)
+        return self.b(s.mT)
+
+
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_transposed_views_lifted_constants_and_weight_norm_are_classified(target):
+    """``numpy_T``, ``mT`` and ``lift_fresh_copy`` were unlisted ops (treated as deny: a transpose
+    kept FP32 between two low matmuls, with its Casts), and ``_weight_norm`` was unlisted too: it
+    stays FP32 now for its reason, a norm over the weight, and the views follow their neighbours."""
+    torch.manual_seed(0)
+    model = _TransposedViews().eval()
+    x = torch.randn(8, 8)
+    result = _dispatch(model, example_inputs=(x,), target=target)
+    assert not result.log.unlisted_ops, result.log.unlisted_ops
+    decisions = list(result.log.decisions.values())
+    views = [d for d in decisions if d.op in ("numpy_T", "mT")]
+    assert views and all(d.precision == Precision.LOW for d in views), [(d.op, d.precision) for d in views]
+    [norm] = [d for d in decisions if d.op == "_weight_norm"]
+    assert norm.precision == Precision.FP32 and "weight's norm is a long sum of squares" in norm.reason
+    result.model.graph.lint()
+    with torch.no_grad():
+        assert rel_err(result.model(x), model(x)) < TOL[target]
