@@ -1041,12 +1041,19 @@ def compare_output(name: str, ref: Any, got: Any, tolerance: float) -> OutputSta
 
 
 def _localise(low_proto: onnx.ModelProto, low_values: Mapping[str, np.ndarray], exposed: Mapping[str, str],
-              ref: Mapping[str, np.ndarray], target: str, bad_inputs: Sequence[str] = ()
+              ref: Mapping[str, np.ndarray], target: str, bad_inputs: Sequence[str] = (),
+              feeds: Mapping[str, Any] | None = None
               ) -> tuple[list[Overflow], int, list[dict[str, Any]], list[dict[str, Any]]]:
     """Overflowing low-precision values in topological order, values near the limit, and values
     where mask sentinels saturated to ±inf (not counted as overflow). ``bad_inputs``: graph inputs
-    fed values beyond the low type's range (their readers are not where it started)."""
+    fed values beyond the low type's range (their readers are not where it started).
+
+    A value of |x| >= SENTINEL in FP32 is a mask sentinel only where it carries one: made by a
+    Constant/ConstantOfShape, or computed from a constant, graph input or value that holds one
+    (a constant the rewrite saturated holds ±limit). A MatMul whose output reaches 1.6e8 from
+    inputs of 1e4 overflowed: it was taken for a mask, and the check said nothing overflowed."""
     limit = LIMITS[target]
+    carrying = _sentinel_sources(low_proto, limit, feeds or {}) | set(bad_inputs)
     by_value = {v: k for k, v in exposed.items()}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for n in low_proto.graph.node:
@@ -1069,14 +1076,20 @@ def _localise(low_proto: onnx.ModelProto, low_values: Mapping[str, np.ndarray], 
                 continue
             want = np.asarray(want, np.float64)
             new = np.isfinite(want) & ~np.isfinite(got)
+            read = [*n.input, *_outer_reads(n)]  # (an If/Loop/Scan reads outer values in its bodies too)
+            sentinel = np.abs(want) >= SENTINEL
+            if (n.op_type in ("Constant", "ConstantOfShape") or any(i in carrying for i in read)) and sentinel.any():
+                carrying.add(out)
+            elif out not in carrying:
+                sentinel = np.zeros_like(sentinel)  # (a computed magnitude, not a mask's)
             # mask sentinels (-1e9, finfo(float32).min) saturating to -inf of the same sign: expected
             with np.errstate(invalid="ignore"):
-                saturated = new & np.isinf(got) & (np.abs(want) >= SENTINEL) & (np.sign(got) == np.sign(want))
+                saturated = new & np.isinf(got) & sentinel & (np.sign(got) == np.sign(want))
             if saturated.any():
                 sentinels.append({"node": n.name if _tags(n).get("inserted") else node_label(n), "op": n.op_type,
                                   "value": out, "count": int(saturated.sum())})
                 new = new & ~saturated
-            finite_ref = want[np.isfinite(want) & (np.abs(want) < SENTINEL)]
+            finite_ref = want[np.isfinite(want) & ~sentinel]
             ref_max = float(np.abs(finite_ref).max()) if finite_ref.size else 0.0
             if new.any():
                 total += 1
@@ -1086,7 +1099,6 @@ def _localise(low_proto: onnx.ModelProto, low_values: Mapping[str, np.ndarray], 
                 # A Cast of values that stay within the low type's range in FP32 cannot overflow
                 # itself: its input was bad already (an FP32 value behind an If/Loop or the model's
                 # own Cast carries an earlier overflow, and such values are not exposed)
-                read = [*n.input, *_outer_reads(n)]  # (an If/Loop/Scan reads outer values in its bodies too)
                 root = not any(i in bad_values for i in read) and not (n.op_type == "Cast" and ref_max < limit)
                 users = [(node_label(c), c.op_type) for c in consumers.get(out, []) if _tags(c).get("precision") == "low"]
                 if len(found) < _MAX_LISTED or root:
@@ -1098,11 +1110,37 @@ def _localise(low_proto: onnx.ModelProto, low_values: Mapping[str, np.ndarray], 
                         own_cast=inserted and tags.get("inserted") != "cast",
                         in_body=root and bool(_bodies(n))))
                 continue
-            finite = got[np.isfinite(got) & np.isfinite(want) & (np.abs(want) < SENTINEL)]
+            finite = got[np.isfinite(got) & np.isfinite(want) & ~sentinel]
             peak = float(np.abs(finite).max()) if finite.size else 0.0
             if peak > NEAR_LIMIT * limit and len(near) < _MAX_LISTED:
                 near.append({"node": node_label(n), "op": n.op_type, "value": out, "max_abs": peak})
     return found, total, near, sentinels
+
+
+def _sentinel_sources(proto: onnx.ModelProto, limit: float, feeds: Mapping[str, Any]) -> set[str]:
+    """Initializers (of any graph) holding a value at the low type's limit or beyond (a mask
+    sentinel, saturated or kept FP32), and graph inputs fed one of |x| >= SENTINEL."""
+    from onnx import numpy_helper
+
+    found = {name for name, value in feeds.items() if isinstance(value, np.ndarray) and value.dtype.kind == "f"
+             and value.size and np.nanmax(np.abs(value)) >= SENTINEL}
+    graphs = [proto.graph]
+    while graphs:
+        graph = graphs.pop()
+        for tensor in graph.initializer:
+            if tensor.data_type not in _FLOAT_TYPES or tensor.data_location == onnx.TensorProto.EXTERNAL:
+                continue
+            try:
+                data = numpy_helper.to_array(tensor)
+            except Exception:  # noqa: BLE001 - an unreadable tensor holds no sentinel we can see
+                continue
+            if data.size and np.nanmax(np.abs(data.astype(np.float32))) >= limit:
+                found.add(tensor.name)
+        graphs += [g for n in graph.node for g in _bodies(n)]
+    return found
+
+
+_FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
 
 
 def _bodies(node: onnx.NodeProto) -> list[onnx.GraphProto]:
@@ -1319,7 +1357,7 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, Any] | str | Path 
             if not outputs:
                 outputs = {k: v for k, v in values.items() if k in set(ref.outputs)}
             overflow, total, near, sentinels = _localise(low_proto, values, exposed, ref.values, target,
-                                                         [name for name, _ in beyond])
+                                                         [name for name, _ in beyond], feeds)
     if emulation is not None:
         notes.append(f"CPU provider: every {target} value is rounded to {target} where it is made and carried as "
                      f"FP32 between nodes, as a GPU computes (onnxruntime's CPU kernels alone skip those roundings)")

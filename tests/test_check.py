@@ -1901,14 +1901,51 @@ def test_emulate_low_takes_fp16_where_a_model_holds_both_low_types():
     assert emulate_low(m)[1] == {"h"}
 
 
-def _one_node_localised(want: list[float], got: list[float]):
+def _one_node_localised(want: list[float], got: list[float], mask: bool = True):
     """check._localise on a one-node graph ``y = Mul(a, b)`` (named "mul"), the FP32 run giving
-    ``want`` and the low run ``got`` for y."""
+    ``want`` and the low run ``got`` for y; ``mask``: input a is fed ``want`` (a mask holding its
+    sentinels), else a and b are fed values a computation reaches ``want`` from."""
     m = make_model("""
         <ir_version: 8, opset_import: ["" : 17]>
         g (float[3] a, float[3] b) => (float[3] y) { y = Mul(a, b) }""")
     m.graph.node[0].name = "mul"
-    return ck._localise(m, {"y": np.array(got, np.float32)}, {"y": "y"}, {"y": np.array(want, np.float32)}, "fp16")
+    feeds = {"a": np.array(want, np.float32) if mask else np.sqrt(np.abs(np.array(want, np.float32))),
+             "b": np.ones(3, np.float32) if mask else np.sign(want) * np.sqrt(np.abs(np.array(want, np.float32)))}
+    return ck._localise(m, {"y": np.array(got, np.float32)}, {"y": "y"}, {"y": np.array(want, np.float32)}, "fp16",
+                        feeds=feeds)
+
+
+def test_a_computed_value_past_the_sentinel_size_is_an_overflow_not_a_mask():
+    """|x| >= 1e8 in FP32 was taken for a mask sentinel whatever made it: a MatMul reaching 1.6e8
+    from inputs of 1e4 became inf, and the check said no fp16 value overflowed (or named the node
+    after it, whose FP32 max was 1.2e3). Only a value computed from a sentinel (a constant, a
+    graph input or a value holding one) is a mask's now."""
+    found, total, _, sentinels = _one_node_localised([-1.6e8, 1.0, 2.0], [-np.inf, 1.0, 2.0], mask=False)
+    assert total == 1 and not sentinels
+    [overflow] = found
+    assert (overflow.node, overflow.neg_inf, overflow.fp32_max_abs, overflow.root) == ("mul", 1, 1.6e8, True)
+
+
+@pytest.mark.parametrize("scale", [1e-8, 1e-5])
+def test_a_matmul_overflowing_past_the_sentinel_size_is_named(scale):
+    """End to end: x of 1e4 times W of 2000 gives 1.6e8, inf in fp16, then scaled down. The check
+    said 'no fp16 intermediate value overflowed' (1e-8: the output 20% off) or named the Mul after
+    it (1e-5, FP32 max 1.2e3), whose --fp32-nodes hint then passed a model still writing inf."""
+    rng = np.random.default_rng(0)
+    m = make_model(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,8] x) => (float[2,8] y) {{
+          big = MatMul(x, w)
+          small = Mul(big, k)
+          t = Tanh(small)
+          y = MatMul(t, w2)
+        }}""", {"w": np.full((8, 8), 2000.0, np.float32), "k": np.array(scale, np.float32),
+                "w2": rng.standard_normal((8, 8)).astype(np.float32)})
+    feeds = {"x": (1e4 * (1 + rng.random((2, 8)))).astype(np.float32)}
+    result = ck.check_models(m, rewrite(m).model, inputs=feeds)
+    assert not result.passed
+    assert [(o.node, o.op, o.root) for o in result.overflow if o.root] == [("MatMul:big", "MatMul", True)]
+    assert not any("sentinel" in n for n in result.notes)
 
 
 def test_a_sentinel_whose_sign_flips_to_inf_is_an_overflow_not_a_saturated_mask():
