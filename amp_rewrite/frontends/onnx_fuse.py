@@ -20,6 +20,7 @@ values are looked through, and those inside a pattern go with it)::
     RMSNorm     v = ReduceMean(x^2); n = x / Sqrt(v + eps) (or the same variants); y = n * gamma
     tanh-GELU   y = (x * 0.5) * (1 + Tanh((x + Pow(x, 3) * 0.044715) * sqrt(2/pi)))
                 or x * (0.5 * (1 + Tanh(...)))   (torch's F.gelu(approximate="tanh") as the dynamo exporter writes it)
+                or (x * (1 + Tanh(...))) * 0.5 with x * (x * x) for the cube (the TorchScript exporter's)
 
 Fused op, the first one the model's opset has: LayerNormalization (opset 17+) or RMSNormalization
 (23+) on x; else, when x is a residual sum ``Add(a, b)`` of two activations of one static shape,
@@ -235,8 +236,22 @@ def _match_at(node: Node) -> _Match | None:
         return None
     if node.op_type == "ReduceMean":
         return _match_norm(node)
-    if node.op_type == "Pow":
+    if node.op_type == "Pow" or (node.op_type == "Mul" and _cube_base(node) is not None):
         return _match_gelu(node)
+    return None
+
+
+def _cube_base(mul: Node) -> tuple[Value, Node] | None:
+    """(x, the square) where ``mul`` is ``x * (x * x)`` in either order: the cube as torch's own
+    tanh-GELU symbolic writes it below opset 20."""
+    if len(mul.inputs) != 2:
+        return None
+    for a, b in (mul.inputs, mul.inputs[::-1]):
+        square = _source(b).producer if b is not None else None
+        x = _source(a) if a is not None else None
+        if x is not None and _is(square, "Mul") and len(square.inputs) == 2 \
+                and all(v is not None and _source(v) is x for v in square.inputs):
+            return x, square
     return None
 
 
@@ -323,11 +338,18 @@ def _same_difference(value: Value | None, d: Value, members: list[Node]) -> bool
 
 
 def _match_gelu(cube: Node) -> _Match | None:
-    """Anchored at ``Pow(x, 3)``; the coefficients must be GPT-2's (``gelu_new``)."""
-    x = _source(cube.inputs[0])
-    if x is None or _scalar(cube.inputs[1], x) != 3.0:
-        return None
-    members = [cube]
+    """Anchored at ``Pow(x, 3)`` or ``x * (x * x)``; the coefficients must be GPT-2's (``gelu_new``)."""
+    if cube.op_type == "Mul":
+        base = _cube_base(cube)
+        if base is None:
+            return None
+        x, square = base
+        members = [square, cube]
+    else:
+        x = _source(cube.inputs[0])
+        if x is None or _scalar(cube.inputs[1], x) != 3.0:
+            return None
+        members = [cube]
     steps = [("Mul", "cubic"), ("Add", None), ("Mul", "scale"), ("Tanh", None), ("Add", "one")]
     value = cube.outputs[0]
     for op, coeff in steps:
@@ -354,6 +376,11 @@ def _match_gelu(cube: Node) -> _Match | None:
     if _close(_scalar(other, x), _GELU_COEFFS["half"]) and outer is not None \
             and _source(_other_input(outer, final.outputs[0])) is x:
         members += [final, outer]  # x * (0.5 * (1 + tanh(...))): torch's F.gelu(approximate="tanh")
+        _absorb_passthroughs(x, members)
+        return _Match("tanh-GELU", x, outer.outputs[0], members)
+    if _source(other) is x and outer is not None \
+            and _close(_scalar(_other_input(outer, final.outputs[0]), x), _GELU_COEFFS["half"]):
+        members += [final, outer]  # (x * (1 + tanh(...))) * 0.5: the TorchScript exporter's, below opset 20
         _absorb_passthroughs(x, members)
         return _Match("tanh-GELU", x, outer.outputs[0], members)
     return None
