@@ -21,6 +21,7 @@ values are looked through, and those inside a pattern go with it)::
     tanh-GELU   y = (x * 0.5) * (1 + Tanh((x + Pow(x, 3) * 0.044715) * sqrt(2/pi)))
                 or x * (0.5 * (1 + Tanh(...)))   (torch's F.gelu(approximate="tanh") as the dynamo exporter writes it)
                 or (x * (1 + Tanh(...))) * 0.5 with x * (x * x) for the cube (the TorchScript exporter's)
+                or (x * 0.5) * (1 + Tanh((x * sqrt(2/pi)) * (1 + 0.044715 * x * x)))   (BLOOM's)
 
 Fused op, the first one the model's opset has: LayerNormalization (opset 17+) or RMSNormalization
 (23+) on x; else, when x is a residual sum ``Add(a, b)`` of two activations of one static shape,
@@ -238,6 +239,8 @@ def _match_at(node: Node) -> _Match | None:
         return _match_norm(node)
     if node.op_type == "Pow" or (node.op_type == "Mul" and _cube_base(node) is not None):
         return _match_gelu(node)
+    if node.op_type == "Tanh":
+        return _match_gelu_product(node)
     return None
 
 
@@ -362,6 +365,63 @@ def _match_gelu(cube: Node) -> _Match | None:
             return None
         members.append(node)
         value = node.outputs[0]
+    return _gelu_tail(x, value, members)
+
+
+def _match_gelu_product(tanh: Node) -> _Match | None:
+    """Anchored at the Tanh of ``Tanh((x * c) * (1 + 0.044715 * x * x))``, the same function as
+    GPT-2's with the cube factored (BLOOM's ``bloom_gelu_forward``): its ``x * x`` products run
+    past FP16's range where the fused kernel's result is exact."""
+    prod = _source(tanh.inputs[0]).producer if tanh.inputs and tanh.inputs[0] is not None else None
+    if not _is(prod, "Mul") or len(prod.inputs) != 2 or any(v is None for v in prod.inputs):
+        return None
+    for left, right in (prod.inputs, prod.inputs[::-1]):
+        scale, poly = _source(left).producer, _source(right).producer
+        x = _scaled(scale, "scale")
+        if x is None or not _is(poly, "Add") or len(poly.inputs) != 2 or any(v is None for v in poly.inputs):
+            continue
+        for quad, one in (poly.inputs, poly.inputs[::-1]):
+            if not _close(_scalar(one, x), _GELU_COEFFS["one"]):
+                continue
+            quadratic = _quadratic(_source(quad).producer, x)
+            if quadratic is None:
+                continue
+            members = [scale, *quadratic, poly, prod, tanh]
+            add = _only_consumer(tanh.outputs[0], "Add")
+            if add is None or not _close(_scalar(_other_input(add, tanh.outputs[0]), x), _GELU_COEFFS["one"]):
+                return None
+            members.append(add)
+            return _gelu_tail(x, add.outputs[0], members)
+    return None
+
+
+def _scaled(node: Node | None, coeff: str) -> Value | None:
+    """x where ``node`` is ``x * k`` (either order) with k the GELU coefficient ``coeff``."""
+    if not _is(node, "Mul") or len(node.inputs) != 2 or any(v is None for v in node.inputs):
+        return None
+    for a, b in (node.inputs, node.inputs[::-1]):
+        if _constant(a) is None and _close(_scalar(b, a), _GELU_COEFFS[coeff]):
+            return _source(a)
+    return None
+
+
+def _quadratic(node: Node | None, x: Value) -> list[Node] | None:
+    """The nodes of ``0.044715 * x * x`` at ``node``: ``(x * k) * x`` in any order, or ``(x * x) * k``."""
+    if not _is(node, "Mul") or len(node.inputs) != 2 or any(v is None for v in node.inputs):
+        return None
+    for a, b in (node.inputs, node.inputs[::-1]):
+        inner = _source(b).producer
+        if _source(a) is x and _scaled(inner, "cubic") is x:
+            return [inner, node]
+        if _close(_scalar(a, x), _GELU_COEFFS["cubic"]) and _is(inner, "Mul") and len(inner.inputs) == 2 \
+                and all(v is not None and _source(v) is x for v in inner.inputs):
+            return [inner, node]
+    return None
+
+
+def _gelu_tail(x: Value, value: Value, members: list[Node]) -> _Match | None:
+    """The end of a tanh-GELU from ``value = 1 + tanh(...)``: times x and 0.5 in one of the orders
+    the exporters write."""
     final = _only_consumer(value, "Mul")
     other = _other_input(final, value) if final else None
     if other is None:
