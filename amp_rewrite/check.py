@@ -1078,7 +1078,8 @@ def _localise(low_proto: onnx.ModelProto, low_values: Mapping[str, np.ndarray], 
             new = np.isfinite(want) & ~np.isfinite(got)
             read = [*n.input, *_outer_reads(n)]  # (an If/Loop/Scan reads outer values in its bodies too)
             sentinel = np.abs(want) >= SENTINEL
-            if (n.op_type in ("Constant", "ConstantOfShape") or any(i in carrying for i in read)) and sentinel.any():
+            if (n.op_type in ("Constant", "ConstantOfShape") or any(i in carrying for i in read)
+                    or _body_holds_sentinel(n, carrying, limit)) and sentinel.any():
                 carrying.add(out)
             elif out not in carrying:
                 sentinel = np.zeros_like(sentinel)  # (a computed magnitude, not a mask's)
@@ -1138,6 +1139,33 @@ def _sentinel_sources(proto: onnx.ModelProto, limit: float, feeds: Mapping[str, 
                 found.add(tensor.name)
         graphs += [g for n in graph.node for g in _bodies(n)]
     return found
+
+
+def _body_holds_sentinel(node: onnx.NodeProto, carrying: set[str], limit: float) -> bool:
+    """Whether an If/Loop/Scan's bodies hold a mask sentinel of their own: an initializer
+    ``_sentinel_sources`` found, or a Constant whose value reaches the low type's limit (the
+    bodies' values are not exposed: the node's outputs stand for them)."""
+    from onnx import numpy_helper
+
+    for n in _nested_nodes(node):
+        if n.op_type != "Constant":
+            continue
+        for attr in n.attribute:
+            if attr.name == "value_float" and abs(attr.f) >= limit:
+                return True
+            if attr.name == "value" and attr.t.data_type in _FLOAT_TYPES:
+                data = numpy_helper.to_array(attr.t)
+                if data.size and np.nanmax(np.abs(data.astype(np.float32))) >= limit:
+                    return True
+    return any(t.name in carrying for body in _bodies(node) for g in _graphs_in(body) for t in g.initializer)
+
+
+def _graphs_in(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every graph nested in it."""
+    yield graph
+    for n in graph.node:
+        for body in _bodies(n):
+            yield from _graphs_in(body)
 
 
 _FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)

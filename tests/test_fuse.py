@@ -7,6 +7,8 @@ happen keep the FP32 island."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
@@ -1604,3 +1606,101 @@ def test_the_layernorm_fusion_warning_needs_the_whole_pattern_in_the_island(case
     else:
         with pytest.raises(Exception, match="bound to different types"):
             run(result.model, feeds())
+
+
+def _stacked_norms(count: int, opset: int = 8) -> onnx.ModelProto:
+    chunks, prev = [], "r0"
+    for i in range(count):
+        text = LAYERNORM
+        for v in ["ln", "ng", "n", "sd", "ve", "v", "p", "d", "m"]:
+            text = re.sub(rf"\b{v}\b", f"{v}{i}", text)
+        chunks.append(re.sub(r"\br\b", prev, text))
+        prev = f"ln{i}"
+    return make_model(f"""
+    <ir_version: 8, opset_import: ["" : {opset}]>
+    g (float[2,4,8] x) => (float[2,4,8] y) {{
+      r0 = MatMul(x, wq){''.join(chunks)}
+      y = MatMul({prev}, wo)
+    }}""", W)
+
+
+@pytest.mark.parametrize("count, more", [(3, ""), (4, "; and 1 more"), (5, "; and 2 more")])
+def test_the_not_fused_note_lists_three_patterns_and_counts_the_rest(count, more):
+    """Three patterns are shown, the rest counted."""
+    note = _not_fused(rewrite(_stacked_norms(count)))
+    assert note.startswith(f"not fused: {count} pattern(s) left as written: ")
+    assert note.count("(LayerNorm: ") == 3
+    assert note.endswith("(opset 9))" + more), note[-60:]
+
+
+def test_a_tanh_gelu_of_odd_count_left_unfused_is_said_why():
+    """The reason names the odd element count, not a missing op."""
+    odd = GELU.replace("float[2,4,8] x", "float[3,5,7] x").replace("float[2,4,8] y", "float[3,5,7] y")
+    result = rewrite(make_model(odd.format(opset=13), {"wq": (7, 7), "wo": (7, 7), **GELU_CONSTS}))
+    assert _not_fused(result).endswith("(tanh-GELU: its element count is not known to be even, and the FP16 GELU "
+                                       "kernels skip the last of an odd count)")
+
+
+def test_a_norm_with_a_computed_scale_left_unfused_is_said_why():
+    """Below opset 17 the skip ops take a constant scale and bias only."""
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[2,4,8] x, float[8] g) => (float[2,4,8] y) {
+      r = MatMul(x, wq)""" + LAYERNORM + """
+      y = MatMul(ln, wo)
+    }""", {k: v for k, v in W.items() if k != "g"})
+    assert _not_fused(rewrite(model)).endswith(
+        "onnxruntime's skip ops take a constant scale and bias only, and this one's are computed)")
+
+
+def test_a_rank_4_norm_at_opset_9_is_said_to_have_rank_4():
+    """At opset 9 the zero skip exists (ConstantOfShape is an opset-9 op): the rank is why."""
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 9]>
+    g (float[1,2,4,8] x) => (float[1,2,4,8] y) {
+      r = MatMul(x, wq)""" + LAYERNORM + """
+      y = MatMul(ln, wo)
+    }""", W)
+    assert _not_fused(rewrite(model)).endswith("and its input has rank 4)")
+
+
+# --- onnx_fuse.py: the TorchScript tanh-GELU ---------------------------------------------------------
+_GW = {"wq": (8, 8), "wo": (8, 8), **GELU_CONSTS}
+_X = {"x": np.random.default_rng(0).standard_normal((2, 4, 8)).astype(np.float32)}
+
+
+def test_the_torchscript_cube_is_fused_in_either_order():
+    """(x * x) * x is the cube as much as x * (x * x)."""
+    text = GELU_TORCHSCRIPT.replace("cube = Mul(h, square)", "cube = Mul(square, h)")
+    assert [f.op for f in rewrite(make_model(text.format(opset=13), _GW)).log.fusions] == ["com.microsoft::FastGelu"]
+
+
+@pytest.mark.parametrize("edit", [("square = Mul(h, h)", "square = Mul(h, c_one)"),  # x * (x * 1): no cube
+                                  ("act = Mul(c_half, xt)", "act = Mul(c_one, xt)")])  # times 1, not 0.5
+def test_a_torchscript_gelu_look_alike_is_not_fused(edit):
+    """Look-alikes of the TorchScript spelling are not fused (mutation round: matched, the output was
+    4% / 50% off)."""
+    model = make_model(GELU_TORCHSCRIPT.replace(*edit).format(opset=13), _GW)
+    result = rewrite(model)
+    assert not result.log.fusions
+    assert rel_err(run(model, _X)["y"], run(result.model, _X)["y"]) < 1e-2
+
+
+# --- onnx_fuse.py: the zero skip's rank -----------------------------------------------------------
+def test_a_rank_4_input_only_the_data_propagating_inference_knows_takes_no_zero_skip():
+    """The rank the data-propagating inference finds is taken as found: rank 4 keeps its island."""
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[1,2,4,8] x) => (float[1,2,4,8] y) {
+      q = MatMul(x, wq)
+      s = Shape(q)
+      k = Shape(s)
+      e = Sub(k, one)
+      h = Slice(s, zero, e)
+      t = Concat<axis=0>(h, minus)
+      r = Reshape(q, t)""" + LAYERNORM + """
+      y = MatMul(ln, wo)
+    }""", {**W, "one": np.array([1], np.int64), "zero": np.array([0], np.int64), "minus": np.array([-1], np.int64)})
+    result = rewrite(model)
+    assert not result.log.fusions
+    assert _not_fused(result).endswith("and its input has rank 4)")

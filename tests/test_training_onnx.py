@@ -1712,3 +1712,11 @@ def test_a_training_rewrite_solves_no_if_with_the_scope_around_it():
     log = rewrite_training_onnx_model(model, loss="loss", target="fp16").log
     assert {name: log.decisions[name].precision.value for name in ("If:y", "Relu:a", "Sigmoid:b")} == {
         "If:y": "fp32", "Relu:a": "fp32", "Sigmoid:b": "fp32"}
+
+
+def test_the_unscaled_readers_note_names_output_readers_first_then_the_clip():
+    """The readers of the gradient outputs come first, then the nodes divided before a clip."""
+    model = _with_gradient_readers(_clipped(_hand_graph(), 5.0, "ReduceSumSquare"), "step")
+    result = rewrite_training_onnx_model(model, loss="loss", grads=GRADS, target="fp16")
+    [note] = [n for n in result.log.notes if "divided by the loss scale" in n]
+    assert note.endswith(": 'Mul:step', 'ReduceSumSquare:grad_norm_sq', 'ReduceSumSquare:sq'"), note
