@@ -1078,8 +1078,8 @@ def _localise(low_proto: onnx.ModelProto, low_values: Mapping[str, np.ndarray], 
             new = np.isfinite(want) & ~np.isfinite(got)
             read = [*n.input, *_outer_reads(n)]  # (an If/Loop/Scan reads outer values in its bodies too)
             sentinel = np.abs(want) >= SENTINEL
-            if (n.op_type in ("Constant", "ConstantOfShape") or any(i in carrying for i in read)
-                    or _body_holds_sentinel(n, carrying, limit)) and sentinel.any():
+            if sentinel.any() and (n.op_type in ("Constant", "ConstantOfShape") or any(i in carrying for i in read)
+                                   or _body_holds_sentinel(n, carrying)):
                 carrying.add(out)
             elif out not in carrying:
                 sentinel = np.zeros_like(sentinel)  # (a computed magnitude, not a mask's)
@@ -1119,45 +1119,41 @@ def _localise(low_proto: onnx.ModelProto, low_values: Mapping[str, np.ndarray], 
 
 
 def _sentinel_sources(proto: onnx.ModelProto, limit: float, feeds: Mapping[str, Any]) -> set[str]:
-    """Initializers (of any graph) holding a value at the low type's limit or beyond (a mask
-    sentinel, saturated or kept FP32), and graph inputs fed one of |x| >= SENTINEL."""
-    from onnx import numpy_helper
-
+    """Graph inputs fed a value of |x| >= SENTINEL, and constants holding one at the low type's
+    limit or beyond (a mask sentinel, saturated or kept FP32): initializers of any graph, and the
+    Constant nodes of If/Loop/Scan bodies (the main graph's are exposed and judged by their values)."""
     found = {name for name, value in feeds.items() if isinstance(value, np.ndarray) and value.dtype.kind == "f"
              and value.size and np.nanmax(np.abs(value)) >= SENTINEL}
-    graphs = [proto.graph]
-    while graphs:
-        graph = graphs.pop()
-        for tensor in graph.initializer:
-            if tensor.data_type not in _FLOAT_TYPES or tensor.data_location == onnx.TensorProto.EXTERNAL:
-                continue
-            try:
-                data = numpy_helper.to_array(tensor)
-            except Exception:  # noqa: BLE001 - an unreadable tensor holds no sentinel we can see
-                continue
-            if data.size and np.nanmax(np.abs(data.astype(np.float32))) >= limit:
-                found.add(tensor.name)
-        graphs += [g for n in graph.node for g in _bodies(n)]
+    for graph in _graphs_in(proto.graph):
+        constants = [(t.name, t) for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+        if graph is not proto.graph:
+            constants += [(n.output[0], a.t if a.name == "value" else a.f) for n in graph.node
+                          if n.op_type == "Constant" and n.output for a in n.attribute
+                          if a.name in ("value", "value_float")]
+        found.update(name for name, held in constants if _reaches(held, limit))
     return found
 
 
-def _body_holds_sentinel(node: onnx.NodeProto, carrying: set[str], limit: float) -> bool:
-    """Whether an If/Loop/Scan's bodies hold a mask sentinel of their own: an initializer
-    ``_sentinel_sources`` found, or a Constant whose value reaches the low type's limit (the
-    bodies' values are not exposed: the node's outputs stand for them)."""
+def _reaches(held: onnx.TensorProto | float, limit: float) -> bool:
+    """Whether a float constant (a tensor or a number) holds a value of |x| >= ``limit``."""
+    if isinstance(held, float):
+        return abs(held) >= limit
+    if held.data_type not in _FLOAT_TYPES:
+        return False
     from onnx import numpy_helper
 
-    for n in _nested_nodes(node):
-        if n.op_type != "Constant":
-            continue
-        for attr in n.attribute:
-            if attr.name == "value_float" and abs(attr.f) >= limit:
-                return True
-            if attr.name == "value" and attr.t.data_type in _FLOAT_TYPES:
-                data = numpy_helper.to_array(attr.t)
-                if data.size and np.nanmax(np.abs(data.astype(np.float32))) >= limit:
-                    return True
-    return any(t.name in carrying for body in _bodies(node) for g in _graphs_in(body) for t in g.initializer)
+    try:
+        data = numpy_helper.to_array(held)
+    except Exception:  # noqa: BLE001 - an unreadable tensor holds no sentinel we can see
+        return False
+    return bool(data.size) and float(np.nanmax(np.abs(data.astype(np.float32)))) >= limit
+
+
+def _body_holds_sentinel(node: onnx.NodeProto, carrying: set[str]) -> bool:
+    """Whether an If/Loop/Scan's bodies hold a mask sentinel of their own (``_sentinel_sources``
+    found it): the bodies' values are not exposed, so the node's outputs stand for them."""
+    return any(name in carrying for body in _bodies(node) for g in _graphs_in(body)
+               for name in [*(t.name for t in g.initializer), *(o for n in g.node for o in n.output)])
 
 
 def _graphs_in(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:

@@ -237,7 +237,7 @@ def _match_at(node: Node) -> _Match | None:
         return None
     if node.op_type == "ReduceMean":
         return _match_norm(node)
-    if node.op_type == "Pow" or (node.op_type == "Mul" and _cube_base(node) is not None):
+    if node.op_type in ("Pow", "Mul"):  # (a Mul anchors only as x * (x * x))
         return _match_gelu(node)
     if node.op_type == "Tanh":
         return _match_gelu_product(node)
@@ -252,8 +252,7 @@ def _cube_base(mul: Node) -> tuple[Value, Node] | None:
     for a, b in (mul.inputs, mul.inputs[::-1]):
         square = _source(b).producer if b is not None else None
         x = _source(a) if a is not None else None
-        if x is not None and _is(square, "Mul") and len(square.inputs) == 2 \
-                and all(v is not None and _source(v) is x for v in square.inputs):
+        if x is not None and _is(square, "Mul") and _square_base(square) is x:
             return x, square
     return None
 
@@ -413,8 +412,7 @@ def _quadratic(node: Node | None, x: Value) -> list[Node] | None:
         inner = _source(b).producer
         if _source(a) is x and _scaled(inner, "cubic") is x:
             return [inner, node]
-        if _close(_scalar(a, x), _GELU_COEFFS["cubic"]) and _is(inner, "Mul") and len(inner.inputs) == 2 \
-                and all(v is not None and _source(v) is x for v in inner.inputs):
+        if _close(_scalar(a, x), _GELU_COEFFS["cubic"]) and _is(inner, "Mul") and _square_base(inner) is x:
             return [inner, node]
     return None
 
