@@ -181,14 +181,15 @@ def test_a_value_returned_through_two_identities_is_cast_once():
 
 
 def test_plain_optimum_that_casts_more_than_greedy_is_reweighted():
-    # Embedding-like block: Gather (clear) + Add (infer) before an FP32 reduction island. The plain
+    # Embedding-like block: Gathers (clear) + Add (infer) before an FP32 reduction island. The plain
     # sum prefers them low (one cast into the island, no FP32 traffic) although greedy casts
     # nothing there; cast bytes get weighted until the answer casts no more than greedy.
     m = make_model("""
         <ir_version: 8, opset_import: ["" : 17]>
-        g (int64[64] ids, float[64,16] h) => (float[1,16] s, float[64,16] y) {
+        g (int64[64] ids, int64[64] pids, float[64,16] h) => (float[1,16] s, float[64,16] y) {
           e = Gather(table, ids)
-          p = Add(e, pos)
+          q = Gather(pos, pids)
+          p = Add(e, q)
           s = ReduceSum<keepdims=1>(p, axes)
           y = MatMul(h, w)
         }""", {"table": (100, 16), "pos": (64, 16), "w": (16, 16), "axes": np.array([0], np.int64)})
@@ -1350,8 +1351,8 @@ def test_optimal_keeps_a_scaling_that_may_pass_the_range_fp32_before_an_fp32_rea
     scaling = next(n for n in result.model.graph.node
                    if n.op_type in ("Mul", "Add", "Div") and n.output[0] in ("h", "hc"))
     assert {p.key: p.value for p in scaling.metadata_props}["amp_rewrite.precision"] == "fp32"
-    # (a scale of at most 1, an addend of at most 1, a divisor of at least 1: one rounding, and the
-    # min-cut still moves the Cast past it)
+    # (a scale of at most 1, a divisor of at least 1: one rounding, and the min-cut still moves the
+    # Cast past it; a constant addend of any size keeps its sum FP32: precision, tested below)
     shrinking = make_model(text.replace("Mul(a, six)", "Mul(a, half)").replace("Mul(x, s32)", "Mul(x, half)")
                            .replace("Add(a, k50000)", "Add(a, half)").replace("Div(a, quarter)", "Div(a, two)"),
                            {**weights, "half": np.array(0.5, np.float32)})
@@ -1359,7 +1360,8 @@ def test_optimal_keeps_a_scaling_that_may_pass_the_range_fp32_before_an_fp32_rea
         again = rewrite(shrinking, placement="optimal", fuse=False).model
         scaled = next(n for n in again.graph.node
                       if n.op_type in ("Mul", "Add", "Div") and n.output[0].split("/")[0] in ("h", "hc"))
-        assert {p.key: p.value for p in scaled.metadata_props}["amp_rewrite.precision"] == "low"
+        want = "fp32" if "plus" in head else "low"
+        assert {p.key: p.value for p in scaled.metadata_props}["amp_rewrite.precision"] == want
 
 
 def test_size_estimates_through_ops_of_unknown_shape_are_made_once_per_value(monkeypatch):
@@ -1419,3 +1421,79 @@ def test_the_placement_note_of_a_scan_body_counts_bytes_per_iteration():
         }""", {"w": (8, 8)}, ir_version=9)
     [note] = [n for n in rewrite(m, placement="optimal").log.notes if n.startswith("optimal placement (Scan:h.body)")]
     assert "FP32 traffic per iteration against greedy's" in note
+
+
+_SCHEDULE = np.cumprod(1 - np.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000) ** 2).astype(np.float32)  # Stable Diffusion's
+
+
+_CONSTANT_ADDENDS = {
+    # eps from an x0 prediction: (x - sqrt(a) * x0) / sqrt(1 - a), a = alphas_cumprod[t]
+    "a diffusion schedule subtracted from 1": ("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1,4,6,6] x, int64[1] t) => (float[1,4,6,6] y) {
+          x0 = MatMul(x, W)
+          a = Gather(schedule, t)
+          sa = Sqrt(a)
+          sx0 = Mul(sa, x0)
+          num = Sub(x, sx0)
+          oma = Sub(one, a)
+          coef = Sqrt(oma)
+          eps = Div(num, coef)
+          y = MatMul(eps, W)
+        }""", ["Gather:a", "Sub:oma"], "schedule"),
+    # box centres: a predicted offset plus anchor centres at image coordinates
+    "anchor centres plus a predicted offset": ("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1,4,6,6] x, int64[1] t) => (float[1,4,6,6] y) {
+          d = MatMul(x, W)
+          s = Mul(d, scale)
+          y = Add(s, anchors)
+        }""", ["Add:y"], "anchors"),
+}
+
+
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+@pytest.mark.parametrize("case", list(_CONSTANT_ADDENDS))
+def test_a_sum_with_a_constant_addend_greedy_keeps_fp32_keeps_its_exact_constant(case, target):
+    """The min-cut took a constant for a free source and moved the Cast past a sum greedy kept FP32:
+    the Gather of a diffusion schedule and ``1 - a`` went low, 0.99915 was rounded offline to
+    0.99902 (FP16; 1.0 in BF16), and ``x / sqrt(1 - a)`` was 7% off (BF16: inf, then NaN); box
+    centres at 1500-3500 px were rounded to FP16's 2 px spacing (BF16's 16). Such a sum, and the
+    nodes moving weights into it, keep greedy's FP32 and the constant stays exact."""
+    from amp_rewrite.emulate import emulate_low
+
+    text, held, constant = _CONSTANT_ADDENDS[case]
+    rng = np.random.default_rng(0)
+    model = make_model(text, {"W": (rng.standard_normal((6, 6)) * 0.3).astype(np.float32),
+                              "schedule": _SCHEDULE, "one": np.array(1.0, np.float32),
+                              "scale": np.array(64.0, np.float32),
+                              "anchors": (1500 + 2000 * rng.random((1, 4, 6, 6))).astype(np.float32)})
+    low = TensorProto.FLOAT16 if target == "fp16" else TensorProto.BFLOAT16
+    feeds = {"x": rng.standard_normal((1, 4, 6, 6)).astype(np.float32), "t": np.array([0], np.int64)}
+    want = run(model, feeds)["y"]
+    greedy, best = rewrite(model, placement="greedy", target=target), rewrite(model, target=target)
+    full_check(best.model)
+    for name in held:
+        assert _precisions(greedy)[name] == _precisions(best)[name] == "fp32", name
+    assert "the optimal placement keeps it FP32 too" in best.log.decisions[held[-1]].reason
+    assert {i.name: i.data_type for i in best.model.graph.initializer}[constant] == TensorProto.FLOAT
+    got = run(emulate_low(best.model, low)[0], feeds)["y"]
+    assert np.isfinite(got).all()
+    if constant == "schedule":
+        assert rel_err(want, got) < (2e-3 if target == "fp16" else 1e-2)
+    else:  # (pixels: the offset's own rounding, not the anchor's spacing of 1-2 px in FP16, 8-16 in BF16)
+        assert np.abs(want - got).max() < (0.25 if target == "fp16" else 2.0)
+    assert not rewrite(best.model, target=target).modified
+
+
+def test_a_constant_scale_may_still_take_the_low_type_before_an_fp32_reader():
+    """Only sums are held: a product with a constant is one relative rounding wherever the Cast
+    goes, and the min-cut still moves the Cast past it."""
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1,4,6,6] x) => (float[1,4,6,6] y) {
+          d = Conv<pads=[1,1,1,1]>(x, W)
+          y = Mul(d, scale)
+        }""", {"W": (4, 4, 3, 3), "scale": np.array(0.5, np.float32)})
+    assert _precisions(rewrite(model, placement="greedy"))["Mul:y"] == "fp32"
+    assert _precisions(rewrite(model))["Mul:y"] == "low"

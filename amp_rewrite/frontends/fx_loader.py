@@ -1356,10 +1356,10 @@ def _below_reciprocal_range(tensor: torch.Tensor, low: torch.dtype) -> float | N
 
 
 def _arithmetic_scalars(node: fx.Node, name: str) -> tuple:
-    """((slot, number), ...) for the Python numbers a mul/div/add/sub combines with its tensors
+    """((slot, number), ...) for the Python numbers a mul/div/add/sub/rsub combines with its tensors
     (``h * 5.66``, ``h / 8``, ``h + 3``), where they sit; () for other ops. add/sub's ``alpha``
     scales the other operand: it is listed as one more number of its size."""
-    if node.op not in ("call_function", "call_method") or name not in ("mul", "div", "true_divide", "add", "sub"):
+    if node.op not in ("call_function", "call_method") or name not in ("mul", "div", "true_divide", "add", "sub", "rsub"):
         return ()
     found = [(("args", i), float(a)) for i, a in enumerate(node.args)
              if isinstance(a, (int, float)) and not isinstance(a, bool)]

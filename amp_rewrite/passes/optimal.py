@@ -66,7 +66,11 @@ Safety, never less than greedy's:
   sigmoid (:data:`_UNDERFLOWING`) read by a Log, a division or a power (``log(softmax(z))`` keeps
   its Softmax: FP16 probabilities below 6e-8 are 0, and the Log -inf), as greedy keeps them;
   and, for either low type, a sum a log reads (:data:`_ABSORBING`: ``log(1 + exp(-z))`` keeps its
-  Add, as bf16's 8 significant bits round 1 + 0.002 to 1);
+  Add, as bf16's 8 significant bits round 1 + 0.002 to 1), and a sum with a constant addend
+  (:data:`_OFFSETTING`: an ONNX constant, a torch Python number) with the nodes moving weights
+  into it (a schedule table's Gather): the constant sets the sum's scale, so the low type rounds
+  the sum to its spacing there and the constant offline (anchor centres at 2000 px: 2 px in FP16;
+  ``1 - alphas_cumprod[t]``: 15% off in FP16, 0 in BF16);
 - round trips: no low-precision path of non-allow nodes may run from a node that reads an FP32
   tensor to a node that feeds an FP32 consumer (an FP32 → low → FP32 trip overflows above 65504).
   This is greedy's per-node rule extended to paths. A cut that breaks it is repaired — the nodes
@@ -141,6 +145,8 @@ _SMALL_VALUE_READERS = {"Log", "Reciprocal", "Div", "Pow", "log", "log2", "log10
 _WIDENING = _OVERFLOWING | _UNDERFLOWING
 # sums whose small addend the low type's few significant bits drop, fatal before a log
 _ABSORBING = {"Add", "Sub", "Sum", "add", "sub"}
+# sums whose constant addend sets their scale: precision lost to the low type's spacing there
+_OFFSETTING = {"Add", "Sub", "Sum", "add", "sub", "rsub"}
 _LOGS = {"Log", "log", "log2", "log10", "log1p"}
 _BROADCAST = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "Greater",
               "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Mod", "PRelu"}
@@ -392,7 +398,7 @@ class Problem:
         # overflow or underflow where FP32's would; but a sum read by a log loses its small
         # addend in either: precision, not range)
         widening = self._widening_for_fp32_readers() if self.ctx.low == DType.FLOAT16 else {}
-        widening = {**self._absorbing_before_a_log(), **widening}
+        widening = {**self._constant_offsets(), **self._absorbing_before_a_log(), **widening}
         for i in widening:
             node = self.nodes[i]
             if not node.meta.get("amp.widening_hold"):  # (said once: a Problem may be built again)
@@ -421,6 +427,41 @@ class Problem:
                     seen.add(p)
                     stack.append(p)
         return seen
+
+    def _constant_offsets(self) -> dict[int, str]:
+        """The free sums greedy kept FP32 that add a float constant (an anchor grid, the 1 of
+        ``1 - alphas_cumprod[t]``, a bias before an output), and the free nodes that only move
+        weights into such a sum (the schedule table's Gather). A constant addend fixes the sum's
+        scale: computed low, the result is rounded to the low type's spacing at the constant's
+        magnitude (box centres at 2000 px: 2 px in FP16, 16 in BF16) and the weights moved into it
+        are rounded offline before it (0.99915 is 0.99902 in FP16 and 1 in BF16, so ``1 - a`` is
+        15% off or 0, and ``x / sqrt(1 - a)`` inf). Greedy computes such a sum in FP32 from its
+        exact constant; the optimal placement keeps it so, whatever the target: precision, not range."""
+        low = self.ctx.low.short
+        held: set[int] = set()
+        stack: list[Value] = []
+        for i in self.free:
+            node = self.nodes[i]
+            if self.greedy[i] or i in self.branch_nodes or node.op_type not in _OFFSETTING:
+                continue
+            addends = [node.inputs[k] for k in self.group_in[i] if node.inputs[k] is not None]
+            literal = any(slot != ("kwargs", "alpha") for slot, _ in node.meta.get("amp.scalars", ()))  # (torch: 1 - a)
+            if literal or any(v.is_constant for v in addends):
+                held.add(i)
+                stack.extend(addends)
+        while stack:  # (walked back through the free nodes that only move weights into a held sum)
+            value = stack.pop()
+            j = self.index.get(id(value.producer)) if value.producer is not None else None
+            if (j is None or j in held or j in self.fixed or self.greedy[j] or j in self.branch_nodes
+                    or value.producer_index not in self.group_out[j] or not _moves_weights(value, 0)):
+                continue
+            held.add(j)
+            stack.extend(v for k in self.group_in[j] if (v := self.nodes[j].inputs[k]) is not None)
+        why = (f"it adds a constant, or moves weights into such a sum: in {low} the sum is rounded to {low}'s "
+               f"spacing at the constant's magnitude (2 px at 2048 in fp16, 16 in bf16) and the weights rounded "
+               f"before it (1 - 0.99915 is 15% off in fp16, 0 in bf16), where greedy computes it from the exact "
+               f"constant")
+        return {i: why for i in held}
 
     def _absorbing_before_a_log(self) -> dict[int, str]:
         """The free sums (:data:`_ABSORBING`) a log reads, directly or through free nodes: computed
@@ -1164,6 +1205,18 @@ def _only_weights(value: Value | None, depth: int) -> bool:
     if node.op_type == "Cast" and node.attrs.get("to") != int(DType.FLOAT):
         return False
     return all(_only_weights(v, depth + 1) for v in node.inputs)
+
+
+def _moves_weights(value: Value | None, depth: int) -> bool:
+    """``value`` holds weights or constants only, moved by data-movement (clear) ops: an ONNX Gather
+    of a table, a torch ``index``/``view`` of a buffer (:func:`_only_weights` for either frontend)."""
+    if value is None or value.dtype is None or not value.dtype.is_float or value.is_constant \
+            or "fx.lifted_tensor" in value.meta:
+        return True
+    node = value.producer
+    if node is None or depth > 8 or node.meta.get("amp.category") != Category.CLEAR:
+        return False
+    return all(_moves_weights(v, depth + 1) for v in node.inputs)
 
 
 def _fp32_outputs(node: Node) -> list[int]:
