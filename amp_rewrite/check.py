@@ -44,7 +44,8 @@ Running
 
 Comparison (per graph output)
     max abs error and max relative error ``max|a-b| / max|a|`` over the elements finite in both,
-    cosine similarity, and NaN/Inf counts in each model. An output fails when its relative error
+    cosine similarity (none where the rewritten model has a NaN/Inf the FP32 one does not), and
+    NaN/Inf counts in each model. An output fails when its relative error
     exceeds ``tolerance`` or the rewritten model has a NaN/Inf where the FP32 one is finite.
     Integer and bool outputs are compared by the fraction of differing elements.
 
@@ -1036,6 +1037,7 @@ def compare_output(name: str, ref: Any, got: Any, tolerance: float) -> OutputSta
     mismatched = int((~fa & ~fb & ~((a == b) | (np.isnan(a) & np.isnan(b)))).sum())
     if new or mismatched:  # (a finite value against NaN/inf, or two different ones: infinitely far apart)
         max_abs, max_rel = float("inf"), float("inf")
+        cosine = None  # (over the finite elements alone it said 1.000000 beside 112 NaN)
     passed = new == 0 and mismatched == 0 and max_rel <= tolerance
     return OutputStats(name, max_abs, max_rel, cosine, **stats, new_nonfinite=new, passed=passed)
 
@@ -1500,13 +1502,14 @@ class _Emulation:
 
     @classmethod
     def build(cls, low_proto: onnx.ModelProto, target: str, notes: list[str]) -> "_Emulation | None":
-        from .emulate import emulate_all
+        from .emulate import emulate_all, not_emulated
 
         try:
             model, rounded = emulate_all(low_proto)
         except Exception as exc:  # noqa: BLE001 - the model itself is run instead, and the note says so
             cls.note_failure(target, exc, notes)
             return None
+        notes += not_emulated(low_proto)
         return cls(model, rounded, target)
 
     def failed(self, exc: BaseException, notes: list[str]) -> None:

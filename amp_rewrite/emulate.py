@@ -57,6 +57,56 @@ def emulate_all(model: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
     return _emulate(model, types, set(LOW_TYPES), shapes)
 
 
+# ops whose GPU kernels keep an intermediate in the low type, which the emulation (one rounding per
+# output) computes in FP32: (domain, op) → what is not emulated
+_LOW_INTERNALS = {
+    ("", "LSTM"): "keeps the hidden and cell state in {low} between time steps (rounding compounds with "
+                  "sequence length)",
+    ("", "GRU"): "keeps the hidden state in {low} between time steps (rounding compounds with sequence length)",
+    ("", "RNN"): "keeps the hidden state in {low} between time steps (rounding compounds with sequence length)",
+    ("", "CumSum"): "keeps its running sum in {low} (a sum of 4096 ones stops at 2048 in fp16)",
+    ("com.microsoft", "Attention"): "writes the QKV projection to a buffer of {low} (a projection past the "
+                                    "range is inf there)",
+}
+
+
+def not_emulated(model: onnx.ModelProto) -> list[str]:
+    """What :func:`emulate_low` computes more exactly than a GPU would, as notes: low-precision nodes
+    whose CUDA kernels keep an intermediate in the low type (:data:`_LOW_INTERNALS`), which the
+    emulation computes in FP32 and rounds at the outputs only; and values of custom-domain nodes
+    reading a low value whose type onnx's inference does not know (no value_info), which it cannot
+    round. Empty for a rewrite of amp-rewrite's own with no such node."""
+    model = _inlined(model)
+    types, _ = _value_types(model)
+    names = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16"}
+    found: dict[str, list[str]] = {}
+    untyped: list[tuple[str, str]] = []
+    for g in _graph_protos(model.graph):
+        for n in g.node:
+            reads = [types.get(i) for i in n.input if i]
+            low = next((t for t in reads if t in LOW_TYPES), None)
+            if low is None:
+                continue
+            key = (n.domain if n.domain not in ("ai.onnx",) else "", n.op_type)
+            if key in _LOW_INTERNALS:
+                label = f"{n.op_type}:{n.name or n.output[0]}"
+                found.setdefault(_LOW_INTERNALS[key].format(low=names[low]) + f"|{key[1]}", []).append(label)
+            elif n.domain not in ("", "ai.onnx"):
+                untyped += [(o, f"{n.domain}:{n.op_type}") for o in n.output if o and o not in types]
+    notes = []
+    for what, labels in found.items():
+        text, op = what.rsplit("|", 1)
+        notes.append(f"{len(labels)} low-precision {op} node(s) (e.g. {labels[0]}): the CUDA kernel {text}; the "
+                     f"emulation computes that in FP32 and rounds only the outputs, so this check does not see it "
+                     f"(keep the node FP32 with --fp32-nodes, or check on a GPU)")
+    if untyped:
+        name, op = untyped[0]
+        notes.append(f"{len(untyped)} value(s) of custom-domain nodes reading low-precision inputs have no known "
+                     f"element type (e.g. {name!r} of {op}; the model has no value_info for them): the emulation "
+                     f"does not round them")
+    return notes
+
+
 def _inlined(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with its model-local functions inlined: a body holds its own low values and Casts,
     which are then typed and rounded like any other (left in the function, a body widened at its

@@ -2187,3 +2187,60 @@ def test_a_mask_an_if_branch_holds_is_a_sentinel_not_an_overflow():
     result = ck.check_models(m, rewrite(m).model, inputs={"x": x, "c": np.array(True)})
     assert result.passed and not result.overflow, result.table()
     assert any("sentinel" in n for n in result.notes)
+
+
+_INTERNALS = {
+    "CumSum": ("""<ir_version: 8, opset_import: ["" : 17]>
+        g (float[1,64] x) => (float[1,64] y) { h = MatMul(x, W)  c = CumSum(h, ax)  y = MatMul(c, W) }""",
+               {"W": (64, 64), "ax": np.array(1, np.int64)}, {"fp16_ops": ["CumSum"]}, "keeps its running sum in fp16"),
+    "LSTM": ("""<ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,1,8] x) => (float[4,1,8] y) {
+          h = MatMul(x, W)  o, hn, cn = LSTM<hidden_size=8>(h, Wi, R)  s = Squeeze(o, one)  y = MatMul(s, W)
+        }""", {"W": (8, 8), "Wi": (1, 32, 8), "R": (1, 32, 8), "one": np.array([1], np.int64)},
+             {"fp16_ops": ["LSTM"]}, "keeps the hidden and cell state in fp16"),
+    "com.microsoft:Attention": ("""<ir_version: 8, opset_import: ["" : 17, "com.microsoft" : 1]>
+        g (float[1,4,8] x) => (float[1,4,8] y) {
+          a = com.microsoft.Attention<num_heads=2>(x, Wqkv, bqkv)  y = MatMul(a, W)
+        }""", {"W": (8, 8), "Wqkv": (8, 24), "bqkv": (24,)}, {}, "writes the QKV projection to a buffer of fp16"),
+}
+
+
+@pytest.mark.parametrize("op", list(_INTERNALS))
+def test_check_says_which_low_kernel_internals_it_does_not_emulate(op):
+    """The emulation rounds each node's outputs; CUDA's CumSum keeps its running sum in FP16 (4096
+    ones summed to 2048: 50% off where the check said 2.4e-4 and passed), LSTM its state between
+    steps, com.microsoft:Attention its QKV projection (past 65504: inf on a GPU). The check says it
+    does not see those, naming the node; an FP32 node of the same op gets no note."""
+    text, inits, options, says = _INTERNALS[op]
+    m = make_model(text, inits)
+    low = rewrite(m, **options)
+    assert any(n.op_type == op.split(":")[-1] and value_types(low.model).get(n.input[0]) == onnx.TensorProto.FLOAT16
+               for n in low.model.graph.node)
+    notes = [n for n in ck.check_models(m, low.model).notes if says in n]
+    assert len(notes) == 1 and "the emulation computes that in FP32 and rounds only the outputs" in notes[0]
+    kept = rewrite(m, fp32_ops=[op])
+    assert not [n for n in ck.check_models(m, kept.model).notes if says in n]
+
+
+def test_check_says_which_custom_domain_values_it_cannot_type_and_round():
+    """Without value_info, onnx's inference knows no com.microsoft schema: a FastGelu's output and
+    what follows were left unrounded, silently."""
+    m = make_model("""<ir_version: 8, opset_import: ["" : 17, "com.microsoft" : 1]>
+        g (float[2,16] x) => (float[2,16] y) { h = MatMul(x, W)  g = com.microsoft.FastGelu(h)  y = MatMul(g, W) }""",
+                   {"W": (16, 16)})
+    low = rewrite(m).model
+    from amp_rewrite.emulate import not_emulated
+    assert not not_emulated(low)  # (a rewrite of ours types every value)
+    del low.graph.value_info[:]
+    notes = not_emulated(low)
+    assert len(notes) == 1 and "'g' of com.microsoft:FastGelu" in notes[0] and "does not round them" in notes[0]
+
+
+def test_an_output_with_new_nan_has_no_cosine():
+    """The cosine over the elements finite in both said 1.000000 beside 112 NaN."""
+    a = np.arange(1, 9, dtype=np.float32)
+    b = a.copy()
+    b[3] = np.nan
+    stats = ck.compare_output("y", a, b, 1e-2)
+    assert not stats.passed and stats.cosine is None
+    assert ck.compare_output("y", a, a * (1 + 1e-4), 1e-2).cosine == pytest.approx(1.0)
