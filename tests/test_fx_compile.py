@@ -688,3 +688,19 @@ def test_options_given_to_torch_compile_override_make_backends_fixed_ones():
     report = backend.last_reports[-1]
     assert report.log.target == "bf16"
     assert report.heavy_ops["low"] == report.heavy_ops["total"] == 2
+
+
+def test_compile_clamps_lifted_module_tensors_past_the_range_where_it_casts_them():
+    """dynamo lifts parameters and buffers to graph inputs, cast at use: a mask buffer of finfo.min
+    read by baddbmm was -inf (a fully masked row NaN) and a weight of 1e5 inf, where the inference
+    rewrite, converting them offline, saturates both. The casts clamp them now."""
+    from test_fx_rewrite import _MaskBufferAttention
+
+    torch.manual_seed(0)
+    model, x = _MaskBufferAttention().eval(), torch.randn(2, 5, 8)
+    compiled = torch.compile(model, backend="amp_rewrite", options={"target": "fp16", "backend": "aot_eager"})
+    with torch.no_grad():
+        out = compiled(x)
+        inference = amp_rewrite.rewrite(model, example_inputs=(x,), target="fp16")(x)
+    assert torch.isfinite(out).all()
+    assert (out - inference).abs().max() <= 1e-2 * inference.abs().max()

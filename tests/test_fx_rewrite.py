@@ -2978,6 +2978,82 @@ def test_a_mask_fill_an_allow_op_reads_is_clamped_before_its_cast(capture):
     assert amp_rewrite.rewrite(gm, example_inputs=(x, mask), target="bf16").code == gm.code
 
 
+_MIN = torch.finfo(torch.float32).min
+_COMBINED_MASKS = {
+    "causal + padding": lambda pad, causal: pad + causal,
+    "padding + 0.0": lambda pad, causal: pad.expand(-1, 5, -1) + 0.0,
+    "padding - 0 * causal": lambda pad, causal: pad - 0 * causal,
+    "maximum(padding, finfo.min)": lambda pad, causal: torch.maximum(pad.expand(-1, 5, -1), torch.tensor(_MIN)),
+    "minimum(padding, causal)": lambda pad, causal: torch.minimum(pad, causal),
+}
+
+
+class _CombinedMaskAttention(nn.Module):
+    def __init__(self, combine) -> None:
+        super().__init__()
+        self.qkv, self.o, self.combine = nn.Linear(8, 24), nn.Linear(8, 8), combine
+        self.register_buffer("causal", torch.triu(torch.full((5, 5), _MIN), 1))
+
+    def forward(self, x, allowed):
+        mask = self.combine((1.0 - allowed[:, None, :].float()) * _MIN, self.causal)
+        for _ in range(2):  # (a second layer spreads a padded row's NaN to every token through P @ V)
+            q, k, v = self.qkv(x).chunk(3, -1)
+            x = x + self.o(torch.baddbmm(mask, q, k.transpose(1, 2), alpha=0.3).softmax(-1) @ v)
+        return x
+
+
+@pytest.mark.parametrize("combine", list(_COMBINED_MASKS))
+def test_a_mask_sentinel_summed_or_compared_keeps_its_clamp_before_an_allow_op(combine):
+    """A causal mask plus a padding mask (older HF decoders), ``p + 0.0``, OPT's ``torch.max(w,
+    tensor(finfo.min))``: the sum kept FP32 but was no longer known to hold a sentinel, so its cast
+    to baddbmm was bare, -inf, and a fully padded row NaN in every token after the second layer."""
+    torch.manual_seed(0)
+    model = _CombinedMaskAttention(_COMBINED_MASKS[combine]).eval()
+    x, allowed = torch.randn(2, 5, 8), torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    gm = amp_rewrite.rewrite(model, example_inputs=(x, allowed), target="fp16")
+    with torch.no_grad():
+        out, ref = gm(x, allowed), model(x, allowed)
+    assert torch.isfinite(ref).all() and torch.isfinite(out).all()
+    assert rel_err(out[0], ref[0]) < TOL["fp16"]
+    assert any(n.meta.get("amp_rewrite", {}).get("inserted") == "saturate" for n in gm.graph.nodes)
+
+
+class _MaskBufferAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        mask = torch.triu(torch.full((5, 5), _MIN), 1)
+        mask[0] = _MIN  # (a padded query: a fully masked row)
+        self.register_buffer("mask", mask.expand(2, 5, 5).contiguous())
+        self.big = nn.Linear(8, 2)
+        with torch.no_grad():
+            self.big.weight[0, 0] = 1e5  # (past fp16's range: clamped to 65504, as the offline conversion does)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        h = torch.baddbmm(self.mask, q, k.transpose(1, 2), alpha=0.3).softmax(-1) @ v
+        return self.big(h * 1e-3)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_module_tensors_past_the_range_cast_at_use_are_clamped_as_converted_ones(training):
+    """A mask buffer of finfo.min read by baddbmm, a Linear weight of 1e5: converted offline they
+    saturate, but the training rewrite (FP32 master copies) and torch.compile cast them at use,
+    where they became -inf (NaN in the masked row) and inf. The cast clamps them now; the answer
+    is the inference rewrite's."""
+    torch.manual_seed(0)
+    model, x = _MaskBufferAttention().eval(), torch.randn(2, 5, 8)
+    gm = amp_rewrite.rewrite(model, example_inputs=(x,), target="fp16", training=training)
+    with torch.no_grad():
+        out, ref = gm(x), model(x)
+        inference = amp_rewrite.rewrite(model, example_inputs=(x,), target="fp16")(x)
+    assert torch.isfinite(ref).all() and torch.isfinite(out).all()
+    assert (out - inference).abs().max() <= 1e-2 * inference.abs().max()
+    if training:
+        saturated = [n.args[0].name for n in gm.graph.nodes if n.meta.get("amp_rewrite", {}).get("inserted") == "saturate"]
+        assert {"mask", "big_weight"} <= set(saturated)
+
+
 def test_a_module_torch_cannot_deep_copy_is_refused_with_the_way_out():
     """The hook-based weight_norm keeps a computed (non-leaf) weight on the module after a forward;
     the symbolic_trace capture's private copy raised torch's own RuntimeError."""

@@ -823,6 +823,12 @@ class _Builder:
         big = _beyond_range(tensor, self.low, value.const_stats) if self.low is not None else None
         if big is not None:
             value.meta["fx.out_of_range"] = big
+        elif value.const_stats is not None and value.const_stats["max_abs"] >= _SENTINEL and self.low is not None \
+                and tensor.dtype != self.low:
+            # a mask buffer (finfo.min): its readers may run low, as a mask's do, but where it is cast
+            # at use (training's FP32 master copy, a tensor torch.compile lifts) the cast clamps it, as
+            # the offline conversion does; unclamped, a fully masked row was -inf, and NaN after softmax
+            value.meta["amp.sentinel"] = (repr(value.name), value.const_stats["max_abs"])
         coarse = _coarse_values(tensor, self.low) if self.low is not None and big is None else None
         if coarse is not None:
             value.meta["fx.coarse"] = coarse  # (its mul readers: _mark_out_of_range_readers)
@@ -1176,9 +1182,8 @@ def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
     cast as always."""
     short = TORCH_TO_DTYPE[low].short
     limit = torch.finfo(low).max
-    holding: dict[int, tuple[str, float]] = {  # id(value) → (the node or tensor with the number, the number)
-        id(v): (v.name, v.meta["fx.out_of_range"]) for v in [*graph.initializers.values(), *graph.inputs]
-        if "fx.out_of_range" in v.meta}  # (an input: a parameter torch.compile lifted)
+    holding: dict[int, tuple[str, float]] = {}  # id(value) → (the node or tensor with the number, the number)
+
     def hold(values, source: str, big: float) -> None:
         for v in values:
             if v.dtype is not None and v.dtype.is_float:
@@ -1186,6 +1191,13 @@ def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
                 # (cast placement clamps it to the type's limit before a run-time cast to the low
                 # type: a mask fill, or any other number past the range)
                 v.meta["amp.sentinel"] = (repr(source), big)
+
+    # a parameter or buffer: converted offline with clamping, but cast at use where torch.compile
+    # lifts it to an input or training keeps it FP32 (a mask buffer of finfo.min read by baddbmm
+    # was -inf there, and a fully masked row NaN)
+    for v in [*graph.initializers.values(), *graph.inputs]:
+        if "fx.out_of_range" in v.meta:
+            hold([v], v.name, v.meta["fx.out_of_range"])
 
     for node in graph.nodes:
         big = node.meta.get("fx.out_of_range")
@@ -1217,7 +1229,7 @@ def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
             f"reads {value.name!r}, which holds {big:g}{origin}, beyond {short}'s finite range "
             f"(±{limit:g}): in {short} it would be clamped or become ±inf, so the node keeps FP32"))
         if node.op_type in _HOLDS_THROUGH or (node.op_type == "Cast" and node.outputs[0].dtype is not None
-                                              and node.outputs[0].dtype.is_float):
+                                              and node.outputs[0].dtype.is_float) or _keeps_magnitude(node):
             hold(node.outputs, source, big)  # (b.to(x.dtype) holds b's values)
         elif node.op_type in _MULS | _DIVS and value is node.inputs[0]:
             scalars = node.meta.get("amp.scalars", ())
@@ -1226,6 +1238,20 @@ def _mark_out_of_range_readers(graph: Graph, low: torch.dtype) -> None:
                 scaled = big * scalars[0][1] if node.op_type in _MULS else big / scalars[0][1]
                 if abs(scaled) > limit:
                     hold(node.outputs, source, scaled)
+
+
+# elementwise ops whose result keeps the magnitude of an operand past the range: a causal mask plus a
+# padding mask (finfo.min + finfo.min is -inf in FP32 too, and finfo.min + a score still about finfo.min),
+# ``p + 0.0``, OPT's ``torch.max(w, tensor(finfo.min))``
+_MAGNITUDE_KEEPING = frozenset({"add", "sub", "rsub", "maximum", "minimum", "fmax", "fmin"})
+
+
+def _keeps_magnitude(node: Node) -> bool:
+    """``node`` adds, subtracts or takes the elementwise max/min of its operands (``max``/``min`` of
+    two tensors, not a reduction): an operand past the range leaves the result there."""
+    if node.op_type in _MAGNITUDE_KEEPING:
+        return True
+    return node.op_type in ("max", "min") and sum(v is not None and v.dtype is not None for v in node.inputs) >= 2
 
 
 _ADDEND = frozenset({("args", 0), ("kwargs", "input")})
