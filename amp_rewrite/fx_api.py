@@ -524,7 +524,14 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
                     and node.target[:-2] in fixed:
                 node.target = node.target[:-2]
         traced.recompile()
+    unread = _keep_unread_tensors(traced, private)
     _restore_declaration_order(traced, private)
+    folded = [name for name, _ in traced.named_buffers() if name.split(".")[-1].startswith("_tensor_constant")]
+    if unread["buffer"] and folded:
+        notes.append(f"symbolic_trace: {_listed(unread['buffer'])} {'is' if len(unread['buffer']) == 1 else 'are'} "
+                     f"not read by the traced graph, which holds tensors computed while tracing "
+                     f"({_listed(folded)}): if those were computed from {'it' if len(unread['buffer']) == 1 else 'them'}, "
+                     f"loading new values changes nothing; capture='export' records the computation")
     # symbolic_trace registers every buffer the graph reads as persistent: a RoPE inv_freq too, and
     # each tensor it computed while tracing (_tensor_constant0: a cos table from buffers alone)
     own = {name for name, _ in private.named_buffers(remove_duplicate=False)}
@@ -619,6 +626,41 @@ def _refuse_unrecorded_modes(obj: Any, switched: list, training: bool, export_er
         f"{type(obj).__name__}.forward has {what}, which torch.fx.symbolic_trace runs while tracing and does not "
         f"record: the rewrite would drop it (a region kept FP32 would run low, frozen weights would get gradients); "
         f"{way}")
+
+
+def _keep_unread_tensors(traced: fx.GraphModule, original: torch.nn.Module) -> dict[str, list[str]]:
+    """Register on ``traced`` the parameters and buffers of ``original`` its graph does not read (an
+    unused head, buffers a table computed while tracing was made from), with their persistence:
+    symbolic_trace copies only what the graph reads, so the original's checkpoint failed a strict
+    load (unexpected keys) and ``state_dict()`` lost keys. Returns their names by kind."""
+    have = set(traced.state_dict(keep_vars=True)) | {n for n, _ in traced.named_parameters(remove_duplicate=False)} \
+        | {n for n, _ in traced.named_buffers(remove_duplicate=False)}
+    added: dict[str, list[str]] = {"parameter": [], "buffer": []}
+    kinds = [("parameter", original.named_parameters(remove_duplicate=False)),
+             ("buffer", original.named_buffers(remove_duplicate=False))]
+    for kind, items in kinds:
+        for name, tensor in items:
+            if name in have:
+                continue
+            path, _, leaf = name.rpartition(".")
+            owner = original.get_submodule(path) if path else original
+            holder = traced
+            for part in path.split(".") if path else ():
+                if part not in holder._modules:
+                    holder.add_module(part, torch.nn.Module())  # (an empty container: no forward is called)
+                holder = holder._modules[part]
+            if not isinstance(holder, torch.nn.Module) or leaf in holder.__dict__:
+                continue
+            if kind == "parameter":
+                holder.register_parameter(leaf, tensor)
+            else:
+                holder.register_buffer(leaf, tensor, persistent=leaf not in owner._non_persistent_buffers_set)
+            added[kind].append(name)
+    return added
+
+
+def _listed(names: list[str], most: int = 4) -> str:
+    return ", ".join(repr(n) for n in names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _restore_declaration_order(traced: fx.GraphModule, original: torch.nn.Module) -> None:

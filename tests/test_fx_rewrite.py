@@ -3054,6 +3054,37 @@ def test_module_tensors_past_the_range_cast_at_use_are_clamped_as_converted_ones
         assert {"mask", "big_weight"} <= set(saturated)
 
 
+class _UnreadTensors(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.aux_head = nn.Linear(16, 16), nn.Linear(16, 3)  # (the head unused at inference)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)))
+        self.register_buffer("scale", torch.tensor(1.0))
+        self.register_buffer("cache", torch.zeros(2), persistent=False)
+
+    def forward(self, x):
+        return self.l1(x + (self.inv_freq * self.scale).repeat(2))  # (from buffers alone: computed while tracing)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_symbolic_trace_keeps_the_tensors_its_graph_does_not_read(training):
+    """symbolic_trace copies only the tensors its graph reads: an unused head and the buffers a
+    table computed while tracing came from were gone, so the original's checkpoint failed a strict
+    load (unexpected keys). They stay registered, with their persistence and order, and the
+    report says the folded table does not follow them."""
+    torch.manual_seed(0)
+    model, x = _UnreadTensors().eval(), torch.randn(2, 16)
+    gm, report = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", training=training,
+                                     capture="symbolic_trace", report=True)
+    assert list(gm.state_dict()) == list(model.state_dict())
+    gm.load_state_dict(model.state_dict())  # (strict)
+    assert "cache" in dict(gm.named_buffers()) and "cache" not in gm.state_dict()
+    assert any("'inv_freq', 'scale'" in n and "are not read by the traced graph" in n and "capture='export'" in n
+               for n in report.log.notes)
+    with torch.no_grad():
+        assert rel_err(gm(x), model(x)) < TOL["bf16"]
+
+
 def test_a_module_torch_cannot_deep_copy_is_refused_with_the_way_out():
     """The hook-based weight_norm keeps a computed (non-leaf) weight on the module after a forward;
     the symbolic_trace capture's private copy raised torch's own RuntimeError."""
