@@ -149,7 +149,13 @@ class NodeRule:
         if self.pattern.startswith(_REGEX_PREFIX):
             return _compiled(self.pattern[len(_REGEX_PREFIX) :]).fullmatch(name) is not None
         if _GLOB_CHARS.intersection(self.pattern):
-            return fnmatch.fnmatchcase(name, self.pattern)
+            if fnmatch.fnmatchcase(name, self.pattern):
+                return True
+            # a torch node is named <dotted module path>/<fx name> (b1.fc/linear): a glob of a path
+            # with slashes, as ONNX names are written ('b1/*'), names its submodules' nodes too
+            path, slash, leaf = name.rpartition("/")
+            return bool(slash) and "." in path and "/" in self.pattern and \
+                fnmatch.fnmatchcase(f"{path.replace('.', '/')}/{leaf}", self.pattern)
         return name == self.pattern
 
 

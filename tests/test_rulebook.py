@@ -338,6 +338,12 @@ def test_torch_user_file_and_custom_domain(tmp_path):
         ("re:lm_head", "model/lm_head", False),  # fullmatch, not search
         ("re:layer\\.[0-3]\\..*", "layer.2.mlp", True),
         ("re:layer\\.[0-3]\\..*", "layer.4.mlp", False),
+        # a torch node: <dotted module path>/<fx name>; a slash glob of the path names its submodules' nodes
+        ("b1/*", "b1.fc/linear", True),
+        ("b1/fc/*", "b1.fc/linear", True),
+        ("b1/*", "b10.fc/linear", False),
+        ("b1/*", "b2.fc/linear", False),
+        ("b1.fc/*", "b1.fc/linear", True),
     ],
 )
 def test_node_rule_matching(pattern, name, expected):
