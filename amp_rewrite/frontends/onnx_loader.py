@@ -1494,6 +1494,16 @@ class _Builder:
                 equation = _einsum_equation(n)
                 if equation and one_subscript_twice(equation):
                     node.meta["amp.einsum_square"] = equation  # (classify: squares, as Pow(x, 2) makes)
+        elif op_type == "BatchNormalization" and domain in ("", "ai.onnx") and n.attributes.get("training_mode") \
+                and n.attributes["training_mode"].as_int() == 1:
+            node.meta["amp.refuses_low"] = (
+                "training_mode=1: it computes the batch's mean and variance (a reduction over every element of a "
+                "channel) and the running statistics; and onnxruntime's Conv+BatchNormalization fusion ignores "
+                "training_mode, which the Cast on a low node's statistics outputs lets fire (0.9 relative error at "
+                "the default optimisation level)")
+            for stat in node.outputs[1:3]:  # (and a Cast on them as graph outputs, --no-keep-io-types, too)
+                if stat is not None:
+                    stat.meta["amp.keeps_io_type"] = True
         elif op_type == "TreeEnsemble" and domain == "ai.onnx.ml":
             node.meta["amp.refuses_low"] = (
                 "TreeEnsemble keeps its split thresholds and leaf weights in tensor attributes of its input's "

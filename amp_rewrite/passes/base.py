@@ -336,8 +336,10 @@ def _attribute_of(graph: Graph) -> str:
 
 def retypable_io(value: Value) -> bool:
     """Whether --no-keep-io-types may give this graph input or output the low type: a tensor. A
-    sequence or optional keeps its element type (no Cast converts one)."""
-    return "onnx.container" not in value.meta
+    sequence or optional keeps its element type (no Cast converts one), and so do a training-mode
+    BatchNormalization's running statistics (``amp.keeps_io_type``: a Cast on them lets
+    onnxruntime's Conv+BatchNormalization fusion, which ignores training_mode, fire)."""
+    return "onnx.container" not in value.meta and "amp.keeps_io_type" not in value.meta
 
 
 def string_attribute(node: Node, name: str) -> str | None:
