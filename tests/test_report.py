@@ -952,7 +952,8 @@ def test_weight_counts_include_constants_in_value_floats_shorthand():
 
     nodes = [helper.make_node("Constant", [], ["c"], value_floats=[0.5] * 8, name="c"),
              helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
-             helper.make_node("Add", ["m", "c"], ["y"], name="add")]
+             helper.make_node("Add", ["m", "c"], ["a"], name="add"),
+             helper.make_node("MatMul", ["a", "w"], ["y"], name="mm2")]  # (the sum between fp16 ops: low)
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 8])],
                               [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 8])],
                               [numpy_helper.from_array(np.ones((8, 8), np.float32), "w")])
