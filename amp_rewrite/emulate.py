@@ -79,7 +79,7 @@ def not_emulated(model: onnx.ModelProto) -> list[str]:
     model = _inlined(model)
     types, _ = _value_types(model)
     names = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16"}
-    found: dict[str, list[str]] = {}
+    found: dict[tuple[str, str], list[str]] = {}  # (op, what its kernel keeps low) → node labels
     untyped: list[tuple[str, str]] = []
     for g in _graph_protos(model.graph):
         for n in g.node:
@@ -90,12 +90,11 @@ def not_emulated(model: onnx.ModelProto) -> list[str]:
             key = (n.domain if n.domain not in ("ai.onnx",) else "", n.op_type)
             if key in _LOW_INTERNALS:
                 label = f"{n.op_type}:{n.name or n.output[0]}"
-                found.setdefault(_LOW_INTERNALS[key].format(low=names[low]) + f"|{key[1]}", []).append(label)
+                found.setdefault((n.op_type, _LOW_INTERNALS[key].format(low=names[low])), []).append(label)
             elif n.domain not in ("", "ai.onnx"):
                 untyped += [(o, f"{n.domain}:{n.op_type}") for o in n.output if o and o not in types]
     notes = []
-    for what, labels in found.items():
-        text, op = what.rsplit("|", 1)
+    for (op, text), labels in found.items():
         notes.append(f"{len(labels)} low-precision {op} node(s) (e.g. {labels[0]}): the CUDA kernel {text}; the "
                      f"emulation computes that in FP32 and rounds only the outputs, so this check does not see it "
                      f"(keep the node FP32 with --fp32-nodes, or check on a GPU)")

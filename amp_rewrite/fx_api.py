@@ -646,10 +646,12 @@ def _keep_unread_tensors(traced: fx.GraphModule, original: torch.nn.Module) -> d
             owner = original.get_submodule(path) if path else original
             holder = traced
             for part in path.split(".") if path else ():
-                if part not in holder._modules:
+                if part not in holder._modules and not hasattr(holder, part):
                     holder.add_module(part, torch.nn.Module())  # (an empty container: no forward is called)
-                holder = holder._modules[part]
-            if not isinstance(holder, torch.nn.Module) or leaf in holder.__dict__:
+                holder = holder._modules.get(part)
+                if holder is None:
+                    break  # (the name is taken by something else there: left out)
+            if not isinstance(holder, torch.nn.Module) or hasattr(holder, leaf):
                 continue
             if kind == "parameter":
                 holder.register_parameter(leaf, tensor)
