@@ -1502,14 +1502,13 @@ class _Emulation:
 
     @classmethod
     def build(cls, low_proto: onnx.ModelProto, target: str, notes: list[str]) -> "_Emulation | None":
-        from .emulate import emulate_all, not_emulated
+        from .emulate import emulate_all
 
         try:
-            model, rounded = emulate_all(low_proto)
+            model, rounded = emulate_all(low_proto, notes)
         except Exception as exc:  # noqa: BLE001 - the model itself is run instead, and the note says so
             cls.note_failure(target, exc, notes)
             return None
-        notes += not_emulated(low_proto)
         return cls(model, rounded, target)
 
     def failed(self, exc: BaseException, notes: list[str]) -> None:

@@ -49,12 +49,16 @@ def emulate_low(model: onnx.ModelProto, low: int | None = None) -> tuple[onnx.Mo
     return _emulate(model, types, {low}, shapes)
 
 
-def emulate_all(model: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
+def emulate_all(model: onnx.ModelProto, notes: list[str] | None = None) -> tuple[onnx.ModelProto, set[str]]:
     """:func:`emulate_low` for every low type the model holds at once (a BF16 rewrite of a model
-    with FP16 parts of its own holds both); the names rounded to either."""
+    with FP16 parts of its own holds both); the names rounded to either. ``notes``: where given,
+    :func:`not_emulated`'s notes are appended to it (from the same type inference)."""
     model = _inlined(model)
     types, shapes = _value_types(model)
-    return _emulate(model, types, set(LOW_TYPES), shapes)
+    emulated = _emulate(model, types, set(LOW_TYPES), shapes)
+    if notes is not None:
+        notes += _not_emulated(model, types)
+    return emulated
 
 
 # ops whose GPU kernels keep an intermediate in the low type, which the emulation (one rounding per
@@ -77,7 +81,10 @@ def not_emulated(model: onnx.ModelProto) -> list[str]:
     reading a low value whose type onnx's inference does not know (no value_info), which it cannot
     round. Empty for a rewrite of amp-rewrite's own with no such node."""
     model = _inlined(model)
-    types, _ = _value_types(model)
+    return _not_emulated(model, _value_types(model)[0])
+
+
+def _not_emulated(model: onnx.ModelProto, types: dict[str, int]) -> list[str]:
     names = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16"}
     found: dict[tuple[str, str], list[str]] = {}  # (op, what its kernel keeps low) → node labels
     untyped: list[tuple[str, str]] = []

@@ -545,9 +545,8 @@ def capture_graph(obj: Any, example_inputs: tuple | None, example_kwargs: dict |
         # and never make the update again.
         way = (f"torch.export could not capture it either ({_export_cause(export_error)})" if export_error is not None
                else "capture it with torch.export (pass example_inputs; capture='export'), which records the update")
-        listed = ", ".join(repr(n) for n in changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
         raise UnsupportedModelError(
-            f"{type(obj).__name__}.forward changes {listed} in a way torch.fx.symbolic_trace does not record (an "
+            f"{type(obj).__name__}.forward changes {_listed(changed)} in a way torch.fx.symbolic_trace does not record (an "
             f"in-place update that reads no input, such as self.step.add_(1)): it ran once while tracing, and the "
             f"rewritten module would never run it; {way}")
     _refuse_unrecorded_modes(obj, switched, training, export_error)
@@ -633,7 +632,7 @@ def _keep_unread_tensors(traced: fx.GraphModule, original: torch.nn.Module) -> d
     unused head, buffers a table computed while tracing was made from), with their persistence:
     symbolic_trace copies only what the graph reads, so the original's checkpoint failed a strict
     load (unexpected keys) and ``state_dict()`` lost keys. Returns their names by kind."""
-    have = set(traced.state_dict(keep_vars=True)) | {n for n, _ in traced.named_parameters(remove_duplicate=False)} \
+    have = {n for n, _ in traced.named_parameters(remove_duplicate=False)} \
         | {n for n, _ in traced.named_buffers(remove_duplicate=False)}
     added: dict[str, list[str]] = {"parameter": [], "buffer": []}
     kinds = [("parameter", original.named_parameters(remove_duplicate=False)),

@@ -1494,8 +1494,8 @@ class _Builder:
                 equation = _einsum_equation(n)
                 if equation and one_subscript_twice(equation):
                     node.meta["amp.einsum_square"] = equation  # (classify: squares, as Pow(x, 2) makes)
-        elif op_type == "BatchNormalization" and domain in ("", "ai.onnx") and n.attributes.get("training_mode") \
-                and n.attributes["training_mode"].as_int() == 1:
+        elif op_type == "BatchNormalization" and domain in ("", "ai.onnx") \
+                and (mode := n.attributes.get("training_mode")) is not None and mode.as_int() == 1:
             node.meta["amp.refuses_low"] = (
                 "training_mode=1: it computes the batch's mean and variance (a reduction over every element of a "
                 "channel) and the running statistics; and onnxruntime's Conv+BatchNormalization fusion ignores "

@@ -146,7 +146,7 @@ _WIDENING = _OVERFLOWING | _UNDERFLOWING
 # sums whose small addend the low type's few significant bits drop, fatal before a log
 _ABSORBING = {"Add", "Sub", "Sum", "add", "sub"}
 # sums whose constant addend sets their scale: precision lost to the low type's spacing there
-_OFFSETTING = {"Add", "Sub", "Sum", "add", "sub", "rsub"}
+_OFFSETTING = _ABSORBING | {"rsub"}
 _LOGS = {"Log", "log", "log2", "log10", "log1p"}
 _BROADCAST = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "Greater",
               "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Mod", "PRelu"}
