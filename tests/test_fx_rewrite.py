@@ -3828,6 +3828,36 @@ def test_optimal_keeps_one_minus_a_schedule_entry_fp32_with_its_exact_table(targ
     assert "it adds a constant" in report.log.decisions["rsub"].reason
 
 
+class _SquashedLogProb(nn.Module):
+    """SAC's tanh-squashed Gaussian log-probability term: log(1 - tanh(u)^2 + 1e-6) summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        u = self.l(x)
+        return torch.log(1 - torch.tanh(u).pow(2) + 1e-6).sum(-1)
+
+
+def test_optimal_keeps_a_tanh_before_one_minus_its_square_fp32_as_greedy_does():
+    """``log(1 - tanh(u)**2 + 1e-6)``: the sums before the log were held FP32, but the min-cut made
+    the tanh and its square bf16, where tanh(u) for u > 3 is 1: the log-probability was 37% off
+    (-inf without the 1e-6), where greedy was within 4e-4."""
+    torch.manual_seed(0)
+    model, x = _SquashedLogProb().eval(), torch.randn(2, 8)
+    with torch.no_grad():
+        model.l.weight.mul_(4.0)
+        reference = model(x)
+        results = {placement: amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", placement=placement,
+                                                  report=True) for placement in ("greedy", "optimal")}
+        for placement, (gm, report) in results.items():
+            got = gm(x)
+            assert torch.isfinite(got).all() and (got - reference).abs().max() <= 5e-3 * reference.abs().max(), \
+                placement
+            assert report.log.decisions["tanh"].precision == Precision.FP32, placement
+
+
 class _PerChannelEpsilon(nn.Module):
     def __init__(self) -> None:
         super().__init__()

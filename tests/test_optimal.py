@@ -1162,6 +1162,44 @@ _WIDENING_CASES = {
           y = Log(q)
         }""", {"w": (np.random.default_rng(3).standard_normal((32, 32)) * 1.5).astype(np.float32),
                "eps": np.array(1e-10, np.float32)}, "Softmax:p", 1.5),
+    # KL(p || q) = sum p * log(p / q): the Div reading both softmaxes is free, and held FP32 before
+    # its Log; the softmaxes it divides by are held for it (q's 1e-11 was 0 in FP16: KL NaN)
+    "KL divergence of two softmaxes": ("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,32] x) => (float[4] y) {
+          h = MatMul(x, w)
+          h2 = MatMul(x, w2)
+          p = Softmax<axis=-1>(h)
+          q = Softmax<axis=-1>(h2)
+          r = Div(p, q)
+          l = Log(r)
+          m = Mul(p, l)
+          y = ReduceSum<keepdims=0>(m, axes)
+        }""", {"w": np.random.default_rng(4).standard_normal((32, 32)).astype(np.float32),
+               "w2": np.random.default_rng(5).standard_normal((32, 32)).astype(np.float32),
+               "axes": np.array([-1], np.int64)}, "Softmax:q", 1.0),
+    # 1 / softmax through a Transpose: the Div is held FP32 (a quotient that may grow), and the
+    # softmax before it for it
+    "reciprocal of a transposed softmax": ("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,32] x) => (float[32,4] y) {
+          h = MatMul(x, w)
+          p = Softmax<axis=-1>(h)
+          t = Transpose<perm=[1,0]>(p)
+          y = Div(one, t)
+        }""", {"w": np.random.default_rng(4).standard_normal((32, 32)).astype(np.float32),
+               "one": np.array(1.0, np.float32)}, "Softmax:p", 1.0),
+    # (a * b) * 8 before an FP32 sum: the scaled product is held, and the product it scales for it
+    "products scaled, then summed": ("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,16] x) => (float[4] y) {
+          a = MatMul(x, w)
+          b = MatMul(x, w2)
+          p = Mul(a, b)
+          s = Mul(p, eight)
+          y = ReduceSum<keepdims=0>(s, axes)
+        }""", {"w": np.full((16, 16), 20.0, np.float32), "w2": np.full((16, 16), -20.0, np.float32),
+               "eight": np.array(8.0, np.float32), "axes": np.array([-1], np.int64)}, "Mul:p", 1.0),
     # (a * b).sum(-1) of two activations near 750: the products pass 65504 before the FP32 sum
     "products summed": ("""
         <ir_version: 8, opset_import: ["" : 17]>
@@ -1197,8 +1235,51 @@ def test_a_cast_never_moves_downstream_across_an_op_whose_result_fp16_cannot_hol
         got = run(emulate_low(result.model, TensorProto.FLOAT16)[0], feeds)["y"]
         assert np.isfinite(got).all() and rel_err(want, got) < 1e-2, placement
     assert "the optimal placement keeps it FP32 too" in rewrite(model).log.decisions[node].reason
-    # BF16 holds FP32's exponent range: nothing is held for it there (the cut decides)
-    assert "keeps it FP32 too" not in rewrite(model, target="bf16").log.decisions[node].reason
+    # BF16 holds FP32's exponent range: nothing is held for range there (the cut decides; a sum
+    # before a log is held for its precision, and what it reads with it)
+    bf16 = rewrite(model, target="bf16").log.decisions[node].reason
+    assert "range" not in bf16.partition("keeps it FP32 too")[2] and "below 6e-8" not in bf16
+
+
+_SATURATING = {
+    # log(1 - sigmoid(z)): sigmoid(5.5) is 1 in bf16
+    "log of 1 - sigmoid": ("""s = Sigmoid(h)
+          d = Sub(one, s)
+          y = Log(d)""", "Sigmoid:s"),
+    # log(1 - tanh(z)^2): tanh(4.2) is 1 in fp16 (and the square is a deny pow there, passed through)
+    "log of 1 - tanh squared": ("""t = Tanh(h)
+          q = Mul(t, t)
+          d = Sub(one, q)
+          y = Log(d)""", "Tanh:t"),
+}
+
+
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+@pytest.mark.parametrize("case", sorted(_SATURATING))
+def test_a_value_near_one_before_a_difference_a_log_reads_keeps_greedys_fp32(case, target):
+    """``log(1 - f(z))``: the Sub is held FP32 before its Log, but the optimal placement moved the
+    sigmoid or tanh it reads to the low type, where a value near 1 is 1 (bf16: sigmoid(5.5); fp16:
+    tanh(4.2)): 1 - 1 = 0 and the Log -inf where greedy, computing f in FP32, is finite. What greedy
+    kept FP32 before a sum a log reads stays FP32."""
+    from amp_rewrite.emulate import emulate_low
+
+    body, node = _SATURATING[case]
+    model = make_model(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4,8] x) => (float[4,8] y) {{
+          h = MatMul(x, w)
+          {body}
+        }}""", {"w": np.eye(8, dtype=np.float32), "one": np.array(1.0, np.float32)})
+    feeds = {"x": np.linspace(-7.0, 7.0, 32, dtype=np.float32).reshape(4, 8)}
+    want = run(model, feeds)["y"]
+    assert np.isfinite(want).all()
+    low = TensorProto.FLOAT16 if target == "fp16" else TensorProto.BFLOAT16
+    greedy, best = rewrite(model, placement="greedy", target=target), rewrite(model, target=target)
+    full_check(best.model)
+    assert _precisions(greedy)[node] == _precisions(best)[node] == "fp32", best.log.decisions[node].reason
+    got = run(emulate_low(best.model, low)[0], feeds)["y"]
+    assert np.isfinite(got).all() and rel_err(want, got) < 2e-2
+    assert not rewrite(best.model, target=target).modified
 
 
 def test_a_copying_op_before_an_fp32_reader_may_still_take_the_low_type():

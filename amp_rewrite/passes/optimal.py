@@ -60,13 +60,17 @@ Safety, never less than greedy's:
   the normalised value, not raw ``x``), and a node reading an FP32 tensor nobody can change stays
   FP32, as does what follows it;
 - nor *downstream* across an op whose result the low type may not hold although its inputs fit,
-  where an FP32 reader reads that result, directly or through copying ops: a product, quotient or
+  where an FP32 reader reads that result, directly or through copying ops (a reader fixed FP32, or
+  held FP32 by these rules in turn: KL's ``Div(p, q)`` is held before its Log, and its softmaxes for
+  it; a small-value reader greedy computes in FP32 counts wherever the cut leaves it): a product, quotient or
   sum of two activations or a reciprocal (:data:`_OVERFLOWING`) read by any FP32 op or output
   (``(a * b).sum()`` keeps its Mul: 300 × 300 passes 65504 before the FP32 sum), a softmax or
   sigmoid (:data:`_UNDERFLOWING`) read by a Log, a division or a power (``log(softmax(z))`` keeps
   its Softmax: FP16 probabilities below 6e-8 are 0, and the Log -inf), as greedy keeps them;
   and, for either low type, a sum a log reads (:data:`_ABSORBING`: ``log(1 + exp(-z))`` keeps its
-  Add, as bf16's 8 significant bits round 1 + 0.002 to 1), and a sum with a constant addend
+  Add, as bf16's 8 significant bits round 1 + 0.002 to 1, and what greedy kept FP32 before such a
+  sum or a log1p: ``log(1 - sigmoid(z))`` keeps its sigmoid, which is 1 in bf16 from z = 5.5, and
+  ``log(1 - tanh(u)**2)`` its tanh, 1 in fp16 from u = 4.2), and a sum with a constant addend
   (:data:`_OFFSETTING`: an ONNX constant, a torch Python number) with the nodes moving weights
   into it (a schedule table's Gather): the constant sets the sum's scale, so the low type rounds
   the sum to its spacing there and the constant offline (anchor centres at 2000 px: 2 px in FP16;
@@ -144,10 +148,15 @@ _SMALL_VALUE_READERS = {"Log", "Reciprocal", "Div", "Pow", "log", "log2", "log10
                         "true_divide", "pow", "xlogy", "special_xlog1py"}
 _WIDENING = _OVERFLOWING | _UNDERFLOWING
 # sums whose small addend the low type's few significant bits drop, fatal before a log
-_ABSORBING = {"Add", "Sub", "Sum", "add", "sub"}
+_ABSORBING = {"Add", "Sub", "Sum", "add", "sub", "rsub"}
 # sums whose constant addend sets their scale: precision lost to the low type's spacing there
-_OFFSETTING = _ABSORBING | {"rsub"}
+_OFFSETTING = _ABSORBING
 _LOGS = {"Log", "log", "log2", "log10", "log1p"}
+# logs with a sum of their own: log1p(-y) is log(1 - y), as absorbing as the spelled-out sum
+_SUMMING_LOGS = {"log1p", "special_xlog1py"}
+# ops that keep a value near 1 near 1 (a square, a sign, an absolute value): held FP32 by a rule, they
+# do not end the walk back from such a sum (1 - tanh(u)**2: fp16's square is a deny pow)
+_NEAR_ONE_KEEPING = {"Mul", "Pow", "Neg", "Abs", "mul", "pow", "neg", "abs", "square"}
 _BROADCAST = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "Greater",
               "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Mod", "PRelu"}
 _BATCH = re.compile("batch", re.IGNORECASE)
@@ -394,19 +403,22 @@ class Problem:
         Div → Conv`` keeps its cast right before the Conv (raw ``x`` may exceed 65504 where the
         normalised value does not), and an LSTM reading a graph input stays as greedy left it."""
         follow = [i for i in self.free if not self.greedy[i]]
+        absorbing = self._absorbing_before_a_log()
+        held = {**self._constant_offsets(), **self._before_an_absorbing_sum(), **absorbing}
         # (FP16 only: BF16 has FP32's exponent range, so its products, sums and probabilities
         # overflow or underflow where FP32's would; but a sum read by a log loses its small
         # addend in either: precision, not range)
-        widening = self._widening_for_fp32_readers() if self.ctx.low == DType.FLOAT16 else {}
-        widening = {**self._constant_offsets(), **self._absorbing_before_a_log(), **widening}
-        for i in widening:
+        if self.ctx.low == DType.FLOAT16:
+            held = {**held, **self._widening_for_fp32_readers({i for i in held if not self.greedy[i]})}
+        held = {i: why for i, why in held.items() if not self.greedy[i]}  # (greedy's low nodes stay free)
+        for i in held:
             node = self.nodes[i]
             if not node.meta.get("amp.widening_hold"):  # (said once: a Problem may be built again)
                 node.meta["amp.widening_hold"] = True
                 node.meta["amp.reason"] = (f"{node.meta.get('amp.reason', '')}; the optimal placement keeps it FP32 "
-                                           f"too: {widening[i]}")
+                                           f"too: {held[i]}")
         pending = [i for i in follow if self.fp32_source[i] or any(self.fixed.get(p) is False for p in self.preds[i])
-                   or i in widening]
+                   or i in held]
         for i in pending:
             self.fixed[i] = False
         while pending:  # a node that must stay FP32 pins the followers reading it
@@ -481,7 +493,44 @@ class Problem:
                f"{8 if self.ctx.low == DType.BFLOAT16 else 11} significant bits), whose log is then 0")
         return {i: why for i in sums & seen}
 
-    def _widening_for_fp32_readers(self) -> dict[int, str]:
+    def _before_an_absorbing_sum(self) -> dict[int, str]:
+        """The free nodes greedy kept FP32 that a sum before a log (an FP32 one, or one held FP32
+        by :meth:`_absorbing_before_a_log`) or a log1p reads, transitively: holding the sum FP32
+        does not help where its addend was rounded before it. A sigmoid, tanh or exp near 1 is 1 in
+        the low type (bf16: sigmoid(5.5); fp16: tanh(4.2)), so ``log(1 - sigmoid(z))`` and
+        ``log(1 - tanh(u)**2)`` are log(0) = -inf where greedy, computing them FP32, is finite."""
+        def fp32(i: int) -> bool:  # (in greedy's answer)
+            return not self.greedy[i] and i not in self.branch_nodes
+
+        before_log: set[int] = set()  # FP32 nodes a log reads through FP32 nodes
+        stack = [i for i, n in enumerate(self.nodes) if n.op_type in _LOGS and fp32(i)]
+        while stack:
+            i = stack.pop()
+            if i not in before_log:
+                before_log.add(i)
+                stack.extend(p for p in self.preds[i] if fp32(p))
+        starts = [i for i in before_log if self.nodes[i].op_type in _ABSORBING | _SUMMING_LOGS]
+        seen: set[int] = set()
+        passed: set[int] = set()
+        stack = [p for i in starts for p in self.preds[i]]
+        while stack:
+            p = stack.pop()
+            if p in passed or p in seen or not fp32(p):
+                continue
+            if p in self.fixed:  # (through an FP32 square or sign: fp16's tanh² is a deny pow)
+                if self.nodes[p].op_type in _NEAR_ONE_KEEPING:
+                    passed.add(p)
+                    stack.extend(self.preds[p])
+                continue
+            seen.add(p)
+            stack.extend(self.preds[p])
+        low = self.ctx.low.short
+        why = (f"a sum a log reads adds its result: a value near the sum's other addend (a sigmoid, tanh or exp "
+               f"near 1 before 1 - y) is that addend in {low}, and the log of their difference -inf, where greedy "
+               f"computes it FP32")
+        return {i: why for i in seen}
+
+    def _widening_for_fp32_readers(self, held_before: set[int]) -> dict[int, str]:
         """The free nodes that make a value the low type may not hold (:data:`_WIDENING`) that an
         FP32 reader reads, directly or through free nodes that only move, select or add values: a
         cast moved downstream across one would hand that reader inf (``(a * b).sum()``'s products)
@@ -498,16 +547,25 @@ class Problem:
             # result is proven to fit: one rounding; a constant past the range is kept apart)
             return node.op_type not in _OF_TWO or _may_grow_past(node, self.group_in[i], limit, bounds)
 
-        # (readers behind the model's own Cast out of the low type, ``(a * b).float().sum()``,
-        # read the result in FP32 too: trip_succs)
+        # An FP32 reader: fixed FP32, or held FP32 by the placement's own holds (``held`` grows to
+        # a fixed point: KL's ``Div(softmax p, softmax q)`` is held before its Log, and then its
+        # softmaxes are held for it; counting fixed readers only, both went low and KL was NaN).
+        # A small-value reader greedy computes in FP32 counts too, wherever the cut would leave
+        # it: it read exact probabilities, and a low softmax hands it 0 in either type. Readers
+        # behind the model's own Cast out of the low type, ``(a * b).float().sum()``, read the
+        # result in FP32 too: trip_succs.
+        held: dict[int, str] = {}
+
+        def fp32_reader(k: int) -> bool:
+            return self.fixed.get(k) is False or k in held or k in held_before
+
         def feeds_fp32(i: int) -> bool:
-            return self.fp32_sink[i] or bool(self.trip_succs[i]) or any(
-                self.fixed.get(k) is False for k in self.succs[i])
+            return self.fp32_sink[i] or bool(self.trip_succs[i]) or any(fp32_reader(k) for k in self.succs[i])
 
         def feeds_small_value_reader(i: int) -> bool:
             # (an epsilon the low type flushes, added or clamped to: ``log(p + 1e-10)`` is there
             # for exactly the values that underflow)
-            return any((self.fixed.get(k) is False or k in self.trip_succs[i])
+            return any((fp32_reader(k) or k in self.trip_succs[i] or not (self.greedy[k] or k in self.branch_nodes))
                        and (self.nodes[k].op_type in _SMALL_VALUE_READERS or "amp.lost_epsilon" in self.nodes[k].meta)
                        for k in (*self.succs[i], *self.trip_succs[i]))
 
@@ -516,25 +574,30 @@ class Problem:
         if not widen:
             return {}
 
-        def reaching(feeds) -> set[int]:
-            # free copying nodes through which a value reaches such a reader: walked back from
-            # those that feed one, once for all widening nodes
-            return self._free_upstream([i for i in free if i not in widen and feeds(i)], widen)
+        def reaching(feeds, stop: set[int]) -> set[int]:
+            # free nodes through which a value reaches such a reader: walked back from those that
+            # feed one, once for all widening nodes of a kind, not through ``stop``
+            return self._free_upstream([i for i in free if i not in stop and feeds(i)], stop)
 
         low = self.ctx.low.short
-        held: dict[int, str] = {}
-        for kind, feeds, why in (
-                (_OVERFLOWING, feeds_fp32, f"its result may pass {low}'s range (a product, quotient or sum of two "
-                                           f"activations, a reciprocal) before an FP32 reader, which a Cast after it "
-                                           f"would hand inf"),
-                (_UNDERFLOWING, feeds_small_value_reader, f"its probabilities below 6e-8 are 0 in {low}, and an FP32 "
-                                                          f"reader takes their log, divides by them or adds an epsilon "
-                                                          f"to them")):
-            nodes = {i for i in widen if self.nodes[i].op_type in kind}
-            if nodes:
-                seen = reaching(feeds)
-                held.update({i: why for i in nodes if feeds(i) or any(k in seen for k in self.succs[i])})
-        return held
+        kinds = ((_OVERFLOWING, feeds_fp32, f"its result may pass {low}'s range (a product, quotient or sum of two "
+                                            f"activations, a reciprocal) before an FP32 reader, which a Cast after it "
+                                            f"would hand inf"),
+                 (_UNDERFLOWING, feeds_small_value_reader, f"its probabilities below 6e-8 are 0 in {low}, and an FP32 "
+                                                           f"reader takes their log, divides by them or adds an epsilon "
+                                                           f"to them"))
+        while True:
+            found: dict[int, str] = {}
+            for kind, feeds, why in kinds:
+                nodes = {i for i in widen if self.nodes[i].op_type in kind and i not in held}
+                if nodes:
+                    # (a probability scaled by a product that may grow is still 0 before the Log;
+                    # a sum past the range is not carried through a softmax, which reads it)
+                    seen = reaching(feeds, nodes if kind is _UNDERFLOWING else widen)
+                    found.update({i: why for i in nodes if feeds(i) or any(k in seen for k in self.succs[i])})
+            if not found:
+                return held
+            held.update(found)
 
     def feasible(self, labels: list[bool]) -> bool:
         """The downstream-only rule holds (and fixed nodes have their labels)."""
