@@ -3272,6 +3272,9 @@ class _EpsilonGuard(nn.Module):
                    "clamp": lambda: torch.clamp(r, min=self.number), "clamp_min": lambda: r.clamp_min(self.number),
                    "maximum buffer": lambda: torch.maximum(r, self.eps),
                    "where": lambda: torch.where(r > 0, r, self.number),
+                   # the guard's own test against the epsilon: in FP16 ``r < 0``, never true of a zero
+                   "where below": lambda: torch.where(r < self.number, torch.full_like(r, self.number), r),
+                   "where below buffer": lambda: torch.where(r < self.eps, self.eps, r),
                    "masked_fill": lambda: r.masked_fill(r == 0, self.number),
                    "rsub": lambda: -torch.rsub(r, -self.number), "full_like": lambda: r + torch.full_like(r, self.number),
                    "add alpha": lambda: torch.add(r, self.number * 1e4, alpha=1e-4),
@@ -3289,7 +3292,8 @@ class _EpsilonGuard(nn.Module):
 
 @pytest.mark.parametrize("capture", ["symbolic_trace", "export"])
 @pytest.mark.parametrize("placement", ["optimal", "greedy"])
-@pytest.mark.parametrize("how", ["add", "add buffer", "clamp", "clamp_min", "maximum buffer", "where", "masked_fill",
+@pytest.mark.parametrize("how", ["add", "add buffer", "clamp", "clamp_min", "maximum buffer", "where", "where below",
+                                 "where below buffer", "masked_fill",
                                  "rsub", "full_like", "add alpha", "alpha tensor", "addcmul", "addcdiv", "ones times",
                                  "scalar_tensor", "fill_", "buffer to", "buffer detach"])
 def test_an_epsilon_the_low_type_flushes_to_zero_keeps_its_guard_fp32_in_torch(how, placement, capture):

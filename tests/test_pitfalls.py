@@ -1194,6 +1194,33 @@ def test_an_epsilon_the_low_type_flushes_to_zero_keeps_its_sum_and_division_fp32
     assert bf16.log.decisions["Div:q"].precision == Precision.LOW
 
 
+@pytest.mark.parametrize("guard", [
+    "a = Sum(r, eps)",
+    "lt = Less(r, eps)\n      a = Where(lt, eps, r)",
+    "e = Relu(eps)\n      a = Add(r, e)"])
+def test_an_epsilon_guard_spelled_as_sum_where_or_through_a_relu_keeps_fp32(guard):
+    """The same guard written as a variadic Sum, as ``Where(Less(r, eps), eps, r)`` (compared in
+    FP16, 1e-8 is 0: ``r < 0`` is never true of a zero, and the zero was kept) or through a Relu of
+    the epsilon: the epsilon was lost and every zero of the Relu gave 0/0 = NaN."""
+    model = make_model(f"""
+    <ir_version: 10, opset_import: ["" : 18]>
+    g (float[4,8] x) => (float[4,8] y) {{
+      h = MatMul(x, w)
+      r = Relu(h)
+      {guard}
+      q = Div(r, a)
+      y = MatMul(q, w2)
+    }}""", {"w": (8, 8), "w2": (8, 8), "eps": np.array(1e-8, np.float32)})
+    result = rewrite(model)
+    full_check(result.model)
+    assert result.log.decisions["Div:q"].precision == Precision.FP32
+    assert [d for d in result.log.decisions.values() if "below fp16's smallest value" in d.reason]
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    assert_emulated_close(model, result.model, feeds)
+    assert not rewrite(result.model).modified
+    assert rewrite(model, target="bf16").log.decisions["Div:q"].precision == Precision.LOW
+
+
 @pytest.mark.parametrize(("op", "reduction", "low"), [
     ("ScatterElements", "add", False), ("ScatterElements", "mul", False), ("ScatterElements", "max", True),
     ("ScatterElements", "none", True), ("ScatterND", "add", False)])

@@ -907,7 +907,8 @@ class _Builder:
             if lost is not None:  # (classify: a deny seed, as onnx_constants marks one)
                 what, number = lost
                 short = TORCH_TO_DTYPE[self.low].short
-                verb = "adds" if name in ("add", "sub", "addcmul", "addcdiv") else "bounds below by"
+                verb = "adds" if name in ("add", "sub", "addcmul", "addcdiv") else \
+                    "compares with" if name in _COMPARES else "bounds below by"
                 ir.meta["amp.lost_epsilon"] = (
                     f"{verb} {what} {number:g}, below {short}'s smallest value (it becomes 0 there: the "
                     f"epsilon is lost, and x / (x + eps) is 0/0): it keeps FP32, and so do the nodes after it "
@@ -1445,7 +1446,13 @@ _EPSILON_ARGUMENTS = {"add": ((0, 1), "other"), "sub": ((0, 1), "other"), "rsub"
                       # a fill that stands in for zeros: where(r > 0, r, 1e-8), masked_fill(r == 0, 1e-8),
                       # full_like(r, 1e-8) added to r
                       "where": ((1, 2), "other"), "masked_fill": ((2,), "value"), "full_like": ((1,), "fill_value"),
-                      "full": ((1,), "fill_value"), "new_full": ((2,), "fill_value")}
+                      "full": ((1,), "fill_value"), "new_full": ((2,), "fill_value"),
+                      # the guard's test, where(r < 1e-8, 1e-8, r): compared in the low type, 1e-8 is 0,
+                      # r < 0 is never true of a zero r, and the zero is kept
+                      "lt": ((0, 1), "other"), "le": ((0, 1), "other"), "gt": ((0, 1), "other"),
+                      "ge": ((0, 1), "other"), "less": ((0, 1), "other"), "less_equal": ((0, 1), "other"),
+                      "greater": ((0, 1), "other"), "greater_equal": ((0, 1), "other")}
+_COMPARES = frozenset({"lt", "le", "gt", "ge", "less", "less_equal", "greater", "greater_equal"})
 # input + value * t1 * t2 (/ t2): the addend is value * t1 * t2, a constant where t1 and t2 are
 _ADDC = frozenset({"addcmul", "addcdiv"})
 

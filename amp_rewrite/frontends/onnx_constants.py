@@ -94,7 +94,9 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
         lost = _vanishes(node, ctx.low, folds)
         if lost is not None:
             name, value = lost
-            verb = "adds" if node.op_type in ("Add", "Sub") else "bounds below by"
+            verb = {"Add": "adds", "Sub": "adds", "Sum": "adds", "Where": "selects", "Less": "compares with",
+                    "LessOrEqual": "compares with", "Greater": "compares with",
+                    "GreaterOrEqual": "compares with"}.get(node.op_type, "bounds below by")
             node.meta[LOST_EPSILON] = (f"{verb} {name!r} holding {value:g}, below {short}'s smallest value (it "
                                        f"becomes 0 there: the epsilon is lost, and x / (x + eps) is 0/0): it "
                                        f"keeps FP32, and so do the nodes after it up to a low-precision op")
@@ -155,17 +157,25 @@ def _kernel_scalar_lost(node: Node, low: DType) -> tuple[str, float, str] | None
     return None
 
 
+# ops that keep a value away from zero with a constant, and the inputs where that constant sits
+_GUARDS = {"Add": slice(None), "Sub": slice(None), "Sum": slice(None), "Max": slice(None), "Clip": slice(1, 2),
+           "Where": slice(1, 3), "Less": slice(None), "LessOrEqual": slice(None), "Greater": slice(None),
+           "GreaterOrEqual": slice(None)}
+
+
 def _vanishes(node: Node, low: DType, folds: dict[int, object]) -> tuple[str, float] | None:
-    """(name, largest magnitude) of a constant an Add, Sub or Max reads, or a Clip as its min (the
-    guard of x / clamp_min(m, 1e-8)), whose nonzero values all become 0 in the low type (an
+    """(name, largest magnitude) of a constant an Add, Sub, Sum or Max reads, a Clip as its min (the
+    guard of x / clamp_min(m, 1e-8)), a Where selects or a comparison compares with (the guard
+    ``Where(Less(m, 1e-8), 1e-8, m)``: in the low type ``m < 0`` is never true of a zero m, and the
+    zero is kept), whose nonzero values all become 0 in the low type (an
     epsilon of 1e-8 in FP16, whose smallest value is 6e-8), or some of them where all have one
     sign (a per-channel epsilon), or None. Such a constant exists to keep
     a sum or a bound away from zero: in the low type it is gone, and the division after it is 0/0.
     (A Mul by it is the value range's business, like a weight's flushed entries: counted in the
     report.)"""
-    if node.domain != "" or node.op_type not in ("Add", "Sub", "Max", "Clip"):
+    if node.domain != "" or node.op_type not in _GUARDS:
         return None
-    for value in node.inputs[1:2] if node.op_type == "Clip" else node.inputs:
+    for value in node.inputs[_GUARDS[node.op_type]]:
         data = _folded(value, folds)
         if data is None or data.size == 0:
             continue
@@ -446,7 +456,8 @@ _FOLD_ELEMENTS = 1 << 16  # fold small constants only: a weight-sized product is
 # ops whose output holds their first input's values (reshaped, repeated or cast), and unary ops
 # folded with them: a divisor or factor read through them is known too (Div by Sqrt(1e-12))
 _FOLD_COPIES = {"Identity", "Cast", "CastLike", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Expand"}
-_FOLD_UNARY = {"Sqrt": np.sqrt, "Neg": np.negative, "Abs": np.abs, "Reciprocal": np.reciprocal}
+_FOLD_UNARY = {"Sqrt": np.sqrt, "Neg": np.negative, "Abs": np.abs, "Reciprocal": np.reciprocal,
+               "Relu": lambda x: np.maximum(x, 0)}
 
 
 def _folded(value: Value | None, memo: dict[int, object] | None = None, depth: int = 0, cast: bool = False):
