@@ -1522,6 +1522,24 @@ _CONSTANT_ADDENDS = {
           eps = Div(num, coef)
           y = MatMul(eps, W)
         }""", ["Gather:a", "Sub:oma"], "schedule"),
+    # DDPM's beta_t = 1 - a_next / a_t: the ratio of two schedule entries is computed from weights
+    # alone (an infer Div, not a data move); it went low with its Gathers (FP16 32% off, BF16 NaN)
+    "a ratio of schedule entries subtracted from 1": ("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1,4,6,6] x, int64[1] t) => (float[1,4,6,6] y) {
+          h = MatMul(x, W)
+          tn = Add(t, one_i)
+          a = Gather(schedule, t)
+          an = Gather(schedule, tn)
+          r = Div(an, a)
+          omr = Sub(one, r)
+          c = Sqrt(omr)
+          sr = Sqrt(r)
+          sx = Mul(sr, h)
+          num = Sub(x, sx)
+          e = Div(num, c)
+          y = MatMul(e, W)
+        }""", ["Gather:a", "Gather:an", "Div:r", "Sub:omr"], "schedule"),
     # box centres: a predicted offset plus anchor centres at image coordinates
     "anchor centres plus a predicted offset": ("""
         <ir_version: 8, opset_import: ["" : 17]>
@@ -1548,7 +1566,8 @@ def test_a_sum_with_a_constant_addend_greedy_keeps_fp32_keeps_its_exact_constant
     model = make_model(text, {"W": (rng.standard_normal((6, 6)) * 0.3).astype(np.float32),
                               "schedule": _SCHEDULE, "one": np.array(1.0, np.float32),
                               "scale": np.array(64.0, np.float32),
-                              "anchors": (1500 + 2000 * rng.random((1, 4, 6, 6))).astype(np.float32)})
+                              "anchors": (1500 + 2000 * rng.random((1, 4, 6, 6))).astype(np.float32),
+                              "one_i": np.array([1], np.int64)})
     low = TensorProto.FLOAT16 if target == "fp16" else TensorProto.BFLOAT16
     feeds = {"x": rng.standard_normal((1, 4, 6, 6)).astype(np.float32), "t": np.array([0], np.int64)}
     want = run(model, feeds)["y"]

@@ -1271,13 +1271,15 @@ def _only_weights(value: Value | None, depth: int) -> bool:
 
 
 def _moves_weights(value: Value | None, depth: int) -> bool:
-    """``value`` holds weights or constants only, moved by data-movement (clear) ops: an ONNX Gather
-    of a table, a torch ``index``/``view`` of a buffer (:func:`_only_weights` for either frontend)."""
+    """``value`` holds weights or constants only, moved or combined by ops that read nothing else: an
+    ONNX Gather of a table, a torch ``index``/``view`` of a buffer, the ratio ``a_t / a_prev`` of two
+    schedule entries (:func:`_only_weights` for either frontend)."""
     if value is None or value.dtype is None or not value.dtype.is_float or value.is_constant \
             or "fx.lifted_tensor" in value.meta:
         return True
     node = value.producer
-    if node is None or depth > 8 or node.meta.get("amp.category") != Category.CLEAR:
+    if node is None or depth > 8 or not node.inputs or node.all_subgraphs() \
+            or node.meta.get("amp.category") not in (Category.CLEAR, Category.INFER):
         return False
     return all(_moves_weights(v, depth + 1) for v in node.inputs)
 
