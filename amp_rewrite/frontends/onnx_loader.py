@@ -1494,10 +1494,10 @@ class _Builder:
                 equation = _einsum_equation(n)
                 if equation and one_subscript_twice(equation):
                     node.meta["amp.einsum_square"] = equation  # (classify: squares, as Pow(x, 2) makes)
-        elif op_type == "BatchNormalization" and domain in ("", "ai.onnx") \
-                and (mode := n.attributes.get("training_mode")) is not None and mode.as_int() == 1:
+        elif op_type == "BatchNormalization" and domain in ("", "ai.onnx") and _trains(n, opset):
             node.meta["amp.refuses_low"] = (
-                "training_mode=1: it computes the batch's mean and variance (a reduction over every element of a "
+                f"{'training_mode=1' if (opset or 15) >= 14 else 'the training form (its statistics outputs)'}: it "
+                "computes the batch's mean and variance (a reduction over every element of a "
                 "channel) and the running statistics; and onnxruntime's Conv+BatchNormalization fusion ignores "
                 "training_mode, which the Cast on a low node's statistics outputs lets fire (0.9 relative error at "
                 "the default optimisation level)")
@@ -1727,6 +1727,19 @@ def one_subscript_twice(equation: str) -> bool:
     value twice, it squares it (and may sum the squares)."""
     operands = equation.replace(" ", "").partition("->")[0].split(",")
     return len(operands) == 2 and operands[0] == operands[1]
+
+
+def _trains(node: ir.Node, opset: int | None) -> bool:
+    """Whether a BatchNormalization computes batch statistics: ``training_mode=1`` from opset 14;
+    before it, the training form is the one with its statistics outputs (running mean and variance,
+    saved mean and variance; opset 6 and earlier also say ``is_test=0``)."""
+    attribute = node.attributes.get("training_mode")
+    if opset is None or opset >= 14:
+        return attribute is not None and attribute.as_int() == 1
+    test = node.attributes.get("is_test")
+    if opset <= 6 and test is not None and test.as_int() == 1:
+        return False
+    return any(v is not None and v.name for v in list(node.outputs)[1:])
 
 
 def _einsum_equation(n: ir.Node) -> str | None:
