@@ -3475,6 +3475,33 @@ def test_a_torch_square_through_a_copy_or_a_fused_op_is_held_fp32(how, capture, 
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
 
 
+class _WeightPenalty(nn.Module):
+    """A loss with an L2 penalty on a weight, as vecdot(p, p): the square of a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.p = nn.Parameter(torch.full((64,), 300.0))
+
+    def forward(self, x, y):
+        return F.mse_loss(self.fc(x), y) + 1e-9 * torch.linalg.vecdot(self.p, self.p)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_square_of_a_parameter_is_held_fp32_as_an_activations_is(training):
+    """vecdot(p, p) of a parameter ran FP16: a square of constants is the ONNX constant folder's
+    business, and a parameter counted as one, but nothing folds it in torch (and in training it is
+    no constant): 300^2 summed 64 times was inf, the loss inf where FP32 gives 5.8."""
+    torch.manual_seed(0)
+    model, x, y = _WeightPenalty(), torch.randn(2, 8), torch.randn(2, 8)
+    want = model(x, y)
+    gm, report = amp_rewrite.rewrite(model, example_inputs=(x, y), target="fp16", training=training, report=True)
+    got = gm(x, y).float() / float(getattr(gm, "amp_loss_scale", 1.0))
+    assert torch.isfinite(got).all() and abs(got.item() - want.item()) <= 1e-2 * abs(want.item())
+    [vecdot] = [d for d in report.log.decisions.values() if d.op == "linalg_vecdot"]
+    assert vecdot.precision == Precision.FP32 and "a square" in vecdot.reason
+
+
 class _Fenced(nn.Module):
     """A Gram matrix fenced off FP32 with autocast(enabled=False), or a frozen teacher under
     no_grad; ``fallback``: a data-dependent helper makes torch.export fail (capture='auto' then

@@ -653,8 +653,10 @@ def _square_verdict(node: Node, ctx: Context, verdicts: dict[tuple, _Verdict]) -
         power, slots, word = _SQUARES[node.op_type]
         a, b = (node.inputs[k] if k < len(node.inputs) else None for k in slots)
         base = _same_values(a, b)
-        if base is None or _constant_only(base):
-            return None  # (a square of constants is known: onnx_constants folds it and holds it if it must)
+        if base is None or (_constant_only(base) and not torch_op):
+            # (a square of ONNX constants is known: onnx_constants folds it and holds it if it must;
+            # a torch parameter is not folded, and in training it is no constant)
+            return None
         what = f"{node.op_type} of a value {word} itself"
     probe = Node(power, [], domain=node.domain)
     probe.opset = node.opset
