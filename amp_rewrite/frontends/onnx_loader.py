@@ -1206,7 +1206,7 @@ def schema_slots(op: str, domain: str, opset: int | None, n_in: int, n_out: int)
     group_types = {tc.type_param_str: frozenset(t[len("tensor("):-1] for t in tc.allowed_type_strs
                                                 if t.startswith("tensor("))
                    for tc in schema.type_constraints}
-    ins = (None,) * n_in if op in _TYPE_AGNOSTIC_INPUTS else tuple(_expand(schema.inputs, n_in, type_vars))
+    ins = (None,) * n_in if op in _TYPE_AGNOSTIC_INPUTS else tuple(_expand(schema.inputs, n_in, type_vars, "in"))
     outs = tuple(_expand(schema.outputs, n_out, type_vars))
     for group in (*ins, *outs):  # a heterogeneous variadic slot is a group of its own, "V#0", typed as "V"
         if group is not None and "#" in group:
@@ -1703,7 +1703,11 @@ def _parse_type(type_proto: onnx.TypeProto) -> tuple[DType | None, tuple | None,
     return (_DTYPES.get(tensor.elem_type) if tensor.elem_type else None), shape, None
 
 
-def _expand(formals, count: int, type_vars: set[str]) -> list[str | None]:
+def _expand(formals, count: int, type_vars: set[str], side: str = "") -> list[str | None]:
+    """Per slot of ``count``: its type-constraint name, or None (a fixed type). A heterogeneous
+    variadic slot (If/Loop/Scan) is a group of its own, and an input's is never an output's: Loop's
+    carried values start at input 2 and output 0, and Scan's scan inputs and outputs share no type
+    (an int64 counter beside an FP32 cache was taken for a type clash)."""
     out: list[str | None] = []
     for i in range(count):
         if not formals:
@@ -1716,7 +1720,7 @@ def _expand(formals, count: int, type_vars: set[str]) -> list[str | None]:
         if formal.type_str not in type_vars:
             out.append(None)
         elif formal.option == onnx.defs.OpSchema.FormalParameterOption.Variadic and not formal.is_homogeneous:
-            out.append(f"{formal.type_str}#{i}")  # If/Loop/Scan outputs: each slot has a type of its own
+            out.append(f"{formal.type_str}#{side}{i}")  # If/Loop/Scan: each slot has a type of its own
         else:
             out.append(formal.type_str)
     return out
