@@ -2216,3 +2216,60 @@ def test_a_loop_or_scan_carrying_values_of_different_types_is_rewritten(case):
         assert got[name].dtype == value.dtype
         assert np.array_equal(got[name], value) if value.dtype == np.int64 else rel_err(value, got[name]) < 1e-2
     assert not rewrite(result.model).modified
+
+
+def _greedy_search_model() -> onnx.ModelProto:
+    """com.microsoft GreedySearch around a one-layer GPT-2-convention decoder (inputs input_ids,
+    position_ids, attention_mask, past_0; outputs logits, present_0), its outer inputs named
+    input_ids and attention_mask as well, as onnxruntime's convert_generation writes them."""
+    from onnx import TensorProto as T, helper as h, numpy_helper as nh
+
+    rng = np.random.default_rng(7)
+    vocab, dim = 50, 32
+    inits = [nh.from_array(a, n) for n, a in {
+        "emb": rng.standard_normal((vocab, dim)).astype(np.float32),
+        "pemb": (rng.standard_normal((64, dim)) * 0.5).astype(np.float32),
+        "wk": (rng.standard_normal((dim, dim)) * 0.4).astype(np.float32),
+        "lm": (rng.standard_normal((dim, vocab)) * 0.5).astype(np.float32),
+        "g": np.ones(dim, np.float32), "b": np.zeros(dim, np.float32), "ax0": np.array([0], np.int64),
+        "sh": np.array([0, 0, 1, dim], np.int64)}.items()]
+    nodes = [h.make_node("Gather", ["emb", "input_ids"], ["te"]), h.make_node("Gather", ["pemb", "position_ids"], ["pe"]),
+             h.make_node("Add", ["te", "pe"], ["x"]),
+             h.make_node("LayerNormalization", ["x", "g", "b"], ["xn"], axis=-1),
+             h.make_node("MatMul", ["xn", "wk"], ["k2"]), h.make_node("Reshape", ["k2", "sh"], ["k3"]),
+             h.make_node("Transpose", ["k3"], ["k"], perm=[0, 2, 1, 3]),
+             h.make_node("Split", ["past_0"], ["pk5", "pv5"], axis=0),
+             h.make_node("Squeeze", ["pk5", "ax0"], ["pk"]), h.make_node("Squeeze", ["pv5", "ax0"], ["pv"]),
+             h.make_node("Concat", ["pk", "k"], ["K"], axis=2), h.make_node("Concat", ["pv", "k"], ["V"], axis=2),
+             h.make_node("Unsqueeze", ["K", "ax0"], ["K5"]), h.make_node("Unsqueeze", ["V", "ax0"], ["V5"]),
+             h.make_node("Concat", ["K5", "V5"], ["present_0"], axis=0),
+             h.make_node("MatMul", ["xn", "lm"], ["logits"])]
+    vi = h.make_tensor_value_info
+    decoder = h.make_graph(nodes, "decoder", [
+        vi("input_ids", T.INT32, ["B", "S"]), vi("position_ids", T.INT32, ["B", "S"]),
+        vi("attention_mask", T.INT32, ["B", "T"]), vi("past_0", T.FLOAT, [2, "B", 1, "P", dim])],
+        [vi("logits", T.FLOAT, ["B", "S", vocab]), vi("present_0", T.FLOAT, [2, "B", 1, "T", dim])], inits)
+    search = h.make_node("GreedySearch", ["input_ids", "max_length", "", "", "", "", "attention_mask"], ["sequences"],
+                         domain="com.microsoft", decoder=decoder, eos_token_id=vocab - 1, pad_token_id=0, model_type=0)
+    graph = h.make_graph([search], "search", [vi("input_ids", T.INT32, ["B", "S"]), vi("max_length", T.INT32, [1]),
+                                              vi("attention_mask", T.INT32, ["B", "S"])], [vi("sequences", T.INT32, ["B", "L"])])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    return model
+
+
+def test_a_body_keeps_the_names_of_its_inputs_where_they_shadow_outer_ones():
+    """The IR names each value once per model, so a body input shadowing an outer name was written
+    back as ``input_ids__1``: onnxruntime finds GreedySearch's decoder inputs by name and refused the
+    rewrite ("subgraph input 0 shall be named as input_ids"). A body's formal inputs keep theirs."""
+    model = _greedy_search_model()
+    result = rewrite(model)
+    full_check(result.model)
+    decoder = next(a.g for a in result.model.graph.node[0].attribute if a.name == "decoder")
+    assert [i.name for i in decoder.input] == ["input_ids", "position_ids", "attention_mask", "past_0"]
+    assert [n for n in decoder.node if n.op_type == "Cast"]  # (the decoder's MatMuls went low)
+    feeds = {"input_ids": np.array([[5, 6, 7, 8], [0, 0, 3, 4]], np.int32), "max_length": np.array([16], np.int32),
+             "attention_mask": np.array([[1, 1, 1, 1], [0, 0, 1, 1]], np.int32)}
+    want, got = run(model, feeds)["sequences"], run(result.model, feeds)["sequences"]
+    assert want.shape == got.shape and (want == got).mean() > 0.9  # (tokens: an fp16 argmax may flip a near tie)
+    assert not rewrite(result.model).modified

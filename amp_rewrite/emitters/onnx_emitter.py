@@ -200,9 +200,11 @@ class _Patcher:
             self.values[id(value)] = new
         return self.values[id(value)]
 
-    def patch(self, graph: Graph) -> None:
+    def patch(self, graph: Graph, body: bool = False) -> None:
         origin: ir.Graph = graph.origin
-        for value in list(graph.inputs) + list(graph.initializers.values()):
+        for value in graph.inputs:  # (a body's formal inputs keep their names: see _retype)
+            self._retype(value, rename=not body)
+        for value in graph.initializers.values():
             self._retype(value)
         for value in graph.initializers.values():
             if value.origin is None and "amp.copy_of" in value.meta:
@@ -225,17 +227,21 @@ class _Patcher:
             self._patch_node(node)
             previous = node.origin
             for sub in node.all_subgraphs():
-                self.patch(sub)
+                self.patch(sub, body=True)
         for i, value in enumerate(graph.outputs):
             target = self.ir_value(value)
             if origin.outputs[i] is not target:
                 origin.outputs[i] = target
 
-    def _retype(self, value: Value) -> None:
+    def _retype(self, value: Value, rename: bool = True) -> None:
+        """``value``'s type, and the name the IR gave it (:func:`~amp_rewrite.frontends.onnx_loader._unique_value_names`),
+        on its ONNX value. A body's formal inputs keep theirs (``rename=False``): a name may shadow
+        an outer one there, and some ops find a body's inputs by name (onnxruntime's GreedySearch
+        refused a decoder whose ``input_ids`` had become ``input_ids__1``)."""
         o = value.origin
         if o is None:
             return
-        if o.name != value.name:
+        if rename and o.name != value.name:
             o.name = value.name
         if value.dtype is not None and (o.dtype is None or int(o.dtype) != int(value.dtype)) and "amp.was" in value.meta:
             o.dtype = ir.DataType(int(value.dtype))
