@@ -152,9 +152,10 @@ class NodeRule:
             if fnmatch.fnmatchcase(name, self.pattern):
                 return True
             # a torch node is named <dotted module path>/<fx name> (b1.fc/linear): a glob of a path
-            # with slashes, as ONNX names are written ('b1/*'), names its submodules' nodes too
+            # with slashes, as ONNX names are written ('b1/*'), names its submodules' nodes too (an
+            # ONNX name has slashes in its path, '/enc/layer.0/fc/MatMul': its dots stay dots)
             path, slash, leaf = name.rpartition("/")
-            return bool(slash) and "." in path and "/" in self.pattern and \
+            return bool(slash) and "." in path and "/" not in path and "/" in self.pattern and \
                 fnmatch.fnmatchcase(f"{path.replace('.', '/')}/{leaf}", self.pattern)
         return name == self.pattern
 

@@ -344,6 +344,10 @@ def test_torch_user_file_and_custom_domain(tmp_path):
         ("b1/*", "b10.fc/linear", False),
         ("b1/*", "b2.fc/linear", False),
         ("b1.fc/*", "b1.fc/linear", True),
+        # an ONNX name has slashes in its path: its dots stay dots ('layer/0' is not 'layer.0')
+        ("/enc/layer/0/*", "/enc/layer.0/fc/MatMul", False),
+        ("/enc/layer/*", "/enc/layer.1/fc/MatMul", False),
+        ("/enc/layer.0/*", "/enc/layer.0/fc/MatMul", True),
     ],
 )
 def test_node_rule_matching(pattern, name, expected):
