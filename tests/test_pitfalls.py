@@ -1194,33 +1194,6 @@ def test_an_epsilon_the_low_type_flushes_to_zero_keeps_its_sum_and_division_fp32
     assert bf16.log.decisions["Div:q"].precision == Precision.LOW
 
 
-@pytest.mark.parametrize("guard", [
-    "a = Sum(r, eps)",
-    "lt = Less(r, eps)\n      a = Where(lt, eps, r)",
-    "e = Relu(eps)\n      a = Add(r, e)"])
-def test_an_epsilon_guard_spelled_as_sum_where_or_through_a_relu_keeps_fp32(guard):
-    """The same guard written as a variadic Sum, as ``Where(Less(r, eps), eps, r)`` (compared in
-    FP16, 1e-8 is 0: ``r < 0`` is never true of a zero, and the zero was kept) or through a Relu of
-    the epsilon: the epsilon was lost and every zero of the Relu gave 0/0 = NaN."""
-    model = make_model(f"""
-    <ir_version: 10, opset_import: ["" : 18]>
-    g (float[4,8] x) => (float[4,8] y) {{
-      h = MatMul(x, w)
-      r = Relu(h)
-      {guard}
-      q = Div(r, a)
-      y = MatMul(q, w2)
-    }}""", {"w": (8, 8), "w2": (8, 8), "eps": np.array(1e-8, np.float32)})
-    result = rewrite(model)
-    full_check(result.model)
-    assert result.log.decisions["Div:q"].precision == Precision.FP32
-    assert [d for d in result.log.decisions.values() if "below fp16's smallest value" in d.reason]
-    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
-    assert_emulated_close(model, result.model, feeds)
-    assert not rewrite(result.model).modified
-    assert rewrite(model, target="bf16").log.decisions["Div:q"].precision == Precision.LOW
-
-
 @pytest.mark.parametrize(("op", "reduction", "low"), [
     ("ScatterElements", "add", False), ("ScatterElements", "mul", False), ("ScatterElements", "max", True),
     ("ScatterElements", "none", True), ("ScatterND", "add", False)])
@@ -1485,10 +1458,17 @@ def test_a_comparison_of_a_low_value_with_a_constant_compares_in_the_low_type():
         assert not rewrite(result.model, placement=placement).modified
 
 
-@pytest.mark.parametrize("guard", ["a = Max(r, eps)", "a = Clip(r, eps)"])
-def test_a_lower_bound_the_low_type_flushes_to_zero_keeps_its_guard_and_division_fp32(guard):
+@pytest.mark.parametrize(("guard", "node", "said"), [
+    ("a = Max(r, eps)", "Max:a", "bounds below by 'eps'"), ("a = Clip(r, eps)", "Clip:a", "bounds below by 'eps'"),
+    # a variadic Sum; the guard Where(Less(r, eps), eps, r), whose comparison in FP16 tests r < 0
+    # (never true of a zero, which was kept); an Add of Relu(eps)
+    ("a = Sum(r, eps)", "Sum:a", "adds 'eps'"),
+    ("lt = Less(r, eps)\n      a = Where(lt, eps, r)", "Less:lt", "compares with 'eps'"),
+    ("e = Relu(eps)\n      a = Add(r, e)", "Add:a", "adds 'e'")])
+def test_a_lower_bound_the_low_type_flushes_to_zero_keeps_its_guard_and_division_fp32(guard, node, said):
     """x / clamp_min(r, 1e-8) (Clip's min, or Max): in FP16 the bound was 0, so a zero row divided
-    0 by 0 (NaN, exit 0), as the Add form did before it was fixed."""
+    0 by 0 (NaN, exit 0), as the Add form did before it was fixed; so did the guard written as a
+    Sum, a Where with its comparison, or an Add of a Relu of the epsilon."""
     model = make_model(f"""
     <ir_version: 10, opset_import: ["" : 18]>
     g (float[4,8] x) => (float[4,8] y) {{
@@ -1500,16 +1480,16 @@ def test_a_lower_bound_the_low_type_flushes_to_zero_keeps_its_guard_and_division
     }}""", {"w": (8, 8), "w2": (8, 8), "eps": np.array(1e-8, np.float32)})
     result = rewrite(model)
     full_check(result.model)
-    op = guard.split("= ")[1].split("(")[0]
-    assert result.log.decisions[f"{op}:a"].precision == Precision.FP32
+    assert result.log.decisions[node].precision == Precision.FP32
     assert result.log.decisions["Div:q"].precision == Precision.FP32
-    assert "bounds below by 'eps' holding 1e-08" in result.log.decisions[f"{op}:a"].reason
+    assert f"{said} holding 1e-08" in result.log.decisions[node].reason
     feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
     assert_emulated_close(model, result.model, feeds)
     assert not rewrite(result.model).modified
+    bf16 = rewrite(model, target="bf16").log.decisions.values()  # (bf16 holds 1e-8)
+    assert not [d for d in bf16 if "smallest value" in d.reason]
 
 
-@pytest.mark.parametrize("placement", ["greedy", "optimal"])
 def test_a_value_multiplied_by_itself_is_a_square_held_fp32_like_pow(placement):
     """``torch.square(h)`` exports as ``Mul(h, h)``. It ran FP16 while ``Pow(h, 2)`` is denied
     (x^2 overflows fp16 for |x| > 256): a squared-ReLU MLP with activations near 1000 gave inf/NaN.
