@@ -1490,6 +1490,7 @@ def test_a_lower_bound_the_low_type_flushes_to_zero_keeps_its_guard_and_division
     assert not [d for d in bf16 if "smallest value" in d.reason]
 
 
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
 def test_a_value_multiplied_by_itself_is_a_square_held_fp32_like_pow(placement):
     """``torch.square(h)`` exports as ``Mul(h, h)``. It ran FP16 while ``Pow(h, 2)`` is denied
     (x^2 overflows fp16 for |x| > 256): a squared-ReLU MLP with activations near 1000 gave inf/NaN.
