@@ -94,9 +94,7 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
         lost = _vanishes(node, ctx.low, folds)
         if lost is not None:
             name, value = lost
-            verb = {"Add": "adds", "Sub": "adds", "Sum": "adds", "Where": "selects", "Less": "compares with",
-                    "LessOrEqual": "compares with", "Greater": "compares with",
-                    "GreaterOrEqual": "compares with"}.get(node.op_type, "bounds below by")
+            verb = _GUARDS[node.op_type][1]
             node.meta[LOST_EPSILON] = (f"{verb} {name!r} holding {value:g}, below {short}'s smallest value (it "
                                        f"becomes 0 there: the epsilon is lost, and x / (x + eps) is 0/0): it "
                                        f"keeps FP32, and so do the nodes after it up to a low-precision op")
@@ -157,10 +155,13 @@ def _kernel_scalar_lost(node: Node, low: DType) -> tuple[str, float, str] | None
     return None
 
 
-# ops that keep a value away from zero with a constant, and the inputs where that constant sits
-_GUARDS = {"Add": slice(None), "Sub": slice(None), "Sum": slice(None), "Max": slice(None), "Clip": slice(1, 2),
-           "Where": slice(1, 3), "Less": slice(None), "LessOrEqual": slice(None), "Greater": slice(None),
-           "GreaterOrEqual": slice(None)}
+# ops that keep a value away from zero with a constant: the inputs where that constant sits, and
+# what the op does with it (the reason's verb)
+_GUARDS = {"Add": (slice(None), "adds"), "Sub": (slice(None), "adds"), "Sum": (slice(None), "adds"),
+           "Max": (slice(None), "bounds below by"), "Clip": (slice(1, 2), "bounds below by"),
+           "Where": (slice(1, 3), "selects"), "Less": (slice(None), "compares with"),
+           "LessOrEqual": (slice(None), "compares with"), "Greater": (slice(None), "compares with"),
+           "GreaterOrEqual": (slice(None), "compares with")}
 
 
 def _vanishes(node: Node, low: DType, folds: dict[int, object]) -> tuple[str, float] | None:
@@ -175,7 +176,7 @@ def _vanishes(node: Node, low: DType, folds: dict[int, object]) -> tuple[str, fl
     report.)"""
     if node.domain != "" or node.op_type not in _GUARDS:
         return None
-    for value in node.inputs[_GUARDS[node.op_type]]:
+    for value in node.inputs[_GUARDS[node.op_type][0]]:
         data = _folded(value, folds)
         if data is None or data.size == 0:
             continue

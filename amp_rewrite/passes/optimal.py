@@ -71,7 +71,7 @@ Safety, never less than greedy's:
   Add, as bf16's 8 significant bits round 1 + 0.002 to 1, and what greedy kept FP32 before such a
   sum or a log1p: ``log(1 - sigmoid(z))`` keeps its sigmoid, which is 1 in bf16 from z = 5.5, and
   ``log(1 - tanh(u)**2)`` its tanh, 1 in fp16 from u = 4.2), and a sum with a constant addend
-  (:data:`_OFFSETTING`: an ONNX constant, a torch Python number) with the nodes moving weights
+  (:data:`_ABSORBING` too: an ONNX constant, a torch Python number) with the nodes moving weights
   into it (a schedule table's Gather): the constant sets the sum's scale, so the low type rounds
   the sum to its spacing there and the constant offline (anchor centres at 2000 px: 2 px in FP16;
   ``1 - alphas_cumprod[t]``: 15% off in FP16, 0 in BF16);
@@ -147,10 +147,9 @@ _UNDERFLOWING = {"Softmax", "Sigmoid", "softmax", "_softmax", "sigmoid"}
 _SMALL_VALUE_READERS = {"Log", "Reciprocal", "Div", "Pow", "log", "log2", "log10", "reciprocal", "rsqrt", "div",
                         "true_divide", "pow", "xlogy", "special_xlog1py"}
 _WIDENING = _OVERFLOWING | _UNDERFLOWING
-# sums whose small addend the low type's few significant bits drop, fatal before a log
+# sums whose small addend the low type's few significant bits drop, fatal before a log; and sums
+# whose constant addend sets their scale: precision lost to the low type's spacing there
 _ABSORBING = {"Add", "Sub", "Sum", "add", "sub", "rsub"}
-# sums whose constant addend sets their scale: precision lost to the low type's spacing there
-_OFFSETTING = _ABSORBING
 _LOGS = {"Log", "log", "log2", "log10", "log1p"}
 # logs with a sum of their own: log1p(-y) is log(1 - y), as absorbing as the spelled-out sum
 _SUMMING_LOGS = {"log1p", "special_xlog1py"}
@@ -454,7 +453,7 @@ class Problem:
         stack: list[Value] = []
         for i in self.free:
             node = self.nodes[i]
-            if self.greedy[i] or i in self.branch_nodes or node.op_type not in _OFFSETTING:
+            if self.greedy[i] or i in self.branch_nodes or node.op_type not in _ABSORBING:
                 continue
             addends = [node.inputs[k] for k in self.group_in[i] if node.inputs[k] is not None]
             literal = any(slot != ("kwargs", "alpha") for slot, _ in node.meta.get("amp.scalars", ()))  # (torch: 1 - a)
