@@ -2146,38 +2146,38 @@ def test_a_training_mode_batchnorm_keeps_fp32(keep_io_types, opset):
     assert not rewrite(result.model, keep_io_types=keep_io_types).modified
 
 
+def _counting_loop(order: str) -> str:
+    """A generation loop: an int64 position counter ``n`` carried beside an FP32 input row ``x`` and
+    key cache ``c`` growing by Concat, carried in ``order``."""
+    outer = {"n": ("int64 n0", "int64 n_f"), "x": ("float[1,8] x0", "float[1,8] x_f"),
+             "c": ("float[P,8] cache0", "float[T,8] cache_f")}
+    inner = {"n": ("int64 n_in", "int64 n_out"), "x": ("float[1,8] x_in", "float[1,8] x_out"),
+             "c": ("float[C,8] cache_in", "float[D,8] cache_out")}
+
+    def names(table, side):
+        return ", ".join(table[k][side].split()[-1] for k in order)
+
+    def typed(table, side):
+        return ", ".join(table[k][side] for k in order)
+
+    return f"""
+    <ir_version: 10, opset_import: ["" : 17]>
+    g (int64 trip, int64 n0, float[1,8] x0, float[P,8] cache0) => ({typed(outer, 1)}) {{
+      {names(outer, 1)} = Loop(trip, , {names(outer, 0)}) <body = body(int64 i, bool cond, {typed(inner, 0)})
+                                                         => (bool cond_out, {typed(inner, 1)}) {{
+        k = MatMul(x_in, W)
+        cache_out = Concat<axis=0>(cache_in, k)
+        one = Constant<value = int64 {{1}}>()
+        n_out = Add(n_in, one)
+        x_out = Identity(k)
+        cond_out = Identity(cond)
+      }}>
+    }}"""
+
+
 _MIXED_CARRIED = {
-    # a generation loop: an int64 position counter carried beside an FP32 key cache growing by Concat
-    "loop, counter first": """
-    <ir_version: 10, opset_import: ["" : 17]>
-    g (int64 trip, int64 n0, float[1,8] x0, float[P,8] cache0) => (int64 n_f, float[1,8] x_f, float[T,8] cache_f) {
-      n_f, x_f, cache_f = Loop(trip, , n0, x0, cache0) <body = body(int64 i, bool cond, int64 n_in, float[1,8] x_in,
-                                                                    float[C,8] cache_in)
-                                                         => (bool cond_out, int64 n_out, float[1,8] x_out,
-                                                             float[D,8] cache_out) {
-        k = MatMul(x_in, W)
-        cache_out = Concat<axis=0>(cache_in, k)
-        one = Constant<value = int64 {1}>()
-        n_out = Add(n_in, one)
-        x_out = Identity(k)
-        cond_out = Identity(cond)
-      }>
-    }""",
-    "loop, counter last": """
-    <ir_version: 10, opset_import: ["" : 17]>
-    g (int64 trip, int64 n0, float[1,8] x0, float[P,8] cache0) => (float[1,8] x_f, float[T,8] cache_f, int64 n_f) {
-      x_f, cache_f, n_f = Loop(trip, , x0, cache0, n0) <body = body(int64 i, bool cond, float[1,8] x_in,
-                                                                    float[C,8] cache_in, int64 n_in)
-                                                         => (bool cond_out, float[1,8] x_out, float[D,8] cache_out,
-                                                             int64 n_out) {
-        k = MatMul(x_in, W)
-        cache_out = Concat<axis=0>(cache_in, k)
-        one = Constant<value = int64 {1}>()
-        n_out = Add(n_in, one)
-        x_out = Identity(k)
-        cond_out = Identity(cond)
-      }>
-    }""",
+    "loop, counter first": _counting_loop("nxc"),
+    "loop, counter last": _counting_loop("xcn"),
     # token ids scanned in (int64), logits scanned out (FP32) at the same position
     "scan, int64 in and FP32 out": """
     <ir_version: 10, opset_import: ["" : 17]>

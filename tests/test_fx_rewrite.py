@@ -3020,6 +3020,30 @@ def test_a_mask_sentinel_summed_or_compared_keeps_its_clamp_before_an_allow_op(c
     assert any(n.meta.get("amp_rewrite", {}).get("inserted") == "saturate" for n in gm.graph.nodes)
 
 
+_MORE_COMBINED_MASKS = {  # (found by mutation testing)
+    "rsub(-padding, 0)": lambda pad, causal: torch.rsub(-pad, 0.0),
+    "fmin(padding, causal)": lambda pad, causal: torch.fmin(pad, causal),
+    "fmax(padding, finfo.min)": lambda pad, causal: torch.fmax(pad.expand(-1, 5, -1), torch.tensor(_MIN)),
+    "max(padding, causal)": lambda pad, causal: torch.max(pad.expand(-1, 5, -1), causal),
+}
+
+
+
+@pytest.mark.parametrize("combine", list(_MORE_COMBINED_MASKS))
+def test_more_mask_combinations_keep_their_clamp(combine):
+    """(kills F9: rsub, F11: fmin/fmax, F13: two-tensor max) every op of _MAGNITUDE_KEEPING passes
+    the sentinel on: the combined mask is clamped before baddbmm, not -inf (NaN in a padded row)."""
+    torch.manual_seed(0)
+    model = _CombinedMaskAttention(_MORE_COMBINED_MASKS[combine]).eval()
+    x, allowed = torch.randn(2, 5, 8), torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    gm = amp_rewrite.rewrite(model, example_inputs=(x, allowed), target="fp16")
+    with torch.no_grad():
+        out, ref = gm(x, allowed), model(x, allowed)
+    assert torch.isfinite(ref).all() and torch.isfinite(out).all()
+    assert (out[0] - ref[0]).abs().max() <= 5e-3 * ref[0].abs().max()
+    assert any(n.meta.get("amp_rewrite", {}).get("inserted") == "saturate" for n in gm.graph.nodes)
+
+
 class _MaskBufferAttention(nn.Module):
     def __init__(self) -> None:
         super().__init__()
