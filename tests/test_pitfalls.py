@@ -760,6 +760,75 @@ def test_angles_from_a_float_input_are_left_to_painting():
     assert result.log.decisions["MatMul:fr"].precision == Precision.LOW
 
 
+def _alibi_step(bias_from: str) -> onnx.ModelProto:
+    """One decode step of an attention with an ALiBi bias, as BLOOM and Falcon build it: ``slope *
+    (cumsum(mask) - 1)`` (``bias_from="cumsum"``) or ``slope * range(n)`` (``"range"``), added to
+    the scores beside a padding mask ``(1 - mask) * -10000``; ``"mask"``: the padding mask only."""
+    positions = {"cumsum": "cs = CumSum(mask, ax)\n      pos = Sub(cs, one_i)",
+                 "range": "n = Shape<start=1, end=2>(mask)\n      ns = Squeeze(n)\n      pos = Range(zero_i, ns, one_i)"}
+    bias = "" if bias_from == "mask" else f"""{positions[bias_from]}
+      pf = Cast<to=1>(pos)
+      bias = Mul(slope, pf)
+      sb = Add(s2, bias)"""
+    text = f"""
+    <ir_version: 10, opset_import: ["" : 17]>
+    g (float[1,1,8] x, int64[1,N] mask, float[1,N,8] k, float[1,N,8] v) => (float[1,1,8] y) {{
+      q = MatMul(x, wq)
+      kt = Transpose<perm=[0, 2, 1]>(k)
+      s = MatMul(q, kt)
+      s2 = Mul(s, scale)
+      {bias or "sb = Identity(s2)"}
+      mf = Cast<to=1>(mask)
+      inv = Sub(one_f, mf)
+      mb = Mul(inv, neg)
+      sm = Add(sb, mb)
+      p = Softmax<axis=-1>(sm)
+      a = MatMul(p, v)
+      y = MatMul(a, wo)
+    }}"""
+    return make_model(text, {"wq": (8, 8), "wo": (8, 8), "scale": np.array(8 ** -0.5, np.float32),
+                             "ax": np.array(1, np.int64), "one_i": np.array(1, np.int64),
+                             "zero_i": np.array(0, np.int64), "slope": np.array(0.7071, np.float32),
+                             "one_f": np.array(1.0, np.float32), "neg": np.array(-10000.0, np.float32)})
+
+
+@pytest.mark.parametrize("bias_from", ["cumsum", "range"])
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_an_alibi_bias_from_positions_keeps_the_scores_fp32_up_to_the_softmax(placement, target, bias_from):
+    """The bias was computed FP32 but cast to the low type before the score Add: at 3000 positions
+    it is near 2100, where fp16's spacing is 2 and bf16's 16, so every logit was rounded (the
+    output 0.54 off in fp16, 0.95 in bf16; 2e-4 / 2.5e-3 now). The Add, the mask Add after it and
+    the Softmax keep FP32, as torch's type promotion does; the MatMuls stay low."""
+    from amp_rewrite.emulate import emulate_low
+
+    model = _alibi_step(bias_from)
+    result = rewrite(model, placement=placement, target=target)
+    full_check(result.model)
+    decisions = result.log.decisions
+    for name in ("Add:sb", "Add:sm", "Softmax:p"):
+        assert decisions[name].precision == Precision.FP32, name
+        assert "bias computed from positions" in decisions[name].reason, name
+    for name in ("MatMul:s", "MatMul:a", "MatMul:y"):
+        assert decisions[name].precision == Precision.LOW, name
+    n = 3000
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((1, 1, 8)).astype(np.float32), "mask": np.ones((1, n), np.int64),
+             "k": rng.standard_normal((1, n, 8)).astype(np.float32),
+             "v": rng.standard_normal((1, n, 8)).astype(np.float32)}
+    emulated, _ = emulate_low(result.model, FP16 if target == "fp16" else BF16)
+    assert rel_err(run(model, feeds)["y"], run(emulated, feeds)["y"]) < (5e-3 if target == "fp16" else 2e-2)
+    assert not rewrite(result.model, placement=placement, target=target).modified
+
+
+def test_a_padding_mask_alone_is_no_position_bias():
+    """``(1 - mask) * -10000`` converts the mask itself (no CumSum, no Range): the score Add and the
+    Softmax stay low, as before."""
+    result = rewrite(_alibi_step("mask"))
+    for name in ("Add:sm", "Softmax:p"):
+        assert result.log.decisions[name].precision == Precision.LOW, name
+
+
 @pytest.mark.parametrize("placement", ["optimal", "greedy"])
 def test_a_castlike_of_integers_read_in_fp32_is_no_round_trip(placement):
     """CastLike(ids, h) takes h's type: with h FP16 its output was FP16 and cast back to FP32 for

@@ -65,6 +65,7 @@ def classify(model: Model, ctx: Context) -> PassResult:
             _pin_on_fixed_fp32(node, ctx, names, fixed)
     _keep_position_arguments_fp32(angles, ctx)
     _keep_integer_arithmetic_fp32(to_integer, ctx)
+    _keep_position_biases_fp32(model, ctx)
     _dequantize_weights_low(dequantized, ctx, names)
     if calls:
         listed = ", ".join(f"{name} ×{n}" for name, n in sorted(calls.items()))
@@ -572,32 +573,139 @@ def _keep_integer_arithmetic_fp32(casts: list[Node], ctx: Context) -> None:
             f"integers exactly only up to {exact}"))
 
 
+# ops through which a float computed from positions keeps a position's magnitude (affine arithmetic
+# and data movement): ALiBi's slope * position, or -|i - j| * slope
+_POSITION_KEEPING = frozenset({"Cast", "Mul", "Add", "Sub", "Div", "Neg", "Abs", "Unsqueeze", "Squeeze", "Reshape",
+                               "Expand", "Transpose", "Slice", "Concat", "Tile", "Identity", "Flatten", "Gather",
+                               "Range", "CumSum"})
+# ops that carry a biased score on to the softmax reading it (a mask added or applied, a scale)
+_SCORE_CARRYING = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Max", "Min", "Clip", "Reshape", "Transpose",
+                             "Unsqueeze", "Squeeze", "Expand", "Slice", "Identity"})
+_SCORE_READERS = frozenset({"Softmax", "LogSoftmax"})
+
+
+def _keep_position_biases_fp32(model: Model, ctx: Context) -> None:
+    """A float computed from positions (a CumSum or Range of integers, converted to float) and
+    added to an activation is an ALiBi bias (BLOOM and Falcon: ``slope * (cumsum(mask) - 1)``):
+    it grows with the sequence (0.707 × 4000 ≈ 2800, where fp16's spacing is 2 and bf16's 16),
+    so the Add and what carries its sum on to the Softmax reading it keep FP32, as torch's type
+    promotion keeps ``fp16 scores + fp32 bias``. Cast low before the Add, the bias rounded every
+    logit by up to 1 (fp16) / 8 (bf16): a 1-layer decoder's logits were 4.7e-2 off at 4000
+    positions (fp16) and 0.14 (bf16), 4e-4 and 3e-3 with the hold. A bias looked up by position
+    (T5's relative buckets, a position-embedding row) is a weight and bounded: not held."""
+    if ctx.low is None:
+        return
+    low = ctx.low.short
+    for node in model.graph.walk():
+        if (node.op_type not in ("Add", "Sub") or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2
+                or not node.meta.get("amp.participates")
+                or node.meta.get("amp.category") not in (Category.ALLOW, Category.INFER, Category.CLEAR)):
+            continue
+        kinds = [_position_kind(v, node) for v in node.inputs]
+        if "positions" not in kinds or "activation" not in kinds:
+            continue
+        reason = (f"adds to an activation a bias computed from positions (ALiBi: a CumSum or Range of integers, "
+                  f"scaled): kept FP32 up to the softmax reading it, as the bias grows with the sequence and "
+                  f"{low} rounds it ({low} spacing is {2.0 if ctx.low == DType.FLOAT16 else 16.0:g} at 2048; "
+                  f"torch's type promotion keeps fp16 scores + an FP32 bias FP32)")
+        for member in _score_chain(node):
+            category = member.meta.get("amp.category")
+            if member.meta.get("amp.participates") and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
+                _fix_fp32(member, category, reason, "classify")
+
+
+def _position_kind(value: Value | None, node: Node) -> str:
+    """``positions`` where ``value`` is a float computed only from constants and integers, through
+    :data:`_POSITION_KEEPING` ops, with a CumSum or Range among them (not a mask: ``1 - mask``
+    converts the mask itself); ``constant`` where it is computed from constants and integers
+    otherwise; ``activation`` else."""
+    if value is None or value.dtype is None or not value.dtype.is_float:
+        return "constant"
+    if value.is_constant or "fx.lifted_tensor" in value.meta:
+        return "constant"
+    cone = _cone_of([value], node.graph)
+    if cone is None:
+        return "activation"
+    if any(member.op_type not in _POSITION_KEEPING or member.domain not in ("", "ai.onnx") for member in cone):
+        return "constant"
+    if any(member.op_type in ("Range", "CumSum") for member in cone):
+        return "positions"
+    casts = [m for m in cone if m.op_type == "Cast" and m.inputs and m.inputs[0] is not None]
+    return "positions" if any(_counts_positions(c.inputs[0]) for c in casts) else "constant"
+
+
+def _counts_positions(value: Value) -> bool:
+    """Whether an integer ``value`` is computed by a CumSum or Range through integer arithmetic
+    (a bool, a comparison's result, is a mask: not walked)."""
+    stack, seen = [value], set()
+    while stack and len(seen) <= _CONE_LIMIT:
+        value = stack.pop()
+        if value is None or id(value) in seen or value.dtype is None or value.dtype.is_float \
+                or value.dtype == DType.BOOL:
+            continue
+        seen.add(id(value))
+        producer = value.producer
+        if producer is None or producer.domain not in ("", "ai.onnx"):
+            continue
+        if producer.op_type in ("Range", "CumSum"):
+            return True
+        if producer.op_type in _POSITION_KEEPING:
+            stack.extend(producer.inputs[:1] if producer.op_type == "Gather" else producer.inputs)
+    return False
+
+
+def _score_chain(node: Node) -> list[Node]:
+    """``node`` and the nodes carrying its output on to a Softmax or LogSoftmax (included), through
+    :data:`_SCORE_CARRYING` ops of its scope."""
+    chain, stack, seen = [], [node], set()
+    while stack and len(chain) <= _CONE_LIMIT:
+        member = stack.pop()
+        if id(member) in seen:
+            continue
+        seen.add(id(member))
+        chain.append(member)
+        if member.op_type in _SCORE_READERS:
+            continue
+        for out in member.outputs:
+            stack.extend(reader for reader in out.consumers() if reader.graph is node.graph
+                         and reader.domain in ("", "ai.onnx")
+                         and (reader.op_type in _SCORE_CARRYING or reader.op_type in _SCORE_READERS))
+    return chain
+
+
 def _position_cone(node: Node) -> list[Node]:
     """The nodes computing ``node``'s float inputs, if every source they reach is an integer tensor
     (through its conversion to float), a constant or a factory; else (a float graph input, an
     outer-scope value, a control-flow node, more than :data:`_CONE_LIMIT` nodes) none."""
+    return _cone_of([v for v in node.inputs if v is not None], node.graph) or []
+
+
+def _cone_of(values: list[Value], graph) -> list[Node] | None:
+    """The nodes of ``graph`` computing ``values`` from integer tensors, constants and factories,
+    or None where they read a float graph input, an outer-scope value or a control-flow node (or
+    take more than :data:`_CONE_LIMIT` nodes)."""
     cone: list[Node] = []
     seen: set[int] = set()
-    stack = [v for v in node.inputs if v is not None]
+    stack = list(values)
     while stack:
         value = stack.pop()
         if id(value) in seen:
             continue
         seen.add(id(value))
         if value.dtype is None:
-            return []
+            return None
         if not value.dtype.is_float:
             continue  # integer data: positions, shapes, indices
         if value.is_constant or "fx.lifted_tensor" in value.meta:  # (a buffer torch.compile passes in)
             continue
         producer = value.producer
-        if producer is None or producer.graph is not node.graph or producer.all_subgraphs():
-            return []  # a float graph input or outer-scope value: an activation, not positions
+        if producer is None or producer.graph is not graph or producer.all_subgraphs():
+            return None  # a float graph input or outer-scope value: an activation, not positions
         if id(producer) not in seen:
             seen.add(id(producer))
             cone.append(producer)
             if len(cone) > _CONE_LIMIT:
-                return []
+                return None
             inputs = producer.inputs
             if producer.op_type == "Range" and producer.domain in ("", "com.microsoft") and len(inputs) == 3:
                 # start + i * delta: positions however far the limit goes (a float graph input or a
