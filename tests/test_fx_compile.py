@@ -704,3 +704,18 @@ def test_compile_clamps_lifted_module_tensors_past_the_range_where_it_casts_them
         inference = amp_rewrite.rewrite(model, example_inputs=(x,), target="fp16")(x)
     assert torch.isfinite(out).all()
     assert (out - inference).abs().max() <= 1e-2 * inference.abs().max()
+
+
+def test_compile_passes_the_gradient_of_a_clamped_lifted_parameter_straight_through():
+    """Under torch.compile the parameters are graph inputs cast at use; one of 1e5 is clamped at
+    65504, and the clamp's backward zeroed its gradient (the weight stuck out of range for good).
+    The clamp of a value that requires a gradient passes it straight through."""
+    from test_training import _big_master
+
+    x, y = torch.full((4, 8), 1e-3), torch.zeros(4, 2)
+    model, reference = _big_master(1e5), _big_master(65504.0)
+    compiled = torch.compile(model, backend="amp_rewrite", options={"target": "fp16", "backend": "aot_eager"})
+    compiled(x, y).backward()
+    reference(x, y).backward()
+    assert float(reference.fc.weight.grad[0, 0]) != 0.0
+    assert torch.allclose(model.fc.weight.grad, reference.fc.weight.grad, rtol=1e-2, atol=1e-6)

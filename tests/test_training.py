@@ -1930,3 +1930,72 @@ def test_attention_over_a_row_that_sees_no_key_keeps_finite_gradients_when_the_c
     for name, p in gm.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
         assert (p.grad - reference[name]).norm() <= 0.05 * reference[name].norm(), name
+
+
+class _BigMasterWeight(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 2)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.fc(x), y)
+
+
+def _big_master(value: float) -> _BigMasterWeight:
+    torch.manual_seed(0)
+    model = _BigMasterWeight()
+    with torch.no_grad():
+        model.fc.weight[0, 0] = value
+        model.fc.weight[1, 3] = 1e-9  # (below fp16's smallest subnormal: flushed by the cast)
+    return model
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_master_weight_past_the_range_keeps_its_gradient_through_the_clamp_and_is_counted(capture):
+    """The cast at use of a master weight holding 1e5 clamps it at 65504; a plain clamp's backward
+    zeroed that element's gradient at every step, so the weight could never move back into range,
+    and the summary said 0 values clamped. The clamp passes its gradient straight through (that of
+    the weight at 65504), and the values the cast clamps or flushes are counted."""
+    x, y = torch.full((4, 8), 1e-3), torch.zeros(4, 2)
+    model = _big_master(1e5)
+    gm, report = amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x, y), training=True, target="fp16",
+                                     capture=capture, report=True)
+    gm.graph.lint()
+    weights = report.summary()["weights"]
+    assert (weights["clamped"], weights["flushed_to_zero"]) == (1, 1)
+    assert any("1 values clamped at ±65504, 1 flushed to zero" in line for line in report.summary_text().splitlines())
+    loss = gm(x, y)
+    loss.backward()
+    scale = float(gm.amp_loss_scale)
+    # the reference: the same step with the weight clamped in FP32 first (its gradient that of 65504)
+    clamped = copy.deepcopy(model)
+    with torch.no_grad():
+        clamped.fc.weight.clamp_(-65504, 65504)
+    clamped(x, y).backward()
+    want, got = clamped.fc.weight.grad, gm.fc.weight.grad / scale
+    assert float(want[0, 0]) != 0.0
+    assert torch.allclose(got, want, rtol=1e-2, atol=1e-6)
+    reference = float(clamped(x, y).detach())
+    assert abs(float(loss.detach()) / scale - reference) <= 1e-2 * reference
+    with torch.no_grad():
+        gm.fc.weight -= gm.fc.weight.grad  # (the master weight moves)
+    assert float(gm.fc.weight.detach()[0, 0]) < 1e5
+
+
+def test_loading_a_master_weight_past_the_range_into_a_training_rewrite_is_said():
+    """The README's resume recipe (rewrite, then load the checkpoint) with a weight of 1e5: the
+    inference rewrite warned and clamped, the training rewrite said nothing and its cast made inf
+    (loss inf at every step). Now it warns, saying the cast does not clamp and what to do; a
+    weight the rewrite saw past the range is clamped at use, and the warning says that."""
+    x, y = torch.full((4, 8), 1e-3), torch.zeros(4, 2)
+    checkpoint = _big_master(1e5).state_dict()
+    gm = amp_rewrite.rewrite(_big_master(1.0), example_inputs=(x, y), training=True, target="fp16")
+    with pytest.warns(RuntimeWarning, match=r"'fc.weight' holds 1 value\(s\) beyond float16's range.*without a clamp"):
+        gm.load_state_dict(checkpoint)
+    clamping = amp_rewrite.rewrite(_big_master(2e5), example_inputs=(x, y), training=True, target="fp16")
+    with pytest.warns(RuntimeWarning, match=r"'fc.weight' holds 1 value\(s\).*clamped at ±65504"):
+        clamping.load_state_dict(checkpoint)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gm.load_state_dict(_big_master(1.0).state_dict())  # (in range: nothing to say)
+    assert torch.isfinite(clamping(x, y))

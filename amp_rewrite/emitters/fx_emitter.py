@@ -108,6 +108,7 @@ class _Emitter:
         self.first_index = self.position.get(self.first_compute, len(self.position))
         self.unread_attrs: list[fx.Node] = []
         self.converted: set[int] = set()  # id() of the converted tensors (held by the module)
+        self.counted: set[int] = set()  # id() of the master weights cast at use whose values were counted
         # id(module tensor) -> (it, every path the module holds it by): a tied weight has several
         self.tensor_paths: dict[int, tuple[torch.Tensor, list[str]]] = {}
 
@@ -314,14 +315,14 @@ class _Emitter:
                 return self.graph.inserting_after(src)
         name = _identifier(node.name)
         limit = node.meta.get("amp.saturate")
+        if self.training and src.op == "get_attr" and dtype in (torch.float16, torch.bfloat16):
+            self._count_cast_at_use(src, dtype, saturates=limit is not None)
         if limit is not None:  # (a mask fill: clamped first, as a constant converted offline is)
-            target = torch.ops.aten.clamp.default if self.aten else torch.clamp
-            with where():
-                clamped = self.graph.create_node("call_function", target, (src, -limit, limit),
-                                                 name=_identifier(f"{node.name}_saturate"))
-            _set_meta_dtype(clamped, (), DTYPE_TO_TORCH[value.dtype], template=src, template_path=())
-            _copy_debug_meta(consumer if consumer is not None else src, clamped)
-            clamped.meta[TAG] = {"inserted": "saturate", "name": node.name, "reason": node.meta.get("amp.reason", "")}
+            clamped = self._saturate(src, limit, node.name, where)
+            for made in _chain(clamped, src):
+                _set_meta_dtype(made, (), DTYPE_TO_TORCH[value.dtype], template=src, template_path=())
+                _copy_debug_meta(consumer if consumer is not None else src, made)
+                made.meta[TAG] = {"inserted": "saturate", "name": node.name, "reason": node.meta.get("amp.reason", "")}
             src = clamped
 
             def where():  # (the cast reads the clamp: right after it)
@@ -336,6 +337,47 @@ class _Emitter:
         _copy_debug_meta(consumer if consumer is not None else src, new)  # graph outputs: the producer's
         new.meta[TAG] = {"inserted": "cast", "name": node.name, "reason": node.meta.get("amp.reason", "")}
         self.fx_of[id(node.outputs[0])] = new
+
+    def _saturate(self, src: fx.Node, limit: float, name: str, where) -> fx.Node:
+        """``src`` clamped at ``limit``. A training rewrite's clamp passes its gradient straight
+        through (``clamp(w).detach() + (w - w.detach())``: the clamped value, exactly, and a gradient
+        of 1): a master weight past ±65504 read through a plain clamp got a zero gradient at every
+        step, so it could never move back into range (F1 of the trainparams hunt: still 1e5 after
+        three SGD steps, where FP32 moved it)."""
+        last: list[fx.Node] = []
+
+        def call(op, aten_op, *args, suffix=""):  # (each after the one before: a chain in order)
+            with where() if not last else self.graph.inserting_after(last[-1]):
+                last.append(self.graph.create_node("call_function", aten_op if self.aten else op, args,
+                                                   name=_identifier(f"{name}_saturate{suffix}")))
+            return last[-1]
+        clamped = call(torch.clamp, torch.ops.aten.clamp.default, src, -limit, limit)
+        if not (self.training or _requires_grad(src)):  # (torch.compile: a lifted parameter)
+            return clamped
+        held = call(torch.detach, torch.ops.aten.detach.default, clamped, suffix="_value")
+        still = call(torch.detach, torch.ops.aten.detach.default, src, suffix="_source")
+        zero = call(operator.sub, torch.ops.aten.sub.Tensor, src, still, suffix="_zero")
+        return call(operator.add, torch.ops.aten.add.Tensor, held, zero, suffix="_straight_through")
+
+    def _count_cast_at_use(self, src: fx.Node, dtype: torch.dtype, saturates: bool) -> None:
+        """A training rewrite casts its FP32 master weights at each use: the values of one the
+        cast clamps or flushes to zero are counted, once per tensor, as a conversion's are (the
+        summary said 0 clamped where the first step clamped one). The weight is listed for
+        :func:`_warn_on_loaded_masters`."""
+        tensor = _fetch(self.gm, src.target)
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            return
+        listed = self.gm.meta.setdefault(CAST_AT_USE, {})
+        if not listed:
+            self.gm.register_load_state_dict_pre_hook(_warn_on_loaded_masters)
+        saturated = listed.get(src.target, (dtype, False))[1]
+        listed[src.target] = (dtype, saturated or saturates)
+        if id(tensor) in self.counted:
+            return
+        self.counted.add(id(tensor))
+        _, clamped, flushed, _ = convert_tensor(tensor, dtype)
+        self.log.weights.clamped += clamped
+        self.log.weights.flushed_to_zero += flushed
 
     def _sync_inputs(self, node: Node) -> None:
         fx_node: fx.Node = node.origin
@@ -790,6 +832,25 @@ LOW_COPIES = "amp_rewrite.low_copies"  # gm.meta: (copy, original) attribute pat
 CONVERTED = "amp_rewrite.converted"  # gm.meta: attribute paths of the weights converted in place
 
 
+def _requires_grad(node: fx.Node) -> bool:
+    """Whether the example value traced for ``node`` requires a gradient (dynamo marks the
+    parameters it lifts to graph inputs so)."""
+    example = node.meta.get("example_value", node.meta.get("val"))
+    return isinstance(example, torch.Tensor) and bool(example.requires_grad)
+
+
+def _chain(last: fx.Node, source: fx.Node) -> list[fx.Node]:
+    """The nodes from ``last`` back to (not including) ``source`` through their node arguments."""
+    found, stack = [], [last]
+    while stack:
+        node = stack.pop()
+        if node is source or node in found:
+            continue
+        found.append(node)
+        stack.extend(a for a in node.args if isinstance(a, fx.Node))
+    return found
+
+
 def _convert_loaded_weights(module: torch.nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
     """load_state_dict pre-hook: a weight the rewrite converted in place (one only low ops read)
     takes a checkpoint's FP32 values converted as the rewrite converts them, clamped at the low
@@ -809,6 +870,33 @@ def _convert_loaded_weights(module: torch.nn.Module, state_dict: dict, prefix: s
                 and incoming.dtype != current.dtype):
             state_dict[prefix + name] = convert_tensor(incoming, current.dtype)[0]
             _warn_if_clamped(prefix + name, incoming, current.dtype)
+
+
+CAST_AT_USE = "amp_rewrite.cast_at_use"  # gm.meta: master weight path -> (low dtype, whether its cast clamps)
+
+
+def _warn_on_loaded_masters(module: torch.nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+    """load_state_dict pre-hook of a training rewrite: a master weight cast to the low type at
+    each use, loaded with values past that type's range, is said. Where the rewrite saw such
+    values its cast clamps them; where it did not, the cast makes them ±inf, and every step
+    overflows (the loss scaler skips them all) with nothing said (trainparams hunt F2)."""
+    for path, (dtype, saturates) in module.meta.get(CAST_AT_USE, {}).items():
+        incoming = state_dict.get(prefix + path)
+        if not isinstance(incoming, torch.Tensor) or not incoming.is_floating_point() or incoming.is_meta:
+            continue
+        limit = torch.finfo(dtype).max
+        over = int((incoming.detach().abs() > limit).sum())
+        if not over:
+            continue
+        low = str(dtype).removeprefix("torch.")
+        what = (f"clamped at ±{limit:g} as it is cast to {low} at each use (its gradient passes the clamp)"
+                if saturates else
+                f"cast to {low} at each use without a clamp (its values were in range when the module was "
+                f"rewritten), so the low-precision ops read ±inf and every step overflows")
+        warnings.warn(
+            f"amp_rewrite: load_state_dict: {prefix + path!r} holds {over} value(s) beyond {low}'s range "
+            f"(±{limit:g}): {what}. Load the checkpoint into the FP32 module and rewrite that, so the rewrite "
+            f"sees these values", RuntimeWarning, stacklevel=3)
 
 
 def _warn_if_clamped(name: str, incoming: torch.Tensor, dtype: torch.dtype) -> None:
