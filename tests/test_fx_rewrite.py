@@ -3883,6 +3883,38 @@ def test_optimal_keeps_one_minus_a_schedule_entry_fp32_with_its_exact_table(targ
     assert "it adds a constant" in report.log.decisions["rsub"].reason
 
 
+class _ScaledByTheSchedule(nn.Module):
+    """``a * h`` and ``1 - a`` of one schedule entry a = alphas_cumprod[t]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        betas = torch.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000, dtype=torch.float64) ** 2
+        self.register_buffer("alphas_cumprod", torch.cumprod(1 - betas, 0).float())
+        self.net, self.nxt = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, t):
+        a = self.alphas_cumprod[t].view(-1, 1)
+        return 1 - a, self.nxt(a * self.net(x))
+
+
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
+@pytest.mark.parametrize("target", ["bf16", "fp16"])
+def test_a_schedule_entry_a_low_product_also_reads_keeps_one_minus_it_exact(target, placement):
+    """The index and view of the schedule followed the low ``a * h`` (clear ops spread low), the
+    buffer was converted offline, and ``1 - a`` read 0.99902 for 0.99915 (FP16: 15% off) or 1.0
+    (BF16: 0). A data move only feeding weights into a sum with a constant addend stays FP32; the
+    product reads it through a Cast."""
+    torch.manual_seed(0)
+    model, x, t = _ScaledByTheSchedule().eval(), torch.randn(2, 8), torch.tensor([0, 1])
+    with torch.no_grad():
+        reference = model(x, t)
+        gm = amp_rewrite.rewrite(model, example_inputs=(x, t), target=target, placement=placement)
+        got = gm(x, t)
+    assert torch.equal(got[0].float(), reference[0])
+    assert (got[1] - reference[1]).abs().max() <= TOL[target] * reference[1].abs().max()
+    assert gm.alphas_cumprod.dtype == torch.float32
+
+
 class _SquashedLogProb(nn.Module):
     """SAC's tanh-squashed Gaussian log-probability term: log(1 - tanh(u)^2 + 1e-6) summed."""
 

@@ -1540,6 +1540,19 @@ _CONSTANT_ADDENDS = {
           e = Div(num, c)
           y = MatMul(e, W)
         }""", ["Gather:a", "Gather:an", "Div:r", "Sub:omr"], "schedule"),
+    # the schedule entry also scales an activation (a low product): the Gather went low with the
+    # product, in greedy too, and the table was rounded offline before the FP32 1 - a
+    "a schedule entry a low product also reads": ("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1,4,6,6] x, int64[1] t) => (float[1,4,6,6] y) {
+          h = MatMul(x, W)
+          a = Gather(schedule, t)
+          m = Mul(a, h)
+          oma = Sub(one, a)
+          c = Sqrt(oma)
+          e = Div(m, c)
+          y = MatMul(e, W)
+        }""", ["Gather:a", "Sub:oma"], "schedule"),
     # box centres: a predicted offset plus anchor centres at image coordinates
     "anchor centres plus a predicted offset": ("""
         <ir_version: 8, opset_import: ["" : 17]>

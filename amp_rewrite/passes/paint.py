@@ -185,7 +185,31 @@ class _ScopePainter:
 
         self._dfs(sorted(allow), lambda i: self.preds[i] | self.succs[i],
                   lambda j: j not in allow and j not in deny and self.cat[j] == Category.CLEAR
-                  and not self._reads_master_weight(j), visit)
+                  and not self._reads_master_weight(j) and not self._moves_into_a_constant_sum(j, allow), visit)
+
+    def _moves_into_a_constant_sum(self, i: int, allow: set[int]) -> bool:
+        """Whether clear node ``i`` only moves weights (a schedule table's Gather, its Unsqueeze)
+        into a sum with a constant addend that is not low (``1 - alphas_cumprod[t]``), directly or
+        through other such clear nodes. Made low for another reader (a low ``a * h``), the table
+        was rounded offline before the FP32 sum (0.99915 is 0.99902 in fp16, 1 in bf16: ``1 - a``
+        15% off, or 0); FP32, the low reader gets a Cast of the few values moved."""
+        from .optimal import _ABSORBING, _moves_weights
+
+        node = self.nodes[i]
+        if not all(_moves_weights(node.outputs[k], 0) for k in self.group_outs[i]):
+            return False
+        stack, seen = [i], {i}
+        while stack:
+            for j in self.succs[stack.pop()]:
+                if j in seen or j in allow:
+                    continue
+                seen.add(j)
+                reader = self.nodes[j]
+                if reader.op_type in _ABSORBING and _adds_a_constant(reader, self.group_ins[j]):
+                    return True
+                if self.cat[j] == Category.CLEAR:
+                    stack.append(j)
+        return False
 
     def _reads_master_weight(self, i: int) -> bool:
         """Training keeps the weights FP32 (master weights, cast at use on every step). A clear op
@@ -361,3 +385,11 @@ def through_no_op_casts(value: Value) -> Value:
         value = cast.inputs[0]
         cast = value.producer
     return value
+
+
+def _adds_a_constant(node: Node, slots: list[int]) -> bool:
+    """Whether the sum ``node`` has a constant addend (an initializer or Constant; for torch, a
+    literal other than ``alpha``)."""
+    if any(slot != ("kwargs", "alpha") for slot, _ in node.meta.get("amp.scalars", ())):
+        return True
+    return any(node.inputs[k] is not None and node.inputs[k].is_constant for k in slots)
