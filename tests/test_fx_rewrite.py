@@ -3915,6 +3915,27 @@ def test_a_schedule_entry_a_low_product_also_reads_keeps_one_minus_it_exact(targ
     assert gm.alphas_cumprod.dtype == torch.float32
 
 
+class _Uint8SuperResolution(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 3, 3, padding=1)
+
+    def forward(self, img):
+        y = self.c2(torch.relu(self.c1(img.float() / 255)))
+        return (y * 255).clamp(0, 255).round().to(torch.uint8)
+
+
+def test_a_uint8_image_through_convolutions_is_no_shape_arithmetic_in_torch():
+    """uint8 in, uint8 out: every conv was kept FP32 as "shape or index arithmetic" (0 of 2 low)."""
+    torch.manual_seed(0)
+    model, img = _Uint8SuperResolution().eval(), torch.randint(0, 256, (1, 3, 8, 8), dtype=torch.uint8)
+    gm, report = amp_rewrite.rewrite(model, example_inputs=(img,), target="bf16", report=True)
+    gm.graph.lint()
+    assert report.heavy_ops["low"] == report.heavy_ops["total"] == 2
+    with torch.no_grad():
+        assert (gm(img).int() - model(img).int()).abs().max() <= 2
+
+
 class _SquashedLogProb(nn.Module):
     """SAC's tanh-squashed Gaussian log-probability term: log(1 - tanh(u)^2 + 1e-6) summed."""
 

@@ -1099,6 +1099,65 @@ def test_shape_arithmetic_cast_to_integer_keeps_fp32(placement, target):
         assert run(result.model, {"x": x})["y"].shape == (4099, 8)
 
 
+_INTEGER_DATA = {
+    # a super-resolution net as deployed: a uint8 image in, Round(Clip(y * 255)) cast to uint8 out
+    "uint8 image in and out": ("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (uint8[1,3,8,8] img) => (uint8[1,3,8,8] out) {
+          f = Cast<to=1>(img)
+          x = Div(f, k255)
+          c1 = Conv<pads=[1,1,1,1]>(x, W1)
+          r1 = Relu(c1)
+          c2 = Conv<pads=[1,1,1,1]>(r1, W2)
+          y = Mul(c2, k255)
+          cl = Clip(y, zero, k255)
+          ro = Round(cl)
+          out = Cast<to=2>(ro)
+        }""", ["Conv:c1", "Conv:c2"]),
+    # a duration predictor: token ids -> an embedding -> MatMuls -> Exp -> Round -> int64 frames
+    "token ids in, frame counts out": ("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (int64[1,6] ids) => (int64[1,6,1] frames) {
+          e = Gather(emb, ids)
+          h1 = MatMul(e, W3)
+          r1 = Relu(h1)
+          logd = MatMul(r1, W4)
+          d = Exp(logd)
+          ro = Round(d)
+          frames = Cast<to=7>(ro)
+        }""", ["MatMul:h1", "MatMul:logd"]),
+}
+
+
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+@pytest.mark.parametrize("case", list(_INTEGER_DATA))
+def test_integer_data_through_a_layer_is_an_activation_not_shape_arithmetic(case, placement):
+    """A uint8 image or token ids cast to float, through Convs or an embedding and MatMuls, then
+    rounded and cast to an integer: the rule for shape and index arithmetic ("computed from
+    integers and constants only") took the whole net for it, and kept every Conv and MatMul FP32
+    (0 of 3 low). A convolution or a product with a weight matrix (or an embedding lookup) makes
+    the value an activation: the heavy ops go low, as with a float input."""
+    text, heavy = _INTEGER_DATA[case]
+    rng = np.random.default_rng(0)
+    model = make_model(text, {"W1": (rng.standard_normal((4, 3, 3, 3)) * 0.2).astype(np.float32),
+                              "W2": (rng.standard_normal((3, 4, 3, 3)) * 0.2).astype(np.float32),
+                              "k255": np.array(255.0, np.float32), "zero": np.array(0.0, np.float32),
+                              "emb": (rng.standard_normal((20, 8)) * 0.5).astype(np.float32),
+                              "W3": (rng.standard_normal((8, 8)) * 0.3).astype(np.float32),
+                              "W4": (rng.standard_normal((8, 1)) * 0.3).astype(np.float32)})
+    result = rewrite(model, placement=placement)
+    full_check(result.model)
+    for name in heavy:
+        decision = result.log.decisions[name]
+        assert decision.precision == Precision.LOW, (name, decision.reason)
+    assert not any("shape or index arithmetic" in d.reason for d in result.log.decisions.values())
+    feeds = {"img": rng.integers(0, 256, (1, 3, 8, 8)).astype(np.uint8)} if "img" in text \
+        else {"ids": rng.integers(0, 20, (1, 6)).astype(np.int64)}
+    want, got = run(model, feeds), run(result.model, feeds)
+    name = next(iter(want))
+    assert np.abs(want[name].astype(np.int64) - got[name].astype(np.int64)).max() <= 1
+
+
 def test_a_loop_bodys_cost_line_says_per_iteration():
     """A Loop body's cost line said "per run" for one iteration, beside a summary whose cast bytes per
     run count the trip count's five iterations."""

@@ -573,6 +573,33 @@ def _keep_integer_arithmetic_fp32(casts: list[Node], ctx: Context) -> None:
             f"integers exactly only up to {exact}"))
 
 
+# ops that apply a layer's weights: a convolution, or a product with (a lookup in) a weight matrix
+_CONVOLUTIONS = frozenset({"Conv", "ConvTranspose", "conv1d", "conv2d", "conv3d", "convolution", "_convolution",
+                           "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
+_WEIGHT_PRODUCTS = frozenset({"MatMul", "Gemm", "Gather", "Einsum", "linear", "matmul", "mm", "bmm", "addmm",
+                              "embedding", "einsum"})
+
+
+def _learned_layer(node: Node) -> bool:
+    """Whether ``node`` applies a learned layer: a convolution, or a product with (a lookup in) a
+    constant with two dimensions larger than 1 (a weight matrix, an embedding table). Integer data
+    fed through one is an activation (a uint8 image, an int16 waveform, token ids), not positions:
+    an image-in, image-out super-resolution net kept all its Convs FP32 as "shape arithmetic". A
+    rotary angle's ``inv_freq`` is a vector ([d/2, 1] or [1, d/2, 1]): no such matrix."""
+    if node.op_type in _CONVOLUTIONS:
+        return True
+    if node.op_type not in _WEIGHT_PRODUCTS:
+        return False
+    for value in node.inputs:
+        if value is None or not (value.is_constant or "fx.lifted_tensor" in value.meta) or value.dtype is None \
+                or not value.dtype.is_float:
+            continue
+        dims = [d for d in (value.shape or ()) if not (isinstance(d, int) and d <= 1)]
+        if len(dims) >= 2:
+            return True
+    return False
+
+
 # ops through which a float computed from positions keeps a position's magnitude (affine arithmetic
 # and data movement): ALiBi's slope * position, or -|i - j| * slope
 _POSITION_KEEPING = frozenset({"Cast", "Mul", "Add", "Sub", "Div", "Neg", "Abs", "Unsqueeze", "Squeeze", "Reshape",
@@ -703,6 +730,8 @@ def _cone_of(values: list[Value], graph) -> list[Node] | None:
             return None  # a float graph input or outer-scope value: an activation, not positions
         if id(producer) not in seen:
             seen.add(id(producer))
+            if _learned_layer(producer):
+                return None  # an image, a waveform or token ids through a layer: an activation
             cone.append(producer)
             if len(cone) > _CONE_LIMIT:
                 return None
