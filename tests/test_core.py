@@ -2273,3 +2273,37 @@ def test_a_body_keeps_the_names_of_its_inputs_where_they_shadow_outer_ones():
     want, got = run(model, feeds)["sequences"], run(result.model, feeds)["sequences"]
     assert want.shape == got.shape and (want == got).mean() > 0.9  # (tokens: an fp16 argmax may flip a near tie)
     assert not rewrite(result.model).modified
+
+
+@pytest.mark.parametrize("keep_io_types", [True, False])
+def test_bodies_keep_the_names_of_their_outputs_where_another_body_uses_them(keep_io_types):
+    """Two bodies that each name an output ``logits`` (onnxruntime's BeamSearch: an encoder and a
+    decoder body): the IR names each value once per model, and the second body's output was
+    written back as ``logits__1``; BeamSearch finds its bodies' outputs by name and refused the
+    model ("expected 2 + 4 * layers outputs"). Bodies keep their output names, also where a Cast
+    now writes the output (a low MatMul's result leaving an FP32 body boundary)."""
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,8] x, bool c) => (float[2,8] y) {
+      y = If(c) <then_branch = t () => (float[2,8] logits) {
+          h = MatMul(x, w)
+          logits = MatMul(h, w)
+        }, else_branch = e () => (float[2,8] logits) {
+          h = MatMul(x, w)
+          r = Relu(h)
+          logits = MatMul(r, w)
+        }>
+    }""", {"w": (8, 8)})
+    result = rewrite(model, keep_io_types=keep_io_types)
+    full_check(result.model)
+    branches = {a.name: a.g for a in result.model.graph.node[0].attribute}
+    for name, body in branches.items():
+        assert [o.name for o in body.output] == ["logits"], name
+        assert any(n.op_type == "MatMul" and n.output[0] == "logits" or n.op_type == "Cast" and n.output[0] == "logits"
+                   for n in body.node), name
+    x = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
+    low_x = x if keep_io_types else x.astype(np.float16)  # (without keep_io_types, x is an fp16 input)
+    for c in (True, False):
+        want, got = run(model, {"x": x, "c": np.array(c)})["y"], run(result.model, {"x": low_x, "c": np.array(c)})["y"]
+        assert rel_err(want, got.astype(np.float32)) < 1e-2
+    assert not rewrite(result.model, keep_io_types=keep_io_types).modified

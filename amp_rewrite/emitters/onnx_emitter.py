@@ -232,6 +232,8 @@ class _Patcher:
             target = self.ir_value(value)
             if origin.outputs[i] is not target:
                 origin.outputs[i] = target
+            if body:  # (a body's outputs keep the names the model gave them: see _body_output_name)
+                target.name = _body_output_name(value, target.name)
 
     def _retype(self, value: Value, rename: bool = True) -> None:
         """``value``'s type, and the name the IR gave it (:func:`~amp_rewrite.frontends.onnx_loader._unique_value_names`),
@@ -806,3 +808,14 @@ def save_onnx(model: ir.Model, dst: Path, *, external: bool, source_files: set[P
             leftover.unlink()
         tmp.rmdir()
     return written
+
+
+def _body_output_name(value: Value, current: str) -> str:
+    """The name a body output is written with: the model's own where only the IR's unique naming
+    changed it (:func:`~amp_rewrite.frontends.onnx_loader._unique_value_names`), also where a Cast
+    now writes the output in its place. Some ops find a body's outputs by name: onnxruntime's
+    BeamSearch refused an encoder body whose ``logits`` had become ``logits__1`` (the decoder body
+    names its output ``logits`` too)."""
+    source = value.meta.get("amp.takes_output_of", value)
+    original = source.meta.get("onnx.original_name")
+    return original if original is not None and value.name == source.meta.get("onnx.unique_name") else current

@@ -274,7 +274,9 @@ def _unique_value_names(main: Graph) -> None:
                 k = 1
                 while f"{v.name}__{k}" in every:
                     k += 1
+                v.meta["onnx.original_name"] = v.name  # (a body's outputs are written back by it)
                 v.name = f"{v.name}__{k}"
+                v.meta["onnx.unique_name"] = v.name
                 every.add(v.name)
                 renamed = True
             taken.add(v.name)
