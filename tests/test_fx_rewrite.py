@@ -3936,6 +3936,42 @@ def test_a_uint8_image_through_convolutions_is_no_shape_arithmetic_in_torch():
         assert (gm(img).int() - model(img).int()).abs().max() <= 2
 
 
+class _FromNonFloats(nn.Module):
+    """A float feature computed from integers, bools or a complex tensor alone, read by a Linear."""
+
+    def __init__(self, spelling: str) -> None:
+        super().__init__()
+        self.spelling, self.l0, self.l1 = spelling, nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def forward(self, x, ids):
+        if self.spelling == "where of scalars":
+            feature = torch.where(ids > 3, 1.0, 0.0)
+        elif self.spelling == "bool times a scalar":
+            feature = (ids > 3) * 1.0
+        elif self.spelling == "int over a scalar":
+            feature = ids / 7.0
+        else:  # "abs of a complex tensor"
+            feature = torch.complex(x, x.flip(-1)).detach().abs()  # (complex from a float: no float read after)
+        return self.l1(self.l0(x) * feature)
+
+
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
+@pytest.mark.parametrize("spelling", ["where of scalars", "bool times a scalar", "int over a scalar",
+                                      "abs of a complex tensor"])
+def test_an_op_reading_no_float_tensor_keeps_fp32_and_its_readers_get_a_cast(spelling, placement):
+    """``where(ids > 3, 1.0, 0.0)`` read by a low product: torch computes it FP32 whatever the
+    rewrite says (scalars, no dtype argument), the optimal placement made it low at no cost, no
+    Cast was written, and the module failed at its first call (mat1 and mat2 must have the same
+    dtype). It keeps FP32 now and the product reads it through a Cast."""
+    torch.manual_seed(0)
+    model, x, ids = _FromNonFloats(spelling).eval(), torch.randn(2, 16), torch.randint(0, 8, (2, 16))
+    gm = amp_rewrite.rewrite(model, example_inputs=(x, ids), target="bf16", placement=placement)
+    gm.graph.lint()
+    with torch.no_grad():
+        got, reference = gm(x, ids), model(x, ids)
+    assert (got.float() - reference).abs().max() <= TOL["bf16"] * reference.abs().max()
+
+
 class _SquashedLogProb(nn.Module):
     """SAC's tanh-squashed Gaussian log-probability term: log(1 - tanh(u)^2 + 1e-6) summed."""
 

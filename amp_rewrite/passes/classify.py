@@ -49,6 +49,8 @@ def classify(model: Model, ctx: Context) -> PassResult:
     untyped: dict[str, list[str]] = {}  # ops reading or writing values no schema types, by op: their nodes
     for node in model.graph.walk():
         _classify_node(node, ctx, verdicts, names)
+        if model.frontend == "torch":
+            _keep_fp32_from_non_floats(node)
         _pin_overridden(node, ctx, names, overridden)
         if "amp.untyped" in node.meta:
             untyped.setdefault(node.qualified_op, []).append(node_label(node))
@@ -109,6 +111,27 @@ def classify(model: Model, ctx: Context) -> PassResult:
             f"tensor(float) outright (e.g. {labels[0]!r}), so they stay FP32 and low neighbours meet them through "
             f"a Cast")
     return PassResult("classify", modified=False)
+
+
+def _keep_fp32_from_non_floats(node: Node) -> None:
+    """A torch op reading tensors but no float one, with no ``dtype`` argument, computes FP32
+    whatever the rewrite says (``where(mask, 1.0, 0.0)`` of Python scalars, ``(ids > 3) * 1.0``,
+    ``abs`` of a complex spectrum): made low (the optimal placement, to which it cost nothing,
+    did), its low readers met an FP32 tensor and the module failed at its first call on a dtype
+    mismatch. It keeps FP32, and its low readers read it through a Cast. (A factory, reading no
+    tensor, and an op given a ``dtype`` take the low type through that argument.)"""
+    category = node.meta.get("amp.category")
+    if not node.meta.get("amp.participates") or category not in (Category.ALLOW, Category.INFER, Category.CLEAR):
+        return
+    origin = node.origin
+    tensors = [v for v in node.inputs if v is not None]
+    if not tensors or any(v.dtype is None or v.dtype.is_float for v in tensors):
+        return
+    if origin is not None and "dtype" in getattr(origin, "kwargs", {}):
+        return
+    _fix_fp32(node, category, "reads no float tensor and takes no dtype argument, so torch computes it in FP32 "
+                              "whatever its readers' type (Python scalars, a complex input): kept FP32, its low "
+                              "readers read it through a Cast", "classify")
 
 
 def _fixed_fp32(node: Node) -> bool:
