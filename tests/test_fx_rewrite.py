@@ -3972,6 +3972,33 @@ def test_an_op_reading_no_float_tensor_keeps_fp32_and_its_readers_get_a_cast(spe
     assert (got.float() - reference).abs().max() <= TOL["bf16"] * reference.abs().max()
 
 
+class _BufferNamedLikeAnOp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1))
+        self.linear = nn.Parameter(torch.randn(4, 8) * 0.3)
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        return F.linear(torch.relu(self.conv(x - self.mean)).mean((2, 3)), self.linear)
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_module_tensor_named_like_an_op_the_model_calls_is_rewritten(capture):
+    """A buffer ``mean`` beside ``x.mean()`` (ImageNet normalisation and global average pooling),
+    a parameter ``linear`` beside ``F.linear``: the export capture names the op's node like the
+    tensor, the IR held two values of that name, and the rewrite failed its own verification (exit
+    7, "a bug")."""
+    torch.manual_seed(0)
+    model, x = _BufferNamedLikeAnOp().eval(), torch.rand(1, 3, 8, 8)
+    gm, report = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", capture=capture, report=True)
+    gm.graph.lint()
+    assert report.heavy_ops["low"] == report.heavy_ops["total"] == 2
+    with torch.no_grad():
+        got, reference = gm(x), model(x)
+    assert (got.float() - reference).abs().max() <= TOL["bf16"] * reference.abs().max()
+
+
 class _SquashedLogProb(nn.Module):
     """SAC's tanh-squashed Gaussian log-probability term: log(1 - tanh(u)^2 + 1e-6) summed."""
 

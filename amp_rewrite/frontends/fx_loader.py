@@ -49,6 +49,7 @@ import builtins
 import contextlib
 import functools
 import inspect
+import itertools
 import io
 import math
 import operator
@@ -712,6 +713,11 @@ class _Builder:
         self.by_root: dict[fx.Node, list[tuple[tuple, Value]]] = {}
         self.tuples: dict[fx.Node, tuple[fx.Node, tuple]] = {}  # getitem result that is itself a tuple → (root, path)
         self.attrs: dict[str, Value] = {}
+        # names a module tensor's value takes (its attribute path): a node's value named like one
+        # (buffer ``mean`` beside ``x.mean()``) takes another, or the IR held two values ``mean``
+        self.taken = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"} | {
+            name for name, _ in itertools.chain(gm.named_parameters(), gm.named_buffers())}
+        self.node_names = {n.name for n in gm.graph.nodes}
         self.tensor_names: dict[int, str] = {}  # id(module tensor) -> the first name it was read by
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.mutated = {_mutated_attribute(n, gm) for n in gm.graph.nodes if n.op.startswith("call_")} - {None}
@@ -841,7 +847,11 @@ class _Builder:
             value.meta["amp.mutable"] = True
 
     def _new_value(self, node: fx.Node, path: tuple, m: Any) -> Value:
-        name = node.name if not path else f"{node.name}#{'.'.join(str(p) for p in path)}"
+        base, k = node.name, 0
+        while base in self.taken or (k and base in self.node_names):  # (a module tensor's name: see __init__)
+            k += 1
+            base = f"{node.name}_v{k}"
+        name = base if not path else f"{base}#{'.'.join(str(p) for p in path)}"
         dtype = TORCH_TO_DTYPE.get(torch_dtype_of(m))
         shape = tuple(_dim(d) for d in m.shape) if getattr(m, "shape", None) is not None else None
         value = Value(name, dtype, shape, origin=(node, path))
