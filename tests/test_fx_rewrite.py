@@ -3999,6 +3999,51 @@ def test_a_module_tensor_named_like_an_op_the_model_calls_is_rewritten(capture):
     assert (got.float() - reference).abs().max() <= TOL["bf16"] * reference.abs().max()
 
 
+class _UnrolledScan(nn.Module):
+    """A recurrence written as a Python loop over 200 steps: an EMA ``h = a * h + (1 - a) * u[t]``
+    with ``a = exp(-exp(w))`` (0.9933-0.99966, RWKV's decay), a decay held as a parameter, or a
+    running sum ``h = h + (k * v)[t]``."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.u, self.o = kind, nn.Linear(16, 16), nn.Linear(16, 16)
+        self.w = nn.Parameter(torch.linspace(-8, -5, 16))
+        self.decay = nn.Parameter(torch.linspace(0.9990, 0.9997, 16))
+
+    def forward(self, x):
+        u = self.u(x)
+        a = torch.exp(-torch.exp(self.w)) if self.kind == "ema" else self.decay
+        kv, h, ys = u * x, torch.zeros(x.shape[0], x.shape[2]), []
+        for t in range(x.shape[1]):
+            if self.kind == "running sum":
+                h = h + kv[:, t]
+            else:
+                h = a * h + (1 - a) * u[:, t] if self.kind == "ema" else a * h + u[:, t]
+            ys.append(h)
+        return self.o(torch.stack(ys, 1))
+
+
+@pytest.mark.parametrize("kind", ["ema", "decay parameter", "running sum"])
+def test_a_recurrence_written_as_a_loop_keeps_its_state_fp32(kind):
+    """The steps of an unrolled scan were painted bf16 between the two Linears: the state was
+    rounded at every step and a decay of 0.99966 held as 1.0, so the state never forgot (EMA 0.27
+    off over 300 steps, a decay parameter 0.10, a running sum 0.044; torch.autocast 0.005, keeping
+    the state FP32 by promotion from its FP32 zeros). The steps keep FP32, as CumSum does, and the
+    Linears stay low."""
+    torch.manual_seed(0)
+    model, x = _UnrolledScan(kind).eval(), torch.randn(1, 200, 16) + 1.0
+    gm, report = amp_rewrite.rewrite(model, example_inputs=(x,), target="bf16", report=True)
+    assert report.heavy_ops["low"] == report.heavy_ops["total"] == 2
+    steps = [d for d in report.log.decisions.values() if "a step of a recurrence written as a loop" in d.reason]
+    assert len(steps) >= 200
+    with torch.no_grad():
+        got, reference = gm(x), model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = model(x).float()
+    error = ((got.float() - reference).abs().max() / reference.abs().max()).item()
+    assert error <= 2 * ((autocast - reference).abs().max() / reference.abs().max()).item() + 1e-3
+
+
 class _SquashedLogProb(nn.Module):
     """SAC's tanh-squashed Gaussian log-probability term: log(1 - tanh(u)^2 + 1e-6) summed."""
 

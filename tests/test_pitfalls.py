@@ -829,6 +829,49 @@ def test_a_padding_mask_alone_is_no_position_bias():
         assert result.log.decisions[name].precision == Precision.LOW, name
 
 
+def _unrolled_ema(steps: int) -> onnx.ModelProto:
+    """``h = a * h + (1 - a) * u[:, t]`` unrolled over ``steps`` as an exporter writes a Python loop,
+    with ``a = exp(-exp(w))`` (0.9933-0.99966) and MatMuls before and after."""
+    lines = ["u = MatMul(x, w1)", "e = Exp(w)", "ne = Neg(e)", "a = Exp(ne)", "oma = Sub(one, a)", "h0 = Mul(a, zeros)"]
+    for t in range(steps):
+        lines += [f"ut{t} = Gather<axis=1>(u, i{t})", f"m{t} = Mul(a, h{t})", f"n{t} = Mul(oma, ut{t})",
+                  f"h{t + 1} = Add(m{t}, n{t})"]
+    lines += [f"st = Concat<axis=0>({', '.join(f'h{t + 1}' for t in range(steps))})", "y = MatMul(st, w2)"]
+    body = "\n      ".join(lines)
+    text = f"""
+    <ir_version: 10, opset_import: ["" : 17]>
+    g (float[1,{steps},16] x) => (float[{steps},16] y) {{
+      {body}
+    }}"""
+    rng = np.random.default_rng(0)
+    inits = {"w1": (rng.standard_normal((16, 16)) * 0.3).astype(np.float32),
+             "w2": (rng.standard_normal((16, 16)) * 0.3).astype(np.float32),
+             "w": np.linspace(-8, -5, 16).astype(np.float32), "one": np.array(1.0, np.float32),
+             "zeros": np.zeros((1, 16), np.float32), **{f"i{t}": np.array(t, np.int64) for t in range(steps)}}
+    return make_model(text, inits)
+
+
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+def test_a_recurrence_unrolled_in_the_graph_keeps_its_state_fp32(placement):
+    """An exporter writes a Python loop's recurrence as a chain of steps; painted bf16 between two
+    MatMuls, the state was rounded at every step and ``a`` (0.99966) held as 1.0: 0.15 off over 200
+    steps (8.8e-3 now), where autocast keeps the state FP32. The steps keep FP32; the MatMuls stay
+    low."""
+    from amp_rewrite.emulate import emulate_low
+
+    model = _unrolled_ema(200)
+    result = rewrite(model, placement=placement, target="bf16")
+    full_check(result.model)
+    decisions = result.log.decisions
+    assert decisions["Mul:m150"].precision == decisions["Add:h151"].precision == Precision.FP32
+    assert "a step of a recurrence written as a loop" in decisions["Add:h151"].reason
+    assert decisions["MatMul:u"].precision == decisions["MatMul:y"].precision == Precision.LOW
+    feeds = {"x": (np.random.default_rng(1).standard_normal((1, 200, 16)) + 1.0).astype(np.float32)}
+    got = run(emulate_low(result.model, BF16)[0], feeds)["y"]
+    assert rel_err(run(model, feeds)["y"], got) < 1.5e-2
+    assert not rewrite(result.model, placement=placement, target="bf16").modified
+
+
 @pytest.mark.parametrize("placement", ["optimal", "greedy"])
 def test_a_castlike_of_integers_read_in_fp32_is_no_round_trip(placement):
     """CastLike(ids, h) takes h's type: with h FP16 its output was FP16 and cast back to FP32 for

@@ -68,6 +68,7 @@ def classify(model: Model, ctx: Context) -> PassResult:
     _keep_position_arguments_fp32(angles, ctx)
     _keep_integer_arithmetic_fp32(to_integer, ctx)
     _keep_position_biases_fp32(model, ctx)
+    _keep_unrolled_scans_fp32(model, ctx)
     _dequantize_weights_low(dequantized, ctx, names)
     if calls:
         listed = ", ".join(f"{name} ×{n}" for name, n in sorted(calls.items()))
@@ -662,6 +663,116 @@ def _keep_position_biases_fp32(model: Model, ctx: Context) -> None:
             category = member.meta.get("amp.category")
             if member.meta.get("amp.participates") and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
                 _fix_fp32(member, category, reason, "classify")
+
+
+# the arithmetic of a recurrence step (h = a * h + b * u[t]), and the data moves that take a step's
+# operand out of a whole sequence (u[:, t]) or pass a value on unchanged
+_STEP_ARITHMETIC = frozenset({"Add", "Sub", "Mul", "add", "sub", "mul", "rsub"})
+_STEP_MOVES = frozenset({"Slice", "Gather", "Squeeze", "Unsqueeze", "Reshape", "Identity", "Transpose", "Expand",
+                         "Split", "Flatten", "select", "slice", "index", "view", "reshape", "_unsafe_view", "unsqueeze",
+                         "squeeze", "expand", "permute", "transpose", "unbind", "split", "chunk", "clone",
+                         "contiguous", "alias", "narrow"})
+_SCAN_STEPS = 8  # chained steps reading one source: an unrolled scan, not a residual stream
+_STEP_REACH = 4  # arithmetic nodes between two steps of one scan (a * h, b * u[t], their sum)
+
+
+def _keep_unrolled_scans_fp32(model: Model, ctx: Context) -> None:
+    """A recurrence written as a Python loop (``h = a * h + b * u[:, t]``; a running sum ``h = h +
+    kv[:, t]``) unrolls into a chain of elementwise steps, each reading the one before and one
+    source every step shares (the decay ``a``, slices of ``kv``): a sum over the sequence, which
+    the CumSum spelling keeps FP32. Painted low between two allow ops, the state was rounded at
+    every step: bf16 0.044 off over 300 steps (autocast 0.007), fp16 inf at 2000 (a running mean
+    reaching 8e4), and a decay of 0.99966 held as 1.0 in bf16, so the state never forgot (0.27 off;
+    autocast 0.005). torch.autocast keeps such a state FP32 by promotion from its FP32 zeros.
+    A residual stream is no such chain: each of its Adds reads another layer's output."""
+    if ctx.low is None:
+        return
+    for scope in model.graph.scopes():
+        steps = [n for n in scope.nodes if n.op_type in _STEP_ARITHMETIC
+                 and (n.domain in ("", "ai.onnx") or model.frontend == "torch")
+                 and n.meta.get("amp.participates")
+                 and n.meta.get("amp.category") in (Category.ALLOW, Category.INFER, Category.CLEAR)]
+        if len(steps) < _SCAN_STEPS:
+            continue
+        order = {id(n): i for i, n in enumerate(scope.nodes)}
+        by_source: dict[int, list[Node]] = {}
+        for node in steps:
+            if not any(v is not None and v.producer is not None and v.producer.op_type in _STEP_ARITHMETIC
+                       for v in node.inputs):
+                continue  # (a step carries a state another step computed: 1 - a is no step)
+            for source in {id(s): s for s in (_step_source(v) for v in node.inputs) if s is not None}.values():
+                by_source.setdefault(id(source), []).append(node)
+        held: list[Node] = []
+        sources = {id(s): s for v in (n.inputs for n in steps) for s in map(_step_source, v) if s is not None}
+        for key, readers in by_source.items():
+            if len(readers) < _SCAN_STEPS:
+                continue
+            chain = _scan_chain(sorted(readers, key=lambda n: order[id(n)]), scope)
+            held += chain
+            source = sources.get(key)
+            if chain and isinstance(source, Node) and source.meta.get("amp.category") in (Category.INFER,
+                                                                                          Category.CLEAR):
+                held.append(source)  # (the decay a step multiplies by: exp(-exp(w)) is 1.0 computed in bf16)
+        if not held:
+            continue
+        reason = (f"a step of a recurrence written as a loop ({_SCAN_STEPS} or more chained steps reading one "
+                  f"source: h = a * h + b * u[t]): kept FP32 as CumSum is, since {ctx.low.short} rounds the state "
+                  f"at every step (and a decay near 1 to 1: 0.99966 is 1.0 in bf16), as torch.autocast keeps it "
+                  f"FP32 by promotion")
+        for node in held:
+            category = node.meta.get("amp.category")
+            if node.meta.get("amp.participates") and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
+                _fix_fp32(node, category, reason, "classify")
+
+
+def _step_source(value: Value | None):
+    """What a step's operand is taken from: through the data moves that slice a sequence, the node
+    computing it, or the constant itself; None for a Python number or an untyped value."""
+    seen = 0
+    while value is not None and seen < 8:
+        producer = value.producer
+        if producer is None or producer.op_type not in _STEP_MOVES or not producer.inputs:
+            return producer if producer is not None else value
+        value = producer.inputs[0]
+        seen += 1
+    return None
+
+
+def _scan_chain(readers: list[Node], scope) -> list[Node]:
+    """The steps of ``readers`` (in graph order) that follow one another through at most
+    :data:`_STEP_REACH` arithmetic nodes, in runs of :data:`_SCAN_STEPS` or more, with the
+    arithmetic nodes linking them."""
+    members = {id(n) for n in readers}
+    held: list[Node] = []
+    run: list[Node] = [readers[0]]
+    for before, after in zip(readers, readers[1:]):
+        path = _arithmetic_path(before, after, scope)
+        if path is not None:
+            run += [*path, after]
+            continue
+        if sum(id(n) in members for n in run) >= _SCAN_STEPS:
+            held += run
+        run = [after]
+    if sum(id(n) in members for n in run) >= _SCAN_STEPS:
+        held += run
+    return held
+
+
+def _arithmetic_path(start: Node, goal: Node, scope) -> list[Node] | None:
+    """The arithmetic nodes between ``start`` and ``goal`` on a path of at most
+    :data:`_STEP_REACH` of them (empty where ``goal`` reads ``start``), or None."""
+    frontier: list[tuple[Node, list[Node]]] = [(start, [])]
+    for _ in range(_STEP_REACH + 1):
+        following = []
+        for node, path in frontier:
+            for out in node.outputs:
+                for reader in out.consumers():
+                    if reader is goal:
+                        return path
+                    if reader.graph is scope and reader.op_type in _STEP_ARITHMETIC and len(path) < _STEP_REACH:
+                        following.append((reader, [*path, reader]))
+        frontier = following
+    return None
 
 
 def _position_kind(value: Value | None, node: Node) -> str:
