@@ -1,17 +1,24 @@
 """Gaps mutation testing found in the stop-53 changes (optimal constant-sum holds, torch sentinel
 marks, --check's not-emulated notes, training-form BatchNormalization, unread tensors kept by
-symbolic_trace): each test here failed on a mutant of that code the rest of the suite let
-through, and passes on the code as written."""
+symbolic_trace) and in the stop-54 changes (holds before a sum a log reads, epsilon guards as
+comparisons and Where, torch comparisons, BatchNormalization's training form by opset): each test
+here failed on a mutant of that code the rest of the suite let through, and passes on the code as
+written."""
 from __future__ import annotations
 
 import numpy as np
 import onnx
 import pytest
 import torch
+from onnx import TensorProto as T
+from onnx import helper as h
+from onnx import numpy_helper as nh
 from torch import nn
 
 from util import make_model, rewrite, run
 
+import amp_rewrite
+from amp_rewrite.api import rewrite_onnx_model
 from amp_rewrite.decisions import Precision
 
 HELD = "the optimal placement keeps it FP32 too"
@@ -323,3 +330,217 @@ def test_optimal_says_nothing_of_fp32_on_greedys_low_weight_movers():
         # (LOW here rounds the schedule: finding 3 of REPORT.md; whatever the fix, a LOW node's
         # reason must not say the optimal placement keeps it FP32)
         assert d.precision == Precision.FP32 or HELD not in (d.reason or ""), name
+
+
+# -- stop 54's changes ------------------------------------------------------------------------------
+def _onnx(nodes, inits, inputs=(("x", T.FLOAT, [2, 16]),), outputs=("y",), opset=17):
+    g = h.make_graph([h.make_node(op, ins, [out], name=out, **attrs) for op, ins, out, attrs in nodes], "g",
+                     [h.make_tensor_value_info(*i) for i in inputs],
+                     [h.make_tensor_value_info(o, T.FLOAT, None) for o in outputs], inits)
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", opset)])
+    m.ir_version = 8
+    return m
+
+
+def test_optimal_claims_no_fp32_hold_on_a_low_sum_a_log_reads():
+    """(kills O3) MatMul -> Add(bias) read by a Log and by a MatMul: greedy runs the Add low, so the
+    optimal placement leaves it free; _absorbing_before_a_log still names it, and only the filter on
+    greedy's low nodes keeps 'keeps it FP32 too' out of a LOW node's reason."""
+    rng = np.random.default_rng(0)
+    W = [nh.from_array((rng.standard_normal((16, 16)) * .3).astype(np.float32), n) for n in ("W1", "W2")]
+    b = nh.from_array(np.full(16, 50.0, np.float32), "b")
+    m = _onnx([("MatMul", ["x", "W1"], "m", {}), ("Add", ["m", "b"], "a", {}), ("Log", ["a"], "y", {}),
+               ("MatMul", ["a", "W2"], "z", {})], [*W, b], outputs=("y", "z"))
+    for target in ("fp16", "bf16"):
+        d = rewrite_onnx_model(m, target=target).log.decisions["a"]
+        assert d.precision == Precision.FP32 or HELD not in (d.reason or ""), target
+
+
+class _Log1pOfOneMinus(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.log1p(-torch.sigmoid(self.l(x))).sum(-1)
+
+
+@pytest.mark.parametrize("target", ["bf16", "fp16"])
+def test_optimal_keeps_a_sigmoid_before_log1p_of_its_negation_fp32(target):
+    """(kills B1, B2) log1p(-sigmoid(u)) is log(1 - sigmoid(u)): a summing log (_SUMMING_LOGS) whose
+    walk back must start at the log1p itself. Without it the min-cut ran the sigmoid low: 1 in bf16
+    from u = 5.5, log1p(-1) = -inf (fp16: 3% off), where greedy is within 2e-3."""
+    torch.manual_seed(0)
+    model, x = _Log1pOfOneMinus().eval(), torch.randn(2, 8)
+    with torch.no_grad():
+        model.l.weight.mul_(4.0)
+        model.l.bias.fill_(6.0)
+        reference = model(x)
+        gm, report = amp_rewrite.rewrite(model, example_inputs=(x,), target=target, placement="optimal", report=True)
+        got = gm(x)
+    assert torch.isfinite(got).all() and (got - reference).abs().max() <= 5e-3 * reference.abs().max()
+    assert report.log.decisions["sigmoid"].precision == Precision.FP32
+
+
+def _emulated_rel_err(model, rewritten, feeds):
+    """FP32 ``model`` vs ``rewritten`` run through emulate_low, in onnxruntime (subprocess-free here:
+    the graphs hold no FP16 kernels once emulated)."""
+    import onnxruntime as ort
+
+    from amp_rewrite.emulate import emulate_low
+
+    emulated, _ = emulate_low(rewritten)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    got = ort.InferenceSession(emulated.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    return float(np.abs(want - got).max() / np.abs(want).max())
+
+
+def test_optimal_keeps_a_tanh_before_one_minus_its_pow_square_fp32_in_fp16():
+    """(kills B8) log(1 - Pow(tanh(u), 2) + 1e-6): in fp16 the Pow is a deny op (fixed FP32), and the
+    walk back from the sum must pass it (_NEAR_ONE_KEEPING) to hold the tanh, 1 in fp16 from u = 4.2.
+    The Mul(t, t) spelling is tested; without Pow in the set the tanh went low: 19% off, greedy 0.1%."""
+    rng = np.random.default_rng(0)
+    inits = [nh.from_array((rng.standard_normal((16, 16)) * 2).astype(np.float32), "W"),
+             nh.from_array(np.array(1.0, np.float32), "one"), nh.from_array(np.array(2.0, np.float32), "two"),
+             nh.from_array(np.array(1e-6, np.float32), "eps"), nh.from_array(np.array([-1], np.int64), "ax")]
+    m = _onnx([("MatMul", ["x", "W"], "u", {}), ("Tanh", ["u"], "t", {}), ("Pow", ["t", "two"], "t2", {}),
+               ("Sub", ["one", "t2"], "s", {}), ("Add", ["s", "eps"], "a", {}), ("Log", ["a"], "l", {}),
+               ("ReduceSum", ["l", "ax"], "y", {"keepdims": 0})], inits, inputs=(("x", T.FLOAT, [4, 16]),))
+    result = rewrite_onnx_model(m, target="fp16", placement="optimal")
+    assert result.log.decisions["t"].precision == Precision.FP32
+    feeds = {"x": rng.standard_normal((4, 16)).astype(np.float32)}
+    assert _emulated_rel_err(m, result.model, feeds) < 1e-2
+
+
+def test_optimal_holds_a_softmax_scaled_by_a_growing_product_before_a_log():
+    """(kills W5) log(softmax(m) * sigmoid(n)): the Mul is itself a widening node (a product of two
+    activations); the walk back from the Log must pass it for the underflowing kind, or the Softmax
+    (and the sigmoid) go fp16: probabilities below 6e-8 are 0 and the Log -inf, where greedy is 4e-4."""
+    rng = np.random.default_rng(0)
+    inits = [nh.from_array((rng.standard_normal((16, 16)) * 4).astype(np.float32), "W1"),
+             nh.from_array((rng.standard_normal((16, 16)) * 0.1).astype(np.float32), "W2"),
+             nh.from_array(np.array([-1], np.int64), "ax")]
+    m = _onnx([("MatMul", ["x", "W1"], "m", {}), ("MatMul", ["x", "W2"], "n", {}), ("Sigmoid", ["n"], "g", {}),
+               ("Softmax", ["m"], "s", {}), ("Mul", ["s", "g"], "p", {}), ("Log", ["p"], "l", {}),
+               ("ReduceSum", ["l", "ax"], "y", {"keepdims": 0})], inits, inputs=(("x", T.FLOAT, [4, 16]),))
+    result = rewrite_onnx_model(m, target="fp16", placement="optimal")
+    assert result.log.decisions["s"].precision == Precision.FP32
+    feeds = {"x": rng.standard_normal((4, 16)).astype(np.float32)}
+    assert _emulated_rel_err(m, result.model, feeds) < 1e-2
+
+
+def test_a_where_selecting_a_flushed_epsilon_in_its_else_slot_keeps_fp32():
+    """(kills K2) Where(Greater(r, 0), r, 1e-8): the comparison with 0 is exact; the epsilon sits in
+    Where's third input (slice(1, 3)), and the Where and the Div after it keep FP32."""
+    rng = np.random.default_rng(0)
+    inits = [nh.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w"),
+             nh.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w2"),
+             nh.from_array(np.array(1e-8, np.float32), "eps"), nh.from_array(np.array(0.0, np.float32), "zero")]
+    m = _onnx([("MatMul", ["x", "w"], "h", {}), ("Relu", ["h"], "r", {}), ("Greater", ["r", "zero"], "c", {}),
+               ("Where", ["c", "r", "eps"], "a", {}), ("Div", ["r", "a"], "q", {}), ("MatMul", ["q", "w2"], "y", {})],
+              inits, inputs=(("x", T.FLOAT, [4, 8]),), opset=18)
+    result = rewrite_onnx_model(m, target="fp16")
+    assert result.log.decisions["a"].precision == result.log.decisions["q"].precision == Precision.FP32
+    assert "selects 'eps' holding 1e-08" in result.log.decisions["a"].reason
+    feeds = {"x": rng.standard_normal((4, 8)).astype(np.float32)}
+    assert _emulated_rel_err(m, result.model, feeds) < 1e-2
+
+
+@pytest.mark.parametrize(("compare", "then", "otherwise"), [("GreaterOrEqual", "r", "eps"), ("Greater", "r", "eps"),
+                                                            ("LessOrEqual", "eps", "r"), ("Less", "eps", "r")])
+def test_every_comparison_with_a_flushed_epsilon_keeps_fp32(compare, then, otherwise):
+    """(kills K5, K10) Where(GreaterOrEqual(r, 1e-8), r, 1e-8): compared in fp16, 1e-8 is 0 and r >= 0
+    is true of a zero r, so the zero is selected and r / guard is 0/0 = NaN, although the Where itself
+    keeps FP32 ('selects'). Only Less is in the existing test; each comparison must be in _GUARDS."""
+    rng = np.random.default_rng(0)
+    inits = [nh.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w"),
+             nh.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w2"),
+             nh.from_array(np.array(1e-8, np.float32), "eps")]
+    m = _onnx([("MatMul", ["x", "w"], "h", {}), ("Relu", ["h"], "r", {}), (compare, ["r", "eps"], "c", {}),
+               ("Where", ["c", then, otherwise], "a", {}), ("Div", ["r", "a"], "q", {}), ("MatMul", ["q", "w2"], "y", {})],
+              inits, inputs=(("x", T.FLOAT, [4, 8]),), opset=18)
+    result = rewrite_onnx_model(m, target="fp16")
+    assert result.log.decisions["c"].precision == Precision.FP32
+    assert "compares with 'eps' holding 1e-08" in result.log.decisions["c"].reason
+    feeds = {"x": rng.standard_normal((4, 8)).astype(np.float32)}
+    assert _emulated_rel_err(m, result.model, feeds) < 1e-2
+
+
+def test_optimal_keeps_a_variadic_sum_before_a_log_fp32_in_bf16():
+    """(kills C6) softplus spelled Log(Sum(1, Exp(-|z|))): Sum is in _ABSORBING, so the optimal placement
+    keeps it FP32 before its Log as greedy does (bf16 rounds 1 + 0.002 to 1), and the Exp for it."""
+    rng = np.random.default_rng(0)
+    inits = [nh.from_array((rng.standard_normal((16, 16)) * 3).astype(np.float32), "W"),
+             nh.from_array(np.array(1.0, np.float32), "one"), nh.from_array(np.array([-1], np.int64), "ax")]
+    m = _onnx([("MatMul", ["x", "W"], "z", {}), ("Abs", ["z"], "az", {}), ("Neg", ["az"], "n", {}), ("Exp", ["n"], "e", {}),
+               ("Sum", ["one", "e"], "s", {}), ("Log", ["s"], "l", {}), ("ReduceSum", ["l", "ax"], "y", {})],
+              inits, inputs=(("x", T.FLOAT, [4, 16]),))
+    for placement in ("greedy", "optimal"):
+        decisions = rewrite_onnx_model(m, target="bf16", placement=placement).log.decisions
+        assert decisions["s"].precision == decisions["e"].precision == Precision.FP32, placement
+
+
+class _ComparedGuard(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.l1, self.l2, self.how = nn.Linear(8, 8), nn.Linear(8, 8), how
+
+    def forward(self, x):
+        r = torch.relu(self.l1(x))
+        guarded = {"lt": lambda: torch.where(r < 1e-8, 1e-8, r), "le": lambda: torch.where(r <= 1e-8, 1e-8, r),
+                   "gt": lambda: torch.where(r > 1e-8, r, 1e-8), "ge": lambda: torch.where(r >= 1e-8, r, 1e-8),
+                   "less": lambda: torch.where(torch.less(r, 1e-8), 1e-8, r),
+                   "greater_equal": lambda: torch.where(torch.greater_equal(r, 1e-8), r, 1e-8)}[self.how]()
+        return self.l2(r / guarded)
+
+
+@pytest.mark.parametrize("how", ["lt", "le", "gt", "ge", "less", "greater_equal"])
+def test_a_torch_comparison_with_a_flushed_epsilon_keeps_fp32(how):
+    """(kills X2, X5) torch.where(r >= 1e-8, r, 1e-8): in fp16 r >= 0 holds for a zero r, the zero is
+    selected and r / guard is NaN. Only '<' is in the existing test; every comparison of
+    _EPSILON_ARGUMENTS must mark 'compares with'."""
+    torch.manual_seed(0)
+    model, x = _ComparedGuard(how).eval(), torch.randn(4, 8)
+    with torch.no_grad():
+        result = amp_rewrite.rewrite(model, example_inputs=(x,), target="fp16", capture="symbolic_trace", report=True)
+    gm, report = result
+    said = [d for d in report.log.decisions.values() if "compares with" in (d.reason or "")]
+    assert said and all(d.precision == Precision.FP32 for d in said)
+
+
+@pytest.mark.parametrize(("opset", "outputs", "attrs"), [(14, ["y"], {"training_mode": 1}),
+                                                         (13, ["y", "rm"], {}), (13, ["y", "", "", "sm"], {})])
+def test_a_training_batchnorm_keeps_fp32_whatever_statistics_outputs_it_names(opset, outputs, attrs):
+    """(kills L1, L3) _trains: from opset 14 (not 15) training_mode=1 decides, even with Y alone; below
+    it any one named statistics output (the running mean alone, or only a saved variance) makes the
+    training form."""
+    rng = np.random.default_rng(0)
+    inits = [nh.from_array(rng.standard_normal((4, 4, 3, 3)).astype(np.float32), "w")] + \
+            [nh.from_array(np.ones(4, np.float32) * v, n) for v, n in ((1, "s"), (0, "b"), (0, "mu"), (1, "var"))]
+    g = h.make_graph([h.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+                      h.make_node("BatchNormalization", ["c", "s", "b", "mu", "var"], outputs, name="bn", **attrs)],
+                     "g", [h.make_tensor_value_info("x", T.FLOAT, [2, 4, 5, 5])],
+                     [h.make_tensor_value_info("y", T.FLOAT, None)], inits)
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", opset)])
+    m.ir_version = 8
+    decisions = rewrite_onnx_model(m, target="fp16").log.decisions
+    bn = next(d for name, d in decisions.items() if "bn" in name or "BatchNormalization" in name)
+    assert bn.precision == Precision.FP32
+    assert "batch's mean and variance" in bn.reason
+
+
+def test_an_inference_batchnorm_whose_absent_statistics_outputs_are_written_as_empty_names_runs_low():
+    """(kills L4) BatchNormalization(opset 13) with outputs ["y", ""]: an empty name is an absent
+    optional output, not the training form; the node runs low like the one-output form."""
+    rng = np.random.default_rng(0)
+    inits = [nh.from_array(rng.standard_normal((4, 4, 3, 3)).astype(np.float32), "w")] + \
+            [nh.from_array(np.ones(4, np.float32) * v, n) for v, n in ((1, "s"), (0, "b"), (0, "mu"), (1, "var"))]
+    g = h.make_graph([h.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+                      h.make_node("BatchNormalization", ["c", "s", "b", "mu", "var"], ["y", ""], name="bn")],
+                     "g", [h.make_tensor_value_info("x", T.FLOAT, [2, 4, 5, 5])],
+                     [h.make_tensor_value_info("y", T.FLOAT, None)], inits)
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 13)])
+    m.ir_version = 8
+    decisions = rewrite_onnx_model(m, target="fp16").log.decisions
+    bn = next(d for name, d in decisions.items() if "bn" in name or "BatchNormalization" in name)
+    assert "batch's mean and variance" not in bn.reason

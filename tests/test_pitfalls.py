@@ -1576,7 +1576,10 @@ def test_a_comparison_of_a_low_value_with_a_constant_compares_in_the_low_type():
     # (never true of a zero, which was kept); an Add of Relu(eps)
     ("a = Sum(r, eps)", "Sum:a", "adds 'eps'"),
     ("lt = Less(r, eps)\n      a = Where(lt, eps, r)", "Less:lt", "compares with 'eps'"),
-    ("e = Relu(eps)\n      a = Add(r, e)", "Add:a", "adds 'e'")])
+    ("e = Relu(eps)\n      a = Add(r, e)", "Add:a", "adds 'e'"),
+    # beside an upper bound past FP16's range: the Clip was kept FP32 for that bound, and the
+    # division after it went low (the lower bound's mark was never made)
+    ("hi = Constant<value = float {1e6}>()\n      a = Clip(r, eps, hi)", "Clip:a", "bounds below by 'eps'")])
 def test_a_lower_bound_the_low_type_flushes_to_zero_keeps_its_guard_and_division_fp32(guard, node, said):
     """x / clamp_min(r, 1e-8) (Clip's min, or Max): in FP16 the bound was 0, so a zero row divided
     0 by 0 (NaN, exit 0), as the Add form did before it was fixed; so did the guard written as a

@@ -90,8 +90,9 @@ def mark_out_of_range_constants(model: Model, ctx: Context) -> PassResult:
             where, value = found
             node.meta[META] = (f"reads {where} holding {value:g}, beyond {short}'s finite range (±{limit:g}): in "
                                f"{short} it would be clamped or overflow, so the node keeps FP32")
+        lost = _vanishes(node, ctx.low, folds)  # (also beside a bound past the range: Clip(r, 1e-8, 1e6))
+        if found is not None and lost is None:
             continue
-        lost = _vanishes(node, ctx.low, folds)
         if lost is not None:
             name, value = lost
             verb = _GUARDS[node.op_type][1]
