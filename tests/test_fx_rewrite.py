@@ -3883,14 +3883,8 @@ def test_optimal_keeps_one_minus_a_schedule_entry_fp32_with_its_exact_table(targ
     assert "it adds a constant" in report.log.decisions["rsub"].reason
 
 
-class _ScaledByTheSchedule(nn.Module):
+class _ScaledByTheSchedule(_DiffusionStep):
     """``a * h`` and ``1 - a`` of one schedule entry a = alphas_cumprod[t]."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        betas = torch.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000, dtype=torch.float64) ** 2
-        self.register_buffer("alphas_cumprod", torch.cumprod(1 - betas, 0).float())
-        self.net, self.nxt = nn.Linear(8, 8), nn.Linear(8, 8)
 
     def forward(self, x, t):
         a = self.alphas_cumprod[t].view(-1, 1)

@@ -122,7 +122,8 @@ def _keep_fp32_from_non_floats(node: Node) -> None:
     mismatch. It keeps FP32, and its low readers read it through a Cast. (A factory, reading no
     tensor, and an op given a ``dtype`` take the low type through that argument.)"""
     category = node.meta.get("amp.category")
-    if not node.meta.get("amp.participates") or category not in (Category.ALLOW, Category.INFER, Category.CLEAR):
+    if not node.meta.get("amp.participates") or category not in (Category.ALLOW, Category.INFER, Category.CLEAR) \
+            or node.op_type == "Cast":  # (a conversion's target type is cast placement's to set)
         return
     origin = node.origin
     tensors = [v for v in node.inputs if v is not None]
