@@ -318,8 +318,9 @@ class _Emitter:
         if self.training and src.op == "get_attr" and dtype in (torch.float16, torch.bfloat16):
             self._count_cast_at_use(src, dtype, saturates=limit is not None)
         if limit is not None:  # (a mask fill: clamped first, as a constant converted offline is)
-            clamped = self._saturate(src, limit, node.name, where)
-            for made in _chain(clamped, src):
+            saturation = self._saturate(src, limit, node.name, where)
+            clamped = saturation[-1]
+            for made in saturation:
                 _set_meta_dtype(made, (), DTYPE_TO_TORCH[value.dtype], template=src, template_path=())
                 _copy_debug_meta(consumer if consumer is not None else src, made)
                 made.meta[TAG] = {"inserted": "saturate", "name": node.name, "reason": node.meta.get("amp.reason", "")}
@@ -338,26 +339,26 @@ class _Emitter:
         new.meta[TAG] = {"inserted": "cast", "name": node.name, "reason": node.meta.get("amp.reason", "")}
         self.fx_of[id(node.outputs[0])] = new
 
-    def _saturate(self, src: fx.Node, limit: float, name: str, where) -> fx.Node:
-        """``src`` clamped at ``limit``. A training rewrite's clamp passes its gradient straight
-        through (``clamp(w).detach() + (w - w.detach())``: the clamped value, exactly, and a gradient
-        of 1): a master weight past ±65504 read through a plain clamp got a zero gradient at every
+    def _saturate(self, src: fx.Node, limit: float, name: str, where) -> list[fx.Node]:
+        """The nodes clamping ``src`` at ``limit``, in order (the last one's output is the clamped
+        value). A training rewrite's clamp passes its gradient straight through (``clamp(w).detach()
+        + (w - w.detach())``: the clamped value, exactly, and a gradient of 1): a master weight past ±65504 read through a plain clamp got a zero gradient at every
         step, so it could never move back into range (F1 of the trainparams hunt: still 1e5 after
         three SGD steps, where FP32 moved it)."""
-        last: list[fx.Node] = []
+        made: list[fx.Node] = []
 
         def call(op, aten_op, *args, suffix=""):  # (each after the one before: a chain in order)
-            with where() if not last else self.graph.inserting_after(last[-1]):
-                last.append(self.graph.create_node("call_function", aten_op if self.aten else op, args,
+            with where() if not made else self.graph.inserting_after(made[-1]):
+                made.append(self.graph.create_node("call_function", aten_op if self.aten else op, args,
                                                    name=_identifier(f"{name}_saturate{suffix}")))
-            return last[-1]
+            return made[-1]
         clamped = call(torch.clamp, torch.ops.aten.clamp.default, src, -limit, limit)
-        if not (self.training or _requires_grad(src)):  # (torch.compile: a lifted parameter)
-            return clamped
-        held = call(torch.detach, torch.ops.aten.detach.default, clamped, suffix="_value")
-        still = call(torch.detach, torch.ops.aten.detach.default, src, suffix="_source")
-        zero = call(operator.sub, torch.ops.aten.sub.Tensor, src, still, suffix="_zero")
-        return call(operator.add, torch.ops.aten.add.Tensor, held, zero, suffix="_straight_through")
+        if self.training or _requires_grad(src):  # (torch.compile: a lifted parameter)
+            held = call(torch.detach, torch.ops.aten.detach.default, clamped, suffix="_value")
+            still = call(torch.detach, torch.ops.aten.detach.default, src, suffix="_source")
+            zero = call(operator.sub, torch.ops.aten.sub.Tensor, src, still, suffix="_zero")
+            call(operator.add, torch.ops.aten.add.Tensor, held, zero, suffix="_straight_through")
+        return made
 
     def _count_cast_at_use(self, src: fx.Node, dtype: torch.dtype, saturates: bool) -> None:
         """A training rewrite casts its FP32 master weights at each use: the values of one the
@@ -837,18 +838,6 @@ def _requires_grad(node: fx.Node) -> bool:
     parameters it lifts to graph inputs so)."""
     example = node.meta.get("example_value", node.meta.get("val"))
     return isinstance(example, torch.Tensor) and bool(example.requires_grad)
-
-
-def _chain(last: fx.Node, source: fx.Node) -> list[fx.Node]:
-    """The nodes from ``last`` back to (not including) ``source`` through their node arguments."""
-    found, stack = [], [last]
-    while stack:
-        node = stack.pop()
-        if node is source or node in found:
-            continue
-        found.append(node)
-        stack.extend(a for a in node.args if isinstance(a, fx.Node))
-    return found
 
 
 def _convert_loaded_weights(module: torch.nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:

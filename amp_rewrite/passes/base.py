@@ -413,3 +413,11 @@ def accepts_any_float(node: Node, index: int | None = None) -> bool:
     if node.domain != "":
         return False
     return node.op_type in ANY_FLOAT_CONSUMERS or (node.op_type == "CastLike" and index == 0)
+
+
+def adds_a_constant(node: Node, slots: list[int]) -> bool:
+    """Whether the sum ``node`` has a constant addend (an initializer or Constant; for torch, a
+    literal other than ``alpha``)."""
+    if any(slot != ("kwargs", "alpha") for slot, _ in node.meta.get("amp.scalars", ())):
+        return True
+    return any(node.inputs[k] is not None and node.inputs[k].is_constant for k in slots)

@@ -47,8 +47,11 @@ def classify(model: Model, ctx: Context) -> PassResult:
     overridden: dict[str, list[tuple[str, str]]] = {}  # a user's low pin → (node, why it stays FP32)
     calls: dict[str, int] = {}  # model-local functions called, by name: their bodies are not rewritten
     untyped: dict[str, list[str]] = {}  # ops reading or writing values no schema types, by op: their nodes
+    sums = []  # Add/Sub nodes: an ALiBi bias's Add among them
     for node in model.graph.walk():
         _classify_node(node, ctx, verdicts, names)
+        if node.op_type in ("Add", "Sub") and node.domain in ("", "ai.onnx") and len(node.inputs) == 2:
+            sums.append(node)
         if model.frontend == "torch":
             _keep_fp32_from_non_floats(node)
         _pin_overridden(node, ctx, names, overridden)
@@ -67,7 +70,7 @@ def classify(model: Model, ctx: Context) -> PassResult:
             _pin_on_fixed_fp32(node, ctx, names, fixed)
     _keep_position_arguments_fp32(angles, ctx)
     _keep_integer_arithmetic_fp32(to_integer, ctx)
-    _keep_position_biases_fp32(model, ctx)
+    _keep_position_biases_fp32(sums, ctx)
     _keep_unrolled_scans_fp32(model, ctx)
     _dequantize_weights_low(dequantized, ctx, names)
     if calls:
@@ -569,7 +572,12 @@ def _keep_position_arguments_fp32(angles: list[Node], ctx: Context) -> None:
 
 def _keep_cone_fp32(node: Node, reason: str) -> None:
     """Fix FP32 the nodes of ``node``'s :func:`_position_cone` that painting could make low."""
-    for member in _position_cone(node):
+    _hold_fp32(_position_cone(node), reason)
+
+
+def _hold_fp32(nodes, reason: str) -> None:
+    """Fix FP32, for ``reason``, those of ``nodes`` that painting could make low."""
+    for member in nodes:
         category = member.meta.get("amp.category")
         if member.meta.get("amp.participates") and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
             _fix_fp32(member, category, reason, "classify")
@@ -636,7 +644,7 @@ _SCORE_CARRYING = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Max", "Min", 
 _SCORE_READERS = frozenset({"Softmax", "LogSoftmax"})
 
 
-def _keep_position_biases_fp32(model: Model, ctx: Context) -> None:
+def _keep_position_biases_fp32(sums: list[Node], ctx: Context) -> None:
     """A float computed from positions (a CumSum or Range of integers, converted to float) and
     added to an activation is an ALiBi bias (BLOOM and Falcon: ``slope * (cumsum(mask) - 1)``):
     it grows with the sequence (0.707 × 4000 ≈ 2800, where fp16's spacing is 2 and bf16's 16),
@@ -648,10 +656,9 @@ def _keep_position_biases_fp32(model: Model, ctx: Context) -> None:
     if ctx.low is None:
         return
     low = ctx.low.short
-    for node in model.graph.walk():
-        if (node.op_type not in ("Add", "Sub") or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2
-                or not node.meta.get("amp.participates")
-                or node.meta.get("amp.category") not in (Category.ALLOW, Category.INFER, Category.CLEAR)):
+    for node in sums:
+        if not node.meta.get("amp.participates") \
+                or node.meta.get("amp.category") not in (Category.ALLOW, Category.INFER, Category.CLEAR):
             continue
         kinds = [_position_kind(v, node) for v in node.inputs]
         if "positions" not in kinds or "activation" not in kinds:
@@ -660,10 +667,7 @@ def _keep_position_biases_fp32(model: Model, ctx: Context) -> None:
                   f"scaled): kept FP32 up to the softmax reading it, as the bias grows with the sequence and "
                   f"{low} rounds it ({low} spacing is {2.0 if ctx.low == DType.FLOAT16 else 16.0:g} at 2048; "
                   f"torch's type promotion keeps fp16 scores + an FP32 bias FP32)")
-        for member in _score_chain(node):
-            category = member.meta.get("amp.category")
-            if member.meta.get("amp.participates") and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
-                _fix_fp32(member, category, reason, "classify")
+        _hold_fp32(_score_chain(node), reason)
 
 
 # the arithmetic of a recurrence step (h = a * h + b * u[t]), and the data moves that take a step's
@@ -696,21 +700,19 @@ def _keep_unrolled_scans_fp32(model: Model, ctx: Context) -> None:
         if len(steps) < _SCAN_STEPS:
             continue
         order = {id(n): i for i, n in enumerate(scope.nodes)}
-        by_source: dict[int, list[Node]] = {}
+        by_source: dict[int, tuple[Node | Value, list[Node]]] = {}  # id(source) -> (it, the steps reading it)
         for node in steps:
             if not any(v is not None and v.producer is not None and v.producer.op_type in _STEP_ARITHMETIC
                        for v in node.inputs):
                 continue  # (a step carries a state another step computed: 1 - a is no step)
             for source in {id(s): s for s in (_step_source(v) for v in node.inputs) if s is not None}.values():
-                by_source.setdefault(id(source), []).append(node)
+                by_source.setdefault(id(source), (source, []))[1].append(node)
         held: list[Node] = []
-        sources = {id(s): s for v in (n.inputs for n in steps) for s in map(_step_source, v) if s is not None}
-        for key, readers in by_source.items():
+        for source, readers in by_source.values():
             if len(readers) < _SCAN_STEPS:
                 continue
             chain = _scan_chain(sorted(readers, key=lambda n: order[id(n)]), scope)
             held += chain
-            source = sources.get(key)
             if chain and isinstance(source, Node) and source.meta.get("amp.category") in (Category.INFER,
                                                                                           Category.CLEAR):
                 held.append(source)  # (the decay a step multiplies by: exp(-exp(w)) is 1.0 computed in bf16)
@@ -720,10 +722,7 @@ def _keep_unrolled_scans_fp32(model: Model, ctx: Context) -> None:
                   f"source: h = a * h + b * u[t]): kept FP32 as CumSum is, since {ctx.low.short} rounds the state "
                   f"at every step (and a decay near 1 to 1: 0.99966 is 1.0 in bf16), as torch.autocast keeps it "
                   f"FP32 by promotion")
-        for node in held:
-            category = node.meta.get("amp.category")
-            if node.meta.get("amp.participates") and category in (Category.ALLOW, Category.INFER, Category.CLEAR):
-                _fix_fp32(node, category, reason, "classify")
+        _hold_fp32(held, reason)
 
 
 def _step_source(value: Value | None):

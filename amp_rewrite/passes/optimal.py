@@ -108,8 +108,8 @@ import networkx as nx
 
 from ..decisions import Category, Precision
 from ..ir import DType, Graph, Model, Node, Value
-from .base import LOW_LIMITS, Context, PassResult, accepts_any_float, category, converts_non_float, group_inputs, group_outputs, \
-    node_label, participates, read_through_casts, retypable_io, round_trip_harm
+from .base import LOW_LIMITS, Context, PassResult, accepts_any_float, adds_a_constant, category, converts_non_float, \
+    group_inputs, group_outputs, node_label, participates, read_through_casts, retypable_io, round_trip_harm
 
 BATCH_DIM = 1
 SYMBOLIC_DIM = 128
@@ -455,11 +455,9 @@ class Problem:
             node = self.nodes[i]
             if self.greedy[i] or i in self.branch_nodes or node.op_type not in _ABSORBING:
                 continue
-            addends = [node.inputs[k] for k in self.group_in[i] if node.inputs[k] is not None]
-            literal = any(slot != ("kwargs", "alpha") for slot, _ in node.meta.get("amp.scalars", ()))  # (torch: 1 - a)
-            if literal or any(v.is_constant for v in addends):
+            if adds_a_constant(node, self.group_in[i]):  # (torch: 1 - a, a literal)
                 held.add(i)
-                stack.extend(addends)
+                stack.extend(node.inputs[k] for k in self.group_in[i] if node.inputs[k] is not None)
         while stack:  # (walked back through the free nodes that only move weights into a held sum)
             value = stack.pop()
             j = self.index.get(id(value.producer)) if value.producer is not None else None

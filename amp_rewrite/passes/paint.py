@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from ..decisions import Category, Precision
 from ..ir import DType, Graph, Model, Node, Value
-from .base import Context, PassResult, accepts_any_float, category, converts_non_float, group_inputs, group_outputs, \
-    node_label, participates, read_through_casts, retypable_io, round_trip_harm
+from .base import Context, PassResult, accepts_any_float, adds_a_constant, category, converts_non_float, \
+    group_inputs, group_outputs, node_label, participates, read_through_casts, retypable_io, round_trip_harm
 
 _LOW_OK = (Category.CLEAR, Category.INFER)
 
@@ -205,7 +205,7 @@ class _ScopePainter:
                     continue
                 seen.add(j)
                 reader = self.nodes[j]
-                if reader.op_type in _ABSORBING and _adds_a_constant(reader, self.group_ins[j]):
+                if reader.op_type in _ABSORBING and adds_a_constant(reader, self.group_ins[j]):
                     return True
                 if self.cat[j] == Category.CLEAR:
                     stack.append(j)
@@ -385,11 +385,3 @@ def through_no_op_casts(value: Value) -> Value:
         value = cast.inputs[0]
         cast = value.producer
     return value
-
-
-def _adds_a_constant(node: Node, slots: list[int]) -> bool:
-    """Whether the sum ``node`` has a constant addend (an initializer or Constant; for torch, a
-    literal other than ``alpha``)."""
-    if any(slot != ("kwargs", "alpha") for slot, _ in node.meta.get("amp.scalars", ())):
-        return True
-    return any(node.inputs[k] is not None and node.inputs[k].is_constant for k in slots)
