@@ -495,17 +495,21 @@ class Runner:
             result, self.provider = self._worker.call(method, source, *args, what=what, **kwargs)
         return result
 
-    def run(self, model: Any, feeds: Mapping[str, Any], *, what: str, fp32: bool = False) -> dict[str, Any]:
+    def run(self, model: Any, feeds: Mapping[str, Any], *, what: str, fp32: bool = False,
+            emulated: bool = False) -> dict[str, Any]:
         """Run ``model`` (path or ModelProto) once; all outputs by name. Raises RuntimeError with
         onnxruntime's message on failure (callers turn it into the right AmpRewriteError).
-        ``fp32``: the FP32 reference; on CUDA its GEMMs are kept off TF32 (``use_tf32=0``)."""
+        ``fp32``: the FP32 reference; on CUDA its GEMMs are kept off TF32 (``use_tf32=0``).
+        ``emulated``: ``model`` is an emulation (amp_rewrite.emulate), which no user runs: where
+        onnxruntime's graph optimisers refuse it (DivMulFusion meets the Identity an emulation
+        writes for a removed Cast), it runs unoptimised, which computes the same values."""
         if self._worker is None:
-            return self._run_here(model, feeds, what=what, fp32=fp32)
+            return self._run_here(model, feeds, what=what, fp32=fp32, emulated=emulated)
         self.evaluations += 1
-        return self._in_child("run", model, dict(feeds), what=what, fp32=fp32)
+        return self._in_child("run", model, dict(feeds), what=what, fp32=fp32, emulated=emulated)
 
-    def _run_here(self, model: Any, feeds: Mapping[str, np.ndarray], *, what: str, fp32: bool = False
-                  ) -> dict[str, Any]:
+    def _run_here(self, model: Any, feeds: Mapping[str, np.ndarray], *, what: str, fp32: bool = False,
+                  emulated: bool = False) -> dict[str, Any]:
         ort = self.ort
         opts = ort.SessionOptions()
         opts.log_severity_level = 4  # its errors reach the user as one line of ours, not as its log
@@ -518,7 +522,13 @@ class Runner:
                 try:
                     sess = self._session(source, opts, fp32)
                 except Exception as exc:  # noqa: BLE001 (onnxruntime raises its own pybind types)
-                    raise SessionError(f"{what}: {_one_line(str(exc), limit=1000)}") from exc
+                    if not emulated or opts.graph_optimization_level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL:
+                        raise SessionError(f"{what}: {_one_line(str(exc), limit=1000)}") from exc
+                    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+                    try:
+                        sess = self._session(source, opts, fp32)
+                    except Exception:  # noqa: BLE001 (the optimised refusal says more)
+                        raise SessionError(f"{what}: {_one_line(str(exc), limit=1000)}") from exc
                 self.provider = sess.get_providers()[0]
                 names = [o.name for o in sess.get_outputs()]
                 feed = _adapt_feeds(sess, feeds)
@@ -1359,7 +1369,7 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, Any] | str | Path 
         nonlocal run_model, emulation
         if emulation is not None:
             try:
-                return runner.run(run_model, feeds, what="running the emulated rewritten model")
+                return runner.run(run_model, feeds, what="running the emulated rewritten model", emulated=True)
             except RuntimeError as exc:
                 emulation.failed(exc, notes)
                 emulation, run_model = None, low_proto
@@ -1371,7 +1381,8 @@ def check_models(fp32: Any, low: Any, *, inputs: Mapping[str, Any] | str | Path 
     if localise:
         copy, exposed = _exposed_copy(low_proto) if emulation is None else _exposed_names(run_model, emulation.rounded)
         try:
-            values = runner.run(copy, feeds, what="running the rewritten model with its intermediates exposed")
+            values = runner.run(copy, feeds, what="running the rewritten model with its intermediates exposed",
+                                emulated=emulation is not None)
         except RuntimeError:
             values = None
             localise = False

@@ -2245,3 +2245,24 @@ def test_an_output_with_new_nan_has_no_cosine():
     stats = ck.compare_output("y", a, b, 1e-2)
     assert not stats.passed and stats.cosine is None
     assert ck.compare_output("y", a, a * (1 + 1e-4), 1e-2).cosine == pytest.approx(1.0)
+
+
+def test_a_reciprocal_multiplied_in_keeps_the_check_emulated():
+    """``logits * (1 / t)``: onnxruntime's DivMulFusion refused the emulated model (the Identity the
+    emulation writes for a removed Cast sits in its pattern), and the check fell back to the CPU
+    provider's unrounded numerics with a note. The emulation runs unoptimised instead."""
+    w = np.random.default_rng(1).standard_normal((16, 8)).astype(np.float32) * 0.1
+    w[:, :3] = -1e4
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[N,16] x, float t) => (float[N,8] y) {
+          sq = Mul(x, x)
+          logits = MatMul(sq, w)
+          it = Div(one, t)
+          scaled = Mul(logits, it)
+          y = Softmax(scaled)
+        }""", {"w": w, "one": np.array(1.0, np.float32)})
+    result = ck.check_models(m, rewrite(m).model)
+    assert not any("could not be emulated" in note for note in result.notes), result.notes
+    assert any("every fp16 value is rounded to fp16" in note for note in result.notes), result.notes
+    assert not result.passed and result.overflow[0].node == "MatMul:logits"
