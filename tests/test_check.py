@@ -773,10 +773,10 @@ def test_auto_fp32_writes_the_report_when_a_candidate_cannot_run(tmp_path, monke
 
     real = ck.Runner.run
 
-    def refuse_rewritten(self, model, feeds, *, what, fp32=False):
+    def refuse_rewritten(self, model, feeds, *, what, **kwargs):
         if "rewritten" in what:
             raise RuntimeError(f"{what}: NOT_IMPLEMENTED : could not find an implementation for MatMul(13)")
-        return real(self, model, feeds, what=what, fp32=fp32)
+        return real(self, model, feeds, what=what, **kwargs)
 
     monkeypatch.setattr(ck.Runner, "run", refuse_rewritten)
     save(benign_model(), tmp_path / "m.onnx")
