@@ -351,6 +351,9 @@ def _record_decisions(model: Model, ctx: Context) -> None:
             operands = [node.inputs[i] for i in ALIGNMENT_OPS[node.op_type] if i < len(node.inputs)]
             ctx.log.operand_shapes[node_label(node)] = [
                 list(v.shape) if v is not None and v.shape is not None else None for v in operands]
+        elif (equation := _einsum_gemm(node)) is not None:  # (its equation third: its dims depend on it)
+            ctx.log.operand_shapes[node_label(node)] = [
+                list(v.shape) if v is not None and v.shape is not None else None for v in node.inputs] + [equation]
     # A model that is partly (or wholly: an output rewritten again) low precision already: those
     # nodes take no decision, so the summary's counts would leave them out without a word.
     for low in sorted({t for t, _ in given}):
@@ -358,6 +361,26 @@ def _record_decisions(model: Model, ctx: Context) -> None:
         ctx.log.notes.append(f"as given: {total} nodes already compute in {low}"
                              + (f" ({heavy} of them MatMul/Gemm/Conv/attention)" if heavy else "")
                              + "; they keep their types")
+
+
+def _einsum_gemm(node: Node) -> str | None:
+    """The equation of an Einsum (ONNX) or einsum (torch) of two operands that contracts a label
+    both hold (a GEMM, tensor cores tile it as MatMul's); None for any other node."""
+    if node.domain != "" or node.op_type not in ("Einsum", "einsum") or len(node.inputs) != 2:
+        return None
+    if node.op_type == "Einsum":
+        from .frontends.onnx_loader import _einsum_equation
+
+        equation = _einsum_equation(node.origin) if node.origin is not None else None
+    else:
+        args = getattr(node.origin, "args", None)
+        equation = args[0] if args and "fx.torch_name" in node.meta else None
+    if not isinstance(equation, str):
+        return None
+    from .report import einsum_gemm_labels
+
+    labels = einsum_gemm_labels(equation)
+    return equation if labels is not None and labels[2] else None
 
 
 _P = ParamSpec("_P")

@@ -19,7 +19,7 @@ from typing import Any
 from .decisions import HEAVY_OPS, Category, Decision, DecisionLog, Precision  # noqa: F401 (HEAVY_OPS: re-exported)
 from .passes.islands import describe
 
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"
 TENSOR_CORE_MULTIPLE = 8  # fp16/bf16 tensor cores want GEMM dims (M, N, K) and channels in multiples of 8
 _PRECISIONS = ("fp16", "bf16", "fp32", "unchanged")
 
@@ -82,8 +82,11 @@ class Report:
             misaligned = [k for k, v in dims.items() if isinstance(v, int) and v % TENSOR_CORE_MULTIPLE]
             unknown = [k for k, v in dims.items() if not isinstance(v, int) and not _known_multiple(v)]
             status = "misaligned" if misaligned else "unknown" if unknown or not dims else "aligned"
-            out.append({"node": name, "op": d.op, "shapes": shapes, "dims": dims, "misaligned": misaligned,
-                        "status": status})
+            entry = {"node": name, "op": d.op, "shapes": shapes, "dims": dims, "misaligned": misaligned,
+                     "status": status}
+            if shapes and isinstance(shapes[-1], str):  # (an einsum's equation)
+                entry["shapes"], entry["equation"] = shapes[:-1], shapes[-1]
+            out.append(entry)
         return out
 
     def alignment_summary(self) -> dict[str, int]:
@@ -275,6 +278,8 @@ def _tensor_core_dims(op: str, shapes: list) -> dict[str, Any]:
     """The dims tensor cores tile, by name. Gemm's transA/transB are not recorded, so its dims are
     named by operand axis; every one of them is M, N or K either way. So are aten.convolution's
     weight axes (C_out and C_in/group, or the other way round when it is transposed)."""
+    if op in ("Einsum", "einsum"):  # (its record carries the equation third)
+        return _einsum_dims(shapes[2], shapes[:2]) if len(shapes) == 3 and isinstance(shapes[2], str) else {}
     a = shapes[0] if len(shapes) > 0 else None
     b = shapes[1] if len(shapes) > 1 else None
     name, op = op, _TORCH_ALIGNMENT.get(op, op)
@@ -311,6 +316,46 @@ def _tensor_core_dims(op: str, shapes: list) -> dict[str, Any]:
     elif op in ("convolution", "_convolution") and b and len(b) >= 2:
         dims["W[0]"], dims["W[1]"] = b[0], b[1]
     return dims
+
+
+def einsum_gemm_labels(equation: str) -> tuple[list[str], list[str], list[str]] | None:
+    """(M labels, N labels, K labels) of a two-operand einsum: the labels only the first operand
+    and the output hold, those only the second and the output hold, and those both operands hold
+    that the output sums (labels all three hold are the batch). None for an equation that is not
+    one of two operands or that sums a label only one operand holds (a reduction, no GEMM)."""
+    text = equation.replace(" ", "")
+    lhs, arrow, rhs = text.partition("->")
+    operands = [o.replace("...", "") for o in lhs.split(",")]
+    if len(operands) != 2 or not all(c.isalpha() for o in operands for c in o):
+        return None
+    a, b = operands
+    if not arrow:  # implicit output: the labels that occur once, in alphabetical order
+        rhs = "".join(sorted(c for c in set(a + b) if (a + b).count(c) == 1))
+    rhs = rhs.replace("...", "")
+    if any(c not in rhs and (c in a) != (c in b) for c in a + b):
+        return None
+    m = [c for c in a if c in rhs and c not in b]
+    n = [c for c in b if c in rhs and c not in a]
+    k = [c for c in a if c in b and c not in rhs]
+    return m, n, k
+
+
+def _einsum_dims(equation: str, shapes: list) -> dict[str, Any]:
+    """M, N and K of a two-operand einsum (each the product of its labels' sizes), from its
+    operands' shapes; an ellipsis stands for leading batch dims."""
+    labels = einsum_gemm_labels(equation)
+    if labels is None:
+        return {}
+    sizes: dict[str, Any] = {}
+    lhs = equation.replace(" ", "").partition("->")[0].split(",")
+    for subscript, shape in zip(lhs, shapes):
+        head, _, tail = subscript.partition("...")
+        if shape is None or len(shape) < len(head) + len(tail):
+            continue
+        for label, size in zip(head + tail, list(shape[:len(head)]) + list(shape[len(shape) - len(tail):])):
+            if sizes.get(label) is None:
+                sizes[label] = size
+    return {axis: _product([sizes.get(c) for c in group]) for axis, group in zip("MNK", labels) if group}
 
 
 def _folds_batch(op: str, a: list, b: list | None) -> bool:

@@ -2801,6 +2801,31 @@ def test_matmul_with_a_2d_b_folds_the_batch_into_m(decompose):
                    8: (batched, {"M": 4, "K": 16, "N": 8}, "misaligned")}
 
 
+class _ColourMatrix(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("yuv", torch.randn(3, 3))
+        self.fc = nn.Linear(3, 5)
+
+    def forward(self, x):  # x: [B, H, W, 3]
+        return self.fc(torch.einsum("ij,bhwj->bhwi", self.yuv, x))
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_low_einsum_gets_the_alignment_check(capture):
+    """A low einsum of two operands is a GEMM, but the tensor-core line counted 1 of the 2 low
+    GEMMs (the linear): einsum's dims come from its equation."""
+    from amp_rewrite.report import validate
+
+    _, report = amp_rewrite.rewrite(_ColourMatrix().eval(), example_inputs=(torch.randn(1, 4, 4, 3),),
+                                    target="bf16", capture=capture, report=True)
+    validate(report.to_dict())
+    (einsum,) = [a for a in report.alignment() if a["op"] == "einsum"]
+    assert einsum["equation"] == "ij,bhwj->bhwi"
+    assert einsum["dims"] == {"M": 3, "N": 16, "K": 3} and einsum["misaligned"] == ["M", "K"]
+    assert "tensor cores: 2 of 2 bf16" in report.summary_text()
+
+
 class _HfStyleDataDependent(nn.Module):
     """An HF-style forward: optional inputs checked against each other (symbolic_trace feeds a
     Proxy to each, so the check raises) and a data-dependent branch torch.export cannot capture."""

@@ -461,6 +461,27 @@ def test_alignment_of_a_conv_transpose():
     assert report.summary()["alignment"] == {"checked": 2, "aligned": 1, "misaligned": 1, "unknown": 0}
 
 
+def test_alignment_of_an_einsum_contraction():
+    """A two-operand Einsum is a GEMM: M is the product of the labels only A and the output hold,
+    N of those only B and the output hold, K of the summed labels; labels all three hold are the
+    batch. The tensor-core line left Einsums out. A summing single-operand Einsum is no GEMM."""
+    model = make_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[2,4,16,12] x) => (float[2,4,16,24] y, float[2,4,16] s) {
+          y = Einsum<equation = "bhsk,kn->bhsn">(x, w)
+          t = Einsum<equation = "bhsk,hkj->bhsj">(x, v)
+          s = ReduceSum<keepdims = 0>(t, axes)
+        }""", {"w": (12, 24), "v": (4, 12, 1), "axes": np.array([3], np.int64)}, ir_version=9)
+    result = rewrite(model)
+    align = {a["node"]: a for a in result.report.alignment()}
+    y, t = (next(a for a in align.values() if a["equation"] == eq) for eq in ("bhsk,kn->bhsn", "bhsk,hkj->bhsj"))
+    assert y["op"] == "Einsum" and y["dims"] == {"M": 2 * 4 * 16, "N": 24, "K": 12}
+    assert y["misaligned"] == ["K"] and y["shapes"] == [[2, 4, 16, 12], [12, 24]]
+    assert t["dims"] == {"M": 2 * 16, "N": 1, "K": 12} and t["misaligned"] == ["N", "K"]
+    assert "tensor cores: 2 of 2 fp16" in result.report.summary_text()
+    validate(result.report.to_dict())
+
+
 def test_matmul_with_a_2d_b_folds_the_batch_into_m():
     """onnxruntime runs A [..., M, K] @ B [K, N] (or B's leading dims all 1) as one GEMM with A's
     leading dims folded into M, like linear; the report gave M = A[-2] (4 here, 'misaligned').
