@@ -2275,6 +2275,36 @@ def test_a_body_keeps_the_names_of_its_inputs_where_they_shadow_outer_ones():
     assert not rewrite(result.model).modified
 
 
+def test_the_body_of_a_contrib_op_is_typed_by_inference():
+    """onnx's shape inference does not enter the bodies of ops it has no schema for (GreedySearch,
+    BeamSearch): what a torch export computes from a Shape (a ConstantOfShape of zeros added to
+    the embedding here; masks and positions in HF decoders) stayed untyped, every node reading it
+    was kept FP32, and the summary listed Shape and integer ops as "untyped values kept FP32". The
+    loader infers such a body as a model of its own."""
+    from onnx import TensorProto as T, helper as h
+
+    model = _greedy_search_model()
+    decoder = model.graph.node[0].attribute[0].g
+    nodes = list(decoder.node)
+    at = next(k for k, n in enumerate(nodes) if n.op_type == "Add")
+    nodes[at].input[0] = "te_z"
+    extra = [h.make_node("Shape", ["te"], ["te_shape"]),
+             h.make_node("ConstantOfShape", ["te_shape"], ["zeros"], value=h.make_tensor("v", T.FLOAT, [1], [0.0])),
+             h.make_node("Add", ["te", "zeros"], ["te_z"])]
+    del decoder.node[:]
+    decoder.node.extend(nodes[:at] + extra + nodes[at:])
+    result = rewrite(model)
+    full_check(result.model)
+    precision = {d["node"]: d["precision"] for d in result.report.to_dict()["nodes"]}
+    assert precision["Add:te_z"] == precision["Add:x"] == precision["LayerNormalization:xn"] == "fp16"
+    assert not [n for n in result.report.summary_text().splitlines() if n.startswith("untyped")]
+    feeds = {"input_ids": np.array([[5, 6, 7, 8], [0, 0, 3, 4]], np.int32), "max_length": np.array([16], np.int32),
+             "attention_mask": np.array([[1, 1, 1, 1], [0, 0, 1, 1]], np.int32)}
+    want, got = run(model, feeds)["sequences"], run(result.model, feeds)["sequences"]
+    assert want.shape == got.shape and (want == got).mean() > 0.9  # (tokens: an fp16 argmax may flip a near tie)
+    assert not rewrite(result.model).modified
+
+
 @pytest.mark.parametrize("keep_io_types", [True, False])
 def test_bodies_keep_the_names_of_their_outputs_where_another_body_uses_them(keep_io_types):
     """Two bodies that each name an output ``logits`` (onnxruntime's BeamSearch: an encoder and a

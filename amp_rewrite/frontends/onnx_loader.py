@@ -966,7 +966,63 @@ def _inferred_proto(proto: onnx.ModelProto, graphs: list[onnx.GraphProto], size:
         for before, after in zip(declared, graph.output, strict=True):
             _keep_denotations(before.type, after.type)
         tables.append({info.name: info for info in inferred_graph.value_info})
+    for index, body in _foreign_bodies(proto.graph) if nested else ():
+        for offset, table in enumerate(_inferred_body(body, proto, options)):
+            tables[index + offset] = {**table, **tables[index + offset]}
     return proto, tables
+
+
+# Domains whose ops onnx's shape inference knows (it types what their bodies compute, if any)
+_INFERRED_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training"})
+
+
+def _foreign_bodies(graph: onnx.GraphProto) -> list[tuple[int, onnx.GraphProto]]:
+    """(position in ``_graph_protos(graph)``, body) of each graph attribute of a node in a domain
+    onnx's shape inference does not know (com.microsoft's BeamSearch, GreedySearch...): it does
+    not enter them, so nothing they compute was typed. The outermost such bodies only."""
+    found: list[tuple[int, onnx.GraphProto]] = []
+    position = 0
+
+    def walk(g: onnx.GraphProto, inside: bool) -> None:
+        nonlocal position
+        position += 1  # (g's own place)
+        for node in g.node:
+            foreign = node.domain not in _INFERRED_DOMAINS
+            for attr in node.attribute:
+                subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else \
+                    list(attr.graphs) if attr.type == onnx.AttributeProto.GRAPHS else []
+                for sub in subs:
+                    if foreign and not inside:
+                        found.append((position, sub))
+                    walk(sub, inside or foreign)
+
+    walk(graph, False)
+    return found
+
+
+def _inferred_body(body: onnx.GraphProto, proto: onnx.ModelProto, options: dict[str, Any]
+                   ) -> list[dict[str, onnx.ValueInfoProto]]:
+    """Shape inference on a foreign op's body as a model of its own (its weights as typed inputs;
+    a value it reads from the enclosing graph stays untyped): one table per graph, the body and
+    its nested bodies in ``_graph_protos`` order; [] where inference fails."""
+    alone = onnx.ModelProto()
+    _copy_fields(alone, proto, skip="graph")
+    del alone.functions[:]  # (a body calling a model-local function: inference reads the copy's)
+    alone.functions.extend(proto.functions)
+    _copy_fields(alone.graph, body, skip="initializer")
+    inputs = {v.name for v in body.input}
+    for tensor in body.initializer:
+        if _is_weight(tensor) or tensor.data_location == onnx.TensorProto.EXTERNAL:
+            if tensor.name not in inputs:
+                alone.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type,
+                                                                            list(tensor.dims)))
+        else:
+            alone.graph.initializer.append(tensor)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(alone, **options)
+    except Exception:  # noqa: BLE001 - inference is best effort
+        return []
+    return [{info.name: info for info in g.value_info} for g in _graph_protos(inferred.graph)]
 
 
 def _is_weight(tensor: onnx.TensorProto) -> bool:
