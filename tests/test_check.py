@@ -284,6 +284,31 @@ def test_auto_fp32_bisects_an_accuracy_failure_within_budget():
     assert auto.evaluations == auto.candidates + 1  # + the FP32 reference run
 
 
+def test_auto_fp32_bisects_among_the_non_gemm_nodes_first():
+    """d = h - 0.999 * h cancels: FP16 rounding of the product costs half of d. Pinning the GEMM
+    making h passes too (what reads it follows it FP32), and as it comes first in graph order the
+    bisection chose it, giving up the GEMM's speed where pinning the Mul suffices."""
+    rng = np.random.default_rng(3)
+    m = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[N,16] x) => (float[N,8] y) {
+          h = MatMul(x, w)
+          a = Mul(h, c)
+          d = Sub(h, a)
+          y = MatMul(d, w2)
+        }""", {"w": (rng.standard_normal((16, 16)) * 0.5).astype(np.float32), "c": np.array(0.999, np.float32),
+               "w2": (rng.standard_normal((16, 8)) * 0.5).astype(np.float32)})
+    for n in m.graph.node:
+        n.name = f"/net/{n.output[0]}"
+    assert not ck.check_models(m, rewrite(m).model).passed
+    auto = ck.auto_fp32(m)
+    assert auto.check.passed
+    pinned = [p["node"] for p in auto.pinned]
+    assert pinned and not {"/net/h", "/net/y"} & set(pinned), pinned
+    assert all("other than MatMul/Gemm/Conv/attention" in p["reason"] for p in auto.pinned)
+    assert "MatMul/Gemm/Conv/attention in fp16: 2 of 2" in auto.result.report.summary_text()
+
+
 def test_mask_sentinels_saturating_to_inf_are_not_overflow():
     """An additive mask the caller feeds (FP32 graph input, cast to FP16 at run time): its
     finfo(float32).min becomes -inf. Expected, not an overflow."""
