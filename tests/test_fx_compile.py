@@ -706,6 +706,37 @@ def test_compile_clamps_lifted_module_tensors_past_the_range_where_it_casts_them
     assert (out - inference).abs().max() <= 1e-2 * inference.abs().max()
 
 
+class _MaskBeforeABreak(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x, am):
+        pad = ((1.0 - am[:, None, :].float()) * torch.finfo(torch.float32).min).expand(-1, x.shape[1], -1)
+        torch._dynamo.graph_break()  # (logging, a .item(): dynamo hands pad to the next graph as an input)
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return torch.baddbmm(pad, q, k.transpose(-1, -2), alpha=0.25).softmax(-1) @ v
+
+
+def test_compile_clamps_a_mask_a_graph_break_hands_over():
+    """A padding mask of finfo.min built before a graph break reaches the next graph as its input,
+    which was cast as it was: -inf, and the fully padded row NaN, where one graph clamps it. An
+    activation input of a dynamo graph is clamped before its cast."""
+    torch.manual_seed(0)
+    model, x = _MaskBeforeABreak().eval(), torch.randn(2, 6, 16)
+    am = torch.ones(2, 6, dtype=torch.long)
+    am[1, :] = 0  # (the second sequence fully padded)
+    backend.last_reports.clear()
+    compiled = torch.compile(model, backend="amp_rewrite", options={"target": "fp16", "backend": "aot_eager"})
+    with torch.no_grad():
+        out, want = compiled(x, am), model(x, am)
+    assert len(backend.last_reports) == 2
+    assert torch.isfinite(want).all() and torch.isfinite(out).all()
+    assert (out - want).abs().max() <= 1e-2 * want.abs().max()
+    casts = [c for r in backend.last_reports for c in r.to_dict()["casts"] if "torch.compile hands values over" in c["reason"]]
+    assert casts, "the clamped cast of the handed-over mask"
+
+
 def test_compile_passes_the_gradient_of_a_clamped_lifted_parameter_straight_through():
     """Under torch.compile the parameters are graph inputs cast at use; one of 1e5 is clamped at
     65504, and the clamp's backward zeroed its gradient (the weight stuck out of range for good).

@@ -1982,6 +1982,47 @@ def test_a_master_weight_past_the_range_keeps_its_gradient_through_the_clamp_and
     assert float(gm.fc.weight.detach()[0, 0]) < 1e5
 
 
+class _CausalPlusPadding(torch.nn.Module):
+    """A causal mask buffer of finfo.min plus an HF padding mask of it: -inf in FP32 where both
+    mask (their sum overflows), and the baddbmm's mask input clamped before its cast."""
+
+    def __init__(self):
+        super().__init__()
+        low = torch.finfo(torch.float32).min
+        self.qkv, self.head = torch.nn.Linear(16, 48), torch.nn.Linear(16, 5)
+        self.register_buffer("causal", torch.triu(torch.full((6, 6), low), 1))
+
+    def forward(self, x, am, t):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        mask = self.causal + (1.0 - am[:, None, :].float()) * torch.finfo(torch.float32).min
+        a = torch.baddbmm(mask, q, k.transpose(-1, -2), alpha=0.25).softmax(-1)
+        logits = self.head(x + a @ v)
+        return torch.nn.functional.cross_entropy(logits[am.bool()], t[am.bool()])
+
+
+@pytest.mark.parametrize("capture", ["export", "symbolic_trace"])
+def test_a_clamp_of_an_infinite_mask_passes_a_finite_value_in_training(capture):
+    """The straight-through clamp ``clamp(w).detach() + (w - w.detach())`` is NaN where w is ±inf
+    (inf - inf): a causal plus padding mask, -inf in FP32 where both mask, made every training
+    loss NaN and every step skipped, where FP32 and the inference rewrite are finite."""
+    torch.manual_seed(0)
+    x, am, t = torch.randn(2, 6, 16), torch.ones(2, 6, dtype=torch.long), torch.randint(0, 5, (2, 6))
+    am[1, :2] = 0
+    model = _CausalPlusPadding()
+    want = float(model(x, am, t))
+    gm = amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(x, am, t), training=True, target="fp16",
+                             capture=capture, loss_scaling=False)
+    gm.graph.lint()
+    loss = gm(x, am, t)
+    assert math.isfinite(float(loss)) and abs(float(loss) - want) <= 1e-2 * want
+    loss.backward()
+    model(x, am, t).backward()
+    for name, p in gm.named_parameters():
+        reference = dict(model.named_parameters())[name].grad
+        assert torch.isfinite(p.grad).all(), name
+        assert (p.grad - reference).abs().max() <= 2e-2 * reference.abs().max() + 1e-6, name
+
+
 def test_loading_a_master_weight_past_the_range_into_a_training_rewrite_is_said():
     """The README's resume recipe (rewrite, then load the checkpoint) with a weight of 1e5: the
     inference rewrite warned and clamped, the training rewrite said nothing and its cast made inf

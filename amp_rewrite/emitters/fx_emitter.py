@@ -356,7 +356,10 @@ class _Emitter:
         if self.training or _requires_grad(src):  # (torch.compile: a lifted parameter)
             held = call(torch.detach, torch.ops.aten.detach.default, clamped, suffix="_value")
             still = call(torch.detach, torch.ops.aten.detach.default, src, suffix="_source")
-            zero = call(operator.sub, torch.ops.aten.sub.Tensor, src, still, suffix="_zero")
+            diff = call(operator.sub, torch.ops.aten.sub.Tensor, src, still, suffix="_difference")
+            # (w - w is NaN where w is ±inf: a causal mask of finfo.min plus a padding mask of it
+            # is -inf in FP32 too, and its clamp made every loss NaN; the difference is 0 there)
+            zero = call(torch.nan_to_num, torch.ops.aten.nan_to_num.default, diff, 0.0, 0.0, 0.0, suffix="_zero")
             call(operator.add, torch.ops.aten.add.Tensor, held, zero, suffix="_straight_through")
         return made
 

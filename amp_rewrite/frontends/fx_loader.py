@@ -774,6 +774,14 @@ class _Builder:
                 # rotary frequencies); it stays an input of the graph
                 value.meta["fx.lifted_tensor"] = lifted
                 self._note_beyond_range(value, lifted)
+            elif path == () and node.meta.get("grapharg") is not None and value.dtype is not None \
+                    and value.dtype.is_float and self.low is not None:
+                # an activation input of a graph dynamo captured: a graph break hands values over as
+                # inputs, so a padding mask (1 - m) * finfo.min built before the break arrives here;
+                # cast as it was, it became -inf and a fully padded row NaN, where one graph clamps it
+                value.meta["amp.sentinel"] = (
+                    f"input {value.name!r}: torch.compile hands values over as inputs at a graph break",
+                    float(torch.finfo(torch.float32).min))
 
     def _get_attr(self, node: fx.Node) -> None:
         target = str(node.target)
