@@ -397,8 +397,13 @@ class LossScaler:
         if before is None:
             return
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if self._live_modules() and any(not _unchanged(g, before) for g in grads):
-            self._auto_updated = None  # a backward pass made these since (the in-graph scale, no scale() call)
+        # a backward pass since (the in-graph scale, no scale() call) made this optimizer's gradients
+        # and wrote the ones recorded; a second optimizer holding another module's parameters (a head
+        # whose term the loss adds) has gradients nobody recorded, made by the same backward pass as
+        # the first's: unscaled by the new scale, they were 2x or 0.5x the truth, without a word
+        moved = any(ref() is None or ref()._version != version for ref, version in before.values())
+        if self._live_modules() and moved and any(not _unchanged(g, before) for g in grads):
+            self._auto_updated = None
             return
         raise RuntimeError("step() on a second optimizer after step() updated the scale (auto_update=True): its "
                            "gradients were made at the old scale. With several optimizers stepped on one backward "

@@ -325,6 +325,44 @@ def test_several_optimizers_with_auto_update_are_refused_not_unscaled_wrong(modu
         scaler.step(opt_b)
 
 
+@pytest.mark.parametrize("scale_input", [1.0, 0.01], ids=["backoff", "growth"])
+def test_a_second_optimizer_of_another_module_after_an_auto_update_is_refused(scale_input):
+    """The same loop where the second optimizer holds another module's parameters (a head whose
+    term the loss adds): nobody recorded its gradients, so they passed for new ones, and it stepped
+    them unscaled by the updated scale (2x after a backoff, 0.5x after a growth), updating the
+    scale twice. Only a backward pass since (which writes the first module's gradients) makes
+    them new."""
+    torch.manual_seed(0)
+    x, y, z = torch.randn(4, 8) * scale_input, torch.randn(4, 4) * scale_input, torch.randn(4, 8)
+    model = _MseModule()
+    gm = amp_rewrite.rewrite(model, example_inputs=(x, y), training=True)
+    head = torch.nn.Linear(8, 1)
+    scaler = LossScaler(gm, growth_interval=1)
+    opt_a, opt_b = torch.optim.SGD(gm.parameters(), lr=0.1), torch.optim.SGD(head.parameters(), lr=0.1)
+    scaler.backward(gm(x, y) + head(z).pow(2).mean())
+    before = scaler.get_scale()
+    scaler.step(opt_a)
+    assert scaler.get_scale() != before
+    with pytest.raises(RuntimeError, match="second optimizer.*auto_update=False"):
+        scaler.step(opt_b)
+    # a new backward pass makes both sets of gradients afresh: each optimizer steps after its own
+    opt_a.zero_grad()
+    opt_b.zero_grad()
+    gm(x, y).backward()
+    scaler.step(opt_a)
+    scaler.backward(head(z).pow(2).mean())
+    scaler.step(opt_b)
+
+
+class _MseModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.lin(x), y)
+
+
 def test_alternating_optimizers_each_after_its_own_backward_need_no_flag():
     """A GAN-like loop steps a different optimizer after each backward: with auto_update on that
     is one step per update, whether the backward went through the scaler or the in-graph scale."""
