@@ -165,7 +165,7 @@ def _rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, tar
     ctx = make_context(frontend="torch", target=target, rules=rules, keep_io_types=keep_io_types,
                        training=training, loss=loss_value.name if loss_value is not None else None,
                        fp32_nodes=fp32_nodes, **options)
-    if training and loss_value is None and scaling:
+    if training and loss_value is None and scaling and not any("taken for no loss" in n for n in notes):
         notes.append("training: no loss output found (no scalar float tensor among the outputs the capture sees; "
                      "a dataclass output torch cannot flatten hides its tensors), so nothing is scaled in the graph: "
                      "scale the loss with LossScaler().backward(loss), or name it with loss_output=")
@@ -1036,7 +1036,33 @@ def _loss_value(model: Model, loss_output: int | str | None, notes: list[str]) -
         named = ", ".join(f"{e[0]}: {e[3] or e[1].name!r}" for e in scalars)
         raise UsageError(f"training=True: the module returns {len(scalars)} scalar float outputs ({named}); "
                          f"say which is the loss with loss_output= (its flattened index, dict key or name)")
+    if not _reads_an_input(scalars[0][1]):
+        # a temperature returned beside embeddings (CLIP's logit_scale.exp()): scaled as "the loss",
+        # it came out 65536 times too large once a LossScaler attached, and so did the loss the
+        # caller computed from it
+        notes.append(f"training: the scalar output {scalars[0][3] or scalars[0][1].name!r} is computed from "
+                     f"parameters alone, no input, so it is taken for no loss and nothing is scaled in the graph "
+                     f"(pass loss_output= if it is the loss; else scale the loss you compute with "
+                     f"LossScaler.backward(loss))")
+        return None
     return chosen(scalars[0])
+
+
+def _reads_an_input(value: Value) -> bool:
+    """Whether ``value`` is computed from a graph input (the data), not from parameters alone."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        node = v.producer
+        if node is None:
+            if v.is_graph_input:
+                return True
+            continue
+        stack.extend(x for x in node.inputs if x is not None)
+    return False
 
 
 _NO_GRADIENT_OPS = {"detach", "detach_", "stop_gradient"}

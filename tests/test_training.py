@@ -1451,6 +1451,42 @@ def test_a_sparse_embedding_trains_and_its_table_is_never_cast(target):
                                atol=2e-2 * ref.e.weight.grad.to_dense().abs().max().item())
 
 
+class _ClipLike(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.img, self.txt = torch.nn.Linear(8, 4), torch.nn.Linear(6, 4)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+    def forward(self, image, text):
+        return self.img(image), self.txt(text), self.logit_scale.exp()
+
+
+def test_a_scalar_computed_from_parameters_alone_is_no_loss():
+    """CLIP returns logit_scale.exp() beside its embeddings: the one scalar output was taken for the
+    loss and, once a LossScaler attached, came out 65536 times too large (and so did the
+    contrastive loss the caller computed from it). It reads no input: no loss."""
+    torch.manual_seed(0)
+    image, text = torch.randn(4, 8), torch.randn(4, 6)
+    model = _ClipLike()
+    gm, report = amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(image, text), training=True,
+                                     target="fp16", report=True)
+    assert not hasattr(gm, "amp_loss_scale")
+    notes = report.to_dict()["notes"]
+    assert any("computed from parameters alone" in n for n in notes), notes
+    assert not any("no loss output found" in n for n in notes)
+    scaler = LossScaler()
+    img, txt, scale = gm(image, text)
+    assert abs(float(scale) - 1 / 0.07) < 1e-3
+    logits = scale * torch.nn.functional.normalize(img.float(), dim=-1) @ torch.nn.functional.normalize(
+        txt.float(), dim=-1).T
+    scaler.backward(torch.nn.functional.cross_entropy(logits, torch.arange(4)))
+    assert scaler.get_scale() > 1 and gm.logit_scale.grad is not None
+    # named, it is the loss as before
+    named = amp_rewrite.rewrite(copy.deepcopy(model), example_inputs=(image, text), training=True, target="fp16",
+                                loss_output=2)
+    assert hasattr(named, "amp_loss_scale")
+
+
 def test_a_metric_beside_the_loss_is_not_taken_for_it():
     """(loss, accuracy, loss.detach()): three scalar float outputs, of which only the loss carries a
     gradient; it is taken as the loss (the accuracy and the detached copy stay unscaled)."""
