@@ -1669,3 +1669,44 @@ def test_a_constant_scale_may_still_take_the_low_type_before_an_fp32_reader():
         }""", {"W": (4, 4, 3, 3), "scale": np.array(0.5, np.float32)})
     assert _precisions(rewrite(model, placement="greedy"))["Mul:y"] == "fp32"
     assert _precisions(rewrite(model))["Mul:y"] == "low"
+
+
+@pytest.mark.parametrize("square", ["Pow", "Mul"])
+def test_softmax_weights_an_fp32_sum_pools_keep_the_softmax_fp32(square):
+    """Attentive statistics pooling (ECAPA): w = softmax over 3000 frames, mu = sum(w * h),
+    var = sum(w * h * h) - mu^2. Optimal placement moved the softmax low (fewer bytes); its FP16
+    weights do not sum to 1, and the variance's cancellation multiplies that by mu^2: the pooled std
+    was 1.4e-2 from FP32 where greedy's FP32 softmax gives 2e-4."""
+    from amp_rewrite.emulate import emulate_low
+
+    rng = np.random.default_rng(1)
+    c, t = 16, 3000
+    sq = "hh = Pow(h, two)" if square == "Pow" else "hh = Mul(h, h)"
+    m = make_model(f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1,{c},{t}] x) => (float[1,{c}] std) {{
+          h = Conv(x, wl, bl)
+          th = Tanh(h)
+          a = Conv(th, wa, ba)
+          w = Softmax<axis = 2>(a)
+          hw = Mul(h, w)
+          mu = ReduceSum<keepdims = 0>(hw, axes)
+          {sq}
+          hhw = Mul(hh, w)
+          m2 = ReduceSum<keepdims = 0>(hhw, axes)
+          mu2 = Mul(mu, mu)
+          var = Sub(m2, mu2)
+          vc = Clip(var, eps)
+          std = Sqrt(vc)
+        }}""", {"wl": np.eye(c, dtype=np.float32)[:, :, None], "bl": np.zeros(c, np.float32),
+                "wa": (rng.standard_normal((c, c, 1)) * 0.3).astype(np.float32), "ba": np.zeros(c, np.float32),
+                "axes": np.array([2], np.int64), "two": np.array(2.0, np.float32), "eps": np.array(1e-4, np.float32)})
+    x = (rng.standard_normal((1, c, t)) * 0.5 + 10).astype(np.float32)
+    want = run(m, {"x": x})["std"]
+    result = rewrite(m, placement="optimal")
+    full_check(result.model)
+    (softmax,) = [d for d in result.report.to_dict()["nodes"] if d["op"] == "Softmax"]
+    assert softmax["precision"] == "fp32" and "an FP32 sum reduces its probabilities" in softmax["reason"]
+    emulated, _ = emulate_low(result.model)
+    assert rel_err(want, run(emulated, {"x": x})["std"]) < 2e-3
+    assert not rewrite(result.model, placement="optimal").modified
