@@ -170,7 +170,7 @@ def run_pipeline(model: Model, ctx: Context) -> bool:
     modified = any(r.modified for r in results)
     if modified and model.frontend == "onnx" and model.graph.opsets.get("", 0) >= 17:
         entered = [i for i in ctx.log.islands if i.pattern == "LayerNorm" and i.casts_in and _ort_can_fuse(model, i)
-                   and _cast_is_x(model, i) and _whole_layernorm(model, i)]
+                   and _cast_is_x(model, i) and _whole_layernorm(model, i) and _means_end_at_the_last_axis(model, i)]
         if entered:  # (frontends/onnx_fuse.py: what fusing it would have avoided)
             why, fix = ("--no-fuse", "rewrite without --no-fuse to avoid it") if not ctx.options.fuse else (
                 "a form the fuse pass does not take, such as an epsilon outside (0, 1) or not a scalar",
@@ -266,6 +266,37 @@ def _whole_layernorm(model: Model, island) -> bool:
             if scale is not None and only_reader(scale, "Add") is not None:
                 return True
     return False
+
+
+def _means_end_at_the_last_axis(model: Model, island) -> bool:
+    """Whether the island's ReduceMeans may be what onnxruntime's LayerNormFusion takes: consecutive
+    axes ending at the last one (a positive axis needs a known rank). A channels-first LayerNorm
+    (ConvNeXt's, mean over axis 1) is not fused: the model loads, and the warning was false. True
+    where the axes cannot be read (the warning errs on the side of saying)."""
+    from .frontends.onnx_loader import constant_array
+
+    members = set(island.members)
+    for node in model.graph.walk():
+        if node.op_type != "ReduceMean" or node.domain != "" or node_label(node) not in members or not node.inputs:
+            continue
+        attr = node.origin.attributes.get("axes") if getattr(node.origin, "attributes", None) is not None else None
+        if attr is not None:
+            axes = list(attr.as_ints())
+        elif len(node.inputs) > 1 and node.inputs[1] is not None:
+            data = constant_array(node.inputs[1])
+            if data is None:
+                return True
+            axes = [int(a) for a in data.reshape(-1)]
+        else:
+            return True  # (every axis: the last included)
+        x = node.inputs[0]
+        rank = len(x.shape) if x is not None and x.shape is not None else None
+        if any(a >= 0 for a in axes) and rank is None:
+            return False
+        axes = sorted(a - rank if a >= 0 else a for a in axes)
+        if not axes or axes[-1] != -1 or any(b != a + 1 for a, b in zip(axes, axes[1:])):
+            return False
+    return True
 
 
 def _cast_is_x(model: Model, island) -> bool:

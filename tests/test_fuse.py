@@ -990,6 +990,37 @@ def test_an_unfusable_layernorm_island_entered_through_a_cast_is_warned_of():
     assert "LayerNorm island(s) entered through a Cast (a form the fuse pass does not take" in note
 
 
+def test_no_onnxruntime_warning_for_a_channels_first_layernorm():
+    """ConvNeXt's LayerNorm over the channel axis (means over axis 1 of [N, C, H, W]): the fuse
+    pass does not take it, and the summary said onnxruntime's LayerNormFusion would fold the Cast
+    into it and refuse the model. onnxruntime fuses means ending at the last axis only: it loads."""
+    rng = np.random.default_rng(0)
+    model = make_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1,8,4,4] x) => (float[1,8,4,4] y) {
+          a = Conv(x, w1)
+          m = ReduceMean<axes=[1]>(a)
+          d = Sub(a, m)
+          p = Pow(d, two)
+          v = ReduceMean<axes=[1]>(p)
+          ve = Add(v, eps)
+          sd = Sqrt(ve)
+          n = Div(d, sd)
+          ng = Mul(n, g)
+          nb = Add(ng, b)
+          y = Conv(nb, w2)
+        }""", {"w1": (rng.standard_normal((8, 8, 1, 1)) * 0.3).astype(np.float32),
+               "w2": (rng.standard_normal((8, 8, 1, 1)) * 0.3).astype(np.float32),
+               "two": np.array(2.0, np.float32), "eps": np.array(1e-6, np.float32),
+               "g": np.ones((8, 1, 1), np.float32), "b": np.zeros((8, 1, 1), np.float32)})
+    result = rewrite(model)
+    assert result.log.islands and any(i.casts_in for i in result.log.islands)
+    assert not [n for n in result.log.notes if n.startswith("onnxruntime:")]
+    full_check(result.model)
+    x = rng.standard_normal((1, 8, 4, 4)).astype(np.float32)
+    assert rel_err(run(model, {"x": x})["y"], run(result.model, {"x": x})["y"]) < 1e-2
+
+
 @pytest.mark.parametrize("read_outside", ["Reciprocal", "graph output"])
 def test_no_onnxruntime_warning_where_its_fusion_cannot_take_the_island(read_outside):
     """onnxruntime's LayerNormFusion fuses only where the statistics are read by the pattern
