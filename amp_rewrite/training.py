@@ -381,6 +381,8 @@ class LossScaler:
                                "returns a copy; build the optimizer on the rewritten module's parameters "
                                "(gm.parameters())")
         applied = self._applied_scale() if has_grads else 1.0
+        if has_grads and self._applied is None:
+            self._refuse_unattached(optimizer, applied)
         found = _unscale_grads(optimizer, 1.0 / applied)
         if self._is_distributed():
             import torch.distributed as dist
@@ -388,6 +390,22 @@ class LossScaler:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
         state.found_inf = found
         state.stage = _UNSCALED
+
+    def _refuse_unattached(self, optimizer: torch.optim.Optimizer, applied: float) -> None:
+        """A plain ``loss.backward()`` over two training rewrites with one attached: the other's
+        gradients carry its own in-graph scale (its buffer, never updated), and dividing them by
+        the attached one's left them 1/65536 of the truth at every step, silently. Say so."""
+        attached = {id(m) for m in self._live_modules()}
+        held = {id(p) for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
+        for module in self._candidates(scan=False):
+            if id(module) in attached or float(module._buffers[BUFFER]) == applied:
+                continue
+            if any(id(p) in held for p in module.parameters()):
+                raise RuntimeError(
+                    f"this optimizer holds parameters of a {type(module).__name__} rewritten for training that the "
+                    f"scaler is not attached to: its gradients carry its own loss scale "
+                    f"({float(module._buffers[BUFFER]):g}), not the scaler's ({applied:g}); attach it too "
+                    f"(scaler.attach(module)) or call scaler.backward(loss)")
 
     def _refuse_stale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """A GradScaler-style ``step(opt_a); step(opt_b); update()`` with ``auto_update`` on:

@@ -354,6 +354,30 @@ def test_a_second_optimizer_of_another_module_after_an_auto_update_is_refused(sc
     scaler.step(opt_b)
 
 
+def test_a_plain_backward_over_an_unattached_training_rewrite_is_refused():
+    """Two training rewrites, one attached, and a plain (g1 + g2).backward(): g2's gradients carry
+    its own buffer's scale (1, never updated) and step() divided them by g1's 65536 at every step:
+    g2 never trained, silently. Attached too, both train."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    g1 = amp_rewrite.rewrite(_MseModule(), example_inputs=(x, y), training=True)
+    g2 = amp_rewrite.rewrite(_MseModule(), example_inputs=(x, y), training=True)
+    scaler = LossScaler(g1)
+    opt = torch.optim.SGD([*g1.parameters(), *g2.parameters()], lr=0.1)
+    (g1(x, y) + g2(x, y)).backward()
+    with pytest.raises(RuntimeError, match="not attached to.*scaler.attach"):
+        scaler.step(opt)
+    opt.zero_grad()
+    scaler.attach(g2)
+    reference = copy.deepcopy(g2)
+    (g1(x, y) + g2(x, y)).backward()
+    scaler.unscale_(opt)
+    scale = float(reference.amp_loss_scale)
+    reference(x, y).backward()
+    for p, q in zip(g2.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad / scale, rtol=1e-3, atol=1e-7)
+
+
 class _MseModule(torch.nn.Module):
     def __init__(self):
         super().__init__()
