@@ -1,10 +1,14 @@
 """Gaps mutation testing found in the stop-53 changes (optimal constant-sum holds, torch sentinel
 marks, --check's not-emulated notes, training-form BatchNormalization, unread tensors kept by
 symbolic_trace) and in the stop-54 changes (holds before a sum a log reads, epsilon guards as
-comparisons and Where, torch comparisons, BatchNormalization's training form by opset): each test
+comparisons and Where, torch comparisons, BatchNormalization's training form by opset) and in the
+stop-55 changes (ALiBi biases, unrolled recurrences, master-weight clamps, constant-sum data moves,
+body output names): each test
 here failed on a mutant of that code the rest of the suite let through, and passes on the code as
 written."""
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import onnx
@@ -13,6 +17,7 @@ import torch
 from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper as nh
+import torch.nn.functional as F
 from torch import nn
 
 from util import make_model, rewrite, run
@@ -544,3 +549,320 @@ def test_an_inference_batchnorm_whose_absent_statistics_outputs_are_written_as_e
     decisions = rewrite_onnx_model(m, target="fp16").log.decisions
     bn = next(d for name, d in decisions.items() if "bn" in name or "BatchNormalization" in name)
     assert "batch's mean and variance" not in bn.reason
+
+
+# == stop-55 changes ====================================================================================
+# ---------------------------------------------------------------- ALiBi (_keep_position_biases_fp32)
+def _alibi(bias: str, n_inits=None):
+    text = f"""
+    <ir_version: 10, opset_import: ["" : 17]>
+    g (float[1,1,8] x, int64[1,N] mask, float[1,N,8] k, float[1,N,8] v) => (float[1,1,8] y) {{
+      q = MatMul(x, wq)
+      kt = Transpose<perm=[0, 2, 1]>(k)
+      s = MatMul(q, kt)
+      s2 = Mul(s, scale)
+      {bias}
+      mf = Cast<to=1>(mask)
+      inv = Sub(one_f, mf)
+      mb = Mul(inv, neg)
+      sm = Add(sb, mb)
+      p = Softmax<axis=-1>(sm)
+      a = MatMul(p, v)
+      y = MatMul(a, wo)
+    }}"""
+    return make_model(text, {"wq": (8, 8), "wo": (8, 8), "scale": np.array(8 ** -0.5, np.float32),
+                             "ax": np.array(1, np.int64), "one_i": np.array(1, np.int64),
+                             "zero_i": np.array(0, np.int64), "slope": np.array(0.7071, np.float32),
+                             "nslope": np.array(-0.7071, np.float32), "one_f": np.array(1.0, np.float32),
+                             "neg": np.array(-10000.0, np.float32)}, ir_version=10)
+
+
+_POSITIONS = "cs = CumSum(mask, ax)\n      pos = Sub(cs, one_i)\n      pf = Cast<to=1>(pos)"
+
+
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+def test_an_alibi_bias_subtracted_from_the_scores_keeps_them_fp32(placement):
+    """Mutant A1 (Sub dropped from the collected sums): scores - slope * position."""
+    model = _alibi(f"{_POSITIONS}\n      bias = Mul(nslope, pf)\n      sb = Sub(s2, bias)")
+    d = rewrite(model, placement=placement, target="bf16").log.decisions
+    for name in ("Sub:sb", "Add:sm", "Softmax:p"):
+        assert d[name].precision == Precision.FP32, name
+        assert "bias computed from positions" in d[name].reason, name
+
+
+def test_an_alibi_bias_gathered_from_a_bias_of_positions_keeps_the_scores_fp32():
+    """Mutant A11 (Gather dropped from _POSITION_KEEPING): a head's row taken out of slope * positions."""
+    model = _alibi(f"{_POSITIONS}\n      b0 = Mul(slope, pf)\n      bias = Gather<axis=1>(b0, zero_i)\n"
+                   "      bu = Unsqueeze(bias, ax)\n      sb = Add(s2, bu)")
+    d = rewrite(model, target="bf16").log.decisions
+    for name in ("Add:sb", "Add:sm", "Softmax:p"):
+        assert d[name].precision == Precision.FP32, name
+
+
+def test_a_padding_mask_gathered_at_positions_is_no_position_bias():
+    """Mutant A7 (_counts_positions walks a Gather's indices too): mask[:, arange(n)] is still the mask."""
+    model = _alibi("n = Shape<start=1, end=2>(mask)\n      ns = Squeeze(n)\n      r = Range(zero_i, ns, one_i)\n"
+                   "      gm = Gather<axis=1>(mask, r)\n      gf = Cast<to=1>(gm)\n      gb = Mul(gf, neg)\n      sb = Add(s2, gb)")
+    d = rewrite(model).log.decisions
+    for name in ("Add:sb", "Add:sm", "Softmax:p"):
+        assert d[name].precision == Precision.LOW, name
+
+
+# ---------------------------------------------------------------- unrolled scans (_keep_unrolled_scans_fp32)
+def _scan(steps: int, form: str = "ema"):
+    lines = ["u = MatMul(x, w1)", "e = Exp(w)", "ne = Neg(e)", "a = Exp(ne)", "oma = Sub(one, a)", "h0 = Mul(a, zeros)"]
+    if form == "input_driven":
+        lines = ["h0 = MatMul(x0, w1)"]
+    if form == "slice_sum":
+        lines = ["u = MatMul(x, w1)", "h0 = Mul(x0, zeros)"]
+    for t in range(steps):
+        if form == "ema":
+            lines += [f"ut{t} = Gather<axis=1>(u, i{t})", f"m{t} = Mul(a, h{t})", f"n{t} = Mul(oma, ut{t})",
+                      f"h{t + 1} = Add(m{t}, n{t})"]
+        elif form == "deep":  # h = a*h + (1-a)*u[t] - c + u[t]: three arithmetic nodes between two steps
+            lines += [f"ut{t} = Gather<axis=1>(u, i{t})", f"m{t} = Mul(a, h{t})", f"n{t} = Mul(oma, ut{t})",
+                      f"sm{t} = Add(m{t}, n{t})", f"r{t} = Sub(sm{t}, c)", f"vt{t} = Gather<axis=1>(u, i{t})",
+                      f"h{t + 1} = Add(r{t}, vt{t})"]
+        elif form == "input_driven":  # h = ac * h + x[:, t]: a constant decay, a graph input
+            lines += [f"xt{t} = Gather<axis=1>(x, i{t})", f"m{t} = Mul(ac, h{t})", f"h{t + 1} = Add(m{t}, xt{t})"]
+        elif form == "slice_sum":  # h = h + u[:, t:t+1] taken by Slice
+            lines += [f"ut{t} = Slice(u, s{t}, e{t}, ax)", f"uq{t} = Squeeze(ut{t}, ax)", f"h{t + 1} = Add(h{t}, uq{t})"]
+    lines += [f"st = Concat<axis=0>({', '.join(f'h{t + 1}' for t in range(steps))})", "y = MatMul(st, w2)"]
+    body = "\n      ".join(lines)
+    text = f"""
+    <ir_version: 10, opset_import: ["" : 17]>
+    g (float[1,{steps},16] x, float[1,16] x0) => (float[{steps},16] y) {{
+      {body}
+    }}"""
+    rng = np.random.default_rng(0)
+    return make_model(text, {
+        "w1": (rng.standard_normal((16, 16)) * 0.3).astype(np.float32),
+        "w2": (rng.standard_normal((16, 16)) * 0.3).astype(np.float32), "c": np.array(0.01, np.float32),
+        "w": np.linspace(-8, -5, 16).astype(np.float32), "one": np.array(1.0, np.float32),
+        "ac": np.linspace(0.999, 0.9999, 16).astype(np.float32).reshape(1, 16), "ax": np.array([1], np.int64),
+        "zeros": np.zeros((1, 16), np.float32), **{f"i{t}": np.array(t, np.int64) for t in range(steps)},
+        **{f"s{t}": np.array([t], np.int64) for t in range(steps)},
+        **{f"e{t}": np.array([t + 1], np.int64) for t in range(steps)}}, ir_version=10)
+
+
+def _steps_held(result):
+    return {k for k, d in result.log.decisions.items() if "a step of a recurrence written as a loop" in d.reason}
+
+
+@pytest.mark.parametrize("placement", ["optimal", "greedy"])
+def test_eight_chained_steps_are_a_scan_and_seven_are_not(placement):
+    """README: 'eight or more chained elementwise steps'. Mutants S1 (_SCAN_STEPS = 9) and S2 (= 3)."""
+    eight, seven = rewrite(_scan(8), placement=placement, target="bf16"), rewrite(_scan(7), placement=placement, target="bf16")
+    assert {"Mul:m3", "Add:h4"} <= _steps_held(eight)
+    assert eight.log.decisions["Add:h4"].precision == Precision.FP32
+    assert not _steps_held(seven)
+    assert seven.log.decisions["Add:h4"].precision == Precision.LOW
+
+
+@pytest.mark.parametrize("form", ["deep", "input_driven", "slice_sum"])
+def test_other_spellings_of_an_unrolled_scan_keep_their_state_fp32(form):
+    """deep: three arithmetic nodes between two steps (mutant S3, _STEP_REACH = 2); input_driven: a
+    constant decay and a graph input are the shared sources (mutant S7, _step_source ignoring a value
+    with no producer); slice_sum: the step operand taken by Slice (mutant S11)."""
+    result = rewrite(_scan(12, form), target="bf16")
+    assert "Add:h5" in _steps_held(result)
+    assert result.log.decisions["Add:h5"].precision == Precision.FP32
+
+
+def test_a_conditioning_added_at_every_layer_across_matmuls_is_no_scan():
+    """Mutant S8 (_arithmetic_path walks through any op): h' = MatMul(h + c, w) + b over 12 layers, each
+    Add reading the shared c; the path between two of them crosses a MatMul, so nothing is held."""
+    lines = ["h0 = MatMul(x, w1)", "c = MatMul(x0, w1)"]
+    for t in range(12):
+        lines += [f"a{t} = Add(h{t}, c)", f"r{t} = MatMul(a{t}, w1)", f"h{t + 1} = Add(r{t}, b)"]
+    body = "\n      ".join(lines + ["y = MatMul(h12, w2)"])
+    model = make_model(f"""
+    <ir_version: 10, opset_import: ["" : 17]>
+    g (float[1,16] x, float[1,16] x0) => (float[1,16] y) {{
+      {body}
+    }}""", {"w1": (16, 16), "w2": (16, 16), "b": np.full((16,), 0.1, np.float32)}, ir_version=10)
+    result = rewrite(model, target="bf16")
+    assert not _steps_held(result)
+    assert all(d.precision == Precision.LOW for k, d in result.log.decisions.items() if k.startswith("MatMul"))
+
+
+class _SubLoop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.u, self.o = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.decay = nn.Parameter(torch.linspace(0.9990, 0.9997, 16))
+
+    def forward(self, x):
+        u, h, ys = self.u(x), torch.zeros(x.shape[0], x.shape[2]), []
+        for t in range(x.shape[1]):
+            h = self.decay * h - u[:, t]
+            ys.append(h)
+        return self.o(torch.stack(ys, 1))
+
+
+def test_a_torch_loop_subtracting_its_input_keeps_its_state_fp32():
+    """Mutant S13 ("sub" dropped from _STEP_ARITHMETIC): h = a * h - u[:, t]."""
+    torch.manual_seed(0)
+    _, report = amp_rewrite.rewrite(_SubLoop().eval(), example_inputs=(torch.randn(1, 12, 16),), target="bf16",
+                                    report=True)
+    held = [k for k, d in report.log.decisions.items() if "a step of a recurrence written as a loop" in d.reason]
+    assert sum(k.startswith("sub") for k in held) >= 8
+
+
+# ---------------------------------------------------------------- training casts at use (fx_emitter)
+
+class _Master(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.fc2(torch.relu(self.fc(x))), y)
+
+
+def _master(value):
+    torch.manual_seed(0)
+    m = _Master()
+    with torch.no_grad():
+        m.fc.weight[0, 0] = value
+        m.fc2.weight[0, 0] = value
+    return m
+
+
+def _load_warnings(module, state):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module.load_state_dict(state)
+    return [w for w in caught if "beyond float16's range" in str(w.message)]
+
+
+def test_a_loaded_master_weight_past_the_range_is_said_once_each_also_from_a_parent_module():
+    """Mutant F7 (the pre-hook registered at every cast: each weight said 3 times) and mutant F12
+    (the state-dict key looked up without the prefix: nothing said when the rewrite is a submodule)."""
+    x, y = torch.full((4, 8), 1e-3), torch.zeros(4, 2)
+    gm = amp_rewrite.rewrite(_master(1.0), example_inputs=(x, y), training=True, target="fp16")
+    checkpoint = _master(1e5).state_dict()
+    assert len(_load_warnings(gm, checkpoint)) == 2  # fc.weight, fc2.weight
+    parent = nn.ModuleDict({"inner": gm})
+    assert len(_load_warnings(parent, {f"inner.{k}": v for k, v in checkpoint.items()})) == 2
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+        self.b.weight = self.a.weight
+
+    def forward(self, x, y):
+        return F.mse_loss(self.head(self.b(torch.relu(self.a(x)))), y)
+
+
+def test_a_tied_master_weight_past_the_range_is_counted_once():
+    """Mutant F5 (no once-per-tensor check): a tied weight read by two get_attr paths counted twice."""
+    torch.manual_seed(0)
+    model = _Tied()
+    with torch.no_grad():
+        model.a.weight[0, 0] = 1e5
+    x, y = torch.full((4, 8), 1e-3), torch.zeros(4, 2)
+    _, report = amp_rewrite.rewrite(model, example_inputs=(x, y), training=True, target="fp16", report=True,
+                                    capture="symbolic_trace")
+    assert report.summary()["weights"]["clamped"] == 1
+
+
+# ---------------------------------------------------------------- _keep_fp32_from_non_floats
+class _Factory(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.l2(self.l1(x) + torch.ones(16))
+
+
+def test_a_factory_reading_no_tensor_takes_the_low_type():
+    """Mutant N5 (`not tensors` dropped): torch.ones(16), reading no tensor, was pinned FP32."""
+    _, report = amp_rewrite.rewrite(_Factory().eval(), example_inputs=(torch.randn(2, 16),), target="bf16", report=True)
+    assert report.log.decisions["ones"].precision == Precision.LOW
+
+
+# ---------------------------------------------------------------- paint._moves_into_a_constant_sum / base.adds_a_constant
+class _Schedule(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        betas = torch.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000, dtype=torch.float64) ** 2
+        self.register_buffer("alphas_cumprod", torch.cumprod(1 - betas, 0).float())
+        self.net, self.nxt = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, t):
+        a = self.alphas_cumprod[t]
+        if self.kind == "two_moves":  # the product reads a[:, None], 1 - a reads a.view(-1, 1)
+            return 1 - a.view(-1, 1), self.nxt(a[:, None] * self.net(x))
+        av = a.view(-1, 1)  # alpha_sub: torch.sub(h, a, alpha=2) has no constant addend
+        return torch.sub(self.net(x), av, alpha=2), self.nxt(av * self.net(x))
+
+
+@pytest.mark.parametrize("placement", ["greedy", "optimal"])
+def test_a_schedule_entry_moved_twice_keeps_one_minus_it_exact(placement):
+    """Mutant P3 (_moves_into_a_constant_sum does not walk on through clear nodes): the index, read by
+    a low unsqueeze and by the view before 1 - a, went low and the buffer was converted to bf16."""
+    torch.manual_seed(0)
+    model, x, t = _Schedule("two_moves").eval(), torch.randn(2, 8), torch.tensor([0, 1])
+    with torch.no_grad():
+        reference = model(x, t)
+        gm = amp_rewrite.rewrite(model, example_inputs=(x, t), target="bf16", placement=placement)
+        got = gm(x, t)
+    assert torch.equal(got[0].float(), reference[0])
+    assert gm.alphas_cumprod.dtype == torch.float32
+
+
+def test_an_alpha_is_no_constant_addend():
+    """Mutant P5 (adds_a_constant counts the ``alpha`` keyword as a literal): sub(h, a, alpha=2) made
+    the schedule's index and view FP32 and kept the buffer FP32."""
+    torch.manual_seed(0)
+    model, x, t = _Schedule("alpha_sub").eval(), torch.randn(2, 8), torch.tensor([0, 1])
+    gm, report = amp_rewrite.rewrite(model, example_inputs=(x, t), target="bf16", report=True)
+    assert report.log.decisions["index"].precision == Precision.LOW
+
+
+def test_the_no_float_input_rule_is_torch_only():
+    """Mutant N4 (_keep_fp32_from_non_floats applied to ONNX too): an ONNX ConstantOfShape reading an
+    int64 shape sets its type by attribute and was pinned FP32 (and, optimal, its Add with it)."""
+    model = make_model("""
+    <ir_version: 10, opset_import: ["" : 17]>
+    g (float[2,16] x) => (float[2,16] y) {
+      h = MatMul(x, w)
+      sh = Shape(h)
+      z = ConstantOfShape<value = float[1] {0.5}>(sh)
+      hz = Add(h, z)
+      y = MatMul(hz, w)
+    }""", {"w": (16, 16)}, ir_version=10)
+    for placement in ("greedy", "optimal"):
+        d = rewrite(model, placement=placement).log.decisions
+        assert d["ConstantOfShape:z"].precision == d["Add:hz"].precision == Precision.LOW, placement
+
+
+def test_a_body_output_a_cast_now_writes_keeps_its_name():
+    """Mutant B3 (_body_output_name ignores amp.takes_output_of): two Loop bodies each name their
+    carried output ``logits``; the FP32 carried state is written by a Cast of the low MatMul, and the
+    second body's output came back as ``logits__1``."""
+    model = make_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2,8] x, int64 n, bool c) => (float[2,8] y, float[2,8] y2) {
+      y = Loop(n, c, x) <body = b (int64 i, bool ci, float[2,8] s) => (bool co, float[2,8] logits) {
+          co = Identity(ci)
+          hh = MatMul(s, w)
+          logits = MatMul(hh, w)
+        }>
+      y2 = Loop(n, c, x) <body = b2 (int64 i, bool ci, float[2,8] s) => (bool co, float[2,8] logits) {
+          co = Identity(ci)
+          hh = MatMul(s, w)
+          logits = MatMul(hh, w)
+        }>
+    }""", {"w": (8, 8)})
+    result = rewrite(model, keep_io_types=True)
+    loops = [n for n in result.model.graph.node if n.op_type == "Loop"]
+    assert len(loops) == 2
+    for loop in loops:
+        body = loop.attribute[0].g
+        assert [o.name for o in body.output] == ["co", "logits"]
