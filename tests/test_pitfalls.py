@@ -766,9 +766,13 @@ def _alibi_step(bias_from: str) -> onnx.ModelProto:
     the scores beside a padding mask ``(1 - mask) * -10000``; ``"mask"``: the padding mask only."""
     positions = {"cumsum": "cs = CumSum(mask, ax)\n      pos = Sub(cs, one_i)",
                  "range": "n = Shape<start=1, end=2>(mask)\n      ns = Squeeze(n)\n      pos = Range(zero_i, ns, one_i)"}
-    bias = "" if bias_from == "mask" else f"""{positions[bias_from]}
+    bias = "" if bias_from in ("mask", "table") else f"""{positions[bias_from]}
       pf = Cast<to=1>(pos)
       bias = Mul(slope, pf)
+      sb = Add(s2, bias)"""
+    if bias_from == "table":  # (MPT: the exporter folds slope * arange(max_seq_len) into a constant)
+        bias = """n = Shape<start=1, end=2>(mask)
+      bias = Slice(table, zero_1, n, ax_1)
       sb = Add(s2, bias)"""
     text = f"""
     <ir_version: 10, opset_import: ["" : 17]>
@@ -789,17 +793,21 @@ def _alibi_step(bias_from: str) -> onnx.ModelProto:
     return make_model(text, {"wq": (8, 8), "wo": (8, 8), "scale": np.array(8 ** -0.5, np.float32),
                              "ax": np.array(1, np.int64), "one_i": np.array(1, np.int64),
                              "zero_i": np.array(0, np.int64), "slope": np.array(0.7071, np.float32),
-                             "one_f": np.array(1.0, np.float32), "neg": np.array(-10000.0, np.float32)})
+                             "one_f": np.array(1.0, np.float32), "neg": np.array(-10000.0, np.float32),
+                             **({"table": (0.7071 * np.arange(4096, dtype=np.float32)).reshape(1, 4096),
+                                 "zero_1": np.array([0], np.int64), "ax_1": np.array([1], np.int64)}
+                                if bias_from == "table" else {})})
 
 
-@pytest.mark.parametrize("bias_from", ["cumsum", "range"])
+@pytest.mark.parametrize("bias_from", ["cumsum", "range", "table"])
 @pytest.mark.parametrize("placement", ["optimal", "greedy"])
 @pytest.mark.parametrize("target", ["fp16", "bf16"])
 def test_an_alibi_bias_from_positions_keeps_the_scores_fp32_up_to_the_softmax(placement, target, bias_from):
     """The bias was computed FP32 but cast to the low type before the score Add: at 3000 positions
     it is near 2100, where fp16's spacing is 2 and bf16's 16, so every logit was rounded (the
     output 0.54 off in fp16, 0.95 in bf16; 2e-4 / 2.5e-3 now). The Add, the mask Add after it and
-    the Softmax keep FP32, as torch's type promotion does; the MatMuls stay low."""
+    the Softmax keep FP32, as torch's type promotion does; the MatMuls stay low. ``table``: the
+    exporter folded ``slope * arange(max_seq_len)`` into a constant (MPT), sliced to the sequence."""
     from amp_rewrite.emulate import emulate_low
 
     model = _alibi_step(bias_from)

@@ -783,7 +783,7 @@ def _position_kind(value: Value | None, node: Node) -> str:
     if value is None or value.dtype is None or not value.dtype.is_float:
         return "constant"
     if value.is_constant or "fx.lifted_tensor" in value.meta:
-        return "constant"
+        return "positions" if _progression_table(value) else "constant"
     cone = _cone_of([value], node.graph)
     if cone is None:
         return "activation"
@@ -791,8 +791,33 @@ def _position_kind(value: Value | None, node: Node) -> str:
         return "constant"
     if any(member.op_type in ("Range", "CumSum") for member in cone):
         return "positions"
+    if any(v is not None and v.is_constant and _progression_table(v) for member in cone for v in member.inputs):
+        return "positions"  # (an exporter folded slope * arange(max_len) into a table: MPT's ALiBi)
     casts = [m for m in cone if m.op_type == "Cast" and m.inputs and m.inputs[0] is not None]
     return "positions" if any(_counts_positions(c.inputs[0]) for c in casts) else "constant"
+
+
+_TABLE_LIMIT = 1 << 22  # (elements: a position table is rows of max_len, not a weight matrix)
+
+
+def _progression_table(value: Value) -> bool:
+    """Whether the float constant ``value`` holds rows of 16 or more positions' values: along its
+    last axis, each row steps by one constant, not 0 in every row (``slopes * arange(max_len)``,
+    the ALiBi table an exporter folds from ``config.max_seq_len``)."""
+    if value.dtype is None or not value.dtype.is_float or not value.shape or (value.numel or 0) > _TABLE_LIMIT:
+        return False
+    import numpy as np
+
+    from ..frontends.onnx_loader import constant_array
+
+    data = constant_array(value)
+    if data is None or data.ndim == 0 or data.shape[-1] < 16 or not np.isfinite(data).all():
+        return False
+    rows = data.reshape(-1, data.shape[-1]).astype(np.float64)
+    steps = np.diff(rows, axis=-1)
+    if not np.any(steps[:, 0]):
+        return False
+    return bool(np.allclose(steps, steps[:, :1], rtol=1e-4, atol=1e-6 * float(np.abs(rows).max())))
 
 
 def _counts_positions(value: Value) -> bool:
