@@ -1767,7 +1767,8 @@ def _bisect(res: RewriteResult, cr: CheckResult, labels: list[str], pinned: list
                                                       "MatMul/Gemm/Conv/attention")
         if r[1].passed:
             nodes, among = light, " other than MatMul/Gemm/Conv/attention"
-            results[(0, len(nodes))] = r
+            best = (0, len(nodes))
+            results[best] = r
 
     def ok(lo: int, hi: int) -> bool:
         if state["candidates"] >= budget:

@@ -165,7 +165,7 @@ def _rewrite_torch(obj: Any, *, example_inputs: Sequence[Any] | None = None, tar
     ctx = make_context(frontend="torch", target=target, rules=rules, keep_io_types=keep_io_types,
                        training=training, loss=loss_value.name if loss_value is not None else None,
                        fp32_nodes=fp32_nodes, **options)
-    if training and loss_value is None and scaling and not any("taken for no loss" in n for n in notes):
+    if training and loss_value is None and scaling and not model.graph.meta.get("fx.no_loss"):
         notes.append("training: no loss output found (no scalar float tensor among the outputs the capture sees; "
                      "a dataclass output torch cannot flatten hides its tensors), so nothing is scaled in the graph: "
                      "scale the loss with LossScaler().backward(loss), or name it with loss_output=")
@@ -1044,6 +1044,7 @@ def _loss_value(model: Model, loss_output: int | str | None, notes: list[str]) -
                      f"parameters alone, no input, so it is taken for no loss and nothing is scaled in the graph "
                      f"(pass loss_output= if it is the loss; else scale the loss you compute with "
                      f"LossScaler.backward(loss))")
+        model.graph.meta["fx.no_loss"] = True
         return None
     return chosen(scalars[0])
 

@@ -1006,9 +1006,7 @@ def _inferred_body(body: onnx.GraphProto, proto: onnx.ModelProto, options: dict[
     a value it reads from the enclosing graph stays untyped): one table per graph, the body and
     its nested bodies in ``_graph_protos`` order; [] where inference fails."""
     alone = onnx.ModelProto()
-    _copy_fields(alone, proto, skip="graph")
-    del alone.functions[:]  # (a body calling a model-local function: inference reads the copy's)
-    alone.functions.extend(proto.functions)
+    _copy_fields(alone, proto, skip="graph")  # (opsets, and the functions a body may call)
     _copy_fields(alone.graph, body, skip="initializer")
     inputs = {v.name for v in body.input}
     for tensor in body.initializer:
