@@ -46,7 +46,7 @@ import os
 import re
 import threading
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -1051,19 +1051,7 @@ def _loss_value(model: Model, loss_output: int | str | None, notes: list[str]) -
 
 def _reads_an_input(value: Value) -> bool:
     """Whether ``value`` is computed from a graph input (the data), not from parameters alone."""
-    stack, seen = [value], set()
-    while stack:
-        v = stack.pop()
-        if id(v) in seen:
-            continue
-        seen.add(id(v))
-        node = v.producer
-        if node is None:
-            if v.is_graph_input:
-                return True
-            continue
-        stack.extend(x for x in node.inputs if x is not None)
-    return False
+    return _reaches(value, lambda v: v.producer is None and v.is_graph_input, lambda v: True)
 
 
 _NO_GRADIENT_OPS = {"detach", "detach_", "stop_gradient"}
@@ -1073,18 +1061,26 @@ def _requires_grad(value: Value) -> bool:
     """Whether a gradient can reach a parameter from this output: a path back to a weight through
     float values only, not through ``detach`` (an accuracy's argmax and comparison make integers and
     booleans, which carry none)."""
+    return _reaches(value, lambda v: v.is_initializer,
+                    lambda v: v.dtype is not None and v.dtype.is_float, stop_ops=_NO_GRADIENT_OPS)
+
+
+def _reaches(value: Value, found: Callable[[Value], bool], follow: Callable[[Value], bool],
+             stop_ops: frozenset[str] | set[str] = frozenset()) -> bool:
+    """Whether a value ``found`` accepts computes ``value``, walking back through the inputs
+    ``follow`` accepts, not through the ops in ``stop_ops``."""
     stack, seen = [value], set()
     while stack:
         v = stack.pop()
         if id(v) in seen:
             continue
         seen.add(id(v))
-        if v.is_initializer:
+        if found(v):
             return True
         node = v.producer
-        if node is None or node.op_type in _NO_GRADIENT_OPS:
+        if node is None or node.op_type in stop_ops:
             continue
-        stack.extend(x for x in node.inputs if x is not None and x.dtype is not None and x.dtype.is_float)
+        stack.extend(x for x in node.inputs if x is not None and follow(x))
     return False
 
 

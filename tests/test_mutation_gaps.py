@@ -553,28 +553,12 @@ def test_an_inference_batchnorm_whose_absent_statistics_outputs_are_written_as_e
 
 # == stop-55 changes ====================================================================================
 # ---------------------------------------------------------------- ALiBi (_keep_position_biases_fp32)
-def _alibi(bias: str, n_inits=None):
-    text = f"""
-    <ir_version: 10, opset_import: ["" : 17]>
-    g (float[1,1,8] x, int64[1,N] mask, float[1,N,8] k, float[1,N,8] v) => (float[1,1,8] y) {{
-      q = MatMul(x, wq)
-      kt = Transpose<perm=[0, 2, 1]>(k)
-      s = MatMul(q, kt)
-      s2 = Mul(s, scale)
-      {bias}
-      mf = Cast<to=1>(mask)
-      inv = Sub(one_f, mf)
-      mb = Mul(inv, neg)
-      sm = Add(sb, mb)
-      p = Softmax<axis=-1>(sm)
-      a = MatMul(p, v)
-      y = MatMul(a, wo)
-    }}"""
-    return make_model(text, {"wq": (8, 8), "wo": (8, 8), "scale": np.array(8 ** -0.5, np.float32),
-                             "ax": np.array(1, np.int64), "one_i": np.array(1, np.int64),
-                             "zero_i": np.array(0, np.int64), "slope": np.array(0.7071, np.float32),
-                             "nslope": np.array(-0.7071, np.float32), "one_f": np.array(1.0, np.float32),
-                             "neg": np.array(-10000.0, np.float32)}, ir_version=10)
+def _alibi(bias: str):
+    from test_pitfalls import alibi_attention
+
+    return alibi_attention(bias, {"ax": np.array(1, np.int64), "one_i": np.array(1, np.int64),
+                                  "zero_i": np.array(0, np.int64), "slope": np.array(0.7071, np.float32),
+                                  "nslope": np.array(-0.7071, np.float32)})
 
 
 _POSITIONS = "cs = CumSum(mask, ax)\n      pos = Sub(cs, one_i)\n      pf = Cast<to=1>(pos)"

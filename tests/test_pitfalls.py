@@ -760,20 +760,9 @@ def test_angles_from_a_float_input_are_left_to_painting():
     assert result.log.decisions["MatMul:fr"].precision == Precision.LOW
 
 
-def _alibi_step(bias_from: str) -> onnx.ModelProto:
-    """One decode step of an attention with an ALiBi bias, as BLOOM and Falcon build it: ``slope *
-    (cumsum(mask) - 1)`` (``bias_from="cumsum"``) or ``slope * range(n)`` (``"range"``), added to
-    the scores beside a padding mask ``(1 - mask) * -10000``; ``"mask"``: the padding mask only."""
-    positions = {"cumsum": "cs = CumSum(mask, ax)\n      pos = Sub(cs, one_i)",
-                 "range": "n = Shape<start=1, end=2>(mask)\n      ns = Squeeze(n)\n      pos = Range(zero_i, ns, one_i)"}
-    bias = "" if bias_from in ("mask", "table") else f"""{positions[bias_from]}
-      pf = Cast<to=1>(pos)
-      bias = Mul(slope, pf)
-      sb = Add(s2, bias)"""
-    if bias_from == "table":  # (MPT: the exporter folds slope * arange(max_seq_len) into a constant)
-        bias = """n = Shape<start=1, end=2>(mask)
-      bias = Slice(table, zero_1, n, ax_1)
-      sb = Add(s2, bias)"""
+def alibi_attention(bias: str, inits: dict | None = None) -> onnx.ModelProto:
+    """One decode step of an attention whose scaled scores ``s2`` become ``sb`` through ``bias``
+    (ONNX text), beside a padding mask ``(1 - mask) * -10000``; ``inits``: its constants."""
     text = f"""
     <ir_version: 10, opset_import: ["" : 17]>
     g (float[1,1,8] x, int64[1,N] mask, float[1,N,8] k, float[1,N,8] v) => (float[1,1,8] y) {{
@@ -781,7 +770,7 @@ def _alibi_step(bias_from: str) -> onnx.ModelProto:
       kt = Transpose<perm=[0, 2, 1]>(k)
       s = MatMul(q, kt)
       s2 = Mul(s, scale)
-      {bias or "sb = Identity(s2)"}
+      {bias}
       mf = Cast<to=1>(mask)
       inv = Sub(one_f, mf)
       mb = Mul(inv, neg)
@@ -791,12 +780,29 @@ def _alibi_step(bias_from: str) -> onnx.ModelProto:
       y = MatMul(a, wo)
     }}"""
     return make_model(text, {"wq": (8, 8), "wo": (8, 8), "scale": np.array(8 ** -0.5, np.float32),
-                             "ax": np.array(1, np.int64), "one_i": np.array(1, np.int64),
-                             "zero_i": np.array(0, np.int64), "slope": np.array(0.7071, np.float32),
                              "one_f": np.array(1.0, np.float32), "neg": np.array(-10000.0, np.float32),
-                             **({"table": (0.7071 * np.arange(4096, dtype=np.float32)).reshape(1, 4096),
-                                 "zero_1": np.array([0], np.int64), "ax_1": np.array([1], np.int64)}
-                                if bias_from == "table" else {})})
+                             **(inits or {})})
+
+
+def _alibi_step(bias_from: str) -> onnx.ModelProto:
+    """An attention step with an ALiBi bias, as BLOOM and Falcon build it: ``slope *
+    (cumsum(mask) - 1)`` (``bias_from="cumsum"``) or ``slope * range(n)`` (``"range"``), or as an
+    exporter folds MPT's (``"table"``); ``"mask"``: the padding mask only."""
+    positions = {"cumsum": "cs = CumSum(mask, ax)\n      pos = Sub(cs, one_i)",
+                 "range": "n = Shape<start=1, end=2>(mask)\n      ns = Squeeze(n)\n      pos = Range(zero_i, ns, one_i)"}
+    bias = "sb = Identity(s2)" if bias_from == "mask" else f"""{positions.get(bias_from, "")}
+      pf = Cast<to=1>(pos)
+      bias = Mul(slope, pf)
+      sb = Add(s2, bias)"""
+    inits = {"ax": np.array(1, np.int64), "one_i": np.array(1, np.int64), "zero_i": np.array(0, np.int64),
+             "slope": np.array(0.7071, np.float32)}
+    if bias_from == "table":  # (MPT: the exporter folds slope * arange(max_seq_len) into a constant)
+        bias = """n = Shape<start=1, end=2>(mask)
+      bias = Slice(table, zero_1, n, ax_1)
+      sb = Add(s2, bias)"""
+        inits = {"table": (0.7071 * np.arange(4096, dtype=np.float32)).reshape(1, 4096),
+                 "zero_1": np.array([0], np.int64), "ax_1": np.array([1], np.int64)}
+    return alibi_attention(bias, inits)
 
 
 @pytest.mark.parametrize("bias_from", ["cumsum", "range", "table"])
