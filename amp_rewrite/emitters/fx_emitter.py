@@ -342,9 +342,10 @@ class _Emitter:
     def _saturate(self, src: fx.Node, limit: float, name: str, where) -> list[fx.Node]:
         """The nodes clamping ``src`` at ``limit``, in order (the last one's output is the clamped
         value). A training rewrite's clamp passes its gradient straight through (``clamp(w).detach()
-        + (w - w.detach())``: the clamped value, exactly, and a gradient of 1): a master weight past ±65504 read through a plain clamp got a zero gradient at every
-        step, so it could never move back into range (F1 of the trainparams hunt: still 1e5 after
-        three SGD steps, where FP32 moved it)."""
+        + nan_to_num(w - w.detach(), 0, 0, 0)``: the clamped value, exactly, also where ``w`` is ±inf,
+        and a gradient of 1 where it is finite): a master weight past ±65504 read through a plain
+        clamp got a zero gradient at every step, so it could never move back into range (F1 of the
+        trainparams hunt: still 1e5 after three SGD steps, where FP32 moved it)."""
         made: list[fx.Node] = []
 
         def call(op, aten_op, *args, suffix=""):  # (each after the one before: a chain in order)
@@ -357,8 +358,7 @@ class _Emitter:
             held = call(torch.detach, torch.ops.aten.detach.default, clamped, suffix="_value")
             still = call(torch.detach, torch.ops.aten.detach.default, src, suffix="_source")
             diff = call(operator.sub, torch.ops.aten.sub.Tensor, src, still, suffix="_difference")
-            # (w - w is NaN where w is ±inf: a causal mask of finfo.min plus a padding mask of it
-            # is -inf in FP32 too, and its clamp made every loss NaN; the difference is 0 there)
+            # (inf - inf is NaN: a causal plus a padding mask of finfo.min is -inf in FP32 too)
             zero = call(torch.nan_to_num, torch.ops.aten.nan_to_num.default, diff, 0.0, 0.0, 0.0, suffix="_zero")
             call(operator.add, torch.ops.aten.add.Tensor, held, zero, suffix="_straight_through")
         return made
